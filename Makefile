@@ -1,0 +1,12 @@
+# Convenience targets; the README's two commands are scripts/demo.sh and scripts/test.sh.
+.PHONY: setup test demo bench lint
+setup:
+	scripts/setup.sh
+test:
+	scripts/test.sh
+demo:
+	scripts/demo.sh
+lint:
+	.venv/bin/ruff check .
+bench: setup
+	.venv/bin/python -m tests.bench.run

@@ -1,0 +1,327 @@
+"""NVML backend: reads real GPUs through nvidia-ml-py (pynvml).
+
+Three rules keep it trustworthy on sick hardware:
+- one GPU's failure marks that GPU down (`up` = 0, counted by NVML error kind) and
+  never stops the others from reporting;
+- a metric the device does not support is recorded once with NVML's reason and not
+  asked for again (no error storm every cycle);
+- everything NVML can batch is read with one `nvmlDeviceGetFieldValues` call.
+
+The `nvml` module is a constructor argument so that the same code runs against the
+real driver and against a fake at the pynvml API level on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from agent.backends import BackendError
+from agent.sample import GpuSample, decode_clock_events
+
+log = logging.getLogger(__name__)
+
+UINT_MAX = 0xFFFFFFFF  # scopeId meaning "all NVLink links"
+NVML_SUCCESS = 0
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_GPU_IS_LOST = 15
+
+# GpuSample attribute -> (field id name in pynvml, scope id, scale to base units).
+FIELDS: dict[str, tuple[str, int, float]] = {
+    "memory_temperature_celsius": ("NVML_FI_DEV_MEMORY_TEMP", 0, 1.0),
+    "energy_joules_total": ("NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 0, 1e-3),  # mJ
+    "ecc_corrected_total": ("NVML_FI_DEV_ECC_SBE_VOL_TOTAL", 0, 1.0),
+    "ecc_uncorrected_total": ("NVML_FI_DEV_ECC_DBE_VOL_TOTAL", 0, 1.0),
+    "remapped_rows_correctable_total": ("NVML_FI_DEV_REMAPPED_COR", 0, 1.0),
+    "remapped_rows_uncorrectable_total": ("NVML_FI_DEV_REMAPPED_UNC", 0, 1.0),
+    "row_remap_pending": ("NVML_FI_DEV_REMAPPED_PENDING", 0, 1.0),
+    "row_remap_failed": ("NVML_FI_DEV_REMAPPED_FAILURE", 0, 1.0),
+    "nvlink_tx_bytes_total": ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", UINT_MAX, 1024.0),  # KiB
+    "nvlink_rx_bytes_total": ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", UINT_MAX, 1024.0),
+    "pcie_tx_bytes_total": ("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", 0, 1.0),
+    "pcie_rx_bytes_total": ("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", 0, 1.0),
+    "pcie_replays_total": ("NVML_FI_DEV_PCIE_REPLAY_COUNTER", 0, 1.0),
+}
+
+
+def error_kind(err: Exception) -> str:
+    """NVMLError_GpuIsLost -> "gpu_is_lost": a stable label value for error counters."""
+    name = type(err).__name__.removeprefix("NVMLError_")
+    if name in ("NVMLError", ""):
+        return f"nvml_error_{getattr(err, 'value', 'unknown')}"
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _field_number(fv: Any) -> float:
+    """Read a c_nvmlFieldValue_t union by its declared type."""
+    attr = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}.get(
+        int(fv.valueType), "ullVal"
+    )
+    return float(getattr(fv.value, attr))
+
+
+@dataclass
+class _Device:
+    index: int
+    handle: Any
+    uuid: str
+    name: str = ""
+    pci_bus_id: str = ""
+    sm_clock_max_hertz: float | None = None
+    memory_total_bytes: float | None = None
+    missing: bool = False
+    xid_counts: dict[int, int] = field(default_factory=dict)
+
+
+class NvmlBackend:
+    name = "nvml"
+    REINIT_INTERVAL_S = 30.0
+
+    def __init__(self, nvml: ModuleType | None = None, clock=time.monotonic) -> None:
+        self._nvml = nvml if nvml is not None else importlib.import_module("pynvml")
+        self._clock = clock
+        self._unsupported: dict[tuple[int, str], str] = {}
+        self._errors: collections.Counter[str] = collections.Counter()
+        self._devices: dict[str, _Device] = {}  # by uuid: survives re-enumeration
+        self._order: list[str] = []
+        self._event_set: Any = None
+        self._need_reinit = False
+        self._last_reinit = clock()
+        self._driver_version = ""
+        self.calls = collections.Counter()  # NVML calls by function, for benchmarks
+        try:
+            self._init()
+        except self._nvml.NVMLError as err:
+            raise BackendError(
+                f"NVML could not start ({error_kind(err)}: {err}). Is the NVIDIA driver "
+                "installed and a GPU visible? Without a GPU run `clusterpulse-agent "
+                "--backend sim` for simulated GPUs."
+            ) from err
+
+    # -- NVML plumbing -----------------------------------------------------------
+    def _call(self, fn: str, *args: Any) -> Any:
+        self.calls[fn] += 1
+        return getattr(self._nvml, fn)(*args)
+
+    def _init(self) -> None:
+        n = self._nvml
+        self._call("nvmlInit")
+        version = self._call("nvmlSystemGetDriverVersion")
+        self._driver_version = version.decode() if isinstance(version, bytes) else str(version)
+        count = self._call("nvmlDeviceGetCount")
+        seen: set[str] = set()
+        for index in range(count):
+            try:
+                handle = self._call("nvmlDeviceGetHandleByIndex", index)
+                uuid = _text(self._call("nvmlDeviceGetUUID", handle))
+            except n.NVMLError as err:
+                self._errors[error_kind(err)] += 1
+                log.warning("gpu %d cannot be enumerated: %s", index, err)
+                continue
+            seen.add(uuid)
+            dev = self._devices.get(uuid) or _Device(index=index, handle=handle, uuid=uuid)
+            dev.index, dev.handle, dev.missing = index, handle, False
+            if uuid not in self._devices:
+                self._devices[uuid] = dev
+                self._order.append(uuid)
+                self._read_static(dev)
+        for uuid, dev in self._devices.items():
+            if uuid not in seen:
+                dev.missing = True
+        self._register_xid_events()
+
+    def _read_static(self, dev: _Device) -> None:
+        dev.name = _text(self._optional(dev, "name", "nvmlDeviceGetName", dev.handle) or "")
+        pci = self._optional(dev, "pci_info", "nvmlDeviceGetPciInfo", dev.handle)
+        dev.pci_bus_id = _text(pci.busId) if pci is not None else ""
+        max_mhz = self._optional(
+            dev, "sm_clock_max_hertz", "nvmlDeviceGetMaxClockInfo", dev.handle,
+            self._nvml.NVML_CLOCK_SM,
+        )
+        dev.sm_clock_max_hertz = max_mhz * 1e6 if max_mhz is not None else None
+
+    def _register_xid_events(self) -> None:
+        n = self._nvml
+        try:
+            self._event_set = self._call("nvmlEventSetCreate")
+        except n.NVMLError as err:
+            for dev in self._devices.values():
+                self._mark_unsupported(dev.index, "xid_errors", err)
+            self._event_set = None
+            return
+        for dev in self._devices.values():
+            if dev.missing:
+                continue
+            try:
+                self._call(
+                    "nvmlDeviceRegisterEvents", dev.handle, n.nvmlEventTypeXidCriticalError,
+                    self._event_set,
+                )
+            except n.NVMLError as err:
+                self._mark_unsupported(dev.index, "xid_errors", err)
+
+    def _drain_xid_events(self) -> None:
+        """Collect pending XID events without waiting (timeout 0): never blocks a cycle."""
+        if self._event_set is None:
+            return
+        n = self._nvml
+        by_index = {d.index: d for d in self._devices.values() if not d.missing}
+        for _ in range(1000):  # bound the work per cycle whatever the driver does
+            try:
+                event = self._call("nvmlEventSetWait_v2", self._event_set, 0)
+            except n.NVMLError_Timeout:
+                return
+            except n.NVMLError as err:
+                self._errors[f"xid_events_{error_kind(err)}"] += 1
+                return
+            try:
+                index = self._call("nvmlDeviceGetIndex", event.device)
+            except n.NVMLError:
+                continue
+            dev = by_index.get(index)
+            if dev is not None:
+                xid = int(event.eventData)
+                dev.xid_counts[xid] = dev.xid_counts.get(xid, 0) + 1
+
+    def _mark_unsupported(self, index: int, metric: str, err: Exception | str) -> None:
+        key = (index, metric)
+        if key not in self._unsupported:
+            self._unsupported[key] = str(err)
+            self._errors["not_supported"] += 1
+            log.info("gpu %d does not support %s: %s", index, metric, err)
+
+    def _optional(self, dev: _Device, metric: str, fn: str, *args: Any) -> Any:
+        """Call NVML for one metric; None (recorded once) if the device lacks it."""
+        if (dev.index, metric) in self._unsupported:
+            return None
+        n = self._nvml
+        try:
+            return self._call(fn, *args)
+        except (n.NVMLError_NotSupported, n.NVMLError_FunctionNotFound,
+                n.NVMLError_NoPermission) as err:
+            self._mark_unsupported(dev.index, metric, err)
+            return None
+
+    # -- the collection cycle ----------------------------------------------------
+    def collect(self) -> list[GpuSample]:
+        n = self._nvml
+        if self._need_reinit and self._clock() - self._last_reinit >= self.REINIT_INTERVAL_S:
+            self._reinit()
+        if not self._need_reinit:
+            try:
+                self._drain_xid_events()
+            except n.NVMLError as err:  # pragma: no cover - defensive: driver misbehaving
+                self._errors[error_kind(err)] += 1
+        samples = []
+        for uuid in self._order:
+            dev = self._devices[uuid]
+            if dev.missing:
+                samples.append(self._down(dev, "missing"))
+                continue
+            try:
+                samples.append(self._read(dev))
+            except n.NVMLError as err:
+                kind = error_kind(err)
+                self._errors[kind] += 1
+                if kind in ("gpu_is_lost", "uninitialized", "reset_required"):
+                    self._need_reinit = True
+                samples.append(self._down(dev, kind))
+        return samples
+
+    def _reinit(self) -> None:
+        n = self._nvml
+        self._last_reinit = self._clock()
+        log.warning("re-initialising NVML after a lost GPU")
+        try:
+            with contextlib.suppress(n.NVMLError):
+                self._call("nvmlShutdown")
+            self._init()
+            self._need_reinit = False
+        except n.NVMLError as err:
+            self._errors[f"reinit_{error_kind(err)}"] += 1
+
+    def _down(self, dev: _Device, reason: str) -> GpuSample:
+        return GpuSample(
+            index=dev.index, uuid=dev.uuid, up=False, name=dev.name, pci_bus_id=dev.pci_bus_id,
+            driver_version=self._driver_version, down_reason=reason,
+            xid_errors_total=dict(dev.xid_counts),
+        )
+
+    def _read(self, dev: _Device) -> GpuSample:
+        n, h = self._nvml, dev.handle
+        util = self._call("nvmlDeviceGetUtilizationRates", h)  # the liveness probe: no fallback
+        s = GpuSample(
+            index=dev.index, uuid=dev.uuid, up=True, name=dev.name, pci_bus_id=dev.pci_bus_id,
+            driver_version=self._driver_version, utilization_ratio=util.gpu / 100.0,
+            sm_clock_max_hertz=dev.sm_clock_max_hertz, xid_errors_total=dict(dev.xid_counts),
+        )
+        mem = self._optional(dev, "memory", "nvmlDeviceGetMemoryInfo", h)
+        if mem is not None:
+            s.memory_used_bytes, s.memory_total_bytes = float(mem.used), float(mem.total)
+        temp = self._optional(
+            dev, "temperature_celsius", "nvmlDeviceGetTemperature", h, n.NVML_TEMPERATURE_GPU
+        )
+        s.temperature_celsius = None if temp is None else float(temp)
+        mw = self._optional(dev, "power_watts", "nvmlDeviceGetPowerUsage", h)
+        s.power_watts = None if mw is None else mw / 1000.0
+        mw = self._optional(dev, "power_limit_watts", "nvmlDeviceGetEnforcedPowerLimit", h)
+        s.power_limit_watts = None if mw is None else mw / 1000.0
+        mhz = self._optional(dev, "sm_clock_hertz", "nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_SM)
+        s.sm_clock_hertz = None if mhz is None else mhz * 1e6
+        reasons_fn = (
+            "nvmlDeviceGetCurrentClocksEventReasons"
+            if hasattr(n, "nvmlDeviceGetCurrentClocksEventReasons")
+            else "nvmlDeviceGetCurrentClocksThrottleReasons"
+        )
+        mask = self._optional(dev, "clock_events", reasons_fn, h)
+        s.clock_events = None if mask is None else decode_clock_events(int(mask))
+        self._read_fields(dev, s)
+        return s
+
+    def _read_fields(self, dev: _Device, s: GpuSample) -> None:
+        wanted = [
+            (attr, spec) for attr, spec in FIELDS.items()
+            if (dev.index, attr) not in self._unsupported and hasattr(self._nvml, spec[0])
+        ]
+        for attr, (fid_name, _, _) in FIELDS.items():
+            if not hasattr(self._nvml, fid_name):
+                self._mark_unsupported(dev.index, attr, "field unknown to this nvidia-ml-py")
+        if not wanted:
+            return
+        ids = [(getattr(self._nvml, fid), scope) for _, (fid, scope, _) in wanted]
+        values = self._call("nvmlDeviceGetFieldValues", dev.handle, ids)
+        for (attr, (_, _, scale)), fv in zip(wanted, values, strict=True):
+            ret = int(fv.nvmlReturn)
+            if ret == NVML_SUCCESS:
+                setattr(s, attr, _field_number(fv) * scale)
+            elif ret == NVML_ERROR_GPU_IS_LOST:
+                raise self._nvml.NVMLError(NVML_ERROR_GPU_IS_LOST)
+            elif ret == NVML_ERROR_NOT_SUPPORTED:
+                self._mark_unsupported(dev.index, attr, "Not Supported")
+            else:
+                self._errors[f"field_{ret}"] += 1
+
+    def unsupported(self) -> dict[tuple[int, str], str]:
+        return dict(self._unsupported)
+
+    def errors(self) -> dict[str, int]:
+        return dict(self._errors)
+
+    def close(self) -> None:
+        try:
+            if self._event_set is not None:
+                self._call("nvmlEventSetFree", self._event_set)
+            self._call("nvmlShutdown")
+        except self._nvml.NVMLError:
+            pass
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,167 @@
+"""`clusterpulse-agent`: the per-node daemon."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import threading
+from pathlib import Path
+
+from agent import __version__, protocol
+from agent.audit import AuditLog
+from agent.backends import Backend, BackendError
+from agent.faults import FaultError, load_scenario
+from agent.logsetup import setup_logging
+from agent.ranks import RankRegistry
+
+log = logging.getLogger("agent")
+
+EXAMPLES = """\
+examples:
+  # 8 simulated H100s (no GPU needed), metrics at http://127.0.0.1:9400/metrics
+  clusterpulse-agent --backend sim --gpus 8 --listen 127.0.0.1:9400
+
+  # real GPUs through NVML, control API on with a token, reachable by Prometheus
+  clusterpulse-agent --backend nvml --listen 0.0.0.0:9400 --token-file /etc/clusterpulse/token
+
+  # simulated node with a timed fault scenario (TOML, see deploy/local/scenario.toml)
+  clusterpulse-agent --backend sim --node sim-a --scenario deploy/local/scenario.toml
+"""
+
+
+class UsageError(Exception):
+    """Bad command-line input; printed as one line, exit code 2."""
+
+
+def parse_addr(text: str, what: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9400), got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def read_token(path: Path) -> str:
+    try:
+        mode = path.stat().st_mode
+        token = path.read_text().strip()
+    except OSError as err:
+        raise UsageError(f"cannot read token file {path}: {err.strerror}") from err
+    if not token:
+        raise UsageError(f"token file {path} is empty")
+    if len(token) < 16:
+        raise UsageError(f"token in {path} is shorter than 16 characters; use a random one "
+                         "(e.g. `openssl rand -hex 32 > token`)")
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        log.warning("token file %s is readable by other users; chmod 600 it", path)
+    return token
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="clusterpulse-agent",
+        description="Per-node agent: reads GPUs (NVML or simulated), receives trainer "
+        "telemetry, serves Prometheus metrics and an authenticated control API.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--backend", choices=["auto", "nvml", "sim"], default="auto",
+                   help="GPU source; auto = NVML when a driver is present (default: auto)")
+    p.add_argument("--node", default=socket.gethostname(),
+                   help="node label on every series (default: hostname)")
+    p.add_argument("--listen", default="127.0.0.1:9400",
+                   help="HTTP address for /metrics and /v1/ (default: 127.0.0.1:9400)")
+    p.add_argument("--telemetry", default=f"127.0.0.1:{protocol.DEFAULT_TELEMETRY_PORT}",
+                   help="UDP address ranks send telemetry to (default: 127.0.0.1:9401)")
+    p.add_argument("--interval", type=float, default=1.0,
+                   help="seconds between GPU collections (default: 1)")
+    p.add_argument("--gpus", type=int, default=8, help="simulated GPUs (default: 8)")
+    p.add_argument("--gpu-model", default="H100", help="simulated model: H100, H200, A100")
+    p.add_argument("--scenario", type=Path, help="TOML file of timed simulated faults")
+    p.add_argument("--token-file", type=Path,
+                   help="file holding the control API bearer token; without it the API is off")
+    p.add_argument("--audit-log", type=Path, help="JSON-lines audit log of control actions")
+    p.add_argument("--rank-grace", type=float, default=300.0,
+                   help="seconds before a silent rank is forgotten (default: 300)")
+    p.add_argument("--max-ranks", type=int, default=1024,
+                   help="bound on ranks tracked (default: 1024)")
+    p.add_argument("--log-level", default="warning",
+                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--version", action="version", version=f"clusterpulse-agent {__version__}")
+    return p
+
+
+def make_backend(args: argparse.Namespace, ranks: RankRegistry) -> Backend:
+    from agent.backends.sim import SimBackend
+
+    if args.backend in ("nvml", "auto"):
+        from agent.backends.nvml import NvmlBackend
+
+        try:
+            return NvmlBackend()
+        except BackendError as err:
+            if args.backend == "nvml":
+                raise UsageError(str(err)) from None
+            raise UsageError(
+                "no NVIDIA driver found, so --backend auto cannot read GPUs. To run with "
+                "simulated GPUs: clusterpulse-agent --backend sim --gpus 8"
+            ) from None
+    scenario = []
+    if args.scenario is not None:
+        try:
+            scenario = load_scenario(args.scenario, args.gpus)
+        except FaultError as err:
+            raise UsageError(str(err)) from None
+    try:
+        return SimBackend(gpus=args.gpus, model=args.gpu_model, node=args.node,
+                          activity=ranks.activity, scenario=scenario)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        return run(args)
+    except UsageError as err:
+        print(f"clusterpulse-agent: error: {err}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent.core import Agent
+    from agent.server import make_server, serve_in_thread
+
+    if args.interval <= 0:
+        raise UsageError("--interval must be > 0 seconds")
+    host, port = parse_addr(args.listen, "--listen")
+    telemetry = parse_addr(args.telemetry, "--telemetry")
+    token = read_token(args.token_file) if args.token_file else None
+    ranks = RankRegistry(max_ranks=args.max_ranks, grace_s=args.rank_grace)
+    backend = make_backend(args, ranks)
+    try:
+        agent = Agent(backend, args.node, ranks, AuditLog(args.audit_log),
+                      interval_s=args.interval, telemetry_addr=telemetry)
+        server = make_server(agent, host, port, token)
+    except OSError as err:
+        backend.close()
+        raise UsageError(
+            f"cannot listen: {err.strerror} ({args.listen} / {args.telemetry})"
+        ) from None
+    agent.start()
+    serve_in_thread(server)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"clusterpulse-agent {__version__}: node={args.node} backend={backend.name} "
+          f"gpus={len(agent.snapshot.gpus)} metrics=http://{host}:{server.server_port}/metrics "
+          f"telemetry=udp://{telemetry[0]}:{agent.telemetry_port} "
+          f"control_api={'on' if token else 'off'} pid={os.getpid()}", flush=True)
+    done.wait()
+    server.shutdown()
+    agent.stop()
+    return 0

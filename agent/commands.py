@@ -1,0 +1,165 @@
+"""Operator commands for the ranks of a run on this node, and their lifecycle.
+
+`checkpoint-restart` is graceful: the ranks are told (in the reply to their next
+datagram), agree on a step among themselves, save, and exit for torchrun to restart
+them. `restart` is hard: the agent terminates its local ranks and torchrun restarts
+them from the last committed checkpoint. A graceful command that has not completed
+by its deadline escalates to hard, because a hung rank never reaches a step boundary.
+
+States: pending -> delivered (every targeted rank acknowledged) -> completed (every
+targeted rank is back with a higher restart count); or escalated (then completed or
+failed); or failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from agent.audit import AuditLog
+from agent.ranks import RankRegistry, process_alive
+
+KILL_GRACE_S = 5.0
+MAX_COMMANDS = 256
+
+
+@dataclass
+class Command:
+    id: str
+    run: str
+    action: str
+    reason: str
+    requested_by: str
+    created: float
+    deadline: float
+    state: str = "pending"
+    detail: str = ""
+    targets: dict[int, int] = field(default_factory=dict)  # rank -> restarts at creation
+    acked: set[int] = field(default_factory=set)
+    resumed: set[int] = field(default_factory=set)
+    killed_pids: list[int] = field(default_factory=list)
+    kill_at: float | None = None  # when to SIGKILL what SIGTERM did not end
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id, "run": self.run, "action": self.action, "reason": self.reason,
+            "requested_by": self.requested_by, "state": self.state, "detail": self.detail,
+            "created_unix": self.created, "ranks": sorted(self.targets),
+            "acknowledged": sorted(self.acked), "resumed": sorted(self.resumed),
+        }
+
+
+class CommandBook:
+    def __init__(self, ranks: RankRegistry, audit: AuditLog, node: str,
+                 clock: Callable[[], float] = time.time,
+                 kill: Callable[[int, int], None] = os.kill) -> None:
+        self._ranks = ranks
+        self._audit = audit
+        self._node = node
+        self._clock = clock
+        self._kill = kill
+        self._lock = threading.Lock()
+        self._commands: dict[str, Command] = {}
+        self._ids = itertools.count(1)
+
+    def submit(self, run: str, action: str, reason: str, requested_by: str,
+               deadline_s: float) -> Command:
+        now = self._clock()
+        ranks = self._ranks.of_run(run)
+        cmd = Command(
+            id=f"{self._node}-{int(now)}-{next(self._ids)}", run=run, action=action,
+            reason=reason, requested_by=requested_by, created=now, deadline=now + deadline_s,
+            targets={r.rank: r.restarts for r in ranks},
+        )
+        with self._lock:
+            if len(self._commands) >= MAX_COMMANDS:  # forget the oldest finished ones
+                done = [c.id for c in self._commands.values()
+                        if c.state in ("completed", "failed")]
+                for cid in done[: len(done) // 2 + 1]:
+                    del self._commands[cid]
+            self._commands[cmd.id] = cmd
+        if not ranks:
+            self._finish(cmd, "failed", f"no ranks of run {run!r} are known on this node")
+        elif action == "restart":
+            self._terminate(cmd)
+        self._audit.write(requested_by, action, reason, cmd.state, run=run, command=cmd.id,
+                          node=self._node, source="agent")
+        return cmd
+
+    def get(self, cid: str) -> Command | None:
+        with self._lock:
+            return self._commands.get(cid)
+
+    def all(self) -> list[Command]:
+        with self._lock:
+            return list(self._commands.values())
+
+    def pending_for(self, run: str, rank: int) -> list[dict]:
+        """Graceful commands a rank must still hear about (resent until acknowledged)."""
+        with self._lock:
+            return [
+                {"id": c.id, "action": c.action}
+                for c in self._commands.values()
+                if c.run == run and c.action == "checkpoint-restart" and rank in c.targets
+                and rank not in c.acked and c.state in ("pending", "delivered")
+            ]
+
+    def _terminate(self, cmd: Command) -> None:
+        pids = [r.pid for r in self._ranks.of_run(cmd.run) if r.pid > 0]
+        for pid in pids:
+            try:
+                self._kill(pid, signal.SIGTERM)
+                cmd.killed_pids.append(pid)
+            except ProcessLookupError:
+                continue
+            except PermissionError as err:
+                cmd.detail = f"cannot signal pid {pid}: {err.strerror}"
+        cmd.kill_at = self._clock() + KILL_GRACE_S
+        cmd.state = "escalated" if cmd.action == "checkpoint-restart" else "delivered"
+
+    def _finish(self, cmd: Command, state: str, detail: str) -> None:
+        cmd.state, cmd.detail = state, detail
+        self._audit.write(cmd.requested_by, cmd.action, cmd.reason, state, run=cmd.run,
+                          command=cmd.id, node=self._node, detail=detail, source="agent")
+
+    def tick(self) -> None:
+        """Advance every open command: acks, resumption, deadlines, SIGKILL follow-up."""
+        now = self._clock()
+        by_rank = {(r.run, r.rank): r for r in self._ranks.snapshot()}
+        for cmd in self.all():
+            if cmd.state in ("completed", "failed"):
+                continue
+            for rank, restarts in cmd.targets.items():
+                r = by_rank.get((cmd.run, rank))
+                if r is None:
+                    continue
+                if cmd.id in r.acks:
+                    cmd.acked.add(rank)
+                if r.restarts > restarts and r.step >= 0:
+                    cmd.resumed.add(rank)
+            if cmd.state == "pending" and cmd.acked >= set(cmd.targets):
+                cmd.state = "delivered"
+            if cmd.resumed >= set(cmd.targets):
+                self._finish(cmd, "completed", "all ranks resumed")
+                continue
+            if cmd.kill_at is not None and now >= cmd.kill_at:
+                for pid in cmd.killed_pids:
+                    if process_alive(pid):
+                        with contextlib.suppress(OSError):
+                            self._kill(pid, signal.SIGKILL)
+                cmd.kill_at = None
+            if now >= cmd.deadline:
+                if cmd.action == "checkpoint-restart" and cmd.state != "escalated":
+                    self._audit.write(cmd.requested_by, "restart", "graceful deadline passed",
+                                      "escalated", run=cmd.run, command=cmd.id,
+                                      node=self._node, source="agent")
+                    self._terminate(cmd)
+                    cmd.deadline = now + max(60.0, cmd.deadline - cmd.created)
+                else:
+                    self._finish(cmd, "failed", "ranks did not resume before the deadline")

@@ -1,0 +1,218 @@
+"""Prometheus exposition of the agent's state: custom collectors over the snapshot.
+
+A scrape only reads what the collection thread last published; it never calls NVML
+and never waits on it. Names and labels follow the shared contract: GPU series carry
+node/gpu/uuid, trainer series carry run/rank/node/local_rank, identity goes on the
+*_info series only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from agent import __version__
+from agent.ranks import process_alive
+from agent.sample import CLOCK_EVENT_REASONS
+
+if TYPE_CHECKING:
+    from agent.core import Agent
+
+GPU_LABELS = ["node", "gpu", "uuid"]
+RANK_LABELS = ["run", "rank", "node", "local_rank"]
+
+# (GpuSample attribute, metric name without prefix, help, is counter)
+GPU_SERIES: list[tuple[str, str, str, bool]] = [
+    ("utilization_ratio", "gpu_utilization_ratio", "Fraction of time a kernel was running.", False),
+    ("memory_used_bytes", "gpu_memory_used_bytes", "Device memory in use.", False),
+    ("memory_total_bytes", "gpu_memory_total_bytes", "Device memory installed.", False),
+    ("temperature_celsius", "gpu_temperature_celsius", "GPU core temperature.", False),
+    ("memory_temperature_celsius", "gpu_memory_temperature_celsius", "HBM temperature.", False),
+    ("power_watts", "gpu_power_watts", "Power draw.", False),
+    ("power_limit_watts", "gpu_power_limit_watts", "Enforced power limit.", False),
+    ("energy_joules_total", "gpu_energy_joules", "Energy used since driver load.", True),
+    ("sm_clock_hertz", "gpu_sm_clock_hertz", "Current SM clock.", False),
+    ("sm_clock_max_hertz", "gpu_sm_clock_max_hertz", "Maximum SM clock.", False),
+    ("pcie_tx_bytes_total", "gpu_pcie_tx_bytes", "Bytes sent over PCIe.", True),
+    ("pcie_rx_bytes_total", "gpu_pcie_rx_bytes", "Bytes received over PCIe.", True),
+    ("nvlink_tx_bytes_total", "gpu_nvlink_tx_bytes", "Bytes sent over all NVLinks.", True),
+    ("nvlink_rx_bytes_total", "gpu_nvlink_rx_bytes", "Bytes received over all NVLinks.", True),
+    ("pcie_replays_total", "gpu_pcie_replays", "PCIe replay events.", True),
+    ("remapped_rows_correctable_total", "gpu_remapped_rows_correctable",
+     "Rows remapped after correctable errors.", True),
+    ("remapped_rows_uncorrectable_total", "gpu_remapped_rows_uncorrectable",
+     "Rows remapped after uncorrectable errors.", True),
+    ("row_remap_pending", "gpu_row_remap_pending", "1 if a row remap awaits a GPU reset.", False),
+    ("row_remap_failed", "gpu_row_remap_failed", "1 if a row remap failed.", False),
+]
+
+# (RankState value key, metric name, help, is counter)
+RANK_SERIES: list[tuple[str, str, str, bool]] = [
+    ("step_seconds", "trainer_step_seconds", "Wall time of the last step.", False),
+    ("compute_seconds", "trainer_compute_seconds",
+     "The rank's own work in the last step, excluding waits for peers.", False),
+    ("sync_wait_seconds", "trainer_sync_wait_seconds",
+     "Time the last step waited for peers in gradient sync.", False),
+    ("data_wait_seconds", "trainer_data_wait_seconds", "Time the last step waited for data.",
+     False),
+    ("loss", "trainer_loss", "Training loss of the last step.", False),
+    ("samples_total", "trainer_samples", "Samples processed.", True),
+    ("tokens_total", "trainer_tokens", "Tokens processed.", True),
+    ("straggler_score", "trainer_straggler_score",
+     "Compute time relative to the typical rank (1 = typical).", False),
+    ("memory_bytes", "trainer_memory_bytes", "Memory the rank reports using.", False),
+    ("checkpoint_step", "trainer_checkpoint_last_step", "Step of the last committed checkpoint.",
+     False),
+    ("checkpoint_timestamp_seconds", "trainer_checkpoint_last_timestamp_seconds",
+     "Unix time of the last committed checkpoint.", False),
+    ("checkpoint_blocking_seconds", "trainer_checkpoint_blocking_seconds",
+     "Time the last checkpoint blocked the training loop.", False),
+]
+
+PREFIX = "clusterpulse_"
+
+
+class AgentCollector(Collector):
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator:
+        yield from self._agent_series()
+        yield from self._gpu_series()
+        yield from self._rank_series()
+
+    def _agent_series(self) -> Iterable:
+        a = self.agent
+        info = InfoMetricFamily(PREFIX + "agent_build", "Agent version and backend.",
+                                labels=["node"])
+        info.add_metric([a.node], {"version": __version__, "backend": a.backend.name})
+        yield info
+        snap = a.snapshot
+        g = GaugeMetricFamily(PREFIX + "agent_collection_duration_seconds",
+                              "Duration of the last collection cycle.", labels=["node"])
+        g.add_metric([a.node], snap.duration_s)
+        yield g
+        g = GaugeMetricFamily(PREFIX + "agent_last_collection_timestamp_seconds",
+                              "Unix time of the last completed collection cycle.",
+                              labels=["node"])
+        g.add_metric([a.node], snap.timestamp)
+        yield g
+        c = CounterMetricFamily(PREFIX + "agent_collections", "Collection cycles run.",
+                                labels=["node"])
+        c.add_metric([a.node], snap.cycles)
+        yield c
+        c = CounterMetricFamily(PREFIX + "agent_collection_errors",
+                                "Collection errors by kind (NVML error kind, not_supported...).",
+                                labels=["node", "kind"])
+        for kind, n in sorted(a.collection_errors().items()):
+            c.add_metric([a.node, kind], n)
+        yield c
+        c = CounterMetricFamily(PREFIX + "agent_telemetry_messages",
+                                "Telemetry datagrams by result (accepted or why dropped).",
+                                labels=["node", "result"])
+        for result, n in sorted(a.telemetry_counts.items()):
+            c.add_metric([a.node, result], n)
+        yield c
+
+    def _gpu_series(self) -> Iterable:
+        a, node = self.agent, self.agent.node
+        samples = a.snapshot.gpus
+        up = GaugeMetricFamily(PREFIX + "gpu_up", "1 if the GPU answered this cycle.",
+                               labels=GPU_LABELS)
+        info = GaugeMetricFamily(PREFIX + "gpu_info", "GPU identity; value is always 1.",
+                                 labels=[*GPU_LABELS, "model", "pci_bus_id", "driver_version"])
+        down = GaugeMetricFamily(PREFIX + "gpu_down_reason",
+                                 "1 for the reason a GPU is down (NVML error kind).",
+                                 labels=[*GPU_LABELS, "reason"])
+        for s in samples:
+            labels = [node, str(s.index), s.uuid]
+            up.add_metric(labels, 1.0 if s.up else 0.0)
+            info.add_metric([*labels, s.name, s.pci_bus_id, s.driver_version], 1.0)
+            if not s.up:
+                down.add_metric([*labels, s.down_reason or "unknown"], 1.0)
+        yield up
+        yield info
+        yield down
+        for attr, name, help_text, counter in GPU_SERIES:
+            cls = CounterMetricFamily if counter else GaugeMetricFamily
+            fam = cls(PREFIX + name, help_text, labels=GPU_LABELS)
+            for s in samples:
+                value = getattr(s, attr)
+                if s.up and value is not None:
+                    fam.add_metric([node, str(s.index), s.uuid], value)
+            yield fam
+        ev = GaugeMetricFamily(PREFIX + "gpu_clock_event_active",
+                               "1 while a clock-event (throttle) reason is active.",
+                               labels=[*GPU_LABELS, "reason"])
+        for s in samples:
+            if s.up and s.clock_events is not None:
+                for reason in CLOCK_EVENT_REASONS:
+                    ev.add_metric([node, str(s.index), s.uuid, reason],
+                                  1.0 if reason in s.clock_events else 0.0)
+        yield ev
+        ecc = CounterMetricFamily(PREFIX + "gpu_ecc_errors", "ECC errors since driver load.",
+                                  labels=[*GPU_LABELS, "kind"])
+        for s in samples:
+            if not s.up:
+                continue
+            for kind, v in (("corrected", s.ecc_corrected_total),
+                            ("uncorrected", s.ecc_uncorrected_total)):
+                if v is not None:
+                    ecc.add_metric([node, str(s.index), s.uuid, kind], v)
+        yield ecc
+        xid = CounterMetricFamily(PREFIX + "gpu_xid_errors", "XID errors seen, by XID code.",
+                                  labels=[*GPU_LABELS, "xid"])
+        for s in samples:
+            for code, n in sorted(s.xid_errors_total.items()):
+                xid.add_metric([node, str(s.index), s.uuid, str(code)], n)
+        yield xid
+        uns = GaugeMetricFamily(PREFIX + "gpu_metric_unsupported",
+                                "1 for each metric the GPU does not support, with NVML's reason.",
+                                labels=["node", "gpu", "metric", "reason"])
+        for (gpu, metric), reason in sorted(a.backend.unsupported().items()):
+            uns.add_metric([node, str(gpu), metric, reason], 1.0)
+        yield uns
+
+    def _rank_series(self) -> Iterable:
+        a, node = self.agent, self.agent.node
+        ranks = a.ranks.snapshot()
+
+        def labels(r) -> list[str]:
+            return [r.run, str(r.rank), node, str(r.local_rank)]
+
+        info = GaugeMetricFamily(PREFIX + "trainer_rank_info",
+                                 "Rank identity and GPU binding; value is always 1.",
+                                 labels=[*RANK_LABELS, "gpu", "pid", "world_size"])
+        step = GaugeMetricFamily(PREFIX + "trainer_step", "Last step the rank reported.",
+                                 labels=RANK_LABELS)
+        steps = CounterMetricFamily(PREFIX + "trainer_steps", "Steps completed (this process).",
+                                    labels=RANK_LABELS)
+        age = GaugeMetricFamily(PREFIX + "trainer_heartbeat_age_seconds",
+                                "Seconds since the rank last reported progress.",
+                                labels=RANK_LABELS)
+        alive = GaugeMetricFamily(PREFIX + "trainer_process_alive",
+                                  "1 if the rank's process exists on this node.",
+                                  labels=RANK_LABELS)
+        restarts = CounterMetricFamily(PREFIX + "trainer_restarts",
+                                       "Restarts of the rank's worker group (torchrun).",
+                                       labels=RANK_LABELS)
+        for r in ranks:
+            lb = labels(r)
+            info.add_metric([*lb, str(r.gpu), str(r.pid), str(r.world_size)], 1.0)
+            if r.step >= 0:
+                step.add_metric(lb, r.step)
+            steps.add_metric(lb, r.steps_total)
+            age.add_metric(lb, round(a.ranks.age(r), 3))
+            alive.add_metric(lb, 1.0 if process_alive(r.pid) else 0.0)
+            restarts.add_metric(lb, r.restarts)
+        yield from (info, step, steps, age, alive, restarts)
+        for key, name, help_text, counter in RANK_SERIES:
+            cls = CounterMetricFamily if counter else GaugeMetricFamily
+            fam = cls(PREFIX + name, help_text, labels=RANK_LABELS)
+            for r in ranks:
+                if key in r.values:
+                    fam.add_metric(labels(r), r.values[key])
+            yield fam

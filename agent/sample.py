@@ -1,0 +1,63 @@
+"""What one collection cycle knows about one GPU.
+
+Every field but identity and `up` is optional: a metric the device does not support
+stays None and is simply not exported, so dashboards show a gap rather than a lie.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Clock-event (throttle) reasons, in NVML's bit order. The names are the label values
+# of clusterpulse_gpu_clock_event_active and what the rules and dashboard match on.
+CLOCK_EVENT_REASONS: dict[str, int] = {
+    "gpu_idle": 0x1,
+    "applications_clocks_setting": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake_slowdown": 0x80,
+    "display_clock_setting": 0x100,
+}
+
+
+def decode_clock_events(mask: int) -> frozenset[str]:
+    """Turn NVML's reason bitmask into reason names; unknown bits are ignored."""
+    return frozenset(name for name, bit in CLOCK_EVENT_REASONS.items() if mask & bit)
+
+
+@dataclass
+class GpuSample:
+    index: int
+    uuid: str
+    up: bool
+    name: str = ""
+    pci_bus_id: str = ""
+    driver_version: str = ""
+    utilization_ratio: float | None = None
+    memory_used_bytes: float | None = None
+    memory_total_bytes: float | None = None
+    temperature_celsius: float | None = None
+    memory_temperature_celsius: float | None = None
+    power_watts: float | None = None
+    power_limit_watts: float | None = None
+    energy_joules_total: float | None = None
+    sm_clock_hertz: float | None = None
+    sm_clock_max_hertz: float | None = None
+    clock_events: frozenset[str] | None = None
+    pcie_tx_bytes_total: float | None = None
+    pcie_rx_bytes_total: float | None = None
+    nvlink_tx_bytes_total: float | None = None
+    nvlink_rx_bytes_total: float | None = None
+    pcie_replays_total: float | None = None
+    ecc_corrected_total: float | None = None
+    ecc_uncorrected_total: float | None = None
+    remapped_rows_correctable_total: float | None = None
+    remapped_rows_uncorrectable_total: float | None = None
+    row_remap_pending: float | None = None
+    row_remap_failed: float | None = None
+    xid_errors_total: dict[int, int] = field(default_factory=dict)
+    # Why the GPU is down (an NVML error kind such as "gpu_is_lost"); "" when up.
+    down_reason: str = ""

@@ -1,0 +1,179 @@
+"""The one-command local cluster: everything ClusterPulse needs, on this machine.
+
+Starts Prometheus (and Alertmanager when installed) with the project's rules, two
+simulated nodes (an agent each), and prints the URLs. Later stages add the training
+job and the dashboard. Ctrl-C (or SIGTERM) stops every process it started, in
+reverse order, and waits for them: nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+EXAMPLES = """\
+examples:
+  scripts/demo.sh                      # two simulated nodes, Prometheus, Alertmanager
+  scripts/demo.sh --scenario none      # the same without injected faults
+  scripts/demo.sh --state-dir /tmp/cp  # keep logs, data and checkpoints there
+"""
+
+
+class Stack:
+    """Processes started in order and stopped in reverse order, all of them."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(self.state / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                             env={**os.environ, **(env or {})}, start_new_session=True)
+        self.procs.append((name, p))
+        return p
+
+    def check(self) -> str | None:
+        for name, p in self.procs:
+            if p.poll() is not None:
+                return f"{name} exited with code {p.returncode}; see {self.state / name}.log"
+        return None
+
+    def stop(self) -> None:
+        for _name, p in reversed(self.procs):
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + 15
+        for _name, p in reversed(self.procs):
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def wait_http(url: str, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.3)
+    return False
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="scripts/demo.sh", description=__doc__, epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--state-dir", type=Path, default=REPO / ".run",
+                   help="logs, Prometheus data, audit logs (default: .run/)")
+    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default: 2)")
+    p.add_argument("--gpus-per-node", type=int, default=4, help="default: 4")
+    p.add_argument("--scenario", default=str(HERE / "scenario.toml"),
+                   help="TOML fault scenario for node 0's agent, or 'none'")
+    p.add_argument("--base-port", type=int, default=19400,
+                   help="first port; the stack uses a few after it (default: 19400)")
+    p.add_argument("--duration", type=float, default=0,
+                   help="stop after this many seconds (default: run until Ctrl-C)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    state: Path = args.state_dir.resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    token_file = state / "agent-token"
+    if not token_file.exists():
+        token_file.write_text(secrets.token_hex(32))
+        token_file.chmod(0o600)
+    prom_bin, am_bin = shutil.which("prometheus"), shutil.which("prometheus-alertmanager")
+    if not prom_bin:
+        print("demo: prometheus is not installed; run scripts/setup.sh", file=sys.stderr)
+        return 2
+    port = args.base_port
+    prom_port, am_port, agent_ports = port + 90, port + 93, []
+    stack = Stack(state)
+    stopping = False
+
+    def on_signal(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for i in range(args.nodes):
+            node = f"sim-node-{i}"
+            http, udp = port + 2 * i, port + 2 * i + 1
+            agent_ports.append(http)
+            extra = []
+            if i == 0 and args.scenario != "none":
+                extra = ["--scenario", args.scenario]
+            stack.start(f"agent-{node}", [
+                sys.executable, "-m", "agent", "--backend", "sim", "--node", node,
+                "--gpus", str(args.gpus_per_node), "--listen", f"127.0.0.1:{http}",
+                "--telemetry", f"127.0.0.1:{udp}", "--token-file", str(token_file),
+                "--audit-log", str(state / "audit.jsonl"), *extra])
+        rules = sorted((REPO / "deploy" / "prometheus").glob("*rules.yml"))
+        config = (HERE / "prometheus.yml.tmpl").read_text().format(
+            scrape_interval="2s",
+            rule_files="\n".join(f"  - {r}" for r in rules) or "  []",
+            alertmanager=f"127.0.0.1:{am_port}",
+            agents=json.dumps([f"127.0.0.1:{p}" for p in agent_ports]),
+        )
+        (state / "prometheus.yml").write_text(config)
+        stack.start("prometheus", [prom_bin, f"--config.file={state / 'prometheus.yml'}",
+                                   f"--storage.tsdb.path={state / 'prometheus-data'}",
+                                   f"--web.listen-address=127.0.0.1:{prom_port}"])
+        am_config = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
+        if am_bin and am_config.exists():
+            stack.start("alertmanager", [am_bin, f"--config.file={am_config}",
+                                         f"--storage.path={state / 'alertmanager-data'}",
+                                         f"--web.listen-address=127.0.0.1:{am_port}",
+                                         "--cluster.listen-address="])
+        urls = {f"agent {i}": f"http://127.0.0.1:{p}/metrics" for i, p in enumerate(agent_ports)}
+        urls["prometheus"] = f"http://127.0.0.1:{prom_port}"
+        for name, url in urls.items():
+            probe = url.replace("/metrics", "/healthz") if "agent" in name else url + "/-/ready"
+            if not wait_http(probe, 30):
+                print(f"demo: {name} did not come up; see logs in {state}", file=sys.stderr)
+                return 1
+        print("ClusterPulse local cluster is up:")
+        for name, url in urls.items():
+            print(f"  {name:12s} {url}")
+        print(f"  logs         {state}\nPress Ctrl-C to stop.", flush=True)
+        started = time.time()
+        while not stopping:
+            problem = stack.check()
+            if problem:
+                print(f"demo: {problem}", file=sys.stderr)
+                return 1
+            if args.duration and time.time() - started >= args.duration:
+                break
+            time.sleep(0.5)
+        return 0
+    finally:
+        print("demo: stopping ...", flush=True)
+        stack.stop()
+        print("demo: stopped, no process left behind.", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Installs everything ClusterPulse needs on a fresh Debian/Ubuntu machine:
+# Debian's prometheus, prometheus-alertmanager and chromium, then a virtual
+# environment (.venv) with the project and its test tools. Safe to re-run: it skips
+# what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf 'setup: %s\n' "$*"; }
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+missing=()
+command -v prometheus >/dev/null || missing+=(prometheus)
+command -v prometheus-alertmanager >/dev/null || missing+=(prometheus-alertmanager)
+command -v chromium >/dev/null || missing+=(chromium)
+python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing Debian packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+  # Debian's packages start system services where systemd runs; ours use their own ports.
+fi
+
+python3 - <<'PY' || { echo "setup: Python >= 3.11 is required" >&2; exit 1; }
+import sys
+sys.exit(0 if sys.version_info >= (3, 11) else 1)
+PY
+
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv"
+  python3 -m venv .venv
+fi
+stamp=.venv/.clusterpulse-installed
+want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  # A CPU build of torch first, so that resolving the project never pulls a CUDA build
+  # of several GB onto a machine without a GPU. On GPU machines set TORCH_SPEC/TORCH_INDEX.
+  if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+    say "installing torch (CPU build)"
+    if [ -n "${TORCH_INDEX:-}" ]; then
+      .venv/bin/pip install -q "${TORCH_SPEC:-torch}" --index-url "$TORCH_INDEX"
+    elif ! .venv/bin/pip install -q "${TORCH_SPEC:-torch==2.13.0}" 2>/dev/null; then
+      .venv/bin/pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+    fi
+  fi
+  say "installing clusterpulse and its test tools into .venv"
+  .venv/bin/pip install -q -e '.[dev]' 2> >(grep -v "is ignored: it is neither" >&2)
+  echo "$want" > "$stamp"
+fi
+say "ready: $(.venv/bin/python --version), $(prometheus --version 2>&1 | head -n1)"

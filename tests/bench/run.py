@@ -1,0 +1,35 @@
+"""Runs every benchmark and prints one table: `make bench` (or python -m tests.bench.run).
+
+Figures are measured, never asserted: the machines are shared and noisy, so a timing
+belongs in the docs next to its baseline, not in a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+from tests.bench.table import render
+
+SUITES = ["bench_agent"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                epilog="example: python -m tests.bench.run --only bench_agent")
+    p.add_argument("--only", action="append", choices=SUITES, help="run just these suites")
+    args = p.parse_args()
+    rows = []
+    for name in args.only or SUITES:
+        t0 = time.time()
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        rows += importlib.import_module(f"tests.bench.{name}").run()
+        print(f"  {name} done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    print(render(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""Shared fixtures: an in-process agent on loopback, with its HTTP server and UDP port."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from agent.audit import AuditLog
+from agent.backends.sim import SimBackend
+from agent.core import Agent
+from agent.ranks import RankRegistry
+from agent.server import make_server, serve_in_thread
+
+TOKEN = "test-token-0123456789abcdef"
+
+
+def _has_nvidia_gpu() -> bool:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return False
+    try:
+        return subprocess.run([smi, "-L"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_nvidia_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU and driver (nvidia-smi -L failed)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@dataclass
+class RunningAgent:
+    agent: Agent
+    url: str
+    telemetry_port: int
+    token: str
+    audit_path: Path
+
+    def get(self, path: str, token: str | None = TOKEN, **kw) -> requests.Response:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return requests.get(self.url + path, headers=headers, timeout=5, **kw)
+
+    def post(self, path: str, body: dict, token: str | None = TOKEN) -> requests.Response:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return requests.post(self.url + path, json=body, headers=headers, timeout=5)
+
+
+def start_agent(tmp_path: Path, gpus: int = 4, token: str | None = TOKEN,
+                node: str = "node-a", interval_s: float = 0.2) -> tuple[RunningAgent, object]:
+    ranks = RankRegistry(grace_s=60)
+    backend = SimBackend(gpus=gpus, node=node, activity=ranks.activity)
+    audit_path = tmp_path / f"{node}-audit.jsonl"
+    agent = Agent(backend, node, ranks, AuditLog(audit_path), interval_s=interval_s,
+                  telemetry_addr=("127.0.0.1", 0))
+    server = make_server(agent, "127.0.0.1", 0, token)
+    agent.start()
+    serve_in_thread(server)
+    running = RunningAgent(agent, f"http://127.0.0.1:{server.server_port}",
+                           agent.telemetry_port, token or "", audit_path)
+    return running, server
+
+
+@pytest.fixture
+def sim_agent(tmp_path) -> Iterator[RunningAgent]:
+    running, server = start_agent(tmp_path)
+    yield running
+    server.shutdown()
+    running.agent.stop()

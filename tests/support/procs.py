@@ -1,0 +1,104 @@
+"""Real processes for integration tests: agents, Prometheus, Alertmanager on loopback."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import requests
+
+from tests.support.ports import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_until(check: Callable[[], object], timeout: float, what: str, interval: float = 0.2):
+    """Poll `check` until it returns something truthy; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    last_err: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception as err:
+            last_err = err
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last error: {last_err}")
+
+
+class Proc:
+    def __init__(self, args: list[str], log: Path, **kw) -> None:
+        self.args = args
+        self.log_path = log
+        self._log = open(log, "wb")  # noqa: SIM115 - lives as long as the process
+        self.p = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, **kw)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self._log.close()
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_agent_cli(tmp: Path, node: str, gpus: int = 4, token_file: Path | None = None,
+                    extra: list[str] | None = None) -> tuple[Proc, int, int]:
+    port, tport = free_port(), free_port(2)
+    args = [sys.executable, "-m", "agent", "--backend", "sim", "--node", node,
+            "--gpus", str(gpus), "--listen", f"127.0.0.1:{port}",
+            "--telemetry", f"127.0.0.1:{tport}", "--interval", "0.5",
+            "--audit-log", str(tmp / f"{node}-audit.jsonl")]
+    if token_file:
+        args += ["--token-file", str(token_file)]
+    proc = Proc(args + (extra or []), tmp / f"agent-{node}.log", cwd=REPO)
+    wait_until(lambda: requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).ok,
+               20, f"agent {node} healthz")
+    return proc, port, tport
+
+
+class Prometheus:
+    def __init__(self, tmp: Path, targets: list[str], rule_files: list[Path] | None = None,
+                 alertmanager: str | None = None, scrape_interval: str = "1s") -> None:
+        binary = shutil.which("prometheus")
+        assert binary, "prometheus is not installed (the test command installs it)"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.dir = tmp / f"prom-{self.port}"
+        self.dir.mkdir()
+        lines = [
+            "global:", f"  scrape_interval: {scrape_interval}",
+            f"  evaluation_interval: {scrape_interval}",
+        ]
+        if rule_files:
+            lines += ["rule_files:"] + [f"  - {p}" for p in rule_files]
+        if alertmanager:
+            lines += ["alerting:", "  alertmanagers:", "    - static_configs:",
+                      f"        - targets: ['{alertmanager}']"]
+        lines += ["scrape_configs:", "  - job_name: clusterpulse", "    static_configs:",
+                  f"      - targets: {targets!r}"]
+        (self.dir / "prometheus.yml").write_text("\n".join(lines) + "\n")
+        self.proc = Proc([binary, f"--config.file={self.dir / 'prometheus.yml'}",
+                          f"--storage.tsdb.path={self.dir / 'data'}",
+                          f"--web.listen-address=127.0.0.1:{self.port}",
+                          "--web.enable-lifecycle"], self.dir / "prometheus.log")
+        wait_until(lambda: requests.get(self.url + "/-/ready", timeout=1).ok, 30,
+                   "prometheus ready")
+
+    def query(self, promql: str) -> list[dict]:
+        r = requests.get(self.url + "/api/v1/query", params={"query": promql}, timeout=5)
+        r.raise_for_status()
+        return r.json()["data"]["result"]
+
+    def stop(self) -> None:
+        self.proc.stop()

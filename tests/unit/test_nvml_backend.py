@@ -1,0 +1,124 @@
+"""The NVML backend against a fake at the pynvml API level."""
+
+import pynvml
+import pytest
+
+from agent.backends import BackendError
+from agent.backends.nvml import FIELDS, NvmlBackend, error_kind
+from tests.fakes.fake_pynvml import FakeNvml
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_reads_core_set_in_base_units():
+    fake = FakeNvml(gpus=2)
+    fake.gpus[1].reasons = (pynvml.nvmlClocksEventReasonHwThermalSlowdown
+                            | pynvml.nvmlClocksEventReasonSwPowerCap)
+    s = NvmlBackend(nvml=fake).collect()
+    assert [g.index for g in s] == [0, 1] and all(g.up for g in s)
+    g = s[0]
+    assert g.uuid == "GPU-fake-0" and g.driver_version == "550.54.15"
+    assert g.utilization_ratio == 0.5
+    assert g.memory_used_bytes == 10 * 2**30 and g.memory_total_bytes == 80 * 2**30
+    assert g.power_watts == 350.0 and g.power_limit_watts == 700.0
+    assert g.sm_clock_hertz == 1980e6 and g.sm_clock_max_hertz == 1980e6
+    assert g.energy_joules_total == 5000.0  # from mJ
+    assert g.nvlink_tx_bytes_total == 1000 * 1024  # from KiB
+    assert g.pcie_rx_bytes_total == 8192
+    assert g.memory_temperature_celsius == 70
+    assert g.ecc_corrected_total == 3 and g.remapped_rows_correctable_total == 1
+    assert s[0].clock_events == frozenset()
+    assert s[1].clock_events == {"hw_thermal_slowdown", "sw_power_cap"}
+
+
+def test_fields_are_batched_in_one_call_per_gpu():
+    fake = FakeNvml(gpus=4)
+    backend = NvmlBackend(nvml=fake)
+    fake.calls.clear()
+    backend.collect()
+    assert fake.calls["nvmlDeviceGetFieldValues"] == 4
+    assert fake.calls["fields_requested"] == 4 * len(FIELDS)
+
+
+def test_gpu_lost_mid_run_marks_only_that_gpu_down_and_reinitialises():
+    fake, clock = FakeNvml(gpus=3), Clock()
+    backend = NvmlBackend(nvml=fake, clock=clock)
+    assert all(g.up for g in backend.collect())
+    fake.gpus[1].lost = True
+    s = backend.collect()
+    assert [g.up for g in s] == [True, False, True]
+    assert s[1].down_reason == "gpu_is_lost"
+    assert backend.errors()["gpu_is_lost"] == 1
+    # Until the re-init interval passes, no re-init storm; the other GPUs keep reporting.
+    inits = fake.calls["nvmlInit"]
+    s = backend.collect()
+    assert fake.calls["nvmlInit"] == inits and s[0].up and s[2].up
+    clock.t += NvmlBackend.REINIT_INTERVAL_S
+    s = backend.collect()
+    assert fake.calls["nvmlInit"] == inits + 1
+    # After re-enumeration the lost GPU is gone from the driver: reported missing, by uuid.
+    assert [(g.uuid, g.up) for g in s] == [
+        ("GPU-fake-0", True), ("GPU-fake-1", False), ("GPU-fake-2", True)]
+    assert s[1].down_reason == "missing"
+
+
+def test_unsupported_function_and_field_are_recorded_once_and_not_retried():
+    fake = FakeNvml(gpus=1)
+    fake.gpus[0].unsupported_fns.add("nvmlDeviceGetPowerUsage")
+    fake.gpus[0].unsupported_fields.add(pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX)
+    backend = NvmlBackend(nvml=fake)
+    for _ in range(5):
+        s = backend.collect()[0]
+    assert s.up and s.power_watts is None and s.nvlink_tx_bytes_total is None
+    assert s.nvlink_rx_bytes_total == 2000 * 1024
+    assert fake.calls["nvmlDeviceGetPowerUsage"] == 1  # asked once, never again
+    assert fake.calls["fields_requested"] == len(FIELDS) + 4 * (len(FIELDS) - 1)
+    unsupported = backend.unsupported()
+    assert unsupported[(0, "power_watts")] == "Not Supported"
+    assert (0, "nvlink_tx_bytes_total") in unsupported
+    assert backend.errors()["not_supported"] == 2
+
+
+@pytest.mark.parametrize("code,kind", [
+    (pynvml.NVML_ERROR_UNKNOWN, "unknown"),
+    (pynvml.NVML_ERROR_TIMEOUT, "timeout"),
+    (pynvml.NVML_ERROR_GPU_IS_LOST, "gpu_is_lost"),
+])
+def test_any_per_gpu_failure_marks_the_gpu_down_by_error_kind(code, kind):
+    fake = FakeNvml(gpus=2)
+    backend = NvmlBackend(nvml=fake)
+
+    def broken(h):
+        raise pynvml.NVMLError(code)
+
+    fake.nvmlDeviceGetTemperature = lambda h, s: broken(h) if h == 0 else 55
+    s = backend.collect()
+    assert not s[0].up and s[0].down_reason == kind
+    assert s[1].up and s[1].temperature_celsius == 55
+    assert backend.errors()[kind] == 1
+
+
+def test_nvml_init_failure_is_a_clear_error():
+    with pytest.raises(BackendError, match="--backend sim"):
+        NvmlBackend(nvml=FakeNvml(init_error=pynvml.NVMLError))
+
+
+def test_xid_events_are_counted_without_blocking():
+    fake = FakeNvml(gpus=2)
+    backend = NvmlBackend(nvml=fake)
+    fake.events.extend([(1, 79), (1, 79), (0, 48)])
+    s = backend.collect()
+    assert s[1].xid_errors_total == {79: 2} and s[0].xid_errors_total == {48: 1}
+    s = backend.collect()  # no new events: counts stay, wait returns at once
+    assert s[1].xid_errors_total == {79: 2}
+
+
+def test_error_kind_names():
+    assert error_kind(pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)) == "gpu_is_lost"
+    assert error_kind(pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)) == "not_supported"
