@@ -9,6 +9,7 @@ reverse order, and waits for them: nothing is left behind.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -54,10 +55,8 @@ class Stack:
     def stop(self) -> None:
         for _name, p in reversed(self.procs):
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
         deadline = time.time() + 15
         for _name, p in reversed(self.procs):
             try:
