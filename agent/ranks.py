@@ -32,6 +32,7 @@ class RankState:
     step: int = -1
     restarts: int = 0
     steps_total: int = 0
+    last_counted_step: int = -1
     # rates for the GPU simulator, from consecutive cumulative counters
     sync_bytes_per_s: float = 0.0
     host_bytes_per_s: float = 0.0
@@ -66,8 +67,9 @@ class RankRegistry:
             r.addr = addr
             r.last_seen = now
             if "step" in msg:
-                if msg["type"] == "step" and msg["step"] != r.step:
-                    r.steps_total += 1
+                if msg["type"] == "step" and msg["step"] != r.last_counted_step:
+                    r.steps_total += 1  # heartbeats carry the step too; count step messages
+                    r.last_counted_step = msg["step"]
                 r.step = msg["step"]
             for k, v in msg.items():
                 if isinstance(v, int | float) and not isinstance(v, bool) and k not in (

@@ -1,0 +1,1 @@
+"""ClusterPulse dashboard (Streamlit) and the operator actions behind it."""

@@ -1,0 +1,145 @@
+"""Real torchrun (gloo, 2-4 ranks): crashes, checkpoint faults and resumption end with
+exactly the parameters of a run that never failed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import start_agent
+from tests.support.procs import wait_until
+from tests.support.torchrun import run_trainer, start_trainer
+
+pytestmark = pytest.mark.integration
+
+STEPS = 40
+CKPT = ["--ckpt-every", "10"]
+
+
+@pytest.fixture(scope="module")
+def clean_digest(tmp_path_factory) -> dict[str, str]:
+    """The fault-free result for each parallelism, computed once."""
+    out = {}
+    for parallel in ("ddp", "fsdp"):
+        r = run_trainer(tmp_path_factory.mktemp(f"clean-{parallel}") / "ckpt", steps=STEPS,
+                        args=[*CKPT, "--parallel", parallel])
+        assert r.returncode == 0, r.log[-3000:]
+        assert r.summary["restarts"] == [] and r.summary["steps"] == STEPS
+        out[parallel] = r.digest
+    return out
+
+
+@pytest.mark.parametrize("parallel,mode", [("ddp", "exception"), ("ddp", "sigkill"),
+                                           ("fsdp", "exit")])
+def test_crash_and_torchrun_restart_ends_with_identical_parameters(tmp_path, clean_digest,
+                                                                   parallel, mode):
+    r = run_trainer(tmp_path / "ckpt", steps=STEPS, max_restarts=2, args=[
+        *CKPT, "--parallel", parallel, "--inject", f"crash:rank=1:step=25:mode={mode}"])
+    assert r.returncode == 0, r.log[-3000:]
+    assert "resumed from step-00000020" in r.log
+    assert r.digest == clean_digest[parallel]
+    (restart,) = r.summary["restarts"]
+    assert restart["cause"] == "failure" and restart["resume_step"] == 20
+    assert restart["downtime_seconds"] > 0
+    assert 0 < r.summary["goodput"] < 1
+
+
+@pytest.mark.parametrize("async_ckpt", [False, True])
+def test_kill_during_checkpoint_write_leaves_previous_loadable(tmp_path, clean_digest,
+                                                               async_ckpt):
+    args = [*CKPT, "--inject", "ckpt_kill:step=20"] + (["--async-ckpt"] if async_ckpt else [])
+    r = run_trainer(tmp_path / "ckpt", steps=STEPS, max_restarts=2, args=args)
+    assert r.returncode == 0, r.log[-3000:]
+    assert "resumed from step-00000010" in r.log  # step 20 was never published
+    assert r.digest == clean_digest["ddp"]
+
+
+def test_corrupted_newest_checkpoint_falls_back_to_the_one_before(tmp_path, clean_digest):
+    r = run_trainer(tmp_path / "ckpt", steps=STEPS, max_restarts=2, args=[
+        *CKPT, "--inject", "ckpt_corrupt:step=30", "--inject", "crash:rank=0:step=33"])
+    assert r.returncode == 0, r.log[-3000:]
+    assert "checkpoint step-00000030 is unusable" in r.log and "fails its checksum" in r.log
+    assert "resumed from step-00000020" in r.log
+    assert r.digest == clean_digest["ddp"]
+
+
+def test_failed_checkpoint_write_does_not_stop_training(tmp_path, clean_digest):
+    r = run_trainer(tmp_path / "ckpt", steps=STEPS, args=[*CKPT, "--inject", "ckpt_fail:step=20"])
+    assert r.returncode == 0, r.log[-3000:]
+    assert "checkpoint at step 20 failed: injected checkpoint write failure" in r.log
+    assert r.digest == clean_digest["ddp"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == [
+        "step-00000010", "step-00000030", "step-00000040"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_resume_on_a_smaller_world_size(tmp_path, parallel):
+    """4 ranks checkpoint at step 20; the job resumes on 2 (a node lost) and finishes on
+    the same global batch, so it ends where an uninterrupted 4-rank run ends, to
+    floating-point reduction order."""
+    full = run_trainer(tmp_path / "full", nproc=4, steps=STEPS,
+                       args=["--parallel", parallel])
+    first = run_trainer(tmp_path / "ckpt", nproc=4, steps=20,
+                        args=[*CKPT, "--parallel", parallel])
+    assert first.returncode == 0, first.log[-3000:]
+    second = run_trainer(tmp_path / "ckpt", nproc=2, steps=STEPS,
+                         args=[*CKPT, "--parallel", parallel])
+    assert second.returncode == 0, second.log[-3000:]
+    assert "resumed from step-00000020" in second.log
+    assert second.summary["world_size"] == 2
+    assert second.summary["final_loss"] == pytest.approx(full.summary["final_loss"], abs=2e-3)
+
+
+def test_trainer_runs_unchanged_without_an_agent(tmp_path, clean_digest):
+    # Telemetry aimed at a port nobody listens on: never blocks, never fails the step.
+    r = run_trainer(tmp_path / "ckpt", steps=STEPS, args=CKPT, agent="127.0.0.1:9")
+    assert r.returncode == 0, r.log[-3000:]
+    assert r.digest == clean_digest["ddp"]
+
+
+def test_bad_flags_are_named_without_a_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "trainer", "--inject", "explode:step=1"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2
+    assert "unknown kind 'explode'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_graceful_checkpoint_restart_command_loses_no_step(tmp_path, clean_digest):
+    """Operator -> agent control API -> ranks agree on a step, save, exit 42 -> torchrun
+    restarts them -> they resume at that step: zero steps recomputed, same parameters."""
+    running, server = start_agent(tmp_path)
+    try:
+        ckpt = tmp_path / "ckpt"
+        proc = start_trainer(ckpt, tmp_path / "trainer.log", steps=STEPS, max_restarts=2,
+                             agent=f"127.0.0.1:{running.telemetry_port}",
+                             args=[*CKPT, "--sim-compute-seconds", "0.08"])
+        wait_until(lambda: any(r["step"] >= 12 for r in running.get("/v1/ranks").json()["ranks"]),
+                   120, "ranks past step 12")
+        ranks = running.get("/v1/ranks").json()["ranks"]
+        assert {r["rank"] for r in ranks} == {0, 1} and {r["run"] for r in ranks} == {"ckpt"}
+        r = running.post("/v1/runs/ckpt/actions", {"action": "checkpoint-restart",
+                                                   "reason": "test", "requested_by": "ops"})
+        assert r.status_code == 202, r.text
+        cid = r.json()["id"]
+        assert proc.wait(timeout=180) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        summary = json.loads((ckpt / "summary.json").read_text())
+        (restart,) = summary["restarts"]
+        assert restart["cause"] == "checkpoint-restart" and restart["command"] == cid
+        assert restart["steps_recomputed"] == 0
+        assert summary["param_sha256"] == clean_digest["ddp"]
+        running.agent.collect_once()
+        status = running.get(f"/v1/commands/{cid}").json()
+        assert status["state"] == "completed", status
+        assert status["acknowledged"] == [0, 1] and status["resumed"] == [0, 1]
+        metrics = running.get("/metrics", token=None).text
+        labels = '{local_rank="1",node="node-a",rank="1",run="ckpt"}'
+        assert f"clusterpulse_trainer_restarts_total{labels} 1.0" in metrics
+        assert "clusterpulse_trainer_checkpoint_last_step{" in metrics
+        assert "clusterpulse_trainer_sync_wait_seconds{" in metrics
+    finally:
+        server.shutdown()
+        running.agent.stop()

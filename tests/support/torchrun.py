@@ -1,0 +1,59 @@
+"""Run the reference trainer under a real torchrun (gloo, loopback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.procs import REPO
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    log: str
+    summary: dict | None
+
+    @property
+    def digest(self) -> str:
+        assert self.summary is not None, f"no summary; log tail:\n{self.log[-3000:]}"
+        return self.summary["param_sha256"]
+
+
+def torchrun_cmd(nproc: int, max_restarts: int, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.2", "-m", "trainer", *args]
+
+
+def run_trainer(ckpt: Path, nproc: int = 2, steps: int = 40, args: list[str] | None = None,
+                max_restarts: int = 0, timeout: float = 240, agent: str = "none",
+                extra_env: dict | None = None) -> RunResult:
+    summary_path = ckpt / "summary.json"
+    cmd = torchrun_cmd(nproc, max_restarts, [
+        "--preset", "tiny", "--steps", str(steps), "--ckpt-dir", str(ckpt),
+        "--summary-json", str(summary_path), "--agent", agent, *(args or [])])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    p = subprocess.run(cmd, cwd=ckpt.parent, capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return RunResult(p.returncode, p.stdout + p.stderr, summary)
+
+
+def start_trainer(ckpt: Path, log: Path, nproc: int = 2, steps: int = 40,
+                  args: list[str] | None = None, max_restarts: int = 0,
+                  agent: str = "none") -> subprocess.Popen:
+    cmd = torchrun_cmd(nproc, max_restarts, [
+        "--preset", "tiny", "--steps", str(steps), "--ckpt-dir", str(ckpt),
+        "--summary-json", str(ckpt / "summary.json"), "--agent", agent, *(args or [])])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    fh = open(log, "wb")  # noqa: SIM115 - owned by the process
+    return subprocess.Popen(cmd, cwd=ckpt.parent, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+__all__ = ["REPO", "RunResult", "run_trainer", "start_trainer"]

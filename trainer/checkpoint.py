@@ -1,0 +1,240 @@
+"""Atomic, resumable checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout under the checkpoint directory:
+    step-00000040/          published: complete, with manifest.json (step, sha256 per file)
+    .tmp-step-00000050/     being written; never loaded, removed at the next start
+    run-state.json          restart accounting (trainer.runstate)
+
+Every rank writes its shards into the temporary directory; when DCP's save has
+finished on rank 0 (which happens only after every rank's write, because rank 0
+writes DCP's metadata last), rank 0 checksums the files, writes the manifest,
+fsyncs, renames the directory to its final name (atomic on POSIX) and prunes to
+the newest K. A crash at any instant leaves at most a temporary directory behind and
+the previous checkpoint intact. Resume verifies manifests newest first and falls back
+past any that is corrupt or incomplete, saying so in the log.
+
+Async saves (`async_save`) stage the state to host memory (the only part that blocks
+training), then write in DCP's background thread, on a separate gloo group so that
+checkpoint collectives never interleave with training collectives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+log = logging.getLogger("trainer.checkpoint")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written (storage failure, injected fault)."""
+
+
+@dataclass(frozen=True)
+class Found:
+    step: int
+    path: Path
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify(path: Path) -> str | None:
+    """None if the checkpoint at `path` is complete and intact, else what is wrong."""
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return "no manifest (incomplete write)"
+    except (ValueError, KeyError, TypeError):
+        return "manifest unreadable"
+    for rel, digest in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"file {rel} missing"
+        if _sha256(f) != digest:
+            return f"file {rel} fails its checksum"
+    return None
+
+
+def find_latest_valid(root: Path) -> Found | None:
+    """The newest checkpoint that verifies; logs each one skipped and why."""
+    if not root.is_dir():
+        return None
+    candidates = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith("step-"):
+            try:
+                candidates.append((int(p.name[5:]), p))
+            except ValueError:
+                continue
+    for step, path in sorted(candidates, reverse=True):
+        problem = verify(path)
+        if problem is None:
+            return Found(step, path)
+        log.warning("checkpoint %s is unusable (%s); falling back to an older one", path.name,
+                    problem)
+    return None
+
+
+class CheckpointManager:
+    def __init__(self, root: Path, rank: int, keep: int = 3, async_save: bool = False,
+                 group: dist.ProcessGroup | None = None,
+                 before_publish: Callable[[int], None] | None = None,
+                 after_publish: Callable[[int, Path], None] | None = None) -> None:
+        self.root = root
+        self.rank = rank
+        self.keep = max(1, keep)
+        self.async_save = async_save
+        self.group = group
+        self.before_publish = before_publish or (lambda step: None)
+        self.after_publish = after_publish or (lambda step, path: None)
+        self.committed_step: int | None = None
+        self.committed_unix: float | None = None
+        self.blocking_seconds_total = 0.0
+        self.last_blocking_seconds = 0.0
+        self.failures = 0
+        self._pending: tuple[int, Future] | None = None
+        self._lock = threading.Lock()
+        root.mkdir(parents=True, exist_ok=True)
+
+    def clean_temporaries(self) -> None:
+        """Remove directories left by writes that never finished (rank 0, at start)."""
+        for p in self.root.glob(".tmp-step-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+    def save(self, step: int, state: dict[str, Any], fail: bool = False,
+             kill_midway: bool = False) -> float:
+        """Write a checkpoint of `state` for `step`; returns the seconds training blocked.
+
+        A failed write is logged and counted (and the temporary directory removed); the
+        previous checkpoint stays the committed one and training goes on.
+        """
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight at a time
+        tmp = self.root / f".tmp-step-{step:08d}"
+        try:
+            if fail:
+                raise CheckpointError("injected checkpoint write failure")
+            if self.async_save:
+                result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+                fut = getattr(result, "upload_completion", result)
+                if kill_midway:  # the process dies while the background write runs
+                    os.kill(os.getpid(), signal.SIGKILL)
+                done = threading.Event()
+                self._pending = (step, done)
+                fut.add_done_callback(lambda f, s=step, p=tmp: self._finish_async(f, s, p, done))
+            else:
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+                if kill_midway:  # the data is written but not yet published
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if self.rank == 0:
+                    self._publish(step, tmp)
+                else:
+                    self._set_committed(step)
+        except Exception as err:  # storage errors must not end training
+            self.failures += 1
+            log.error("checkpoint at step %d failed: %s", step, err)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            blocked = time.perf_counter() - t0
+            self.last_blocking_seconds = blocked
+            self.blocking_seconds_total += blocked
+            raise CheckpointError(str(err)) from err
+        blocked = time.perf_counter() - t0
+        self.last_blocking_seconds = blocked
+        self.blocking_seconds_total += blocked
+        return blocked
+
+    def _finish_async(self, fut: Future, step: int, tmp: Path, done: threading.Event) -> None:
+        """Runs in DCP's writer thread once this rank's write is over."""
+        try:
+            fut.result()
+            if self.rank == 0:
+                self._publish(step, tmp)
+            else:
+                self._set_committed(step)
+        except Exception as err:
+            self.failures += 1
+            log.error("async checkpoint at step %d failed: %s", step, err)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            done.set()
+
+    def _set_committed(self, step: int) -> None:
+        with self._lock:
+            self.committed_step, self.committed_unix = step, time.time()
+
+    def _publish(self, step: int, tmp: Path) -> None:
+        self.before_publish(step)
+        files = {}
+        for f in sorted(tmp.rglob("*")):
+            if f.is_file():
+                files[str(f.relative_to(tmp))] = _sha256(f)
+                with open(f, "rb+") as fh:
+                    os.fsync(fh.fileno())
+        manifest = {"step": step, "created_unix": time.time(), "files": files,
+                    "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+        with open(tmp / MANIFEST, "w") as fh:
+            json.dump(manifest, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        final = step_dir(self.root, step)
+        if final.exists():  # a re-run of the same step after a restart: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self._set_committed(step)
+        self._prune()
+        log.info("checkpoint step %d committed at %s", step, final)
+        self.after_publish(step, final)
+
+    def _prune(self) -> None:
+        published = sorted(p for p in self.root.glob("step-*") if p.is_dir())
+        for old in published[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until an in-flight async save has finished (and been published)."""
+        if self._pending is not None:
+            self._pending[1].wait()
+            self._pending = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending[1].is_set()

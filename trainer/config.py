@@ -1,0 +1,115 @@
+"""Trainer configuration: the command-line flags (documented in the README)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.faults import InjectError, Injection, parse_injection
+from trainer.model import PRESETS
+from trainer.telemetry import parse_agent_addr
+
+EXAMPLES = """\
+examples:
+  torchrun --standalone --nproc-per-node 2 --max-restarts 2 -m trainer --preset tiny \\
+      --steps 60 --ckpt-every 10 --ckpt-dir CKPT --summary-json SUMMARY.json \\
+      --inject crash:rank=1:step=35
+  torchrun --standalone --nproc-per-node 4 -m trainer --parallel fsdp --async-ckpt ...
+  clusterpulse-train --nproc 2 -- --preset tiny --steps 20 --ckpt-dir /tmp/ckpt
+"""
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    steps: int = 100
+    global_batch: int = 8
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    seed: int = 1234
+    parallel: str = "ddp"
+    ckpt_dir: Path = Path("checkpoints")
+    ckpt_every: int = 0
+    ckpt_every_seconds: float = 0.0
+    keep: int = 3
+    async_ckpt: bool = False
+    summary_json: Path | None = None
+    run_id: str = ""
+    agent: tuple[str, int] | None = ("127.0.0.1", 9401)
+    consensus_every: int = 5
+    sim_compute_seconds: float = 0.0
+    collective_timeout_s: float = 600.0
+    log_every: int = 10
+    injections: list[Injection] = field(default_factory=list)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description="ClusterPulse reference trainer: a decoder-only LM under DDP or FSDP2 "
+        "with telemetry, atomic checkpoints, checkpoint-restart and fault injection. "
+        "Launch it with torchrun.", epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size")
+    p.add_argument("--steps", type=int, default=100, help="total training steps")
+    p.add_argument("--global-batch", type=int, default=8,
+                   help="sequences per step across all ranks (kept on a smaller world size)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")
+    p.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints"))
+    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: off)")
+    p.add_argument("--ckpt-every-seconds", type=float, default=0.0,
+                   help="also checkpoint when this long has passed since the last one")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default: 3)")
+    p.add_argument("--async-ckpt", action="store_true",
+                   help="write checkpoints in the background (dcp.async_save)")
+    p.add_argument("--summary-json", type=Path, help="rank 0 writes the run summary here")
+    p.add_argument("--run-id", default="",
+                   help="run label on telemetry (default: the checkpoint directory's name)")
+    p.add_argument("--agent", default=os.environ.get("CLUSTERPULSE_AGENT", "127.0.0.1:9401"),
+                   help="node agent's telemetry address, or 'none' (default: "
+                   "$CLUSTERPULSE_AGENT or 127.0.0.1:9401)")
+    p.add_argument("--consensus-every", type=int, default=5,
+                   help="steps between restart/straggler exchanges (default: 5)")
+    p.add_argument("--sim-compute-seconds", type=float, default=0.0,
+                   help="CPU demo with simulated GPUs: pad each step's compute to this long")
+    p.add_argument("--collective-timeout", type=float, default=600.0,
+                   help="seconds before a stuck collective fails (default: 600)")
+    p.add_argument("--log-every", type=int, default=10, help="rank 0 progress line every N steps")
+    p.add_argument("--inject", action="append", default=[],
+                   help="fault to inject, e.g. crash:rank=1:step=35 (see trainer/faults.py)")
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    a = build_parser().parse_args(argv)
+    specs = list(a.inject)
+    env = os.environ.get("CLUSTERPULSE_INJECT", "")
+    specs += [s for s in env.split(",") if s.strip()]
+    try:
+        injections = [parse_injection(s) for s in specs]
+        agent = parse_agent_addr(a.agent)
+    except (InjectError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    if a.steps < 1 or a.global_batch < 1 or a.consensus_every < 1 or a.keep < 1:
+        raise ConfigError("--steps, --global-batch, --consensus-every and --keep must be >= 1")
+    if a.ckpt_every < 0 or a.ckpt_every_seconds < 0:
+        raise ConfigError("--ckpt-every and --ckpt-every-seconds must be >= 0")
+    return TrainConfig(
+        preset=a.preset, steps=a.steps, global_batch=a.global_batch, lr=a.lr,
+        warmup_steps=a.warmup_steps, seed=a.seed, parallel=a.parallel,
+        ckpt_dir=a.ckpt_dir.resolve(), ckpt_every=a.ckpt_every,
+        ckpt_every_seconds=a.ckpt_every_seconds, keep=a.keep, async_ckpt=a.async_ckpt,
+        summary_json=a.summary_json, run_id=a.run_id or a.ckpt_dir.resolve().name,
+        agent=agent, consensus_every=a.consensus_every,
+        sim_compute_seconds=a.sim_compute_seconds, collective_timeout_s=a.collective_timeout,
+        log_every=a.log_every, injections=injections,
+    )

@@ -1,0 +1,303 @@
+"""The reference training loop: what torchrun runs as `python -m trainer`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from agent.logsetup import setup_logging
+from trainer import RESTART_EXIT_CODE
+from trainer.checkpoint import CheckpointError, CheckpointManager, find_latest_valid
+from trainer.config import ConfigError, TrainConfig, parse_config
+from trainer.data import SyntheticTokens
+from trainer.faults import Faults
+from trainer.instrument import Pulse
+from trainer.model import PRESETS, build_model
+from trainer.parallel import DistInfo, init_distributed, wrap
+from trainer.runstate import RunState
+from trainer.state import TrainState, parameter_digest
+
+log = logging.getLogger("trainer")
+
+
+def _broadcast(obj: object, info: DistInfo) -> object:
+    if info.world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _corrupt(path: Path) -> None:
+    """Flip bytes in the middle of the largest data file (injected storage corruption)."""
+    f = max((p for p in path.rglob("*.distcp")), key=lambda p: p.stat().st_size)
+    with open(f, "r+b") as fh:
+        fh.seek(f.stat().st_size // 2)
+        chunk = fh.read(16)
+        fh.seek(f.stat().st_size // 2)
+        fh.write(bytes(b ^ 0xFF for b in chunk))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.info = info = init_distributed(cfg.collective_timeout_s)
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.faults = Faults(cfg.injections, info.rank, self.attempt)
+        mc = PRESETS[cfg.preset]
+        if cfg.global_batch % info.world:
+            raise ConfigError(f"--global-batch {cfg.global_batch} must be divisible by the "
+                              f"world size {info.world}")
+        self.model = wrap(build_model(cfg.preset, cfg.seed), cfg.parallel, info)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        warm = max(1, cfg.warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm))
+        self.state = TrainState(self.model, self.optimizer, self.scheduler)
+        self.data = SyntheticTokens(cfg.seed, mc.vocab, mc.seq_len, cfg.global_batch)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        ckpt_group = (dist.new_group(backend="gloo")
+                      if cfg.async_ckpt and info.world > 1 else None)
+        self.runstate_path = cfg.ckpt_dir / "run-state.json"
+        self.runstate = RunState.load(self.runstate_path) if info.rank == 0 else RunState()
+        self.ckpt = CheckpointManager(
+            cfg.ckpt_dir, info.rank, keep=cfg.keep, async_save=cfg.async_ckpt, group=ckpt_group,
+            after_publish=self._after_publish)
+        self.pulse = Pulse(run=cfg.run_id, agent=cfg.agent, consensus_every=cfg.consensus_every)
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self.pulse.attach_ddp(self.model)
+        self.last_ckpt_time = time.monotonic()
+        self.sync_bytes = 0.0
+        self.host_bytes = 0.0
+
+    # -- checkpoints -------------------------------------------------------------------
+    def _after_publish(self, step: int, path: Path) -> None:
+        if self.faults.ckpt_corrupt(step):
+            _corrupt(path)
+            log.warning("injected: corrupted checkpoint %s", path.name)
+
+    def resume(self) -> int:
+        info = self.info
+        if info.rank == 0:
+            self.ckpt.clean_temporaries()
+            found = find_latest_valid(self.cfg.ckpt_dir)
+            choice = str(found.path) if found else None
+        else:
+            choice = None
+        choice = _broadcast(choice, info)
+        if choice is None:
+            if self.attempt > 0 and info.rank == 0:
+                log.warning("restart %d found no valid checkpoint: starting from step 0",
+                            self.attempt)
+            return 0
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load({"app": self.state}, checkpoint_id=choice)
+        self.ckpt.committed_step = self.state.step
+        if info.rank == 0:
+            print(f"trainer: resumed from {Path(choice).name} (step {self.state.step}, "
+                  f"attempt {self.attempt})", flush=True)
+        return self.state.step
+
+    def save(self, step: int) -> None:
+        self.state.step = step
+        self.pulse.extra["checkpoint_in_progress"] = 1
+        try:
+            self.ckpt.save(step, {"app": self.state}, fail=self.faults.ckpt_fail(step),
+                           kill_midway=self.faults.ckpt_kill(step))
+            self.pulse.event("checkpoint_committed" if not self.cfg.async_ckpt
+                             else "checkpoint_started", step=step,
+                             checkpoint_blocking_seconds=self.ckpt.last_blocking_seconds)
+        except CheckpointError:
+            self.pulse.event("checkpoint_failed", step=step)
+        finally:
+            self.pulse.extra["checkpoint_in_progress"] = 0
+        self.last_ckpt_time = time.monotonic()
+
+    # -- one step ----------------------------------------------------------------------
+    def train_step(self, step: int) -> float:
+        """Run step `step` (1-based); returns the loss."""
+        cfg, info, pulse = self.cfg, self.info, self.pulse
+        with pulse.step(step) as s:
+            with s.section("data"):
+                x, y = self.data.shard(step - 1, info.rank, info.world)
+                x, y = x.to(info.device), y.to(info.device)
+                delay = self.faults.data_delay(step)
+                if delay:
+                    time.sleep(delay)
+            with s.section("forward_backward"):
+                t0 = time.perf_counter()
+                logits = self.model(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                own = (time.perf_counter() - t0) * 3  # forward + backward ~ 3x forward
+                # Simulated GPU work and slowdowns stretch the rank's own compute, before
+                # backward so that DDP's bucket timing sees it as compute, not waiting.
+                target = max(own, cfg.sim_compute_seconds)
+                target *= self.faults.slow_factor(step) * pulse.slowdown
+                if target > own:
+                    time.sleep(target - own)
+                if cfg.parallel == "fsdp":
+                    pulse.sync_probe()
+                loss.backward()
+                if cfg.parallel == "fsdp":
+                    pulse.sync_probe()
+            with s.section("optimizer"):
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            s.loss = loss.detach()
+            s.samples = x.shape[0]
+            s.tokens = x.numel()
+        self.sync_bytes += 2 * self.param_bytes * (info.world - 1) / max(info.world, 1)
+        self.host_bytes += x.numel() * 8
+        pulse.extra.update(sync_bytes_total=self.sync_bytes, host_bytes_total=self.host_bytes,
+                           memory_bytes=float(self.param_bytes * 4))
+        if self.ckpt.committed_step is not None:
+            pulse.extra.update(checkpoint_step=self.ckpt.committed_step,
+                               checkpoint_timestamp_seconds=self.ckpt.committed_unix or 0.0,
+                               checkpoint_blocking_seconds=self.ckpt.last_blocking_seconds)
+        return float(s.loss)
+
+    def _inject_process_faults(self, step: int) -> None:
+        if self.faults.hang_at(step):
+            log.warning("injected: rank %d hangs at step %d", self.info.rank, step)
+            while True:  # alive, silent, holding its peers in the next collective
+                time.sleep(1)
+        mode = self.faults.crash_at(step)
+        if mode == "exception":
+            raise RuntimeError(f"injected crash on rank {self.info.rank} at step {step}")
+        if mode == "exit":
+            os._exit(1)
+        if mode == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # -- the run -----------------------------------------------------------------------
+    def run(self) -> int:
+        cfg, info = self.cfg, self.info
+        start = self.resume()
+        if info.rank == 0:
+            self.runstate.begin_attempt(cfg.run_id, self.attempt, start)
+            self.runstate.save(self.runstate_path)
+        # torchrun stops surviving workers with SIGTERM when one fails: turn it into an
+        # exception so that rank 0 records how far the run got before it goes.
+        signal.signal(signal.SIGTERM, _raise_on_sigterm)
+        try:
+            return self._loop(start)
+        except BaseException:
+            if info.rank == 0:
+                self.runstate.save(self.runstate_path)
+            raise
+
+    def _loop(self, start: int) -> int:
+        cfg, info = self.cfg, self.info
+        t_run, last_save_state, first = time.time(), 0.0, True
+        loss = float("nan")
+        for step in range(start + 1, cfg.steps + 1):
+            loss = self.train_step(step)
+            wall = self.pulse.last.get("step_seconds", 0.0)
+            if info.rank == 0:
+                if first:
+                    self.runstate.first_step_done(wall)
+                self.runstate.step_done(step, wall)
+                if time.time() - last_save_state > 1.0:
+                    self.runstate.save(self.runstate_path)
+                    last_save_state = time.time()
+                if cfg.log_every and step % cfg.log_every == 0:
+                    print(f"trainer: step {step}/{cfg.steps} loss {loss:.4f} "
+                          f"step {wall * 1e3:.1f} ms", flush=True)
+            first = False
+            self._inject_process_faults(step)
+            due_time = (cfg.ckpt_every_seconds > 0
+                        and time.monotonic() - self.last_ckpt_time >= cfg.ckpt_every_seconds)
+            restart = self.pulse.restart_requested(step, want_checkpoint=due_time)
+            if restart:
+                return self._graceful_exit(step)
+            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or self.pulse.checkpoint_agreed:
+                self.save(step)
+        self.ckpt.wait()
+        return self._finish(loss, time.time() - t_run)
+
+    def _graceful_exit(self, step: int) -> int:
+        """Checkpoint at the agreed step, make sure it is published, exit for torchrun."""
+        if self.ckpt.committed_step != step:
+            self.save(step)
+        self.ckpt.wait()
+        ids = sorted(self.pulse.commands)
+        if ids:
+            self.pulse.ack(ids)
+        if self.info.rank == 0:
+            self.runstate.checkpoint_blocking_seconds += self.ckpt.blocking_seconds_total
+            self.runstate.pending_exit = "checkpoint-restart"
+            self.runstate.pending_command = ",".join(ids)
+            self.runstate.save(self.runstate_path)
+            print(f"trainer: checkpoint-restart at step {step}: exiting for torchrun to "
+                  f"restart (exit code {RESTART_EXIT_CODE})", flush=True)
+        if self.info.world > 1:
+            dist.barrier()  # nobody leaves before rank 0 has published
+        return RESTART_EXIT_CODE
+
+    def _finish(self, loss: float, wall: float) -> int:
+        info = self.info
+        final_loss = torch.tensor([loss], dtype=torch.float64)
+        if info.world > 1:
+            dist.all_reduce(final_loss)
+            final_loss /= info.world
+        digest = parameter_digest(self.model)
+        if info.rank == 0:
+            rs = self.runstate
+            rs.checkpoint_blocking_seconds += self.ckpt.blocking_seconds_total
+            rs.save(self.runstate_path)
+            total_wall = time.time() - rs.started_unix
+            recomputed = sum(r["steps_recomputed"] for r in rs.restarts)
+            lost = sum(r.get("downtime_seconds", 0.0) for r in rs.restarts)
+            summary = {
+                "run": self.cfg.run_id, "steps": self.cfg.steps, "world_size": info.world,
+                "parallel": self.cfg.parallel, "final_loss": float(final_loss.item()),
+                "param_sha256": digest, "restarts": rs.restarts,
+                "steps_recomputed": recomputed, "time_lost_to_restarts_seconds": round(lost, 3),
+                "checkpoint_blocking_seconds": round(rs.checkpoint_blocking_seconds, 4),
+                "goodput": round(rs.productive_seconds / total_wall, 4) if total_wall else 0.0,
+                "wall_seconds": round(total_wall, 3),
+                "consensus_seconds": round(self.pulse.consensus.seconds, 4),
+                "consensus_exchanges": self.pulse.consensus.exchanges,
+            }
+            if self.cfg.summary_json:
+                self.cfg.summary_json.parent.mkdir(parents=True, exist_ok=True)
+                self.cfg.summary_json.write_text(json.dumps(summary, indent=2))
+            print(f"trainer: done: {self.cfg.steps} steps, loss {summary['final_loss']:.4f}, "
+                  f"params {digest[:16]}, restarts {len(rs.restarts)}, "
+                  f"goodput {summary['goodput']:.2f}", flush=True)
+        if info.world > 1:
+            # Leave together: a rank that tears gloo down while a peer still has an
+            # operation in flight can make that peer abort (SIGABRT) after a clean run.
+            dist.barrier()
+        return 0
+
+
+def _raise_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging(os.environ.get("CLUSTERPULSE_LOG_LEVEL", "warning"))
+    try:
+        cfg = parse_config(argv)
+        trainer = Trainer(cfg)
+    except ConfigError as err:
+        print(f"trainer: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        return trainer.run()
+    finally:
+        trainer.pulse.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
