@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -127,7 +128,18 @@ class CheckpointManager:
         self.blocking_seconds_total = 0.0
         self.last_blocking_seconds = 0.0
         self.failures = 0
-        self._pending: tuple[int, Future] | None = None
+        self._pending: tuple[int, threading.Event] | None = None
+        # The save plan and the staging buffers are the same every time: cache them, so an
+        # async save blocks training only for the copy into host memory.
+        self._planner = dcp.DefaultSavePlanner(enable_plan_caching=True)
+        self._stager = None
+        if async_save:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                use_non_blocking_copy=cuda))
         self._lock = threading.Lock()
         root.mkdir(parents=True, exist_ok=True)
 
@@ -150,7 +162,8 @@ class CheckpointManager:
             if fail:
                 raise CheckpointError("injected checkpoint write failure")
             if self.async_save:
-                result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+                result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                        planner=self._planner, async_stager=self._stager)
                 fut = getattr(result, "upload_completion", result)
                 if kill_midway:  # the process dies while the background write runs
                     os.kill(os.getpid(), signal.SIGKILL)

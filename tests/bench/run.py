@@ -13,7 +13,7 @@ import time
 
 from tests.bench.table import render
 
-SUITES = ["bench_agent"]
+SUITES = ["bench_agent", "bench_trainer"]
 
 
 def main() -> int:

@@ -1,0 +1,89 @@
+"""Runs under torchrun for bench_trainer: instrumentation overhead and checkpoint
+blocking, each side by side with its baseline in the same processes.
+
+Overhead: blocks of steps alternate between the bare loop and the same loop with
+Pulse (timing, comm hook, telemetry to a live agent port, consensus every 5 steps),
+so that machine noise hits both alike; medians per mode are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from trainer.checkpoint import CheckpointManager
+from trainer.data import SyntheticTokens
+from trainer.instrument import Pulse
+from trainer.model import PRESETS, build_model
+from trainer.parallel import init_distributed, wrap
+from trainer.state import TrainState
+
+
+def main() -> None:
+    agent_port, out_dir, preset = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    info = init_distributed(300)
+    model = wrap(build_model(preset, 1), "ddp", info)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    mc = PRESETS[preset]
+    data = SyntheticTokens(1, mc.vocab, mc.seq_len, 8)
+    pulse = Pulse(run="bench", agent=("127.0.0.1", agent_port))
+    pulse.attach_ddp(model)  # the hook only stamps a time; bare blocks pay it too (~1 us)
+
+    def work(step: int) -> torch.Tensor:
+        x, y = data.shard(step, info.rank, info.world)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    times: dict[str, list[float]] = {"bare": [], "instrumented": []}
+    step = 0
+    for _block in range(6):
+        for mode in ("bare", "instrumented"):
+            for _ in range(40):
+                step += 1
+                t0 = time.perf_counter()
+                if mode == "bare":
+                    work(step)
+                else:
+                    with pulse.step(step) as s, s.section("forward_backward"):
+                        s.loss = work(step)
+                    pulse.restart_requested(step)
+                times[mode].append(time.perf_counter() - t0)
+    result = {m: statistics.median(v[10:]) for m, v in times.items()}
+    exchanges = max(pulse.consensus.exchanges, 1)
+    result["consensus_ms_per_exchange"] = pulse.consensus.seconds / exchanges * 1e3
+
+    state = TrainState(model, opt, sched)
+    blocking: dict[str, list[float]] = {}
+    for mode in ("sync", "async"):
+        group = dist.new_group(backend="gloo") if mode == "async" else None
+        mgr = CheckpointManager(out_dir / mode, info.rank, keep=1, async_save=mode == "async",
+                                group=group)
+        blocking[mode] = []
+        for i in range(5):
+            work(step + i)
+            blocking[mode].append(mgr.save(100 + i, {"app": state}))
+            mgr.wait()  # measure each save alone: the next step's training is not the point
+            dist.barrier()
+    result["ckpt_sync_s"] = statistics.median(blocking["sync"][1:])
+    result["ckpt_async_s"] = statistics.median(blocking["async"][1:])
+    result["state_bytes"] = sum(p.numel() * 4 for p in model.parameters()) * 3
+    if info.rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
