@@ -70,6 +70,9 @@ RANK_SERIES: list[tuple[str, str, str, bool]] = [
      "Unix time of the last committed checkpoint.", False),
     ("checkpoint_blocking_seconds", "trainer_checkpoint_blocking_seconds",
      "Time the last checkpoint blocked the training loop.", False),
+    ("checkpoint_in_progress", "trainer_checkpoint_in_progress",
+     "1 while the rank is writing a checkpoint.", False),
+    ("phase_seconds", "trainer_phase_seconds", "Seconds the rank has been in its phase.", False),
 ]
 
 PREFIX = "clusterpulse_"
@@ -191,7 +194,7 @@ class AgentCollector(Collector):
         steps = CounterMetricFamily(PREFIX + "trainer_steps", "Steps completed (this process).",
                                     labels=RANK_LABELS)
         age = GaugeMetricFamily(PREFIX + "trainer_heartbeat_age_seconds",
-                                "Seconds since the rank last reported progress.",
+                                "Seconds since the rank last completed a step.",
                                 labels=RANK_LABELS)
         alive = GaugeMetricFamily(PREFIX + "trainer_process_alive",
                                   "1 if the rank's process exists on this node.",
@@ -199,8 +202,12 @@ class AgentCollector(Collector):
         restarts = CounterMetricFamily(PREFIX + "trainer_restarts",
                                        "Restarts of the rank's worker group (torchrun).",
                                        labels=RANK_LABELS)
+        phase = GaugeMetricFamily(PREFIX + "trainer_phase",
+                                  "1 for what the rank is doing now (sync = waiting for peers).",
+                                  labels=[*RANK_LABELS, "phase"])
         for r in ranks:
             lb = labels(r)
+            phase.add_metric([*lb, r.phase], 1.0)
             info.add_metric([*lb, str(r.gpu), str(r.pid), str(r.world_size)], 1.0)
             if r.step >= 0:
                 step.add_metric(lb, r.step)
@@ -208,7 +215,7 @@ class AgentCollector(Collector):
             age.add_metric(lb, round(a.ranks.age(r), 3))
             alive.add_metric(lb, 1.0 if process_alive(r.pid) else 0.0)
             restarts.add_metric(lb, r.restarts)
-        yield from (info, step, steps, age, alive, restarts)
+        yield from (info, step, steps, age, alive, restarts, phase)
         for key, name, help_text, counter in RANK_SERIES:
             cls = CounterMetricFamily if counter else GaugeMetricFamily
             fam = cls(PREFIX + name, help_text, labels=RANK_LABELS)

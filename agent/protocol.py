@@ -31,8 +31,12 @@ NUMBER_FIELDS = {
     "step_seconds", "compute_seconds", "sync_wait_seconds", "data_wait_seconds", "loss",
     "samples_total", "tokens_total", "straggler_score", "memory_bytes", "sync_bytes_total",
     "host_bytes_total", "checkpoint_step", "checkpoint_timestamp_seconds",
-    "checkpoint_blocking_seconds", "ts",
+    "checkpoint_blocking_seconds", "checkpoint_in_progress", "phase_seconds", "ts",
 }
+# What a rank is doing right now, from its heartbeat thread: a section name
+# ("data", "forward_backward", "optimizer", "checkpoint"), "sync" (waiting for peers
+# in an instrumented collective), "between" (outside a step) or "start".
+PHASES = {"start", "data", "forward_backward", "optimizer", "checkpoint", "sync", "between"}
 INT_FIELDS = {"rank", "local_rank", "world_size", "pid", "gpu", "step", "restarts"}
 
 
@@ -73,6 +77,8 @@ def decode(data: bytes) -> dict[str, Any]:
             v = msg[key]
             if not isinstance(v, int | float) or isinstance(v, bool) or v != v or abs(v) > 1e18:
                 raise MalformedMessage(f"bad_{key}")
+    if "phase" in msg and msg["phase"] not in PHASES:
+        raise MalformedMessage("bad_phase")
     if msg["type"] == "event" and msg.get("event") not in EVENTS:
         raise MalformedMessage("bad_event")
     acks = msg.get("acks", [])

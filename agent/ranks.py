@@ -27,7 +27,9 @@ class RankState:
     gpu: int = -1
     addr: tuple[str, int] | None = None
     first_seen: float = 0.0
-    last_seen: float = 0.0  # monotonic time of the last progress message
+    last_seen: float = 0.0  # monotonic time of the last datagram of any kind
+    last_progress: float = 0.0  # monotonic time of the last completed step (or start)
+    phase: str = "start"
     values: dict[str, float] = field(default_factory=dict)
     step: int = -1
     restarts: int = 0
@@ -60,12 +62,17 @@ class RankRegistry:
                 if len(self._ranks) >= self.max_ranks:
                     self.rejected_full += 1
                     return None
-                r = self._ranks[key] = RankState(run=key[0], rank=key[1], first_seen=now)
+                r = self._ranks[key] = RankState(run=key[0], rank=key[1], first_seen=now,
+                                                 last_progress=now)
             for name in ("local_rank", "world_size", "pid", "gpu", "restarts"):
                 if name in msg:
                     setattr(r, name, msg[name])
             r.addr = addr
             r.last_seen = now
+            if msg["type"] == "step" or msg.get("event") == "start":
+                r.last_progress = now
+            if "phase" in msg:
+                r.phase = msg["phase"]
             if "step" in msg:
                 if msg["type"] == "step" and msg["step"] != r.last_counted_step:
                     r.steps_total += 1  # heartbeats carry the step too; count step messages
@@ -101,14 +108,16 @@ class RankRegistry:
         return [r for r in self.snapshot() if r.run == run]
 
     def age(self, r: RankState) -> float:
-        return max(0.0, self._clock() - r.last_seen)
+        """Seconds since the rank last made progress: a hung rank's heartbeat thread
+        keeps it known and alive, but this age grows."""
+        return max(0.0, self._clock() - r.last_progress)
 
     def activity(self, gpu: int) -> Activity:
         """The load the ranks bound to `gpu` put on it (for the GPU simulator)."""
         act = Activity()
         now = self._clock()
         for r in self.snapshot():
-            if r.gpu != gpu or now - r.last_seen > 10.0:
+            if r.gpu != gpu or now - r.last_progress > 10.0:
                 continue
             step = r.values.get("step_seconds", 0.0)
             compute = r.values.get("compute_seconds", 0.0)

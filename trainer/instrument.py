@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -83,11 +84,12 @@ class StepContext:
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
+        self.pulse._enter(name)
         try:
             yield
         finally:
             self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - t0
-            self.pulse._maybe_heartbeat(self.step)
+            self.pulse._enter("step")
 
 
 class Pulse:
@@ -108,7 +110,6 @@ class Pulse:
         self.slowdown = 1.0  # simulated GPU slowdown, from the agent's replies
         self.commands: dict[str, str] = {}  # id -> action, heard but not yet acted on
         self._acks: list[str] = []
-        self._last_beat = 0.0
         self._clock: _HostClock | _CudaClock = (
             _CudaClock() if torch.cuda.is_available() and torch.cuda.is_initialized()
             else _HostClock())
@@ -126,7 +127,12 @@ class Pulse:
         self.identity = {"run": run, "rank": self.rank, "local_rank": self.local_rank,
                          "world_size": self.world_size, "pid": os.getpid(), "gpu": self.gpu,
                          "restarts": self.restarts}
+        self.phase, self._phase_since, self._step = "start", time.monotonic(), 0
+        self._closed = threading.Event()
         self.link.send({"type": "event", "event": "start", **self.identity})
+        self._beat = threading.Thread(target=self._heartbeat_loop, name="pulse-heartbeat",
+                                      daemon=True)
+        self._beat.start()
 
     # -- compute / sync split ------------------------------------------------------------
     def attach_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
@@ -146,13 +152,17 @@ class Pulse:
             return
         t = torch.zeros(1, device="cuda" if isinstance(self._clock, _CudaClock) else "cpu")
         t0 = time.perf_counter()
+        previous = self.phase
+        self._enter("sync")
         dist.all_reduce(t, group=group)
         self._probe_wait += time.perf_counter() - t0
+        self._enter(previous)
 
     # -- steps ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[StepContext]:
         ctx = StepContext(self, step)
+        self._enter("step")
         self._bucket_marks = []
         self._probe_wait = 0.0
         t0 = time.perf_counter()
@@ -162,6 +172,8 @@ class Pulse:
         wall = time.perf_counter() - t0
         last_bucket = self._bucket_marks[-1] if self._bucket_marks else None
         self._pending.append((ctx, start_mark, last_bucket, end_mark, wall))
+        self._step = step
+        self._enter("between")
         self._resolve()
 
     def _resolve(self) -> None:
@@ -199,15 +211,24 @@ class Pulse:
             if self._acks:
                 msg["acks"] = self._acks[:16]
             self.link.send(msg)
-            self._last_beat = time.monotonic()
             self._read_replies()
 
-    def _maybe_heartbeat(self, step: int) -> None:
-        now = time.monotonic()
-        if now - self._last_beat >= HEARTBEAT_EVERY_S:
-            self._last_beat = now
-            self.link.send({"type": "heartbeat", **self.identity, "step": step, **self.extra})
-            self._read_replies()
+    def _enter(self, phase: str) -> None:
+        self.phase, self._phase_since = phase, time.monotonic()
+
+    def _heartbeat_loop(self) -> None:
+        """Tell the agent every second that the process lives and what it is doing.
+
+        Heartbeats do not count as progress (the agent ages ranks by their last step):
+        a hung rank stays alive and visible in its phase while its progress age grows,
+        and its peers show as waiting in "sync".
+        """
+        while not self._closed.wait(HEARTBEAT_EVERY_S):
+            phase, since = self.phase, self._phase_since
+            self.link.send({"type": "heartbeat", **self.identity, "step": self._step,
+                            "phase": "forward_backward" if phase == "step" else phase,
+                            "phase_seconds": round(time.monotonic() - since, 3),
+                            **self.extra})
 
     def _read_replies(self) -> None:
         for reply in self.link.poll():
@@ -226,8 +247,10 @@ class Pulse:
             return False
         self._read_replies()
         want = any(a == "checkpoint-restart" for a in self.commands.values())
+        self._enter("sync")
         restart, self.checkpoint_agreed, scores = self.consensus.exchange(
             want, self.world_size, want_checkpoint)
+        self._enter("between")
         if scores is not None:
             self.straggler_scores = scores
             self.extra["straggler_score"] = round(scores[self.rank], 4)
@@ -243,5 +266,6 @@ class Pulse:
         self.event("restart_requested", acks=self._acks)
 
     def close(self) -> None:
+        self._closed.set()
         self.event("exit")
         self.link.close()

@@ -110,6 +110,7 @@ class Trainer:
 
     def save(self, step: int) -> None:
         self.state.step = step
+        self.pulse._enter("checkpoint")
         self.pulse.extra["checkpoint_in_progress"] = 1
         try:
             self.ckpt.save(step, {"app": self.state}, fail=self.faults.ckpt_fail(step),
@@ -121,6 +122,7 @@ class Trainer:
             self.pulse.event("checkpoint_failed", step=step)
         finally:
             self.pulse.extra["checkpoint_in_progress"] = 0
+            self.pulse._enter("between")
         self.last_ckpt_time = time.monotonic()
 
     # -- one step ----------------------------------------------------------------------

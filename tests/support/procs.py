@@ -102,3 +102,34 @@ class Prometheus:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+class Alertmanager:
+    """A real Alertmanager on loopback, with the project's config, webhook URLs
+    pointed at `webhook_url`."""
+
+    def __init__(self, tmp: Path, webhook_url: str) -> None:
+        binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+        assert binary, "prometheus-alertmanager is not installed (the test command installs it)"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.dir = tmp / f"am-{self.port}"
+        self.dir.mkdir()
+        config = (REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text()
+        config = config.replace("http://127.0.0.1:19495/alertmanager", webhook_url)
+        config = config.replace("http://127.0.0.1:19496/page", webhook_url + "?oncall=1")
+        (self.dir / "alertmanager.yml").write_text(config)
+        self.proc = Proc([binary, f"--config.file={self.dir / 'alertmanager.yml'}",
+                          f"--storage.path={self.dir / 'data'}",
+                          f"--web.listen-address=127.0.0.1:{self.port}",
+                          "--cluster.listen-address="], self.dir / "alertmanager.log")
+        wait_until(lambda: requests.get(self.url + "/-/ready", timeout=1).ok, 30,
+                   "alertmanager ready")
+
+    def alerts(self) -> list[dict]:
+        r = requests.get(self.url + "/api/v2/alerts", timeout=5)
+        r.raise_for_status()
+        return r.json()
+
+    def stop(self) -> None:
+        self.proc.stop()

@@ -1,0 +1,114 @@
+"""The alerting rules and Alertmanager config: promtool and amtool checks, promtool
+unit tests for every alert, routing tests, and inhibition in a real Alertmanager."""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+import subprocess
+
+import pytest
+import requests
+import yaml
+
+from tests.support.procs import REPO, Alertmanager, wait_until
+from tests.support.webhook import WebhookSink
+
+pytestmark = pytest.mark.integration
+PROM = REPO / "deploy" / "prometheus"
+AM = REPO / "deploy" / "alertmanager"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    assert shutil.which(args[0]), f"{args[0]} is not installed (the test command installs it)"
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_rule_files_are_valid():
+    r = run("promtool", "check", "rules", str(PROM / "clusterpulse.rules.yml"),
+            str(PROM / "alerts.rules.yml"))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_promtool_unit_tests_pass_and_cover_every_alert():
+    r = run("promtool", "test", "rules", str(PROM / "tests" / "alerts_test.yml"))
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+    alerts = {rule["alert"] for g in yaml.safe_load((PROM / "alerts.rules.yml").read_text())
+              ["groups"] for rule in g["rules"] if "alert" in rule}
+    tests = yaml.safe_load((PROM / "tests" / "alerts_test.yml").read_text())["tests"]
+    fired = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])
+             if t.get("exp_alerts")}
+    silent = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])
+              if not t.get("exp_alerts")}
+    assert alerts - fired == set(), "alerts without a firing test"
+    assert {"TrainingStraggler", "RankHung", "NodeAgentDown"} <= silent | fired
+    assert "TrainingStraggler" in silent  # the uniform-slowdown negative case
+
+
+def test_every_alert_has_severity_summary_description_and_runbook():
+    runbooks = (REPO / "docs" / "runbooks.md").read_text().lower()
+    for group in yaml.safe_load((PROM / "alerts.rules.yml").read_text())["groups"]:
+        for rule in group["rules"]:
+            assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
+            ann = rule["annotations"]
+            assert ann["summary"] and ann["description"], rule["alert"]
+            anchor = ann["runbook_url"].split("#")[1]
+            assert f"## {rule['alert'].lower()}" in runbooks, f"no runbook for {rule['alert']}"
+            assert anchor == rule["alert"].lower()
+
+
+def test_alertmanager_config_and_examples_are_valid():
+    r = run("amtool", "check-config", str(AM / "alertmanager.yml"),
+            str(AM / "examples" / "email-slack.yml"))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("labels,receivers", [
+    (["severity=critical", "alertname=GpuDown", "node=n1"], "oncall,remediation"),
+    (["severity=critical", "alertname=RankHung", "run=r1"], "oncall,remediation"),
+    (["severity=warning", "alertname=TrainingStraggler", "run=r1"], "remediation"),
+])
+def test_routing(labels, receivers):
+    r = run("amtool", "config", "routes", "test", f"--config.file={AM / 'alertmanager.yml'}",
+            *labels)
+    assert r.returncode == 0 and r.stdout.strip() == receivers, r.stdout + r.stderr
+
+
+def test_a_down_node_inhibits_its_gpu_and_rank_alerts_in_a_real_alertmanager(tmp_path):
+    sink = WebhookSink()
+    am = Alertmanager(tmp_path, sink.url)
+    try:
+        now = datetime.datetime.now(datetime.UTC).isoformat()
+
+        def alert(**labels):
+            return {"labels": labels, "annotations": {"summary": "test"}, "startsAt": now}
+
+        requests.post(am.url + "/api/v2/alerts", timeout=5, json=[
+            alert(alertname="NodeAgentDown", severity="critical", node="n1"),
+            alert(alertname="GpuDown", severity="critical", node="n1", gpu="3"),
+            alert(alertname="RankHung", severity="critical", node="n1", run="r1", rank="2"),
+            alert(alertname="RankHung", severity="critical", node="n2", run="r1", rank="5"),
+            alert(alertname="JobStalled", severity="critical", run="r1"),
+        ]).raise_for_status()
+
+        def states():
+            return {(a["labels"]["alertname"], a["labels"].get("node", "")): a["status"]
+                    for a in am.alerts()}
+
+        s = wait_until(lambda: (st := states()) and len(st) == 5 and st, 20, "5 alerts")
+        wait_until(lambda: states()[("GpuDown", "n1")]["state"] == "suppressed", 20,
+                   "GpuDown inhibited")
+        s = states()
+        assert s[("GpuDown", "n1")]["inhibitedBy"] and s[("RankHung", "n1")]["inhibitedBy"]
+        assert s[("RankHung", "n2")]["state"] == "active"
+        assert s[("NodeAgentDown", "n1")]["state"] == "active"
+        assert s[("JobStalled", "")]["state"] == "suppressed"  # the hung rank explains it
+        delivered = wait_until(lambda: {(a["labels"]["alertname"], a["labels"].get("node"))
+                                        for a in sink.alerts()} or None, 20, "webhook delivery")
+        wait_until(lambda: ("RankHung", "n2") in {(a["labels"]["alertname"], a["labels"].get(
+            "node")) for a in sink.alerts()}, 20, "RankHung n2 delivered")
+        delivered = {(a["labels"]["alertname"], a["labels"].get("node")) for a in sink.alerts()}
+        assert ("GpuDown", "n1") not in delivered and ("RankHung", "n1") not in delivered
+    finally:
+        am.stop()
+        sink.stop()
