@@ -60,10 +60,19 @@ class Consensus:
         flags_all = [int(t[0].item()) for t in out]
         restart = any(f & 1 for f in flags_all)
         checkpoint = any(f & 2 for f in flags_all)
-        medians = [t[1].item() for t in out]
-        # The lower median: with many ranks it is the median; with two it is the faster
-        # rank, so a 2x straggler scores 2, not 1.33 against the mean of itself and its peer.
-        typical = statistics.median_low(medians)
-        if self._windows_seen <= self.warmup_windows or typical <= 0:
+        if self._windows_seen <= self.warmup_windows:
             return restart, checkpoint, None
-        return restart, checkpoint, [m / typical for m in medians]
+        return restart, checkpoint, straggler_scores([t[1].item() for t in out])
+
+
+def straggler_scores(medians: list[float]) -> list[float] | None:
+    """Each rank's window median over the ranks' lower median (None if not measurable).
+
+    The lower median: with many ranks it is the median; with two it is the faster rank,
+    so a 2x straggler scores 2, not 1.33 against the mean of itself and its peer.
+    A whole-job slowdown moves every median alike and leaves every score at ~1.
+    """
+    typical = statistics.median_low(medians)
+    if typical <= 0:
+        return None
+    return [m / typical for m in medians]

@@ -213,7 +213,7 @@ class SimBackend:
             clock = m.max_sm_mhz * factor
         g.clock_factor = factor
         # Thermal inertia: first-order approach to the steady-state temperature.
-        resistance = m.thermal_resistance * (1.9 if g.overheat else 1.0)
+        resistance = m.thermal_resistance * (2.6 if g.overheat else 1.0)
         target = AMBIENT_CELSIUS + resistance * power
         g.temperature += (target - g.temperature) * (1 - math.exp(-dt / THERMAL_TAU_S))
         g.energy_joules += power * dt
