@@ -31,7 +31,8 @@ NUMBER_FIELDS = {
     "step_seconds", "compute_seconds", "sync_wait_seconds", "data_wait_seconds", "loss",
     "samples_total", "tokens_total", "straggler_score", "memory_bytes", "sync_bytes_total",
     "host_bytes_total", "checkpoint_step", "checkpoint_timestamp_seconds",
-    "checkpoint_blocking_seconds", "checkpoint_in_progress", "phase_seconds", "ts",
+    "checkpoint_blocking_seconds", "checkpoint_in_progress", "phase_seconds", "goodput_ratio",
+    "ts",
 }
 # What a rank is doing right now, from its heartbeat thread: a section name
 # ("data", "forward_backward", "optimizer", "checkpoint"), "sync" (waiting for peers

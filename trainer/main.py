@@ -210,6 +210,7 @@ class Trainer:
                 if first:
                     self.runstate.first_step_done(wall)
                 self.runstate.step_done(step, wall)
+                self.pulse.extra["goodput_ratio"] = round(self.runstate.goodput(), 4)
                 if time.time() - last_save_state > 1.0:
                     self.runstate.save(self.runstate_path)
                     last_save_state = time.time()
@@ -267,7 +268,7 @@ class Trainer:
                 "param_sha256": digest, "restarts": rs.restarts,
                 "steps_recomputed": recomputed, "time_lost_to_restarts_seconds": round(lost, 3),
                 "checkpoint_blocking_seconds": round(rs.checkpoint_blocking_seconds, 4),
-                "goodput": round(rs.productive_seconds / total_wall, 4) if total_wall else 0.0,
+                "goodput": round(rs.goodput(), 4),
                 "wall_seconds": round(total_wall, 3),
                 "consensus_seconds": round(self.pulse.consensus.seconds, 4),
                 "consensus_exchanges": self.pulse.consensus.exchanges,

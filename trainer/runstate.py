@@ -59,6 +59,10 @@ class RunState:
             r["downtime_seconds"] = round(time.time() - r["fault_unix"], 3)
             r["first_step_seconds"] = round(step_seconds, 4)
 
+    def goodput(self) -> float:
+        wall = time.time() - self.started_unix
+        return self.productive_seconds / wall if wall > 0 else 0.0
+
     def step_done(self, step: int, step_seconds: float) -> None:
         if step > self.last_step:
             self.productive_seconds += step_seconds

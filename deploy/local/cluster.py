@@ -1,9 +1,13 @@
 """The one-command local cluster: everything ClusterPulse needs, on this machine.
 
-Starts Prometheus (and Alertmanager when installed) with the project's rules, two
-simulated nodes (an agent each), and prints the URLs. Later stages add the training
-job and the dashboard. Ctrl-C (or SIGTERM) stops every process it started, in
-reverse order, and waits for them: nothing is left behind.
+Starts two simulated nodes (an agent each, 4 simulated GPUs), Prometheus and
+Alertmanager with the project's rules and config, the remediation policy receiver,
+a torchrun training job across both nodes (c10d rendezvous on loopback, one torchrun
+per node, --max-restarts), and the dashboard; prints the URLs and an operator
+password. A fault scenario plays on node 0 (thermal straggler, GPU lost) and a hang
+is injected into the job, so detection and recovery happen in front of you.
+Ctrl-C (or SIGTERM) stops every process it started, in reverse order, and waits for
+them: nothing is left behind.
 """
 
 from __future__ import annotations
@@ -66,6 +70,39 @@ class Stack:
                 p.wait()
 
 
+REMEDIATION_PORT = 19495  # deploy/alertmanager/alertmanager.yml sends its webhooks here
+
+
+def operator_password(state: Path) -> str:
+    """A fresh random operator password per start; only its hash is written."""
+    from dashboard.auth import hash_password
+
+    password = secrets.token_urlsafe(12)
+    path = state / "operators.toml"
+    path.write_text(f'[operators]\nadmin = "{hash_password(password)}"\n')
+    path.chmod(0o600)
+    return password
+
+
+def start_job(stack: Stack, args: argparse.Namespace, state: Path, port: int) -> None:
+    """One torchrun per simulated node, rendezvous over c10d on loopback: a real
+    multi-node job whose ranks report to their own node's agent."""
+    from trainer.launch import build_command
+
+    for i in range(args.nodes):
+        inject = [] if args.scenario == "none" else ["--inject", "hang:rank=1:step=1500"]
+        cmd = build_command([
+            "--nproc", str(args.ranks_per_node), "--nnodes", str(args.nodes),
+            "--rdzv-endpoint", f"127.0.0.1:{port + 97}", "--rdzv-id", "demo",
+            "--max-restarts", "100", "--",
+            "--preset", "tiny", "--steps", str(args.steps), "--run-id", "demo",
+            "--ckpt-dir", str(state / "checkpoints"), "--ckpt-every", "50", "--async-ckpt",
+            "--sim-compute-seconds", "0.15", "--agent", f"127.0.0.1:{port + 2 * i + 1}",
+            "--log-every", "100", *inject])
+        stack.start(f"trainer-node-{i}", cmd, env={"OMP_NUM_THREADS": "1",
+                                                    "PYTHONPATH": str(REPO)})
+
+
 def wait_http(url: str, timeout: float) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -91,6 +128,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="first port; the stack uses a few after it (default: 19400)")
     p.add_argument("--duration", type=float, default=0,
                    help="stop after this many seconds (default: run until Ctrl-C)")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="default: 2")
+    p.add_argument("--steps", type=int, default=100000, help="training steps (default: 100000)")
+    p.add_argument("--no-job", action="store_true", help="start no training job")
+    p.add_argument("--no-dashboard", action="store_true", help="start no dashboard")
     return p.parse_args(argv)
 
 
@@ -108,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     port = args.base_port
     prom_port, am_port, agent_ports = port + 90, port + 93, []
+    if port + 97 > 65535:
+        print("demo: --base-port too high", file=sys.stderr)
+        return 2
     stack = Stack(state)
     stopping = False
 
@@ -149,14 +193,40 @@ def main(argv: list[str] | None = None) -> int:
                                          "--cluster.listen-address="])
         urls = {f"agent {i}": f"http://127.0.0.1:{p}/metrics" for i, p in enumerate(agent_ports)}
         urls["prometheus"] = f"http://127.0.0.1:{prom_port}"
+        if am_bin and am_config.exists():
+            urls["alertmanager"] = f"http://127.0.0.1:{am_port}"
+        stack.start("remediation", [
+            sys.executable, "-m", "dashboard.remediation", "--policy", str(HERE / "policy.toml"),
+            "--listen", f"127.0.0.1:{REMEDIATION_PORT}", "--prometheus", urls["prometheus"],
+            "--token-file", str(token_file), "--audit-log", str(state / "audit.jsonl"),
+            "--history", str(state / "alert-history.jsonl")])
+        if not args.no_job:
+            start_job(stack, args, state, port)
+        password = None
+        if not args.no_dashboard:
+            password = operator_password(state)
+            stack.start("dashboard", [
+                sys.executable, "-m", "dashboard.cli", "--prometheus", urls["prometheus"],
+                "--alertmanager", f"http://127.0.0.1:{am_port}", "--port", str(port + 95),
+                "--token-file", str(token_file), "--operators-file",
+                str(state / "operators.toml"), "--audit-log", str(state / "audit.jsonl")])
+            urls["dashboard"] = f"http://127.0.0.1:{port + 95}"
         for name, url in urls.items():
-            probe = url.replace("/metrics", "/healthz") if "agent" in name else url + "/-/ready"
-            if not wait_http(probe, 30):
+            probe = {"dashboard": url + "/_stcore/health"}.get(
+                name, url.replace("/metrics", "/healthz") if "agent" in name else url + "/-/ready")
+            if not wait_http(probe, 60):
                 print(f"demo: {name} did not come up; see logs in {state}", file=sys.stderr)
                 return 1
         print("ClusterPulse local cluster is up:")
         for name, url in urls.items():
             print(f"  {name:12s} {url}")
+        if password:
+            print(f"  operator     name 'admin', password '{password}' (hash in "
+                  f"{state / 'operators.toml'})")
+        if not args.no_job:
+            print("  job          run 'demo', 2 nodes x "
+                  f"{args.ranks_per_node} ranks; faults: GPU 1 of sim-node-0 overheats at "
+                  "60 s, rank 1 hangs at step 1500, GPU 3 is lost at 240 s")
         print(f"  logs         {state}\nPress Ctrl-C to stop.", flush=True)
         started = time.time()
         while not stopping:

@@ -1,0 +1,20 @@
+"""ClusterPulse dashboard: `clusterpulse-dashboard` (or `streamlit run dashboard/app.py`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+
+PAGES = Path(__file__).parent / "pages"
+
+st.set_page_config(page_title="ClusterPulse", page_icon=":material/monitor_heart:",
+                   layout="wide")
+nav = st.navigation([
+    st.Page(PAGES / "cluster.py", title="Cluster", icon=":material/dns:", default=True),
+    st.Page(PAGES / "node.py", title="Node", icon=":material/memory:"),
+    st.Page(PAGES / "run.py", title="Run", icon=":material/model_training:"),
+    st.Page(PAGES / "alerts.py", title="Alerts", icon=":material/notifications:"),
+    st.Page(PAGES / "audit.py", title="Audit", icon=":material/receipt_long:"),
+])
+nav.run()

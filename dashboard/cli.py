@@ -1,0 +1,51 @@
+"""`clusterpulse-dashboard`: start the Streamlit dashboard with its settings."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EXAMPLES = """\
+examples:
+  clusterpulse-dashboard --prometheus http://127.0.0.1:9090 --alertmanager http://127.0.0.1:9093
+  clusterpulse-dashboard --port 8501 --operators-file /etc/clusterpulse/operators.toml \\
+      --token-file /etc/clusterpulse/token --audit-log /var/log/clusterpulse/audit.jsonl
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="clusterpulse-dashboard", description=__doc__,
+                                epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prometheus", default="http://127.0.0.1:9090",
+                   help="Prometheus-compatible API URL")
+    p.add_argument("--alertmanager", default="http://127.0.0.1:9093")
+    p.add_argument("--address", default="127.0.0.1", help="listen address (default: localhost)")
+    p.add_argument("--port", type=int, default=8501)
+    p.add_argument("--token-file", type=Path, help="agents' control API token (for actions)")
+    p.add_argument("--operators-file", type=Path, help="TOML [operators] name = hash")
+    p.add_argument("--audit-log", type=Path, default=Path("clusterpulse-audit.jsonl"))
+    p.add_argument("--refresh", type=float, default=5, help="seconds between refreshes")
+    a = p.parse_args(argv)
+    env = {"CLUSTERPULSE_PROMETHEUS_URL": a.prometheus,
+           "CLUSTERPULSE_ALERTMANAGER_URL": a.alertmanager,
+           "CLUSTERPULSE_AUDIT_LOG": str(a.audit_log.resolve()),
+           "CLUSTERPULSE_REFRESH_S": str(a.refresh)}
+    if a.token_file:
+        env["CLUSTERPULSE_AGENT_TOKEN_FILE"] = str(a.token_file.resolve())
+    if a.operators_file:
+        env["CLUSTERPULSE_OPERATORS_FILE"] = str(a.operators_file.resolve())
+    os.environ.update(env)
+    app = Path(__file__).with_name("app.py")
+    args = [sys.executable, "-m", "streamlit", "run", str(app),
+            f"--server.address={a.address}", f"--server.port={a.port}",
+            "--server.headless=true", "--browser.gatherUsageStats=false",
+            "--server.fileWatcherType=none"]
+    os.execv(sys.executable, args)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

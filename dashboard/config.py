@@ -1,0 +1,40 @@
+"""Dashboard settings, from the environment (so one container image serves any
+cluster). Credentials never come from here: see dashboard/auth.py."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    prometheus_url: str
+    alertmanager_url: str
+    agent_token_file: Path | None
+    audit_log: Path
+    refresh_s: float
+    operators_file: Path | None
+
+    def agent_token(self) -> str | None:
+        if self.agent_token_file is None:
+            return None
+        try:
+            return self.agent_token_file.read_text().strip() or None
+        except OSError:
+            return None
+
+
+def from_env(env: dict[str, str] | None = None) -> Settings:
+    e = os.environ if env is None else env
+    token = e.get("CLUSTERPULSE_AGENT_TOKEN_FILE")
+    operators = e.get("CLUSTERPULSE_OPERATORS_FILE")
+    return Settings(
+        prometheus_url=e.get("CLUSTERPULSE_PROMETHEUS_URL", "http://127.0.0.1:9090"),
+        alertmanager_url=e.get("CLUSTERPULSE_ALERTMANAGER_URL", "http://127.0.0.1:9093"),
+        agent_token_file=Path(token) if token else None,
+        audit_log=Path(e.get("CLUSTERPULSE_AUDIT_LOG", "clusterpulse-audit.jsonl")),
+        refresh_s=float(e.get("CLUSTERPULSE_REFRESH_S", "5")),
+        operators_file=Path(operators) if operators else None,
+    )

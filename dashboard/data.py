@@ -1,0 +1,213 @@
+"""What the pages show, fetched with a small, fixed number of PromQL queries per page.
+
+Every fetch goes through `cached`: results are shared between all viewers of this
+server for one refresh interval (st.cache_data is process-wide), so ten viewers cost
+Prometheus what one does. When Prometheus is down, the last good result is returned
+marked stale with the reason, never an exception.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from dashboard.amclient import AlertmanagerClient, AlertmanagerUnavailable
+from dashboard.config import Settings
+from dashboard.promclient import PrometheusClient, PrometheusError
+
+# name -> (PromQL per node and GPU, unit, higher is worse?)
+HEATMAP_METRICS = {
+    "utilization": ("clusterpulse_gpu_utilization_ratio * 100", "%"),
+    "temperature": ("clusterpulse_gpu_temperature_celsius", "°C"),
+    "power": ("clusterpulse_gpu_power_watts", "W"),
+    "memory": ("100 * clusterpulse_gpu_memory_used_bytes / clusterpulse_gpu_memory_total_bytes",
+               "% used"),
+    "clocks": ("100 * clusterpulse_gpu_sm_clock_hertz / clusterpulse_gpu_sm_clock_max_hertz",
+               "% of max"),
+    "errors": ("sum by (node, gpu) (clusterpulse:gpu_xid_recent) or "
+               "0 * max by (node, gpu) (clusterpulse_gpu_up)", "XIDs / 10 min"),
+}
+
+
+@dataclass
+class Result:
+    value: Any
+    stale: bool = False
+    error: str = ""
+    fetched_at: float = field(default_factory=time.time)
+
+
+_last_good: dict[str, Result] = {}
+
+
+def _guard(key: str, fn: Callable[[], Any]) -> Result:
+    try:
+        value = fn()
+    except (PrometheusError, AlertmanagerUnavailable) as err:
+        last = _last_good.get(key)
+        return Result(last.value if last else None, stale=True, error=str(err),
+                      fetched_at=last.fetched_at if last else 0.0)
+    result = Result(value)
+    _last_good[key] = result
+    return result
+
+
+def _frame(samples, value: str = "value") -> pd.DataFrame:
+    return pd.DataFrame([{**s.labels, value: s.value} for s in samples])
+
+
+# -- the cluster page (6 queries + 1 Alertmanager call) -----------------------------
+@st.cache_data(ttl=5, show_spinner=False)
+def cluster(prom_url: str, am_url: str, metric: str) -> Result:
+    def fetch() -> dict:
+        prom = PrometheusClient(prom_url)
+        expr, unit = HEATMAP_METRICS[metric]
+        nodes = _frame(prom.query(
+            'max by (node, instance) (up{job=~"clusterpulse.*"} * on (instance) group_left (node)'
+            ' max by (instance, node) (max_over_time(clusterpulse_agent_build_info[1h])))'), "up")
+        gpus = _frame(prom.query("max by (node, gpu, uuid) (clusterpulse_gpu_up)"), "up")
+        heat = _frame(prom.query(f"max by (node, gpu) ({expr})"))
+        down = _frame(prom.query("max by (node, gpu, reason) (clusterpulse_gpu_down_reason)"))
+        runs = _frame(prom.query("clusterpulse:run_step"), "step")
+        goodput = _frame(prom.query("max by (run) (clusterpulse_trainer_goodput_ratio)"),
+                         "goodput")
+        try:
+            alerts = AlertmanagerClient(am_url).alerts()
+            am_error = ""
+        except AlertmanagerUnavailable as err:
+            alerts, am_error = [], str(err)
+        return {"nodes": nodes, "gpus": gpus, "heat": heat, "unit": unit, "down": down,
+                "runs": runs, "goodput": goodput, "alerts": alerts, "am_error": am_error,
+                "queries": prom.queries}
+
+    return _guard(f"cluster:{prom_url}:{metric}", fetch)
+
+
+# -- the node page --------------------------------------------------------------------
+NODE_SERIES = {
+    "utilization %": "100 * clusterpulse_gpu_utilization_ratio{node=NODE}",
+    "temperature °C": "clusterpulse_gpu_temperature_celsius{node=NODE}",
+    "power W": "clusterpulse_gpu_power_watts{node=NODE}",
+    "SM clock MHz": "clusterpulse_gpu_sm_clock_hertz{node=NODE} / 1e6",
+    "memory used GiB": "clusterpulse_gpu_memory_used_bytes{node=NODE} / 2^30",
+    "PCIe rx MB/s": "rate(clusterpulse_gpu_pcie_rx_bytes_total{node=NODE}[1m]) / 1e6",
+    "NVLink tx MB/s": "rate(clusterpulse_gpu_nvlink_tx_bytes_total{node=NODE}[1m]) / 1e6",
+}
+
+
+@st.cache_data(ttl=5, show_spinner=False)
+def node(prom_url: str, name: str, range_s: int) -> Result:
+    def fetch() -> dict:
+        prom = PrometheusClient(prom_url)
+        end = time.time()
+        step = max(1.0, range_s / 200)
+        sel = f'"{name}"'
+        series = {}
+        for title, expr in NODE_SERIES.items():
+            rows = prom.query_range(f"max by (gpu) ({expr.replace('NODE', sel)})",
+                                    end - range_s, end, step)
+            series[title] = _wide(rows, "gpu")
+        throttle = prom.query_range(
+            f'max by (gpu, reason) (clusterpulse_gpu_clock_event_active{{node={sel},'
+            f'reason!="gpu_idle"}} == 1)', end - range_s, end, step)
+        events = _frame(prom.query(
+            f'sum by (gpu, xid) (clusterpulse:gpu_xid_recent{{node={sel}}})'), "count")
+        ecc = _frame(prom.query(
+            f'max by (gpu, kind) (clusterpulse_gpu_ecc_errors_total{{node={sel}}})'), "count")
+        return {"series": series, "throttle": [(r.labels, r.points) for r in throttle],
+                "xid": events, "ecc": ecc, "queries": prom.queries}
+
+    return _guard(f"node:{prom_url}:{name}:{range_s}", fetch)
+
+
+def _wide(rows, key: str) -> pd.DataFrame:
+    frames = [pd.Series({pd.Timestamp(t, unit="s"): v for t, v in r.points},
+                        name=f"{key} {r.labels.get(key, '?')}") for r in rows]
+    return pd.concat(frames, axis=1).sort_index() if frames else pd.DataFrame()
+
+
+@st.cache_data(ttl=5, show_spinner=False)
+def node_names(prom_url: str) -> Result:
+    return _guard("node-names", lambda: sorted({s.labels["node"] for s in PrometheusClient(
+        prom_url).query("max by (node) (clusterpulse_agent_build_info)")}))
+
+
+@st.cache_data(ttl=5, show_spinner=False)
+def run_names(prom_url: str) -> Result:
+    return _guard("run-names", lambda: sorted({s.labels["run"] for s in PrometheusClient(
+        prom_url).query("clusterpulse:run_step")}))
+
+
+# -- the run page ---------------------------------------------------------------------
+@st.cache_data(ttl=5, show_spinner=False)
+def run(prom_url: str, name: str, range_s: int) -> Result:
+    def fetch() -> dict:
+        prom = PrometheusClient(prom_url)
+        end = time.time()
+        step = max(1.0, range_s / 200)
+        sel = f'run="{name}"'
+        ranks = _frame(prom.query(
+            f"max by (run, rank, node, local_rank, gpu, pid) "
+            f"(clusterpulse_trainer_rank_info{{{sel}}})"), "info")
+        per_rank = {}
+        t = "clusterpulse_trainer_"
+        for col, metric in [("step", "clusterpulse_trainer_step"),
+                            ("score", "clusterpulse_trainer_straggler_score"),
+                            ("compute s", "clusterpulse_trainer_compute_seconds"),
+                            ("sync wait s", "clusterpulse_trainer_sync_wait_seconds"),
+                            ("data wait s", "clusterpulse_trainer_data_wait_seconds"),
+                            ("heartbeat age s", "clusterpulse_trainer_heartbeat_age_seconds"),
+                            ("restarts", "clusterpulse_trainer_restarts_total"),
+                            ("checkpoint step", "clusterpulse_trainer_checkpoint_last_step"),
+                            ("checkpoint time", t + "checkpoint_last_timestamp_seconds"),
+                            ("checkpoint blocking s", t + "checkpoint_blocking_seconds"),
+                            ("loss", "clusterpulse_trainer_loss"),
+                            ("goodput", "clusterpulse_trainer_goodput_ratio")]:
+            per_rank[col] = {s.labels["rank"]: s.value for s in prom.query(
+                f"max by (rank) ({metric}{{{sel}}})")}
+        causes = {s.labels["rank"]: s.labels.get("cause", "") for s in prom.query(
+            f"clusterpulse:rank_straggler_cause{{{sel}}}")}
+        evidence = {s.labels["rank"]: s.value for s in prom.query(
+            f"max by (rank) (clusterpulse:rank_gpu{{{sel}}} * on (node, gpu) group_left () "
+            f"max by (node, gpu) (clusterpulse_gpu_temperature_celsius))")}
+        compute = prom.query_range(f"max by (rank) (clusterpulse_trainer_compute_seconds{{{sel}}})",
+                                   end - range_s, end, step)
+        loss = prom.query_range(f"avg (clusterpulse_trainer_loss{{{sel}}})", end - range_s, end,
+                                step)
+        rate = prom.query(f"sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}[1m]))")
+        restarts = prom.query_range(f"max (clusterpulse_trainer_restarts_total{{{sel}}})",
+                                    end - range_s, end, step)
+        return {"ranks": ranks, "per_rank": per_rank, "causes": causes, "gpu_temp": evidence,
+                "compute": _wide(compute, "rank"), "loss": _wide(loss, "run"),
+                "step_rate": rate[0].value if rate else 0.0,
+                "restarts": _wide(restarts, "run"), "queries": prom.queries}
+
+    return _guard(f"run:{prom_url}:{name}:{range_s}", fetch)
+
+
+# -- alerts ---------------------------------------------------------------------------
+@st.cache_data(ttl=5, show_spinner=False)
+def alerts(prom_url: str, am_url: str, range_s: int) -> Result:
+    def fetch() -> dict:
+        active = AlertmanagerClient(am_url).alerts()
+        end = time.time()
+        hist = PrometheusClient(prom_url).query_range(
+            'ALERTS{alertstate="firing"}', end - range_s, end, max(5.0, range_s / 200))
+        history = [{"alert": r.labels.get("alertname"), "severity": r.labels.get("severity"),
+                    "labels": ", ".join(f"{k}={v}" for k, v in sorted(r.labels.items())
+                                        if k not in ("alertname", "alertstate", "severity",
+                                                     "__name__")),
+                    "first seen": pd.Timestamp(r.points[0][0], unit="s"),
+                    "last seen": pd.Timestamp(r.points[-1][0], unit="s")} for r in hist]
+        return {"active": active, "history": pd.DataFrame(history)}
+
+    return _guard(f"alerts:{prom_url}:{range_s}", fetch)
+
+
+def settings_key(s: Settings) -> tuple[str, str]:
+    return s.prometheus_url, s.alertmanager_url

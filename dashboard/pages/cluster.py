@@ -1,0 +1,68 @@
+"""Cluster: the fleet at a glance, and what is unhealthy and why."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import data, ui
+
+s = ui.settings()
+st.title("Cluster")
+ui.operator()
+metric = st.sidebar.selectbox("Heatmap metric", list(data.HEATMAP_METRICS), key="heat_metric")
+
+
+@st.fragment(run_every=s.refresh_s)
+def live() -> None:
+    result = data.cluster(s.prometheus_url, s.alertmanager_url, metric)
+    if not ui.show_status(result):
+        return
+    d = result.value
+    nodes, gpus = d["nodes"], d["gpus"]
+    n_up = int(nodes["up"].sum()) if not nodes.empty else 0
+    g_up = int(gpus["up"].sum()) if not gpus.empty else 0
+    active = [a for a in d["alerts"] if a.state == "active"]
+    c = st.columns(5)
+    c[0].metric("Nodes up", f"{n_up} / {len(nodes)}")
+    c[1].metric("Healthy GPUs", f"{g_up} / {len(gpus)}")
+    c[2].metric("Critical alerts", sum(a.severity == "critical" for a in active))
+    c[3].metric("Warnings", sum(a.severity == "warning" for a in active))
+    runs = d["runs"]
+    c[4].metric("Running jobs", len(runs))
+    if d["am_error"]:
+        st.warning(d["am_error"])
+    heat = d["heat"]
+    st.subheader(f"{metric.capitalize()} ({d['unit']}) by node x GPU")
+    if heat.empty:
+        st.info("No GPU data yet.")
+    else:
+        heat = heat.assign(gpu=heat["gpu"].astype(int)).sort_values(["node", "gpu"])
+        good_high = metric in ("utilization", "clocks")
+        ui.heatmap(heat, "gpu", "node", "value", d["unit"],
+                   scheme="blues" if good_high else "redyellowgreen", reverse=not good_high,
+                   height=max(120, 22 * heat["node"].nunique()))
+    st.subheader("Unhealthy GPUs and nodes")
+    rows = []
+    for _, r in d["down"].iterrows() if not d["down"].empty else []:
+        rows.append({"node": r["node"], "gpu": r["gpu"], "problem": f"GPU down: {r['reason']}"})
+    for _, r in nodes[nodes["up"] == 0].iterrows() if not nodes.empty else []:
+        rows.append({"node": r["node"], "gpu": "", "problem": "agent unreachable"})
+    for a in active:
+        if "node" in a.labels and a.name not in ("GpuDown", "NodeAgentDown"):
+            rows.append({"node": a.labels["node"], "gpu": a.labels.get("gpu", ""),
+                         "problem": a.annotations.get("summary", a.name)})
+    if rows:
+        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    else:
+        st.success("All nodes and GPUs healthy.")
+    if not runs.empty:
+        st.subheader("Jobs")
+        jobs = runs[["run", "step"]].merge(d["goodput"], on="run", how="left") \
+            if not d["goodput"].empty else runs[["run", "step"]]
+        st.dataframe(jobs, hide_index=True, width="stretch")
+    st.caption(f"{d['queries']} PromQL queries per refresh, shared by all viewers · "
+               f"refresh every {s.refresh_s:.0f} s")
+
+
+live()

@@ -1,0 +1,51 @@
+"""Node: per-GPU time series, throttle reasons over time, XID and ECC events."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import data, ui
+
+s = ui.settings()
+st.title("Node")
+ui.operator()
+range_s = ui.time_range()
+names = data.node_names(s.prometheus_url)
+ui.show_status(names)
+if not names.value:
+    st.info("No node reports yet.")
+    st.stop()
+node = st.selectbox("Node", names.value, key="node")
+
+
+@st.fragment(run_every=s.refresh_s)
+def live() -> None:
+    result = data.node(s.prometheus_url, node, range_s)
+    if not ui.show_status(result):
+        return
+    d = result.value
+    cols = st.columns(2)
+    for i, (title, frame) in enumerate(d["series"].items()):
+        with cols[i % 2]:
+            st.markdown(f"**{title}**")
+            if frame.empty:
+                st.caption("not reported")
+            else:
+                st.line_chart(frame, height=180)
+    st.subheader("Throttle reasons over time")
+    rows = [{"gpu": lb.get("gpu"), "reason": lb.get("reason"),
+             "from": pd.Timestamp(pts[0][0], unit="s"), "until": pd.Timestamp(pts[-1][0], unit="s")}
+            for lb, pts in d["throttle"]]
+    if rows:
+        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    else:
+        st.caption("No throttling in this range.")
+    c1, c2 = st.columns(2)
+    c1.markdown("**XID errors (last 10 min)**")
+    c1.dataframe(d["xid"], hide_index=True) if not d["xid"].empty else c1.caption("none")
+    c2.markdown("**ECC error counters**")
+    c2.dataframe(d["ecc"], hide_index=True) if not d["ecc"].empty else c2.caption("none")
+
+
+live()

@@ -1,0 +1,131 @@
+"""Run: progress, the straggler table with evidence, heartbeats, checkpoints,
+restarts, goodput, and the actions (checkpoint-restart, hard restart)."""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import actions, data, ui
+from dashboard.promclient import PrometheusClient, PrometheusError
+
+s = ui.settings()
+st.title("Run")
+who = ui.operator()
+range_s = ui.time_range()
+names = data.run_names(s.prometheus_url)
+ui.show_status(names)
+if not names.value:
+    st.info("No training run reports yet.")
+    st.stop()
+run = st.selectbox("Run", names.value, key="run")
+
+
+def straggler_table(d: dict) -> pd.DataFrame:
+    ranks = d["ranks"]
+    if ranks.empty:
+        return ranks
+    per = d["per_rank"]
+    out = ranks[["rank", "node", "local_rank", "gpu", "pid"]].copy()
+    for col in ("score", "compute s", "sync wait s", "data wait s", "heartbeat age s", "step"):
+        out[col] = out["rank"].map(per[col])
+    out["cause"] = out["rank"].map(d["causes"])
+    out["GPU °C"] = out["rank"].map(d["gpu_temp"])
+    out["flag"] = out["score"].map(lambda x: "STRAGGLER" if x and x > 1.1 else "")
+    return out.sort_values("score", ascending=False)
+
+
+@st.fragment(run_every=s.refresh_s)
+def live() -> None:
+    result = data.run(s.prometheus_url, run, range_s)
+    if not ui.show_status(result):
+        return
+    d = result.value
+    per = d["per_rank"]
+    step = max(per["step"].values(), default=0)
+    ckpt_step = max(per["checkpoint step"].values(), default=None)
+    ckpt_time = max(per["checkpoint time"].values(), default=None)
+    c = st.columns(6)
+    c[0].metric("Step", f"{step:.0f}")
+    c[1].metric("Steps / s", f"{d['step_rate']:.2f}")
+    c[2].metric("Loss", f"{per['loss'].get('0', float('nan')):.3f}")
+    c[3].metric("Restarts", f"{max(per['restarts'].values(), default=0):.0f}")
+    c[4].metric("Goodput", f"{per['goodput'].get('0', 0) * 100:.0f} %")
+    c[5].metric("Last checkpoint", "none" if ckpt_step is None else
+                f"step {ckpt_step:.0f}, {time.time() - ckpt_time:.0f} s ago")
+    st.subheader("Ranks (straggler table)")
+    table = straggler_table(d)
+    st.dataframe(table, hide_index=True, width="stretch")
+    flagged = table[table["flag"] != ""] if not table.empty else table
+    for _, r in flagged.iterrows():
+        st.warning(f"Rank {r['rank']} on {r['node']} GPU {r['gpu']} is {r['score']:.2f}x the "
+                   f"typical rank — cause: **{r['cause']}** (GPU at {r['GPU °C']:.0f} °C, "
+                   f"data wait {r['data wait s'] * 1e3:.0f} ms, sync wait "
+                   f"{r['sync wait s'] * 1e3:.0f} ms)")
+    left, right = st.columns(2)
+    with left:
+        st.markdown("**Compute time per rank (s)**")
+        comp = d["compute"]
+        if not comp.empty:
+            long = comp.tail(40).reset_index(names="time").melt(
+                id_vars="time", var_name="rank", value_name="seconds").dropna()
+            long["time"] = long["time"].dt.strftime("%H:%M:%S")
+            ui.heatmap(long, "time", "rank", "seconds", "compute s", scheme="yelloworangered",
+                       reverse=False, height=60 + 22 * long["rank"].nunique())
+    with right:
+        st.markdown("**Loss**")
+        if not d["loss"].empty:
+            st.line_chart(d["loss"], height=200)
+        st.markdown("**Restarts over time**")
+        if not d["restarts"].empty:
+            st.line_chart(d["restarts"], height=120)
+    blocking = max(per["checkpoint blocking s"].values(), default=0.0)
+    st.caption(f"Checkpoint blocking (last): {blocking * 1e3:.0f} ms · {d['queries']} queries")
+
+
+live()
+
+st.subheader("Actions")
+if who is None:
+    st.info("Viewers are read-only: sign in as an operator (sidebar) to restart this run.")
+else:
+    with st.form("action"):
+        kind = st.radio("Action", ["checkpoint-restart (graceful, no step lost)",
+                                   "restart (hard, from the last checkpoint)"], key="kind")
+        reason = st.text_input("Reason (audited)", key="reason")
+        confirm = st.checkbox(f"I confirm: restart run {run}", key="confirm")
+        go = st.form_submit_button("Request", type="primary")
+    if go:
+        if not confirm:
+            st.error("Tick the confirmation first.")
+        else:
+            action = kind.split(" ")[0]
+            try:
+                results = actions.request_action(PrometheusClient(s.prometheus_url), run, action,
+                                                 reason, who, s.agent_token(), ui.audit_log())
+                st.session_state["last_action"] = {"run": run, "results": results,
+                                                   "at": time.time()}
+            except (actions.ActionError, PrometheusError) as err:
+                st.error(f"Not sent: {err}")
+
+last = st.session_state.get("last_action")
+if last and last["run"] == run:
+
+    @st.fragment(run_every=2)
+    def progress() -> None:
+        results = actions.command_states(last["results"], s.agent_token())
+        done = all(r.state in ("completed", "failed") or not r.ok for r in results)
+        st.dataframe(pd.DataFrame([{"node": r.node, "command": r.command or "-",
+                                    "state": r.state if r.ok else "not sent",
+                                    "detail": r.error} for r in results]),
+                     hide_index=True, width="stretch")
+        if done and all(r.ok and r.state == "completed" for r in results):
+            st.success("All ranks resumed.")
+        elif done:
+            st.error("Some nodes failed: see the table.")
+        else:
+            st.info("Waiting for the ranks to checkpoint, restart and resume …")
+
+    progress()

@@ -1,0 +1,78 @@
+"""A typed client for the Prometheus HTTP API (and compatible ones: Thanos, Mimir,
+VictoriaMetrics). Timeouts on every call; Prometheus's own error bodies parsed into
+the exception text; "unreachable" kept apart from "query rejected" so the dashboard
+can say which."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+
+class PrometheusError(Exception):
+    """Prometheus answered, but with an error (bad query, timeout, overload)."""
+
+
+class PrometheusUnavailable(PrometheusError):
+    """Prometheus could not be reached at all."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    labels: dict[str, str]
+    value: float
+
+
+@dataclass(frozen=True)
+class Series:
+    labels: dict[str, str]
+    points: list[tuple[float, float]]  # (unix time, value)
+
+
+class PrometheusClient:
+    def __init__(self, url: str, timeout_s: float = 5.0,
+                 session: requests.Session | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.session = session or requests.Session()
+        self.queries = 0  # issued, for benchmarks and the dashboard's footer
+
+    def _get(self, path: str, params: dict[str, Any]) -> Any:
+        self.queries += 1
+        try:
+            r = self.session.get(self.url + path, params=params, timeout=self.timeout_s)
+        except requests.RequestException as err:
+            raise PrometheusUnavailable(f"Prometheus at {self.url} is unreachable: "
+                                        f"{type(err).__name__}") from None
+        try:
+            body = r.json()
+        except ValueError:
+            raise PrometheusError(f"Prometheus answered HTTP {r.status_code} without JSON "
+                                  f"(is {self.url} a Prometheus API?)") from None
+        if body.get("status") != "success":
+            raise PrometheusError(f"{body.get('errorType', 'error')}: "
+                                  f"{body.get('error', 'unknown error')}")
+        return body["data"]
+
+    def query(self, promql: str, at: float | None = None) -> list[Sample]:
+        params: dict[str, Any] = {"query": promql}
+        if at is not None:
+            params["time"] = at
+        data = self._get("/api/v1/query", params)
+        if data["resultType"] == "scalar":
+            return [Sample({}, float(data["result"][1]))]
+        return [Sample(s["metric"], float(s["value"][1])) for s in data["result"]]
+
+    def query_range(self, promql: str, start: float, end: float, step: float) -> list[Series]:
+        data = self._get("/api/v1/query_range",
+                         {"query": promql, "start": start, "end": end, "step": step})
+        return [Series(s["metric"], [(float(t), float(v)) for t, v in s["values"]])
+                for s in data["result"]]
+
+    def ready(self) -> bool:
+        try:
+            return self.session.get(self.url + "/-/ready", timeout=self.timeout_s).ok
+        except requests.RequestException:
+            return False

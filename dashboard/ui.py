@@ -1,0 +1,97 @@
+"""Pieces every page shares: settings, the stale-data banner, the time range, and
+the operator login (viewers are read-only)."""
+
+from __future__ import annotations
+
+import time
+
+import streamlit as st
+
+from agent.audit import AuditLog
+from dashboard import auth, config
+from dashboard.data import Result
+
+RANGES = {"15 min": 900, "1 h": 3600, "6 h": 21600, "24 h": 86400}
+
+
+def settings() -> config.Settings:
+    return config.from_env()  # cheap; read per run so a changed environment takes effect
+
+
+def audit_log() -> AuditLog:
+    return AuditLog(settings().audit_log)
+
+
+def show_status(result: Result, what: str = "Prometheus") -> bool:
+    """A banner when data is stale; True if there is anything to show."""
+    if result.stale:
+        age = f"{time.time() - result.fetched_at:.0f} s old" if result.fetched_at else "none yet"
+        st.error(f"{what} is unavailable — showing the last data ({age}). {result.error}",
+                 icon=":material/warning:")
+    return result.value is not None
+
+
+def time_range() -> int:
+    label = st.sidebar.selectbox("Time range", list(RANGES), index=0, key="range")
+    return RANGES[label]
+
+
+def _secrets_section(name: str) -> dict | None:
+    try:
+        return dict(st.secrets[name]) if name in st.secrets else None
+    except Exception:  # no secrets file at all: that is fine
+        return None
+
+
+def operator() -> str | None:
+    """The signed-in operator's name, or None for a viewer. Renders the sign-in box."""
+    box = st.sidebar.container(border=True)
+    oidc = _secrets_section("auth")
+    if oidc:
+        allowed = set((_secrets_section("operators_oidc") or {}).get("emails", []))
+        if not st.user.is_logged_in:
+            box.button("Sign in (SSO)", on_click=st.login)
+            return None
+        email = st.user.get("email", "")
+        box.caption(f"Signed in as {email}")
+        box.button("Sign out", on_click=st.logout)
+        return email if email in allowed else None
+    who = st.session_state.get("operator")
+    if who:
+        box.caption(f"Operator: **{who}**")
+        if box.button("Sign out"):
+            del st.session_state["operator"]
+            st.rerun()
+        return who
+    box.caption("Viewer (read-only). Operators sign in to act.")
+    with box.form("login", clear_on_submit=True):
+        name = st.text_input("Operator", key="login_name")
+        password = st.text_input("Password", type="password", key="login_password")
+        if st.form_submit_button("Sign in"):
+            ops = auth.load_operators(settings().operators_file, _secrets_section("operators"))
+            if auth.authenticate(name, password, ops):
+                st.session_state["operator"] = name
+                audit_log().write(name, "sign-in", "dashboard", "ok", source="dashboard")
+                st.rerun()
+            else:
+                audit_log().write(name or "?", "sign-in", "dashboard", "refused",
+                                  source="dashboard")
+                st.error("Wrong operator name or password.")
+    return None
+
+
+def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = "redyellowgreen",
+            reverse: bool = True, height: int | None = None) -> None:
+    """A node x GPU (or rank x time) heatmap with Altair, which Streamlit ships."""
+    import altair as alt
+
+    chart = alt.Chart(frame).mark_rect().encode(
+        x=alt.X(f"{x}:O", sort=None, title=x),
+        y=alt.Y(f"{y}:O", sort=None, title=y),
+        color=alt.Color(f"{value}:Q", title=title,
+                        scale=alt.Scale(scheme=scheme, reverse=reverse)),
+        tooltip=[x, y, alt.Tooltip(f"{value}:Q", format=".2f")],
+    )
+    if height:
+        chart = chart.properties(height=height)
+    st.altair_chart(chart, width="stretch")

@@ -1,0 +1,123 @@
+"""The remediation policy and clusterpulse-ctl against a real agent and a real
+Prometheus; ranks are real processes that report over the real UDP channel."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from agent import protocol
+from agent.audit import AuditLog
+from dashboard.promclient import PrometheusClient
+from dashboard.remediation import Policy, PolicyError, Remediator, Rule, serve
+from tests.support.procs import REPO, Prometheus, start_agent_cli, wait_until
+
+pytestmark = pytest.mark.integration
+TOKEN = "remediation-token-0123456789"
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    agent, port, tport = start_agent_cli(tmp_path, "node-r", gpus=2, token_file=token)
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.sendto(protocol.encode({"type": "step", "run": "job", "rank": 0, "local_rank": 0,
+                                 "gpu": 1, "pid": victim.pid, "step": 3}), ("127.0.0.1", tport))
+    wait_until(lambda: prom.query('clusterpulse_trainer_rank_info{run="job"}'), 30,
+               "rank scraped")
+    yield prom, port, token, victim, tmp_path
+    victim.kill()
+    prom.stop()
+    agent.stop()
+
+
+def firing(name: str, started: float | None = None, **labels) -> dict:
+    at = datetime.datetime.fromtimestamp(started or time.time(), datetime.UTC).isoformat()
+    return {"status": "firing", "labels": {"alertname": name, **labels}, "startsAt": at}
+
+
+def test_policy_acts_rate_limits_and_audits(cluster):
+    prom, _port, _, victim, tmp = cluster
+    audit = AuditLog(tmp / "audit.jsonl")
+    policy = Policy([Rule("RankHung", "restart"), Rule("TrainingStraggler",
+                                                          "checkpoint-restart", 60)],
+                    max_actions_per_run=1, window_s=600)
+    rem = Remediator(policy, PrometheusClient(prom.url), TOKEN, audit, tmp / "history.jsonl")
+    (d,) = rem.handle({"alerts": [firing("RankHung", run="job", rank="0")]})
+    assert d["outcome"] == "acted" and d["nodes"]["node-r"].startswith("node-r-")
+    assert victim.wait(timeout=10) == -15  # the agent terminated the hung rank
+    (d,) = rem.handle({"alerts": [firing("RankHung", run="job", rank="0")]})
+    assert d["outcome"] == "rate_limited"
+    (d,) = rem.handle({"alerts": [firing("TrainingStraggler", run="job", rank="0")]})
+    assert d["outcome"] == "waiting"  # sustained_s not reached
+    assert rem.handle({"alerts": [firing("GpuTemperatureHigh", node="node-r")]}) == []
+    outcomes = [r["outcome"] for r in audit.read() if r["who"] == "policy"]
+    assert outcomes == ["accepted", "rate_limited"]
+    assert len((tmp / "history.jsonl").read_text().splitlines()) == 4
+
+
+def test_node_level_alert_finds_the_runs_on_that_gpu_and_dry_run_never_acts(cluster):
+    prom, port, _, victim, tmp = cluster
+    policy = Policy([Rule("GpuDown", "restart")], dry_run=True)
+    rem = Remediator(policy, PrometheusClient(prom.url), TOKEN, AuditLog(tmp / "a.jsonl"))
+    (d,) = rem.handle({"alerts": [firing("GpuDown", node="node-r", gpu="1")]})
+    assert d == {"run": "job", "alert": "GpuDown", "action": "restart", "outcome": "dry_run"}
+    assert rem.handle({"alerts": [firing("GpuDown", node="node-r", gpu="0")]}) == []
+    assert victim.poll() is None
+    r = requests.get(f"http://127.0.0.1:{port}/v1/commands", timeout=5,
+                     headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert r["commands"] == []
+
+
+def test_webhook_endpoint(cluster):
+    prom, _, _, _, _tmp = cluster
+    rem = Remediator(Policy([]), PrometheusClient(prom.url), TOKEN, AuditLog(None))
+    server = serve(rem, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/alertmanager"
+        assert requests.post(url, json={"alerts": []}, timeout=5).json() == {"decisions": []}
+        assert requests.post(url, data=b"{nope", timeout=5).status_code == 400
+    finally:
+        server.shutdown()
+
+
+def test_policy_files_are_validated(tmp_path):
+    p = tmp_path / "p.toml"
+    p.write_text('[[rule]]\nalert = "RankHung"\naction = "reboot"\n')
+    with pytest.raises(PolicyError, match="'action' must be one of"):
+        Policy.load(p)
+    p.write_text("[[rule]\n")
+    with pytest.raises(PolicyError, match="not valid TOML"):
+        Policy.load(p)
+    assert len(Policy.load(REPO / "deploy" / "local" / "policy.toml").rules) == 3
+
+
+def test_ctl_restart_and_agents(cluster):
+    prom, port, token, _victim, tmp = cluster
+
+    def ctl(*args):
+        return subprocess.run([sys.executable, "-m", "dashboard.ctl", "--prometheus", prom.url,
+                               "--token-file", str(token), "--audit-log",
+                               str(tmp / "ctl.jsonl"), *args],
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+
+    r = ctl("agents", "--run", "job")
+    assert r.returncode == 0 and r.stdout.startswith(f"node-r\thttp://127.0.0.1:{port}")
+    r = ctl("restart", "--run", "job", "--graceful", "--reason", "test")
+    assert r.returncode == 0 and "node-r: accepted node-r-" in r.stdout
+    r = ctl("restart", "--run", "nope", "--hard", "--reason", "test")
+    assert r.returncode == 1 and "no agent reports ranks of run 'nope'" in r.stderr
+    record = json.loads((tmp / "ctl.jsonl").read_text().splitlines()[0])
+    assert record["source"] == "cli" and record["why"] == "test"
+    r = ctl("restart", "--run", "bad run", "--hard", "--reason", "x")
+    assert r.returncode == 1 and "invalid run id" in r.stderr
