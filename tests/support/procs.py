@@ -35,7 +35,7 @@ class Proc:
     def __init__(self, args: list[str], log: Path, **kw) -> None:
         self.args = args
         self.log_path = log
-        self._log = open(log, "wb")  # noqa: SIM115 - lives as long as the process
+        self._log = open(log, "ab")  # noqa: SIM115 - lives as long as the process
         self.p = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, **kw)
 
     def stop(self) -> None:
@@ -88,10 +88,14 @@ class Prometheus:
         lines += ["scrape_configs:", "  - job_name: clusterpulse", "    static_configs:",
                   f"      - targets: {targets!r}"]
         (self.dir / "prometheus.yml").write_text("\n".join(lines) + "\n")
-        self.proc = Proc([binary, f"--config.file={self.dir / 'prometheus.yml'}",
-                          f"--storage.tsdb.path={self.dir / 'data'}",
-                          f"--web.listen-address=127.0.0.1:{self.port}",
-                          "--web.enable-lifecycle"], self.dir / "prometheus.log")
+        self.args = [binary, f"--config.file={self.dir / 'prometheus.yml'}",
+                     f"--storage.tsdb.path={self.dir / 'data'}",
+                     f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"]
+        self.start()
+
+    def start(self) -> None:
+        """(Re)start on the same port and data: an outage the dashboard must survive."""
+        self.proc = Proc(self.args, self.dir / "prometheus.log")
         wait_until(lambda: requests.get(self.url + "/-/ready", timeout=1).ok, 30,
                    "prometheus ready")
 
