@@ -13,7 +13,7 @@ import time
 
 from tests.bench.table import render
 
-SUITES = ["bench_agent", "bench_trainer", "bench_detection"]
+SUITES = ["bench_agent", "bench_trainer", "bench_detection", "bench_dashboard"]
 
 
 def main() -> int:

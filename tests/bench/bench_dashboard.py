@@ -1,0 +1,84 @@
+"""The cluster page over 128 simulated nodes x 8 GPUs (1,024 GPUs) in a real
+Prometheus: render time, PromQL queries per refresh, and Prometheus load with 1 vs
+10 viewers, side by side with the same page without the shared cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+from streamlit.testing.v1 import AppTest
+
+from tests.bench.table import Row
+from tests.support.ports import free_port
+from tests.support.procs import REPO, Prometheus, wait_until
+
+NODES, GPUS = 128, 8
+
+
+def _prom_queries(prom: Prometheus) -> float:
+    r = requests.get(prom.url + "/api/v1/query", timeout=5, params={
+        "query": 'sum(prometheus_http_requests_total{handler=~"/api/v1/query.*"})'}).json()
+    return float(r["data"]["result"][0]["value"][1])
+
+
+def _view(at_path: str) -> tuple[float, AppTest]:
+    at = AppTest.from_file(at_path, default_timeout=120)
+    t0 = time.perf_counter()
+    at.run()
+    assert not at.exception, at.exception
+    return time.perf_counter() - t0, at
+
+
+def run() -> list[Row]:
+    from dashboard import data
+
+    fleet = subprocess.Popen([sys.executable, "-m", "tests.bench.fleet", str(NODES), str(GPUS)],
+                             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    targets = fleet.stdout.readline().split()
+    with tempfile.TemporaryDirectory() as tmp:
+        rules = [REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
+                 REPO / "deploy" / "prometheus" / "alerts.rules.yml"]
+        prom = Prometheus(Path(tmp), targets, rule_files=rules, scrape_interval="5s")
+        try:
+            wait_until(lambda: len(prom.query("clusterpulse_gpu_up")) == NODES * GPUS, 120,
+                       "1,024 GPUs scraped")
+            os.environ["CLUSTERPULSE_PROMETHEUS_URL"] = prom.url
+            os.environ["CLUSTERPULSE_ALERTMANAGER_URL"] = f"http://127.0.0.1:{free_port()}"
+            app = str(REPO / "dashboard" / "app.py")
+            data.cluster.clear()
+            cold, at = _view(app)
+            metrics = {m.label: m.value for m in at.metric}
+            assert metrics["Healthy GPUs"] == f"{NODES * GPUS} / {NODES * GPUS}", metrics
+            queries = data.cluster(prom.url, os.environ["CLUSTERPULSE_ALERTMANAGER_URL"],
+                                   "utilization").value["queries"]
+            warm, _ = _view(app)
+            load = {}
+            for shared in (True, False):
+                for viewers in (1, 10):
+                    data.cluster.clear()
+                    before = _prom_queries(prom)
+                    for _ in range(viewers):
+                        if not shared:
+                            data.cluster.clear()  # every viewer fetches for itself
+                        _view(app)
+                    load[(shared, viewers)] = _prom_queries(prom) - before - 1
+        finally:
+            prom.stop()
+            fleet.stdin.close()
+            fleet.wait()
+    return [
+        Row("cluster page, 1,024 GPUs: render, cold cache", cold, "s", budget="< 2 s"),
+        Row("cluster page, 1,024 GPUs: render, shared cache", warm, "s", baseline=cold,
+            baseline_name="cold cache"),
+        Row("PromQL queries per refresh (+1 Alertmanager call)", queries, "queries"),
+        Row("Prometheus queries, 1 viewer", load[(True, 1)], "queries",
+            baseline=load[(False, 1)], baseline_name="no shared cache"),
+        Row("Prometheus queries, 10 viewers in one refresh", load[(True, 10)], "queries",
+            baseline=load[(False, 10)], baseline_name="no shared cache"),
+    ]
