@@ -31,6 +31,15 @@ def show_status(result: Result, what: str = "Prometheus") -> bool:
     return result.value is not None
 
 
+def choose(label: str, names: Result, empty: str) -> str:
+    """A selector over names from Prometheus; stops the page when there are none."""
+    show_status(names)
+    if not names.value:
+        st.info(empty)
+        st.stop()
+    return st.selectbox(label, names.value, key=label.lower())
+
+
 def time_range() -> int:
     label = st.sidebar.selectbox("Time range", list(RANGES), index=0, key="range")
     return RANGES[label]

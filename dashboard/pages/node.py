@@ -11,12 +11,7 @@ s = ui.settings()
 st.title("Node")
 ui.operator()
 range_s = ui.time_range()
-names = data.node_names(s.prometheus_url)
-ui.show_status(names)
-if not names.value:
-    st.info("No node reports yet.")
-    st.stop()
-node = st.selectbox("Node", names.value, key="node")
+node = ui.choose("Node", data.node_names(s.prometheus_url), "No node reports yet.")
 
 
 @st.fragment(run_every=s.refresh_s)

@@ -15,12 +15,7 @@ s = ui.settings()
 st.title("Run")
 who = ui.operator()
 range_s = ui.time_range()
-names = data.run_names(s.prometheus_url)
-ui.show_status(names)
-if not names.value:
-    st.info("No training run reports yet.")
-    st.stop()
-run = st.selectbox("Run", names.value, key="run")
+run = ui.choose("Run", data.run_names(s.prometheus_url), "No training run reports yet.")
 
 
 def straggler_table(d: dict) -> pd.DataFrame:

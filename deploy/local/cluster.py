@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -97,10 +98,22 @@ def start_job(stack: Stack, args: argparse.Namespace, state: Path, port: int) ->
             "--max-restarts", "100", "--",
             "--preset", "tiny", "--steps", str(args.steps), "--run-id", "demo",
             "--ckpt-dir", str(state / "checkpoints"), "--ckpt-every", "50", "--async-ckpt",
-            "--sim-compute-seconds", "0.15", "--agent", f"127.0.0.1:{port + 2 * i + 1}",
+            *(["--sim-compute-seconds", "0.15"] if args.backend == "sim" else []),
+            "--agent", f"127.0.0.1:{port + 2 * i + 1}",
             "--log-every", "100", *inject])
         stack.start(f"trainer-node-{i}", cmd, env={"OMP_NUM_THREADS": "1",
                                                     "PYTHONPATH": str(REPO)})
+
+
+def count_gpus() -> int:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return out.stdout.count("GPU ") if out.returncode == 0 else 0
 
 
 def wait_http(url: str, timeout: float) -> bool:
@@ -131,12 +144,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ranks-per-node", type=int, default=2, help="default: 2")
     p.add_argument("--steps", type=int, default=100000, help="training steps (default: 100000)")
     p.add_argument("--no-job", action="store_true", help="start no training job")
+    p.add_argument("--backend", choices=["auto", "sim", "nvml"], default="auto",
+                   help="auto: real GPUs through NVML (one node, NCCL) when nvidia-smi finds "
+                   "any, else simulated nodes")
     p.add_argument("--no-dashboard", action="store_true", help="start no dashboard")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    gpus = count_gpus() if args.backend != "sim" else 0
+    if args.backend == "nvml" and not gpus:
+        print("demo: --backend nvml but nvidia-smi finds no GPU", file=sys.stderr)
+        return 2
+    if gpus:  # this machine's real GPUs: one node, one rank per GPU, NCCL chosen by torch
+        args.backend, args.nodes, args.ranks_per_node, args.gpus_per_node = "nvml", 1, gpus, gpus
+    else:
+        args.backend = "sim"
     state: Path = args.state_dir.resolve()
     state.mkdir(parents=True, exist_ok=True)
     token_file = state / "agent-token"
@@ -163,14 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         for i in range(args.nodes):
-            node = f"sim-node-{i}"
+            node = f"sim-node-{i}" if args.backend == "sim" else socket.gethostname()
             http, udp = port + 2 * i, port + 2 * i + 1
             agent_ports.append(http)
             extra = []
-            if i == 0 and args.scenario != "none":
+            if i == 0 and args.scenario != "none" and args.backend == "sim":
                 extra = ["--scenario", args.scenario]
             stack.start(f"agent-{node}", [
-                sys.executable, "-m", "agent", "--backend", "sim", "--node", node,
+                sys.executable, "-m", "agent", "--backend", args.backend, "--node", node,
                 "--gpus", str(args.gpus_per_node), "--listen", f"127.0.0.1:{http}",
                 "--telemetry", f"127.0.0.1:{udp}", "--token-file", str(token_file),
                 "--audit-log", str(state / "audit.jsonl"), *extra])
@@ -224,9 +248,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  operator     name 'admin', password '{password}' (hash in "
                   f"{state / 'operators.toml'})")
         if not args.no_job:
-            print("  job          run 'demo', 2 nodes x "
-                  f"{args.ranks_per_node} ranks; faults: GPU 1 of sim-node-0 overheats at "
-                  "60 s, rank 1 hangs at step 1500, GPU 3 is lost at 240 s")
+            faults = ("none" if args.scenario == "none" else "rank 1 hangs at step 1500" + (
+                ", GPU 1 of sim-node-0 overheats at 60 s, GPU 3 is lost at 240 s"
+                if args.backend == "sim" else ""))
+            print(f"  job          run 'demo', {args.nodes} node(s) x {args.ranks_per_node} "
+                  f"ranks ({args.backend}); faults: {faults}")
         print(f"  logs         {state}\nPress Ctrl-C to stop.", flush=True)
         started = time.time()
         while not stopping:

@@ -11,7 +11,7 @@ import importlib
 import sys
 import time
 
-from tests.bench.table import render
+from tests.bench.table import Row, render
 
 SUITES = ["bench_agent", "bench_trainer", "bench_detection", "bench_dashboard"]
 
@@ -25,7 +25,11 @@ def main() -> int:
     for name in args.only or SUITES:
         t0 = time.time()
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        rows += importlib.import_module(f"tests.bench.{name}").run()
+        try:
+            rows += importlib.import_module(f"tests.bench.{name}").run()
+        except Exception as err:  # one broken suite must not hide the others' figures
+            print(f"  {name} FAILED: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            rows.append(Row(f"{name}: FAILED ({type(err).__name__})", float("nan"), ""))
         print(f"  {name} done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     print(render(rows))
     return 0

@@ -4,12 +4,16 @@ the way they happen; alerts must come out naming the right rank, node and cause.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
+from agent.audit import AuditLog
+from dashboard.actions import request_action
+from dashboard.promclient import PrometheusClient
 from tests.support.procs import wait_until
-from tests.support.stack import Stack
+from tests.support.stack import TOKEN, Stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -59,9 +63,9 @@ def test_stragglers_are_named_with_their_cause_and_reach_the_webhook(stack):
         stack.stop_jobs()
 
 
-def test_hung_rank_is_named_within_15_seconds(stack):
+def test_hung_rank_is_named_within_15_seconds_and_a_hard_restart_recovers(stack):
     stack.start_job("hang", steps=3000, trainer_args=[
-        "--sim-compute-seconds", "0.1", "--inject", "hang:rank=2:step=60"])
+        "--sim-compute-seconds", "0.1", "--ckpt-every", "20", "--inject", "hang:rank=2:step=60"])
     try:
         wait_until(lambda: stack.prom.query('clusterpulse_trainer_step{run="hang",rank="2"}'),
                    90, "rank 2 reporting")
@@ -77,6 +81,20 @@ def test_hung_rank_is_named_within_15_seconds(stack):
         assert latency <= 15
         alive = stack.prom.query('clusterpulse_trainer_process_alive{run="hang",rank="2"}')
         assert alive[0]["value"][1] == "1"
+        # The operator's (or policy's) answer: a hard restart through every node's agent.
+        results = request_action(PrometheusClient(stack.prom.url), "hang", "restart",
+                                 "e2e: rank 2 hung", "e2e", TOKEN, AuditLog(None))
+        assert [r.ok for r in results] == [True, True], results
+
+        def resumed():
+            steps = stack.prom.query('clusterpulse_trainer_step{run="hang"}')
+            restarts = stack.prom.query('clusterpulse_trainer_restarts_total{run="hang"}')
+            return (len(steps) == 4 and all(float(s["value"][1]) > 70 for s in steps)
+                    and all(r["value"][1] == "1" for r in restarts))
+        wait_until(resumed, 180, "all ranks past step 70 after the hard restart")
+        state = json.loads((stack.tmp / "hang" / "run-state.json").read_text())
+        (restart,) = state["restarts"]
+        assert restart["resume_step"] == 40 and restart["steps_recomputed"] == 20
     finally:
         stack.stop_jobs()
 
