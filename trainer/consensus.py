@@ -49,9 +49,12 @@ class Consensus:
         self._window = []
         self._windows_seen += 1
         flags = (1 if want_restart else 0) | (2 if want_checkpoint else 0)
-        local = torch.tensor([float(flags), mine], dtype=torch.float64)
+        device = "cpu"
+        if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
+            device = f"cuda:{torch.cuda.current_device()}"  # NCCL moves only device tensors
+        local = torch.tensor([float(flags), mine], dtype=torch.float64, device=device)
         if dist.is_initialized() and world > 1:
-            out = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+            out = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world)]
             dist.all_gather(out, local, group=self.group)
         else:
             out = [local]

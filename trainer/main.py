@@ -126,8 +126,9 @@ class Trainer:
         self.last_ckpt_time = time.monotonic()
 
     # -- one step ----------------------------------------------------------------------
-    def train_step(self, step: int) -> float:
-        """Run step `step` (1-based); returns the loss."""
+    def train_step(self, step: int) -> torch.Tensor:
+        """Run step `step` (1-based); returns the loss as a tensor (reading it would
+        synchronize a CUDA device every step: only progress lines and the end do)."""
         cfg, info, pulse = self.cfg, self.info, self.pulse
         with pulse.step(step) as s:
             with s.section("data"):
@@ -167,7 +168,7 @@ class Trainer:
             pulse.extra.update(checkpoint_step=self.ckpt.committed_step,
                                checkpoint_timestamp_seconds=self.ckpt.committed_unix or 0.0,
                                checkpoint_blocking_seconds=self.ckpt.last_blocking_seconds)
-        return float(s.loss)
+        return s.loss
 
     def _inject_process_faults(self, step: int) -> None:
         if self.faults.hang_at(step):
@@ -202,7 +203,7 @@ class Trainer:
     def _loop(self, start: int) -> int:
         cfg, info = self.cfg, self.info
         t_run, last_save_state, first = time.time(), 0.0, True
-        loss = float("nan")
+        loss = torch.tensor(float("nan"))
         for step in range(start + 1, cfg.steps + 1):
             loss = self.train_step(step)
             wall = self.pulse.last.get("step_seconds", 0.0)
@@ -215,7 +216,7 @@ class Trainer:
                     self.runstate.save(self.runstate_path)
                     last_save_state = time.time()
                 if cfg.log_every and step % cfg.log_every == 0:
-                    print(f"trainer: step {step}/{cfg.steps} loss {loss:.4f} "
+                    print(f"trainer: step {step}/{cfg.steps} loss {float(loss):.4f} "
                           f"step {wall * 1e3:.1f} ms", flush=True)
             first = False
             self._inject_process_faults(step)
@@ -248,9 +249,10 @@ class Trainer:
             dist.barrier()  # nobody leaves before rank 0 has published
         return RESTART_EXIT_CODE
 
-    def _finish(self, loss: float, wall: float) -> int:
+    def _finish(self, loss: torch.Tensor, wall: float) -> int:
         info = self.info
-        final_loss = torch.tensor([loss], dtype=torch.float64)
+        final_loss = torch.tensor([float(loss)], dtype=torch.float64, device=info.device
+                                  if info.backend == "nccl" else "cpu")
         if info.world > 1:
             dist.all_reduce(final_loss)
             final_loss /= info.world
