@@ -71,9 +71,6 @@ class Stack:
                 p.wait()
 
 
-REMEDIATION_PORT = 19495  # deploy/alertmanager/alertmanager.yml sends its webhooks here
-
-
 def operator_password(state: Path) -> str:
     """A fresh random operator password per start; only its hash is written."""
     from dashboard.auth import hash_password
@@ -209,19 +206,22 @@ def main(argv: list[str] | None = None) -> int:
         stack.start("prometheus", [prom_bin, f"--config.file={state / 'prometheus.yml'}",
                                    f"--storage.tsdb.path={state / 'prometheus-data'}",
                                    f"--web.listen-address=127.0.0.1:{prom_port}"])
-        am_config = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
-        if am_bin and am_config.exists():
+        remediation_port = port + 95
+        am_config = state / "alertmanager.yml"  # the project's config, webhook on our port
+        am_config.write_text((REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text()
+                             .replace("127.0.0.1:19495", f"127.0.0.1:{remediation_port}"))
+        if am_bin:
             stack.start("alertmanager", [am_bin, f"--config.file={am_config}",
                                          f"--storage.path={state / 'alertmanager-data'}",
                                          f"--web.listen-address=127.0.0.1:{am_port}",
                                          "--cluster.listen-address="])
         urls = {f"agent {i}": f"http://127.0.0.1:{p}/metrics" for i, p in enumerate(agent_ports)}
         urls["prometheus"] = f"http://127.0.0.1:{prom_port}"
-        if am_bin and am_config.exists():
+        if am_bin:
             urls["alertmanager"] = f"http://127.0.0.1:{am_port}"
         stack.start("remediation", [
             sys.executable, "-m", "dashboard.remediation", "--policy", str(HERE / "policy.toml"),
-            "--listen", f"127.0.0.1:{REMEDIATION_PORT}", "--prometheus", urls["prometheus"],
+            "--listen", f"127.0.0.1:{remediation_port}", "--prometheus", urls["prometheus"],
             "--token-file", str(token_file), "--audit-log", str(state / "audit.jsonl"),
             "--history", str(state / "alert-history.jsonl")])
         if not args.no_job:
@@ -231,10 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             password = operator_password(state)
             stack.start("dashboard", [
                 sys.executable, "-m", "dashboard.cli", "--prometheus", urls["prometheus"],
-                "--alertmanager", f"http://127.0.0.1:{am_port}", "--port", str(port + 95),
+                "--alertmanager", f"http://127.0.0.1:{am_port}", "--port", str(port + 80),
                 "--token-file", str(token_file), "--operators-file",
                 str(state / "operators.toml"), "--audit-log", str(state / "audit.jsonl")])
-            urls["dashboard"] = f"http://127.0.0.1:{port + 95}"
+            urls["dashboard"] = f"http://127.0.0.1:{port + 80}"
         for name, url in urls.items():
             probe = {"dashboard": url + "/_stcore/health"}.get(
                 name, url.replace("/metrics", "/healthz") if "agent" in name else url + "/-/ready")
