@@ -88,7 +88,10 @@ class Remediator:
     history_path: Path | None = None
     clock: callable = time.time
     _acted: dict[str, list[float]] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Alerts a rule wants sustained: Alertmanager does not notify again for an unchanged
+    # group until repeat_interval (hours), so the receiver re-checks them itself (tick).
+    _waiting: dict[tuple[str, str], tuple[Rule, dict]] = field(default_factory=dict)
+    _lock: threading.RLock = field(default_factory=threading.RLock)
 
     def handle(self, payload: dict) -> list[dict]:
         """One Alertmanager notification -> the decisions taken (also audited)."""
@@ -97,9 +100,13 @@ class Remediator:
                 f.write(json.dumps({"received": self.clock(), **payload}) + "\n")
         decisions = []
         for alert in payload.get("alerts", []):
-            if alert.get("status") != "firing":
-                continue
             name = alert.get("labels", {}).get("alertname", "")
+            if alert.get("status") != "firing":
+                with self._lock:
+                    for key in [k for k in self._waiting if k[1] == name
+                                and self._waiting[k][1].get("labels") == alert.get("labels")]:
+                        del self._waiting[key]
+                continue
             rule = next((r for r in self.policy.rules if r.alert == name), None)
             if rule is None:
                 continue
@@ -126,8 +133,12 @@ class Remediator:
         now = self.clock()
         base = {"run": run, "alert": rule.alert, "action": rule.action}
         if rule.sustained_s and started and now - started < rule.sustained_s:
+            with self._lock:
+                self._waiting[(run, rule.alert)] = (rule, alert)
             return {**base, "outcome": "waiting", "detail": f"firing {now - started:.0f} s of "
                     f"the {rule.sustained_s:.0f} s the policy requires"}
+        with self._lock:
+            self._waiting.pop((run, rule.alert), None)
         with self._lock:
             recent = [t for t in self._acted.get(run, []) if now - t < self.policy.window_s]
             if len(recent) >= self.policy.max_actions_per_run:
@@ -151,6 +162,13 @@ class Remediator:
             self.audit.write("policy", rule.action, why, "failed", run=run,
                              source="remediation", detail=str(err))
             return {**base, "outcome": "failed", "detail": str(err)}
+
+
+    def tick(self) -> list[dict]:
+        """Decide again on alerts still firing that were waiting to be sustained."""
+        with self._lock:
+            waiting = list(self._waiting.items())
+        return [self._decide(rule, run, alert) for (run, _), (rule, alert) in waiting]
 
 
 def _parse_time(text: str) -> float | None:
@@ -182,6 +200,16 @@ def serve(remediator: Remediator, host: str, port: int) -> ThreadingHTTPServer:
 
     server = ThreadingHTTPServer((host, port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def ticker() -> None:
+        while True:
+            time.sleep(5)
+            try:
+                remediator.tick()
+            except Exception:  # never let the timer die: log and go on
+                log.exception("remediation tick failed")
+
+    threading.Thread(target=ticker, name="remediation-tick", daemon=True).start()
     return server
 
 

@@ -60,10 +60,32 @@ def test_policy_acts_rate_limits_and_audits(cluster):
     assert d["outcome"] == "rate_limited"
     (d,) = rem.handle({"alerts": [firing("TrainingStraggler", run="job", rank="0")]})
     assert d["outcome"] == "waiting"  # sustained_s not reached
+    assert rem.tick()[0]["outcome"] == "waiting"
     assert rem.handle({"alerts": [firing("GpuTemperatureHigh", node="node-r")]}) == []
     outcomes = [r["outcome"] for r in audit.read() if r["who"] == "policy"]
     assert outcomes == ["accepted", "rate_limited"]
     assert len((tmp / "history.jsonl").read_text().splitlines()) == 4
+
+
+def test_sustained_alert_is_acted_on_without_a_new_notification(cluster):
+    """Alertmanager repeats an unchanged alert only after hours: the receiver re-checks
+    waiting alerts itself, and forgets them when they resolve."""
+    prom, _, _, _, tmp = cluster
+    now = [time.time()]
+    rem = Remediator(Policy([Rule("TrainingStraggler", "checkpoint-restart", 60)]),
+                     PrometheusClient(prom.url), TOKEN, AuditLog(tmp / "audit.jsonl"),
+                     clock=lambda: now[0])
+    alert = firing("TrainingStraggler", now[0], run="job", rank="0")
+    assert rem.handle({"alerts": [alert]})[0]["outcome"] == "waiting"
+    now[0] += 61
+    (d,) = rem.tick()
+    assert d["outcome"] == "acted"
+    assert rem.tick() == []  # acted on once, no longer waiting
+    other = firing("TrainingStraggler", now[0], run="job", rank="1")
+    rem.handle({"alerts": [other]})
+    rem.handle({"alerts": [{**other, "status": "resolved"}]})
+    now[0] += 61
+    assert rem.tick() == []
 
 
 def test_node_level_alert_finds_the_runs_on_that_gpu_and_dry_run_never_acts(cluster):
