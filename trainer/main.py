@@ -51,7 +51,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.info = info = init_distributed(cfg.collective_timeout_s)
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.attempt = info.generation  # agreed by all ranks, unlike torchrun's count
         self.faults = Faults(cfg.injections, info.rank, self.attempt)
         mc = PRESETS[cfg.preset]
         if cfg.global_batch % info.world:
@@ -72,7 +72,8 @@ class Trainer:
         self.ckpt = CheckpointManager(
             cfg.ckpt_dir, info.rank, keep=cfg.keep, async_save=cfg.async_ckpt, group=ckpt_group,
             after_publish=self._after_publish)
-        self.pulse = Pulse(run=cfg.run_id, agent=cfg.agent, consensus_every=cfg.consensus_every)
+        self.pulse = Pulse(run=cfg.run_id, agent=cfg.agent, consensus_every=cfg.consensus_every,
+                           restarts=self.attempt)
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             self.pulse.attach_ddp(self.model)
         self.last_ckpt_time = time.monotonic()

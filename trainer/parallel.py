@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,9 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str
+    # How many times the job has been (re)started, agreed by every rank: the attempt
+    # number for restart accounting and fault injection (see _generation_store).
+    generation: int = 0
 
 
 def init_distributed(timeout_s: float) -> DistInfo:
@@ -30,30 +35,42 @@ def init_distributed(timeout_s: float) -> DistInfo:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, store=_attempt_store(rank, world, timeout), rank=rank,
-                                world_size=world, timeout=timeout,
-                                device_id=device if backend == "nccl" else None)
-    return DistInfo(rank, world, local_rank, device, backend)
+        store, generation = _generation_store(rank, world, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout, device_id=device if backend == "nccl" else None)
+    return DistInfo(rank, world, local_rank, device, backend, generation)
 
 
-def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
-    """The rendezvous store, under a prefix unique to this torchrun attempt.
+def _generation_store(rank: int, world: int,
+                      timeout: datetime.timedelta) -> tuple[dist.Store, int]:
+    """The rendezvous store, under a prefix unique to this generation of the job.
 
-    torchrun keeps one agent TCPStore across restarts (same MASTER_PORT), and the
-    process group's keys are not namespaced by attempt. After a rank is killed
-    mid-collective, a restarted rank can read its peer's address from the previous
-    attempt and fail (or hang up to the collective timeout) in gloo's connectFullMesh.
-    Measured here with torch 2.13: 2 of 2 restarts after a SIGKILL failed without the
-    prefix, 0 of 3 with it.
+    torchrun keeps one TCPStore across restarts (same MASTER_PORT) and the process
+    group's keys are not namespaced per restart. After a rank is killed mid-collective,
+    a restarted rank can read its dead peer's address and fail (or hang until the
+    collective timeout) in gloo's connectFullMesh: 2 of 2 SIGKILL restarts here, and
+    every multi-node hard restart in the end-to-end test.
+
+    TORCHELASTIC_RESTART_COUNT cannot name the generation: an agent that restarts its
+    workers for a membership change does not count it, so nodes disagree (and a
+    multi-node job's restarts would be miscounted). Instead each
+    rank claims the first free slot for its rank number (compare-and-set on the store):
+    the n-th process to hold rank r gets generation n, so the ranks of one round agree
+    as long as every rank of every earlier round got this far (init is the trainer's
+    first step).
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           int(os.environ.get("MASTER_PORT", "29500")), world,
                           is_master=(not agent_store and rank == 0), timeout=timeout)
-    return dist.PrefixStore(f"clusterpulse/attempt-{attempt}", store)
+    token = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}".encode()
+    generation = 0
+    while store.compare_set(f"clusterpulse/slot/{generation}/{rank}", "", token) != token:
+        generation += 1
+    return dist.PrefixStore(f"clusterpulse/generation-{generation}", store), generation
 
 
 def wrap(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:
