@@ -57,6 +57,13 @@ def _guard(key: str, fn: Callable[[], Any]) -> Result:
     return result
 
 
+def _range_query(prom: PrometheusClient, range_s: int) -> Callable[[str], list]:
+    """query_range over the page's time range, ~200 points, for every range query."""
+    end = time.time()
+    step = max(1.0, range_s / 200)
+    return lambda expr: prom.query_range(expr, end - range_s, end, step)
+
+
 def _frame(samples, value: str = "value") -> pd.DataFrame:
     return pd.DataFrame([{**s.labels, value: s.value} for s in samples])
 
@@ -104,17 +111,15 @@ NODE_SERIES = {
 def node(prom_url: str, name: str, range_s: int) -> Result:
     def fetch() -> dict:
         prom = PrometheusClient(prom_url)
-        end = time.time()
-        step = max(1.0, range_s / 200)
+        ranged = _range_query(prom, range_s)
         sel = f'"{name}"'
         series = {}
         for title, expr in NODE_SERIES.items():
-            rows = prom.query_range(f"max by (gpu) ({expr.replace('NODE', sel)})",
-                                    end - range_s, end, step)
+            rows = ranged(f"max by (gpu) ({expr.replace('NODE', sel)})")
             series[title] = _wide(rows, "gpu")
-        throttle = prom.query_range(
+        throttle = ranged(
             f'max by (gpu, reason) (clusterpulse_gpu_clock_event_active{{node={sel},'
-            f'reason!="gpu_idle"}} == 1)', end - range_s, end, step)
+            f'reason!="gpu_idle"}} == 1)')
         events = _frame(prom.query(
             f'sum by (gpu, xid) (clusterpulse:gpu_xid_recent{{node={sel}}})'), "count")
         ecc = _frame(prom.query(
@@ -148,8 +153,7 @@ def run_names(prom_url: str) -> Result:
 def run(prom_url: str, name: str, range_s: int) -> Result:
     def fetch() -> dict:
         prom = PrometheusClient(prom_url)
-        end = time.time()
-        step = max(1.0, range_s / 200)
+        ranged = _range_query(prom, range_s)
         sel = f'run="{name}"'
         ranks = _frame(prom.query(
             f"max by (run, rank, node, local_rank, gpu, pid) "
@@ -175,13 +179,10 @@ def run(prom_url: str, name: str, range_s: int) -> Result:
         evidence = {s.labels["rank"]: s.value for s in prom.query(
             f"max by (rank) (clusterpulse:rank_gpu{{{sel}}} * on (node, gpu) group_left () "
             f"max by (node, gpu) (clusterpulse_gpu_temperature_celsius))")}
-        compute = prom.query_range(f"max by (rank) (clusterpulse_trainer_compute_seconds{{{sel}}})",
-                                   end - range_s, end, step)
-        loss = prom.query_range(f"avg (clusterpulse_trainer_loss{{{sel}}})", end - range_s, end,
-                                step)
+        compute = ranged(f"max by (rank) (clusterpulse_trainer_compute_seconds{{{sel}}})")
+        loss = ranged(f"avg (clusterpulse_trainer_loss{{{sel}}})")
         rate = prom.query(f"sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}[1m]))")
-        restarts = prom.query_range(f"max (clusterpulse_trainer_restarts_total{{{sel}}})",
-                                    end - range_s, end, step)
+        restarts = ranged(f"max (clusterpulse_trainer_restarts_total{{{sel}}})")
         return {"ranks": ranks, "per_rank": per_rank, "causes": causes, "gpu_temp": evidence,
                 "compute": _wide(compute, "rank"), "loss": _wide(loss, "run"),
                 "step_rate": rate[0].value if rate else 0.0,
