@@ -7,6 +7,8 @@ the CLUSTERPULSE_INJECT environment variable (specs separated by commas).
     data_slow:rank=0:step=5:seconds=0.2   rank 0 waits for data each step from step 5
     ckpt_fail:step=20                  the checkpoint write at step 20 fails
     ckpt_corrupt:step=20               the published checkpoint of step 20 is corrupted
+    ckpt_unloadable:step=20            the published checkpoint of step 20 verifies but
+                                       does not load (a torn write certified by its manifest)
     ckpt_kill:step=20[:rank=0]         the rank is SIGKILLed during the checkpoint write
     graceful:step=12[:rank=0]          as if the agent delivered a checkpoint-restart command
                                        to the rank after step 12 (default rank 0)
@@ -25,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = {"slow", "hang", "crash", "data_slow", "ckpt_fail", "ckpt_corrupt", "ckpt_kill",
-         "graceful", "init_crash"}
+         "graceful", "init_crash", "ckpt_unloadable"}
 CRASH_MODES = {"exception", "exit", "sigkill"}
 
 
@@ -113,6 +115,9 @@ class Faults:
     def graceful_at(self, step: int) -> bool:
         i = self._at("graceful", step)
         return i is not None and (i.rank is not None or self.rank == 0)
+
+    def ckpt_unloadable(self, step: int) -> bool:
+        return self._at("ckpt_unloadable", step) is not None
 
     def init_crash(self) -> bool:
         return any(i.kind == "init_crash" for i in self.mine)

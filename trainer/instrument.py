@@ -386,7 +386,7 @@ class Pulse:
                 ok = False
                 log.error("checkpoint for %s at step %d failed: %s", reason, step, err)
             self._enter("between")
-        if not self._all_ranks(ok):
+        if not self.all_ranks(ok):
             self.event("checkpoint_failed", step=step)
             if reason == "checkpoint-restart":
                 print(f"clusterpulse: checkpoint-restart at step {step} ABORTED: the "
@@ -411,7 +411,8 @@ class Pulse:
             dist.destroy_process_group()
         raise SystemExit(code)
 
-    def _all_ranks(self, ok: bool) -> bool:
+    def all_ranks(self, ok: bool) -> bool:
+        """True on every rank iff `ok` on every rank (collective, CPU group)."""
         if not dist.is_initialized() or self.world_size < 2:
             return ok
         t = torch.tensor([1 if ok else 0], dtype=torch.int32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from agent.logsetup import setup_logging
-from trainer.checkpoint import CheckpointError, CheckpointManager, find_latest_valid
+from trainer.checkpoint import MANIFEST, CheckpointError, CheckpointManager, iter_valid
 from trainer.config import ConfigError, TrainConfig, parse_config
 from trainer.data import SyntheticTokens
 from trainer.faults import Faults
@@ -44,6 +45,17 @@ def _corrupt(path: Path) -> None:
         chunk = fh.read(16)
         fh.seek(f.stat().st_size // 2)
         fh.write(bytes(b ^ 0xFF for b in chunk))
+
+
+def _make_unloadable(path: Path) -> None:
+    """Truncate the largest data file and certify it in the manifest: a torn write
+    that passes verification (what a re-read after the fact would have certified)."""
+    f = max((p for p in path.rglob("*.distcp")), key=lambda p: p.stat().st_size)
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"][f.name] = hashlib.sha256(f.read_bytes()).hexdigest()
+    (path / MANIFEST).write_text(json.dumps(manifest))
 
 
 class Trainer:
@@ -91,27 +103,43 @@ class Trainer:
         if self.faults.ckpt_corrupt(step):
             _corrupt(path)
             log.warning("injected: corrupted checkpoint %s", path.name)
+        if self.faults.ckpt_unloadable(step):
+            _make_unloadable(path)
+            log.warning("injected: checkpoint %s will verify but not load", path.name)
 
     def resume(self) -> int:
+        """Load the newest checkpoint every rank verified and loaded; fall back past
+        any that is corrupt, incomplete, or verifies but does not load."""
         info = self.info
         if info.rank == 0:
             self.ckpt.clean_temporaries()
-            found = find_latest_valid(self.cfg.ckpt_dir)
-            choice = str(found.path) if found else None
+        if info.world > 1:
+            dist.barrier(group=self.pulse.consensus.group)  # no rank looks before cleanup
+        import torch.distributed.checkpoint as dcp
+
+        for found in iter_valid(self.cfg.ckpt_dir, info.rank, info.world, self.pulse.all_ranks):
+            try:
+                dcp.load({"app": self.state}, checkpoint_id=str(found.path))
+                error = ""
+            except Exception as err:  # any rank's failure sends every rank further back
+                error = f"{type(err).__name__}: {err}"
+            if self.pulse.all_ranks(not error):
+                break
+            print(f"trainer: checkpoint {found.path.name} verifies but does not load "
+                  f"({error or 'on another rank'}); falling back to an older one", flush=True)
+            self.pulse.event("checkpoint_failed", step=found.step)
+            if info.rank == 0:
+                self.runstate.load_failures.append({"checkpoint": found.path.name,
+                                                    "error": error[:500],
+                                                    "unix": time.time()})
         else:
-            choice = None
-        choice = _broadcast(choice, info)
-        if choice is None:
             if self.attempt > 0 and info.rank == 0:
                 log.warning("restart %d found no valid checkpoint: starting from step 0",
                             self.attempt)
             return 0
-        import torch.distributed.checkpoint as dcp
-
-        dcp.load({"app": self.state}, checkpoint_id=choice)
         self.ckpt.committed_step = self.state.step
         if info.rank == 0:
-            print(f"trainer: resumed from {Path(choice).name} (step {self.state.step}, "
+            print(f"trainer: resumed from {found.path.name} (step {self.state.step}, "
                   f"attempt {self.attempt})", flush=True)
         return self.state.step
 
@@ -276,7 +304,8 @@ class Trainer:
                 "run": self.cfg.run_id, "steps": self.cfg.steps, "world_size": info.world,
                 "parallel": self.cfg.parallel, "final_loss": float(final_loss.item()),
                 "param_sha256": digest, "restarts": rs.restarts,
-                "steps_recomputed": recomputed, "time_lost_to_restarts_seconds": round(lost, 3),
+                "steps_recomputed": recomputed, "checkpoint_load_failures": rs.load_failures,
+                "time_lost_to_restarts_seconds": round(lost, 3),
                 "checkpoint_blocking_seconds": round(rs.checkpoint_blocking_seconds, 4),
                 "goodput": round(rs.goodput(), 4),
                 "wall_seconds": round(total_wall, 3),

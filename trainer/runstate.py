@@ -24,6 +24,7 @@ class RunState:
     pending_command: str = ""
     attempts: int = 0  # attempts begun (reached the process group); the next one's number
     restarts: list[dict] = field(default_factory=list)
+    load_failures: list[dict] = field(default_factory=list)  # checkpoints that did not load
 
     @classmethod
     def load(cls, path: Path) -> RunState:

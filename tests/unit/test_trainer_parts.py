@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoint import CheckpointManager, find_latest_valid, verify
+from trainer.checkpoint import CheckpointManager, dcp_files, find_latest_valid, verify
 from trainer.consensus import Consensus
 from trainer.faults import Faults, InjectError, parse_injection
 from trainer.instrument import Pulse
@@ -52,7 +52,12 @@ def test_checkpoints_publish_atomically_prune_and_fall_back(tmp_path):
         mgr.save(step, _state(step))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000020", "step-00000030"]
     manifest = json.loads((tmp_path / "step-00000030" / "manifest.json").read_text())
-    assert manifest["step"] == 30 and manifest["files"]
+    assert manifest["step"] == 30 and manifest["files_from"] == "dcp-metadata"
+    # the manifest lists what DCP's metadata lists (plus the metadata itself), with the
+    # checksums each writer computed for its own files
+    assert set(manifest["files"]) == {*dcp_files(tmp_path / "step-00000030"), ".metadata"}
+    own = json.loads((tmp_path / "step-00000030" / "checksums-rank0.json").read_text())
+    assert own["files"] and all(manifest["files"][k] == v for k, v in own["files"].items())
     assert find_latest_valid(tmp_path).step == 30
     # An interrupted write leaves only a temporary directory: never loaded, then cleaned.
     (tmp_path / ".tmp-step-00000040").mkdir()
@@ -63,6 +68,10 @@ def test_checkpoints_publish_atomically_prune_and_fall_back(tmp_path):
     data = next((tmp_path / "step-00000030").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:-8] + b"garbage!")
     assert "fails its checksum" in verify(tmp_path / "step-00000030")
+    # verified in parallel: each of 2 ranks hashes its half; only one half holds the
+    # bad file, and agreeing on both halves finds it
+    halves = [verify(tmp_path / "step-00000030", rank=r, world=2) for r in (0, 1)]
+    assert sorted(h is None for h in halves) == [False, True]
     found = find_latest_valid(tmp_path)
     assert found.step == 20
     loaded = _state(0)
