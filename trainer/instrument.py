@@ -18,10 +18,10 @@ per-rank compute versus sync-wait, input stalls, and the restart protocol.
 complete, tested example is examples/ddp_tutorial.py.
 
 Why the split matters: in synchronous training every rank's step takes as long as the
-slowest rank's, so step time cannot name the straggler. With DDP a communication
-hook stamps the moment each gradient bucket is ready (the rank's own work is done
-up to there) before handing it to the normal all-reduce; the time from the last
-bucket ready to the end of backward is waiting for peers. Without DDP (e.g. FSDP)
+slowest rank's, so step time cannot name the straggler. With DDP a gradient hook
+stamps the moment each gradient bucket is ready (the rank's own work is done
+up to there; measured as the last gradient ready) while DDP runs its normal C++
+all-reduce; the time from there to the end of backward is waiting for peers. Without DDP (e.g. FSDP)
 `sync_probe()` times a one-element all-reduce at a chosen point: the straggler
 arrives last and waits ~0, the others wait for it.
 
@@ -158,6 +158,7 @@ class Pulse:
             _CudaClock() if torch.cuda.is_available() and torch.cuda.is_initialized()
             else _HostClock())
         self._bucket_marks: list[Any] = []
+        self._grads_ready = 0
         self._has_hook = False
         self._pending: list[tuple[StepContext, Any, Any, Any, float, Any, list]] = []
         self._probes: list[tuple[Any, Any]] = []
@@ -196,14 +197,26 @@ class Pulse:
 
     # -- compute / sync split ------------------------------------------------------------
     def attach_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Stamp bucket-ready times, then run DDP's normal all-reduce."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        """Stamp the moment each gradient is ready; DDP's own C++ all-reduce is kept.
 
-        def hook(state, bucket):  # unannotated: DDP checks real annotation objects
-            self._bucket_marks.append(self._clock.mark())
-            return allreduce_hook(state, bucket)
+        The last gradient ready is when the rank's own backward work is done (DDP
+        launches the last bucket's all-reduce right then); from there to the end of
+        forward_backward the rank waits for its peers. A post-accumulate-grad hook
+        per parameter gives that mark without a Python DDP comm hook: a Python comm
+        hook's futures run Python callbacks on gloo's threads, which can abort the
+        process at interpreter exit ("terminate called without an active exception").
+        """
+        params = [p for p in ddp_model.parameters() if p.requires_grad]
+        on_host = isinstance(self._clock, _HostClock)
 
-        ddp_model.register_comm_hook(None, hook)
+        def ready(param: torch.Tensor) -> None:
+            self._grads_ready += 1
+            # a float per gradient on the host; on CUDA one event, at the last gradient
+            if on_host or self._grads_ready == len(params):
+                self._bucket_marks.append(self._clock.mark())
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(ready)
         self._has_hook = True
 
     def sync_probe(self, group: dist.ProcessGroup | None = None) -> None:
@@ -245,6 +258,7 @@ class Pulse:
             ctx.sections["data"] = fetch
         self._enter("step")
         self._bucket_marks = []
+        self._grads_ready = 0
         self._probes = []
         t0 = time.perf_counter()
         start_mark = self._clock.mark()

@@ -78,12 +78,14 @@ class Trainer:
             raise ConfigError(f"--global-batch {cfg.global_batch} must be divisible by the "
                               f"world size {info.world}")
         self.model = wrap(build_model(cfg.preset, cfg.seed), cfg.parallel, info)
+        self.data = SyntheticTokens(cfg.seed, mc.vocab, mc.seq_len, cfg.global_batch)
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self._settle_ddp_buckets()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         warm = max(1, cfg.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm))
         self.state = TrainState(self.model, self.optimizer, self.scheduler)
-        self.data = SyntheticTokens(cfg.seed, mc.vocab, mc.seq_len, cfg.global_batch)
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         ckpt_group = (dist.new_group(backend="gloo")
                       if cfg.async_ckpt and info.world > 1 else None)
@@ -97,6 +99,21 @@ class Trainer:
         self.last_ckpt_time = time.monotonic()
         self.sync_bytes = 0.0
         self.host_bytes = 0.0
+
+    def _settle_ddp_buckets(self) -> None:
+        """One backward of a zero loss before training, so that every attempt reduces
+        every real step with the same bucket layout.
+
+        DDP reduces the first backward in one bucket in parameter order, then rebuilds
+        its buckets in gradient-ready order. Left alone, a resumed attempt would reduce
+        its first step with the initial layout where an uninterrupted run used the
+        rebuilt one; with more than two ranks that changes the summation order of
+        gloo's ring (which rank starts each chunk) and the run stops being bit-exact.
+        The zero loss leaves parameters, optimizer and RNG untouched.
+        """
+        x, _ = self.data.shard(0, self.info.rank, self.info.world)
+        (self.model(x.to(self.info.device)).sum() * 0.0).backward()
+        self.model.zero_grad(set_to_none=True)
 
     # -- checkpoints -------------------------------------------------------------------
     def _after_publish(self, step: int, path: Path) -> None:

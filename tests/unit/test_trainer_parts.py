@@ -270,3 +270,26 @@ def test_sigterm_becomes_a_checkpoint_then_exit_143():
     finally:
         pulse.close()
     assert signal.getsignal(signal.SIGTERM) is not pulse.sigterm._handle
+
+
+def test_attach_ddp_adds_no_python_comm_hook(tmp_path):
+    """Regression guard for the exit-time abort: a Python DDP comm hook runs Python
+    callbacks on gloo's threads; attach_ddp must time buckets without one."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+        pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
+        pulse.attach_ddp(model)
+        assert model._comm_hooks == [] and model.logger is not None
+        with pulse.step(1) as s, s.section("forward_backward"):
+            model(torch.ones(2, 8)).sum().backward()
+        assert len(pulse._pending) == 0 and pulse.last["sync_wait_seconds"] >= 0
+        assert pulse._grads_ready == 2  # weight and bias: the last one is the mark
+        pulse.close()
+    finally:
+        dist.destroy_process_group()
