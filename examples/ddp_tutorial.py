@@ -136,6 +136,6 @@ if __name__ == "__main__":
     parser.add_argument("--batch_size", default=32, type=int,
                         help="Input batch size on each device (default: 32)")
     parser.add_argument("--snapshot", default="snapshot.pt", help="snapshot path")
-    parser.add_argument("--run", default="ddp-tutorial", help="run id shown by ClusterPulse")
+    parser.add_argument("--run-id", default="ddp-tutorial", help="run id shown by ClusterPulse")
     args = parser.parse_args()
-    main(args.save_every, args.total_epochs, args.batch_size, args.snapshot, args.run)
+    main(args.save_every, args.total_epochs, args.batch_size, args.snapshot, args.run_id)

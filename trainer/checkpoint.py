@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 log = logging.getLogger("trainer.checkpoint")
 MANIFEST = "manifest.json"
@@ -218,7 +219,7 @@ class CheckpointManager:
                     self._publish(step, tmp)
                 else:
                     self._set_committed(step)
-        except Exception as err:  # storage errors must not end training
+        except (Exception, CheckpointException) as err:  # storage errors: training goes on
             self.failures += 1
             log.error("checkpoint at step %d failed: %s", step, err)
             if self.rank == 0:
@@ -241,7 +242,7 @@ class CheckpointManager:
                 self._publish(step, tmp)
             else:
                 self._set_committed(step)
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             self.failures += 1
             log.error("async checkpoint at step %d failed: %s", step, err)
             if self.rank == 0:

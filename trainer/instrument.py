@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from agent import protocol
 from trainer import PREEMPTED_EXIT_CODE
@@ -396,7 +397,7 @@ class Pulse:
             self._enter("checkpoint")
             try:
                 save(step)
-            except Exception as err:  # storage may fail: report it, decide together
+            except (Exception, CheckpointException) as err:  # DCP's is a BaseException
                 ok = False
                 log.error("checkpoint for %s at step %d failed: %s", reason, step, err)
             self._enter("between")

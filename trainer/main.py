@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
 
 from agent.logsetup import setup_logging
 from trainer.checkpoint import MANIFEST, CheckpointError, CheckpointManager, iter_valid
@@ -138,8 +139,8 @@ class Trainer:
             try:
                 dcp.load({"app": self.state}, checkpoint_id=str(found.path))
                 error = ""
-            except Exception as err:  # any rank's failure sends every rank further back
-                error = f"{type(err).__name__}: {err}"
+            except (Exception, CheckpointException) as err:  # any rank's failure: go back
+                error = f"{type(err).__name__}: {err}".splitlines()[0]
             if self.pulse.all_ranks(not error):
                 break
             print(f"trainer: checkpoint {found.path.name} verifies but does not load "

@@ -22,7 +22,7 @@ from tests.support.torchrun import launcher_cmd, start_logged, stop_group
 pytestmark = pytest.mark.integration
 
 SCRIPT = REPO / "examples" / "ddp_tutorial.py"
-EPOCHS = "150"  # 32 steps each on 2 ranks: long enough for every event below
+EPOCHS = "60"  # 32 steps each on 2 ranks: long enough for every event below
 
 
 def _children(pid: int) -> list[int]:
@@ -80,7 +80,7 @@ def test_tutorial_through_slow_data_graceful_restart_and_crash(tmp_path):
     running, server = start_agent(tmp_path)
     log = tmp_path / "tutorial.log"
     p = start_logged(launcher_cmd(2, 1, [EPOCHS, "2", "--snapshot", str(tmp_path / "s.pt"),
-                                         "--run", "tut"], script=str(SCRIPT)), log, tmp_path,
+                                         "--run-id", "tut"], script=str(SCRIPT)), log, tmp_path,
                      {"CLUSTERPULSE_AGENT": f"127.0.0.1:{running.telemetry_port}"})
     stop = threading.Event()
     try:
