@@ -155,7 +155,7 @@ def test_failed_graceful_save_aborts_and_unloadable_checkpoint_falls_back(tmp_pa
     r = run_trainer(tmp_path / "ckpt", steps=STEPS, max_restarts=2, args=[
         *CKPT, "--inject", "graceful:step=10", "--inject", "ckpt_fail:step=10",
         "--inject", "ckpt_unloadable:step=30:attempt=1",
-        "--inject", "crash:rank=1:step=33:attempt=1"])
+        "--inject", "crash:rank=1:step=33:attempt=1"], timeout=900)  # three attempts
     assert r.returncode == 0, r.log[-3000:]
     assert "checkpoint-restart at step 10 ABORTED" in r.log
     causes = [(x["cause"], x["resume_step"], x["steps_recomputed"])
