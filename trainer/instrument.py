@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.consensus import Consensus
-from trainer.telemetry import AgentLink
+from trainer.telemetry import DEFAULT_SOCKET_PATH, AgentAddr, AgentLink
 
 HEARTBEAT_EVERY_S = 1.0
 
@@ -93,7 +93,7 @@ class StepContext:
 
 
 class Pulse:
-    def __init__(self, run: str, agent: tuple[str, int] | None = ("127.0.0.1", 9401),
+    def __init__(self, run: str, agent: AgentAddr | None = DEFAULT_SOCKET_PATH,
                  rank: int | None = None, local_rank: int | None = None,
                  world_size: int | None = None, gpu: int | None = None,
                  restarts: int | None = None, consensus_every: int = 5,
