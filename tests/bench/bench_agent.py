@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,8 +27,10 @@ from agent.core import Agent
 from agent.exporter import GPU_SERIES, AgentCollector
 from agent.ranks import RankRegistry
 from tests.bench.table import Row
+from tests.conftest import socket_path
 from tests.fakes.fake_pynvml import FakeNvml
 from tests.support.ports import free_port
+from tests.support.ranksock import connect
 
 GPUS = RANKS = 8
 
@@ -164,9 +165,9 @@ def _proc_cpu_seconds(pid: int) -> float:
 
 
 def bench_cpu_share(seconds: float = 15.0) -> list[Row]:
-    port, tport = free_port(), free_port(socket.SOCK_DGRAM)
+    port, path = free_port(), socket_path("bench")
     p = subprocess.Popen([sys.executable, "-m", "agent", "--backend", "sim", "--gpus", "8",
-                          "--listen", f"127.0.0.1:{port}", "--telemetry", f"127.0.0.1:{tport}",
+                          "--listen", f"127.0.0.1:{port}", "--telemetry", f"unix:{path}",
                           "--interval", "1"], stdout=subprocess.DEVNULL)
     try:
         deadline = time.time() + 20
@@ -176,15 +177,14 @@ def bench_cpu_share(seconds: float = 15.0) -> list[Row]:
                 break
             except requests.RequestException:
                 time.sleep(0.1)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock = connect(path)
         cpu0, t0 = _proc_cpu_seconds(p.pid), time.time()
         step = 0
         while time.time() - t0 < seconds:  # 8 ranks at 10 steps/s, a scrape every second
             step += 1
             for r in range(RANKS):
-                sock.sendto(protocol.encode({"type": "step", "run": "b", "rank": r, "gpu": r,
-                                             "step": step, "step_seconds": 0.1}),
-                            ("127.0.0.1", tport))
+                sock.send(protocol.encode({"type": "step", "run": "b", "rank": r, "gpu": r,
+                                           "step": step, "step_seconds": 0.1}))
             if step % 10 == 0:
                 requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
             time.sleep(0.1)

@@ -19,10 +19,10 @@ from tests.support.procs import REPO
 from tests.support.torchrun import run_trainer, start_trainer
 
 
-def _worker(preset: str, agent_port: int) -> dict:
+def _worker(preset: str, agent: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", "tests/bench/trainer_worker.py", str(agent_port), tmp, preset]
+               "--nproc-per-node=2", "tests/bench/trainer_worker.py", agent, tmp, preset]
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
         line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -36,7 +36,7 @@ def bench_overhead_and_checkpoints() -> list[Row]:
         try:
             rows = []
             for preset in ("tiny", "small"):
-                r = _worker(preset, running.telemetry_port)
+                r = _worker(preset, running.telemetry)
                 rows.append(Row(f"step time with instrumentation ({preset}, 2 ranks DDP)",
                                 r["instrumented"] * 1e3, "ms", baseline=r["bare"] * 1e3,
                                 baseline_name="same loop bare", budget="ratio <= 1.01"))
@@ -68,7 +68,7 @@ def bench_recovery() -> list[Row]:
         try:
             ckpt = Path(tmp) / "graceful"
             proc = start_trainer(ckpt, Path(tmp) / "log", steps=60, max_restarts=2,
-                                 agent=f"127.0.0.1:{running.telemetry_port}",
+                                 agent=running.telemetry,
                                  args=["--ckpt-every", "10", "--sim-compute-seconds", "0.05"])
             deadline = time.time() + 120
             while time.time() < deadline and not any(

@@ -24,17 +24,18 @@ from trainer.instrument import Pulse
 from trainer.model import PRESETS, build_model
 from trainer.parallel import init_distributed, wrap
 from trainer.state import TrainState
+from trainer.telemetry import parse_agent_addr
 
 
 def main() -> None:
-    agent_port, out_dir, preset = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    agent, out_dir, preset = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     info = init_distributed(300)
     model = wrap(build_model(preset, 1), "ddp", info)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     mc = PRESETS[preset]
     data = SyntheticTokens(1, mc.vocab, mc.seq_len, 8)
-    pulse = Pulse(run="bench", agent=("127.0.0.1", agent_port))
+    pulse = Pulse(run="bench", agent=parse_agent_addr(agent))
     pulse.attach_ddp(model)  # the hook only stamps a time; bare blocks pay it too (~1 us)
 
     def work(step: int) -> torch.Tensor:
