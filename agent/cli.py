@@ -15,6 +15,7 @@ from agent import __version__, protocol
 from agent.audit import AuditLog
 from agent.backends import Backend, BackendError
 from agent.faults import FaultError, load_scenario
+from agent.httpsafe import tls_context
 from agent.logsetup import setup_logging
 from agent.ranks import RankRegistry
 from agent.tokens import TokenError, Tokens
@@ -31,6 +32,10 @@ examples:
 
   # telemetry socket of one node among several on a host (ranks: --agent unix:/run/cp/a.sock)
   clusterpulse-agent --backend sim --node a --telemetry unix:/run/cp/a.sock
+
+  # control API over TLS, one token per client (lines 'NAME TOKEN'; see docs/security.md)
+  clusterpulse-agent --backend nvml --listen 0.0.0.0:9400 --token-file /etc/clusterpulse/tokens \
+      --tls-cert /etc/clusterpulse/agent.crt --tls-key /etc/clusterpulse/agent.key
 
   # simulated node with a timed fault scenario (TOML, see deploy/local/scenario.toml)
   clusterpulse-agent --backend sim --node sim-a --scenario deploy/local/scenario.toml
@@ -82,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenario", type=Path, help="TOML file of timed simulated faults")
     p.add_argument("--token-file", type=Path,
                    help="file holding the control API bearer token; without it the API is off")
+    p.add_argument("--tls-cert", type=Path,
+                   help="PEM certificate: serve /metrics and /v1/ over HTTPS (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--max-connections", type=int, default=64,
+                   help="concurrent HTTP connections; more get 503 (default: 64)")
     p.add_argument("--audit-log", type=Path, help="JSON-lines audit log of control actions")
     p.add_argument("--rank-grace", type=float, default=300.0,
                    help="seconds before a silent rank is forgotten (default: 300)")
@@ -143,12 +153,23 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(f"--telemetry: {err}") from None
     token = read_token(args.token_file) if args.token_file else None
+    tls = None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    if args.tls_cert:
+        try:
+            tls = tls_context(args.tls_cert, args.tls_key)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    if args.max_connections < 1:
+        raise UsageError("--max-connections must be >= 1")
     ranks = RankRegistry(max_ranks=args.max_ranks, grace_s=args.rank_grace)
     backend = make_backend(args, ranks)
     try:
         agent = Agent(backend, args.node, ranks, AuditLog(args.audit_log),
                       interval_s=args.interval, telemetry_addr=telemetry)
-        server = make_server(agent, host, port, token)
+        server = make_server(agent, host, port, token, tls=tls,
+                             max_connections=args.max_connections)
     except OSError as err:
         backend.close()
         raise UsageError(
@@ -160,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     print(f"clusterpulse-agent {__version__}: node={args.node} backend={backend.name} "
-          f"gpus={len(agent.snapshot.gpus)} metrics=http://{host}:{server.server_port}/metrics "
+          f"gpus={len(agent.snapshot.gpus)} "
+          f"metrics={'https' if tls else 'http'}://{host}:{server.server_port}/metrics "
           f"telemetry={agent.telemetry_address} "
           f"control_api={'on' if token else 'off'} pid={os.getpid()}", flush=True)
     done.wait()

@@ -150,7 +150,7 @@ class ControlApi:
         if not protocol.RUN_ID.match(run):
             return 400, {"error": "run id must be 1-128 of A-Z a-z 0-9 _ . : -"}
         action = payload.get("action")
-        if action not in protocol.ACTIONS:
+        if not isinstance(action, str) or action not in protocol.ACTIONS:
             return 400, {"error": f"'action' must be one of {sorted(protocol.ACTIONS)}"}
         reason = payload.get("reason")
         if not isinstance(reason, str) or not reason.strip():

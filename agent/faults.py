@@ -50,7 +50,7 @@ def parse_fault(raw: Any, gpus: int) -> Fault:
     if not isinstance(raw, dict):
         raise FaultError("a fault must be an object with at least 'kind' and 'gpu'")
     kind = raw.get("kind")
-    if kind not in FAULT_KINDS:
+    if not isinstance(kind, str) or kind not in FAULT_KINDS:
         raise FaultError(f"unknown fault kind {kind!r}; known: {', '.join(sorted(FAULT_KINDS))}")
     gpu = raw.get("gpu")
     if not isinstance(gpu, int) or isinstance(gpu, bool) or not 0 <= gpu < gpus:

@@ -28,7 +28,7 @@ def prom_with_data(tmp_path_factory):
         for i, sock in enumerate(socks):
             for local in (0, 1):
                 rank = 2 * i + local
-                sock.sendto(protocol.encode({
+                sock.send(protocol.encode({
                     "type": "step", "run": "llm", "rank": rank, "local_rank": local,
                     "gpu": local, "pid": 1, "world_size": 4, "step": 42, "loss": 2.5,
                     "step_seconds": 0.2, "compute_seconds": 0.3 if rank == 3 else 0.15,

@@ -79,6 +79,9 @@ def test_malformed_request_line_gets_a_json_reason(sim_agent):
      "'deadline_s'"),
     ("/v1/faults", {"kind": "slow_clocks", "gpu": 0, "factor": True}, "'factor'"),
     ("/v1/faults", {"kind": "slow_clocks", "gpu": 0, "duration_s": 10**400}, "'duration_s'"),
+    # found by tests/unit/test_fuzz.py: a list where a name belongs raised TypeError
+    ("/v1/runs/r1/actions", {"action": [], "reason": "x"}, "'action'"),
+    ("/v1/faults", {"kind": [], "gpu": 0}, "unknown fault kind"),
 ])
 def test_numbers_are_typed(sim_agent, path, body, field):
     """Finding: `deadline_s: true`, `duration_s: Infinity`, `factor: true` were accepted."""
