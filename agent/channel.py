@@ -31,9 +31,10 @@ def bind_unix(path: str) -> socket.socket:
         p.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     except OSError as err:
         raise ChannelError(f"cannot create {p.parent}: {err.strerror}") from None
-    if p.parent.stat().st_mode & stat.S_IWOTH and not p.parent.stat().st_mode & stat.S_ISVTX:
-        raise ChannelError(f"{p.parent} is writable by every user: anyone could replace "
-                           "the telemetry socket; use a directory only root can write")
+    if p.parent.stat().st_mode & (stat.S_IWOTH | stat.S_IWGRP):
+        raise ChannelError(f"{p.parent} is writable by other users: they could replace the "
+                           "telemetry socket and impersonate the agent; use a directory "
+                           "only the agent's user can write (e.g. /run/clusterpulse)")
     if p.is_socket():
         # A stale socket from an agent that died: nobody answers on it any more.
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

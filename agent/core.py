@@ -65,6 +65,12 @@ class Agent:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
             self._sock.settimeout(0.2)
 
+    @property
+    def telemetry_alive(self) -> bool:
+        """The receiver thread runs (or there is no telemetry): /healthz reports it."""
+        return all(t.is_alive() for t in self._threads if t.name == "agent-telemetry") \
+            or self._stop.is_set()
+
     def collection_errors(self) -> dict[str, int]:
         errors = self.backend.errors()
         if self.internal_errors:

@@ -70,7 +70,10 @@ def make_server(agent: Agent, host: str, port: int, token: str | Tokens | None,
                 self.send_bytes(200, *render(self.headers.get("Accept", "")))
             elif path in ("/healthz", "/"):
                 snap = agent.snapshot
-                self.send_json(200, {"status": "ok", "node": agent.node,
+                alive = agent.telemetry_alive  # a dead receiver silences every rank
+                self.send_json(200 if alive else 503, {
+                                     "status": "ok" if alive else "telemetry receiver stopped",
+                                     "node": agent.node,
                                      "backend": agent.backend.name, "gpus": len(snap.gpus),
                                      "gpus_up": sum(g.up for g in snap.gpus),
                                      "last_collection_unix": snap.timestamp,

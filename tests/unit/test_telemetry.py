@@ -277,3 +277,16 @@ def test_gpu_is_named_by_uuid_not_local_rank(sim_agent, monkeypatch):
     s = connect(sim_agent.socket_path)
     exchange(s, type="step", run="u", rank=1, local_rank=1, gpu=1, gpu_uuids=[uuids[2]])
     assert sim_agent.agent.ranks.of_run("u")[0].gpu == 2
+
+
+def test_socket_directory_must_be_private(tmp_path, capsys):
+    from agent.cli import main as agent_main
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert agent_main(["--backend", "sim", "--listen", "127.0.0.1:0",
+                       "--telemetry", f"unix:{shared}/t.sock"]) == 2
+    assert "writable by other users" in capsys.readouterr().err
+    assert agent_main(["--backend", "sim", "--telemetry", "unix:relative.sock"]) == 2
+    assert "must be absolute" in capsys.readouterr().err
