@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -196,6 +197,48 @@ def bench_cpu_share(seconds: float = 15.0) -> list[Row]:
                 share * 100, "% core", budget="< 1 %")]
 
 
+def _receive_cpu_per_datagram(unix: bool, batches: int = 500, per: int = 8) -> float:
+    """CPU the receiver spends on one valid datagram: recv, kernel credentials (Unix:
+    SCM_CREDENTIALS plus a /proc/PID/stat read), decode, registry, reply. Batches of 8:
+    a Unix datagram queue holds net.unix.max_dgram_qlen (often 10) datagrams."""
+    ranks = RankRegistry()
+    agent = Agent(SimBackend(gpus=GPUS, activity=ranks.activity), "bench", ranks,
+                  AuditLog(None), telemetry_addr=socket_path("rx") if unix else ("127.0.0.1", 0))
+    if unix:
+        tx = connect(agent.telemetry_address.removeprefix("unix:"))
+    else:
+        tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        tx.connect(("127.0.0.1", agent.telemetry_port))
+    msg = protocol.encode({"type": "step", "run": "b", "rank": 0, "gpu": 0, "step": 1,
+                           "step_seconds": 0.1, "compute_seconds": 0.08, "loss": 2.0})
+    spent = 0.0
+    try:
+        for _ in range(batches):
+            for _ in range(per):
+                tx.send(msg)
+            t0 = time.process_time()
+            for _ in range(per):
+                agent._receive_one()
+            spent += time.process_time() - t0
+            while True:  # drain the replies
+                try:
+                    tx.recv(8192, socket.MSG_DONTWAIT)
+                except (BlockingIOError, TimeoutError):
+                    break
+    finally:
+        tx.close()
+        agent.stop()
+    return spent / (batches * per)
+
+
+def bench_telemetry_receive() -> list[Row]:
+    unix = _receive_cpu_per_datagram(True)
+    udp = _receive_cpu_per_datagram(False)
+    return [Row("telemetry receive per datagram, Unix socket + kernel credentials (CPU)",
+                unix * 1e6, "us", baseline=udp * 1e6,
+                baseline_name="UDP, no sender identity")]
+
+
 def bench_memory(cycles: int = 10_000) -> list[Row]:
     agent = _agent()
     registry = CollectorRegistry(auto_describe=False)
@@ -219,4 +262,5 @@ def bench_memory(cycles: int = 10_000) -> list[Row]:
 
 
 def run() -> list[Row]:
-    return bench_collection() + bench_scrape_latency() + bench_cpu_share() + bench_memory()
+    return (bench_collection() + bench_telemetry_receive() + bench_scrape_latency()
+            + bench_cpu_share() + bench_memory())
