@@ -2,34 +2,79 @@
 
 JSON lines, flushed and fsynced per record, so a crash loses no decided action.
 Shared by the agent (control API) and the dashboard/remediation policy.
+
+The file is created 0600 (and tightened if it was wider): it names operators and
+clients. Each record carries `prev`, the SHA-256 of the line before it, so deleting
+or editing a record breaks the chain from there on (`verify_chain`); this is tamper
+*evidence* against someone who can write the file but not the last hash shipped
+elsewhere (ship the log off the node for more, see docs/security.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import stat
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+GENESIS = "0" * 64
+
+
+def _digest(line: str) -> str:
+    return hashlib.sha256(line.rstrip("\n").encode()).hexdigest()
+
+
+def _last_line(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 65536))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    return lines[-1].decode(errors="replace") if lines else None
+
 
 class AuditLog:
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, chain: bool = True) -> None:
         self.path = path
+        self.chain = chain
         self._lock = threading.Lock()
+        self._prev = GENESIS
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            last = _last_line(path)
+            if last:
+                self._prev = _digest(last)
+
+    def _open(self) -> int:
+        assert self.path is not None
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+            os.fchmod(fd, 0o600)
+        return fd
 
     def write(self, who: str, action: str, why: str, outcome: str, **detail: Any) -> dict:
         record = {"ts": time.time(), "who": who, "action": action, "why": why,
                   "outcome": outcome, **detail}
-        if self.path is not None:
-            line = json.dumps(record, sort_keys=True, default=str) + "\n"
-            with self._lock, open(self.path, "a", encoding="utf-8") as f:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
+        if self.path is None:
+            return record
+        with self._lock:
+            if self.chain:
+                record["prev"] = self._prev
+            line = json.dumps(record, sort_keys=True, default=str)
+            fd = self._open()
+            try:
+                os.write(fd, (line + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._prev = _digest(line)
         return record
 
     def read(self, limit: int = 1000) -> list[dict]:
@@ -44,3 +89,21 @@ class AuditLog:
                 except ValueError:
                     continue
         return out[-limit:]
+
+
+def verify_chain(path: Path) -> list[int]:
+    """1-based numbers of the lines whose `prev` does not match the line before."""
+    broken = []
+    prev = GENESIS
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                broken.append(n)
+                prev = _digest(line)
+                continue
+            if isinstance(rec, dict) and "prev" in rec and rec["prev"] != prev:
+                broken.append(n)
+            prev = _digest(line)
+    return broken

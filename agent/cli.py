@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 import sys
 import threading
 from pathlib import Path
@@ -16,8 +15,10 @@ from agent import __version__, protocol
 from agent.audit import AuditLog
 from agent.backends import Backend, BackendError
 from agent.faults import FaultError, load_scenario
+from agent.httpsafe import tls_context
 from agent.logsetup import setup_logging
 from agent.ranks import RankRegistry
+from agent.tokens import TokenError, Tokens
 
 log = logging.getLogger("agent")
 
@@ -28,6 +29,13 @@ examples:
 
   # real GPUs through NVML, control API on with a token, reachable by Prometheus
   clusterpulse-agent --backend nvml --listen 0.0.0.0:9400 --token-file /etc/clusterpulse/token
+
+  # telemetry socket of one node among several on a host (ranks: --agent unix:/run/cp/a.sock)
+  clusterpulse-agent --backend sim --node a --telemetry unix:/run/cp/a.sock
+
+  # control API over TLS, one token per client (lines 'NAME TOKEN'; see docs/security.md)
+  clusterpulse-agent --backend nvml --listen 0.0.0.0:9400 --token-file /etc/clusterpulse/tokens \
+      --tls-cert /etc/clusterpulse/agent.crt --tls-key /etc/clusterpulse/agent.key
 
   # simulated node with a timed fault scenario (TOML, see deploy/local/scenario.toml)
   clusterpulse-agent --backend sim --node sim-a --scenario deploy/local/scenario.toml
@@ -45,20 +53,14 @@ def parse_addr(text: str, what: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def read_token(path: Path) -> str:
+def read_token(path: Path) -> Tokens:
     try:
-        mode = path.stat().st_mode
-        token = path.read_text().strip()
-    except OSError as err:
-        raise UsageError(f"cannot read token file {path}: {err.strerror}") from err
-    if not token:
-        raise UsageError(f"token file {path} is empty")
-    if len(token) < 16:
-        raise UsageError(f"token in {path} is shorter than 16 characters; use a random one "
-                         "(e.g. `openssl rand -hex 32 > token`)")
-    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        tokens, shared = Tokens.load(path)
+    except TokenError as err:
+        raise UsageError(str(err)) from None
+    if shared:
         log.warning("token file %s is readable by other users; chmod 600 it", path)
-    return token
+    return tokens
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="node label on every series (default: hostname)")
     p.add_argument("--listen", default="127.0.0.1:9400",
                    help="HTTP address for /metrics and /v1/ (default: 127.0.0.1:9400)")
-    p.add_argument("--telemetry", default=f"127.0.0.1:{protocol.DEFAULT_TELEMETRY_PORT}",
-                   help="UDP address ranks send telemetry to (default: 127.0.0.1:9401)")
+    p.add_argument("--telemetry", default=protocol.DEFAULT_TELEMETRY,
+                   help="where ranks send telemetry: unix:/PATH, a Unix datagram socket whose "
+                   "senders the kernel identifies (default: %(default)s), or HOST:PORT for "
+                   "UDP, whose senders are unauthenticated and never signalled")
     p.add_argument("--interval", type=float, default=1.0,
                    help="seconds between GPU collections (default: 1)")
     p.add_argument("--gpus", type=int, default=8, help="simulated GPUs (default: 8)")
@@ -83,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenario", type=Path, help="TOML file of timed simulated faults")
     p.add_argument("--token-file", type=Path,
                    help="file holding the control API bearer token; without it the API is off")
+    p.add_argument("--tls-cert", type=Path,
+                   help="PEM certificate: serve /metrics and /v1/ over HTTPS (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--max-connections", type=int, default=64,
+                   help="concurrent HTTP connections; more get 503 (default: 64)")
     p.add_argument("--audit-log", type=Path, help="JSON-lines audit log of control actions")
     p.add_argument("--rank-grace", type=float, default=300.0,
                    help="seconds before a silent rank is forgotten (default: 300)")
@@ -139,18 +148,32 @@ def run(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         raise UsageError("--interval must be > 0 seconds")
     host, port = parse_addr(args.listen, "--listen")
-    telemetry = parse_addr(args.telemetry, "--telemetry")
+    try:
+        telemetry = protocol.parse_address(args.telemetry)
+    except ValueError as err:
+        raise UsageError(f"--telemetry: {err}") from None
     token = read_token(args.token_file) if args.token_file else None
+    tls = None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    if args.tls_cert:
+        try:
+            tls = tls_context(args.tls_cert, args.tls_key)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    if args.max_connections < 1:
+        raise UsageError("--max-connections must be >= 1")
     ranks = RankRegistry(max_ranks=args.max_ranks, grace_s=args.rank_grace)
     backend = make_backend(args, ranks)
     try:
         agent = Agent(backend, args.node, ranks, AuditLog(args.audit_log),
                       interval_s=args.interval, telemetry_addr=telemetry)
-        server = make_server(agent, host, port, token)
+        server = make_server(agent, host, port, token, tls=tls,
+                             max_connections=args.max_connections)
     except OSError as err:
         backend.close()
         raise UsageError(
-            f"cannot listen: {err.strerror} ({args.listen} / {args.telemetry})"
+            f"cannot listen: {err.strerror or err} ({args.listen} / {args.telemetry})"
         ) from None
     agent.start()
     serve_in_thread(server)
@@ -158,8 +181,9 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     print(f"clusterpulse-agent {__version__}: node={args.node} backend={backend.name} "
-          f"gpus={len(agent.snapshot.gpus)} metrics=http://{host}:{server.server_port}/metrics "
-          f"telemetry=udp://{telemetry[0]}:{agent.telemetry_port} "
+          f"gpus={len(agent.snapshot.gpus)} "
+          f"metrics={'https' if tls else 'http'}://{host}:{server.server_port}/metrics "
+          f"telemetry={agent.telemetry_address} "
           f"control_api={'on' if token else 'off'} pid={os.getpid()}", flush=True)
     done.wait()
     server.shutdown()

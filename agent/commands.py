@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from agent import identity
 from agent.audit import AuditLog
-from agent.ranks import RankRegistry, process_alive
+from agent.identity import Sender
+from agent.ranks import RankRegistry
 
 KILL_GRACE_S = 5.0
 MAX_COMMANDS = 256
@@ -38,44 +39,51 @@ class Command:
     requested_by: str
     created: float
     deadline: float
+    on_behalf_of: str | None = None  # the operator a principal (the dashboard) acts for
     state: str = "pending"
     detail: str = ""
     targets: dict[int, int] = field(default_factory=dict)  # rank -> restarts at creation
+    # rank -> the process that held it at creation: "resumed" needs a new process
+    owners: dict[int, Sender] = field(default_factory=dict)
     acked: set[int] = field(default_factory=set)
     resumed: set[int] = field(default_factory=set)
     killed_pids: list[int] = field(default_factory=list)
+    not_signalled: list[str] = field(default_factory=list)  # why, per rank
+    pidfds: list[int] = field(default_factory=list)  # pinned processes awaiting SIGKILL
     kill_at: float | None = None  # when to SIGKILL what SIGTERM did not end
 
     def to_json(self) -> dict:
         return {
             "id": self.id, "run": self.run, "action": self.action, "reason": self.reason,
-            "requested_by": self.requested_by, "state": self.state, "detail": self.detail,
+            "requested_by": self.requested_by, "on_behalf_of": self.on_behalf_of,
+            "state": self.state, "detail": self.detail,
             "created_unix": self.created, "ranks": sorted(self.targets),
             "acknowledged": sorted(self.acked), "resumed": sorted(self.resumed),
+            "signalled_pids": list(self.killed_pids), "not_signalled": list(self.not_signalled),
         }
 
 
 class CommandBook:
     def __init__(self, ranks: RankRegistry, audit: AuditLog, node: str,
-                 clock: Callable[[], float] = time.time,
-                 kill: Callable[[int, int], None] = os.kill) -> None:
+                 clock: Callable[[], float] = time.time) -> None:
         self._ranks = ranks
         self._audit = audit
         self._node = node
         self._clock = clock
-        self._kill = kill
         self._lock = threading.Lock()
         self._commands: dict[str, Command] = {}
         self._ids = itertools.count(1)
 
     def submit(self, run: str, action: str, reason: str, requested_by: str,
-               deadline_s: float) -> Command:
+               deadline_s: float, on_behalf_of: str | None = None) -> Command:
         now = self._clock()
         ranks = self._ranks.of_run(run)
         cmd = Command(
             id=f"{self._node}-{int(now)}-{next(self._ids)}", run=run, action=action,
             reason=reason, requested_by=requested_by, created=now, deadline=now + deadline_s,
+            on_behalf_of=on_behalf_of,
             targets={r.rank: r.restarts for r in ranks},
+            owners={r.rank: r.sender for r in ranks},
         )
         with self._lock:
             if len(self._commands) >= MAX_COMMANDS:  # forget the oldest finished ones
@@ -84,13 +92,22 @@ class CommandBook:
                 for cid in done[: len(done) // 2 + 1]:
                     del self._commands[cid]
             self._commands[cmd.id] = cmd
-        if not ranks:
+        if not ranks:  # one record for this outcome, written by _finish
             self._finish(cmd, "failed", f"no ranks of run {run!r} are known on this node")
-        elif action == "restart":
+            return cmd
+        if action == "restart":
             self._terminate(cmd)
         self._audit.write(requested_by, action, reason, cmd.state, run=run, command=cmd.id,
-                          node=self._node, source="agent")
+                          node=self._node, source="agent", **self._signals(cmd))
         return cmd
+
+    @staticmethod
+    def _signals(cmd: Command) -> dict:
+        out: dict = {"on_behalf_of": cmd.on_behalf_of} if cmd.on_behalf_of else {}
+        if cmd.killed_pids or cmd.not_signalled:
+            out.update(signalled_pids=list(cmd.killed_pids),
+                       not_signalled=list(cmd.not_signalled))
+        return out
 
     def get(self, cid: str) -> Command | None:
         with self._lock:
@@ -111,22 +128,48 @@ class CommandBook:
             ]
 
     def _terminate(self, cmd: Command) -> None:
-        pids = [r.pid for r in self._ranks.of_run(cmd.run) if r.pid > 0]
-        for pid in pids:
+        """SIGTERM the run's ranks that the kernel vouched for, through pidfds.
+
+        A rank learnt over UDP, or whose process is no longer the one that registered
+        (exited, pid reused), is not signalled; the reason is kept for the audit log.
+        """
+        for r in self._ranks.of_run(cmd.run):
             try:
-                self._kill(pid, signal.SIGTERM)
-                cmd.killed_pids.append(pid)
-            except ProcessLookupError:
+                fd = identity.open_verified(r.sender)
+            except identity.SignalRefused as why:
+                cmd.not_signalled.append(f"rank {r.rank}: {why}")
                 continue
+            try:
+                if identity.send_signal(fd, signal.SIGTERM):
+                    cmd.killed_pids.append(r.sender.pid)
+                    cmd.pidfds.append(fd)
+                    continue
             except PermissionError as err:
-                cmd.detail = f"cannot signal pid {pid}: {err.strerror}"
+                cmd.not_signalled.append(f"rank {r.rank}: cannot signal pid "
+                                         f"{r.sender.pid}: {err.strerror}")
+            identity.close_quietly(fd)
+        if cmd.not_signalled and not cmd.killed_pids:
+            cmd.detail = "; ".join(cmd.not_signalled)[:500]
         cmd.kill_at = self._clock() + KILL_GRACE_S
         cmd.state = "escalated" if cmd.action == "checkpoint-restart" else "delivered"
 
+    def _kill_survivors(self, cmd: Command) -> None:
+        for fd in cmd.pidfds:
+            with contextlib.suppress(OSError):
+                identity.send_signal(fd, signal.SIGKILL)
+            identity.close_quietly(fd)
+        cmd.pidfds.clear()
+        cmd.kill_at = None
+
     def _finish(self, cmd: Command, state: str, detail: str) -> None:
         cmd.state, cmd.detail = state, detail
+        for fd in cmd.pidfds:  # nothing left to follow up: unpin the processes
+            identity.close_quietly(fd)
+        cmd.pidfds.clear()
+        cmd.kill_at = None
         self._audit.write(cmd.requested_by, cmd.action, cmd.reason, state, run=cmd.run,
-                          command=cmd.id, node=self._node, detail=detail, source="agent")
+                          command=cmd.id, node=self._node, detail=detail, source="agent",
+                          **self._signals(cmd))
 
     def tick(self) -> None:
         """Advance every open command: acks, resumption, deadlines, SIGKILL follow-up."""
@@ -141,7 +184,8 @@ class CommandBook:
                     continue
                 if cmd.id in r.acks:
                     cmd.acked.add(rank)
-                if r.restarts > restarts and r.step >= 0:
+                new_process = r.sender != cmd.owners.get(rank) or not r.sender.verified
+                if r.restarts > restarts and r.step >= 0 and new_process:
                     cmd.resumed.add(rank)
             if cmd.state == "pending" and cmd.acked >= set(cmd.targets):
                 cmd.state = "delivered"
@@ -149,17 +193,13 @@ class CommandBook:
                 self._finish(cmd, "completed", "all ranks resumed")
                 continue
             if cmd.kill_at is not None and now >= cmd.kill_at:
-                for pid in cmd.killed_pids:
-                    if process_alive(pid):
-                        with contextlib.suppress(OSError):
-                            self._kill(pid, signal.SIGKILL)
-                cmd.kill_at = None
+                self._kill_survivors(cmd)
             if now >= cmd.deadline:
                 if cmd.action == "checkpoint-restart" and cmd.state != "escalated":
+                    self._terminate(cmd)
                     self._audit.write(cmd.requested_by, "restart", "graceful deadline passed",
                                       "escalated", run=cmd.run, command=cmd.id,
-                                      node=self._node, source="agent")
-                    self._terminate(cmd)
+                                      node=self._node, source="agent", **self._signals(cmd))
                     cmd.deadline = now + max(60.0, cmd.deadline - cmd.created)
                 else:
                     self._finish(cmd, "failed", "ranks did not resume before the deadline")

@@ -1,72 +1,112 @@
 """The agent's control API under /v1/: authenticated, JSON in and out.
 
 Off unless a token is configured (no token -> every /v1/ call answers 403 saying so);
-the bearer token is compared in constant time. Handlers return (status, body) and
-never raise on bad input: the body's "error" names the problem.
+bearer tokens are compared in constant time and each names its principal (see
+agent.tokens), which is what the audit log records as `who`. A caller's own
+`requested_by` is kept as `on_behalf_of` (the dashboard passes its signed-in
+operator), never as the principal. Failed authentication is audited too (at most
+`AUTH_FAILURES_PER_MIN` records a minute, so a flood cannot fill the disk; the rest
+are counted). Handlers return (status, body) and never raise on bad input: the body's
+"error" names the problem.
 """
 
 from __future__ import annotations
 
-import hmac
-import json
+import collections
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from agent import protocol
 from agent.backends.sim import SimBackend
 from agent.faults import FAULT_KINDS, FaultError, parse_fault
+from agent.httpsafe import HttpError, parse_json_object
+from agent.tokens import Tokens
+from agent.validate import bounded_number
 
 if TYPE_CHECKING:
     from agent.core import Agent
 
 Response = tuple[int, dict[str, Any]]
+AUTH_FAILURES_PER_MIN = 30
+MAX_DEADLINE_S = 3600
 
 
-def check_bearer(header: str | None, token: str | None) -> Response | None:
-    """None if authorised, else the error response. Shared by every /v1/ route."""
-    if not token:
-        return 403, {"error": "control API disabled: start the agent with --token-file"}
+def check_bearer(header: str | None, tokens: Tokens | None) -> tuple[str | None, Response | None]:
+    """(principal, None) if authorised, else (None, the error response)."""
+    if not tokens:
+        return None, (403, {"error": "control API disabled: start the agent with --token-file"})
     if not header or not header.startswith("Bearer "):
-        return 401, {"error": "missing bearer token (Authorization: Bearer <token>)"}
-    if not hmac.compare_digest(header[len("Bearer "):].strip().encode(), token.encode()):
-        return 401, {"error": "wrong token"}
-    return None
+        return None, (401, {"error": "missing bearer token (Authorization: Bearer <token>)"})
+    principal = tokens.match(header[len("Bearer "):].strip())
+    if principal is None:
+        return None, (401, {"error": "wrong token"})
+    return principal, None
 
 
 class ControlApi:
-    def __init__(self, agent: Agent, token: str | None) -> None:
+    def __init__(self, agent: Agent, token: str | Tokens | None) -> None:
         self.agent = agent
-        self.token = token
+        self.tokens = Tokens.single(token) if isinstance(token, str) else token
+        self.auth_failures = collections.Counter[str]()
+        self._audited: collections.deque[float] = collections.deque()
+        self._lock = threading.Lock()
 
-    def handle(self, method: str, path: str, auth: str | None, body: bytes) -> Response:
-        denied = check_bearer(auth, self.token)
-        if denied is not None:
-            return denied
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tokens)
+
+    def authenticate(self, header: str | None, client: str = "?"
+                     ) -> tuple[str | None, Response | None]:
+        principal, denied = check_bearer(header, self.tokens)
+        if denied is not None and denied[0] == 401:
+            self._audit_failure(denied[1]["error"], client)
+        return principal, denied
+
+    def _audit_failure(self, reason: str, client: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.auth_failures[reason] += 1
+            while self._audited and now - self._audited[0] > 60:
+                self._audited.popleft()
+            if len(self._audited) >= AUTH_FAILURES_PER_MIN:
+                return
+            self._audited.append(now)
+        self.agent.audit.write("unauthenticated", "authenticate", reason, "refused",
+                               client=client, node=self.agent.node, source="agent")
+
+    def handle(self, method: str, path: str, auth: str | None, body: bytes,
+               principal: str | None = None, client: str = "?") -> Response:
+        """One /v1/ request. `principal` set: the caller already authenticated it."""
+        if principal is None:
+            principal, denied = self.authenticate(auth, client)
+            if denied is not None:
+                return denied
+        assert principal is not None
         parts = [p for p in path.split("/") if p][1:]  # drop "v1"
         payload: Any = {}
         if method == "POST":
             try:
-                payload = json.loads(body or b"{}")
-            except ValueError:
-                return 400, {"error": "request body is not valid JSON"}
-            if not isinstance(payload, dict):
-                return 400, {"error": "request body must be a JSON object"}
+                payload = parse_json_object(body)
+            except HttpError as err:
+                return err.status, {"error": err.reason}
         match method, parts:
             case "GET", ["ranks"]:
                 return 200, {"ranks": self._ranks()}
             case "GET", ["faults"]:
                 return self._faults()
             case "POST", ["faults"]:
-                return self._inject(payload)
+                return self._inject(payload, principal)
             case "POST", ["runs", run, "actions"]:
-                return self._action(run, payload)
+                return self._action(run, payload, principal)
             case "GET", ["commands"]:
                 return 200, {"commands": [c.to_json() for c in self.agent.commands.all()]}
             case "GET", ["commands", cid]:
                 cmd = self.agent.commands.get(cid)
                 if cmd is None:
-                    return 404, {"error": f"no command {cid!r}"}
+                    return 404, {"error": f"no command {cid[:160]!r}"}
                 return 200, cmd.to_json()
-        return 404, {"error": f"no route {method} {path}"}
+        return 404, {"error": f"no route {method} {path[:200]}"}
 
     def _ranks(self) -> list[dict]:
         reg = self.agent.ranks
@@ -91,7 +131,7 @@ class ControlApi:
                          for t, f in sim.injected],
         }
 
-    def _inject(self, payload: dict) -> Response:
+    def _inject(self, payload: dict, principal: str) -> Response:
         sim = self._sim()
         if sim is None:
             return 409, {"error": "fault injection needs the simulated backend (--backend sim)"}
@@ -101,22 +141,30 @@ class ControlApi:
         except FaultError as err:
             return 400, {"error": str(err)}
         sim.inject(fault)
-        who = str(payload.get("requested_by", "api"))[:128]
-        self.agent.audit.write(who, f"fault:{fault.kind}", "injected through control API",
-                               "applied", node=self.agent.node, gpu=fault.gpu, source="agent")
+        self.agent.audit.write(principal, f"fault:{fault.kind}", "injected through control API",
+                               "applied", node=self.agent.node, gpu=fault.gpu, source="agent",
+                               **_on_behalf(payload))
         return 200, {"injected": {"kind": fault.kind, "gpu": fault.gpu}}
 
-    def _action(self, run: str, payload: dict) -> Response:
+    def _action(self, run: str, payload: dict, principal: str) -> Response:
+        if not protocol.RUN_ID.match(run):
+            return 400, {"error": "run id must be 1-128 of A-Z a-z 0-9 _ . : -"}
         action = payload.get("action")
-        if action not in protocol.ACTIONS:
+        if not isinstance(action, str) or action not in protocol.ACTIONS:
             return 400, {"error": f"'action' must be one of {sorted(protocol.ACTIONS)}"}
         reason = payload.get("reason")
         if not isinstance(reason, str) or not reason.strip():
             return 400, {"error": "'reason' is required: say why, it goes to the audit log"}
-        deadline = payload.get("deadline_s", 120)
-        if not isinstance(deadline, int | float) or not 1 <= deadline <= 3600:
-            return 400, {"error": "'deadline_s' must be a number of seconds in 1..3600"}
-        who = payload.get("requested_by", "api")
-        cmd = self.agent.commands.submit(run, action, reason.strip()[:500], str(who)[:128],
-                                         float(deadline))
+        deadline = bounded_number(payload.get("deadline_s", 120), 1, MAX_DEADLINE_S)
+        if deadline is None:
+            return 400, {"error": f"'deadline_s' must be a number of seconds in "
+                                  f"1..{MAX_DEADLINE_S}"}
+        cmd = self.agent.commands.submit(run, action, reason.strip()[:500], principal,
+                                         deadline, **_on_behalf(payload))
         return (202 if cmd.state != "failed" else 409), cmd.to_json()
+
+
+def _on_behalf(payload: dict) -> dict[str, str]:
+    """The caller's own account of whom it acts for: recorded, never trusted as `who`."""
+    who = payload.get("requested_by")
+    return {"on_behalf_of": who[:128]} if isinstance(who, str) and who.strip() else {}

@@ -14,13 +14,15 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from agent import protocol
+from agent import channel, protocol
 from agent.audit import AuditLog
 from agent.backends import Backend
 from agent.backends.sim import SimBackend
 from agent.commands import CommandBook
-from agent.ranks import RankRegistry
+from agent.identity import Sender
+from agent.ranks import RankRegistry, Refused
 from agent.sample import GpuSample
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,10 @@ class Snapshot:
 
 class Agent:
     def __init__(self, backend: Backend, node: str, ranks: RankRegistry, audit: AuditLog,
-                 interval_s: float = 1.0, telemetry_addr: tuple[str, int] | None = None) -> None:
+                 interval_s: float = 1.0,
+                 telemetry_addr: str | tuple[str, int] | None = None) -> None:
+        """`telemetry_addr`: a socket path (Unix datagram, kernel-verified senders) or
+        (host, port) for UDP (unverified senders, never signalled); None: no telemetry."""
         self.backend = backend
         self.node = node
         self.ranks = ranks
@@ -49,11 +54,22 @@ class Agent:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._sock: socket.socket | None = None
-        if telemetry_addr is not None:
+        self._unix_path: str | None = None
+        if isinstance(telemetry_addr, str):
+            self._sock = channel.bind_unix(telemetry_addr)
+            self._unix_path = telemetry_addr
+        elif telemetry_addr is not None:
             self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
             self._sock.bind(telemetry_addr)
+        if self._sock is not None:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
             self._sock.settimeout(0.2)
+
+    @property
+    def telemetry_alive(self) -> bool:
+        """The receiver thread runs (or there is no telemetry): /healthz reports it."""
+        return all(t.is_alive() for t in self._threads if t.name == "agent-telemetry") \
+            or self._stop.is_set()
 
     def collection_errors(self) -> dict[str, int]:
         errors = self.backend.errors()
@@ -63,7 +79,20 @@ class Agent:
 
     @property
     def telemetry_port(self) -> int | None:
-        return self._sock.getsockname()[1] if self._sock else None
+        """The UDP port (None on a Unix socket or without telemetry)."""
+        if self._sock is None or self._unix_path is not None:
+            return None
+        return self._sock.getsockname()[1]
+
+    @property
+    def telemetry_address(self) -> str | None:
+        """What ranks pass as --agent / CLUSTERPULSE_AGENT to reach this agent."""
+        if self._sock is None:
+            return None
+        if self._unix_path is not None:
+            return f"unix:{self._unix_path}"
+        host, port = self._sock.getsockname()[:2]
+        return f"{host}:{port}"
 
     def start(self) -> None:
         self.collect_once()
@@ -81,6 +110,8 @@ class Agent:
             t.join(timeout=5)
         if self._sock is not None:
             self._sock.close()
+        if self._unix_path is not None:
+            channel.unlink_quietly(self._unix_path)
         self.backend.close()
 
     # -- collection -----------------------------------------------------------------
@@ -111,20 +142,37 @@ class Agent:
             self._stop.wait(delay)
 
     # -- telemetry ------------------------------------------------------------------
-    def handle_datagram(self, data: bytes, addr: tuple[str, int] | None) -> bytes | None:
-        """Validate and record one datagram; the reply for its sender, if any."""
+    def _gpu_index(self, uuids: tuple[str, ...]) -> int | None:
+        """The local GPU index of the first reported UUID this node has."""
+        by_uuid = {g.uuid: g.index for g in self.snapshot.gpus}
+        return next((by_uuid[u] for u in uuids if u in by_uuid), None)
+
+    def handle_datagram(self, data: bytes, addr: Any,
+                        sender: Sender | None = None) -> bytes | None:
+        """Validate and record one datagram; the reply for its sender, if any.
+
+        Never raises: whatever the bytes, the outcome is a counter.
+        """
         try:
             msg = protocol.decode(data)
         except protocol.MalformedMessage as err:
             self.telemetry_counts[f"malformed_{err}"] += 1
             return None
-        r = self.ranks.update(msg, addr)
+        try:
+            r = self.ranks.update(msg, addr, sender)
+        except Refused as why:
+            self.telemetry_counts[f"refused_{why}"] += 1
+            return None
         if r is None:
             self.telemetry_counts["dropped_registry_full"] += 1
             return None
+        if r.gpu_uuids:
+            index = self._gpu_index(r.gpu_uuids)
+            if index is not None:
+                r.gpu = index  # the physical GPU, whatever CUDA_VISIBLE_DEVICES renumbered
         self.telemetry_counts["accepted"] += 1
         reply: dict = {"type": "agent", "node": self.node}
-        if isinstance(self.backend, SimBackend) and r.gpu >= 0:
+        if isinstance(self.backend, SimBackend) and 0 <= r.gpu < self.backend.gpu_count:
             reply["slowdown"] = round(self.backend.slowdown(r.gpu), 4)
         pending = self.commands.pending_for(r.run, r.rank)
         if pending:
@@ -135,16 +183,27 @@ class Agent:
         assert self._sock is not None
         while not self._stop.is_set():
             try:
+                self._receive_one()
+            except Exception:  # a bug here must not end telemetry for the node
+                self.telemetry_counts["internal_error"] += 1
+                log.exception("telemetry datagram handling failed")
+
+    def _receive_one(self) -> None:
+        assert self._sock is not None
+        try:
+            if self._unix_path is not None:
+                data, addr, sender = channel.receive_unix(self._sock)
+            else:
                 data, addr = self._sock.recvfrom(protocol.MAX_DATAGRAM_BYTES + 1)
-            except TimeoutError:
-                continue
+                sender = Sender()  # UDP: nobody vouches for the sender
+        except TimeoutError:
+            return
+        except OSError:
+            return
+        reply = self.handle_datagram(data, addr, sender)
+        if reply is not None and addr:
+            try:
+                # never wait on a sender that does not read its replies
+                self._sock.sendto(reply, socket.MSG_DONTWAIT, addr)
             except OSError:
-                if self._stop.is_set():
-                    return
-                continue
-            reply = self.handle_datagram(data, addr)
-            if reply is not None:
-                try:
-                    self._sock.sendto(reply, addr)
-                except OSError:
-                    self.telemetry_counts["reply_failed"] += 1
+                self.telemetry_counts["reply_failed"] += 1

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from agent import __version__
-from agent.ranks import process_alive
+from agent.identity import still_running
 from agent.sample import CLOCK_EVENT_REASONS
 
 if TYPE_CHECKING:
@@ -215,7 +215,8 @@ class AgentCollector(Collector):
                 step.add_metric(lb, r.step)
             steps.add_metric(lb, r.steps_total)
             age.add_metric(lb, round(a.ranks.age(r), 3))
-            alive.add_metric(lb, 1.0 if process_alive(r.pid) else 0.0)
+            if r.sender.verified:  # a UDP sender's pid is unknown: no claim either way
+                alive.add_metric(lb, 1.0 if still_running(r.sender) else 0.0)
             restarts.add_metric(lb, r.restarts)
         yield from (info, step, steps, age, alive, restarts, phase)
         for key, name, help_text, counter in RANK_SERIES:

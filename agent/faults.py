@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.validate import bounded_number
+
 FAULT_KINDS = {
     "overheat": "cooling failure: temperature climbs past slowdown, clocks thermal-throttle",
     "power_brake": "external power brake asserted: clocks halved (hw_power_brake_slowdown)",
@@ -20,6 +22,9 @@ FAULT_KINDS = {
     "ecc_uncorrectable": "one uncorrectable ECC error; a row remap becomes pending",
     "recover": "clear every persistent fault on the GPU (counters keep their values)",
 }
+
+
+MAX_DURATION_S = 7 * 86400.0
 
 
 class FaultError(ValueError):
@@ -45,20 +50,22 @@ def parse_fault(raw: Any, gpus: int) -> Fault:
     if not isinstance(raw, dict):
         raise FaultError("a fault must be an object with at least 'kind' and 'gpu'")
     kind = raw.get("kind")
-    if kind not in FAULT_KINDS:
+    if not isinstance(kind, str) or kind not in FAULT_KINDS:
         raise FaultError(f"unknown fault kind {kind!r}; known: {', '.join(sorted(FAULT_KINDS))}")
     gpu = raw.get("gpu")
     if not isinstance(gpu, int) or isinstance(gpu, bool) or not 0 <= gpu < gpus:
         raise FaultError(f"'gpu' must be an integer in 0..{gpus - 1}, got {gpu!r}")
     factor = raw.get("factor", 0.6)
-    if not isinstance(factor, int | float) or not 0.05 <= factor <= 1.0:
+    if bounded_number(factor, 0.05, 1.0) is None:
         raise FaultError(f"'factor' must be a number in 0.05..1.0, got {factor!r}")
     code = raw.get("code", 79)
     if not isinstance(code, int) or isinstance(code, bool) or not 0 < code < 1000:
         raise FaultError(f"'code' must be an XID number in 1..999, got {code!r}")
     duration = raw.get("duration_s")
-    if duration is not None and (not isinstance(duration, int | float) or duration <= 0):
-        raise FaultError(f"'duration_s' must be a positive number, got {duration!r}")
+    if duration is not None and (bounded_number(duration, 0.0, MAX_DURATION_S) is None
+                                 or duration <= 0):
+        raise FaultError(f"'duration_s' must be a number of seconds in (0, {MAX_DURATION_S:.0f}]"
+                         f", got {duration!r}")
     unknown = set(raw) - {"kind", "gpu", "factor", "code", "duration_s", "at_s"}
     if unknown:
         raise FaultError(f"unknown fault fields: {', '.join(sorted(unknown))}")
@@ -80,7 +87,7 @@ def load_scenario(path: Path, gpus: int) -> list[ScheduledFault]:
     out = []
     for i, raw in enumerate(entries):
         at = raw.get("at_s") if isinstance(raw, dict) else None
-        if not isinstance(at, int | float) or at < 0:
+        if bounded_number(at, 0.0, float("inf")) is None:
             raise FaultError(f"scenario {path}, fault #{i + 1}: 'at_s' must be >= 0 seconds")
         try:
             out.append(ScheduledFault(float(at), parse_fault(raw, gpus)))

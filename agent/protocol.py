@@ -1,44 +1,67 @@
-"""The rank -> agent telemetry contract: one JSON object per UDP datagram on loopback.
+"""The rank -> agent telemetry contract: one JSON object per datagram.
 
-UDP because the design requires that a rank never blocks, slows or fails because its
-agent is absent, slow or restarting: `sendto` on a datagram socket returns at once
+Datagrams because the design requires that a rank never blocks, slows or fails
+because its agent is absent, slow or restarting: a non-blocking send returns at once
 whatever the receiver does, and a lost datagram costs one sample, not a step.
+
+The channel is a Unix domain datagram socket (`unix:/run/clusterpulse/telemetry.sock`
+by default): the agent turns on SO_PASSCRED, so the kernel attaches the sender's real
+pid/uid/gid to every datagram, and identity never comes from the payload (see
+docs/security.md). Plain UDP (`HOST:PORT`) is still accepted for setups that cannot
+share a socket file; it is unauthenticated, and the agent never signals a process it
+learnt about over UDP.
+
 The agent answers each datagram to its sender with its own state (pending commands,
 simulated GPU slowdown), so the same socket carries commands back without a server
 in the rank.
 
 This module is the single definition of that format: the trainer encodes with it,
-the agent validates with it.
+the agent validates with it. `decode` returns a *new* dict holding only the known
+fields, each of the right type and within its bound, so nothing unknown is ever kept.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
 VERSION = 1
 MAX_DATAGRAM_BYTES = 8192
 DEFAULT_TELEMETRY_PORT = 9401
+DEFAULT_SOCKET_PATH = "/run/clusterpulse/telemetry.sock"
+DEFAULT_TELEMETRY = f"unix:{DEFAULT_SOCKET_PATH}"
 
 MESSAGE_TYPES = {"step", "heartbeat", "event"}
 EVENTS = {"start", "checkpoint_committed", "checkpoint_failed", "restart_requested", "exit"}
 ACTIONS = {"checkpoint-restart", "restart"}
-_RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_COMMAND_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,160}$")
+# NVML's form ("GPU-<uuid>", "MIG-<uuid>"); what CUDA_VISIBLE_DEVICES may hold.
+_GPU_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]{1,80}$")
+MAX_ACKS = 16
+MAX_GPU_UUIDS = 16
+# Integers beyond this are nonsense for any field we know; refusing them before any
+# arithmetic is what keeps a 400-digit number from overflowing float() downstream.
+_MAX_INT_DIGITS = 20
 
 # Optional numeric fields a message may carry, all in base units.
-NUMBER_FIELDS = {
+NUMBER_FIELDS = frozenset({
     "step_seconds", "compute_seconds", "sync_wait_seconds", "data_wait_seconds", "loss",
     "samples_total", "tokens_total", "straggler_score", "memory_bytes", "sync_bytes_total",
     "host_bytes_total", "checkpoint_step", "checkpoint_timestamp_seconds",
     "checkpoint_blocking_seconds", "checkpoint_in_progress", "phase_seconds", "goodput_ratio",
     "ts",
-}
+})
 # What a rank is doing right now, from its heartbeat thread: a section name
 # ("data", "forward_backward", "optimizer", "checkpoint"), "sync" (waiting for peers
 # in an instrumented collective), "between" (outside a step) or "start".
 PHASES = {"start", "data", "forward_backward", "optimizer", "checkpoint", "sync", "between"}
-INT_FIELDS = {"rank", "local_rank", "world_size", "pid", "gpu", "step", "restarts"}
+# `pid` is accepted for compatibility with older ranks but never used: the agent takes
+# the sender's pid from the kernel.
+INT_FIELDS = frozenset({"rank", "local_rank", "world_size", "pid", "gpu", "step", "restarts"})
+_LIMIT = 1e18
 
 
 class MalformedMessage(ValueError):
@@ -49,40 +72,109 @@ def encode(msg: dict[str, Any]) -> bytes:
     return json.dumps({"v": VERSION, **msg}, separators=(",", ":")).encode()
 
 
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise MalformedMessage("number_too_large")
+    return int(text)
+
+
+def _parse_constant(text: str) -> float:
+    raise MalformedMessage("non_finite_number")  # NaN, Infinity, -Infinity
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        return json.loads(data, parse_int=_parse_int, parse_constant=_parse_constant)
+    except MalformedMessage:
+        raise
+    except RecursionError:  # "[[[[..." thousands deep
+        raise MalformedMessage("too_deep") from None
+    except (UnicodeDecodeError, ValueError, OverflowError, TypeError):
+        raise MalformedMessage("not_json") from None
+
+
+def _int(msg: dict[str, Any], key: str) -> int:
+    v = msg[key]
+    if not isinstance(v, int) or isinstance(v, bool) or not -1 <= v < 2**31:
+        raise MalformedMessage(f"bad_{key}")
+    return v
+
+
+def _number(msg: dict[str, Any], key: str) -> float:
+    v = msg[key]
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise MalformedMessage(f"bad_{key}")
+    f = float(v)
+    if not math.isfinite(f) or abs(f) > _LIMIT:
+        raise MalformedMessage(f"bad_{key}")
+    return f
+
+
 def decode(data: bytes) -> dict[str, Any]:
-    """Parse and validate one datagram. Raises MalformedMessage, never anything else."""
+    """Parse and validate one datagram into a clean dict of known fields only.
+
+    Raises MalformedMessage, never anything else, whatever the bytes: the caller counts
+    the reason and drops the datagram.
+    """
     if len(data) > MAX_DATAGRAM_BYTES:
         raise MalformedMessage("too_large")
-    try:
-        msg = json.loads(data)
-    except (UnicodeDecodeError, ValueError):
-        raise MalformedMessage("not_json") from None
+    msg = _loads(data)
     if not isinstance(msg, dict):
         raise MalformedMessage("not_object")
-    if msg.get("v") != VERSION:
+    if msg.get("v") != VERSION or isinstance(msg.get("v"), bool):
         raise MalformedMessage("bad_version")
-    if msg.get("type") not in MESSAGE_TYPES:
+    kind = msg.get("type")
+    if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
         raise MalformedMessage("bad_type")
     run = msg.get("run")
-    if not isinstance(run, str) or not _RUN_ID.match(run):
+    if not isinstance(run, str) or not RUN_ID.match(run):
         raise MalformedMessage("bad_run")
-    for key in INT_FIELDS:
-        if key in msg:
-            v = msg[key]
-            if not isinstance(v, int) or isinstance(v, bool) or not -1 <= v < 2**31:
-                raise MalformedMessage(f"bad_{key}")
     if "rank" not in msg:
         raise MalformedMessage("bad_rank")
+    out: dict[str, Any] = {"v": VERSION, "type": kind, "run": run}
+    for key in INT_FIELDS:
+        if key in msg:
+            out[key] = _int(msg, key)
     for key in NUMBER_FIELDS:
         if key in msg:
-            v = msg[key]
-            if not isinstance(v, int | float) or isinstance(v, bool) or v != v or abs(v) > 1e18:
-                raise MalformedMessage(f"bad_{key}")
-    if "phase" in msg and msg["phase"] not in PHASES:
-        raise MalformedMessage("bad_phase")
-    if msg["type"] == "event" and msg.get("event") not in EVENTS:
-        raise MalformedMessage("bad_event")
+            out[key] = _number(msg, key)
+    if "phase" in msg:
+        if not isinstance(msg["phase"], str) or msg["phase"] not in PHASES:
+            raise MalformedMessage("bad_phase")
+        out["phase"] = msg["phase"]
+    if kind == "event":
+        if not isinstance(msg.get("event"), str) or msg["event"] not in EVENTS:
+            raise MalformedMessage("bad_event")
+        out["event"] = msg["event"]
     acks = msg.get("acks", [])
-    if not isinstance(acks, list) or len(acks) > 16 or not all(isinstance(a, str) for a in acks):
+    if (not isinstance(acks, list) or len(acks) > MAX_ACKS
+            or not all(isinstance(a, str) and _COMMAND_ID.match(a) for a in acks)):
         raise MalformedMessage("bad_acks")
-    return msg
+    if acks:
+        out["acks"] = acks
+    uuids = msg.get("gpu_uuids", [])
+    if (not isinstance(uuids, list) or len(uuids) > MAX_GPU_UUIDS
+            or not all(isinstance(u, str) and _GPU_UUID.match(u) for u in uuids)):
+        raise MalformedMessage("bad_gpu_uuids")
+    if uuids:
+        out["gpu_uuids"] = uuids
+    return out
+
+
+def parse_address(text: str) -> str | tuple[str, int]:
+    """"unix:/path" -> "/path" (Unix datagram socket); "HOST:PORT" -> (host, port) (UDP).
+
+    Raises ValueError naming the expected forms.
+    """
+    if text.startswith("unix:"):
+        path = text[len("unix:"):]
+        if not path.startswith("/"):
+            raise ValueError(f"unix socket path must be absolute, got {text!r}")
+        if len(path.encode()) > 107:
+            raise ValueError(f"unix socket path longer than 107 bytes: {path!r}")
+        return path
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("telemetry address must be unix:/PATH (e.g. "
+                         f"{DEFAULT_TELEMETRY}) or HOST:PORT (UDP), got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)

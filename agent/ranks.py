@@ -1,12 +1,22 @@
 """What the agent knows about the trainer ranks on its node, learnt from telemetry.
 
-Bounded whatever arrives: at most `max_ranks` entries, each of fixed size; ranks that
-stop talking are forgotten after `grace_s`, long enough that their growing heartbeat
-age is exported (and alerted on) first.
+Bounded whatever arrives: at most `max_ranks` entries, at most `max_per_owner` of them
+held by one user (uid, as the kernel reports it; all unverified UDP senders share one
+bucket) and `max_per_process` by one process, each entry of fixed size (known numeric
+fields only, a bounded ring of acknowledgements). Ranks that stop talking are
+forgotten after `grace_s`, long enough that their growing heartbeat age is exported
+(and alerted on) first; an entry whose process has exited makes room at once when the
+registry is full.
+
+Ownership: a (run, rank) belongs to the process that registered it. While that
+process lives (same pid *and* start time), datagrams for that (run, rank) from any
+other sender are refused; once it has exited (torchrun restarted the worker) the new
+process takes over.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -14,18 +24,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent import identity
 from agent.backends.sim import Activity
+from agent.identity import Sender
+from agent.protocol import NUMBER_FIELDS
+
+MAX_ACKS_KEPT = 32
+
+
+class Refused(Exception):
+    """Why a datagram was not folded in; the text is a counter label."""
 
 
 @dataclass
 class RankState:
     run: str
     rank: int
+    sender: Sender = field(default_factory=Sender)
     local_rank: int = -1
     world_size: int = 0
-    pid: int = 0
     gpu: int = -1
-    addr: tuple[str, int] | None = None
+    gpu_uuids: tuple[str, ...] = ()
+    addr: Any = None  # where replies go: the kernel-given sender address
     first_seen: float = 0.0
     last_seen: float = 0.0  # monotonic time of the last datagram of any kind
     last_progress: float = 0.0  # monotonic time of the last completed step (or start)
@@ -39,60 +59,111 @@ class RankState:
     sync_bytes_per_s: float = 0.0
     host_bytes_per_s: float = 0.0
     _prev: tuple[float, float, float] | None = None  # (t, sync bytes, host bytes)
-    acks: set[str] = field(default_factory=set)
+    acks: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=MAX_ACKS_KEPT))
+
+    @property
+    def pid(self) -> int:
+        """The kernel-reported pid (0 when unverified): never a number from a payload."""
+        return self.sender.pid
 
 
 class RankRegistry:
     def __init__(self, max_ranks: int = 1024, grace_s: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_per_owner: int | None = None, max_per_process: int = 64,
+                 alive: Callable[[Sender], bool] = identity.still_running) -> None:
         self.max_ranks = max_ranks
+        self.max_per_owner = max_per_owner or max(1, max_ranks // 4)
+        self.max_per_process = max_per_process
         self.grace_s = grace_s
         self._clock = clock
+        self._alive = alive
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankState] = {}
         self.rejected_full = 0
 
-    def update(self, msg: dict[str, Any], addr: tuple[str, int] | None) -> RankState | None:
-        """Fold one validated message in; None if the registry is full of other ranks."""
+    def update(self, msg: dict[str, Any], addr: Any,
+               sender: Sender | None = None) -> RankState | None:
+        """Fold one validated message in; None if the registry is full of other ranks.
+
+        Raises Refused when the (run, rank) belongs to another live process or the
+        sender is over its quota.
+        """
+        sender = sender or Sender()
         key = (msg["run"], msg["rank"])
         now = self._clock()
         with self._lock:
             r = self._ranks.get(key)
+            if r is not None and r.sender != sender:
+                if r.sender.verified and self._alive(r.sender):
+                    raise Refused("owned_by_other_process")
+                if not sender.verified and r.sender.verified:
+                    # an unverified sender never replaces a kernel-verified owner
+                    raise Refused("owned_by_other_process")
+                self._check_quota(sender, replacing=key)
+                r.sender = sender  # the previous owner exited: a restarted worker
             if r is None:
-                if len(self._ranks) >= self.max_ranks:
+                self._check_quota(sender)
+                if len(self._ranks) >= self.max_ranks and not self._evict_dead():
                     self.rejected_full += 1
                     return None
-                r = self._ranks[key] = RankState(run=key[0], rank=key[1], first_seen=now,
-                                                 last_progress=now)
-            for name in ("local_rank", "world_size", "pid", "gpu", "restarts"):
-                if name in msg:
-                    setattr(r, name, msg[name])
+                r = self._ranks[key] = RankState(run=key[0], rank=key[1], sender=sender,
+                                                 first_seen=now, last_progress=now)
+            self._fold(r, msg, now)
             r.addr = addr
-            r.last_seen = now
-            if msg["type"] == "step" or msg.get("event") == "start":
-                r.last_progress = now
-            if "phase" in msg:
-                r.phase = msg["phase"]
-            if "step" in msg:
-                if msg["type"] == "step" and msg["step"] != r.last_counted_step:
-                    r.steps_total += 1  # heartbeats carry the step too; count step messages
-                    r.last_counted_step = msg["step"]
-                r.step = msg["step"]
-            for k, v in msg.items():
-                if isinstance(v, int | float) and not isinstance(v, bool) and k not in (
-                    "v", "rank", "local_rank", "world_size", "pid", "gpu", "step", "restarts"
-                ):
-                    r.values[k] = float(v)
-            r.acks.update(msg.get("acks", []))
-            if "sync_bytes_total" in msg or "host_bytes_total" in msg:
-                sync = r.values.get("sync_bytes_total", 0.0)
-                host = r.values.get("host_bytes_total", 0.0)
-                if r._prev is not None and now > r._prev[0]:
-                    dt = now - r._prev[0]
-                    r.sync_bytes_per_s = max(0.0, (sync - r._prev[1]) / dt)
-                    r.host_bytes_per_s = max(0.0, (host - r._prev[2]) / dt)
-                r._prev = (now, sync, host)
             return r
+
+    def _check_quota(self, sender: Sender, replacing: tuple[str, int] | None = None) -> None:
+        """Refuse a sender over its share; entries of exited processes do not count
+        (a user's next run must not wait for the last one's ranks to expire)."""
+        held = [r for k, r in self._ranks.items()
+                if k != replacing and r.sender.owner_key == sender.owner_key]
+        if len(held) >= self.max_per_owner:
+            held = [r for r in held if not r.sender.verified or self._alive(r.sender)]
+            if len(held) >= self.max_per_owner:
+                raise Refused("owner_quota")
+        if sender.verified and sum(r.sender == sender for r in held) >= self.max_per_process:
+            raise Refused("process_quota")
+
+    def _evict_dead(self) -> bool:
+        """Make room by dropping one entry whose verified process has exited."""
+        for k, r in self._ranks.items():
+            if r.sender.verified and not self._alive(r.sender):
+                del self._ranks[k]
+                return True
+        return False
+
+    @staticmethod
+    def _fold(r: RankState, msg: dict[str, Any], now: float) -> None:
+        for name in ("local_rank", "world_size", "gpu", "restarts"):
+            if name in msg:
+                setattr(r, name, msg[name])
+        if "gpu_uuids" in msg:
+            r.gpu_uuids = tuple(msg["gpu_uuids"])
+        r.last_seen = now
+        if msg["type"] == "step" or msg.get("event") == "start":
+            r.last_progress = now
+        if "phase" in msg:
+            r.phase = msg["phase"]
+        if "step" in msg:
+            if msg["type"] == "step" and msg["step"] != r.last_counted_step:
+                r.steps_total += 1  # heartbeats carry the step too; count step messages
+                r.last_counted_step = msg["step"]
+            r.step = msg["step"]
+        for k in NUMBER_FIELDS.intersection(msg):  # the only values kept: a fixed set
+            r.values[k] = msg[k]
+        for a in msg.get("acks", ()):
+            if a not in r.acks:
+                r.acks.append(a)
+        if "sync_bytes_total" in msg or "host_bytes_total" in msg:
+            sync = r.values.get("sync_bytes_total", 0.0)
+            host = r.values.get("host_bytes_total", 0.0)
+            if r._prev is not None and now > r._prev[0]:
+                dt = now - r._prev[0]
+                r.sync_bytes_per_s = max(0.0, (sync - r._prev[1]) / dt)
+                r.host_bytes_per_s = max(0.0, (host - r._prev[2]) / dt)
+            r._prev = (now, sync, host)
 
     def expire(self) -> list[RankState]:
         now = self._clock()

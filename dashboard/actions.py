@@ -5,6 +5,7 @@ follow the commands to completion, and audit everything. Shared by the dashboard
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -31,12 +32,35 @@ class NodeResult:
     error: str = ""
 
 
+def agent_tls() -> str | bool:
+    """With CLUSTERPULSE_AGENT_CA_FILE set, agents are reached over HTTPS and their
+    certificates checked against that CA bundle (requests' `verify`); else plain HTTP."""
+    return os.environ.get("CLUSTERPULSE_AGENT_CA_FILE") or False
+
+
+def token_for(token: str | None, node: str) -> str | None:
+    """The bearer token for one node's agent.
+
+    The token file holds either one token for every agent, or per-node lines
+    `NODE TOKEN` (and optionally `* TOKEN` for the others), so that a token taken from
+    one node opens no other node's control API."""
+    if not token:
+        return None
+    lines = [ln.split("#", 1)[0].split() for ln in token.splitlines()]
+    lines = [ln for ln in lines if ln]
+    if len(lines) == 1 and len(lines[0]) == 1:
+        return lines[0][0]
+    table = {ln[0]: ln[1] for ln in lines if len(ln) == 2}
+    return table.get(node) or table.get("*")
+
+
 def agents_for_run(prom: PrometheusClient, run: str) -> dict[str, str]:
     """node -> agent base URL, from the scrape targets that export the run's ranks."""
     if not RUN_ID.match(run):
         raise ActionError(f"invalid run id {run!r}")
+    scheme = "https" if agent_tls() else "http"
     samples = prom.query(f'max by (node, instance) (clusterpulse_trainer_rank_info{{run="{run}"}})')
-    return {s.labels["node"]: f"http://{s.labels['instance']}" for s in samples
+    return {s.labels["node"]: f"{scheme}://{s.labels['instance']}" for s in samples
             if "instance" in s.labels and "node" in s.labels}
 
 
@@ -54,9 +78,13 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
         raise ActionError(f"no agent reports ranks of run {run!r}")
     results = []
     for node, url in sorted(agents.items()):
+        if token_for(token, node) is None:
+            results.append(NodeResult(node, url, False, error="no token for this node in the "
+                                      "agent token file"))
+            continue
         try:
-            r = requests.post(f"{url}/v1/runs/{run}/actions", timeout=5,
-                              headers={"Authorization": f"Bearer {token}"},
+            r = requests.post(f"{url}/v1/runs/{run}/actions", timeout=5, verify=agent_tls(),
+                              headers={"Authorization": f"Bearer {token_for(token, node)}"},
                               json={"action": action, "reason": reason, "requested_by": who,
                                     "deadline_s": deadline_s})
             body = r.json()
@@ -83,7 +111,8 @@ def command_states(results: list[NodeResult], token: str | None) -> list[NodeRes
             continue
         try:
             body = requests.get(f"{r.agent}/v1/commands/{r.command}", timeout=5,
-                                headers={"Authorization": f"Bearer {token}"}).json()
+                                verify=agent_tls(), headers={
+                                    "Authorization": f"Bearer {token_for(token, r.node)}"}).json()
             out.append(NodeResult(r.node, r.agent, True, r.command, body.get("state", "?"),
                                   body.get("detail", "")))
         except (requests.RequestException, ValueError) as err:

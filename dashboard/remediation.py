@@ -17,11 +17,19 @@ The policy file (TOML) says which alert triggers which action:
 Alerts without a `run` label (a lost GPU) act on the runs with ranks on that node
 (and GPU), found through Prometheus. Every decision (acted, dry run, rate-limited,
 no rule) is audited, and every notification is kept for the dashboard's history.
+
+The webhook can restart jobs, so it only takes authenticated notifications: a bearer
+token or basic auth (password = a token) from --webhook-token-file, both of which
+Alertmanager's `http_config` can send. Payloads are schema-checked and bounded; label
+values reach PromQL escaped; and `sustained_s` is measured from when this receiver
+first heard of the alert (a missing or backdated `startsAt` cannot shorten it).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import datetime
 import json
 import logging
@@ -30,11 +38,19 @@ import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from agent.audit import AuditLog
+from agent.httpsafe import (
+    HttpError,
+    SafeHandler,
+    SafeServer,
+    content_length,
+    parse_json_object,
+    read_body,
+)
 from agent.logsetup import setup_logging
+from agent.tokens import TokenError, Tokens
 from dashboard.actions import ACTIONS, ActionError, request_action
 from dashboard.promclient import PrometheusClient, PrometheusError
 
@@ -91,10 +107,17 @@ class Remediator:
     # Alerts a rule wants sustained: Alertmanager does not notify again for an unchanged
     # group until repeat_interval (hours), so the receiver re-checks them itself (tick).
     _waiting: dict[tuple[str, str], tuple[Rule, dict]] = field(default_factory=dict)
+    # (run, alert) -> when this receiver first heard it firing: the clock sustained_s
+    # runs on (bounded: entries go when the alert resolves or is acted on)
+    _first_seen: dict[tuple[str, str], float] = field(default_factory=dict)
+    _refusals: list[float] = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
     def handle(self, payload: dict) -> list[dict]:
-        """One Alertmanager notification -> the decisions taken (also audited)."""
+        """One Alertmanager notification -> the decisions taken (also audited).
+
+        Raises PayloadError when the payload does not have Alertmanager's shape."""
+        validate_payload(payload)
         if self.history_path is not None:
             with open(self.history_path, "a") as f:
                 f.write(json.dumps({"received": self.clock(), **payload}) + "\n")
@@ -106,6 +129,7 @@ class Remediator:
                     for key in [k for k in self._waiting if k[1] == name
                                 and self._waiting[k][1].get("labels") == alert.get("labels")]:
                         del self._waiting[key]
+                        self._first_seen.pop(key, None)
                 continue
             rule = next((r for r in self.policy.rules if r.alert == name), None)
             if rule is None:
@@ -119,7 +143,8 @@ class Remediator:
             return [labels["run"]]
         if "node" not in labels:
             return []
-        sel = f'node="{labels["node"]}"' + (f',gpu="{labels["gpu"]}"' if "gpu" in labels else "")
+        sel = f'node="{promql_string(labels["node"])}"' + (
+            f',gpu="{promql_string(labels["gpu"])}"' if "gpu" in labels else "")
         try:
             return sorted({s.labels["run"] for s in self.prom.query(
                 f"max by (run) (clusterpulse_trainer_rank_info{{{sel}}})")})
@@ -129,16 +154,24 @@ class Remediator:
 
     def _decide(self, rule: Rule, run: str, alert: dict) -> dict:
         why = f"policy: {rule.alert} -> {rule.action}"
-        started = _parse_time(alert.get("startsAt", ""))
         now = self.clock()
+        with self._lock:
+            if len(self._first_seen) >= MAX_TRACKED and (run, rule.alert) not in self._first_seen:
+                self._first_seen.pop(next(iter(self._first_seen)))
+            first = self._first_seen.setdefault((run, rule.alert), now)
+        # Alertmanager's startsAt may only make the alert younger than our own sighting
+        # (it re-fired), never older: a missing or backdated one cannot skip sustained_s.
+        stated = _parse_time(alert.get("startsAt", ""))
+        started = max(first, stated) if stated is not None and stated <= now else first
         base = {"run": run, "alert": rule.alert, "action": rule.action}
-        if rule.sustained_s and started and now - started < rule.sustained_s:
+        if rule.sustained_s and now - started < rule.sustained_s:
             with self._lock:
                 self._waiting[(run, rule.alert)] = (rule, alert)
             return {**base, "outcome": "waiting", "detail": f"firing {now - started:.0f} s of "
                     f"the {rule.sustained_s:.0f} s the policy requires"}
         with self._lock:
             self._waiting.pop((run, rule.alert), None)
+            self._first_seen.pop((run, rule.alert), None)
         with self._lock:
             recent = [t for t in self._acted.get(run, []) if now - t < self.policy.window_s]
             if len(recent) >= self.policy.max_actions_per_run:
@@ -164,6 +197,18 @@ class Remediator:
             return {**base, "outcome": "failed", "detail": str(err)}
 
 
+    def audit_refused(self, client: str) -> None:
+        """Log a notification refused for missing/wrong credentials (at most 30 a minute,
+        so a flood cannot fill the disk)."""
+        now = self.clock()
+        with self._lock:
+            self._refusals = [t for t in self._refusals if now - t < 60]
+            if len(self._refusals) >= 30:
+                return
+            self._refusals.append(now)
+        self.audit.write("unauthenticated", "webhook", "missing or wrong credentials",
+                         "refused", client=client, source="remediation")
+
     def tick(self) -> list[dict]:
         """Decide again on alerts still firing that were waiting to be sustained."""
         with self._lock:
@@ -171,34 +216,116 @@ class Remediator:
         return [self._decide(rule, run, alert) for (run, _), (rule, alert) in waiting]
 
 
-def _parse_time(text: str) -> float | None:
+def _parse_time(text: object) -> float | None:
+    if not isinstance(text, str):
+        return None
     try:
-        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+        t = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         return None
+    if t.tzinfo is None:  # a time without a zone means nothing here
+        return None
+    return t.timestamp()
 
 
-def serve(remediator: Remediator, host: str, port: int) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
+MAX_BODY = 1 << 20
+MAX_ALERTS = 1000
+MAX_LABELS = 64
+MAX_LABEL_VALUE = 1024
+MAX_TRACKED = 10000
+
+
+class PayloadError(ValueError):
+    """A notification that is not Alertmanager's webhook shape; the text says where."""
+
+
+def validate_payload(payload: object) -> None:
+    """Alertmanager's webhook schema, as far as the policy reads it, with bounds."""
+    if not isinstance(payload, dict):
+        raise PayloadError("payload must be a JSON object")
+    alerts = payload.get("alerts", [])
+    if not isinstance(alerts, list):
+        raise PayloadError("'alerts' must be a list")
+    if len(alerts) > MAX_ALERTS:
+        raise PayloadError(f"more than {MAX_ALERTS} alerts in one notification")
+    for i, alert in enumerate(alerts):
+        where = f"alerts[{i}]"
+        if not isinstance(alert, dict):
+            raise PayloadError(f"{where} must be an object")
+        if alert.get("status") not in ("firing", "resolved"):
+            raise PayloadError(f"{where}.status must be 'firing' or 'resolved'")
+        labels = alert.get("labels")
+        if not isinstance(labels, dict) or not isinstance(labels.get("alertname"), str):
+            raise PayloadError(f"{where}.labels must be an object with an 'alertname'")
+        if len(labels) > MAX_LABELS:
+            raise PayloadError(f"{where}.labels has more than {MAX_LABELS} labels")
+        for k, v in labels.items():
+            if not isinstance(v, str) or len(v) > MAX_LABEL_VALUE or len(k) > 128:
+                raise PayloadError(f"{where}.labels.{k[:64]} must be a string of at most "
+                                   f"{MAX_LABEL_VALUE} characters")
+        if "startsAt" in alert and not isinstance(alert["startsAt"], str):
+            raise PayloadError(f"{where}.startsAt must be an RFC 3339 time string")
+
+
+def promql_string(value: str) -> str:
+    """A label value safe inside a double-quoted PromQL string literal."""
+    return (value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+            .replace("\r", "\\r"))
+
+
+def check_webhook_auth(header: str | None, tokens: Tokens) -> str | None:
+    """The principal behind a Bearer token or basic auth (password = token), or None."""
+    if not header:
+        return None
+    scheme, _, value = header.partition(" ")
+    value = value.strip()
+    if scheme == "Bearer":
+        return tokens.match(value)
+    if scheme == "Basic":
+        try:
+            user, sep, password = base64.b64decode(value, validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        principal = tokens.match(password) if sep else None
+        # a named token must be presented under its name; a bare one under any name
+        return principal if principal in (user, "token") else None
+    return None
+
+
+def serve(remediator: Remediator, host: str, port: int, tokens: Tokens,
+          tls: object | None = None) -> SafeServer:
+    class Handler(SafeHandler):
+        server_version = "clusterpulse-remediate"
+
         def do_POST(self) -> None:
-            body = self.rfile.read(min(int(self.headers.get("Content-Length") or 0), 1 << 20))
             try:
-                payload = json.loads(body)
-                decisions = remediator.handle(payload if isinstance(payload, dict) else {})
-                code, out = 200, {"decisions": decisions}
-            except ValueError:
-                code, out = 400, {"error": "body is not JSON"}
-            data = json.dumps(out).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+                length = content_length(self.headers, MAX_BODY)
+                principal = check_webhook_auth(self.headers.get("Authorization"), tokens)
+                if principal is None:  # before reading a byte of the body
+                    remediator.audit_refused(self.client_address[0])
+                    self.close_connection = True
+                    self.send_json(401, {"error": "webhook needs a bearer token or basic auth "
+                                                  "(Alertmanager: http_config)"},
+                                   {"WWW-Authenticate": 'Bearer realm="clusterpulse", '
+                                                        'Basic realm="clusterpulse"'})
+                    return
+                payload = parse_json_object(read_body(self, length), empty_ok=False)
+                decisions = remediator.handle(payload)
+            except HttpError as err:
+                self.refuse(err)
+                return
+            except PayloadError as err:
+                self.send_json(400, {"error": f"not an Alertmanager notification: {err}"})
+                return
+            except TimeoutError:
+                self.refuse(HttpError(408, "timed out reading the request body"))
+                return
+            self.send_json(200, {"decisions": decisions})
 
-        def log_message(self, fmt: str, *args) -> None:
-            log.debug(fmt, *args)
+        def do_GET(self) -> None:
+            self.send_json(405, {"error": "POST Alertmanager notifications here"})
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = SafeServer((host, port), Handler, tls=tls)  # type: ignore[arg-type]
     threading.Thread(target=server.serve_forever, daemon=True).start()
 
     def ticker() -> None:
@@ -216,8 +343,9 @@ def serve(remediator: Remediator, host: str, port: int) -> ThreadingHTTPServer:
 EXAMPLES = """\
 examples:
   clusterpulse-remediate --policy deploy/local/policy.toml --listen 127.0.0.1:19495 \\
-      --prometheus http://127.0.0.1:9090 --token-file /etc/clusterpulse/token
-  clusterpulse-remediate --policy policy.toml --dry-run    # decide and audit only
+      --prometheus http://127.0.0.1:9090 --token-file /etc/clusterpulse/token \\
+      --webhook-token-file /etc/clusterpulse/webhook-token
+  clusterpulse-remediate --policy policy.toml --webhook-token-file hook-token --dry-run
 """
 
 
@@ -229,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen", default="127.0.0.1:19495", help="webhook address")
     p.add_argument("--prometheus", default="http://127.0.0.1:9090")
     p.add_argument("--token-file", type=Path, help="agents' control API token")
+    p.add_argument("--webhook-token-file", type=Path, required=True,
+                   help="tokens Alertmanager must present (bearer, or basic auth with the "
+                   "token as password); one per line, optionally 'NAME TOKEN'")
     p.add_argument("--audit-log", type=Path, default=Path("clusterpulse-audit.jsonl"))
     p.add_argument("--history", type=Path, help="keep received notifications here (JSONL)")
     p.add_argument("--dry-run", action="store_true", help="override the policy: never act")
@@ -238,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policy = Policy.load(a.policy)
         token = a.token_file.read_text().strip() if a.token_file else None
-    except (PolicyError, OSError) as err:
+        hook_tokens, _ = Tokens.load(a.webhook_token_file)
+    except (PolicyError, OSError, TokenError) as err:
         print(f"clusterpulse-remediate: error: {err}", file=sys.stderr)
         return 2
     if a.dry_run:
@@ -246,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     host, _, port = a.listen.rpartition(":")
     rem = Remediator(policy, PrometheusClient(a.prometheus), token, AuditLog(a.audit_log),
                      a.history)
-    serve(rem, host or "127.0.0.1", int(port))
+    serve(rem, host or "127.0.0.1", int(port), hook_tokens)
     print(f"clusterpulse-remediate: listening on http://{a.listen}/alertmanager "
           f"({len(policy.rules)} rules, dry_run={policy.dry_run})", flush=True)
     threading.Event().wait()

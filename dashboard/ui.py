@@ -66,6 +66,10 @@ def operator() -> str | None:
         box.button("Sign out", on_click=st.logout)
         return email if email in allowed else None
     who = st.session_state.get("operator")
+    if who and auth.session_expired(st.session_state.get("operator_since")):
+        del st.session_state["operator"]
+        who = None
+        box.warning("Your operator session expired; sign in again.")
     if who:
         box.caption(f"Operator: **{who}**")
         if box.button("Sign out"):
@@ -78,14 +82,17 @@ def operator() -> str | None:
         password = st.text_input("Password", type="password", key="login_password")
         if st.form_submit_button("Sign in"):
             ops = auth.load_operators(settings().operators_file, _secrets_section("operators"))
-            if auth.authenticate(name, password, ops):
+            result = auth.authenticate(name, password, ops)
+            if result.ok:
                 st.session_state["operator"] = name
+                st.session_state["operator_since"] = time.time()
                 audit_log().write(name, "sign-in", "dashboard", "ok", source="dashboard")
                 st.rerun()
             else:
-                audit_log().write(name or "?", "sign-in", "dashboard", "refused",
-                                  source="dashboard")
-                st.error("Wrong operator name or password.")
+                # the typed name only if it is an operator's (it may be a mistyped password)
+                audit_log().write(name if name in ops else "unknown", "sign-in", "dashboard",
+                                  "refused", source="dashboard", detail=result.message)
+                st.error(result.message)
     return None
 
 

@@ -14,6 +14,7 @@ missing=()
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || missing+=(prometheus-alertmanager)
 command -v chromium >/dev/null || missing+=(chromium)
+command -v openssl >/dev/null || missing+=(openssl)  # test certificates (TLS tests)
 python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing Debian packages: ${missing[*]}"

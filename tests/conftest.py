@@ -1,9 +1,12 @@
-"""Shared fixtures: an in-process agent on loopback, with its HTTP server and UDP port."""
+"""Shared fixtures: an in-process agent on loopback, with its HTTP server and its Unix
+telemetry socket (in a short private directory: socket paths are limited to 107 bytes)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +46,13 @@ def pytest_collection_modifyitems(config, items):
 class RunningAgent:
     agent: Agent
     url: str
-    telemetry_port: int
+    telemetry: str  # what ranks pass as --agent: unix:/PATH
     token: str
     audit_path: Path
+
+    @property
+    def socket_path(self) -> str:
+        return self.telemetry[len("unix:"):]
 
     def get(self, path: str, token: str | None = TOKEN, **kw) -> requests.Response:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -56,18 +63,26 @@ class RunningAgent:
         return requests.post(self.url + path, json=body, headers=headers, timeout=5)
 
 
+def socket_path(name: str) -> str:
+    """A telemetry socket path short enough for AF_UNIX, in a directory others may
+    traverse (tests that drop privileges send from another uid)."""
+    d = tempfile.mkdtemp(prefix="cp-", dir="/tmp")
+    os.chmod(d, 0o755)
+    return f"{d}/{name}.sock"
+
+
 def start_agent(tmp_path: Path, gpus: int = 4, token: str | None = TOKEN,
                 node: str = "node-a", interval_s: float = 0.2) -> tuple[RunningAgent, object]:
     ranks = RankRegistry(grace_s=60)
     backend = SimBackend(gpus=gpus, node=node, activity=ranks.activity)
     audit_path = tmp_path / f"{node}-audit.jsonl"
     agent = Agent(backend, node, ranks, AuditLog(audit_path), interval_s=interval_s,
-                  telemetry_addr=("127.0.0.1", 0))
+                  telemetry_addr=socket_path(node))
     server = make_server(agent, "127.0.0.1", 0, token)
     agent.start()
     serve_in_thread(server)
     running = RunningAgent(agent, f"http://127.0.0.1:{server.server_port}",
-                           agent.telemetry_port, token or "", audit_path)
+                           agent.telemetry_address or "", token or "", audit_path)
     return running, server
 
 

@@ -7,10 +7,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.protocol import DEFAULT_TELEMETRY
 from trainer.faults import InjectError, Injection, parse_injection
 from trainer.instrument import check_run_id
 from trainer.model import PRESETS
-from trainer.telemetry import parse_agent_addr
+from trainer.telemetry import DEFAULT_SOCKET_PATH, AgentAddr, parse_agent_addr
 
 EXAMPLES = """\
 examples:
@@ -42,7 +43,7 @@ class TrainConfig:
     async_ckpt: bool = False
     summary_json: Path | None = None
     run_id: str = ""
-    agent: tuple[str, int] | None = ("127.0.0.1", 9401)
+    agent: AgentAddr | None = DEFAULT_SOCKET_PATH
     consensus_every: int = 5
     sim_compute_seconds: float = 0.0
     collective_timeout_s: float = 600.0
@@ -75,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-json", type=Path, help="rank 0 writes the run summary here")
     p.add_argument("--run-id", default="",
                    help="run label on telemetry (default: the checkpoint directory's name)")
-    p.add_argument("--agent", default=os.environ.get("CLUSTERPULSE_AGENT", "127.0.0.1:9401"),
-                   help="node agent's telemetry address, or 'none' (default: "
-                   "$CLUSTERPULSE_AGENT or 127.0.0.1:9401)")
+    p.add_argument("--agent", default=os.environ.get("CLUSTERPULSE_AGENT", DEFAULT_TELEMETRY),
+                   help="node agent's telemetry socket: unix:/PATH, HOST:PORT (UDP, never "
+                   f"trusted to restart) or 'none' (default: $CLUSTERPULSE_AGENT or "
+                   f"{DEFAULT_TELEMETRY})")
     p.add_argument("--consensus-every", type=int, default=5,
                    help="steps between restart/straggler exchanges (default: 5)")
     p.add_argument("--sim-compute-seconds", type=float, default=0.0,

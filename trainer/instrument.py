@@ -50,12 +50,12 @@ from agent import protocol
 from trainer import PREEMPTED_EXIT_CODE
 from trainer.consensus import Consensus
 from trainer.restart import SigtermCatcher, request_relaunch
-from trainer.telemetry import AgentLink, parse_agent_addr
+from trainer.telemetry import AgentAddr, AgentLink, parse_agent_addr
 
 log = logging.getLogger("trainer.instrument")
 HEARTBEAT_EVERY_S = 1.0
 AGENT_ENV = "CLUSTERPULSE_AGENT"
-DEFAULT_AGENT = "127.0.0.1:9401"
+DEFAULT_AGENT = protocol.DEFAULT_TELEMETRY
 # Section names are heartbeat phases; the agent drops phases it does not know, so a
 # loop may only use the protocol's own (minus the ones Pulse sets itself).
 SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between"})
@@ -69,11 +69,12 @@ def check_run_id(run: str) -> str:
     return run
 
 
-def resolve_agent(agent: tuple[str, int] | str | None) -> tuple[str, int] | None:
-    """"env" -> $CLUSTERPULSE_AGENT (or 127.0.0.1:9401); "HOST:PORT"/"none" parsed."""
+def resolve_agent(agent: AgentAddr | None) -> AgentAddr | None:
+    """"env" -> $CLUSTERPULSE_AGENT (or the agent's default socket); "unix:/PATH",
+    "HOST:PORT" and "none" parsed; a parsed address passes through."""
     if agent == "env":
         agent = os.environ.get(AGENT_ENV) or DEFAULT_AGENT
-    if isinstance(agent, str):
+    if isinstance(agent, str) and not agent.startswith("/"):  # "/path": parsed already
         return parse_agent_addr(agent)
     return agent
 
@@ -130,10 +131,11 @@ class StepContext:
 
 
 class Pulse:
-    """One per rank. `agent`: "env" ($CLUSTERPULSE_AGENT, else 127.0.0.1:9401),
-    "HOST:PORT", a (host, port) tuple, or None/"none" for timing without an agent."""
+    """One per rank. `agent`: "env" ($CLUSTERPULSE_AGENT, else the agent's default
+    socket), "unix:/PATH", "HOST:PORT", a parsed address, or None/"none" for timing
+    without an agent."""
 
-    def __init__(self, run: str, agent: tuple[str, int] | str | None = "env",
+    def __init__(self, run: str, agent: AgentAddr | None = "env",
                  rank: int | None = None, local_rank: int | None = None,
                  world_size: int | None = None, gpu: int | None = None,
                  restarts: int | None = None, consensus_every: int = 5,

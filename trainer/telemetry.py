@@ -1,43 +1,87 @@
-"""The rank side of the telemetry channel: fire-and-forget UDP to the node agent.
+"""The rank side of the telemetry channel: fire-and-forget datagrams to the node agent.
 
-Never blocks and never raises into the training loop: the socket is non-blocking
-and unconnected (a closed port produces no error on later sends), every OS error is
-counted and swallowed. Replies from the agent (commands, GPU slowdown) are read
-without waiting at step boundaries.
+Never blocks and never raises into the training loop: the socket is non-blocking and
+every OS error is counted and swallowed.
+
+Over a Unix socket (`unix:/run/clusterpulse/telemetry.sock`, the default) the rank's
+socket is bound to an autobound abstract name, so the agent can answer, and
+*connected* to the agent's path: the kernel then delivers to it only datagrams sent
+by the agent's own socket (anyone else gets EPERM), so a forged "restart" reply from
+another local process never reaches `poll()`. When the agent restarts the old socket
+is gone: sends fail with ECONNREFUSED and the link reconnects to the new one.
+
+Over UDP (`HOST:PORT`, kept for setups without a shared socket file) the socket is
+also connected, so replies from other ports are dropped by the kernel, but UDP
+carries no sender identity: the agent never signals a rank it only knows over UDP.
+
+Each message carries the UUID(s) of the rank's GPU so that the agent names the
+physical GPU whatever CUDA_VISIBLE_DEVICES renumbered.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import socket
 from typing import Any
 
 from agent import protocol
 
+AgentAddr = str | tuple[str, int]
+DEFAULT_SOCKET_PATH = protocol.DEFAULT_SOCKET_PATH
+_RECONNECT = {errno.ECONNREFUSED, errno.ENOENT, errno.ENOTCONN, errno.EDESTADDRREQ}
+
 
 class AgentLink:
-    def __init__(self, addr: tuple[str, int] | None) -> None:
+    def __init__(self, addr: AgentAddr | None, local_rank: int | None = None) -> None:
         self.addr = addr
         self.sent = 0
         self.failed = 0
         self._sock: socket.socket | None = None
-        if addr is not None:
+        self._connected = False
+        if local_rank is None:
+            env = os.environ.get("LOCAL_RANK", "0")
+            local_rank = int(env) if env.isdigit() else 0
+        self.gpu_uuids = rank_gpu_uuids(local_rank)
+        if addr is None:
+            return
+        if isinstance(addr, str):
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.bind("")  # autobind: an abstract name the agent can reply to
+        else:
             self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            self._sock.setblocking(False)
+        self._sock.setblocking(False)
+        self._connect()
+
+    def _connect(self) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.connect(self.addr)
+            self._connected = True
+        except OSError:  # agent not there yet: try again on a later send
+            self._connected = False
 
     def send(self, msg: dict[str, Any]) -> None:
         if self._sock is None:
             return
+        if self.gpu_uuids and "gpu_uuids" not in msg:
+            msg = {**msg, "gpu_uuids": self.gpu_uuids}
+        data = protocol.encode(msg)
         try:
-            self._sock.sendto(protocol.encode(msg), self.addr)
+            if not self._connected:
+                self._connect()
+            self._sock.send(data)
             self.sent += 1
-        except OSError:  # agent absent, buffer full, ...: drop this sample, never the step
+        except OSError as err:  # buffer full, agent gone, ...: drop the sample, never the step
+            if err.errno in _RECONNECT:  # the agent restarted: a new socket at the path
+                self._connected = False
             self.failed += 1
 
     def poll(self) -> list[dict[str, Any]]:
-        """Replies that arrived since the last poll (non-blocking)."""
+        """Replies from the agent that arrived since the last poll (non-blocking)."""
         out: list[dict[str, Any]] = []
-        if self._sock is None:
+        if self._sock is None or not self._connected:
             return out
         for _ in range(64):
             try:
@@ -48,7 +92,7 @@ class AgentLink:
                 break
             try:
                 msg = json.loads(data)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(msg, dict) and msg.get("type") == "agent":
                 out.append(msg)
@@ -60,11 +104,32 @@ class AgentLink:
             self._sock = None
 
 
-def parse_agent_addr(text: str | None) -> tuple[str, int] | None:
-    """"127.0.0.1:9401" -> tuple; "" or "none" -> None (telemetry off)."""
+def parse_agent_addr(text: str | None) -> AgentAddr | None:
+    """"unix:/run/clusterpulse/telemetry.sock" -> path; "127.0.0.1:9401" -> (host, port)
+    (UDP); "" or "none" -> None (telemetry off). Raises ValueError on anything else."""
     if not text or text.lower() == "none":
         return None
-    host, _, port = text.rpartition(":")
-    if not port.isdigit():
-        raise ValueError(f"agent address must be HOST:PORT or 'none', got {text!r}")
-    return host or "127.0.0.1", int(port)
+    return protocol.parse_address(text)
+
+
+def rank_gpu_uuids(local_rank: int) -> list[str]:
+    """The UUID(s) of this rank's GPU, as NVML names them ("GPU-..."), or [] on CPU.
+
+    CUDA numbers the visible devices from 0 whatever CUDA_VISIBLE_DEVICES says, so
+    local_rank is an index into the *visible* list, not a physical GPU index. torch
+    reports the device's UUID directly; without CUDA, a UUID listed in
+    CUDA_VISIBLE_DEVICES at that position is used.
+    """
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+               if v.strip()]
+    try:
+        import torch
+
+        if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+            uuid = str(torch.cuda.get_device_properties(local_rank).uuid)
+            return [uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"]
+    except Exception:  # no CUDA build, driver trouble: fall back to the environment
+        pass
+    if 0 <= local_rank < len(visible) and visible[local_rank].startswith(("GPU-", "MIG-")):
+        return [visible[local_rank]]
+    return []

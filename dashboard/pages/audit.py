@@ -8,8 +8,12 @@ import streamlit as st
 from dashboard import ui
 
 st.title("Audit")
-ui.operator()
+operator = ui.operator()
 records = ui.audit_log().read(limit=2000)
+if operator is None:  # viewers: nothing about refused sign-ins or authentication
+    records = [r for r in records
+               if not (r.get("outcome") == "refused" and r.get("action") in (
+                   "sign-in", "authenticate", "webhook"))]
 if not records:
     st.info("No action has been taken yet.")
 else:

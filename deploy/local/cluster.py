@@ -82,6 +82,16 @@ def operator_password(state: Path) -> str:
     return password
 
 
+def telemetry_socket(state: Path, node: int) -> str:
+    """Each simulated node's own agent socket (the namespaces share one filesystem);
+    under the state directory unless that path is too long for AF_UNIX (107 bytes)."""
+    base = state / "sockets"
+    if len(str(base)) > 90:
+        base = Path("/tmp") / f"clusterpulse-{os.getuid()}-{state.stat().st_ino}"
+    base.mkdir(mode=0o755, parents=True, exist_ok=True)
+    return f"unix:{base}/node-{node}.sock"
+
+
 def start_job(stack: Stack, args: argparse.Namespace, state: Path, port: int) -> None:
     """One torchrun per simulated node, rendezvous over c10d on loopback: a real
     multi-node job whose ranks report to their own node's agent."""
@@ -96,7 +106,7 @@ def start_job(stack: Stack, args: argparse.Namespace, state: Path, port: int) ->
             "--preset", "tiny", "--steps", str(args.steps), "--run-id", "demo",
             "--ckpt-dir", str(state / "checkpoints"), "--ckpt-every", "50", "--async-ckpt",
             *(["--sim-compute-seconds", "0.15"] if args.backend == "sim" else []),
-            "--agent", f"127.0.0.1:{port + 2 * i + 1}",
+            "--agent", telemetry_socket(state, i),
             "--log-every", "100", *inject])
         stack.start(f"trainer-node-{i}", cmd, env={"OMP_NUM_THREADS": "1",
                                                     "PYTHONPATH": str(REPO)})
@@ -161,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     state: Path = args.state_dir.resolve()
     state.mkdir(parents=True, exist_ok=True)
     token_file = state / "agent-token"
-    if not token_file.exists():
-        token_file.write_text(secrets.token_hex(32))
-        token_file.chmod(0o600)
+    hook_token_file = state / "webhook-token"  # Alertmanager -> remediation receiver
+    for f in (token_file, hook_token_file):
+        if not f.exists():
+            f.write_text(secrets.token_hex(32))
+            f.chmod(0o600)
     prom_bin, am_bin = shutil.which("prometheus"), shutil.which("prometheus-alertmanager")
     if not prom_bin:
         print("demo: prometheus is not installed; run scripts/setup.sh", file=sys.stderr)
@@ -185,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.nodes):
             node = f"sim-node-{i}" if args.backend == "sim" else socket.gethostname()
-            http, udp = port + 2 * i, port + 2 * i + 1
+            http = port + 2 * i
             agent_ports.append(http)
             extra = []
             if i == 0 and args.scenario != "none" and args.backend == "sim":
@@ -193,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.start(f"agent-{node}", [
                 sys.executable, "-m", "agent", "--backend", args.backend, "--node", node,
                 "--gpus", str(args.gpus_per_node), "--listen", f"127.0.0.1:{http}",
-                "--telemetry", f"127.0.0.1:{udp}", "--token-file", str(token_file),
+                "--telemetry", telemetry_socket(state, i), "--token-file", str(token_file),
                 "--audit-log", str(state / "audit.jsonl"), *extra])
         rules = sorted((REPO / "deploy" / "prometheus").glob("*rules.yml"))
         config = (HERE / "prometheus.yml.tmpl").read_text().format(
@@ -209,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         remediation_port = port + 95
         am_config = state / "alertmanager.yml"  # the project's config, webhook on our port
         am_config.write_text((REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text()
-                             .replace("127.0.0.1:19495", f"127.0.0.1:{remediation_port}"))
+                             .replace("127.0.0.1:19495", f"127.0.0.1:{remediation_port}")
+                             .replace("/etc/clusterpulse/webhook-token", str(hook_token_file)))
         if am_bin:
             stack.start("alertmanager", [am_bin, f"--config.file={am_config}",
                                          f"--storage.path={state / 'alertmanager-data'}",
@@ -223,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.executable, "-m", "dashboard.remediation", "--policy", str(HERE / "policy.toml"),
             "--listen", f"127.0.0.1:{remediation_port}", "--prometheus", urls["prometheus"],
             "--token-file", str(token_file), "--audit-log", str(state / "audit.jsonl"),
+            "--webhook-token-file", str(hook_token_file),
             "--history", str(state / "alert-history.jsonl")])
         if not args.no_job:
             start_job(stack, args, state, port)

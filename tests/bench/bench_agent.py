@@ -28,8 +28,10 @@ from agent.core import Agent
 from agent.exporter import GPU_SERIES, AgentCollector
 from agent.ranks import RankRegistry
 from tests.bench.table import Row
+from tests.conftest import socket_path
 from tests.fakes.fake_pynvml import FakeNvml
 from tests.support.ports import free_port
+from tests.support.ranksock import connect
 
 GPUS = RANKS = 8
 
@@ -164,9 +166,9 @@ def _proc_cpu_seconds(pid: int) -> float:
 
 
 def bench_cpu_share(seconds: float = 15.0) -> list[Row]:
-    port, tport = free_port(), free_port(socket.SOCK_DGRAM)
+    port, path = free_port(), socket_path("bench")
     p = subprocess.Popen([sys.executable, "-m", "agent", "--backend", "sim", "--gpus", "8",
-                          "--listen", f"127.0.0.1:{port}", "--telemetry", f"127.0.0.1:{tport}",
+                          "--listen", f"127.0.0.1:{port}", "--telemetry", f"unix:{path}",
                           "--interval", "1"], stdout=subprocess.DEVNULL)
     try:
         deadline = time.time() + 20
@@ -176,15 +178,14 @@ def bench_cpu_share(seconds: float = 15.0) -> list[Row]:
                 break
             except requests.RequestException:
                 time.sleep(0.1)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock = connect(path)
         cpu0, t0 = _proc_cpu_seconds(p.pid), time.time()
         step = 0
         while time.time() - t0 < seconds:  # 8 ranks at 10 steps/s, a scrape every second
             step += 1
             for r in range(RANKS):
-                sock.sendto(protocol.encode({"type": "step", "run": "b", "rank": r, "gpu": r,
-                                             "step": step, "step_seconds": 0.1}),
-                            ("127.0.0.1", tport))
+                sock.send(protocol.encode({"type": "step", "run": "b", "rank": r, "gpu": r,
+                                           "step": step, "step_seconds": 0.1}))
             if step % 10 == 0:
                 requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
             time.sleep(0.1)
@@ -194,6 +195,48 @@ def bench_cpu_share(seconds: float = 15.0) -> list[Row]:
         p.wait()
     return [Row("agent CPU share: 1 s interval, 8 GPUs, 8 ranks at 10 Hz, 1 scrape/s",
                 share * 100, "% core", budget="< 1 %")]
+
+
+def _receive_cpu_per_datagram(unix: bool, batches: int = 500, per: int = 8) -> float:
+    """CPU the receiver spends on one valid datagram: recv, kernel credentials (Unix:
+    SCM_CREDENTIALS plus a /proc/PID/stat read), decode, registry, reply. Batches of 8:
+    a Unix datagram queue holds net.unix.max_dgram_qlen (often 10) datagrams."""
+    ranks = RankRegistry()
+    agent = Agent(SimBackend(gpus=GPUS, activity=ranks.activity), "bench", ranks,
+                  AuditLog(None), telemetry_addr=socket_path("rx") if unix else ("127.0.0.1", 0))
+    if unix:
+        tx = connect(agent.telemetry_address.removeprefix("unix:"))
+    else:
+        tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        tx.connect(("127.0.0.1", agent.telemetry_port))
+    msg = protocol.encode({"type": "step", "run": "b", "rank": 0, "gpu": 0, "step": 1,
+                           "step_seconds": 0.1, "compute_seconds": 0.08, "loss": 2.0})
+    spent = 0.0
+    try:
+        for _ in range(batches):
+            for _ in range(per):
+                tx.send(msg)
+            t0 = time.process_time()
+            for _ in range(per):
+                agent._receive_one()
+            spent += time.process_time() - t0
+            while True:  # drain the replies
+                try:
+                    tx.recv(8192, socket.MSG_DONTWAIT)
+                except (BlockingIOError, TimeoutError):
+                    break
+    finally:
+        tx.close()
+        agent.stop()
+    return spent / (batches * per)
+
+
+def bench_telemetry_receive() -> list[Row]:
+    unix = _receive_cpu_per_datagram(True)
+    udp = _receive_cpu_per_datagram(False)
+    return [Row("telemetry receive per datagram, Unix socket + kernel credentials (CPU)",
+                unix * 1e6, "us", baseline=udp * 1e6,
+                baseline_name="UDP, no sender identity")]
 
 
 def bench_memory(cycles: int = 10_000) -> list[Row]:
@@ -219,4 +262,5 @@ def bench_memory(cycles: int = 10_000) -> list[Row]:
 
 
 def run() -> list[Row]:
-    return bench_collection() + bench_scrape_latency() + bench_cpu_share() + bench_memory()
+    return (bench_collection() + bench_telemetry_receive() + bench_scrape_latency()
+            + bench_cpu_share() + bench_memory())

@@ -21,10 +21,10 @@ from tests.support.torchrun import launcher_cmd, start_logged, stop_group
 from trainer.checkpoint import MANIFEST, verify
 
 
-def _worker(preset: str, agent_port: int) -> dict:
+def _worker(preset: str, agent: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", "tests/bench/trainer_worker.py", str(agent_port), tmp, preset]
+               "--nproc-per-node=2", "tests/bench/trainer_worker.py", agent, tmp, preset]
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
         line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -38,7 +38,7 @@ def bench_overhead_and_checkpoints() -> list[Row]:
         try:
             rows = []
             for preset in ("tiny", "small"):
-                r = _worker(preset, running.telemetry_port)
+                r = _worker(preset, running.telemetry)
                 rows.append(Row(f"step time with instrumentation ({preset}, 2 ranks DDP)",
                                 r["instrumented"] * 1e3, "ms", baseline=r["bare"] * 1e3,
                                 baseline_name="bare loop (no hook, no Pulse)",

@@ -26,10 +26,11 @@ from trainer.instrument import Pulse
 from trainer.model import PRESETS, build_model
 from trainer.parallel import init_distributed, wrap
 from trainer.state import TrainState
+from trainer.telemetry import parse_agent_addr
 
 
 def main() -> None:
-    agent_port, out_dir, preset = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    agent, out_dir, preset = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     info = init_distributed(300)
     bare_model = wrap(build_model(preset, 1), "ddp", info)  # no hook, ever
     bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=1e-3)
@@ -38,7 +39,7 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     mc = PRESETS[preset]
     data = SyntheticTokens(1, mc.vocab, mc.seq_len, 8)
-    pulse = Pulse(run="bench", agent=("127.0.0.1", agent_port))
+    pulse = Pulse(run="bench", agent=parse_agent_addr(agent))
     pulse.attach_ddp(model)
 
     def bare(step: int) -> torch.Tensor:

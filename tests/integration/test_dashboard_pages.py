@@ -1,9 +1,7 @@
 """Dashboard pages with streamlit.testing.v1.AppTest against a real Prometheus that
-scrapes real simulated agents (with rank telemetry sent over the real UDP channel)."""
+scrapes real simulated agents (with rank telemetry sent over the agents' real Unix sockets)."""
 
 from __future__ import annotations
-
-import socket
 
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -11,6 +9,7 @@ from streamlit.testing.v1 import AppTest
 from agent import protocol
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Prometheus, start_agent_cli, wait_until
+from tests.support.ranksock import connect
 
 pytestmark = pytest.mark.integration
 APP = str(REPO / "dashboard" / "app.py")
@@ -23,20 +22,20 @@ def prom_with_data(tmp_path_factory):
     rules = [REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
              REPO / "deploy" / "prometheus" / "alerts.rules.yml"]
     prom = Prometheus(tmp, [f"127.0.0.1:{port}" for _, port, _ in agents], rule_files=rules)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    socks = [connect(telemetry[len("unix:"):]) for _, _, telemetry in agents]
 
     def report():
-        for i, (_, _, tport) in enumerate(agents):
+        for i, sock in enumerate(socks):
             for local in (0, 1):
                 rank = 2 * i + local
-                sock.sendto(protocol.encode({
+                sock.send(protocol.encode({
                     "type": "step", "run": "llm", "rank": rank, "local_rank": local,
                     "gpu": local, "pid": 1, "world_size": 4, "step": 42, "loss": 2.5,
                     "step_seconds": 0.2, "compute_seconds": 0.3 if rank == 3 else 0.15,
                     "sync_wait_seconds": 0.0 if rank == 3 else 0.05, "data_wait_seconds": 0.001,
                     "straggler_score": 2.0 if rank == 3 else 1.0, "restarts": 0,
                     "checkpoint_step": 40, "checkpoint_timestamp_seconds": 1.7e9,
-                    "goodput_ratio": 0.9}), ("127.0.0.1", tport))
+                    "goodput_ratio": 0.9}))
 
     def ready():
         report()

@@ -1,11 +1,10 @@
 """The remediation policy and clusterpulse-ctl against a real agent and a real
-Prometheus; ranks are real processes that report over the real UDP channel."""
+Prometheus; ranks are real processes that report over the agent's Unix socket."""
 
 from __future__ import annotations
 
 import datetime
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,30 +12,32 @@ import time
 import pytest
 import requests
 
-from agent import protocol
 from agent.audit import AuditLog
+from agent.tokens import Tokens
 from dashboard.promclient import PrometheusClient
 from dashboard.remediation import Policy, PolicyError, Remediator, Rule, serve
 from tests.support.procs import REPO, Prometheus, start_agent_cli, wait_until
+from tests.support.ranksock import RankProcess
 
 pytestmark = pytest.mark.integration
 TOKEN = "remediation-token-0123456789"
+HOOK_TOKEN = "alertmanager-hook-token-0123456789"
 
 
 @pytest.fixture
 def cluster(tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
-    agent, port, tport = start_agent_cli(tmp_path, "node-r", gpus=2, token_file=token)
+    agent, port, telemetry = start_agent_cli(tmp_path, "node-r", gpus=2, token_file=token)
     prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.sendto(protocol.encode({"type": "step", "run": "job", "rank": 0, "local_rank": 0,
-                                 "gpu": 1, "pid": victim.pid, "step": 3}), ("127.0.0.1", tport))
+    # the rank: a live process the agent knows from the kernel's credentials
+    rank = RankProcess(telemetry[len("unix:"):], [{
+        "type": "step", "run": "job", "rank": 0, "local_rank": 0, "gpu": 1, "step": 3}])
+    victim = rank.p
     wait_until(lambda: prom.query('clusterpulse_trainer_rank_info{run="job"}'), 30,
                "rank scraped")
     yield prom, port, token, victim, tmp_path
-    victim.kill()
+    rank.stop()
     prom.stop()
     agent.stop()
 
@@ -104,13 +105,26 @@ def test_node_level_alert_finds_the_runs_on_that_gpu_and_dry_run_never_acts(clus
 def test_webhook_endpoint(cluster):
     prom, _, _, _, _tmp = cluster
     rem = Remediator(Policy([]), PrometheusClient(prom.url), TOKEN, AuditLog(None))
-    server = serve(rem, "127.0.0.1", 0)
+    server = serve(rem, "127.0.0.1", 0, Tokens.single(HOOK_TOKEN, "alertmanager"))
     try:
         url = f"http://127.0.0.1:{server.server_port}/alertmanager"
-        assert requests.post(url, json={"alerts": []}, timeout=5).json() == {"decisions": []}
-        assert requests.post(url, data=b"{nope", timeout=5).status_code == 400
+        auth = {"Authorization": f"Bearer {HOOK_TOKEN}"}
+        assert requests.post(url, json={"alerts": []}, headers=auth,
+                             timeout=5).json() == {"decisions": []}
+        assert requests.post(url, data=b"{nope", headers=auth, timeout=5).status_code == 400
     finally:
         server.shutdown()
+
+
+def test_label_values_are_escaped_in_promql(cluster):
+    """Finding: a `node` label was pasted into PromQL; this one selected every run."""
+    prom, _, _, victim, tmp = cluster
+    rem = Remediator(Policy([Rule("GpuDown", "restart")], dry_run=True),
+                     PrometheusClient(prom.url), TOKEN, AuditLog(tmp / "a.jsonl"))
+    evil = 'x"} or clusterpulse_trainer_rank_info{node!="'
+    assert rem.handle({"alerts": [firing("GpuDown", node=evil)]}) == []
+    assert rem.handle({"alerts": [firing("GpuDown", node="node-r")]})[0]["run"] == "job"
+    assert victim.poll() is None
 
 
 def test_policy_files_are_validated(tmp_path):

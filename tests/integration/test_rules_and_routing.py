@@ -109,6 +109,10 @@ def test_a_down_node_inhibits_its_gpu_and_rank_alerts_in_a_real_alertmanager(tmp
             "node")) for a in sink.alerts()}, 20, "RankHung n2 delivered")
         delivered = {(a["labels"]["alertname"], a["labels"].get("node")) for a in sink.alerts()}
         assert ("GpuDown", "n1") not in delivered and ("RankHung", "n1") not in delivered
+        # the shipped config authenticates to the remediation webhook
+        hook = wait_until(lambda: [auth for path, auth in sink.auth if "oncall" not in path],
+                          20, "remediation webhook delivery")
+        assert set(hook) == {f"Bearer {am.webhook_token}"}
     finally:
         am.stop()
         sink.stop()

@@ -115,7 +115,7 @@ def test_graceful_checkpoint_restart_command_loses_no_step(tmp_path, clean_diges
     try:
         ckpt = tmp_path / "ckpt"
         proc = start_trainer(ckpt, tmp_path / "trainer.log", steps=STEPS, max_restarts=2,
-                             agent=f"127.0.0.1:{running.telemetry_port}",
+                             agent=running.telemetry,
                              args=[*CKPT, "--sim-compute-seconds", "0.08"])
         wait_until(lambda: any(r["step"] >= 12 for r in running.get("/v1/ranks").json()["ranks"]),
                    120, "ranks past step 12")

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 def test_slowed_rank_has_the_compute_time_and_its_peer_the_wait(tmp_path, parallel):
     running, server = start_agent(tmp_path)
     try:
-        r = run_trainer(tmp_path / "job", steps=30, agent=f"127.0.0.1:{running.telemetry_port}",
+        r = run_trainer(tmp_path / "job", steps=30, agent=running.telemetry,
                         args=["--parallel", parallel, "--sim-compute-seconds", "0.03",
                               "--inject", "slow:rank=1:step=1:factor=2"])
         assert r.returncode == 0, r.log[-3000:]

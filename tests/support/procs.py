@@ -53,18 +53,22 @@ class Proc:
 
 
 def start_agent_cli(tmp: Path, node: str, gpus: int = 4, token_file: Path | None = None,
-                    extra: list[str] | None = None) -> tuple[Proc, int, int]:
-    port, tport = free_port(), free_port(2)
+                    extra: list[str] | None = None) -> tuple[Proc, int, str]:
+    """An agent process; returns it, its HTTP port and its telemetry address
+    (unix:/PATH, what ranks pass as --agent)."""
+    from tests.conftest import socket_path
+
+    port, telemetry = free_port(), f"unix:{socket_path(node)}"
     args = [sys.executable, "-m", "agent", "--backend", "sim", "--node", node,
             "--gpus", str(gpus), "--listen", f"127.0.0.1:{port}",
-            "--telemetry", f"127.0.0.1:{tport}", "--interval", "0.5",
+            "--telemetry", telemetry, "--interval", "0.5",
             "--audit-log", str(tmp / f"{node}-audit.jsonl")]
     if token_file:
         args += ["--token-file", str(token_file)]
     proc = Proc(args + (extra or []), tmp / f"agent-{node}.log", cwd=REPO)
     wait_until(lambda: requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).ok,
                20, f"agent {node} healthz")
-    return proc, port, tport
+    return proc, port, telemetry
 
 
 class Prometheus:
@@ -122,6 +126,12 @@ class Alertmanager:
         config = (REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text()
         config = config.replace("http://127.0.0.1:19495/alertmanager", webhook_url)
         config = config.replace("http://127.0.0.1:19496/page", webhook_url + "?oncall=1")
+        # the remediation webhook's credentials, as clusterpulse-remediate would check them
+        self.webhook_token = "test-webhook-token-0123456789"
+        token_file = self.dir / "webhook-token"
+        token_file.write_text(self.webhook_token)
+        token_file.chmod(0o600)
+        config = config.replace("/etc/clusterpulse/webhook-token", str(token_file))
         (self.dir / "alertmanager.yml").write_text(config)
         self.proc = Proc([binary, f"--config.file={self.dir / 'alertmanager.yml'}",
                           f"--storage.path={self.dir / 'data'}",

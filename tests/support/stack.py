@@ -24,7 +24,7 @@ class Node:
     name: str
     proc: Proc
     port: int
-    telemetry_port: int
+    telemetry: str  # unix:/PATH, what the node's ranks pass as --agent
 
     @property
     def url(self) -> str:
@@ -52,8 +52,8 @@ class Stack:
         token.chmod(0o600)
         for i in range(nodes):
             name = f"node-{'abcdefgh'[i]}"
-            proc, port, tport = start_agent_cli(tmp, name, gpus=gpus, token_file=token)
-            s.nodes.append(Node(name, proc, port, tport))
+            proc, port, telemetry = start_agent_cli(tmp, name, gpus=gpus, token_file=token)
+            s.nodes.append(Node(name, proc, port, telemetry))
         s.sink = WebhookSink()
         s.am = Alertmanager(tmp, s.sink.url)
         rules = [REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
@@ -73,7 +73,7 @@ class Stack:
                                  "--max-restarts", "2", "--",
                                  "--preset", "tiny", "--steps", str(steps),
                                  "--ckpt-dir", str(self.tmp / run), "--run-id", run,
-                                 "--agent", f"127.0.0.1:{node.telemetry_port}",
+                                 "--agent", node.telemetry,
                                  *(trainer_args or [])])
             log = open(self.tmp / f"{run}-{node.name}.log", "wb")  # noqa: SIM115
             self.jobs.append(subprocess.Popen(

@@ -10,11 +10,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class WebhookSink:
     def __init__(self) -> None:
         self.received: list[dict] = []
+        self.auth: list[tuple[str, str | None]] = []  # (path, Authorization header)
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                sink.auth.append((self.path, self.headers.get("Authorization")))
                 try:
                     sink.received.append(json.loads(body))
                 finally:

@@ -1,14 +1,16 @@
 """Control API: authentication, fault injection, command delivery and audit."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 from agent import protocol
+from agent.identity import Sender
 from tests.conftest import TOKEN, start_agent
+from tests.support.ranksock import RankProcess, connect, exchange
 
 
 def test_no_token_configured_means_api_off(tmp_path):
@@ -45,8 +47,9 @@ def test_fault_injection_through_the_api(sim_agent):
     assert r.status_code == 400 and "'gpu' must be an integer in 0..3" in r.json()["error"]
     r = sim_agent.post("/v1/faults", {"kind": "melt", "gpu": 0})
     assert r.status_code == 400 and "unknown fault kind" in r.json()["error"]
-    records = [json.loads(x) for x in sim_agent.audit_path.read_text().splitlines()]
-    assert records[-1]["who"] == "alice" and records[-1]["action"] == "fault:gpu_lost"
+    records = _audit(sim_agent)
+    assert records[-1]["who"] == "token" and records[-1]["on_behalf_of"] == "alice"
+    assert records[-1]["action"] == "fault:gpu_lost"
 
 
 def test_bad_bodies_are_named(sim_agent):
@@ -63,61 +66,124 @@ def test_bad_bodies_are_named(sim_agent):
     assert r.status_code == 409 and "no ranks" in r.json()["detail"]
 
 
-def _rank(sock, port, **kw):
-    sock.sendto(protocol.encode({"type": "step", "run": "r1", "rank": 0, "local_rank": 0,
-                                 "gpu": 0, **kw}), ("127.0.0.1", port))
-    return json.loads(sock.recv(4096))
+def _rank(sock, **kw):
+    return exchange(sock, type="step", run="r1", rank=0, local_rank=0, gpu=0, **kw)
+
+
+def _audit(running) -> list[dict]:
+    return [json.loads(x) for x in running.audit_path.read_text().splitlines()]
 
 
 def test_graceful_command_is_delivered_acknowledged_and_completes(sim_agent):
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.settimeout(2)
-    port = sim_agent.telemetry_port
-    assert "commands" not in _rank(s, port, step=1, restarts=0, pid=os.getpid())
+    s = connect(sim_agent.socket_path)
+    assert "commands" not in _rank(s, step=1, restarts=0)
     r = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart",
                                                 "reason": "straggler", "requested_by": "bob"})
     assert r.status_code == 202
     cid = r.json()["id"]
-    reply = _rank(s, port, step=2, restarts=0, pid=os.getpid())
+    reply = _rank(s, step=2, restarts=0)
     assert reply["commands"] == [{"id": cid, "action": "checkpoint-restart"}]
-    _rank(s, port, step=3, restarts=0, pid=os.getpid(), acks=[cid])
+    _rank(s, step=3, restarts=0, acks=[cid])
     sim_agent.agent.collect_once()
     assert sim_agent.get(f"/v1/commands/{cid}").json()["state"] == "delivered"
-    # torchrun restarted the worker: a higher restart count, progress again.
-    _rank(s, port, step=3, restarts=1, pid=os.getpid())
+    # The same process claiming a restart is not a restart (finding: a forged
+    # `restarts=1` made the audit log say "completed, all ranks resumed").
+    _rank(s, step=3, restarts=1)
     sim_agent.agent.collect_once()
+    assert sim_agent.get(f"/v1/commands/{cid}").json()["state"] == "delivered"
+    s.close()
+    # torchrun restarted the worker: a new process, a higher restart count, progress.
+    with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r1", "rank": 0,
+                                              "step": 3, "restarts": 1}]):
+        pass  # the old owner (this process) is alive, so the new one is refused ...
+    sim_agent.agent.ranks.of_run("r1")[0].sender = Sender()  # ... unless it has exited
+    with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r1", "rank": 0,
+                                              "step": 3, "restarts": 1}]):
+        sim_agent.agent.collect_once()
     status = sim_agent.get(f"/v1/commands/{cid}").json()
     assert status["state"] == "completed" and status["resumed"] == [0]
-    outcomes = [json.loads(x)["outcome"] for x in sim_agent.audit_path.read_text().splitlines()]
-    assert outcomes == ["pending", "completed"]
+    records = _audit(sim_agent)
+    assert [x["outcome"] for x in records] == ["pending", "completed"]
+    # who = the authenticated principal; the caller's own name is only recorded
+    assert {x["who"] for x in records} == {"token"}
+    assert {x["on_behalf_of"] for x in records} == {"bob"}
 
 
-def test_hard_restart_terminates_the_local_ranks(sim_agent):
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_hard_restart_terminates_the_verified_rank_not_the_claimed_pid(sim_agent):
+    """Finding: a hard restart SIGTERMed whatever pid telemetry last claimed."""
+    victim = _sleeper()
     try:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.settimeout(2)
-        _rank(s, sim_agent.telemetry_port, step=5, restarts=0, pid=victim.pid)
-        r = sim_agent.post("/v1/runs/r1/actions", {"action": "restart", "reason": "hung"})
-        assert r.status_code == 202 and r.json()["state"] == "delivered"
-        assert victim.wait(timeout=10) == -15  # SIGTERM
+        with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r1", "rank": 0,
+                                                  "step": 5, "pid": victim.pid}]) as rank:
+            r = sim_agent.post("/v1/runs/r1/actions", {"action": "restart", "reason": "hung"})
+            assert r.status_code == 202 and r.json()["state"] == "delivered"
+            assert r.json()["signalled_pids"] == [rank.pid]
+            assert rank.p.wait(timeout=10) == -15  # SIGTERM
+        assert victim.poll() is None  # the unrelated process lives on
+        record = _audit(sim_agent)[-1]
+        assert record["signalled_pids"] == [rank.pid] and record["outcome"] == "delivered"
     finally:
         victim.kill()
+        victim.wait()
     assert sim_agent.get("/v1/commands").json()["commands"][0]["action"] == "restart"
 
 
-def test_graceful_command_escalates_to_hard_after_deadline(sim_agent):
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def test_a_reused_or_exited_pid_is_never_signalled(sim_agent):
+    """The registered process is gone and its pid may be reused: no signal."""
+    with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r1", "rank": 0}]) as rank:
+        pass
+    r = sim_agent.agent.ranks.of_run("r1")[0]
+    victim = _sleeper()  # pretend the pid was reused by an unrelated process
+    try:
+        r.sender = replace(r.sender, pid=victim.pid)
+        out = sim_agent.post("/v1/runs/r1/actions", {"action": "restart", "reason": "x"}).json()
+        assert out["signalled_pids"] == [] and "start time changed" in out["not_signalled"][0]
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+    assert rank.p.returncode == -9
+
+
+def test_udp_ranks_are_never_signalled(tmp_path):
+    from agent.audit import AuditLog
+    from agent.backends.sim import SimBackend
+    from agent.core import Agent
+    from agent.ranks import RankRegistry
+
+    ranks = RankRegistry()
+    agent = Agent(SimBackend(gpus=2, node="u"), "u", ranks, AuditLog(tmp_path / "a.jsonl"),
+                  telemetry_addr=("127.0.0.1", 0))
+    agent.start()
+    victim = _sleeper()
     try:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.settimeout(2)
-        _rank(s, sim_agent.telemetry_port, step=5, restarts=0, pid=victim.pid)
+        s.settimeout(5)
+        s.sendto(protocol.encode({"type": "step", "run": "r1", "rank": 0, "pid": victim.pid}),
+                 ("127.0.0.1", agent.telemetry_port))
+        s.recv(4096)
+        cmd = agent.commands.submit("r1", "restart", "x", "token", 60)
+        assert cmd.killed_pids == [] and "never signalled" in cmd.not_signalled[0]
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+        agent.stop()
+
+
+def test_graceful_command_escalates_to_hard_after_deadline(sim_agent):
+    with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r1", "rank": 0,
+                                              "step": 5}]) as rank:
         r = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart",
                                                     "reason": "hung", "deadline_s": 1})
         cid = r.json()["id"]
         time.sleep(1.3)
         sim_agent.agent.collect_once()
         assert sim_agent.get(f"/v1/commands/{cid}").json()["state"] == "escalated"
-        assert victim.wait(timeout=10) == -15
-    finally:
-        victim.kill()
+        assert rank.p.wait(timeout=10) == -15
+    escalated = _audit(sim_agent)[-1]
+    assert escalated["outcome"] == "escalated" and escalated["signalled_pids"] == [rank.pid]

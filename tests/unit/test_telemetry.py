@@ -1,13 +1,19 @@
-"""The rank -> agent channel: validation, bounded memory, replies, heartbeat age."""
+"""The rank -> agent channel: validation, bounded memory, kernel-verified identity,
+replies only from the agent, GPU UUIDs, heartbeat age."""
 
+import contextlib
 import json
+import os
 import socket
 import time
 
 import pytest
 
 from agent import protocol
-from agent.ranks import RankRegistry
+from agent.identity import Sender
+from agent.ranks import MAX_ACKS_KEPT, RankRegistry, Refused
+from tests.support.ranksock import RankProcess, connect, exchange
+from trainer.telemetry import AgentLink, rank_gpu_uuids
 
 
 def msg(**kw) -> dict:
@@ -16,36 +22,52 @@ def msg(**kw) -> dict:
     return {**base, **kw}
 
 
+def raw(m: dict) -> bytes:
+    return json.dumps(m, separators=(",", ":")).encode()
+
+
 @pytest.mark.parametrize("data,reason", [
     (b"\xff\xfe", "not_json"),
     (b"[1,2]", "not_object"),
-    (json.dumps(msg(v=2)).encode(), "bad_version"),
-    (json.dumps(msg(type="weird")).encode(), "bad_type"),
-    (json.dumps(msg(run="has space")).encode(), "bad_run"),
-    (json.dumps(msg(rank="0")).encode(), "bad_rank"),
-    (json.dumps({k: v for k, v in msg().items() if k != "rank"}).encode(), "bad_rank"),
-    (json.dumps(msg(loss="NaN")).encode(), "bad_loss"),
-    (json.dumps(msg(step=True)).encode(), "bad_step"),
-    (json.dumps(msg(type="event", event="boom")).encode(), "bad_event"),
-    (json.dumps(msg(acks="x")).encode(), "bad_acks"),
+    (raw(msg(v=2)), "bad_version"),
+    (raw(msg(type="weird")), "bad_type"),
+    (raw(msg(run="has space")), "bad_run"),
+    (raw(msg(rank="0")), "bad_rank"),
+    (raw({k: v for k, v in msg().items() if k != "rank"}), "bad_rank"),
+    (raw(msg(loss="NaN")), "bad_loss"),
+    (raw(msg(step=True)), "bad_step"),
+    (raw(msg(type="event", event="boom")), "bad_event"),
+    (raw(msg(acks="x")), "bad_acks"),
     (b"{" + b" " * protocol.MAX_DATAGRAM_BYTES + b"}", "too_large"),
+    # findings: a 400-digit integer under any key, 4,000-deep JSON, non-finite numbers
+    (raw(msg()).replace(b'"pid":1', b'"pid":' + b"9" * 400), "number_too_large"),
+    (raw(msg()).replace(b'"pid":1', b'"anything":' + b"9" * 400), "number_too_large"),
+    (b"[" * 4000 + b"]" * 4000, "too_deep"),
+    (b'{"v":1,"type":"step","run":"r1","rank":0,"x":' + b"[" * 3000 + b"]" * 3000 + b"}",
+     "too_deep"),
+    (raw(msg()).replace(b'"loss"', b'"x"')[:-1] + b',"loss":Infinity}', "non_finite_number"),
+    (raw(msg()).replace(b'"step_seconds":0.1', b'"step_seconds":1e999'), "bad_step_seconds"),
+    (raw(msg(gpu_uuids=["GPU-ok", "../etc"])), "bad_gpu_uuids"),
+    (raw(msg(acks=["a b"])), "bad_acks"),
 ])
 def test_malformed_messages_are_named(data, reason):
     with pytest.raises(protocol.MalformedMessage, match=reason):
         protocol.decode(data)
 
 
-def test_valid_message_roundtrip():
-    m = protocol.decode(protocol.encode({k: v for k, v in msg().items() if k != "v"}))
+def test_decode_keeps_only_known_fields():
+    m = protocol.decode(raw(msg(extra=5, nested={"a": 1}, note="x" * 100)))
     assert m["rank"] == 0 and m["compute_seconds"] == 0.08
+    assert not {"extra", "nested", "note"} & set(m)
 
 
 def test_registry_is_bounded_and_forgets_silent_ranks():
     t = [0.0]
-    reg = RankRegistry(max_ranks=3, grace_s=10, clock=lambda: t[0])
+    reg = RankRegistry(max_ranks=3, max_per_owner=3, grace_s=10, clock=lambda: t[0])
     for rank in range(10):
-        reg.update(msg(rank=rank), None)
-    assert len(reg.snapshot()) == 3 and reg.rejected_full == 7
+        with contextlib.suppress(Refused):
+            reg.update(msg(rank=rank), None)
+    assert len(reg.snapshot()) == 3
     t[0] = 5.0
     reg.update(msg(rank=0, step=2), None)
     assert reg.age(reg.of_run("r1")[1]) == 5.0
@@ -54,19 +76,97 @@ def test_registry_is_bounded_and_forgets_silent_ranks():
     assert [r.rank for r in reg.snapshot()] == [0]
 
 
-def test_agent_counts_malformed_and_flood_and_keeps_serving(sim_agent):
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    addr = ("127.0.0.1", sim_agent.telemetry_port)
-    for i in range(2000):  # a flood of garbage and of valid messages from many "ranks"
-        s.sendto(b"garbage" if i % 2 else protocol.encode(
-            {"type": "heartbeat", "run": "flood", "rank": i}), addr)
-    s.sendto(protocol.encode({"type": "step", "run": "r1", "rank": 0, "step": 3, "gpu": 1}), addr)
-    deadline = time.time() + 5
+def test_rank_memory_is_bounded_whatever_arrives():
+    """Finding: every unknown numeric key was kept and the acks set never shrank."""
+    reg = RankRegistry()
+    for i in range(3000):
+        m = protocol.decode(raw(msg(**{f"k{i}": i}, acks=[f"cmd-{i}"])))
+        reg.update(m, None)
+    r = reg.snapshot()[0]
+    assert set(r.values) <= protocol.NUMBER_FIELDS
+    assert len(r.acks) == MAX_ACKS_KEPT and "cmd-2999" in r.acks
+
+
+def test_one_user_cannot_fill_the_registry():
+    """Finding: 1,024 fake ranks kept a real new rank out for 300 s."""
+    reg = RankRegistry(max_ranks=8, max_per_owner=2, alive=lambda s: True)
+    attacker = Sender(pid=100, uid=1000, start_time=1, verified=True)
+    held = 0
+    for rank in range(50):
+        try:
+            reg.update(msg(run="fake", rank=rank), None, attacker)
+            held += 1
+        except Refused as why:
+            assert str(why) == "owner_quota"
+    assert held == 2
+    job = Sender(pid=200, uid=0, start_time=1, verified=True)
+    assert reg.update(msg(run="real", rank=0), None, job) is not None
+
+
+def test_a_live_rank_cannot_be_taken_over_and_dead_ones_make_room():
+    alive = {1: True}
+    reg = RankRegistry(max_ranks=1, alive=lambda s: alive.get(s.pid, False))
+    owner = Sender(pid=1, uid=0, start_time=5, verified=True)
+    other = Sender(pid=2, uid=0, start_time=5, verified=True)
+    reg.update(msg(straggler_score=2.5), None, owner)
+    for intruder in (other, Sender()):  # another process; an unverified (UDP) sender
+        with pytest.raises(Refused, match="owned_by_other_process"):
+            reg.update(msg(straggler_score=1.0), None, intruder)
+    assert reg.snapshot()[0].values["straggler_score"] == 2.5
+    alive[1] = False  # torchrun restarted the worker: the new process takes over
+    assert reg.update(msg(restarts=1), None, other).sender == other
+    alive[2] = False  # full of dead entries: a new rank evicts one
+    assert reg.update(msg(run="r2"), None, owner) is not None
+
+
+def test_agent_survives_poison_datagrams(sim_agent):
+    """Finding: one datagram (huge int, deep JSON) killed the telemetry thread."""
+    s = connect(sim_agent.socket_path)
+    poison = [
+        b'{"v":1,"type":"step","run":"r1","rank":0,"loss":' + b"9" * 400 + b"}",
+        b'{"v":1,"type":"step","run":"r1","rank":0,"junk":' + b"9" * 400 + b"}",
+        b"[" * 4000 + b"]" * 4000,
+        b'{"v":1,"type":"step","run":"r1","rank":0,"loss":1e999}',
+    ]
+    for p in poison:
+        s.send(p)
+    reply = exchange(s, type="step", run="r1", rank=0, step=3, gpu=1)
+    assert reply["type"] == "agent"
     counts = sim_agent.agent.telemetry_counts
-    while time.time() < deadline and counts["accepted"] + counts["malformed_not_json"] < 2001:
+    assert counts["malformed_number_too_large"] == 2 and counts["malformed_too_deep"] == 1
+    assert counts["malformed_bad_loss"] == 1
+
+
+def test_receive_loop_survives_a_handler_bug(sim_agent, monkeypatch):
+    calls = []
+
+    def broken(*a, **kw):
+        calls.append(1)
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(sim_agent.agent.ranks, "update", broken)
+    s = connect(sim_agent.socket_path)
+    s.send(protocol.encode({"type": "step", "run": "r1", "rank": 0}))
+    deadline = time.time() + 10
+    while not calls and time.time() < deadline:
         time.sleep(0.05)
-    assert counts["malformed_not_json"] > 0
-    assert counts["accepted"] > 0
+    monkeypatch.undo()
+    assert exchange(s, type="step", run="r1", rank=0)["type"] == "agent"
+    assert sim_agent.agent.telemetry_counts["internal_error"] == 1
+
+
+def test_agent_counts_malformed_and_flood_and_keeps_serving(sim_agent):
+    s = connect(sim_agent.socket_path)
+    for i in range(2000):  # a flood of garbage and of valid messages from many "ranks"
+        s.send(b"garbage" if i % 2 else protocol.encode(
+            {"type": "heartbeat", "run": "flood", "rank": i}))
+    counts = sim_agent.agent.telemetry_counts
+    wait_for(lambda: sum(counts.values()) - counts["reply_failed"] >= 2000, "the flood")
+    assert counts["malformed_not_json"] == 1000
+    # one process holds at most max_per_process ranks, the rest are refused and counted
+    assert counts["accepted"] == sim_agent.agent.ranks.max_per_process
+    assert counts["refused_process_quota"] == 1000 - sim_agent.agent.ranks.max_per_process
+    assert exchange(s, type="step", run="flood", rank=0, step=3)["type"] == "agent"
     assert len(sim_agent.agent.ranks.snapshot()) <= sim_agent.agent.ranks.max_ranks
     text = sim_agent.get("/metrics", token=None).text
     series = ('clusterpulse_agent_telemetry_messages_total'
@@ -74,15 +174,18 @@ def test_agent_counts_malformed_and_flood_and_keeps_serving(sim_agent):
     assert series in text
 
 
+def wait_for(cond, what: str, timeout: float = 20.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
 def test_agent_replies_with_gpu_slowdown_and_exports_rank_series(sim_agent):
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.settimeout(2)
-    s.sendto(protocol.encode({"type": "step", "run": "r1", "rank": 3, "local_rank": 1, "gpu": 1,
-                              "pid": 1, "step": 7, "step_seconds": 0.2,
-                              "compute_seconds": 0.15, "sync_wait_seconds": 0.05,
-                              "loss": 2.5, "restarts": 1}),
-             ("127.0.0.1", sim_agent.telemetry_port))
-    reply = json.loads(s.recv(4096))
+    s = connect(sim_agent.socket_path)
+    reply = exchange(s, type="step", run="r1", rank=3, local_rank=1, gpu=1, pid=1, step=7,
+                     step_seconds=0.2, compute_seconds=0.15, sync_wait_seconds=0.05,
+                     loss=2.5, restarts=1)
     assert reply["type"] == "agent" and reply["slowdown"] == 1.0
     text = sim_agent.get("/metrics", token=None).text
     labels = '{local_rank="1",node="node-a",rank="3",run="r1"}'
@@ -90,3 +193,100 @@ def test_agent_replies_with_gpu_slowdown_and_exports_rank_series(sim_agent):
     assert f"clusterpulse_trainer_compute_seconds{labels} 0.15" in text
     assert f"clusterpulse_trainer_restarts_total{labels} 1.0" in text
     assert f"clusterpulse_trainer_heartbeat_age_seconds{labels}" in text
+    assert f"clusterpulse_trainer_process_alive{labels} 1.0" in text
+
+
+def test_the_pid_is_the_kernels_not_the_payloads(sim_agent):
+    """Finding: the agent recorded whatever pid telemetry claimed."""
+    with RankProcess(sim_agent.socket_path,
+                     [msg(run="k", pid=1, step=1), msg(run="k", pid=1, step=2)]) as rank:
+        r = sim_agent.agent.ranks.of_run("k")[0]
+        assert r.pid == rank.pid and r.sender.verified and r.sender.uid == os.getuid()
+        # While it lives, nobody else (here: this test process) speaks for its rank.
+        s = connect(sim_agent.socket_path)
+        s.send(protocol.encode(msg(run="k", straggler_score=1.0, restarts=1)))
+        exchange(s, type="heartbeat", run="other", rank=0)  # processed in order
+        assert sim_agent.agent.telemetry_counts["refused_owned_by_other_process"] == 1
+        assert r.restarts == 0 and "straggler_score" not in r.values
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="sending as another uid needs root to drop to it")
+def test_another_user_cannot_fill_the_registry(sim_agent):
+    """Finding: a local process filled the registry with 1,024 fake ranks."""
+    flood = [msg(run="fake", rank=i) for i in range(1024)] + [msg(run="fake", rank=0)]
+    with RankProcess(sim_agent.socket_path, flood, user=65534):
+        kept = sim_agent.agent.ranks.of_run("fake")
+        assert 0 < len(kept) <= sim_agent.agent.ranks.max_per_owner
+        assert all(r.sender.uid == 65534 for r in kept)
+        s = connect(sim_agent.socket_path)
+        exchange(s, type="step", run="real", rank=0)
+        assert [r.rank for r in sim_agent.agent.ranks.of_run("real")] == [0]
+
+
+def test_ranks_accept_replies_only_from_their_agent(sim_agent):
+    """Finding: a forged `checkpoint-restart` from any local socket reached poll()."""
+    link = AgentLink(sim_agent.telemetry[len("unix:"):], local_rank=0)
+    link.send({"type": "heartbeat", "run": "r1", "rank": 0})
+    forger = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    forged = protocol.encode({"type": "agent", "slowdown": 20,
+                              "commands": [{"id": "x", "action": "checkpoint-restart"}]})
+    with pytest.raises(PermissionError):
+        forger.sendto(forged, link._sock.getsockname())
+    deadline = time.time() + 5
+    got: list[dict] = []
+    while not got and time.time() < deadline:
+        got = link.poll()
+        time.sleep(0.02)
+    assert got and all(m.get("slowdown") != 20 for m in got)
+    link.close()
+
+
+def test_link_reconnects_after_the_agent_restarts(tmp_path):
+    from tests.conftest import socket_path, start_agent
+
+    path = socket_path("re")
+    link = AgentLink(path, local_rank=0)
+    link.send({"type": "heartbeat", "run": "r1", "rank": 0})  # agent not there: dropped
+    assert link.failed == 1
+    running, server = start_agent(tmp_path)
+    try:
+        running.agent.stop()
+        from agent.core import Agent
+
+        agent = Agent(running.agent.backend, "node-a", running.agent.ranks,
+                      running.agent.audit, telemetry_addr=path)
+        agent.start()
+        link.send({"type": "heartbeat", "run": "r1", "rank": 0})
+        deadline = time.time() + 5
+        while not link.poll() and time.time() < deadline:
+            time.sleep(0.02)
+        assert agent.telemetry_counts["accepted"] == 1
+        agent.stop()
+    finally:
+        server.shutdown()
+
+
+def test_gpu_is_named_by_uuid_not_local_rank(sim_agent, monkeypatch):
+    """Finding: `gpu = local_rank` pinned faults on the wrong GPU under
+    CUDA_VISIBLE_DEVICES renumbering."""
+    uuids = [g.uuid for g in sim_agent.agent.snapshot.gpus]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{uuids[3]},{uuids[2]}")
+    assert rank_gpu_uuids(1) == [uuids[2]]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,2")  # indices: no UUID to report
+    assert rank_gpu_uuids(1) == []
+    s = connect(sim_agent.socket_path)
+    exchange(s, type="step", run="u", rank=1, local_rank=1, gpu=1, gpu_uuids=[uuids[2]])
+    assert sim_agent.agent.ranks.of_run("u")[0].gpu == 2
+
+
+def test_socket_directory_must_be_private(tmp_path, capsys):
+    from agent.cli import main as agent_main
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert agent_main(["--backend", "sim", "--listen", "127.0.0.1:0",
+                       "--telemetry", f"unix:{shared}/t.sock"]) == 2
+    assert "writable by other users" in capsys.readouterr().err
+    assert agent_main(["--backend", "sim", "--telemetry", "unix:relative.sock"]) == 2
+    assert "must be absolute" in capsys.readouterr().err

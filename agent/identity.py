@@ -1,0 +1,102 @@
+"""Who sent a datagram, as the kernel says, and whether that process is still the same.
+
+The agent may signal processes, so a rank's identity is never a number from a
+payload: over the Unix socket the kernel attaches SCM_CREDENTIALS (pid, uid, gid in
+the agent's own PID namespace) to each datagram. A pid alone can be reused after the
+process exits, so a sender is pinned by (pid, start time from /proc/PID/stat), and
+signals go through a pidfd opened and then re-checked against that start time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sender:
+    """A datagram's origin. `verified` only when the kernel named the process."""
+
+    pid: int = 0
+    uid: int = -1
+    gid: int = -1
+    start_time: int = 0  # clock ticks after boot, field 22 of /proc/PID/stat
+    verified: bool = False
+
+    @property
+    def owner_key(self) -> str:
+        """The bucket a per-user quota counts against."""
+        return f"uid:{self.uid}" if self.verified else "unverified"
+
+
+def start_time(pid: int, proc: str = "/proc") -> int | None:
+    """The process's start time in clock ticks, or None if it is gone or unreadable."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # comm (field 2) may hold spaces and parentheses: split after the last ")".
+    try:
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def from_credentials(pid: int, uid: int, gid: int) -> Sender:
+    """A verified sender, or an unverified one when the kernel could not name the pid
+    (0: the sender lives in a PID namespace the agent cannot see)."""
+    if pid <= 0:
+        return Sender(uid=uid, gid=gid)
+    st = start_time(pid)
+    if st is None:  # exited between send and receive
+        return Sender(uid=uid, gid=gid)
+    return Sender(pid=pid, uid=uid, gid=gid, start_time=st, verified=True)
+
+
+def still_running(sender: Sender) -> bool:
+    """The very process that registered is alive (not a new one with a reused pid)."""
+    return sender.verified and start_time(sender.pid) == sender.start_time
+
+
+class SignalRefused(Exception):
+    """Why a process was not signalled; the text goes to the audit log."""
+
+
+def open_verified(sender: Sender) -> int:
+    """A pidfd for the sender's process, after checking it is the same process.
+
+    The pidfd pins the process: once it is open, a later signal through it cannot
+    reach another process even if the pid is reused. The start time is compared
+    after opening, so the check and the signal refer to the same process.
+    """
+    if not sender.verified:
+        raise SignalRefused("sender not verified by the kernel (UDP or foreign PID "
+                            "namespace): never signalled")
+    try:
+        fd = os.pidfd_open(sender.pid)
+    except ProcessLookupError:
+        raise SignalRefused(f"pid {sender.pid} has exited") from None
+    except OSError as err:
+        raise SignalRefused(f"cannot open pid {sender.pid}: {err.strerror}") from None
+    if start_time(sender.pid) != sender.start_time:
+        os.close(fd)
+        raise SignalRefused(f"pid {sender.pid} is no longer the registered rank process "
+                            "(start time changed)")
+    return fd
+
+
+def send_signal(fd: int, sig: int) -> bool:
+    """Signal through a pidfd; False if the process has exited meanwhile."""
+    try:
+        signal.pidfd_send_signal(fd, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)

@@ -1,0 +1,78 @@
+"""Bearer tokens, each naming the principal that holds it.
+
+A token file holds one token per line, optionally preceded by the principal's name:
+
+    dashboard   3f9c...   # the dashboard (acts for its signed-in operators)
+    remediation 81aa...   # the Alertmanager policy
+    2b7e...               # a bare token: principal "token"
+
+Audit records name the principal a token belongs to, never a name the caller sends.
+Give each client (and, for a fleet, each node) its own token so one leaked file
+does not open every door and the audit log says who acted.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+MIN_LENGTH = 16
+_NAME = re.compile(r"^[A-Za-z0-9_.@:-]{1,64}$")
+
+
+class TokenError(ValueError):
+    """The token file is unusable; the text names the line and the problem."""
+
+
+@dataclass(frozen=True)
+class Tokens:
+    by_principal: dict[str, str]
+
+    @classmethod
+    def single(cls, token: str, principal: str = "token") -> Tokens:
+        return cls({principal: token})
+
+    def match(self, presented: str) -> str | None:
+        """The principal holding `presented`, compared in constant time with every token."""
+        found = None
+        for principal, token in self.by_principal.items():
+            if hmac.compare_digest(presented.encode(), token.encode()):
+                found = principal
+        return found
+
+    @classmethod
+    def parse(cls, text: str, source: str = "token file") -> Tokens:
+        out: dict[str, str] = {}
+        for n, line in enumerate(text.splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) == 1:
+                name, token = "token", parts[0]
+            elif len(parts) == 2 and _NAME.match(parts[0]):
+                name, token = parts
+            else:
+                raise TokenError(f"{source}, line {n}: expected 'TOKEN' or 'PRINCIPAL TOKEN'")
+            if len(token) < MIN_LENGTH:
+                raise TokenError(f"{source}, line {n}: token shorter than {MIN_LENGTH} "
+                                 "characters; use a random one (`openssl rand -hex 32`)")
+            if name in out:
+                raise TokenError(f"{source}, line {n}: principal {name!r} appears twice")
+            out[name] = token
+        if not out:
+            raise TokenError(f"{source} holds no token")
+        return cls(out)
+
+    @classmethod
+    def load(cls, path: Path) -> tuple[Tokens, bool]:
+        """The tokens, and whether the file is readable by other users (warn)."""
+        try:
+            mode = path.stat().st_mode
+            text = path.read_text()
+        except OSError as err:
+            raise TokenError(f"cannot read token file {path}: {err.strerror}") from None
+        return cls.parse(text, str(path)), bool(mode & (stat.S_IRGRP | stat.S_IROTH))

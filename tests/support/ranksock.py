@@ -1,0 +1,81 @@
+"""Send telemetry as a rank would: over the agent's Unix socket, from this process or
+from a separate live process (its own pid, optionally another uid)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from agent import protocol
+
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+_SENDER = r"""
+import json, socket, sys, time
+path, msgs = sys.argv[1], json.loads(sys.stdin.readline())
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.bind("")
+s.connect(path)
+s.settimeout(5)
+for m in msgs:
+    s.send(json.dumps({"v": 1, **m}).encode())
+try:  # the agent handles datagrams in order: the last one's reply means all were seen
+    s.settimeout(5)
+    while True:
+        s.recv(8192)
+        s.settimeout(0.2)
+except OSError:
+    pass
+print("sent", flush=True)
+time.sleep(120)
+"""
+
+
+def connect(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind("")
+    s.connect(path)
+    s.settimeout(2)
+    return s
+
+
+def exchange(sock: socket.socket, **msg: Any) -> dict:
+    """Send one message and wait for the agent's reply."""
+    sock.send(protocol.encode(msg))
+    return json.loads(sock.recv(8192))
+
+
+class RankProcess:
+    """A live process that sent `msgs` and read the replies, then idles.
+
+    The last message must be one the agent answers (replies drain until a pause)."""
+
+    def __init__(self, path: str, msgs: list[dict], user: int | None = None) -> None:
+        # Another user may not be able to run this venv's interpreter (under a private
+        # home); the sender needs the standard library only.
+        python = sys.executable if user is None else SYSTEM_PYTHON
+        self.p = subprocess.Popen([python, "-c", _SENDER, path], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, user=user)
+        assert self.p.stdout is not None and self.p.stdin is not None
+        self.p.stdin.write(json.dumps(msgs) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        assert line.strip() == "sent", f"sender failed: {line!r}"
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def stop(self) -> int:
+        if self.p.poll() is None:
+            self.p.kill()
+        return self.p.wait()
+
+    def __enter__(self) -> RankProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

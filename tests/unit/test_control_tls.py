@@ -1,0 +1,75 @@
+"""The control API over TLS (self-signed certificate made here with the openssl CLI),
+with one token per client naming the principal in the audit log."""
+
+import json
+import shutil
+import socket
+import subprocess
+
+import pytest
+import requests
+
+from agent.cli import main as agent_main
+from agent.httpsafe import tls_context
+from agent.server import make_server, serve_in_thread
+from agent.tokens import TokenError, Tokens
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
+                                reason="the openssl CLI makes the test certificate "
+                                "(scripts/setup.sh installs it)")
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem")],
+                   check=True, capture_output=True)
+    return d / "cert.pem", d / "key.pem"
+
+
+def test_control_api_over_tls_with_per_client_tokens(sim_agent, cert):
+    tokens = Tokens.parse("dashboard dash-token-0123456789\nremediation rem-token-0123456789\n")
+    server = make_server(sim_agent.agent, "127.0.0.1", 0, tokens, tls=tls_context(*cert))
+    serve_in_thread(server)
+    url = f"https://127.0.0.1:{server.server_port}"
+    try:
+        # a client that connects and never says hello does not hold up the others
+        with socket.create_connection(("127.0.0.1", server.server_port)):
+            r = requests.post(url + "/v1/runs/r1/actions", verify=str(cert[0]), timeout=10,
+                              headers={"Authorization": "Bearer rem-token-0123456789"},
+                              json={"action": "restart", "reason": "tls", "requested_by": "x"})
+        assert r.status_code == 409  # no ranks: but authenticated, over TLS
+        assert requests.get(url + "/metrics", verify=str(cert[0]), timeout=10).ok
+        with pytest.raises(requests.exceptions.SSLError):
+            requests.get(url + "/metrics", timeout=10)  # an unknown CA is refused
+        with pytest.raises(requests.exceptions.ConnectionError):
+            requests.get(f"http://127.0.0.1:{server.server_port}/metrics", timeout=10)
+    finally:
+        server.shutdown()
+    record = json.loads(sim_agent.audit_path.read_text().splitlines()[-1])
+    assert record["who"] == "remediation" and record["on_behalf_of"] == "x"
+
+
+def test_tls_and_token_files_are_checked(tmp_path, cert, capsys):
+    assert agent_main(["--backend", "sim", "--tls-cert", str(cert[0])]) == 2
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+    assert agent_main(["--backend", "sim", "--tls-cert", str(cert[0]),
+                       "--tls-key", str(cert[0])]) == 2
+    assert "cannot load TLS certificate" in capsys.readouterr().err
+    with pytest.raises(TokenError, match="line 2: token shorter than 16"):
+        Tokens.parse("a 0123456789abcdef0\nb short\n")
+    with pytest.raises(TokenError, match="principal 'a' appears twice"):
+        Tokens.parse("a 0123456789abcdef0\na 0123456789abcdef1\n")
+
+
+def test_per_node_agent_tokens():
+    from dashboard.actions import token_for
+
+    assert token_for("0123456789abcdef0\n", "any") == "0123456789abcdef0"
+    table = "node-a aaaaaaaaaaaaaaaa1\nnode-b bbbbbbbbbbbbbbbb2  # rack 2\n"
+    assert token_for(table, "node-b") == "bbbbbbbbbbbbbbbb2"
+    assert token_for(table, "node-c") is None
+    assert token_for(table + "* cccccccccccccccc3\n", "node-c") == "cccccccccccccccc3"

@@ -1,0 +1,112 @@
+"""The remediation webhook against hostile clients: authentication before the body,
+payload schema, backdated or missing startsAt (no Prometheus needed: every alert
+here names its run, and nothing reaches an agent)."""
+
+import base64
+import datetime
+import json
+import time
+
+import pytest
+import requests
+
+from agent.audit import AuditLog
+from agent.tokens import Tokens
+from dashboard.promclient import PrometheusClient
+from dashboard.remediation import (
+    PayloadError,
+    Policy,
+    Remediator,
+    Rule,
+    promql_string,
+    serve,
+    validate_payload,
+)
+from tests.unit.test_http_hardening import post, raw_request, status_and_error
+
+HOOK = "alertmanager-hook-token-0123456789"
+
+
+def iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat()
+
+
+def alert(name: str = "RankHung", **extra) -> dict:
+    return {"status": "firing", "labels": {"alertname": name, "run": "demo"}, **extra}
+
+
+@pytest.fixture
+def webhook(tmp_path):
+    # dry run: a decision is audited, nothing is requested from any agent
+    rem = Remediator(Policy([Rule("RankHung", "restart")], dry_run=True),
+                     PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789",
+                     AuditLog(tmp_path / "audit.jsonl"))
+    server = serve(rem, "127.0.0.1", 0, Tokens.single(HOOK, "alertmanager"))
+    yield server.server_port, tmp_path / "audit.jsonl"
+    server.shutdown()
+
+
+def test_unauthenticated_alerts_are_refused(webhook):
+    """Finding: a bare curl with a RankHung alert restarted the run."""
+    port, audit = webhook
+    url = f"http://127.0.0.1:{port}/alertmanager"
+    for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"},
+                    {"Authorization": "Basic " + base64.b64encode(b"x:wrong").decode()}):
+        r = requests.post(url, json={"alerts": [alert()]}, headers=headers, timeout=5)
+        assert r.status_code == 401 and "http_config" in r.json()["error"]
+    records = [json.loads(x) for x in audit.read_text().splitlines()]
+    assert [r["outcome"] for r in records] == ["refused"] * 3
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "basic"])
+def test_alertmanager_credentials_are_accepted(webhook, scheme):
+    port, _ = webhook
+    auth = (f"Bearer {HOOK}" if scheme == "bearer" else
+            "Basic " + base64.b64encode(f"alertmanager:{HOOK}".encode()).decode())
+    r = requests.post(f"http://127.0.0.1:{port}/alertmanager", json={"alerts": [alert()]},
+                      headers={"Authorization": auth}, timeout=5)
+    assert r.status_code == 200 and r.json()["decisions"][0]["outcome"] == "dry_run"
+
+
+def test_content_length_is_checked_before_auth(webhook):
+    """Finding: `Content-Length: -1` read the whole stream before anything was checked."""
+    port, _ = webhook
+    answer = raw_request(port, post("/alertmanager", {"Content-Length": "-1"}))
+    assert status_and_error(answer)[0] == 400
+    answer = raw_request(port, post("/alertmanager", {"Content-Length": str(200 << 20)}))
+    assert status_and_error(answer)[0] == 413
+
+
+@pytest.mark.parametrize("payload,where", [
+    ({"alerts": "all"}, "'alerts' must be a list"),
+    ({"alerts": [{"status": "firing"}]}, "alerts[0].labels"),
+    ({"alerts": [{"status": "maybe", "labels": {"alertname": "x"}}]}, "alerts[0].status"),
+    ({"alerts": [alert(labels={"alertname": "RankHung", "run": ["demo"]})]}, "labels.run"),
+    ({"alerts": [alert(startsAt=5)]}, "startsAt"),
+    ({"alerts": [alert()] * 1001}, "more than 1000"),
+])
+def test_payload_schema(payload, where):
+    with pytest.raises(PayloadError, match=where.replace("[", r"\[").replace("]", r"\]")):
+        validate_payload(payload)
+
+
+@pytest.mark.parametrize("starts", [None, "backdated", "garbage", "future"])
+def test_starts_at_cannot_skip_sustained_s(tmp_path, starts):
+    """Finding: omitting or backdating startsAt skipped `sustained_s`."""
+    now = [time.time()]
+    rem = Remediator(Policy([Rule("TrainingStraggler", "restart", 120)], dry_run=True),
+                     PrometheusClient("http://127.0.0.1:9"), None, AuditLog(None),
+                     clock=lambda: now[0])
+    extra = {"backdated": {"startsAt": iso(now[0] - 86400)}, "garbage": {"startsAt": "x"},
+             "future": {"startsAt": iso(now[0] + 3600)}, None: {}}[starts]
+    a = alert("TrainingStraggler", **extra)
+    assert rem.handle({"alerts": [a]})[0]["outcome"] == "waiting"
+    now[0] += 60
+    assert rem.tick()[0]["outcome"] == "waiting"
+    now[0] += 61
+    assert rem.tick()[0]["outcome"] == "dry_run"
+
+
+def test_promql_string_escapes_quotes_and_backslashes():
+    assert promql_string('x"} or up{a!="') == 'x\\"} or up{a!=\\"'
+    assert promql_string("a\\b\n") == "a\\\\b\\n"
