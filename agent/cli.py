@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", type=Path,
                    help="file holding the control API bearer token; without it the API is off")
     p.add_argument("--audit-log", type=Path, help="JSON-lines audit log of control actions")
+    p.add_argument("--state-dir", type=Path,
+                   help="directory for state that must survive agent restarts (XID counts, "
+                   "NVML backend); e.g. /var/lib/clusterpulse. Default: none (counts restart "
+                   "at zero, so an XID just after an agent restart can be missed)")
     p.add_argument("--rank-grace", type=float, default=300.0,
                    help="seconds before a silent rank is forgotten (default: 300)")
     p.add_argument("--max-ranks", type=int, default=1024,
@@ -101,7 +105,8 @@ def make_backend(args: argparse.Namespace, ranks: RankRegistry) -> Backend:
         from agent.backends.nvml import NvmlBackend
 
         try:
-            return NvmlBackend()
+            xid_state = args.state_dir / "xid-counts.json" if args.state_dir else None
+            return NvmlBackend(xid_state=xid_state)
         except BackendError as err:
             if args.backend == "nvml":
                 raise UsageError(str(err)) from None

@@ -32,6 +32,9 @@ class Snapshot:
     timestamp: float = 0.0
     duration_s: float = 0.0
     cycles: int = 0
+    # Unix time of the last collection whose backend call returned: what the staleness
+    # metric ages from (a stuck or failing backend leaves it behind).
+    last_success: float = 0.0
 
 
 class Agent:
@@ -86,8 +89,10 @@ class Agent:
     # -- collection -----------------------------------------------------------------
     def collect_once(self) -> Snapshot:
         t0 = time.perf_counter()
+        last_success = self.snapshot.last_success
         try:
             gpus = self.backend.collect()
+            last_success = time.time()
         except Exception:  # a backend bug must not end monitoring of the node
             log.exception("collection failed")
             self.internal_errors += 1
@@ -96,7 +101,7 @@ class Agent:
         self.commands.tick()
         self.snapshot = Snapshot(gpus=gpus, timestamp=time.time(),
                                  duration_s=time.perf_counter() - t0,
-                                 cycles=self.snapshot.cycles + 1)
+                                 cycles=self.snapshot.cycles + 1, last_success=last_success)
         return self.snapshot
 
     def _collect_loop(self) -> None:

@@ -8,6 +8,7 @@ node/gpu/uuid, trainer series carry run/rank/node/local_rank, identity goes on t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -75,6 +76,10 @@ RANK_SERIES: list[tuple[str, str, str, bool]] = [
     ("phase_seconds", "trainer_phase_seconds", "Seconds the rank has been in its phase.", False),
     ("goodput_ratio", "trainer_goodput_ratio",
      "Productive step time over wall time since the run first started (rank 0).", False),
+    ("collectives_entered_total", "trainer_collectives_entered",
+     "Collectives the rank has entered (sequence number; the hang root entered fewer).", True),
+    ("collectives_completed_total", "trainer_collectives_completed",
+     "Collectives the rank has completed.", True),
 ]
 
 PREFIX = "clusterpulse_"
@@ -104,6 +109,13 @@ class AgentCollector(Collector):
                               "Unix time of the last completed collection cycle.",
                               labels=["node"])
         g.add_metric([a.node], snap.timestamp)
+        yield g
+        g = GaugeMetricFamily(PREFIX + "agent_collection_age_seconds",
+                              "Seconds since the last successful GPU collection, computed at "
+                              "scrape time: grows while a collection is stuck (hung NVML call).",
+                              labels=["node"])
+        g.add_metric([a.node], round(max(0.0, time.time() - snap.last_success), 3)
+                     if snap.last_success else 0.0)
         yield g
         c = CounterMetricFamily(PREFIX + "agent_collections", "Collection cycles run.",
                                 labels=["node"])
@@ -207,9 +219,16 @@ class AgentCollector(Collector):
         phase = GaugeMetricFamily(PREFIX + "trainer_phase",
                                   "1 for what the rank is doing now (sync = waiting for peers).",
                                   labels=[*RANK_LABELS, "phase"])
+        blocked = GaugeMetricFamily(PREFIX + "trainer_blocked_collective",
+                                    "Sequence number of the collective the rank waits in, "
+                                    "by operation (absent when not blocked).",
+                                    labels=[*RANK_LABELS, "op"])
         for r in ranks:
             lb = labels(r)
             phase.add_metric([*lb, r.phase], 1.0)
+            if r.collective and r.phase != "exited":
+                blocked.add_metric([*lb, r.collective],
+                                   r.values.get("collectives_completed_total", 0.0) + 1)
             info.add_metric([*lb, str(r.gpu), str(r.pid), str(r.world_size)], 1.0)
             if r.step >= 0:
                 step.add_metric(lb, r.step)
@@ -217,7 +236,7 @@ class AgentCollector(Collector):
             age.add_metric(lb, round(a.ranks.age(r), 3))
             alive.add_metric(lb, 1.0 if process_alive(r.pid) else 0.0)
             restarts.add_metric(lb, r.restarts)
-        yield from (info, step, steps, age, alive, restarts, phase)
+        yield from (info, step, steps, age, alive, restarts, phase, blocked)
         for key, name, help_text, counter in RANK_SERIES:
             cls = CounterMetricFamily if counter else GaugeMetricFamily
             fam = cls(PREFIX + name, help_text, labels=RANK_LABELS)

@@ -33,7 +33,13 @@ NUMBER_FIELDS = {
     "host_bytes_total", "checkpoint_step", "checkpoint_timestamp_seconds",
     "checkpoint_blocking_seconds", "checkpoint_in_progress", "phase_seconds", "goodput_ratio",
     "ts",
+    # Collectives entered / completed since the process started (a sequence number, as
+    # NCCL's flight recorder keeps): in a hang the rank that entered fewer is the root.
+    "collectives_entered_total", "collectives_completed_total",
 }
+# What a rank blocked in a collective waits in ("" when it is not blocked).
+COLLECTIVES = {"", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
+               "all_to_all", "send_recv"}
 # What a rank is doing right now, from its heartbeat thread: a section name
 # ("data", "forward_backward", "optimizer", "checkpoint"), "sync" (waiting for peers
 # in an instrumented collective), "between" (outside a step) or "start".
@@ -80,6 +86,8 @@ def decode(data: bytes) -> dict[str, Any]:
                 raise MalformedMessage(f"bad_{key}")
     if "phase" in msg and msg["phase"] not in PHASES:
         raise MalformedMessage("bad_phase")
+    if "collective" in msg and msg["collective"] not in COLLECTIVES:
+        raise MalformedMessage("bad_collective")
     if msg["type"] == "event" and msg.get("event") not in EVENTS:
         raise MalformedMessage("bad_event")
     acks = msg.get("acks", [])

@@ -40,6 +40,8 @@ class RankState:
     host_bytes_per_s: float = 0.0
     _prev: tuple[float, float, float] | None = None  # (t, sync bytes, host bytes)
     acks: set[str] = field(default_factory=set)
+    # The collective the rank is blocked in ("" when none), from its heartbeat.
+    collective: str = ""
 
 
 class RankRegistry:
@@ -73,6 +75,10 @@ class RankRegistry:
                 r.last_progress = now
             if "phase" in msg:
                 r.phase = msg["phase"]
+            if msg.get("event") == "exit":
+                r.phase = "exited"  # a clean finish: its growing age is not a hang
+            if "collective" in msg:
+                r.collective = msg["collective"]
             if "step" in msg:
                 if msg["type"] == "step" and msg["step"] != r.last_counted_step:
                     r.steps_total += 1  # heartbeats carry the step too; count step messages

@@ -20,11 +20,13 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from agent.backends import BackendError
 from agent.sample import GpuSample, decode_clock_events
+from agent.xidstate import XidLedger
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +86,11 @@ class NvmlBackend:
     name = "nvml"
     REINIT_INTERVAL_S = 30.0
 
-    def __init__(self, nvml: ModuleType | None = None, clock=time.monotonic) -> None:
+    def __init__(self, nvml: ModuleType | None = None, clock=time.monotonic,
+                 xid_state: Path | None = None) -> None:
         self._nvml = nvml if nvml is not None else importlib.import_module("pynvml")
+        # XID totals persisted across agent restarts (None: this process's counts only).
+        self._xids = XidLedger(xid_state) if xid_state is not None else None
         self._clock = clock
         self._unsupported: dict[tuple[int, str], str] = {}
         self._errors: collections.Counter[str] = collections.Counter()
@@ -190,6 +195,11 @@ class NvmlBackend:
                 xid = int(event.eventData)
                 dev.xid_counts[xid] = dev.xid_counts.get(xid, 0) + 1
 
+    def _xid_totals(self, dev: _Device) -> dict[int, int]:
+        if self._xids is None:
+            return dict(dev.xid_counts)
+        return self._xids.merge(dev.uuid, dev.xid_counts)
+
     def _mark_unsupported(self, index: int, metric: str, err: Exception | str) -> None:
         key = (index, metric)
         if key not in self._unsupported:
@@ -251,7 +261,7 @@ class NvmlBackend:
         return GpuSample(
             index=dev.index, uuid=dev.uuid, up=False, name=dev.name, pci_bus_id=dev.pci_bus_id,
             driver_version=self._driver_version, down_reason=reason,
-            xid_errors_total=dict(dev.xid_counts),
+            xid_errors_total=self._xid_totals(dev),
         )
 
     def _read(self, dev: _Device) -> GpuSample:
@@ -260,7 +270,7 @@ class NvmlBackend:
         s = GpuSample(
             index=dev.index, uuid=dev.uuid, up=True, name=dev.name, pci_bus_id=dev.pci_bus_id,
             driver_version=self._driver_version, utilization_ratio=util.gpu / 100.0,
-            sm_clock_max_hertz=dev.sm_clock_max_hertz, xid_errors_total=dict(dev.xid_counts),
+            sm_clock_max_hertz=dev.sm_clock_max_hertz, xid_errors_total=self._xid_totals(dev),
         )
         mem = self._optional(dev, "memory", "nvmlDeviceGetMemoryInfo", h)
         if mem is not None:

@@ -60,6 +60,9 @@ class FakeNvml:
         self.events: collections.deque[tuple[int, int]] = collections.deque()  # (gpu, xid)
         self.calls: collections.Counter[str] = collections.Counter()
         self.driver_lost_until_reinit = False
+        # Set to an unset threading.Event to make every per-GPU call hang until it is
+        # set: what a GPU in trouble does to NVML calls (they block in the driver).
+        self.stuck: Any = None
 
     def __getattr__(self, name: str) -> Any:  # constants and error classes: the real ones
         return getattr(pynvml, name)
@@ -75,6 +78,8 @@ class FakeNvml:
 
     def _fn(self, name: str, handle: Any) -> FakeGpu:
         self.calls[name] += 1
+        if self.stuck is not None:
+            self.stuck.wait()
         g = self._gpu(handle)
         if name in g.unsupported_fns:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)

@@ -119,6 +119,32 @@ def test_xid_events_are_counted_without_blocking():
     assert s[1].xid_errors_total == {79: 2}
 
 
+def test_xid_counts_survive_an_agent_restart(tmp_path):
+    """An XID 79 after the agent restarted must raise the counter Prometheus saw before
+    the restart; without persisted state it would read 1 again and go unnoticed."""
+    state = tmp_path / "state" / "xid-counts.json"
+    fake = FakeNvml(gpus=2)
+    first = NvmlBackend(nvml=fake, xid_state=state)
+    fake.events.append((1, 79))
+    assert first.collect()[1].xid_errors_total == {79: 1}
+    first.close()
+    second = NvmlBackend(nvml=FakeNvml(gpus=2), xid_state=state)  # the restarted agent
+    assert second.collect()[1].xid_errors_total == {79: 1}  # the old count, read back
+    second._nvml.events.append((1, 79))
+    s = second.collect()
+    assert s[1].xid_errors_total == {79: 2} and s[0].xid_errors_total == {}
+    assert second.collect()[1].xid_errors_total == {79: 2}  # counted once
+
+
+def test_unreadable_xid_state_counts_from_zero_without_failing(tmp_path):
+    state = tmp_path / "xid-counts.json"
+    state.write_text("{not json")
+    fake = FakeNvml(gpus=1)
+    backend = NvmlBackend(nvml=fake, xid_state=state)
+    fake.events.append((0, 48))
+    assert backend.collect()[0].xid_errors_total == {48: 1}
+
+
 def test_error_kind_names():
     assert error_kind(pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)) == "gpu_is_lost"
     assert error_kind(pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)) == "not_supported"
