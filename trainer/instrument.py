@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.collectives import CollectiveLog
 from trainer.consensus import Consensus
 from trainer.telemetry import AgentLink
 
@@ -122,6 +123,7 @@ class Pulse:
         self.straggler_scores: list[float] | None = None
         self.checkpoint_agreed = False
         self.consensus = Consensus(every=consensus_every, group=group)
+        self.collectives = CollectiveLog()  # sequence numbers: who a hang waits for
         self._samples = 0
         self._tokens = 0
         self.identity = {"run": run, "rank": self.rank, "local_rank": self.local_rank,
@@ -141,7 +143,7 @@ class Pulse:
 
         def hook(state, bucket):  # unannotated: DDP checks real annotation objects
             self._bucket_marks.append(self._clock.mark())
-            return allreduce_hook(state, bucket)
+            return self.collectives.track_future("all_reduce", allreduce_hook(state, bucket))
 
         ddp_model.register_comm_hook(None, hook)
         self._has_hook = True
@@ -154,7 +156,8 @@ class Pulse:
         t0 = time.perf_counter()
         previous = self.phase
         self._enter("sync")
-        dist.all_reduce(t, group=group)
+        with self.collectives.track("all_reduce"):
+            dist.all_reduce(t, group=group)
         self._probe_wait += time.perf_counter() - t0
         self._enter(previous)
 
@@ -228,7 +231,7 @@ class Pulse:
             self.link.send({"type": "heartbeat", **self.identity, "step": self._step,
                             "phase": "forward_backward" if phase == "step" else phase,
                             "phase_seconds": round(time.monotonic() - since, 3),
-                            **self.extra})
+                            **self.collectives.fields(), **self.extra})
 
     def _read_replies(self) -> None:
         for reply in self.link.poll():
@@ -248,8 +251,9 @@ class Pulse:
         self._read_replies()
         want = any(a == "checkpoint-restart" for a in self.commands.values())
         self._enter("sync")
-        restart, self.checkpoint_agreed, scores = self.consensus.exchange(
-            want, self.world_size, want_checkpoint)
+        with self.collectives.track("all_gather"):
+            restart, self.checkpoint_agreed, scores = self.consensus.exchange(
+                want, self.world_size, want_checkpoint)
         self._enter("between")
         if scores is not None:
             self.straggler_scores = scores
