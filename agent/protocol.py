@@ -36,6 +36,8 @@ NUMBER_FIELDS = {
     # Collectives entered / completed since the process started (a sequence number, as
     # NCCL's flight recorder keeps): in a hang the rank that entered fewer is the root.
     "collectives_entered_total", "collectives_completed_total",
+    # Straggler scoring (detection.scoring): against its own history, and the decision.
+    "straggler_self_score", "straggler_flagged",
 }
 # What a rank blocked in a collective waits in ("" when it is not blocked).
 COLLECTIVES = {"", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",

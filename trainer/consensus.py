@@ -1,14 +1,15 @@
 """One small collective every few steps: restart agreement plus straggler scores.
 
-Every `every` steps each rank contributes [restart wanted?, its median compute time
-over the window]; one all_gather of 2 floats per rank gives every rank
+Every `every` steps each rank contributes [restart wanted?, its own time (step time
+minus waiting for peers) for each of the last `every` steps]; one all_gather of
+1 + `every` floats per rank gives every rank
 - the decision: restart if any rank heard a restart command (so all stop at the same
   step even if only one node's agent got the command), and
-- its straggler score: its median compute time over the (lower) median of all ranks'
-  medians.
-  Medians over a window ignore single noisy or checkpoint steps; dividing by the
-  ranks' median cancels whole-job slowdowns (which are not stragglers); the first
-  window after a (re)start is skipped as warm-up.
+- the straggler scores of every rank, from detection.scoring.StragglerScorer: the same
+  code that `clusterpulse-detect replay` runs on a recorded trace. Each rank is scored
+  against its peers step by step (job-wide slowdowns cancel) and against its own
+  history (a GPU that is always a few percent slower, or rank 0's extra work, is not
+  a straggler); see that module for the method.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from detection.scoring import Scores, ScoringConfig, StragglerScorer
+
 
 @dataclass
 class Consensus:
@@ -30,6 +33,8 @@ class Consensus:
     _windows_seen: int = 0
     exchanges: int = 0
     seconds: float = 0.0  # total time spent in the exchange (its cost, for benchmarks)
+    scorer: StragglerScorer | None = None
+    last: Scores | None = None  # the latest evaluation (peer and self scores, flags)
 
     def record(self, compute_seconds: float) -> None:
         self._window.append(compute_seconds)
@@ -45,27 +50,34 @@ class Consensus:
         wanted by whichever rank's clock says so and then taken by all.
         """
         t0 = time.perf_counter()
-        mine = statistics.median(self._window) if self._window else 0.0
+        # this rank's own time in each of the last `every` steps (NaN: not measured)
+        mine = (self._window[-self.every:] + [float("nan")] * self.every)[:self.every]
         self._window = []
         self._windows_seen += 1
         flags = (1 if want_restart else 0) | (2 if want_checkpoint else 0)
         device = "cpu"
         if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
             device = f"cuda:{torch.cuda.current_device()}"  # NCCL moves only device tensors
-        local = torch.tensor([float(flags), mine], dtype=torch.float64, device=device)
+        local = torch.tensor([float(flags), *mine], dtype=torch.float64, device=device)
         if dist.is_initialized() and world > 1:
-            out = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world)]
+            out = [torch.zeros(1 + self.every, dtype=torch.float64, device=device)
+                   for _ in range(world)]
             dist.all_gather(out, local, group=self.group)
         else:
             out = [local]
         self.exchanges += 1
-        self.seconds += time.perf_counter() - t0
         flags_all = [int(t[0].item()) for t in out]
         restart = any(f & 1 for f in flags_all)
         checkpoint = any(f & 2 for f in flags_all)
-        if self._windows_seen <= self.warmup_windows:
+        times = torch.stack([t[1:] for t in out]).T.cpu().numpy()  # steps x ranks
+        if self.scorer is None or self.scorer.ranks != len(out):
+            self.scorer = StragglerScorer(len(out), config=ScoringConfig(every=self.every))
+        scores = self.scorer.observe(times)
+        self.seconds += time.perf_counter() - t0
+        if scores is None or self._windows_seen <= self.warmup_windows:
             return restart, checkpoint, None
-        return restart, checkpoint, straggler_scores([t[1].item() for t in out])
+        self.last = scores
+        return restart, checkpoint, [round(float(v), 4) for v in scores.peer]
 
 
 def straggler_scores(medians: list[float]) -> list[float] | None:

@@ -208,7 +208,7 @@ class Pulse:
                 msg["loss"] = loss
             self._samples += ctx.samples
             self._tokens += ctx.tokens
-            self.consensus.record(compute)
+            self.consensus.record(compute + data)  # own time: slow input is slowness too
             msg["samples_total"], msg["tokens_total"] = self._samples, self._tokens
             msg.update(self.extra)
             if self._acks:
@@ -258,6 +258,10 @@ class Pulse:
         if scores is not None:
             self.straggler_scores = scores
             self.extra["straggler_score"] = round(scores[self.rank], 4)
+            last = self.consensus.last
+            if last is not None:  # against its own history, and the decision
+                self.extra["straggler_self_score"] = round(float(last.self_[self.rank]), 4)
+                self.extra["straggler_flagged"] = int(bool(last.flagged[self.rank]))
         return restart
 
     # -- events --------------------------------------------------------------------------
