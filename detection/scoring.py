@@ -18,7 +18,9 @@ against its own history alone a job-wide slowdown is. Here:
 - the noise of m is learnt per rank and pooled across ranks (the larger wins): a
   rank is flagged when m - b exceeds both log(self_threshold) and `z` noise standard
   deviations, and it is slower than its typical peer now (exp(m) > peer_threshold).
-  Correlated (AR(1)) jitter widens the learnt noise instead of flagging.
+  Correlated (AR(1)) jitter widens the learnt noise instead of flagging;
+- a rank slower than its peer group by `gross_threshold` (1.3) is flagged whatever its
+  history: no healthy GPU of a model is that much slower than its siblings.
 
 Input per step is the rank's own time: its step time minus the time it waited for
 peers (compute + data loading + its own communication). Using total own time rather
@@ -43,6 +45,10 @@ class ScoringConfig:
     warmup_steps: int = 40  # steps learnt before any flag (includes the window)
     self_threshold: float = 1.1  # slowdown against its own history to flag
     peer_threshold: float = 1.05  # and slower than the typical peer by at least this
+    # Slower than its peer group by this much is a straggler even if it always was:
+    # GPUs of one model differ by a few percent, not by 30 % (a slow-from-the-start GPU
+    # would otherwise be learnt as normal). Pipeline stages need their own groups.
+    gross_threshold: float = 1.3
     z: float = 5.5  # noise standard deviations a slowdown must exceed
     noise_floor: float = 0.005  # log units: below this, noise estimates are not trusted
     baseline_alpha: float = 0.05  # per evaluation, for the baseline and the noise
@@ -50,8 +56,10 @@ class ScoringConfig:
     def validate(self) -> None:
         if self.window < 2 or self.every < 1 or self.warmup_steps < self.window:
             raise ValueError("window >= 2, every >= 1 and warmup_steps >= window required")
-        if self.self_threshold <= 1 or self.peer_threshold < 1 or self.z <= 0:
-            raise ValueError("self_threshold > 1, peer_threshold >= 1 and z > 0 required")
+        if self.self_threshold <= 1 or self.peer_threshold < 1 or self.z <= 0 \
+                or self.gross_threshold <= self.peer_threshold:
+            raise ValueError("self_threshold > 1, peer_threshold >= 1, z > 0 and "
+                             "gross_threshold > peer_threshold required")
 
 
 @dataclass
@@ -120,8 +128,10 @@ class StragglerScorer:
         window = np.stack(self._rows)
         # Winsorise single steps at 4 pooled spreads: a one-step spike on one rank (its
         # own checkpoint write, a page fault) must not move a 10-step average.
-        spread = np.median(np.abs(window)) * 1.4826 + 1e-6
-        m = np.clip(window, -4 * spread, 4 * spread).mean(axis=0)
+        level = np.median(window, axis=0)  # each rank's own level in the window
+        dev = window - level
+        spread = np.median(np.abs(dev)) * 1.4826 + 1e-6  # pooled over ranks and steps
+        m = level + np.clip(dev, -4 * spread, 4 * spread).mean(axis=0)
         peer = np.exp(m)
         if self.steps < c.warmup_steps or self.baseline is None:
             self._warm.append(m)
@@ -134,7 +144,8 @@ class StragglerScorer:
         d = m - self.baseline
         sigma = np.sqrt(np.maximum(self._var, np.median(self._var)))
         limit = np.maximum(math.log(c.self_threshold), c.z * sigma)
-        self.flagged = (d > limit) & (m > math.log(c.peer_threshold))
+        self.flagged = (((d > limit) & (m > math.log(c.peer_threshold)))
+                        | (m > math.log(c.gross_threshold)))
         # Learn only from ranks that look normal: a straggler must not become the norm.
         calm = ~self.flagged & (d < limit / 2)
         a = c.baseline_alpha

@@ -55,6 +55,14 @@ def test_a_rank_that_becomes_1_2x_slower_is_flagged_within_a_few_windows():
     assert list(got) == [7] and 300 < got[7] <= 325
 
 
+def test_a_rank_much_slower_than_its_peers_from_the_start_is_flagged():
+    """Self-history cannot excuse a GPU 1.8x slower than its siblings since step 1."""
+    x = noisy(6)
+    x[:, 5] *= 1.8
+    got = flags(x)
+    assert list(got) == [5] and got[5] <= ScoringConfig().warmup_steps + 5
+
+
 def test_peer_groups_compare_like_with_like():
     """Stage 1 is 30 % slower by design; its slowest member becoming 1.2x slower is
     flagged against its stage, and nothing else is."""
