@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for state that must survive agent restarts (XID counts, "
                    "NVML backend); e.g. /var/lib/clusterpulse. Default: none (counts restart "
                    "at zero, so an XID just after an agent restart can be missed)")
+    p.add_argument("--sysfs", type=Path, default=Path("/sys"),
+                   help="sysfs root for NIC port health (InfiniBand/RoCE counters, Ethernet "
+                   "statistics); 'none' to turn it off (default: /sys)")
     p.add_argument("--rank-grace", type=float, default=300.0,
                    help="seconds before a silent rank is forgotten (default: 300)")
     p.add_argument("--max-ranks", type=int, default=1024,
@@ -157,6 +160,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"cannot listen: {err.strerror} ({args.listen} / {args.telemetry})"
         ) from None
+    if str(args.sysfs) != "none":
+        from agent.links import NicCounters
+
+        agent.links = NicCounters(args.sysfs)
     agent.start()
     serve_in_thread(server)
     done = threading.Event()

@@ -49,6 +49,7 @@ class Agent:
         self.snapshot = Snapshot()
         self.telemetry_counts: collections.Counter[str] = collections.Counter()
         self.internal_errors = 0
+        self.links = None  # NIC port health (agent.links.NicCounters), set by the CLI
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._sock: socket.socket | None = None
