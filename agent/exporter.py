@@ -48,6 +48,13 @@ GPU_SERIES: list[tuple[str, str, str, bool]] = [
      "Rows remapped after uncorrectable errors.", True),
     ("row_remap_pending", "gpu_row_remap_pending", "1 if a row remap awaits a GPU reset.", False),
     ("row_remap_failed", "gpu_row_remap_failed", "1 if a row remap failed.", False),
+    ("pcie_link_generation", "gpu_pcie_link_generation", "Current PCIe link generation.",
+     False),
+    ("pcie_link_generation_max", "gpu_pcie_link_generation_max",
+     "Highest PCIe generation the GPU and its slot support.", False),
+    ("pcie_link_width", "gpu_pcie_link_width_lanes", "Current PCIe link width.", False),
+    ("pcie_link_width_max", "gpu_pcie_link_width_max_lanes", "Maximum PCIe link width.",
+     False),
 ]
 
 # (RankState value key, metric name, help, is counter)
@@ -194,6 +201,21 @@ class AgentCollector(Collector):
             for code, n in sorted(s.xid_errors_total.items()):
                 xid.add_metric([node, str(s.index), s.uuid, str(code)], n)
         yield xid
+        nv_up = GaugeMetricFamily(PREFIX + "gpu_nvlink_up", "1 if the NVLink is active.",
+                                  labels=[*GPU_LABELS, "link"])
+        nv_err = CounterMetricFamily(PREFIX + "gpu_nvlink_errors",
+                                     "NVLink data-link errors by kind (crc, replay, recovery).",
+                                     labels=[*GPU_LABELS, "link", "kind"])
+        for s in samples:
+            if not s.up:
+                continue
+            for link, ls in sorted(s.nvlinks.items()):
+                lb = [node, str(s.index), s.uuid, str(link)]
+                nv_up.add_metric(lb, 1.0 if ls.up else 0.0)
+                for kind, v in sorted(ls.errors.items()):
+                    nv_err.add_metric([*lb, kind], v)
+        yield nv_up
+        yield nv_err
         uns = GaugeMetricFamily(PREFIX + "gpu_metric_unsupported",
                                 "1 for each metric the GPU does not support, with NVML's reason.",
                                 labels=["node", "gpu", "metric", "reason"])

@@ -148,3 +148,23 @@ def test_unreadable_xid_state_counts_from_zero_without_failing(tmp_path):
 def test_error_kind_names():
     assert error_kind(pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)) == "gpu_is_lost"
     assert error_kind(pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)) == "not_supported"
+
+
+def test_link_health_nvlink_state_and_errors_and_pcie_width_against_max():
+    fake = FakeNvml(gpus=2)
+    fake.gpus[0].nvlink_up = [True, False, True]
+    fake.gpus[0].nvlink_errors = {(2, pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT): 7,
+                                  (2, pynvml.NVML_NVLINK_ERROR_DL_REPLAY): 3}
+    fake.gpus[0].pcie_width = 8  # trained down from x16
+    fake.gpus[1].nvlink_up = []  # a PCIe-only board
+    backend = NvmlBackend(nvml=fake)
+    s = backend.collect()
+    links = s[0].nvlinks
+    assert [links[i].up for i in sorted(links)] == [True, False, True]
+    assert links[2].errors == {"crc": 7, "replay": 3, "recovery": 0}
+    assert (s[0].pcie_link_width, s[0].pcie_link_width_max) == (8, 16)
+    assert (s[0].pcie_link_generation, s[0].pcie_link_generation_max) == (5, 5)
+    assert s[1].nvlinks == {} and (1, "nvlink") in backend.unsupported()
+    fake.calls.clear()
+    backend.collect()  # the PCIe-only board is not asked about NVLink again
+    assert fake.calls["nvmlDeviceGetNvLinkState"] == 3
