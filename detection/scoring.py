@@ -96,15 +96,21 @@ class StragglerScorer:
         """A (re)started job: ranks may sit on other GPUs now; learn again."""
         self.__post_init__()
 
-    def _relative(self, row: np.ndarray) -> np.ndarray:
-        """log(own time / median of the rank's peer group) for one step."""
-        logs = np.log(np.maximum(row, 1e-9))
-        rel = np.empty_like(logs)
+    def _relative(self, block: np.ndarray) -> np.ndarray:
+        """log(own time / median of the rank's peer group), step by step (rows)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            logs = np.log(np.maximum(block, 1e-9))
+        rel = np.zeros_like(logs)
         for idx in self._groups:
-            vals = logs[idx]
-            ok = np.isfinite(vals)
-            rel[idx] = vals - (np.median(vals[ok]) if ok.any() else 0.0)
-        return rel
+            vals = logs[:, idx]
+            if np.isfinite(vals).all():
+                med = np.median(vals, axis=1, keepdims=True)
+            else:
+                with np.errstate(all="ignore"):
+                    med = np.nan_to_num(np.nanmedian(
+                        np.where(np.isfinite(vals), vals, np.nan), axis=1, keepdims=True))
+            rel[:, idx] = vals - med
+        return np.where(np.isfinite(rel), rel, 0.0)  # not measured: typical
 
     def observe(self, own_seconds: Sequence[Sequence[float]] | np.ndarray) -> Scores | None:
         """Feed steps (rows: steps, columns: ranks; NaN = not measured). Returns the
@@ -113,9 +119,8 @@ class StragglerScorer:
         if block.shape[1] != self.ranks:
             raise ValueError(f"expected {self.ranks} ranks per step, got {block.shape[1]}")
         out = None
-        for row in block:
-            rel = self._relative(row)
-            self._rows.append(np.where(np.isfinite(rel), rel, 0.0))
+        for rel in self._relative(block):
+            self._rows.append(rel)
             self.steps += 1
             self._since_eval += 1
             if self._since_eval >= self.config.every and len(self._rows) == self.config.window:
