@@ -5,7 +5,7 @@ model differ by a few percent for life, pipeline stages differ by design, and ra
 often does extra work. Against peers alone every one of those is a "straggler" forever;
 against its own history alone a job-wide slowdown is. Here:
 
-- each step, a rank's time is taken relative to the median of its peer group (ranks
+- each step, a rank's time is taken relative to the (lower) median of its peer group (ranks
   doing the same work: the same pipeline stage, by default all ranks), in log space.
   Job-wide events (checkpoints, a slow storage read, jitter common to all) cancel
   step by step;
@@ -36,6 +36,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+def _lower_median(vals: np.ndarray) -> np.ndarray:
+    """Per row, the lower median of the finite values (0 if none). The lower one: with
+    4 ranks of which 2 are slow, the median would be half a straggler and understate
+    both; the lower median is a typical healthy rank (with 2 ranks, the faster one)."""
+    finite = np.isfinite(vals)
+    filled = np.where(finite, vals, np.inf)  # unmeasured ranks sort last
+    count = finite.sum(axis=1)
+    k = np.maximum((count - 1) // 2, 0)
+    srt = np.sort(filled, axis=1)
+    low = srt[np.arange(len(vals)), k]
+    return np.where(count > 0, low, 0.0)[:, None]
 
 
 @dataclass(frozen=True)
@@ -103,13 +116,7 @@ class StragglerScorer:
         rel = np.zeros_like(logs)
         for idx in self._groups:
             vals = logs[:, idx]
-            if np.isfinite(vals).all():
-                med = np.median(vals, axis=1, keepdims=True)
-            else:
-                with np.errstate(all="ignore"):
-                    med = np.nan_to_num(np.nanmedian(
-                        np.where(np.isfinite(vals), vals, np.nan), axis=1, keepdims=True))
-            rel[:, idx] = vals - med
+            rel[:, idx] = vals - _lower_median(vals)
         return np.where(np.isfinite(rel), rel, 0.0)  # not measured: typical
 
     def observe(self, own_seconds: Sequence[Sequence[float]] | np.ndarray) -> Scores | None:
