@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int, default=64,
                    help="concurrent HTTP connections; more get 503 (default: 64)")
     p.add_argument("--audit-log", type=Path, help="JSON-lines audit log of control actions")
+    p.add_argument("--state-dir", type=Path,
+                   help="directory for state that must survive agent restarts (XID counts, "
+                   "NVML backend); e.g. /var/lib/clusterpulse. Default: none (counts restart "
+                   "at zero, so an XID just after an agent restart can be missed)")
+    p.add_argument("--sysfs", type=Path, default=Path("/sys"),
+                   help="sysfs root for NIC port health (InfiniBand/RoCE counters, Ethernet "
+                   "statistics); 'none' to turn it off (default: /sys)")
     p.add_argument("--rank-grace", type=float, default=300.0,
                    help="seconds before a silent rank is forgotten (default: 300)")
     p.add_argument("--max-ranks", type=int, default=1024,
@@ -110,7 +117,8 @@ def make_backend(args: argparse.Namespace, ranks: RankRegistry) -> Backend:
         from agent.backends.nvml import NvmlBackend
 
         try:
-            return NvmlBackend()
+            xid_state = args.state_dir / "xid-counts.json" if args.state_dir else None
+            return NvmlBackend(xid_state=xid_state)
         except BackendError as err:
             if args.backend == "nvml":
                 raise UsageError(str(err)) from None
@@ -175,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"cannot listen: {err.strerror or err} ({args.listen} / {args.telemetry})"
         ) from None
+    if str(args.sysfs) != "none":
+        from agent.links import NicCounters
+
+        agent.links = NicCounters(args.sysfs)
     agent.start()
     serve_in_thread(server)
     done = threading.Event()

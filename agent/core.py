@@ -34,6 +34,9 @@ class Snapshot:
     timestamp: float = 0.0
     duration_s: float = 0.0
     cycles: int = 0
+    # Unix time of the last collection whose backend call returned: what the staleness
+    # metric ages from (a stuck or failing backend leaves it behind).
+    last_success: float = 0.0
 
 
 class Agent:
@@ -51,6 +54,7 @@ class Agent:
         self.snapshot = Snapshot()
         self.telemetry_counts: collections.Counter[str] = collections.Counter()
         self.internal_errors = 0
+        self.links = None  # NIC port health (agent.links.NicCounters), set by the CLI
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._sock: socket.socket | None = None
@@ -117,8 +121,10 @@ class Agent:
     # -- collection -----------------------------------------------------------------
     def collect_once(self) -> Snapshot:
         t0 = time.perf_counter()
+        last_success = self.snapshot.last_success
         try:
             gpus = self.backend.collect()
+            last_success = time.time()
         except Exception:  # a backend bug must not end monitoring of the node
             log.exception("collection failed")
             self.internal_errors += 1
@@ -127,7 +133,7 @@ class Agent:
         self.commands.tick()
         self.snapshot = Snapshot(gpus=gpus, timestamp=time.time(),
                                  duration_s=time.perf_counter() - t0,
-                                 cycles=self.snapshot.cycles + 1)
+                                 cycles=self.snapshot.cycles + 1, last_success=last_success)
         return self.snapshot
 
     def _collect_loop(self) -> None:

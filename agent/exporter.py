@@ -8,6 +8,7 @@ node/gpu/uuid, trainer series carry run/rank/node/local_rank, identity goes on t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,13 @@ GPU_SERIES: list[tuple[str, str, str, bool]] = [
      "Rows remapped after uncorrectable errors.", True),
     ("row_remap_pending", "gpu_row_remap_pending", "1 if a row remap awaits a GPU reset.", False),
     ("row_remap_failed", "gpu_row_remap_failed", "1 if a row remap failed.", False),
+    ("pcie_link_generation", "gpu_pcie_link_generation", "Current PCIe link generation.",
+     False),
+    ("pcie_link_generation_max", "gpu_pcie_link_generation_max",
+     "Highest PCIe generation the GPU and its slot support.", False),
+    ("pcie_link_width", "gpu_pcie_link_width_lanes", "Current PCIe link width.", False),
+    ("pcie_link_width_max", "gpu_pcie_link_width_max_lanes", "Maximum PCIe link width.",
+     False),
 ]
 
 # (RankState value key, metric name, help, is counter)
@@ -62,7 +70,12 @@ RANK_SERIES: list[tuple[str, str, str, bool]] = [
     ("samples_total", "trainer_samples", "Samples processed.", True),
     ("tokens_total", "trainer_tokens", "Tokens processed.", True),
     ("straggler_score", "trainer_straggler_score",
-     "Compute time relative to the typical rank (1 = typical).", False),
+     "Own time relative to the typical peer rank (1 = typical).", False),
+    ("straggler_self_score", "trainer_straggler_self_score",
+     "Peer score relative to the rank's own usual peer score (1 = as usual).", False),
+    ("straggler_flagged", "trainer_straggler_flagged",
+     "1 while the scorer flags the rank (slower than peers and than its own history).",
+     False),
     ("memory_bytes", "trainer_memory_bytes", "Memory the rank reports using.", False),
     ("checkpoint_step", "trainer_checkpoint_last_step", "Step of the last committed checkpoint.",
      False),
@@ -75,6 +88,10 @@ RANK_SERIES: list[tuple[str, str, str, bool]] = [
     ("phase_seconds", "trainer_phase_seconds", "Seconds the rank has been in its phase.", False),
     ("goodput_ratio", "trainer_goodput_ratio",
      "Productive step time over wall time since the run first started (rank 0).", False),
+    ("collectives_entered_total", "trainer_collectives_entered",
+     "Collectives the rank has entered (sequence number; the hang root entered fewer).", True),
+    ("collectives_completed_total", "trainer_collectives_completed",
+     "Collectives the rank has completed.", True),
 ]
 
 PREFIX = "clusterpulse_"
@@ -88,6 +105,9 @@ class AgentCollector(Collector):
         yield from self._agent_series()
         yield from self._gpu_series()
         yield from self._rank_series()
+        links = getattr(self.agent, "links", None)  # NIC port health, when configured
+        if links is not None:
+            yield from links.families(self.agent.node)
 
     def _agent_series(self) -> Iterable:
         a = self.agent
@@ -104,6 +124,13 @@ class AgentCollector(Collector):
                               "Unix time of the last completed collection cycle.",
                               labels=["node"])
         g.add_metric([a.node], snap.timestamp)
+        yield g
+        g = GaugeMetricFamily(PREFIX + "agent_collection_age_seconds",
+                              "Seconds since the last successful GPU collection, computed at "
+                              "scrape time: grows while a collection is stuck (hung NVML call).",
+                              labels=["node"])
+        g.add_metric([a.node], round(max(0.0, time.time() - snap.last_success), 3)
+                     if snap.last_success else 0.0)
         yield g
         c = CounterMetricFamily(PREFIX + "agent_collections", "Collection cycles run.",
                                 labels=["node"])
@@ -174,6 +201,21 @@ class AgentCollector(Collector):
             for code, n in sorted(s.xid_errors_total.items()):
                 xid.add_metric([node, str(s.index), s.uuid, str(code)], n)
         yield xid
+        nv_up = GaugeMetricFamily(PREFIX + "gpu_nvlink_up", "1 if the NVLink is active.",
+                                  labels=[*GPU_LABELS, "link"])
+        nv_err = CounterMetricFamily(PREFIX + "gpu_nvlink_errors",
+                                     "NVLink data-link errors by kind (crc, replay, recovery).",
+                                     labels=[*GPU_LABELS, "link", "kind"])
+        for s in samples:
+            if not s.up:
+                continue
+            for link, ls in sorted(s.nvlinks.items()):
+                lb = [node, str(s.index), s.uuid, str(link)]
+                nv_up.add_metric(lb, 1.0 if ls.up else 0.0)
+                for kind, v in sorted(ls.errors.items()):
+                    nv_err.add_metric([*lb, kind], v)
+        yield nv_up
+        yield nv_err
         uns = GaugeMetricFamily(PREFIX + "gpu_metric_unsupported",
                                 "1 for each metric the GPU does not support, with NVML's reason.",
                                 labels=["node", "gpu", "metric", "reason"])
@@ -207,9 +249,16 @@ class AgentCollector(Collector):
         phase = GaugeMetricFamily(PREFIX + "trainer_phase",
                                   "1 for what the rank is doing now (sync = waiting for peers).",
                                   labels=[*RANK_LABELS, "phase"])
+        blocked = GaugeMetricFamily(PREFIX + "trainer_blocked_collective",
+                                    "Sequence number of the collective the rank waits in, "
+                                    "by operation (absent when not blocked).",
+                                    labels=[*RANK_LABELS, "op"])
         for r in ranks:
             lb = labels(r)
             phase.add_metric([*lb, r.phase], 1.0)
+            if r.collective and r.phase != "exited":
+                blocked.add_metric([*lb, r.collective],
+                                   r.values.get("collectives_completed_total", 0.0) + 1)
             info.add_metric([*lb, str(r.gpu), str(r.pid), str(r.world_size)], 1.0)
             if r.step >= 0:
                 step.add_metric(lb, r.step)
@@ -218,7 +267,7 @@ class AgentCollector(Collector):
             if r.sender.verified:  # a UDP sender's pid is unknown: no claim either way
                 alive.add_metric(lb, 1.0 if still_running(r.sender) else 0.0)
             restarts.add_metric(lb, r.restarts)
-        yield from (info, step, steps, age, alive, restarts, phase)
+        yield from (info, step, steps, age, alive, restarts, phase, blocked)
         for key, name, help_text, counter in RANK_SERIES:
             cls = CounterMetricFamily if counter else GaugeMetricFamily
             fam = cls(PREFIX + name, help_text, labels=RANK_LABELS)

@@ -20,6 +20,9 @@ FAULT_KINDS = {
     "gpu_lost": "GPU fell off the bus: NVML reports GPU_IS_LOST",
     "xid": "one XID error of `code` (e.g. 79: fallen off the bus, 48: DBE, 13: graphics)",
     "ecc_uncorrectable": "one uncorrectable ECC error; a row remap becomes pending",
+    "nvlink_down": "NVLink 0 of the GPU goes down (XID 74): the node's collectives lose a path",
+    "nvlink_errors": "NVLink 0 counts replay/CRC errors in proportion to its traffic",
+    "pcie_degraded": "the PCIe link trains down to x8 (of x16)",
     "recover": "clear every persistent fault on the GPU (counters keep their values)",
 }
 

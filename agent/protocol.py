@@ -36,6 +36,8 @@ DEFAULT_TELEMETRY = f"unix:{DEFAULT_SOCKET_PATH}"
 MESSAGE_TYPES = {"step", "heartbeat", "event"}
 EVENTS = {"start", "checkpoint_committed", "checkpoint_failed", "restart_requested", "exit"}
 ACTIONS = {"checkpoint-restart", "restart"}
+# How a rank's `exit` event says it ended (trainer.instrument.Pulse.close).
+OUTCOMES = {"finished", "failed", "checkpoint-restart", "preempted"}
 RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _COMMAND_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,160}$")
 # NVML's form ("GPU-<uuid>", "MIG-<uuid>"); what CUDA_VISIBLE_DEVICES may hold.
@@ -53,7 +55,15 @@ NUMBER_FIELDS = frozenset({
     "host_bytes_total", "checkpoint_step", "checkpoint_timestamp_seconds",
     "checkpoint_blocking_seconds", "checkpoint_in_progress", "phase_seconds", "goodput_ratio",
     "ts",
+    # Collectives entered / completed since the process started (a sequence number, as
+    # NCCL's flight recorder keeps): in a hang the rank that entered fewer is the root.
+    "collectives_entered_total", "collectives_completed_total",
+    # Straggler scoring (detection.scoring): against its own history, and the decision.
+    "straggler_self_score", "straggler_flagged",
 })
+# What a rank blocked in a collective waits in ("" when it is not blocked).
+COLLECTIVES = {"", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
+               "all_to_all", "send_recv"}
 # What a rank is doing right now, from its heartbeat thread: a section name
 # ("data", "forward_backward", "optimizer", "checkpoint"), "sync" (waiting for peers
 # in an instrumented collective), "between" (outside a step) or "start".
@@ -142,10 +152,18 @@ def decode(data: bytes) -> dict[str, Any]:
         if not isinstance(msg["phase"], str) or msg["phase"] not in PHASES:
             raise MalformedMessage("bad_phase")
         out["phase"] = msg["phase"]
+    if "collective" in msg:
+        if not isinstance(msg["collective"], str) or msg["collective"] not in COLLECTIVES:
+            raise MalformedMessage("bad_collective")
+        out["collective"] = msg["collective"]
     if kind == "event":
         if not isinstance(msg.get("event"), str) or msg["event"] not in EVENTS:
             raise MalformedMessage("bad_event")
         out["event"] = msg["event"]
+        if "outcome" in msg:
+            if not isinstance(msg["outcome"], str) or msg["outcome"] not in OUTCOMES:
+                raise MalformedMessage("bad_outcome")
+            out["outcome"] = msg["outcome"]
     acks = msg.get("acks", [])
     if (not isinstance(acks, list) or len(acks) > MAX_ACKS
             or not all(isinstance(a, str) and _COMMAND_ID.match(a) for a in acks)):

@@ -61,6 +61,8 @@ class RankState:
     _prev: tuple[float, float, float] | None = None  # (t, sync bytes, host bytes)
     acks: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=MAX_ACKS_KEPT))
+    # The collective the rank is blocked in ("" when none), from its heartbeat.
+    collective: str = ""
 
     @property
     def pid(self) -> int:
@@ -146,6 +148,11 @@ class RankRegistry:
             r.last_progress = now
         if "phase" in msg:
             r.phase = msg["phase"]
+        if msg.get("event") == "exit" and msg.get("outcome", "finished") in (
+                "finished", "preempted"):
+            r.phase = "exited"  # a clean finish or a preemption: its growing age is no hang
+        if "collective" in msg:
+            r.collective = msg["collective"]
         if "step" in msg:
             if msg["type"] == "step" and msg["step"] != r.last_counted_step:
                 r.steps_total += 1  # heartbeats carry the step too; count step messages

@@ -29,6 +29,15 @@ def decode_clock_events(mask: int) -> frozenset[str]:
 
 
 @dataclass
+class NvLinkSample:
+    """One NVLink: whether it is up and its data-link error counters by kind
+    (crc: CRC flit errors, replay: retransmissions, recovery: link recoveries)."""
+
+    up: bool
+    errors: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class GpuSample:
     index: int
     uuid: str
@@ -59,5 +68,12 @@ class GpuSample:
     row_remap_pending: float | None = None
     row_remap_failed: float | None = None
     xid_errors_total: dict[int, int] = field(default_factory=dict)
+    # PCIe link now and at most: a GPU that trained down to x8 or gen 3 moves its data
+    # (and, with GPUDirect, its inter-node collectives) at a fraction of the speed.
+    pcie_link_generation: float | None = None
+    pcie_link_generation_max: float | None = None
+    pcie_link_width: float | None = None
+    pcie_link_width_max: float | None = None
+    nvlinks: dict[int, NvLinkSample] = field(default_factory=dict)
     # Why the GPU is down (an NVML error kind such as "gpu_is_lost"); "" when up.
     down_reason: str = ""

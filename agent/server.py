@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ssl
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -48,7 +49,10 @@ def make_server(agent: Agent, host: str, port: int, token: str | Tokens | None,
         is then at most one interval old: cheap scrapes matter more when 50 arrive.
         """
         encoder, ctype = choose_encoder(accept)
-        cycle = agent.snapshot.cycles
+        # Also re-render once a second without a new cycle: when a collection is stuck
+        # (a hung NVML call) the collection age and the ranks' heartbeat ages must keep
+        # growing in what Prometheus scrapes, not freeze at the last cycle's body.
+        cycle = (agent.snapshot.cycles, int(time.monotonic()))
         with cache_lock:
             hit = cache.get(ctype)
             if hit is None or hit[0] != cycle:

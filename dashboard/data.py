@@ -162,6 +162,10 @@ def run(prom_url: str, name: str, range_s: int) -> Result:
         t = "clusterpulse_trainer_"
         for col, metric in [("step", "clusterpulse_trainer_step"),
                             ("score", "clusterpulse_trainer_straggler_score"),
+                            ("self score", "clusterpulse_trainer_straggler_self_score"),
+                            ("flagged", "clusterpulse_trainer_straggler_flagged"),
+                            ("collectives behind", "clusterpulse:rank_collectives_behind"),
+                            ("hang margin s", "clusterpulse:rank_hang_margin_seconds"),
                             ("compute s", "clusterpulse_trainer_compute_seconds"),
                             ("sync wait s", "clusterpulse_trainer_sync_wait_seconds"),
                             ("data wait s", "clusterpulse_trainer_data_wait_seconds"),
@@ -176,6 +180,8 @@ def run(prom_url: str, name: str, range_s: int) -> Result:
                 f"max by (rank) ({metric}{{{sel}}})")}
         causes = {s.labels["rank"]: s.labels.get("cause", "") for s in prom.query(
             f"clusterpulse:rank_straggler_cause{{{sel}}}")}
+        blocked = {s.labels["rank"]: f"{s.labels.get('op', '')} #{s.value:.0f}"
+                   for s in prom.query(f"clusterpulse_trainer_blocked_collective{{{sel}}}")}
         evidence = {s.labels["rank"]: s.value for s in prom.query(
             f"max by (rank) (clusterpulse:rank_gpu{{{sel}}} * on (node, gpu) group_left () "
             f"max by (node, gpu) (clusterpulse_gpu_temperature_celsius))")}
@@ -184,6 +190,7 @@ def run(prom_url: str, name: str, range_s: int) -> Result:
         rate = prom.query(f"sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}[1m]))")
         restarts = ranged(f"max (clusterpulse_trainer_restarts_total{{{sel}}})")
         return {"ranks": ranks, "per_rank": per_rank, "causes": causes, "gpu_temp": evidence,
+                "blocked": blocked,
                 "compute": _wide(compute, "rank"), "loss": _wide(loss, "run"),
                 "step_rate": rate[0].value if rate else 0.0,
                 "restarts": _wide(restarts, "run"), "queries": prom.queries}

@@ -1,16 +1,17 @@
 """One small collective every few steps: restart agreement plus straggler scores.
 
-Every `every` steps each rank contributes [flags, its median compute time over the
-window]; one all_gather of 2 floats per rank, on a CPU (gloo) group and read back
-once, gives every rank
+Every `every` steps each rank contributes [flags (restart, checkpoint, preempt), its
+own time (step time minus waiting for peers) for each of the last `every` steps]; one
+all_gather of 1 + `every` floats per rank on a CPU (gloo) group, read back once, gives
+every rank
 - the decision: restart if any rank heard a restart command (so all stop at the same
   step even if only one node's agent got the command); likewise a SIGTERM seen by
   any rank (preemption) and a time-based checkpoint wanted by any rank; and
-- its straggler score: its median compute time over the (lower) median of all ranks'
-  medians.
-  Medians over a window ignore single noisy or checkpoint steps; dividing by the
-  ranks' median cancels whole-job slowdowns (which are not stragglers); the first
-  window after a (re)start is skipped as warm-up.
+- the straggler scores of every rank, from detection.scoring.StragglerScorer: the same
+  code that `clusterpulse-detect replay` runs on a recorded trace. Each rank is scored
+  against its peers step by step (job-wide slowdowns cancel) and against its own
+  history (a GPU that is always a few percent slower, or rank 0's extra work, is not
+  a straggler); see that module for the method.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from detection.scoring import Scores, ScoringConfig, StragglerScorer
 
 
 @dataclass
@@ -32,6 +36,8 @@ class Consensus:
     _windows_seen: int = 0
     exchanges: int = 0
     seconds: float = 0.0  # total time spent in the exchange (its cost, for benchmarks)
+    scorer: StragglerScorer | None = None
+    last: Scores | None = None  # the latest evaluation (peer and self scores, flags)
 
     def record(self, compute_seconds: float) -> None:
         self._window.append(compute_seconds)
@@ -50,27 +56,33 @@ class Consensus:
         never synchronizes a device, and the result is read back in one conversion.
         """
         t0 = time.perf_counter()
-        mine = statistics.median(self._window) if self._window else 0.0
+        # this rank's own time in each of the last `every` steps (NaN: not measured)
+        mine = (self._window[-self.every:] + [float("nan")] * self.every)[:self.every]
         self._window = []
         self._windows_seen += 1
         flags = (1 if want_restart else 0) | (2 if want_checkpoint else 0) \
             | (4 if want_preempt else 0)
-        local = torch.tensor([float(flags), mine], dtype=torch.float64)
+        local = torch.tensor([float(flags), *mine], dtype=torch.float64)
         if dist.is_initialized() and world > 1:
-            out = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+            out = [torch.zeros(1 + self.every, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(out, local, group=self.group)
             rows = torch.stack(out).tolist()
         else:
             rows = [local.tolist()]
         self.exchanges += 1
-        self.seconds += time.perf_counter() - t0
         flags_all = [int(r[0]) for r in rows]
         restart = any(f & 1 for f in flags_all)
         checkpoint = any(f & 2 for f in flags_all)
         preempt = any(f & 4 for f in flags_all)
-        if self._windows_seen <= self.warmup_windows:
+        times = np.array([r[1:] for r in rows], dtype=np.float64).T  # steps x ranks
+        if self.scorer is None or self.scorer.ranks != len(rows):
+            self.scorer = StragglerScorer(len(rows), config=ScoringConfig(every=self.every))
+        scores = self.scorer.observe(times)
+        self.seconds += time.perf_counter() - t0
+        if scores is None or self._windows_seen <= self.warmup_windows:
             return restart, checkpoint, None, preempt
-        return restart, checkpoint, straggler_scores([r[1] for r in rows]), preempt
+        self.last = scores
+        return restart, checkpoint, [round(float(v), 4) for v in scores.peer], preempt
 
 
 def straggler_scores(medians: list[float]) -> list[float] | None:

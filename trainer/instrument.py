@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from agent import protocol
 from trainer import PREEMPTED_EXIT_CODE
+from trainer.collectives import CollectiveLog
 from trainer.consensus import Consensus
 from trainer.restart import SigtermCatcher, request_relaunch
 from trainer.telemetry import AgentAddr, AgentLink, parse_agent_addr
@@ -177,6 +178,8 @@ class Pulse:
         self.sigterm = SigtermCatcher()
         if catch_sigterm:
             self.sigterm.install()
+        self.collectives = CollectiveLog()  # sequence numbers: who a hang waits for
+        self._ddp_seq: int | None = None  # DDP's gradient all-reduce now in flight
         self._samples = 0
         self._tokens = 0
         self.identity = {"run": run, "rank": self.rank, "local_rank": self.local_rank,
@@ -217,6 +220,10 @@ class Pulse:
             # a float per gradient on the host; on CUDA one event, at the last gradient
             if on_host or self._grads_ready == len(params):
                 self._bucket_marks.append(self._clock.mark())
+            if self._grads_ready == len(params):
+                # DDP launches its last bucket now: this rank has entered the gradient
+                # all-reduce; it completes when the step ends (backward has returned)
+                self._ddp_seq = self.collectives.enter("all_reduce")
 
         for p in params:
             p.register_post_accumulate_grad_hook(ready)
@@ -231,7 +238,8 @@ class Pulse:
         previous = self.phase
         self._enter("sync")
         a = self._clock.mark()
-        dist.all_reduce(t, group=group)
+        with self.collectives.track("all_reduce"):
+            dist.all_reduce(t, group=group)
         self._probes.append((a, self._clock.mark()))
         self._enter(previous)
 
@@ -266,6 +274,9 @@ class Pulse:
         t0 = time.perf_counter()
         start_mark = self._clock.mark()
         yield ctx
+        if self._ddp_seq is not None:
+            self.collectives.complete(self._ddp_seq)
+            self._ddp_seq = None
         loss = ctx.loss
         if isinstance(loss, torch.Tensor) and loss.device.type == "cuda":
             # enqueue the copy before the end mark: readable once that mark completes
@@ -317,7 +328,7 @@ class Pulse:
                 self.last["loss"] = loss
             self._samples += ctx.samples
             self._tokens += ctx.tokens
-            self.consensus.record(compute)
+            self.consensus.record(compute + data)  # own time: slow input is slowness too
             msg["samples_total"], msg["tokens_total"] = self._samples, self._tokens
             msg.update(self.extra)
             if self._acks:
@@ -340,7 +351,7 @@ class Pulse:
             self.link.send({"type": "heartbeat", **self.identity, "step": self._step,
                             "phase": "forward_backward" if phase == "step" else phase,
                             "phase_seconds": round(time.monotonic() - since, 3),
-                            **self.extra})
+                            **self.collectives.fields(), **self.extra})
 
     def _read_replies(self) -> None:
         for reply in self.link.poll():
@@ -364,12 +375,18 @@ class Pulse:
         self._read_replies()
         want = any(a == "checkpoint-restart" for a in self.commands.values())
         self._enter("sync")
-        restart, self.checkpoint_agreed, scores, self.preempt_agreed = self.consensus.exchange(
-            want, self.world_size, want_checkpoint, want_preempt=self.sigterm.received)
+        with self.collectives.track("all_gather"):
+            restart, self.checkpoint_agreed, scores, self.preempt_agreed = \
+                self.consensus.exchange(want, self.world_size, want_checkpoint,
+                                        want_preempt=self.sigterm.received)
         self._enter("between")
         if scores is not None:
             self.straggler_scores = scores
             self.extra["straggler_score"] = round(scores[self.rank], 4)
+            last = self.consensus.last
+            if last is not None:  # against its own history, and the decision
+                self.extra["straggler_self_score"] = round(float(last.self_[self.rank]), 4)
+                self.extra["straggler_flagged"] = int(bool(last.flagged[self.rank]))
         return restart or self.preempt_agreed
 
     def boundary(self, step: int, save: Callable[[int], None] | None = None,

@@ -20,11 +20,13 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from agent.backends import BackendError
-from agent.sample import GpuSample, decode_clock_events
+from agent.sample import GpuSample, NvLinkSample, decode_clock_events
+from agent.xidstate import XidLedger
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +80,26 @@ class _Device:
     memory_total_bytes: float | None = None
     missing: bool = False
     xid_counts: dict[int, int] = field(default_factory=dict)
+    nvlinks: int = 0  # links found at start (0: no NVLink, or not supported)
+    pcie_gen_max: float | None = None
+    pcie_width_max: float | None = None
+
+
+# NVLink data-link error counters: label value -> pynvml constant name
+NVLINK_ERRORS = {"replay": "NVML_NVLINK_ERROR_DL_REPLAY",
+                 "recovery": "NVML_NVLINK_ERROR_DL_RECOVERY",
+                 "crc": "NVML_NVLINK_ERROR_DL_CRC_FLIT"}
 
 
 class NvmlBackend:
     name = "nvml"
     REINIT_INTERVAL_S = 30.0
 
-    def __init__(self, nvml: ModuleType | None = None, clock=time.monotonic) -> None:
+    def __init__(self, nvml: ModuleType | None = None, clock=time.monotonic,
+                 xid_state: Path | None = None) -> None:
         self._nvml = nvml if nvml is not None else importlib.import_module("pynvml")
+        # XID totals persisted across agent restarts (None: this process's counts only).
+        self._xids = XidLedger(xid_state) if xid_state is not None else None
         self._clock = clock
         self._unsupported: dict[tuple[int, str], str] = {}
         self._errors: collections.Counter[str] = collections.Counter()
@@ -146,6 +160,27 @@ class NvmlBackend:
             self._nvml.NVML_CLOCK_SM,
         )
         dev.sm_clock_max_hertz = max_mhz * 1e6 if max_mhz is not None else None
+        gen = self._optional(dev, "pcie_link_generation_max",
+                             "nvmlDeviceGetMaxPcieLinkGeneration", dev.handle)
+        width = self._optional(dev, "pcie_link_width_max", "nvmlDeviceGetMaxPcieLinkWidth",
+                               dev.handle)
+        dev.pcie_gen_max = None if gen is None else float(gen)
+        dev.pcie_width_max = None if width is None else float(width)
+        dev.nvlinks = self._count_nvlinks(dev)
+
+    def _count_nvlinks(self, dev: _Device) -> int:
+        """Links answer in order; the first that does not ends the list."""
+        n = self._nvml
+        count = 0
+        for link in range(int(getattr(n, "NVML_NVLINK_MAX_LINKS", 18))):
+            try:
+                self._call("nvmlDeviceGetNvLinkState", dev.handle, link)
+            except n.NVMLError as err:
+                if count == 0:
+                    self._mark_unsupported(dev.index, "nvlink", err)
+                break
+            count += 1
+        return count
 
     def _register_xid_events(self) -> None:
         n = self._nvml
@@ -189,6 +224,11 @@ class NvmlBackend:
             if dev is not None:
                 xid = int(event.eventData)
                 dev.xid_counts[xid] = dev.xid_counts.get(xid, 0) + 1
+
+    def _xid_totals(self, dev: _Device) -> dict[int, int]:
+        if self._xids is None:
+            return dict(dev.xid_counts)
+        return self._xids.merge(dev.uuid, dev.xid_counts)
 
     def _mark_unsupported(self, index: int, metric: str, err: Exception | str) -> None:
         key = (index, metric)
@@ -251,7 +291,7 @@ class NvmlBackend:
         return GpuSample(
             index=dev.index, uuid=dev.uuid, up=False, name=dev.name, pci_bus_id=dev.pci_bus_id,
             driver_version=self._driver_version, down_reason=reason,
-            xid_errors_total=dict(dev.xid_counts),
+            xid_errors_total=self._xid_totals(dev),
         )
 
     def _read(self, dev: _Device) -> GpuSample:
@@ -260,7 +300,7 @@ class NvmlBackend:
         s = GpuSample(
             index=dev.index, uuid=dev.uuid, up=True, name=dev.name, pci_bus_id=dev.pci_bus_id,
             driver_version=self._driver_version, utilization_ratio=util.gpu / 100.0,
-            sm_clock_max_hertz=dev.sm_clock_max_hertz, xid_errors_total=dict(dev.xid_counts),
+            sm_clock_max_hertz=dev.sm_clock_max_hertz, xid_errors_total=self._xid_totals(dev),
         )
         mem = self._optional(dev, "memory", "nvmlDeviceGetMemoryInfo", h)
         if mem is not None:
@@ -283,7 +323,26 @@ class NvmlBackend:
         mask = self._optional(dev, "clock_events", reasons_fn, h)
         s.clock_events = None if mask is None else decode_clock_events(int(mask))
         self._read_fields(dev, s)
+        self._read_links(dev, s)
         return s
+
+    def _read_links(self, dev: _Device, s: GpuSample) -> None:
+        n, h = self._nvml, dev.handle
+        gen = self._optional(dev, "pcie_link_generation", "nvmlDeviceGetCurrPcieLinkGeneration", h)
+        width = self._optional(dev, "pcie_link_width", "nvmlDeviceGetCurrPcieLinkWidth", h)
+        s.pcie_link_generation = None if gen is None else float(gen)
+        s.pcie_link_width = None if width is None else float(width)
+        s.pcie_link_generation_max, s.pcie_link_width_max = dev.pcie_gen_max, dev.pcie_width_max
+        for link in range(dev.nvlinks):
+            state = self._call("nvmlDeviceGetNvLinkState", h, link)
+            sample = NvLinkSample(up=int(state) == int(getattr(n, "NVML_FEATURE_ENABLED", 1)))
+            if (dev.index, "nvlink_errors") not in self._unsupported:
+                for kind, const in NVLINK_ERRORS.items():
+                    v = self._optional(dev, "nvlink_errors", "nvmlDeviceGetNvLinkErrorCounter",
+                                       h, link, getattr(n, const))
+                    if v is not None:
+                        sample.errors[kind] = float(v)
+            s.nvlinks[link] = sample
 
     def _read_fields(self, dev: _Device, s: GpuSample) -> None:
         wanted = [

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.faults import Fault, ScheduledFault
-from agent.sample import GpuSample
+from agent.sample import GpuSample, NvLinkSample
 
 GIB = 1024**3
 
@@ -72,7 +72,11 @@ class _GpuState:
     remapped_unc: int = 0
     remap_pending: int = 0
     xid: dict[int, int] = field(default_factory=dict)
+    nvlink_replays: float = 0.0
     # persistent faults
+    nvlink_down: bool = False
+    nvlink_errors: bool = False
+    pcie_degraded: bool = False
     overheat: bool = False
     power_brake: bool = False
     slow_clocks: float | None = None
@@ -142,8 +146,16 @@ class SimBackend:
                 g.remapped_unc += 1
                 g.remap_pending = 1
                 g.xid[48] = g.xid.get(48, 0) + 1  # double-bit ECC error XID
+            case "nvlink_down":
+                g.nvlink_down = True
+                g.xid[74] = g.xid.get(74, 0) + 1  # NVLink error XID
+            case "nvlink_errors":
+                g.nvlink_errors = True
+            case "pcie_degraded":
+                g.pcie_degraded = True
             case "recover":
                 g.overheat = g.power_brake = g.lost = False
+                g.nvlink_down = g.nvlink_errors = g.pcie_degraded = False
                 g.slow_clocks = None
                 g.remap_pending = 0
         if fault.duration_s is not None and fault.kind != "recover":
@@ -219,8 +231,12 @@ class SimBackend:
         g.energy_joules += power * dt
         g.nvlink_tx += act.sync_bytes_per_s * dt
         g.nvlink_rx += act.sync_bytes_per_s * dt
-        g.pcie_rx += act.host_bytes_per_s * dt
-        g.pcie_tx += act.host_bytes_per_s * 0.02 * dt
+        # PCIe carries the input batches and, through the NIC (GPUDirect RDMA), the
+        # share of the all-reduce that leaves the node: the ranks' real sync volume.
+        g.pcie_rx += (act.host_bytes_per_s + act.sync_bytes_per_s) * dt
+        g.pcie_tx += (act.host_bytes_per_s * 0.02 + act.sync_bytes_per_s) * dt
+        if g.nvlink_errors:  # about one replay per MiB over a bad link
+            g.nvlink_replays += act.sync_bytes_per_s * dt / 2**20
         return GpuSample(
             index=g.index, uuid=g.uuid, up=True, name=m.name,
             pci_bus_id=f"00000000:{0x18 + g.index * 0x10:02X}:00.0", driver_version="sim",
@@ -240,6 +256,13 @@ class SimBackend:
             remapped_rows_uncorrectable_total=g.remapped_unc,
             row_remap_pending=g.remap_pending, row_remap_failed=0,
             xid_errors_total=dict(g.xid),
+            pcie_link_generation=5, pcie_link_generation_max=5,
+            pcie_link_width=8 if g.pcie_degraded else 16, pcie_link_width_max=16,
+            nvlinks={link: NvLinkSample(
+                up=not (link == 0 and g.nvlink_down),
+                errors={"crc": 0.0, "recovery": 0.0,
+                        "replay": round(g.nvlink_replays) if link == 0 else 0.0})
+                for link in range(4)},
         )
 
     def unsupported(self) -> dict[tuple[int, str], str]:

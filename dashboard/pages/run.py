@@ -9,6 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import actions, data, ui
+from dashboard.incidents import hang_incident, straggler_flag
 from dashboard.promclient import PrometheusClient, PrometheusError
 
 s = ui.settings()
@@ -24,11 +25,13 @@ def straggler_table(d: dict) -> pd.DataFrame:
         return ranks
     per = d["per_rank"]
     out = ranks[["rank", "node", "local_rank", "gpu", "pid"]].copy()
-    for col in ("score", "compute s", "sync wait s", "data wait s", "heartbeat age s", "step"):
-        out[col] = out["rank"].map(per[col])
+    for col in ("score", "self score", "compute s", "sync wait s", "data wait s",
+                "heartbeat age s", "step"):
+        out[col] = out["rank"].map(per.get(col, {}))
     out["cause"] = out["rank"].map(d["causes"])
     out["GPU °C"] = out["rank"].map(d["gpu_temp"])
-    out["flag"] = out["score"].map(lambda x: "STRAGGLER" if x and x > 1.1 else "")
+    flagged = out["rank"].map(per.get("flagged", {}))
+    out["flag"] = [straggler_flag(sc, fl) for sc, fl in zip(out["score"], flagged, strict=True)]
     return out.sort_values("score", ascending=False)
 
 
@@ -50,6 +53,9 @@ def live() -> None:
     c[4].metric("Goodput", f"{per['goodput'].get('0', 0) * 100:.0f} %")
     c[5].metric("Last checkpoint", "none" if ckpt_step is None else
                 f"step {ckpt_step:.0f}, {time.time() - ckpt_time:.0f} s ago")
+    incident = hang_incident(d)
+    if incident is not None:  # one incident: its root and the ranks waiting for it
+        st.error(incident.headline())
     st.subheader("Ranks (straggler table)")
     table = straggler_table(d)
     st.dataframe(table, hide_index=True, width="stretch")

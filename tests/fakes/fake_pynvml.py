@@ -34,6 +34,12 @@ class FakeGpu:
     unsupported_fns: set[str] = field(default_factory=set)
     unsupported_fields: set[int] = field(default_factory=set)
     fields: dict[int, float] = field(default_factory=dict)
+    pcie_gen: int = 5
+    pcie_gen_max: int = 5
+    pcie_width: int = 16
+    pcie_width_max: int = 16
+    nvlink_up: list[bool] = field(default_factory=lambda: [True] * 4)  # [] = no NVLink
+    nvlink_errors: dict[tuple[int, int], int] = field(default_factory=dict)  # (link, kind)
 
 
 class FakeNvml:
@@ -60,6 +66,9 @@ class FakeNvml:
         self.events: collections.deque[tuple[int, int]] = collections.deque()  # (gpu, xid)
         self.calls: collections.Counter[str] = collections.Counter()
         self.driver_lost_until_reinit = False
+        # Set to an unset threading.Event to make every per-GPU call hang until it is
+        # set: what a GPU in trouble does to NVML calls (they block in the driver).
+        self.stuck: Any = None
 
     def __getattr__(self, name: str) -> Any:  # constants and error classes: the real ones
         return getattr(pynvml, name)
@@ -75,6 +84,8 @@ class FakeNvml:
 
     def _fn(self, name: str, handle: Any) -> FakeGpu:
         self.calls[name] += 1
+        if self.stuck is not None:
+            self.stuck.wait()
         g = self._gpu(handle)
         if name in g.unsupported_fns:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -138,6 +149,32 @@ class FakeNvml:
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, h: int) -> int:
         return self._fn("nvmlDeviceGetCurrentClocksEventReasons", h).reasons
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: int) -> int:
+        return self._fn("nvmlDeviceGetCurrPcieLinkGeneration", h).pcie_gen
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h: int) -> int:
+        return self._fn("nvmlDeviceGetMaxPcieLinkGeneration", h).pcie_gen_max
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h: int) -> int:
+        return self._fn("nvmlDeviceGetCurrPcieLinkWidth", h).pcie_width
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h: int) -> int:
+        return self._fn("nvmlDeviceGetMaxPcieLinkWidth", h).pcie_width_max
+
+    def nvmlDeviceGetNvLinkState(self, h: int, link: int) -> int:
+        g = self._fn("nvmlDeviceGetNvLinkState", h)
+        if not g.nvlink_up:  # a PCIe-only board, as the driver answers
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if link >= len(g.nvlink_up):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return pynvml.NVML_FEATURE_ENABLED if g.nvlink_up[link] else pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, h: int, link: int, counter: int) -> int:
+        g = self._fn("nvmlDeviceGetNvLinkErrorCounter", h)
+        if link >= len(g.nvlink_up):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return g.nvlink_errors.get((link, counter), 0)
 
     def nvmlDeviceGetFieldValues(self, h: int, ids: list) -> list:
         g = self._fn("nvmlDeviceGetFieldValues", h)

@@ -99,6 +99,43 @@ def test_hung_rank_is_named_within_15_seconds_and_a_hard_restart_recovers(stack)
         stack.stop_jobs()
 
 
+def test_a_hang_at_a_non_consensus_step_pages_only_the_hung_rank(stack):
+    """Rank 1 stops after step 62 (consensus runs every 5 steps): its peers block in
+    the DDP all-reduce of step 63, inside backward, in phase forward_backward. One
+    page, for rank 1; the waiters are evidence (blocked in all_reduce), and JobStalled
+    is held back by Alertmanager's inhibition because the root is known."""
+    stack.start_job("hang2", steps=3000, trainer_args=[
+        "--sim-compute-seconds", "0.1", "--inject", "hang:rank=1:step=62"])
+    try:
+        (a,) = wait_until(lambda: stack.firing("RankHung"), 150, "RankHung for rank 1")
+        node1, _ = _rank_node(stack, "hang2", 1)
+        assert a["labels"]["rank"] == "1" and a["labels"]["node"] == node1
+        assert "root of the hang" in a["annotations"]["description"]
+        # Every rank is now past the hang threshold: the job is stalled as a whole...
+        wait_until(lambda: stack.firing("JobStalled"), 60, "JobStalled (to be inhibited)")
+        # ...and still only the root is paged, while the waiters are shown waiting.
+        assert [x["labels"]["rank"] for x in stack.firing("RankHung")] == ["1"]
+        phases = {r["metric"]["rank"]: r["metric"]["phase"] for r in stack.prom.query(
+            'clusterpulse_trainer_phase{run="hang2"} == 1')}
+        assert phases["0"] == phases["2"] == phases["3"] == "forward_backward", phases
+        blocked = {r["metric"]["rank"]: r["metric"]["op"] for r in stack.prom.query(
+            'clusterpulse_trainer_blocked_collective{run="hang2"}')}
+        assert blocked == {"0": "all_reduce", "2": "all_reduce", "3": "all_reduce"}, blocked
+        behind = {r["metric"]["rank"]: float(r["value"][1]) for r in stack.prom.query(
+            'clusterpulse:rank_collectives_behind{run="hang2"}')}
+        assert behind["1"] > 0 and behind["0"] == behind["2"] == behind["3"] == 0, behind
+
+        def am_state() -> dict[str, str]:
+            return {a["labels"]["alertname"] + a["labels"].get("rank", ""): a["status"]["state"]
+                    for a in stack.am.alerts() if a["labels"].get("run") == "hang2"}
+        st = wait_until(lambda: (s := am_state()).get("JobStalled") == "suppressed" and s, 60,
+                        "JobStalled suppressed by RankHung in Alertmanager")
+        assert st["RankHung1"] == "active"
+        assert {k for k in st if k.startswith("RankHung")} == {"RankHung1"}
+    finally:
+        stack.stop_jobs()
+
+
 def test_lost_gpu_and_dead_agent(stack):
     node_a, node_b = stack.nodes
     assert node_a.post("/v1/faults", {"kind": "gpu_lost", "gpu": 3}).status_code == 200

@@ -119,6 +119,52 @@ def test_xid_events_are_counted_without_blocking():
     assert s[1].xid_errors_total == {79: 2}
 
 
+def test_xid_counts_survive_an_agent_restart(tmp_path):
+    """An XID 79 after the agent restarted must raise the counter Prometheus saw before
+    the restart; without persisted state it would read 1 again and go unnoticed."""
+    state = tmp_path / "state" / "xid-counts.json"
+    fake = FakeNvml(gpus=2)
+    first = NvmlBackend(nvml=fake, xid_state=state)
+    fake.events.append((1, 79))
+    assert first.collect()[1].xid_errors_total == {79: 1}
+    first.close()
+    second = NvmlBackend(nvml=FakeNvml(gpus=2), xid_state=state)  # the restarted agent
+    assert second.collect()[1].xid_errors_total == {79: 1}  # the old count, read back
+    second._nvml.events.append((1, 79))
+    s = second.collect()
+    assert s[1].xid_errors_total == {79: 2} and s[0].xid_errors_total == {}
+    assert second.collect()[1].xid_errors_total == {79: 2}  # counted once
+
+
+def test_unreadable_xid_state_counts_from_zero_without_failing(tmp_path):
+    state = tmp_path / "xid-counts.json"
+    state.write_text("{not json")
+    fake = FakeNvml(gpus=1)
+    backend = NvmlBackend(nvml=fake, xid_state=state)
+    fake.events.append((0, 48))
+    assert backend.collect()[0].xid_errors_total == {48: 1}
+
+
 def test_error_kind_names():
     assert error_kind(pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)) == "gpu_is_lost"
     assert error_kind(pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)) == "not_supported"
+
+
+def test_link_health_nvlink_state_and_errors_and_pcie_width_against_max():
+    fake = FakeNvml(gpus=2)
+    fake.gpus[0].nvlink_up = [True, False, True]
+    fake.gpus[0].nvlink_errors = {(2, pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT): 7,
+                                  (2, pynvml.NVML_NVLINK_ERROR_DL_REPLAY): 3}
+    fake.gpus[0].pcie_width = 8  # trained down from x16
+    fake.gpus[1].nvlink_up = []  # a PCIe-only board
+    backend = NvmlBackend(nvml=fake)
+    s = backend.collect()
+    links = s[0].nvlinks
+    assert [links[i].up for i in sorted(links)] == [True, False, True]
+    assert links[2].errors == {"crc": 7, "replay": 3, "recovery": 0}
+    assert (s[0].pcie_link_width, s[0].pcie_link_width_max) == (8, 16)
+    assert (s[0].pcie_link_generation, s[0].pcie_link_generation_max) == (5, 5)
+    assert s[1].nvlinks == {} and (1, "nvlink") in backend.unsupported()
+    fake.calls.clear()
+    backend.collect()  # the PCIe-only board is not asked about NVLink again
+    assert fake.calls["nvmlDeviceGetNvLinkState"] == 3

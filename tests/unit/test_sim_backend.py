@@ -132,3 +132,19 @@ def test_bad_scenario_files_are_named(tmp_path):
         load_scenario(bad, 2)
     with pytest.raises(FaultError, match="cannot read scenario"):
         load_scenario(tmp_path / "missing.toml", 2)
+
+
+def test_links_carry_the_ranks_sync_volume_and_can_degrade():
+    clock = Clock()
+    sim = SimBackend(gpus=2, activity=busy, clock=clock)
+    s = run(sim, clock, 10)
+    assert s[0].pcie_rx_bytes_total == pytest.approx(10 * (1e8 + 1e9), rel=0.01)
+    assert all(link.up for link in s[0].nvlinks.values()) and s[0].pcie_link_width == 16
+    sim.inject(Fault(kind="nvlink_down", gpu=1))
+    sim.inject(Fault(kind="nvlink_errors", gpu=0))
+    sim.inject(Fault(kind="pcie_degraded", gpu=0))
+    s = run(sim, clock, 10)
+    assert not s[1].nvlinks[0].up and s[1].nvlinks[1].up and s[1].xid_errors_total[74] == 1
+    assert s[0].nvlinks[0].errors["replay"] > 1000 and s[0].pcie_link_width == 8
+    sim.inject(Fault(kind="recover", gpu=1))
+    assert run(sim, clock, 1)[1].nvlinks[0].up

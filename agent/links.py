@@ -1,0 +1,127 @@
+"""NIC port health from sysfs: InfiniBand/RoCE port counters and Ethernet statistics.
+
+A slow or flapping link stretches every collective of every rank on the node, and no
+GPU metric shows it. The kernel already counts what matters, in plain files:
+- /sys/class/infiniband/<dev>/ports/<port>/counters/{link_downed, symbol_error,
+  port_rcv_errors, port_xmit_wait, port_xmit_data, port_rcv_data} and .../state
+  ("4: ACTIVE"); the *_data counters are in 4-byte words (IBTA), as is the spec;
+- /sys/class/net/<iface>/statistics/{rx,tx}_{bytes,errors,dropped} and
+  /sys/class/net/<iface>/carrier, carrier_changes.
+Reading them is a handful of small file reads that never block on hardware, so they
+are read at scrape time. `root` is a constructor argument so that the same reader
+runs against a tree written by a test (the file format is the kernel's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger(__name__)
+PREFIX = "clusterpulse_"
+
+# IB counter file -> (metric suffix, help, scale to base units)
+IB_COUNTERS: dict[str, tuple[str, str, float]] = {
+    "link_downed": ("nic_link_downed", "Times the port's link went down (IB link_downed).", 1.0),
+    "symbol_error": ("nic_symbol_errors", "Physical-layer symbol errors (IB symbol_error).", 1.0),
+    "port_rcv_errors": ("nic_receive_errors", "Packets received with errors.", 1.0),
+    "port_xmit_wait": ("nic_transmit_wait_ticks",
+                       "Ticks the port had data to send but no credits (congestion).", 1.0),
+    "port_xmit_data": ("nic_transmit_bytes", "Bytes sent (IB counts 4-byte words).", 4.0),
+    "port_rcv_data": ("nic_receive_bytes", "Bytes received (IB counts 4-byte words).", 4.0),
+}
+# Ethernet statistics file -> metric suffix (same names as the IB ones where they match)
+NET_COUNTERS: dict[str, tuple[str, str]] = {
+    "rx_errors": ("nic_receive_errors", "Packets received with errors."),
+    "tx_errors": ("nic_transmit_errors", "Packets that failed to send."),
+    "rx_dropped": ("nic_receive_dropped", "Received packets dropped."),
+    "tx_bytes": ("nic_transmit_bytes", "Bytes sent."),
+    "rx_bytes": ("nic_receive_bytes", "Bytes received."),
+}
+SKIP_NET = ("lo",)
+
+
+@dataclass
+class Port:
+    device: str  # mlx5_0 or eth0
+    port: str  # IB port number; "1" for Ethernet
+    kind: str  # "infiniband" or "ethernet"
+    up: float | None = None
+    counters: dict[str, float] = field(default_factory=dict)  # metric suffix -> value
+    carrier_changes: float | None = None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+class NicCounters:
+    def __init__(self, root: Path = Path("/sys"), skip_virtual: bool = True) -> None:
+        self.root = root
+        self.skip_virtual = skip_virtual
+
+    def ports(self) -> list[Port]:
+        out = []
+        ib = self.root / "class" / "infiniband"
+        for dev in sorted(ib.glob("*")) if ib.is_dir() else []:
+            for pdir in sorted((dev / "ports").glob("*")):
+                p = Port(dev.name, pdir.name, "infiniband")
+                state = _read(pdir / "state")  # "4: ACTIVE"
+                if state is not None:
+                    p.up = 1.0 if state.split(":")[0].strip() == "4" else 0.0
+                for name, (suffix, _, scale) in IB_COUNTERS.items():
+                    v = _number(_read(pdir / "counters" / name))
+                    if v is not None:
+                        p.counters[suffix] = v * scale
+                out.append(p)
+        net = self.root / "class" / "net"
+        for dev in sorted(net.glob("*")) if net.is_dir() else []:
+            if dev.name in SKIP_NET or (self.skip_virtual and not (dev / "device").exists()):
+                continue  # bridges, veths, tunnels: no physical link to watch
+            p = Port(dev.name, "1", "ethernet")
+            carrier = _number(_read(dev / "carrier"))
+            p.up = None if carrier is None else float(carrier >= 1)
+            p.carrier_changes = _number(_read(dev / "carrier_changes"))
+            for name, (suffix, _) in NET_COUNTERS.items():
+                v = _number(_read(dev / "statistics" / name))
+                if v is not None:
+                    p.counters[suffix] = v
+            out.append(p)
+        return out
+
+    def families(self, node: str) -> Iterator:
+        labels = ["node", "device", "port", "kind"]
+        ports = self.ports()
+        up = GaugeMetricFamily(PREFIX + "nic_port_up",
+                               "1 if the port's link is up (IB ACTIVE, Ethernet carrier).",
+                               labels=labels)
+        flaps = CounterMetricFamily(PREFIX + "nic_carrier_changes",
+                                    "Ethernet carrier changes (link flaps).", labels=labels)
+        helps = {s: h for s, h, _ in IB_COUNTERS.values()} | {s: h for s, h in
+                                                               NET_COUNTERS.values()}
+        fams = {s: CounterMetricFamily(PREFIX + s, h, labels=labels) for s, h in helps.items()}
+        for p in ports:
+            lb = [node, p.device, p.port, p.kind]
+            if p.up is not None:
+                up.add_metric(lb, p.up)
+            if p.carrier_changes is not None:
+                flaps.add_metric(lb, p.carrier_changes)
+            for suffix, v in p.counters.items():
+                fams[suffix].add_metric(lb, v)
+        yield up
+        yield flaps
+        yield from fams.values()
