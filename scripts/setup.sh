@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything ClusterPulse needs on a fresh Debian/Ubuntu machine:
-# Debian's prometheus, prometheus-alertmanager and chromium, then a virtual
-# environment (.venv) with the project and its test tools. Safe to re-run: it skips
-# what is already there.
+# Debian's prometheus, prometheus-alertmanager, chromium and libatomic1 (Playwright's
+# driver needs it), then a virtual environment (.venv) with the project and its test
+# tools. Safe to re-run: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,6 +15,9 @@ command -v prometheus >/dev/null || missing+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || missing+=(prometheus-alertmanager)
 command -v chromium >/dev/null || missing+=(chromium)
 python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+# Playwright's bundled Node.js driver links libatomic, which a minimal Debian lacks.
+dpkg-query -W -f='${Status}' libatomic1 2>/dev/null | grep -q 'ok installed' \
+  || missing+=(libatomic1)
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing Debian packages: ${missing[*]}"
   $SUDO apt-get update -qq
