@@ -49,7 +49,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     fi
   fi
   say "installing clusterpulse and its test tools into .venv"
-  .venv/bin/pip install -q -e '.[dev]' 2> >(grep -v "is ignored: it is neither" >&2)
+  .venv/bin/pip install -q -e '.[all,dev]' 2> >(grep -v "is ignored: it is neither" >&2)
   echo "$want" > "$stamp"
 fi
 say "ready: $(.venv/bin/python --version), $(prometheus --version 2>&1 | head -n1)"
