@@ -18,6 +18,8 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
 # Playwright's bundled Node.js driver links libatomic, which a minimal Debian lacks.
 dpkg-query -W -f='${Status}' libatomic1 2>/dev/null | grep -q 'ok installed' \
   || missing+=(libatomic1)
+# The deploy tests check the systemd units with systemd-analyze (no running systemd needed).
+command -v systemd-analyze >/dev/null || missing+=(systemd)
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing Debian packages: ${missing[*]}"
   $SUDO apt-get update -qq
