@@ -52,8 +52,6 @@ def dump(obj: object) -> str:
 def prometheus_rule() -> str:
     groups = []
     sources = sorted((DEPLOY / "prometheus").glob("*.rules.yml"))
-    # dcgm-compat is opt-in: it gets its own PrometheusRule only if the user asks for it.
-    sources = [p for p in sources if not p.name.startswith("dcgm-")]
     for path in sources:
         for group in yaml.safe_load(path.read_text())["groups"]:
             group = dict(group)
