@@ -20,6 +20,11 @@ dpkg-query -W -f='${Status}' libatomic1 2>/dev/null | grep -q 'ok installed' \
   || missing+=(libatomic1)
 # The deploy tests check the systemd units with systemd-analyze (no running systemd needed).
 command -v systemd-analyze >/dev/null || missing+=(systemd)
+# The image tests build with buildah from a debootstrap base (no registry needed).
+command -v buildah >/dev/null || missing+=(buildah)
+command -v debootstrap >/dev/null || missing+=(debootstrap)
+# The 16,384-GPU benchmark (make bench-fleet) also runs the dashboard on VictoriaMetrics.
+command -v victoria-metrics >/dev/null || missing+=(victoria-metrics)
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing Debian packages: ${missing[*]}"
   $SUDO apt-get update -qq
