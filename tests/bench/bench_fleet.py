@@ -27,7 +27,9 @@ from tests.support.ports import free_port
 from tests.support.procs import REPO, Proc, wait_until
 
 NODES, GPUS = 2048, 8
-SCRAPE_S, RULE_S = 15, 5
+# Scrapes every 60 s (not the 5 s we recommend) so that a shared 2-core benchmark
+# machine can ingest the whole fleet; per-second figures for 5 s are in docs/scaling.md.
+SCRAPE_S, RULE_S = 60, 5
 RULES = [REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
          REPO / "deploy" / "prometheus" / "alerts.rules.yml"]
 
@@ -132,13 +134,13 @@ def run() -> list[Row]:
             tmp = Path(tmp_name)
             prom = _prometheus(tmp, fleet_port)
             try:
-                wait_until(lambda: _all_gpus(prom), 300, "16,384 GPUs in Prometheus",
+                wait_until(lambda: _all_gpus(prom), 900, "16,384 GPUs in Prometheus",
                            interval=5)
                 # Two more minutes of scrapes and rule evaluations to measure steady state.
-                time.sleep(120)
+                time.sleep(2 * SCRAPE_S)
                 series = prom.scalar("prometheus_tsdb_head_series")
                 gpu_series = prom.scalar('count({__name__=~"clusterpulse_(gpu|agent)_.*"})')
-                ingest = prom.scalar("rate(prometheus_tsdb_head_samples_appended_total[1m])")
+                ingest = prom.scalar("rate(prometheus_tsdb_head_samples_appended_total[2m])")
                 rule_max = prom.scalar("max(prometheus_rule_group_last_duration_seconds)")
                 rule_p = prom.scalar(
                     "max(max_over_time(prometheus_rule_group_last_duration_seconds[1m]))")
@@ -150,9 +152,8 @@ def run() -> list[Row]:
                 prom.proc.stop()
             vm = _victoria(tmp, fleet_port)
             try:
-                wait_until(lambda: _all_gpus(vm), 300, "16,384 GPUs in VictoriaMetrics",
+                wait_until(lambda: _all_gpus(vm), 900, "16,384 GPUs in VictoriaMetrics",
                            interval=5)
-                time.sleep(2 * SCRAPE_S)
                 v_cold, v_warm, v_queries = _render(vm)
                 v_rss = _rss(vm)
             finally:
