@@ -26,7 +26,8 @@ from tests.bench.table import Row
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Proc, wait_until
 
-NODES, GPUS = 2048, 8
+# CLUSTERPULSE_FLEET_NODES=256 runs a smaller fleet on a busy machine.
+NODES, GPUS = int(os.environ.get("CLUSTERPULSE_FLEET_NODES", "2048")), 8
 # Scrapes every 60 s (not the 5 s we recommend) so that a shared 2-core benchmark
 # machine can ingest the whole fleet; per-second figures for 5 s are in docs/scaling.md.
 SCRAPE_S, RULE_S = 60, 5
@@ -52,7 +53,7 @@ class _Store:
         self.name, self.url, self.proc = name, url, proc
 
     def query(self, expr: str) -> list[dict]:
-        r = requests.get(self.url + "/api/v1/query", params={"query": expr}, timeout=60)
+        r = requests.get(self.url + "/api/v1/query", params={"query": expr}, timeout=300)
         r.raise_for_status()
         return r.json()["data"]["result"]
 
@@ -113,6 +114,16 @@ def _render(store: _Store) -> tuple[float, float, int]:
     return times[0], times[1], queries
 
 
+def _own(store: _Store) -> dict[str, list[float]]:
+    """Prometheus' own metrics from its /metrics (it does not scrape itself here)."""
+    out: dict[str, list[float]] = {}
+    for line in requests.get(store.url + "/metrics", timeout=60).text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            out.setdefault(name, []).append(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
 def _rss(store: _Store) -> float:
     status = Path(f"/proc/{store.proc.p.pid}/status").read_text()
     return float(status.split("VmRSS:")[1].split()[0]) * 1024
@@ -134,17 +145,25 @@ def run() -> list[Row]:
             tmp = Path(tmp_name)
             prom = _prometheus(tmp, fleet_port)
             try:
-                wait_until(lambda: _all_gpus(prom), 900, "16,384 GPUs in Prometheus",
+                wait_until(lambda: _all_gpus(prom), 900, "every GPU in Prometheus",
                            interval=5)
-                # Two more minutes of scrapes and rule evaluations to measure steady state.
-                time.sleep(2 * SCRAPE_S)
-                series = prom.scalar("prometheus_tsdb_head_series")
-                gpu_series = prom.scalar('count({__name__=~"clusterpulse_(gpu|agent)_.*"})')
-                ingest = prom.scalar("rate(prometheus_tsdb_head_samples_appended_total[2m])")
-                rule_max = prom.scalar("max(prometheus_rule_group_last_duration_seconds)")
-                rule_p = prom.scalar(
-                    "max(max_over_time(prometheus_rule_group_last_duration_seconds[1m]))")
-                missed = prom.scalar("sum(prometheus_rule_group_iterations_missed_total)")
+                # Two more scrape intervals of scrapes and rule evaluations (steady state),
+                # sampling the rule groups' evaluation time every 5 s.
+                first, t0 = _own(prom), time.monotonic()
+                rule_p = 0.0
+                while time.monotonic() - t0 < 2 * SCRAPE_S:
+                    time.sleep(RULE_S)
+                    rule_p = max(rule_p, *_own(prom)[
+                        "prometheus_rule_group_last_duration_seconds"])
+                last = _own(prom)
+                appended = "prometheus_tsdb_head_samples_appended_total"
+                ingest = ((sum(last[appended]) - sum(first[appended]))
+                          / (time.monotonic() - t0))
+                series = last["prometheus_tsdb_head_series"][0]
+                rule_max = max(last["prometheus_rule_group_last_duration_seconds"])
+                missed = sum(last["prometheus_rule_group_iterations_missed_total"])
+                # What the agents expose (Prometheus adds 5 series of its own per target).
+                gpu_series = prom.scalar('sum(scrape_samples_scraped{job="clusterpulse"})')
                 scrape = prom.scalar('max(scrape_duration_seconds{job="clusterpulse"})')
                 p_cold, p_warm, p_queries = _render(prom)
                 rss = _rss(prom)
@@ -152,7 +171,7 @@ def run() -> list[Row]:
                 prom.proc.stop()
             vm = _victoria(tmp, fleet_port)
             try:
-                wait_until(lambda: _all_gpus(vm), 900, "16,384 GPUs in VictoriaMetrics",
+                wait_until(lambda: _all_gpus(vm), 900, "every GPU in VictoriaMetrics",
                            interval=5)
                 v_cold, v_warm, v_queries = _render(vm)
                 v_rss = _rss(vm)
@@ -163,13 +182,14 @@ def run() -> list[Row]:
         fleet.wait(timeout=30)
     per_gpu = gpu_series / (NODES * GPUS)
     rows += [
-        Row("fleet 16,384 GPUs: series in Prometheus head", series, "series"),
-        Row("fleet: agent series per GPU (GPU + agent series / GPUs)", per_gpu, "series"),
-        Row(f"fleet: ingest at {SCRAPE_S} s scrapes", ingest, "samples/s"),
+        Row(f"fleet {NODES * GPUS:,} GPUs: series in Prometheus head", series, "series"),
+        Row("fleet: series an agent exposes, per GPU", per_gpu, "series"),
+        Row(f"fleet: ingest at {SCRAPE_S} s scrapes (samples/s)", ingest, "samples/s"),
         Row("fleet: slowest scrape of one node", scrape, "s"),
         Row(f"fleet: slowest rule group, last eval (interval {RULE_S} s)", rule_max, "s",
             budget=f"< {RULE_S} s"),
-        Row("fleet: slowest rule group eval over 1 min", rule_p, "s", budget=f"< {RULE_S} s"),
+        Row(f"fleet: slowest rule group eval over {2 * SCRAPE_S} s", rule_p, "s",
+            budget=f"< {RULE_S} s"),
         Row("fleet: rule group iterations missed", missed, "iterations", budget="0"),
         Row("fleet: Prometheus resident memory", rss / 2**20, "MiB"),
         Row("fleet: cluster page render, Prometheus, cold cache", p_cold, "s",
