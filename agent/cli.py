@@ -24,17 +24,17 @@ log = logging.getLogger("agent")
 
 EXAMPLES = """\
 examples:
-  # 8 simulated H100s (no GPU needed), metrics at http://127.0.0.1:9400/metrics
-  clusterpulse-agent --backend sim --gpus 8 --listen 127.0.0.1:9400
+  # 8 simulated H100s (no GPU needed), metrics at http://127.0.0.1:9477/metrics
+  clusterpulse-agent --backend sim --gpus 8 --listen 127.0.0.1:9477
 
   # real GPUs through NVML, control API on with a token, reachable by Prometheus
-  clusterpulse-agent --backend nvml --listen 0.0.0.0:9400 --token-file /etc/clusterpulse/token
+  clusterpulse-agent --backend nvml --listen 0.0.0.0:9477 --token-file /etc/clusterpulse/token
 
   # telemetry socket of one node among several on a host (ranks: --agent unix:/run/cp/a.sock)
   clusterpulse-agent --backend sim --node a --telemetry unix:/run/cp/a.sock
 
   # control API over TLS, one token per client (lines 'NAME TOKEN'; see docs/security.md)
-  clusterpulse-agent --backend nvml --listen 0.0.0.0:9400 --token-file /etc/clusterpulse/tokens \
+  clusterpulse-agent --backend nvml --listen 0.0.0.0:9477 --token-file /etc/clusterpulse/tokens \
       --tls-cert /etc/clusterpulse/agent.crt --tls-key /etc/clusterpulse/agent.key
 
   # simulated node with a timed fault scenario (TOML, see deploy/local/scenario.toml)
@@ -49,7 +49,7 @@ class UsageError(Exception):
 def parse_addr(text: str, what: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise UsageError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9400), got {text!r}")
+        raise UsageError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9477), got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU source; auto = NVML when a driver is present (default: auto)")
     p.add_argument("--node", default=socket.gethostname(),
                    help="node label on every series (default: hostname)")
-    p.add_argument("--listen", default="127.0.0.1:9400",
-                   help="HTTP address for /metrics and /v1/ (default: 127.0.0.1:9400)")
+    # 9477, not 9400: dcgm-exporter, often on the same GPU nodes, owns 9400.
+    p.add_argument("--listen", default="127.0.0.1:9477",
+                   help="HTTP address for /metrics and /v1/ (default: 127.0.0.1:9477)")
     p.add_argument("--telemetry", default=protocol.DEFAULT_TELEMETRY,
                    help="where ranks send telemetry: unix:/PATH, a Unix datagram socket whose "
                    "senders the kernel identifies (default: %(default)s), or HOST:PORT for "

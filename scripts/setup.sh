@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything ClusterPulse needs on a fresh Debian/Ubuntu machine:
-# Debian's prometheus, prometheus-alertmanager and chromium, then a virtual
-# environment (.venv) with the project and its test tools. Safe to re-run: it skips
-# what is already there.
+# Debian's prometheus, prometheus-alertmanager, chromium and libatomic1 (Playwright's
+# driver needs it), then a virtual environment (.venv) with the project and its test
+# tools. Safe to re-run: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +16,16 @@ command -v prometheus-alertmanager >/dev/null || missing+=(prometheus-alertmanag
 command -v chromium >/dev/null || missing+=(chromium)
 command -v openssl >/dev/null || missing+=(openssl)  # test certificates (TLS tests)
 python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+# Playwright's bundled Node.js driver links libatomic, which a minimal Debian lacks.
+dpkg-query -W -f='${Status}' libatomic1 2>/dev/null | grep -q 'ok installed' \
+  || missing+=(libatomic1)
+# The deploy tests check the systemd units with systemd-analyze (no running systemd needed).
+command -v systemd-analyze >/dev/null || missing+=(systemd)
+# The image tests build with buildah from a debootstrap base (no registry needed).
+command -v buildah >/dev/null || missing+=(buildah)
+command -v debootstrap >/dev/null || missing+=(debootstrap)
+# The 16,384-GPU benchmark (make bench-fleet) also runs the dashboard on VictoriaMetrics.
+command -v victoria-metrics >/dev/null || missing+=(victoria-metrics)
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing Debian packages: ${missing[*]}"
   $SUDO apt-get update -qq
@@ -47,7 +57,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     fi
   fi
   say "installing clusterpulse and its test tools into .venv"
-  .venv/bin/pip install -q -e '.[dev]' 2> >(grep -v "is ignored: it is neither" >&2)
+  .venv/bin/pip install -q -e '.[all,dev]' 2> >(grep -v "is ignored: it is neither" >&2)
   echo "$want" > "$stamp"
 fi
 say "ready: $(.venv/bin/python --version), $(prometheus --version 2>&1 | head -n1)"

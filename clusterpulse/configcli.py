@@ -1,0 +1,147 @@
+"""`clusterpulse-config`: write the configuration files shipped in the package.
+
+A node installed with ``pip install clusterpulse`` has no repository checkout, yet
+Prometheus needs the rules, Alertmanager the routing and ``clusterpulse-remediate``
+its policy. This command copies them out of the installed package so that an
+installation never depends on a git clone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+
+# (group, path inside deploy/, what it is). Paths are relative to the package's
+# deploy/ folder and are written under the same relative path in DIR.
+FILES: tuple[tuple[str, str, str], ...] = (
+    ("prometheus", "prometheus/clusterpulse.rules.yml", "recording rules"),
+    ("prometheus", "prometheus/alerts.rules.yml", "alerting rules"),
+    ("prometheus", "prometheus/prometheus.example.yml", "example scrape config"),
+    ("alertmanager", "alertmanager/alertmanager.yml", "routing and inhibition"),
+    ("alertmanager", "alertmanager/examples/email-slack.yml", "email/Slack receivers"),
+    ("policy", "local/policy.toml", "remediation policy for clusterpulse-remediate"),
+    ("grafana", "grafana/clusterpulse-fleet.json", "Grafana dashboard: fleet"),
+    ("grafana", "grafana/clusterpulse-node.json", "Grafana dashboard: node"),
+    ("grafana", "grafana/clusterpulse-run.json", "Grafana dashboard: training run"),
+    ("grafana", "grafana/dcgm-compat.rules.yml",
+     "opt-in rules: ClusterPulse metrics under dcgm-exporter's names"),
+    ("systemd", "systemd/clusterpulse-agent.service", "agent unit"),
+    ("systemd", "systemd/clusterpulse-dashboard.service", "dashboard unit"),
+    ("systemd", "systemd/clusterpulse-remediate.service", "remediation unit"),
+    ("systemd", "systemd/clusterpulse.sysusers.conf", "sysusers.d: the clusterpulse user"),
+    ("systemd", "systemd/clusterpulse.tmpfiles.conf", "tmpfiles.d: state directories"),
+    ("systemd", "systemd/clusterpulse-agent.default", "agent flags (EnvironmentFile)"),
+    ("systemd", "systemd/clusterpulse-dashboard.default", "dashboard flags"),
+    ("systemd", "systemd/clusterpulse-remediate.default", "remediation flags"),
+)
+GROUPS = sorted({g for g, _, _ in FILES})
+
+EXAMPLES = """\
+examples:
+  # list what the package ships
+  clusterpulse-config list
+
+  # everything into /etc/clusterpulse (prometheus/, alertmanager/, local/policy.toml, ...)
+  clusterpulse-config write /etc/clusterpulse
+
+  # only the Prometheus rules, replacing older copies
+  clusterpulse-config write /etc/prometheus/clusterpulse --only prometheus --force
+
+  # print one file to stdout
+  clusterpulse-config show prometheus/alerts.rules.yml
+"""
+
+
+class UsageError(Exception):
+    """Bad input; printed as one line, exit code 2."""
+
+
+def _root() -> Traversable:
+    return resources.files("clusterpulse") / "deploy"
+
+
+def shipped() -> list[tuple[str, str, str]]:
+    """The files of FILES that this installation holds (dashboards may be absent)."""
+    root = _root()
+    out = []
+    for group, rel, what in FILES:
+        node = root
+        for part in rel.split("/"):
+            node = node / part
+        if node.is_file():
+            out.append((group, rel, what))
+    return out
+
+
+def _read(rel: str) -> bytes:
+    node = _root()
+    for part in rel.split("/"):
+        node = node / part
+    if not node.is_file():
+        known = ", ".join(r for _, r, _ in shipped())
+        raise UsageError(f"no shipped file {rel!r}; known: {known}")
+    return node.read_bytes()
+
+
+def write(dest: Path, only: list[str] | None, force: bool) -> list[Path]:
+    """Copy the shipped files under DEST; refuse to overwrite unless FORCE."""
+    chosen = [(g, r) for g, r, _ in shipped() if not only or g in only]
+    targets = [(dest / r, r) for _, r in chosen]
+    clash = [str(p) for p, _ in targets if p.exists()]
+    if clash and not force:
+        raise UsageError(f"{len(clash)} file(s) exist, e.g. {clash[0]}; pass --force to "
+                         "replace them")
+    written = []
+    for path, rel in targets:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(_read(rel))
+        except OSError as err:
+            raise UsageError(f"cannot write {path}: {err.strerror}") from err
+        written.append(path)
+    return written
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="clusterpulse-config",
+        description="Write out the configuration shipped with ClusterPulse: Prometheus "
+        "rules, Alertmanager routing, the remediation policy, Grafana dashboards and "
+        "systemd units.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{list,write,show}")
+    sub.add_parser("list", help="list the shipped files")
+    w = sub.add_parser("write", help="copy the shipped files into DIR",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    w.add_argument("dir", type=Path, help="destination folder (created if missing)")
+    w.add_argument("--only", action="append", choices=GROUPS,
+                   help="write only this group (repeatable)")
+    w.add_argument("--force", action="store_true", help="replace existing files")
+    s = sub.add_parser("show", help="print one shipped file")
+    s.add_argument("path", help="path as `list` prints it, e.g. prometheus/alerts.rules.yml")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "list":
+            for group, rel, what in shipped():
+                print(f"{group:<13} {rel:<42} {what}")
+        elif args.cmd == "write":
+            for path in write(args.dir, args.only, args.force):
+                print(path)
+        else:
+            sys.stdout.buffer.write(_read(args.path))
+    except UsageError as err:
+        print(f"clusterpulse-config: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

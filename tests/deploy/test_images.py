@@ -1,0 +1,102 @@
+"""Container images: built with `buildah bud --isolation chroot` from a locally imported
+Debian base (deploy/images/build.sh; no registry needed), then run with `buildah run`.
+
+The base image is built once (debootstrap, minutes) and kept in buildah's storage, so
+later runs only rebuild the small project layers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.support.ports import free_port
+from tests.support.procs import wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD = REPO / "deploy" / "images" / "build.sh"
+pytestmark = [
+    pytest.mark.slow, pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("buildah") is None or shutil.which("debootstrap") is None,
+                       reason="buildah and debootstrap are needed (scripts/setup.sh installs "
+                              "them)"),
+]
+
+
+def _build(what: str) -> str:
+    out = subprocess.run([str(BUILD), what], cwd=REPO, capture_output=True, text=True,
+                         timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _config(image: str) -> dict:
+    out = subprocess.run(["buildah", "inspect", "--type", "image", image], check=True,
+                         capture_output=True, text=True, timeout=60)
+    return json.loads(out.stdout)["OCIv1"]["config"]
+
+
+@pytest.fixture(scope="module")
+def container():
+    """A working container of an image, removed afterwards."""
+    made: list[str] = []
+
+    def make(image: str) -> str:
+        out = subprocess.run(["buildah", "from", "--pull-never", image], check=True,
+                             capture_output=True, text=True, timeout=120)
+        made.append(out.stdout.strip())
+        return made[-1]
+
+    yield make
+    for ctr in made:
+        subprocess.run(["buildah", "rm", ctr], capture_output=True, timeout=60)
+
+
+def test_agent_image_runs_non_root_and_serves_metrics(container, tmp_path: Path):
+    image = _build("agent")
+    cfg = _config(image)
+    assert cfg["User"] == "65534:65534"
+    assert cfg["Entrypoint"] == ["clusterpulse-agent"]
+    ctr = container(image)
+    port, tport = free_port(), free_port(2)
+    log = (tmp_path / "agent.log").open("wb")
+    proc = subprocess.Popen(
+        ["buildah", "run", "--isolation", "chroot", ctr, "--", "clusterpulse-agent",
+         "--backend", "sim", "--gpus", "2", "--node", "image", "--listen",
+         f"127.0.0.1:{port}", "--telemetry", f"127.0.0.1:{tport}"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        text = wait_until(lambda: requests.get(f"http://127.0.0.1:{port}/metrics",
+                                               timeout=2).text, 60, "the image's /metrics")
+        assert 'clusterpulse_gpu_up{gpu="1",node="image"' in text
+        assert 'clusterpulse_agent_build_info{backend="sim",node="image"' in text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    # Slim: the venv holds no torch, streamlit or pandas.
+    out = subprocess.run(["buildah", "run", "--isolation", "chroot", ctr, "--", "python3",
+                          "-c", "import importlib.util as u; print([m for m in "
+                          "('torch', 'streamlit', 'pandas') if u.find_spec(m)])"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_dashboard_image_has_the_dashboard_and_remediation(container):
+    image = _build("dashboard")
+    assert _config(image)["User"] == "10001:10001"
+    ctr = container(image)
+    for program in ("clusterpulse-dashboard", "clusterpulse-remediate"):
+        out = subprocess.run(["buildah", "run", "--isolation", "chroot", ctr, "--", program,
+                              "--help"], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "usage:" in out.stdout, out.stdout + out.stderr

@@ -1,0 +1,167 @@
+"""deploy/kubernetes: strict schema validation, admin expectations, generated files in sync."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes_validate import utils as kv
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "kubernetes"
+VERSIONS = ("1.29.0", "1.33.0")
+
+# prometheus-operator's monitoring.coreos.com/v1 fields (pkg/apis/monitoring/v1), the
+# subset a strict check needs: anything else in these objects is a typo or misplaced.
+PODMONITOR_SPEC = {"jobLabel", "podTargetLabels", "podMetricsEndpoints", "selector",
+                   "namespaceSelector", "sampleLimit", "targetLimit", "labelLimit",
+                   "labelNameLengthLimit", "labelValueLengthLimit", "attachMetadata",
+                   "scrapeProtocols", "scrapeClass", "keepDroppedTargets", "bodySizeLimit",
+                   "selectorMechanism", "fallbackScrapeProtocol", "scrapeClassicHistograms",
+                   "nativeHistogramBucketLimit", "nativeHistogramMinBucketFactor",
+                   "convertClassicHistogramsToNHCB"}
+POD_ENDPOINT = {"port", "portNumber", "targetPort", "path", "scheme", "params", "interval",
+                "scrapeTimeout", "honorLabels", "honorTimestamps", "trackTimestampsStaleness",
+                "metricRelabelings", "relabelings", "proxyUrl", "filterRunning",
+                "enableHttp2", "followRedirects", "basicAuth", "bearerTokenSecret",
+                "authorization", "oauth2", "tlsConfig"}
+RULE_GROUP = {"name", "interval", "rules", "limit", "partial_response_strategy",
+              "query_offset", "labels"}
+RULE = {"record", "alert", "expr", "for", "keep_firing_for", "labels", "annotations"}
+
+
+def _docs(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def _base_objects() -> list[dict]:
+    kust = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    return [d for f in kust["resources"] for d in _docs((K8S / "base" / f).read_text())]
+
+
+@pytest.fixture(scope="module")
+def rendered_overlay() -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (for `kubectl kustomize`) is not installed; the base files "
+                    "are validated by the other tests")
+    out = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / "example")],
+                         capture_output=True, text=True, check=True, timeout=120)
+    return _docs(out.stdout)
+
+
+def _check_operator_object(obj: dict) -> None:
+    kind = obj["kind"]
+    if kind == "PodMonitor":
+        assert set(obj["spec"]) <= PODMONITOR_SPEC, set(obj["spec"]) - PODMONITOR_SPEC
+        for ep in obj["spec"]["podMetricsEndpoints"]:
+            assert set(ep) <= POD_ENDPOINT, set(ep) - POD_ENDPOINT
+    elif kind == "PrometheusRule":
+        assert set(obj["spec"]) == {"groups"}
+        for group in obj["spec"]["groups"]:
+            assert set(group) <= RULE_GROUP, set(group) - RULE_GROUP
+            assert group.get("interval"), f"group {group['name']} has no interval"
+            for rule in group["rules"]:
+                assert set(rule) <= RULE, set(rule) - RULE
+    else:
+        raise AssertionError(f"unexpected custom resource {kind}")
+
+
+def _validate_all(objects: list[dict]) -> None:
+    for obj in objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            _check_operator_object(obj)
+            continue
+        for version in VERSIONS:
+            try:
+                kv.validate(obj, version, strict=True)
+            except kv.ValidationError as err:
+                raise AssertionError(f"{obj['kind']}/{obj['metadata']['name']} is invalid "
+                                     f"for Kubernetes {version}: {err.message} at "
+                                     f"{'.'.join(map(str, err.path))}") from None
+
+
+def test_base_validates_strictly_on_1_29_and_1_33():
+    objects = _base_objects()
+    assert {o["kind"] for o in objects} >= {
+        "Namespace", "ServiceAccount", "DaemonSet", "PodMonitor", "PrometheusRule",
+        "PersistentVolumeClaim", "ConfigMap", "Deployment", "Service"}
+    _validate_all(objects)
+
+
+def test_strict_validation_catches_a_misplaced_field():
+    """The check itself must bite: jobLabel inside an endpoint, or a typo in a pod spec."""
+    pm = next(o for o in _base_objects() if o["kind"] == "PodMonitor")
+    pm["spec"]["podMetricsEndpoints"][0]["jobLabel"] = "clusterpulse"
+    with pytest.raises(AssertionError):
+        _check_operator_object(pm)
+    ds = next(o for o in _base_objects() if o["kind"] == "DaemonSet")
+    ds["spec"]["template"]["spec"]["hostPid"] = True
+    with pytest.raises(AssertionError, match="hostPid"):
+        _validate_all([ds])
+
+
+def test_overlay_renders_and_validates(rendered_overlay):
+    _validate_all(rendered_overlay)
+    labelled = {o["kind"]: o["metadata"]["labels"].get("release") for o in rendered_overlay
+                if o["kind"] in ("PodMonitor", "PrometheusRule")}
+    assert labelled == {"PodMonitor": "kube-prometheus-stack",
+                        "PrometheusRule": "kube-prometheus-stack"}
+    ds = next(o for o in rendered_overlay if o["kind"] == "DaemonSet")
+    assert ds["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+
+
+def test_pods_are_locked_down_and_bounded():
+    objects = _base_objects()
+    ns = next(o for o in objects if o["kind"] == "Namespace")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    for sa in (o for o in objects if o["kind"] == "ServiceAccount"):
+        assert sa["automountServiceAccountToken"] is False
+    workloads = [o for o in objects if o["kind"] in ("DaemonSet", "Deployment")]
+    for w in workloads:
+        pod = w["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["name"]
+            assert {"cpu", "memory"} <= set(c["resources"]["limits"]), c["name"]
+    agent = next(w for w in workloads if w["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    assert agent["priorityClassName"] == "system-node-critical"
+    assert agent["containers"][0]["securityContext"]["capabilities"]["add"] == ["KILL"]
+    assert any(t["key"] == "nvidia.com/gpu" for t in agent["tolerations"])
+    assert "9400" not in yaml.safe_dump(agent), "9400 is dcgm-exporter's port"
+    dash = next(w for w in workloads if w["kind"] == "Deployment")
+    assert dash["spec"]["strategy"]["type"] == "Recreate"
+    assert dash["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    # Every volume the dashboard mounts from the cluster is defined here or is a secret
+    # the admin creates (named in the file's header).
+    defined = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    for vol in dash["spec"]["template"]["spec"]["volumes"]:
+        if "configMap" in vol:
+            assert ("ConfigMap", vol["configMap"]["name"]) in defined
+        if "persistentVolumeClaim" in vol:
+            assert ("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"]) in defined
+
+
+def test_generated_files_are_in_sync_with_their_sources():
+    """Fails after someone edits deploy/prometheus rules, policy.toml or the Grafana
+    dashboards without regenerating: the message names the command."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_deploy.py"), "--check"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_prometheus_rule_carries_every_source_rule_with_an_interval():
+    rule = next(o for o in _base_objects() if o["kind"] == "PrometheusRule")
+    names = [g["name"] for g in rule["spec"]["groups"]]
+    for src in ("clusterpulse.rules.yml", "alerts.rules.yml"):
+        for g in yaml.safe_load((REPO / "deploy" / "prometheus" / src).read_text())["groups"]:
+            assert g["name"] in names
+    assert all(g["interval"] == "5s" for g in rule["spec"]["groups"])

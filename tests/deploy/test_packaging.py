@@ -1,0 +1,81 @@
+"""Packaging: a slim agent install, and the configuration shipped inside the wheel."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from clusterpulse import configcli
+
+REPO = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "streamlit", "pandas")
+
+# Every agent module, imported the way the CLI does, then the CLI's parser built.
+IMPORT_AGENT = f"""
+import importlib, pkgutil, sys
+import agent, agent.cli
+for mod in pkgutil.walk_packages(agent.__path__, "agent."):
+    if not mod.name.endswith("__main__"):   # that one runs the agent
+        importlib.import_module(mod.name)
+agent.cli.build_parser()
+print(",".join(m for m in {HEAVY!r} if m in sys.modules))
+"""
+
+
+def test_agent_imports_none_of_torch_streamlit_pandas():
+    """A GPU node installs only the agent's dependencies, so the agent must not need more."""
+    out = subprocess.run([sys.executable, "-c", IMPORT_AGENT], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"the agent imported {out.stdout.strip()}"
+
+
+def test_pyproject_keeps_heavy_dependencies_in_extras():
+    import tomllib
+
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    base = " ".join(meta["dependencies"]).lower()
+    assert not [m for m in HEAVY if m in base], base
+    extras = meta["optional-dependencies"]
+    assert {"agent", "trainer", "dashboard", "all", "dev"} <= set(extras)
+    assert meta["license"] == "Apache-2.0"
+    assert "Apache License" in (REPO / "LICENSE").read_text()[:200]
+
+
+def test_config_write_copies_every_shipped_file(tmp_path: Path, capsys):
+    assert configcli.main(["write", str(tmp_path)]) == 0
+    for _, rel, _ in configcli.shipped():
+        assert (tmp_path / rel).read_bytes() == (REPO / "deploy" / rel).read_bytes(), rel
+    assert (tmp_path / "local/policy.toml").is_file()
+    # A second write would clobber an operator's edits: refused without --force.
+    assert configcli.main(["write", str(tmp_path)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert configcli.main(["write", str(tmp_path), "--force", "--only", "policy"]) == 0
+
+
+def test_config_show_unknown_file_is_a_clear_error(capsys):
+    assert configcli.main(["show", "prometheus/nope.yml"]) == 2
+    err = capsys.readouterr().err
+    assert "no shipped file 'prometheus/nope.yml'" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_wheel_contains_config_and_license(tmp_path: Path):
+    """Built like a release: the wheel must carry rules, routing, policy, units, dashboards."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(REPO),
+                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=600)
+    (wheel,) = tmp_path.glob("clusterpulse-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"clusterpulse/deploy/{rel}" for _, rel, _ in configcli.FILES
+                if (REPO / "deploy" / rel).is_file()}
+    assert expected - names == set()
+    assert any(n.endswith("/licenses/LICENSE") for n in names)
+    assert not [n for n in names if n.startswith(("deploy/", "tests/"))]
+    meta = zipfile.ZipFile(wheel).read(
+        next(n for n in names if n.endswith("METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in meta
+    assert "Requires-Dist: torch" in meta and 'extra == "trainer"' in meta
