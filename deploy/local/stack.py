@@ -1,0 +1,138 @@
+"""The central half of a ClusterPulse deployment on one machine, shared by the loopback
+demo (deploy/local/cluster.py) and the multi-node testbed (deploy/testbed/cluster.py):
+processes that stop together, Prometheus with the project's rules, Alertmanager with the
+project's routing, and the remediation policy receiver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+class Stack:
+    """Processes started in order and stopped in reverse order, all of them. Processes
+    started with `watch=False` may die (a fault does that) without failing `check`."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.procs: list[tuple[str, subprocess.Popen, bool]] = []
+
+    def start(self, name: str, args: Sequence[str], env: dict | None = None,
+              watch: bool = True) -> subprocess.Popen:
+        log = open(self.state / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        try:
+            p = subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                 stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
+                                 start_new_session=True)
+        finally:
+            log.close()
+        self.procs.append((name, p, watch))
+        return p
+
+    def check(self) -> str | None:
+        for name, p, watch in self.procs:
+            if watch and p.poll() is not None:
+                return f"{name} exited with code {p.returncode}; see {self.state / name}.log"
+        return None
+
+    def stop(self) -> None:
+        for _name, p, _ in reversed(self.procs):
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.time() + 15
+        for _name, p, _ in reversed(self.procs):
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for central services of concurrent runs)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.3)
+    return False
+
+
+@dataclass
+class Central:
+    """Where the central services listen (all on loopback in the root namespace)."""
+
+    prometheus: str
+    alertmanager: str | None
+    remediation: str
+
+    def urls(self) -> dict[str, str]:
+        out = {"prometheus": self.prometheus}
+        if self.alertmanager:
+            out["alertmanager"] = self.alertmanager
+        return out
+
+
+def start_central(stack: Stack, state: Path, agents: list[str], token_file: Path,
+                  prom_port: int, am_port: int, remediation_port: int,
+                  scrape_interval: str = "2s", policy: Path = HERE / "policy.toml",
+                  ) -> Central:
+    """Prometheus scraping `agents` (HOST:PORT) with the project's rules, Alertmanager
+    with the project's routing delivering to the remediation receiver. Raises
+    RuntimeError naming what is missing (Debian `prometheus`)."""
+    prom_bin, am_bin = shutil.which("prometheus"), shutil.which("prometheus-alertmanager")
+    if not prom_bin:
+        raise RuntimeError("prometheus is not installed; run scripts/setup.sh")
+    rules = sorted((REPO / "deploy" / "prometheus").glob("*rules.yml"))
+    config = (HERE / "prometheus.yml.tmpl").read_text().format(
+        scrape_interval=scrape_interval,
+        rule_files="\n".join(f"  - {r}" for r in rules) or "  []",
+        alertmanager=f"127.0.0.1:{am_port}",
+        agents=json.dumps(agents),
+    )
+    (state / "prometheus.yml").write_text(config)
+    stack.start("prometheus", [prom_bin, f"--config.file={state / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={state / 'prometheus-data'}",
+                               f"--web.listen-address=127.0.0.1:{prom_port}"])
+    am_config = state / "alertmanager.yml"  # the project's config, webhook on our port
+    am_config.write_text((REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text()
+                         .replace("127.0.0.1:19495", f"127.0.0.1:{remediation_port}"))
+    if am_bin:
+        stack.start("alertmanager", [am_bin, f"--config.file={am_config}",
+                                     f"--storage.path={state / 'alertmanager-data'}",
+                                     f"--web.listen-address=127.0.0.1:{am_port}",
+                                     "--cluster.listen-address="])
+    prometheus = f"http://127.0.0.1:{prom_port}"
+    stack.start("remediation", [
+        sys.executable, "-m", "dashboard.remediation", "--policy", str(policy),
+        "--listen", f"127.0.0.1:{remediation_port}", "--prometheus", prometheus,
+        "--token-file", str(token_file), "--audit-log", str(state / "audit.jsonl"),
+        "--history", str(state / "alert-history.jsonl")])
+    return Central(prometheus, f"http://127.0.0.1:{am_port}" if am_bin else None,
+                   f"http://127.0.0.1:{remediation_port}")
