@@ -51,6 +51,10 @@ class Stack:
         return None
 
     def stop(self) -> None:
+        """SIGTERM each process group, wait, SIGKILL what is left; then SIGKILL every
+        descendant still alive (torchrun starts its workers in sessions of their own,
+        and a stopped, hung worker outlives a torchrun killed before it could reap it)."""
+        family = descendants([p.pid for _, p, _ in self.procs if p.poll() is None])
         for _name, p, _ in reversed(self.procs):
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -63,6 +67,25 @@ class Stack:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def descendants(roots: list[int]) -> list[int]:
+    """Every living descendant of `roots` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def free_port() -> int:

@@ -37,6 +37,9 @@ from deploy.testbed.net import TestbedError
 AGENT_PORT = 9400
 TELEMETRY_PORT = 9401
 RDZV_PORT = 29400
+# A fresh rendezvous store per restart round (torch's switch): with the shared store a
+# restarted rank can read a dead peer's keys and wedge in init after a hard restart.
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def telemetry_address(node: Node) -> str:
@@ -179,7 +182,7 @@ class TestbedCluster:
         job.procs[node.name] = self.stack.start(
             f"{job.run}-{node.name}", node.command(cmd), watch=False,
             env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "eth0",
-                 "LOGLEVEL": "WARNING", **job.env})
+                 "LOGLEVEL": "WARNING", **FRESH_STORE, **job.env})
 
     def rank_pids(self, node: Node, run: str) -> list[int]:
         """The trainer rank processes (not torchrun itself) of `run` on `node`."""

@@ -197,15 +197,38 @@ class Observer:
             self._recovery(o)
 
     def _recovery(self, o: Outcome) -> None:
-        """Recovered once the run steps past where it was at the fault; the lowest step
-        seen since the fault is where it resumed from."""
-        r = self.query(f'min_over_time(max(clusterpulse_trainer_step{{run="{self.run}"}})'
-                       f'[{max(1, int(time.time() - o.fault.at))}s:1s])')
-        low = int(float(r[0]["value"][1])) if r else None
+        """Recovered once the run steps again after the fault was handled: after the
+        action if one is expected (else after detection, else the fault itself). The
+        lowest step since then is where it resumed from; the steps it had made up to
+        then and lost are the recomputed ones."""
+        action = EXPECT[o.fault.kind][1]
+        if action and o.acted_at is None:
+            return
+        ref = o.acted_at or o.detected_at or o.fault.at
+        span = f"{max(1, int(time.time() - ref))}s"
+        series = f'max(clusterpulse_trainer_step{{run="{self.run}"}})'
+        low = self.query(f"min_over_time({series}[{span}:1s])")
         now = self.step()
-        if now is not None and o.step_at_fault is not None and now > o.step_at_fault:
-            o.resumed_from = min(o.step_at_fault, low if low is not None else o.step_at_fault)
+        if not low or now is None:
+            return
+        lowest = int(float(low[0]["value"][1]))
+        if now >= lowest + 2:
+            peak = self.query(f"max_over_time({series}[{max(1, int(ref - o.fault.at) + 1)}s:1s])",
+                              at=ref)
+            reached = int(float(peak[0]["value"][1])) if peak else lowest
+            o.step_at_fault = max(o.step_at_fault or 0, reached)
+            o.resumed_from = min(lowest, o.step_at_fault)
             o.recovered_at = time.time()
+
+    def last_action(self) -> float:
+        """When the remediation last acted on the run (its rate limit counts from there)."""
+        acts = [r["ts"] for r in self.audit(0) if r.get("source") == "remediation"
+                and r.get("run") == self.run and r.get("outcome") in ("accepted", "partial")]
+        return max(acts, default=0.0)
+
+    def firing(self, names: tuple[str, ...], node: str) -> bool:
+        return any(a["labels"].get("alertname") in names and a["state"] == "firing"
+                   and a["labels"].get("node", node) == node for a in self.alerts())
 
 
 def _ts(rfc3339: str) -> float:

@@ -77,20 +77,34 @@ class Driver(threading.Thread):
         total = len(self.faults)
         try:
             self._wait_for_progress()
-            last_action = 0.0
             for i, (after, fault) in enumerate(self.faults, 1):
-                if EXPECT[fault.kind][1]:  # the policy acts at most once per window
-                    after = max(after, last_action + self.action_gap_s + 1 - time.time())
                 if self.stop_event.wait(after):
                     return
+                if EXPECT[fault.kind][1]:  # the policy acts at most once per window
+                    gap = self.obs.last_action() + self.action_gap_s + 2 - time.time()
+                    if gap > 0 and self.stop_event.wait(gap):
+                        return
                 play(fault, self.target)
                 self.say(f"fault {i}/{total}: {fault.describe(self.names)}")
                 o = Outcome(fault)
                 self.outcomes.append(o)
                 self._follow(o)
-                last_action = o.acted_at or last_action
+                self._settle(o)
         except Exception as err:  # a driver failure must not take the demo down
             self.say(f"fault driver stopped: {type(err).__name__}: {err}")
+
+    def _settle(self, o: Outcome) -> None:
+        """Wait until the fault's alerts have resolved, so that the next fault's
+        detection is its own (a cooling GPU keeps its rank straggling for a while)."""
+        names = EXPECT[o.fault.kind][0]
+        end = time.time() + self.deadline_s
+        while names and time.time() < end and not self.stop_event.is_set():
+            try:
+                if not self.obs.firing(names, self.names[o.fault.node]):
+                    return
+            except OSError:
+                pass
+            self.stop_event.wait(2)
 
     def _wait_for_progress(self) -> None:
         while not self.stop_event.is_set():
