@@ -42,6 +42,9 @@ EXPECT: dict[str, tuple[tuple[str, ...], str | None]] = {
     "slow_link": (("TrainingStraggler", "LinkSlow", "NodeLinkSlow"), None),
 }
 TESTBED_ONLY = {"node_death", "partition", "slow_link"}
+# Faults the job recovers from by restarting its ranks (remediation or torchrun): they
+# count as recovered only once new rank processes step, not when old ones still do.
+RESTARTS = {"gpu_overheat", "gpu_lost", "rank_hang", "rank_crash", "node_death"}
 
 
 class Target(Protocol):
@@ -121,6 +124,7 @@ class Outcome:
     step_at_fault: int | None = None
     resumed_from: int | None = None
     recovered_at: float | None = None
+    pids_at_fault: set[str] | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -152,6 +156,11 @@ class Observer:
         with urllib.request.urlopen(url, timeout=10) as r:
             return json.load(r)["data"]["result"]
 
+    def pids(self, at: float | None = None) -> set[str]:
+        """The run's rank processes Prometheus sees (pid labels of rank_info)."""
+        return {s["metric"].get("pid", "") for s in self.query(
+            f'clusterpulse_trainer_rank_info{{run="{self.run}"}}', at)}
+
     def step(self, at: float | None = None) -> int | None:
         r = self.query(f'max(clusterpulse_trainer_step{{run="{self.run}"}})', at)
         return int(float(r[0]["value"][1])) if r else None
@@ -178,6 +187,8 @@ class Observer:
         names, action = EXPECT[o.fault.kind]
         if o.step_at_fault is None:
             o.step_at_fault = self.step(o.fault.at)
+        if o.pids_at_fault is None:
+            o.pids_at_fault = self.pids(o.fault.at)
         if o.detected_at is None and names:
             for a in self.alerts():
                 labels = a["labels"]
@@ -204,6 +215,10 @@ class Observer:
         action = EXPECT[o.fault.kind][1]
         if action and o.acted_at is None:
             return
+        if o.fault.kind in RESTARTS:  # new processes must be the ones stepping
+            now_pids = self.pids()
+            if not now_pids or now_pids & (o.pids_at_fault or set()):
+                return
         ref = o.acted_at or o.detected_at or o.fault.at
         span = f"{max(1, int(time.time() - ref))}s"
         series = f'max(clusterpulse_trainer_step{{run="{self.run}"}})'

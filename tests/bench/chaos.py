@@ -7,7 +7,8 @@ Reports, per fault: time to detect (first matching alert's activeAt), time to re
 (first step past the step the job had reached at the fault), steps recomputed; faults
 missed; false alerts (alerts no fault explains, baseline included); goodput of both
 runs (productive step time / wall time, productive = the steps kept at the end, timed
-at the no-fault run's mean step time) and their ratio; and whether a checkpoint was
+at the no-fault run's median step time) and, start-up excluded, the kept steps per
+second relative to the no-fault run; and whether a checkpoint was
 ever lost (a resume from older than the newest checkpoint committed before the fault).
 """
 
@@ -151,8 +152,8 @@ def run_job(cl: TestbedCluster, run: str, minutes: float, faults: list[tuple[flo
     result.wall_s = time.time() - start
     result.train_s = time.time() - (first_step_at or start)
     result.final_step = obs.step() or 0
-    r = obs.query(f'avg_over_time(max(clusterpulse_trainer_step_seconds{{run="{run}"}})'
-                  f'[{int(result.wall_s)}s:1s])')
+    r = obs.query(f'quantile_over_time(0.5, max(clusterpulse_trainer_step_seconds'
+                  f'{{run="{run}"}})[{int(result.wall_s)}s:1s])')
     result.mean_step_s = float(r[0]["value"][1]) if r else float("nan")
     result.alerts = alert_episodes(obs, start, time.time())
     for o in result.outcomes:  # a resume after the fault from older than what was committed
@@ -208,20 +209,21 @@ def report(base: RunResult, chaos: RunResult, names: list[str], args: argparse.N
     false_chaos = [a for a in chaos.alerts if not explained(a, chaos.outcomes, names)]
     g_base = base.final_step * base.mean_step_s / base.wall_s if base.wall_s else 0
     g_chaos = chaos.final_step * base.mean_step_s / chaos.wall_s if chaos.wall_s else 0
-    t_base = base.final_step * base.mean_step_s / base.train_s if base.train_s else 0
-    t_chaos = chaos.final_step * base.mean_step_s / chaos.train_s if chaos.train_s else 0
+    rate_base = base.final_step / base.train_s if base.train_s else 0
+    rate_chaos = chaos.final_step / chaos.train_s if chaos.train_s else 0
     lines += ["", f"- faults: {len(chaos.outcomes)}, missed: {missed}",
               f"- false alerts: {len(false_chaos)} in the chaos run "
               f"({', '.join(sorted({a[0] for a in false_chaos})) or 'none'}), "
               f"{len(false_base)} in the no-fault run "
               f"({', '.join(sorted({a[0] for a in false_base})) or 'none'})",
               f"- steps: {chaos.final_step} with faults vs {base.final_step} without "
-              f"(mean step {base.mean_step_s * 1000:.0f} ms without faults)",
+              f"(median step {base.mean_step_s * 1000:.0f} ms without faults)",
               f"- goodput (productive step time / wall time): {g_chaos:.1%} with faults, "
               f"{g_base:.1%} without; ratio {g_chaos / g_base if g_base else float('nan'):.3f} "
               f"(wall time from launch, {chaos.wall_s:.0f} s and {base.wall_s:.0f} s)",
-              f"- goodput from the first step on (start-up excluded): {t_chaos:.1%} with faults, "
-              f"{t_base:.1%} without; ratio {t_chaos / t_base if t_base else float('nan'):.3f}",
+              f"- kept steps per second from the first step on (start-up excluded): "
+              f"{rate_chaos:.2f} with faults, {rate_base:.2f} without; goodput relative to "
+              f"the no-fault run {rate_chaos / rate_base if rate_base else float('nan'):.1%}",
               f"- checkpoints lost: {len(chaos.lost_checkpoints)}"
               + (f" ({'; '.join(chaos.lost_checkpoints)})" if chaos.lost_checkpoints else "")]
     return "\n".join(lines)
