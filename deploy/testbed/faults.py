@@ -222,7 +222,8 @@ class Observer:
         ref = o.acted_at or o.detected_at or o.fault.at
         span = f"{max(1, int(time.time() - ref))}s"
         series = f'max(clusterpulse_trainer_step{{run="{self.run}"}})'
-        low = self.query(f"min_over_time({series}[{span}:1s])")
+        # > 0: a restarted rank reports step 0 until it has loaded its checkpoint
+        low = self.query(f"min_over_time(({series} > 0)[{span}:1s])")
         now = self.step()
         if not low or now is None:
             return

@@ -47,7 +47,7 @@ class RunResult:
     mean_step_s: float
     train_s: float = 0.0  # wall time from the first step on (without the job's start-up)
     outcomes: list[Outcome] = field(default_factory=list)
-    alerts: list[tuple[str, str, float]] = field(default_factory=list)  # name, node, start
+    alerts: list[tuple[str, str, float, str]] = field(default_factory=list)  # name,node,t,run
     lost_checkpoints: list[str] = field(default_factory=list)
 
 
@@ -73,8 +73,11 @@ def draw_faults(rng: random.Random, minutes: float, every: tuple[float, float],
     return out
 
 
-def alert_episodes(obs: Observer, start: float, end: float) -> list[tuple[str, str, float]]:
-    """Every firing episode of every alert between start and end: (name, node, start)."""
+def alert_episodes(obs: Observer, start: float, end: float,
+                   ) -> list[tuple[str, str, float, str]]:
+    """Every firing episode of every alert between start and end concerning this run or
+    no run (node alerts): (name, node, start, run). Alerts of an earlier, stopped run
+    (the agents keep its ranks for --rank-grace) are not this run's."""
     q = urllib.parse.urlencode({"query": 'ALERTS{alertstate="firing"}', "start": f"{start:.0f}",
                                 "end": f"{end:.0f}", "step": "2"})
     with urllib.request.urlopen(f"{obs.prometheus}/api/v1/query_range?{q}", timeout=30) as r:
@@ -84,9 +87,10 @@ def alert_episodes(obs: Observer, start: float, end: float) -> list[tuple[str, s
         last = None
         for t, _ in s["values"]:
             if last is None or t - last > 4:
-                out.append((s["metric"]["alertname"], s["metric"].get("node", ""), float(t)))
+                out.append((s["metric"]["alertname"], s["metric"].get("node", ""), float(t),
+                            s["metric"].get("run", "")))
             last = t
-    return sorted(out, key=lambda a: a[2])
+    return sorted((a for a in out if a[3] in ("", obs.run)), key=lambda a: a[2])
 
 
 def run_job(cl: TestbedCluster, run: str, minutes: float, faults: list[tuple[float, Fault]],
@@ -177,10 +181,11 @@ def stop_job(cl: TestbedCluster, run: str) -> None:
         p.wait()  # type: ignore[attr-defined]
 
 
-def explained(alert: tuple[str, str, float], outcomes: list[Outcome], names: list[str]) -> bool:
+def explained(alert: tuple[str, str, float, str], outcomes: list[Outcome],
+              names: list[str]) -> bool:
     """An alert is explained by a fault on its node (or a run-level alert by any fault)
     that started before it and within the fault's duration plus three minutes."""
-    name, node, t = alert
+    name, node, t, _run = alert
     for o in outcomes:
         if o.fault.at - 5 <= t <= o.fault.at + o.fault.seconds + 180 and \
                 (not node or node == names[o.fault.node] or name in ("RankHung", "JobStalled",
