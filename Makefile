@@ -1,5 +1,5 @@
 # Convenience targets; the README's two commands are scripts/demo.sh and scripts/test.sh.
-.PHONY: setup test demo bench bench-fleet lint
+.PHONY: setup test demo bench bench-fleet lint chaos
 setup:
 	scripts/setup.sh
 test:
@@ -12,3 +12,5 @@ bench: setup
 	.venv/bin/python -m tests.bench.run
 bench-fleet: setup
 	.venv/bin/python -m tests.bench.run --only bench_fleet
+chaos: setup  # the multi-node chaos run (root: network namespaces); MINUTES=30 SEED=1
+	.venv/bin/python -m tests.bench.chaos --minutes $${MINUTES:-30} --seed $${SEED:-1}

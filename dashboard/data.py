@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -196,6 +197,30 @@ def run(prom_url: str, name: str, range_s: int) -> Result:
                 "restarts": _wide(restarts, "run"), "queries": prom.queries}
 
     return _guard(f"run:{prom_url}:{name}:{range_s}", fetch)
+
+
+@st.cache_data(ttl=5, show_spinner=False)
+def run_incidents(prom_url: str, name: str, range_s: int, audit_path: str) -> Result:
+    """The run's incident timeline (dashboard/timeline.py): ALERTS and the run's step
+    over the page's range, plus the audit log's actions."""
+    from agent.audit import AuditLog
+    from dashboard import timeline
+
+    def fetch() -> list:
+        prom = PrometheusClient(prom_url)
+        end = time.time()
+        step = max(1.0, range_s / 400)
+        alerts = prom.query_range('ALERTS{alertstate="firing"}', end - range_s, end, step)
+        steps = prom.query_range(f'max(clusterpulse_trainer_step{{run="{name}"}})',
+                                 end - range_s, end, step)
+        nodes = {s.labels.get("node", "") for s in prom.query(
+            f'max by (node) (max_over_time(clusterpulse_trainer_rank_info{{run="{name}"}}'
+            f'[{int(range_s)}s]))')}
+        audit = AuditLog(Path(audit_path)).read(5000) if audit_path else []
+        return timeline.incidents(name, nodes, [(a.labels, a.points) for a in alerts],
+                                  steps[0].points if steps else [], audit, step)
+
+    return _guard(f"incidents:{prom_url}:{name}:{range_s}", fetch)
 
 
 # -- alerts ---------------------------------------------------------------------------

@@ -88,6 +88,31 @@ def live() -> None:
 
 live()
 
+
+def incident_timeline() -> None:
+    """Fault -> detection -> action -> first resumed step, with the steps lost: from
+    Prometheus's ALERTS and step series and the audit log (dashboard/timeline.py)."""
+    from dashboard import timeline
+
+    st.subheader("Incident timeline")
+    result = data.run_incidents(s.prometheus_url, run, range_s,
+                                str(s.audit_log) if s.audit_log else "")
+    if not ui.show_status(result):
+        return
+    items = result.value
+    if not items:
+        st.caption("No incident in this time range.")
+        return
+    table = pd.DataFrame(timeline.rows(items))
+    table["fault (last progress)"] = pd.to_datetime(
+        table["fault (last progress)"], unit="s").dt.strftime("%H:%M:%S")
+    st.dataframe(table, hide_index=True, width="stretch")
+    st.caption(f"{len(items)} incident(s), {sum(i.lost_steps for i in items)} steps lost in "
+               "all (steps made since the checkpoint the run resumed from).")
+
+
+incident_timeline()
+
 st.subheader("Actions")
 if who is None:
     st.info("Viewers are read-only: sign in as an operator (sidebar) to restart this run.")

@@ -1,13 +1,15 @@
 """The one-command local cluster: everything ClusterPulse needs, on this machine.
 
-Starts two simulated nodes (an agent each, 4 simulated GPUs), Prometheus and
-Alertmanager with the project's rules and config, the remediation policy receiver,
-a torchrun training job across both nodes (c10d rendezvous on loopback, one torchrun
-per node, --max-restarts), and the dashboard; prints the URLs and an operator
-password. A fault scenario plays on node 0 (thermal straggler, GPU lost) and a hang
-is injected into the job, so detection and recovery happen in front of you.
-Ctrl-C (or SIGTERM) stops every process it started, in reverse order, and waits for
-them: nothing is left behind.
+Starts simulated nodes (an agent each, 4 simulated GPUs), Prometheus and Alertmanager
+with the project's rules and config, the remediation policy receiver, a torchrun
+training job across the nodes (one torchrun per node, c10d rendezvous, --max-restarts)
+and the dashboard; prints the URLs and an operator password. Nodes share loopback by
+default; with --testbed (root) each node is a network namespace with its own IP and
+hostname (deploy/testbed/). A fault scenario (deploy/local/scenario.toml) then plays
+in order: each fault is printed when it is injected, followed by the alert that
+detected it, the remediation action and the first step after recovery; the next fault
+waits for that. Ctrl-C (or SIGTERM) stops every process it started, in reverse order,
+and waits for them: nothing is left behind.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -28,47 +31,32 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+if str(REPO) not in sys.path:  # run as a script: deploy.* imports from the repository root
+    sys.path.insert(0, str(REPO))
+
+from deploy.local.stack import (  # noqa: E402
+    Stack,
+    secret_file,
+    start_central,
+    telemetry_socket,
+    wait_http,
+)
+from deploy.testbed import scenario as scenario_mod  # noqa: E402
+from deploy.testbed.faults import Observer  # noqa: E402
 
 EXAMPLES = """\
 examples:
-  scripts/demo.sh                      # two simulated nodes, Prometheus, Alertmanager
+  scripts/demo.sh                      # two simulated nodes on loopback, faults in order
   scripts/demo.sh --scenario none      # the same without injected faults
+  sudo scripts/demo.sh --testbed --nodes 4   # four nodes, each its own network namespace
   scripts/demo.sh --state-dir /tmp/cp  # keep logs, data and checkpoints there
+  scripts/demo.sh --scenario my.toml --policy my-policy.toml   # your faults and policy
 """
-
-
-class Stack:
-    """Processes started in order and stopped in reverse order, all of them."""
-
-    def __init__(self, state: Path) -> None:
-        self.state = state
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-
-    def start(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
-        log = open(self.state / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                             env={**os.environ, **(env or {})}, start_new_session=True)
-        self.procs.append((name, p))
-        return p
-
-    def check(self) -> str | None:
-        for name, p in self.procs:
-            if p.poll() is not None:
-                return f"{name} exited with code {p.returncode}; see {self.state / name}.log"
-        return None
-
-    def stop(self) -> None:
-        for _name, p in reversed(self.procs):
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.time() + 15
-        for _name, p in reversed(self.procs):
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+RUN = "demo"
+# A fresh rendezvous store per restart round: with torchrun's shared store a restarted
+# rank can read a dead peer's keys and wedge in init (seen here after a graceful restart
+# followed by an escalated hard one). torch's own switch for exactly that.
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def operator_password(state: Path) -> str:
@@ -82,14 +70,15 @@ def operator_password(state: Path) -> str:
     return password
 
 
-def telemetry_socket(state: Path, node: int) -> str:
-    """Each simulated node's own agent socket (the namespaces share one filesystem);
-    under the state directory unless that path is too long for AF_UNIX (107 bytes)."""
-    base = state / "sockets"
-    if len(str(base)) > 90:
-        base = Path("/tmp") / f"clusterpulse-{os.getuid()}-{state.stat().st_ino}"
-    base.mkdir(mode=0o755, parents=True, exist_ok=True)
-    return f"unix:{base}/node-{node}.sock"
+def trainer_args(args: argparse.Namespace, state: Path) -> list[str]:
+    """The job's trainer flags; the global batch divides every world size it may have
+    (the testbed job is elastic: it continues on one node fewer after a node death)."""
+    worlds = [args.nodes * args.ranks_per_node, max(1, args.nodes - 1) * args.ranks_per_node]
+    return ["--preset", "tiny", "--steps", str(args.steps), "--run-id", RUN,
+            "--global-batch", str(math.lcm(*worlds)),
+            "--ckpt-dir", str(state / "checkpoints"), "--ckpt-every", "50", "--async-ckpt",
+            *(["--sim-compute-seconds", "0.15"] if args.backend == "sim" else []),
+            "--log-every", "100"]
 
 
 def start_job(stack: Stack, args: argparse.Namespace, state: Path, port: int) -> None:
@@ -98,18 +87,65 @@ def start_job(stack: Stack, args: argparse.Namespace, state: Path, port: int) ->
     from trainer.launch import build_command
 
     for i in range(args.nodes):
-        inject = [] if args.scenario == "none" else ["--inject", "hang:rank=1:step=1500"]
         cmd = build_command([
             "--nproc", str(args.ranks_per_node), "--nnodes", str(args.nodes),
-            "--rdzv-endpoint", f"127.0.0.1:{port + 97}", "--rdzv-id", "demo",
-            "--max-restarts", "100", "--",
-            "--preset", "tiny", "--steps", str(args.steps), "--run-id", "demo",
-            "--ckpt-dir", str(state / "checkpoints"), "--ckpt-every", "50", "--async-ckpt",
-            *(["--sim-compute-seconds", "0.15"] if args.backend == "sim" else []),
-            "--agent", telemetry_socket(state, i),
-            "--log-every", "100", *inject])
+            "--rdzv-endpoint", f"127.0.0.1:{port + 97}", "--rdzv-id", RUN,
+            "--max-restarts", "100", "--", *trainer_args(args, state),
+            "--agent", telemetry_socket(state, f"node-{i}")])
         stack.start(f"trainer-node-{i}", cmd, env={"OMP_NUM_THREADS": "1",
-                                                    "PYTHONPATH": str(REPO)})
+                                                    "PYTHONPATH": str(REPO), **FRESH_STORE})
+
+
+class LocalTarget:
+    """The fault player's view of the loopback demo (deploy/testbed/faults.py)."""
+
+    def __init__(self, stack: Stack, names: list[str], ports: list[int], token: str,
+                 agent_cmds: list[list[str]]) -> None:
+        self.stack, self.names, self.ports = stack, names, ports
+        self.token, self.agent_cmds = token, agent_cmds
+
+    def node_name(self, node: int) -> str:
+        return self.names[node]
+
+    def gpu_fault(self, node: int, kind: str, gpu: int, **fields) -> dict:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.ports[node]}/v1/faults", method="POST",
+            data=json.dumps({"kind": kind, "gpu": gpu, **fields}).encode(),
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.load(r)
+
+    def _proc(self, name: str) -> subprocess.Popen | None:
+        return next((p for n, p, _ in reversed(self.stack.procs) if n == name), None)
+
+    def rank_pids(self, node: int) -> list[int]:
+        """The trainer ranks that node's torchrun started (its children)."""
+        parent = self._proc(f"trainer-node-{node}")
+        if parent is None:
+            return []
+        out = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (entry / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == parent.pid and \
+                        b"trainer" in (entry / "cmdline").read_bytes():
+                    out.append(int(entry.name))
+        return sorted(out)
+
+    def signal_pid(self, pid: int, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+    def kill_agent(self, node: int) -> None:
+        p = self._proc(f"agent-{self.names[node]}")
+        if p is not None:
+            self.signal_pid(p.pid, signal.SIGKILL)
+            p.wait()
+
+    def start_agent(self, node: int) -> None:
+        self.stack.start(f"agent-{self.names[node]}", self.agent_cmds[node], watch=False)
 
 
 def count_gpus() -> int:
@@ -123,69 +159,142 @@ def count_gpus() -> int:
     return out.stdout.count("GPU ") if out.returncode == 0 else 0
 
 
-def wait_http(url: str, timeout: float) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            time.sleep(0.3)
-    return False
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/demo.sh", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--state-dir", type=Path, default=REPO / ".run",
                    help="logs, Prometheus data, audit logs (default: .run/)")
-    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default: 2)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="simulated nodes (default: 2 on loopback, 4 with --testbed)")
+    p.add_argument("--testbed", action="store_true",
+                   help="each node in its own network namespace with its own IP and hostname "
+                   "(needs root; see docs/testbed.md). Default: all nodes on loopback")
     p.add_argument("--gpus-per-node", type=int, default=4, help="default: 4")
     p.add_argument("--scenario", default=str(HERE / "scenario.toml"),
-                   help="TOML fault scenario for node 0's agent, or 'none'")
+                   help="TOML file of faults played in order (deploy/testbed/scenario.py), "
+                   "or 'none'")
+    p.add_argument("--policy", type=Path, default=HERE / "policy.toml",
+                   help="remediation policy (default: deploy/local/policy.toml)")
+    p.add_argument("--scrape-interval", default="2s", help="Prometheus scrape (default: 2s)")
     p.add_argument("--base-port", type=int, default=19400,
                    help="first port; the stack uses a few after it (default: 19400)")
     p.add_argument("--duration", type=float, default=0,
                    help="stop after this many seconds (default: run until Ctrl-C)")
-    p.add_argument("--ranks-per-node", type=int, default=2, help="default: 2")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="default: 2 on loopback, 1 with --testbed")
     p.add_argument("--steps", type=int, default=100000, help="training steps (default: 100000)")
     p.add_argument("--no-job", action="store_true", help="start no training job")
     p.add_argument("--backend", choices=["auto", "sim", "nvml"], default="auto",
                    help="auto: real GPUs through NVML (one node, NCCL) when nvidia-smi finds "
                    "any, else simulated nodes")
     p.add_argument("--no-dashboard", action="store_true", help="start no dashboard")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.nodes is None:
+        args.nodes = 4 if args.testbed else 2
+    if args.ranks_per_node is None:
+        args.ranks_per_node = 1 if args.testbed else 2
+    if not 1 <= args.nodes <= 32 or not 1 <= args.ranks_per_node <= 16:
+        p.error("--nodes must be in 1..32 and --ranks-per-node in 1..16")
+    return args
+
+
+def start_loopback(args: argparse.Namespace, stack: Stack, state: Path, token_file: Path,
+                   ) -> tuple[dict[str, str], LocalTarget, list[str], str]:
+    """Agents on loopback ports, the central stack, the job: the demo without root."""
+    port = args.base_port
+    names, ports, cmds = [], [], []
+    for i in range(args.nodes):
+        node = f"sim-node-{i}" if args.backend == "sim" else socket.gethostname()
+        http = port + 2 * i
+        cmd = [sys.executable, "-m", "agent", "--backend", args.backend, "--node", node,
+               "--gpus", str(args.gpus_per_node), "--listen", f"127.0.0.1:{http}",
+               "--telemetry", telemetry_socket(state, f"node-{i}"),
+               "--token-file", str(token_file),
+               "--audit-log", str(state / "audit.jsonl")]
+        stack.start(f"agent-{node}", cmd, watch=False)  # a fault may kill it
+        names.append(node)
+        ports.append(http)
+        cmds.append(cmd)
+    central = start_central(stack, state, [f"127.0.0.1:{p}" for p in ports], token_file,
+                            port + 90, port + 93, port + 95, scrape_interval=args.scrape_interval,
+                            policy=args.policy)
+    urls = {f"agent {i}": f"http://127.0.0.1:{p}/metrics" for i, p in enumerate(ports)}
+    urls.update(central.urls())
+    if not args.no_job:
+        start_job(stack, args, state, port)
+    target = LocalTarget(stack, names, ports, token_file.read_text().strip(), cmds)
+    return urls, target, names, central.prometheus
+
+
+def start_testbed(args: argparse.Namespace, state: Path, exits: contextlib.ExitStack,
+                  ) -> tuple[dict[str, str], object, list[str], str, Stack]:
+    """Nodes as network namespaces (deploy/testbed), an agent on each node's IP, the
+    central stack in the root namespace, one torchrun per node."""
+    from deploy.testbed import Testbed, TestbedError, missing_privileges
+    from deploy.testbed.cluster import ClusterTarget, TestbedCluster
+
+    reason = missing_privileges()
+    if reason:
+        raise TestbedError(f"--testbed: {reason}")
+    bed = exits.enter_context(Testbed(nodes=args.nodes))
+    cl = TestbedCluster(bed, state, gpus=args.gpus_per_node,
+                        scrape_interval=args.scrape_interval, policy=args.policy)
+    exits.callback(cl.stop)
+    port = args.base_port
+    cl.start(prom_port=port + 90, am_port=port + 93, remediation_port=port + 95)
+    (state / "agent-token-path").write_text(str(cl.token_file))
+    if not args.no_job:
+        cl.start_job(RUN, trainer_args(args, state), ranks_per_node=args.ranks_per_node,
+                     min_nodes=max(1, args.nodes - 1) if args.nodes > 1 else None, max_restarts=100)
+    urls = {f"agent {n.name}": cl.agent_url(n) + "/metrics" for n in bed.nodes}
+    assert cl.central is not None
+    urls.update(cl.central.urls())
+    return urls, ClusterTarget(cl, RUN), [n.name for n in bed.nodes], cl.central.prometheus, \
+        cl.stack
+
+
+def policy_window(path: Path) -> float:
+    """The policy's rate-limit window: a fault that needs an action waits this long
+    after the previous action, or the policy would (rightly) refuse to act."""
+    import tomllib
+
+    try:
+        return float(tomllib.loads(path.read_text()).get("window_s", 900))
+    except (OSError, ValueError):
+        return 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    gpus = count_gpus() if args.backend != "sim" else 0
+    gpus = count_gpus() if args.backend != "sim" and not args.testbed else 0
     if args.backend == "nvml" and not gpus:
-        print("demo: --backend nvml but nvidia-smi finds no GPU", file=sys.stderr)
+        print("demo: --backend nvml but nvidia-smi finds no GPU (or --testbed, which "
+              "simulates its GPUs)", file=sys.stderr)
         return 2
     if gpus:  # this machine's real GPUs: one node, one rank per GPU, NCCL chosen by torch
         args.backend, args.nodes, args.ranks_per_node, args.gpus_per_node = "nvml", 1, gpus, gpus
     else:
         args.backend = "sim"
-    state: Path = args.state_dir.resolve()
-    state.mkdir(parents=True, exist_ok=True)
-    token_file = state / "agent-token"
-    hook_token_file = state / "webhook-token"  # Alertmanager -> remediation receiver
-    for f in (token_file, hook_token_file):
-        if not f.exists():
-            f.write_text(secrets.token_hex(32))
-            f.chmod(0o600)
-    prom_bin, am_bin = shutil.which("prometheus"), shutil.which("prometheus-alertmanager")
-    if not prom_bin:
+    if not shutil.which("prometheus"):
         print("demo: prometheus is not installed; run scripts/setup.sh", file=sys.stderr)
         return 2
-    port = args.base_port
-    prom_port, am_port, agent_ports = port + 90, port + 93, []
-    if port + 97 > 65535:
+    if args.base_port + 97 > 65535:
         print("demo: --base-port too high", file=sys.stderr)
         return 2
-    stack = Stack(state)
+    faults = []
+    if args.scenario != "none" and not args.no_job:
+        try:
+            faults = scenario_mod.load(Path(args.scenario), args.nodes, args.gpus_per_node,
+                                       args.testbed)
+        except scenario_mod.ScenarioError as err:
+            print(f"demo: {err}", file=sys.stderr)
+            return 2
+        if args.backend == "nvml":  # real GPUs: only the faults that need no simulation
+            faults = [f for f in faults if not f[1].kind.startswith("gpu_")]
+    state: Path = args.state_dir.resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    token_file = secret_file(state / "agent-token")
+    port = args.base_port
     stopping = False
 
     def on_signal(*_):
@@ -194,80 +303,59 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    exits = contextlib.ExitStack()
+    stack = Stack(state)
+    exits.callback(stack.stop)
+    driver = None
     try:
-        for i in range(args.nodes):
-            node = f"sim-node-{i}" if args.backend == "sim" else socket.gethostname()
-            http = port + 2 * i
-            agent_ports.append(http)
-            extra = []
-            if i == 0 and args.scenario != "none" and args.backend == "sim":
-                extra = ["--scenario", args.scenario]
-            stack.start(f"agent-{node}", [
-                sys.executable, "-m", "agent", "--backend", args.backend, "--node", node,
-                "--gpus", str(args.gpus_per_node), "--listen", f"127.0.0.1:{http}",
-                "--telemetry", telemetry_socket(state, i), "--token-file", str(token_file),
-                "--audit-log", str(state / "audit.jsonl"), *extra])
-        rules = sorted((REPO / "deploy" / "prometheus").glob("*rules.yml"))
-        config = (HERE / "prometheus.yml.tmpl").read_text().format(
-            scrape_interval="2s",
-            rule_files="\n".join(f"  - {r}" for r in rules) or "  []",
-            alertmanager=f"127.0.0.1:{am_port}",
-            agents=json.dumps([f"127.0.0.1:{p}" for p in agent_ports]),
-        )
-        (state / "prometheus.yml").write_text(config)
-        stack.start("prometheus", [prom_bin, f"--config.file={state / 'prometheus.yml'}",
-                                   f"--storage.tsdb.path={state / 'prometheus-data'}",
-                                   f"--web.listen-address=127.0.0.1:{prom_port}"])
-        remediation_port = port + 95
-        am_config = state / "alertmanager.yml"  # the project's config, webhook on our port
-        am_config.write_text((REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text()
-                             .replace("127.0.0.1:19495", f"127.0.0.1:{remediation_port}")
-                             .replace("/etc/clusterpulse/webhook-token", str(hook_token_file)))
-        if am_bin:
-            stack.start("alertmanager", [am_bin, f"--config.file={am_config}",
-                                         f"--storage.path={state / 'alertmanager-data'}",
-                                         f"--web.listen-address=127.0.0.1:{am_port}",
-                                         "--cluster.listen-address="])
-        urls = {f"agent {i}": f"http://127.0.0.1:{p}/metrics" for i, p in enumerate(agent_ports)}
-        urls["prometheus"] = f"http://127.0.0.1:{prom_port}"
-        if am_bin:
-            urls["alertmanager"] = f"http://127.0.0.1:{am_port}"
-        stack.start("remediation", [
-            sys.executable, "-m", "dashboard.remediation", "--policy", str(HERE / "policy.toml"),
-            "--listen", f"127.0.0.1:{remediation_port}", "--prometheus", urls["prometheus"],
-            "--token-file", str(token_file), "--audit-log", str(state / "audit.jsonl"),
-            "--webhook-token-file", str(hook_token_file),
-            "--history", str(state / "alert-history.jsonl")])
-        if not args.no_job:
-            start_job(stack, args, state, port)
+        try:
+            if args.testbed:
+                urls, target, names, prometheus, stack = start_testbed(args, state, exits)
+                token_path = Path((state / "agent-token-path").read_text())
+            else:
+                urls, target, names, prometheus = start_loopback(args, stack, state, token_file)
+                token_path = token_file
+        except (RuntimeError, OSError) as err:
+            print(f"demo: {err}", file=sys.stderr)
+            return 2
         password = None
         if not args.no_dashboard:
             password = operator_password(state)
             stack.start("dashboard", [
-                sys.executable, "-m", "dashboard.cli", "--prometheus", urls["prometheus"],
-                "--alertmanager", f"http://127.0.0.1:{am_port}", "--port", str(port + 80),
-                "--token-file", str(token_file), "--operators-file",
+                sys.executable, "-m", "dashboard.cli", "--prometheus", prometheus,
+                "--alertmanager", f"http://127.0.0.1:{port + 93}", "--port", str(port + 80),
+                "--token-file", str(token_path), "--operators-file",
                 str(state / "operators.toml"), "--audit-log", str(state / "audit.jsonl")])
             urls["dashboard"] = f"http://127.0.0.1:{port + 80}"
         for name, url in urls.items():
             probe = {"dashboard": url + "/_stcore/health"}.get(
                 name, url.replace("/metrics", "/healthz") if "agent" in name else url + "/-/ready")
-            if not wait_http(probe, 60):
+            if not wait_http(probe, 90):
                 print(f"demo: {name} did not come up; see logs in {state}", file=sys.stderr)
                 return 1
         print("ClusterPulse local cluster is up:")
+        print("  nodes        " + ("testbed: a network namespace per node, own IP and hostname"
+                                   if args.testbed else "loopback (add --testbed, as root, for "
+                                   "a network namespace per node)"))
         for name, url in urls.items():
             print(f"  {name:12s} {url}")
         if password:
             print(f"  operator     name 'admin', password '{password}' (hash in "
                   f"{state / 'operators.toml'})")
         if not args.no_job:
-            faults = ("none" if args.scenario == "none" else "rank 1 hangs at step 1500" + (
-                ", GPU 1 of sim-node-0 overheats at 60 s, GPU 3 is lost at 240 s"
-                if args.backend == "sim" else ""))
-            print(f"  job          run 'demo', {args.nodes} node(s) x {args.ranks_per_node} "
-                  f"ranks ({args.backend}); faults: {faults}")
+            print(f"  job          run '{RUN}', {args.nodes} node(s) x {args.ranks_per_node} "
+                  f"ranks ({args.backend})")
+            print("  faults       " + ("none" if not faults else "played in order, each after "
+                                       "the previous one recovered:"))
+            for i, (after, f) in enumerate(faults, 1):
+                print(f"    {i}. {f.describe(names)} ({after:.0f} s after the previous)")
         print(f"  logs         {state}\nPress Ctrl-C to stop.", flush=True)
+        if faults:
+            observer = Observer(prometheus, state / "audit.jsonl", RUN)
+            driver = scenario_mod.Driver(faults, target, observer, names,
+                                         lambda line: print(line, flush=True),
+                                         action_gap_s=policy_window(args.policy))
+            driver.start()
         started = time.time()
         while not stopping:
             problem = stack.check()
@@ -280,7 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         print("demo: stopping ...", flush=True)
-        stack.stop()
+        if driver is not None:
+            driver.stop_event.set()
+            driver.join(timeout=15)
+        exits.close()
         print("demo: stopped, no process left behind.", flush=True)
 
 

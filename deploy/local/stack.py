@@ -1,0 +1,184 @@
+"""The central half of a ClusterPulse deployment on one machine, shared by the loopback
+demo (deploy/local/cluster.py) and the multi-node testbed (deploy/testbed/cluster.py):
+processes that stop together, Prometheus with the project's rules, Alertmanager with the
+project's routing, and the remediation policy receiver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+class Stack:
+    """Processes started in order and stopped in reverse order, all of them. Processes
+    started with `watch=False` may die (a fault does that) without failing `check`."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.procs: list[tuple[str, subprocess.Popen, bool]] = []
+
+    def start(self, name: str, args: Sequence[str], env: dict | None = None,
+              watch: bool = True) -> subprocess.Popen:
+        log = open(self.state / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        try:
+            p = subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                 stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
+                                 start_new_session=True)
+        finally:
+            log.close()
+        self.procs.append((name, p, watch))
+        return p
+
+    def check(self) -> str | None:
+        for name, p, watch in self.procs:
+            if watch and p.poll() is not None:
+                return f"{name} exited with code {p.returncode}; see {self.state / name}.log"
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM each process group, wait, SIGKILL what is left; then SIGKILL every
+        descendant still alive (torchrun starts its workers in sessions of their own,
+        and a stopped, hung worker outlives a torchrun killed before it could reap it)."""
+        family = descendants([p.pid for _, p, _ in self.procs if p.poll() is None])
+        for _name, p, _ in reversed(self.procs):
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.time() + 15
+        for _name, p, _ in reversed(self.procs):
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def descendants(roots: list[int]) -> list[int]:
+    """Every living descendant of `roots` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for central services of concurrent runs)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.3)
+    return False
+
+
+@dataclass
+class Central:
+    """Where the central services listen (all on loopback in the root namespace)."""
+
+    prometheus: str
+    alertmanager: str | None
+    remediation: str
+
+    def urls(self) -> dict[str, str]:
+        out = {"prometheus": self.prometheus}
+        if self.alertmanager:
+            out["alertmanager"] = self.alertmanager
+        return out
+
+
+def secret_file(path: Path) -> Path:
+    """`path`, holding a fresh random token (0600) unless it exists already."""
+    if not path.exists():
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+    return path
+
+
+def telemetry_socket(state: Path, node: str) -> str:
+    """Node `node`'s agent socket address (network namespaces share one filesystem, so
+    each node has its own path): under the state directory unless that path is too
+    long for AF_UNIX (107 bytes)."""
+    base = state / "sockets"
+    if len(str(base)) > 80:
+        base = Path("/tmp") / f"clusterpulse-{os.getuid()}-{state.stat().st_ino}"
+    base.mkdir(mode=0o755, parents=True, exist_ok=True)
+    return f"unix:{base}/{node}.sock"
+
+
+def start_central(stack: Stack, state: Path, agents: list[str], token_file: Path,
+                  prom_port: int, am_port: int, remediation_port: int,
+                  scrape_interval: str = "2s", policy: Path = HERE / "policy.toml",
+                  ) -> Central:
+    """Prometheus scraping `agents` (HOST:PORT) with the project's rules, Alertmanager
+    with the project's routing delivering to the remediation receiver. Raises
+    RuntimeError naming what is missing (Debian `prometheus`)."""
+    prom_bin, am_bin = shutil.which("prometheus"), shutil.which("prometheus-alertmanager")
+    if not prom_bin:
+        raise RuntimeError("prometheus is not installed; run scripts/setup.sh")
+    rules = sorted((REPO / "deploy" / "prometheus").glob("*rules.yml"))
+    config = (HERE / "prometheus.yml.tmpl").read_text().format(
+        scrape_interval=scrape_interval,
+        rule_files="\n".join(f"  - {r}" for r in rules) or "  []",
+        alertmanager=f"127.0.0.1:{am_port}",
+        agents=json.dumps(agents),
+    )
+    (state / "prometheus.yml").write_text(config)
+    stack.start("prometheus", [prom_bin, f"--config.file={state / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={state / 'prometheus-data'}",
+                               f"--web.listen-address=127.0.0.1:{prom_port}"])
+    hook_token_file = secret_file(state / "webhook-token")  # Alertmanager -> remediation
+    am_config = state / "alertmanager.yml"  # the project's config, webhook on our port
+    am_config.write_text((REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text()
+                         .replace("127.0.0.1:19495", f"127.0.0.1:{remediation_port}")
+                         .replace("/etc/clusterpulse/webhook-token", str(hook_token_file)))
+    if am_bin:
+        stack.start("alertmanager", [am_bin, f"--config.file={am_config}",
+                                     f"--storage.path={state / 'alertmanager-data'}",
+                                     f"--web.listen-address=127.0.0.1:{am_port}",
+                                     "--cluster.listen-address="])
+    prometheus = f"http://127.0.0.1:{prom_port}"
+    stack.start("remediation", [
+        sys.executable, "-m", "dashboard.remediation", "--policy", str(policy),
+        "--listen", f"127.0.0.1:{remediation_port}", "--prometheus", prometheus,
+        "--token-file", str(token_file), "--audit-log", str(state / "audit.jsonl"),
+        "--webhook-token-file", str(hook_token_file),
+        "--history", str(state / "alert-history.jsonl")])
+    return Central(prometheus, f"http://127.0.0.1:{am_port}" if am_bin else None,
+                   f"http://127.0.0.1:{remediation_port}")

@@ -1,0 +1,154 @@
+"""A fault scenario played in order: each fault waits until the previous one was
+detected, acted on and recovered from, so every fault announced actually plays.
+
+Scenario file (TOML), used by the demo (deploy/local/scenario.toml):
+
+    [[fault]]
+    kind = "gpu_overheat"   # see deploy/testbed/faults.py
+    node = 0                # node index
+    gpu = 1                 # GPU faults: the GPU (its local rank's GPU to hit a rank)
+    seconds = 120           # transient faults: how long they last
+    after_s = 60            # pause before it (after the previous fault recovered)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+
+from deploy.testbed.faults import EXPECT, TESTBED_ONLY, Fault, Observer, Outcome, Target, play, undo
+
+
+class ScenarioError(ValueError):
+    """The scenario file is invalid; the message names the problem."""
+
+
+def load(path: Path, nodes: int, gpus: int, testbed: bool) -> list[tuple[float, Fault]]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as err:
+        raise ScenarioError(f"cannot read scenario {path}: {err.strerror}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ScenarioError(f"scenario {path} is not valid TOML: {err}") from None
+    out = []
+    for i, raw in enumerate(data.get("fault", [])):
+        where = f"scenario {path}, fault #{i + 1}"
+        if not isinstance(raw, dict):
+            raise ScenarioError(f"{where}: must be a [[fault]] table")
+        unknown = set(raw) - {"kind", "node", "gpu", "seconds", "after_s"}
+        if unknown:
+            raise ScenarioError(f"{where}: unknown fields {', '.join(sorted(unknown))}")
+        kind = raw.get("kind")
+        if kind not in EXPECT:
+            raise ScenarioError(f"{where}: unknown kind {kind!r}; known: {', '.join(EXPECT)}")
+        if kind in TESTBED_ONLY and not testbed:
+            raise ScenarioError(f"{where}: {kind} needs the multi-node testbed (--testbed)")
+        node, gpu = raw.get("node", 0), raw.get("gpu", 0)
+        if not isinstance(node, int) or not 0 <= node < nodes:
+            raise ScenarioError(f"{where}: 'node' must be in 0..{nodes - 1}, got {node!r}")
+        if not isinstance(gpu, int) or not 0 <= gpu < gpus:
+            raise ScenarioError(f"{where}: 'gpu' must be in 0..{gpus - 1}, got {gpu!r}")
+        seconds, after = raw.get("seconds", 60), raw.get("after_s", 30)
+        for name, v in (("seconds", seconds), ("after_s", after)):
+            if not isinstance(v, int | float) or v < 0:
+                raise ScenarioError(f"{where}: {name!r} must be a number >= 0, got {v!r}")
+        out.append((float(after), Fault(kind, node, gpu, float(seconds))))
+    return out
+
+
+class Driver(threading.Thread):
+    """Plays the faults in order in the background, printing each fault as it starts
+    and then its detection, action and recovery (or what is missing at the deadline)."""
+
+    def __init__(self, faults: list[tuple[float, Fault]], target: Target, observer: Observer,
+                 names: list[str], say: Callable[[str], None], deadline_s: float = 600,
+                 action_gap_s: float = 0.0) -> None:
+        super().__init__(daemon=True, name="fault-driver")
+        self.faults, self.target, self.obs = faults, target, observer
+        self.names, self.say, self.deadline_s = names, say, deadline_s
+        self.action_gap_s = action_gap_s  # the policy's rate-limit window
+        self.stop_event = threading.Event()
+        self.outcomes: list[Outcome] = []
+
+    def run(self) -> None:
+        total = len(self.faults)
+        try:
+            self._wait_for_progress()
+            for i, (after, fault) in enumerate(self.faults, 1):
+                if self.stop_event.wait(after):
+                    return
+                if EXPECT[fault.kind][1]:  # the policy acts at most once per window
+                    gap = self.obs.last_action() + self.action_gap_s + 2 - time.time()
+                    if gap > 0 and self.stop_event.wait(gap):
+                        return
+                play(fault, self.target)
+                self.say(f"fault {i}/{total}: {fault.describe(self.names)}")
+                o = Outcome(fault)
+                self.outcomes.append(o)
+                self._follow(o)
+                self._settle(o)
+        except Exception as err:  # a driver failure must not take the demo down
+            self.say(f"fault driver stopped: {type(err).__name__}: {err}")
+
+    def _settle(self, o: Outcome) -> None:
+        """Wait until the fault's alerts have resolved, so that the next fault's
+        detection is its own (a cooling GPU keeps its rank straggling for a while)."""
+        names = EXPECT[o.fault.kind][0]
+        end = time.time() + self.deadline_s
+        while names and time.time() < end and not self.stop_event.is_set():
+            try:
+                if not self.obs.firing(names, self.names[o.fault.node]):
+                    return
+            except OSError:
+                pass
+            self.stop_event.wait(2)
+
+    def _wait_for_progress(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                if (self.obs.step() or 0) > 0:
+                    return
+            except OSError:
+                pass
+            self.stop_event.wait(2)
+
+    def _follow(self, o: Outcome) -> None:
+        name = self.names[o.fault.node]
+        alerts, action = EXPECT[o.fault.kind]
+        undone = False
+        said: set[str] = set()
+        end = time.time() + self.deadline_s
+        while not self.stop_event.wait(1) and time.time() < end:
+            try:
+                self.obs.update(o, name)
+            except OSError:
+                continue
+            if not undone and o.fault.kind in ("partition", "slow_link", "agent_kill",
+                                                "node_death") \
+                    and time.time() - o.fault.at >= o.fault.seconds:
+                undo(o.fault, self.target)
+                undone = True
+            if o.detected_at and "d" not in said:
+                said.add("d")
+                self.say(f"  detected: {o.alert} after {o.detect_s:.0f} s")
+            if o.acted_at and "a" not in said:
+                said.add("a")
+                self.say(f"  action:   {o.action} (remediation) after "
+                         f"{o.acted_at - o.fault.at:.0f} s")
+            if o.recovered_at and "r" not in said:
+                said.add("r")
+                self.say(f"  recovered: step {self.obs.step()} after {o.recover_s:.0f} s "
+                         f"({o.recomputed} steps recomputed)")
+            done = (not alerts or o.detected_at) and (not action or o.acted_at) \
+                and o.recovered_at
+            if done and (undone or o.fault.kind not in ("partition", "slow_link",
+                                                        "agent_kill", "node_death")):
+                return
+        if not self.stop_event.is_set():
+            missing = [w for w, ok in (("detection", not alerts or o.detected_at),
+                                       ("action", not action or o.acted_at),
+                                       ("recovery", o.recovered_at)) if not ok]
+            self.say(f"  NOT SEEN within {self.deadline_s:.0f} s: {', '.join(missing)}")

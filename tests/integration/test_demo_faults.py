@@ -1,0 +1,108 @@
+"""The demo plays every fault it announces, in order, each detected and acted on.
+
+The demo used to announce "rank 1 hangs at step 1500", but the graceful restart that
+the thermal straggler triggered started a new attempt and the hang (first attempt
+only) never happened. Here the demo runs with its own options for a compressed
+timing (--scenario, --policy, --scrape-interval); every fault it prints must be
+followed by the alert that detects it and the remediation action, before the next.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from deploy.testbed.faults import EXPECT
+from tests.support.procs import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SCENARIO = """
+[[fault]]
+kind = "rank_hang"
+node = 1
+after_s = 5
+
+[[fault]]
+kind = "gpu_lost"
+node = 1
+gpu = 0
+seconds = 40
+after_s = 5
+
+[[fault]]
+kind = "gpu_overheat"
+node = 0
+gpu = 0
+seconds = 60
+after_s = 5
+"""
+
+POLICY = """
+dry_run = false
+max_actions_per_run = 1
+window_s = 20
+
+[[rule]]
+alert = "RankHung"
+action = "restart"
+
+[[rule]]
+alert = "TrainingStraggler"
+action = "checkpoint-restart"
+sustained_s = 10
+
+[[rule]]
+alert = "GpuDown"
+action = "restart"
+"""
+
+
+def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
+    (tmp_path / "scenario.toml").write_text(SCENARIO)
+    (tmp_path / "policy.toml").write_text(POLICY)
+    base = random.randrange(40000, 49000, 100)
+    p = subprocess.Popen(
+        [sys.executable, "deploy/local/cluster.py", "--state-dir", str(tmp_path / "state"),
+         "--base-port", str(base), "--no-dashboard", "--scrape-interval", "1s",
+         "--scenario", str(tmp_path / "scenario.toml"), "--policy", str(tmp_path / "policy.toml")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        for line in p.stdout:
+            lines.append(line.rstrip("\n"))
+            if "NOT SEEN" in line or "driver stopped" in line or (
+                    line.startswith("  recovered:") and
+                    sum(x.startswith("fault ") for x in lines) == 3):
+                done.set()
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        done.wait(timeout=1500)
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=90)
+    out = "\n".join(lines)
+    announced = re.findall(r"^    \d+\. (.+) \(\d+ s after the previous\)$", out, re.M)
+    assert len(announced) == 3, out
+    played = [i for i, line in enumerate(lines) if re.match(r"fault \d+/3: ", line)]
+    assert [lines[i].split(": ", 1)[1] for i in played] == announced, out  # all, in order
+    kinds = ["rank_hang", "gpu_lost", "gpu_overheat"]
+    for n, (start, kind) in enumerate(zip(played, kinds, strict=True)):
+        end = played[n + 1] if n + 1 < len(played) else len(lines)
+        block = "\n".join(lines[start:end])
+        alerts, action = EXPECT[kind]
+        detected = re.search(r"detected: (\w+)", block)
+        assert detected and detected.group(1) in alerts, block
+        assert f"action:   {action} (remediation)" in block, block
+        assert "recovered: step" in block, block
+    assert "NOT SEEN" not in out
