@@ -81,7 +81,7 @@ def test_tutorial_through_slow_data_graceful_restart_and_crash(tmp_path):
     log = tmp_path / "tutorial.log"
     p = start_logged(launcher_cmd(2, 1, [EPOCHS, "2", "--snapshot", str(tmp_path / "s.pt"),
                                          "--run-id", "tut"], script=str(SCRIPT)), log, tmp_path,
-                     {"CLUSTERPULSE_AGENT": f"127.0.0.1:{running.telemetry_port}"})
+                     {"CLUSTERPULSE_AGENT": running.telemetry})
     stop = threading.Event()
     try:
         def ranks() -> dict:
