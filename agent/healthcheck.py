@@ -185,7 +185,7 @@ def _xid(text: str) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     env = os.environ
     p = argparse.ArgumentParser(
         prog="clusterpulse-healthcheck", epilog=EXAMPLES,
@@ -211,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node", default=env.get("SLURMD_NODENAME") or socket.gethostname(),
                    help="Slurm node name for --drain (default: $SLURMD_NODENAME, "
                    "else the hostname)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.timeout <= 0 or a.max_age <= 0:
         p.error("--timeout and --max-age must be positive")

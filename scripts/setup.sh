@@ -15,10 +15,14 @@ command -v prometheus >/dev/null || missing+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || missing+=(prometheus-alertmanager)
 command -v chromium >/dev/null || missing+=(chromium)
 python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+# A real Slurm for the testbed's scheduler tests (deploy/testbed/slurm.py).
+command -v slurmctld >/dev/null || missing+=(slurm-wlm)
+command -v munged >/dev/null || missing+=(munge)
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing Debian packages: ${missing[*]}"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get -o DPkg::Lock::Timeout=900 install -y -qq \
+    --no-install-recommends \
     "${missing[@]}" >/dev/null
   # Debian's packages start system services where systemd runs; ours use their own ports.
 fi
