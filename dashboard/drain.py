@@ -16,6 +16,9 @@ Policy (in the remediation policy TOML):
     requeue = true       # also requeue the jobs running on the node (default false)
     max_drained = 1      # never hold more than this many nodes drained by us at once
 
+A node already drained (by its health check, an admin or us) keeps its reason, which
+names the first cause; `requeue` still moves the jobs left on it.
+
 `max_drained` is the guard draino-style drainers keep: an alert storm (or a broken
 exporter) must not empty the cluster. Nodes count as ours by their Reason prefix, so
 they stay drained until an operator resumes them (`scontrol update NodeName=X
@@ -91,6 +94,11 @@ def drained_by_us() -> set[str]:
     return nodes
 
 
+def is_drained(node: str) -> bool:
+    state = slurm("sinfo", "-h", "-N", "-n", node, "-o", "%T").split()
+    return any("drain" in st for st in state)
+
+
 def jobs_on(node: str) -> list[str]:
     out = slurm("squeue", "-h", "-t", "RUNNING,CONFIGURING", "-w", node, "-o", "%i")
     return [j for j in out.split() if j]
@@ -114,7 +122,9 @@ class Drainer:
         reason = f"{REASON_PREFIX} {name}" + (f" gpu {labels['gpu']}" if "gpu" in labels else "")
         try:
             ours = drained_by_us()
-            if node in ours:
+            if node in ours or is_drained(node):
+                # Drained already (by us, the node's health check or an admin): keep its
+                # reason, which names the first cause; the running jobs still need moving.
                 outcome, detail = "already_drained", ""
             elif len(ours) >= self.settings.max_drained:
                 outcome = "rate_limited"
@@ -123,14 +133,17 @@ class Drainer:
             elif self.dry_run:
                 outcome, detail = "dry_run", ""
             else:
-                slurm("scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}")
+                slurm("scontrol", "update", f"NodeName={node}", "State=DRAIN",
+                      f"Reason={reason}")
+                outcome, detail = "acted", ""
+            if (outcome in ("acted", "already_drained") and self.settings.requeue
+                    and not self.dry_run):
                 requeued = []
-                if self.settings.requeue:
-                    for job in jobs_on(node):
-                        slurm("scontrol", "requeue", job)
-                        requeued.append(job)
-                outcome, detail = "acted", (f"requeued jobs {', '.join(requeued)}"
-                                            if requeued else "")
+                for job in jobs_on(node):
+                    slurm("scontrol", "requeue", job)
+                    requeued.append(job)
+                if requeued:
+                    detail = f"requeued jobs {', '.join(requeued)}"
         except DrainError as err:
             outcome, detail = "failed", str(err)
         self.audit.write("policy", "drain-node", why, outcome, source="remediation",

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "scontrol", "sbatch", "squeue", "sinfo")
 
 
@@ -44,12 +45,13 @@ class SlurmError(RuntimeError):
 class SlurmNode:
     name: str  # Slurm NodeName, also the node's hostname on the testbed
     addr: str  # its IP on the bridge
-    netns: str  # network namespace: a name under /run/netns or a path
+    enter: tuple[str, ...]  # command prefix that runs a program inside the node
     cpus: int = 2
 
-    @property
-    def netns_path(self) -> str:
-        return self.netns if "/" in self.netns else f"/run/netns/{self.netns}"
+    @classmethod
+    def of(cls, node) -> SlurmNode:
+        """From a testbed node (deploy.testbed.Node): its hostname, IP and nsenter."""
+        return cls(node.name, node.ip, tuple(node.command([])))
 
 
 def unavailable() -> str | None:
@@ -61,6 +63,20 @@ def unavailable() -> str | None:
         return (f"Slurm/munge not installed (missing {', '.join(missing)}); "
                 "scripts/setup.sh installs Debian's slurm-wlm and munge")
     return None
+
+
+def write_health_check(run_dir: Path, healthcheck: Path, agent_url: str) -> Path:
+    """A HealthCheckProgram for this run: the shipped deploy/slurm/healthcheck.sh with
+    an env file in the run directory (slurmd passes no environment but
+    SLURMD_NODENAME, and HealthCheckProgram takes no arguments)."""
+    env = run_dir / "healthcheck.env"
+    env.write_text(f"CLUSTERPULSE_HEALTHCHECK={healthcheck}\n"
+                   f"CLUSTERPULSE_AGENT_URL={agent_url}\nSLURM_CONF={run_dir / 'slurm.conf'}\n")
+    program = run_dir / "healthcheck"
+    program.write_text(f"#!/bin/sh\nCLUSTERPULSE_HEALTHCHECK_ENV={env} exec "
+                       f"{REPO / 'deploy/slurm/healthcheck.sh'}\n")
+    program.chmod(0o755)
+    return program
 
 
 def cgroups_writable() -> bool:
@@ -138,6 +154,16 @@ class SlurmCluster:
         return env
 
     @classmethod
+    def on_testbed(cls, bed, run_dir: Path, **kw) -> SlurmCluster:
+        """A Slurm on every node of a running deploy.testbed.Testbed, slurmctld on its
+        bridge address at a free port."""
+        with socket.socket() as s:
+            s.bind((bed.bridge_ip, 0))
+            port = s.getsockname()[1]
+        return cls.start(run_dir, [SlurmNode.of(n) for n in bed.nodes], bed.bridge_ip,
+                         port, **kw)
+
+    @classmethod
     def start(cls, run_dir: Path, nodes: Sequence[SlurmNode], ctl_addr: str,
               ctl_port: int = 6817, health_check: Path | None = None,
               health_interval: int = 5, kill_wait: int = 30, proctrack: str | None = None,
@@ -156,9 +182,8 @@ class SlurmCluster:
             cluster._start_munged()
             cluster._spawn("slurmctld", ["slurmctld", "-D", "-i"], None)
             for n in nodes:
-                cluster._spawn(f"slurmd-{n.name}",
-                               ["nsenter", f"--net={n.netns_path}", "slurmd", "-D", "-N",
-                                n.name], n)
+                cluster._spawn(f"slurmd-{n.name}", [*n.enter, "slurmd", "-D", "-N", n.name],
+                               n)
             cluster.wait_idle(timeout)
         except BaseException:
             cluster.stop()
@@ -204,9 +229,10 @@ class SlurmCluster:
         return path.read_text(errors="replace") if path.exists() else ""
 
     # -- commands ----------------------------------------------------------------------
-    def run(self, *args: str, check: bool = True, timeout: float = 60) -> str:
-        r = subprocess.run(list(args), capture_output=True, text=True, env=self.env(),
-                           timeout=timeout)
+    def run(self, *args: str, check: bool = True, timeout: float = 60,
+            env: dict[str, str] | None = None) -> str:
+        r = subprocess.run(list(args), capture_output=True, text=True,
+                           env={**self.env(), **(env or {})}, timeout=timeout)
         if check and r.returncode != 0:
             raise SlurmError(f"{' '.join(args)} failed ({r.returncode}): "
                              f"{(r.stderr or r.stdout).strip()}")
@@ -237,8 +263,9 @@ class SlurmCluster:
         raise SlurmError(f"nodes not idle after {timeout:.0f} s: {states}; slurmctld log: "
                          f"{self.log('slurmctld')[-800:]}")
 
-    def sbatch(self, script: Path, *args: str) -> str:
-        out = self.run("sbatch", "--parsable", *args, str(script))
+    def sbatch(self, script: Path, *args: str, env: dict[str, str] | None = None) -> str:
+        """Submit; `env` is added to the environment the job inherits. The job id."""
+        out = self.run("sbatch", "--parsable", *args, str(script), env=env)
         return out.strip().split(";")[0]
 
     def job(self, job_id: str) -> dict[str, str]:
