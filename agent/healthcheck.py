@@ -162,9 +162,10 @@ examples:
   # ask the local agent; print OK or the reasons
   clusterpulse-healthcheck --agent http://127.0.0.1:9400
 
-  # as Slurm's HealthCheckProgram (see deploy/slurm/healthcheck.sh): drain on a problem,
-  # resume the node when healthy again if this check drained it
+  # drain on a problem, resume the node when healthy again if this check drained it
   clusterpulse-healthcheck --drain
+  # the same as Slurm's HealthCheckProgram (deploy/slurm/healthcheck.sh)
+  clusterpulse-healthcheck --drain --detach
 
   # as a Kubernetes Node Problem Detector custom plugin
   # (deploy/kubernetes/node-problem-detector/)
@@ -208,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain", action="store_true",
                    help="drain this node in Slurm on a problem (and resume it once healthy "
                    "if this check drained it)")
+    p.add_argument("--detach", action="store_true",
+                   help="with --drain: update Slurm from a detached child and exit at once. "
+                   "Needed as HealthCheckProgram: slurmd waits for the program while "
+                   "slurmctld waits for slurmd, so a synchronous scontrol stalls until "
+                   "timeouts (what NHC's detached mode is for)")
     p.add_argument("--node", default=env.get("SLURMD_NODENAME") or socket.gethostname(),
                    help="Slurm node name for --drain (default: $SLURMD_NODENAME, "
                    "else the hostname)")
@@ -223,6 +229,18 @@ def main(argv: list[str] | None = None) -> int:
     verdict = check(url, a.timeout, a.max_age, CRITICAL_XIDS | frozenset(a.xid), a.ecc_max)
     print(verdict.message if verdict.status == OK else
           f"ERROR: clusterpulse-healthcheck: {verdict.message}", flush=True)
+    if a.drain and a.detach:
+        if os.fork() != 0:
+            return verdict.status
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # slurmd reads our output until EOF: release it
+            os.dup2(devnull, fd)
+        try:
+            apply_to_slurm(a.node, verdict)
+        except (SlurmError, subprocess.TimeoutExpired):
+            os._exit(1)
+        os._exit(0)
     if a.drain:
         try:
             done = apply_to_slurm(a.node, verdict)

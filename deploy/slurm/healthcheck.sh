@@ -22,4 +22,4 @@ if [ -r "$envfile" ]; then
   set +a
 fi
 exec "${CLUSTERPULSE_HEALTHCHECK:-/opt/clusterpulse/.venv/bin/clusterpulse-healthcheck}" \
-  --drain "$@"
+  --drain --detach "$@"

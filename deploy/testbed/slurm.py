@@ -28,6 +28,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -67,7 +68,7 @@ def unavailable() -> str | None:
 
 def write_health_check(run_dir: Path, healthcheck: Path, agent_url: str) -> Path:
     """A HealthCheckProgram for this run: the shipped deploy/slurm/healthcheck.sh with
-    an env file in the run directory (slurmd passes no environment but
+    an env file in the cluster's run directory (slurmd passes no environment but
     SLURMD_NODENAME, and HealthCheckProgram takes no arguments)."""
     env = run_dir / "healthcheck.env"
     env.write_text(f"CLUSTERPULSE_HEALTHCHECK={healthcheck}\n"
@@ -165,7 +166,7 @@ class SlurmCluster:
 
     @classmethod
     def start(cls, run_dir: Path, nodes: Sequence[SlurmNode], ctl_addr: str,
-              ctl_port: int = 6817, health_check: Path | None = None,
+              ctl_port: int = 6817, health_check_agent: str | None = None,
               health_interval: int = 5, kill_wait: int = 30, proctrack: str | None = None,
               timeout: float = 90) -> SlurmCluster:
         reason = unavailable()
@@ -177,6 +178,11 @@ class SlurmCluster:
         for n in nodes:
             (run_dir / "nodes" / n.name).mkdir(parents=True, exist_ok=True)
         cluster = cls(run_dir, list(nodes), ctl_addr, ctl_port, proctrack)
+        health_check = None
+        if health_check_agent:  # clusterpulse-healthcheck of this interpreter's install
+            health_check = write_health_check(
+                run_dir, Path(sys.executable).parent / "clusterpulse-healthcheck",
+                health_check_agent)
         try:
             cluster._write_config(health_check, health_interval, kill_wait)
             cluster._start_munged()

@@ -19,7 +19,7 @@ import requests
 from agent.audit import AuditLog
 from dashboard.promclient import PrometheusClient
 from dashboard.remediation import Policy, Remediator
-from deploy.testbed.slurm import SlurmCluster, unavailable, write_health_check
+from deploy.testbed.slurm import SlurmCluster, unavailable
 from tests.support.procs import REPO, wait_until
 from trainer.checkpoint import find_latest_valid
 
@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 TOKEN = "slurm-testbed-token-0123456789"
 SBATCH = REPO / "deploy/slurm/train.sbatch"
 VENV = Path(sys.executable).parent.parent
+LONG_JOB = "--preset tiny --steps 400 --ckpt-every 10 --log-every 5 --sim-compute-seconds 0.1"
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
@@ -47,9 +48,8 @@ def slurm(bed, tmp_path_factory):
     for n in bed.nodes:
         wait_until(lambda n=n: requests.get(f"http://{n.ip}:9400/healthz", timeout=2).ok,
                    60, f"service agent on {n.name}")
-    program = write_health_check(run, VENV / "bin" / "clusterpulse-healthcheck",
-                                 "http://127.0.0.1:9400")
-    cluster = SlurmCluster.on_testbed(bed, run / "slurm", health_check=program,
+    cluster = SlurmCluster.on_testbed(bed, run / "slurm",
+                                      health_check_agent="http://127.0.0.1:9400",
                                       health_interval=10, kill_wait=30)
     yield cluster
     cluster.stop()
@@ -122,8 +122,7 @@ def test_sbatch_runs_agent_step_and_torchrun_on_every_node(slurm, bed):
 
 
 def test_usr1_before_time_limit_requeues_and_resumes_from_checkpoint(slurm):
-    job, out, ckpt = submit(slurm, "preempt", 2, "--preset tiny --steps 400 --ckpt-every 10 --log-every 5 "
-                            "--sim-compute-seconds 0.1", CLUSTERPULSE_AGENT_SERVICE="1")
+    job, out, ckpt = submit(slurm, "preempt", 2, LONG_JOB, CLUSTERPULSE_AGENT_SERVICE="1")
     wait_state(slurm, job, ("RUNNING",), 120, out)
     wait_until(lambda: (f := find_latest_valid(ckpt)) and f.step >= 20, 180,
                "a checkpoint at step >= 20")
@@ -140,8 +139,7 @@ def test_usr1_before_time_limit_requeues_and_resumes_from_checkpoint(slurm):
 
 def test_failing_gpu_drains_node_and_requeued_job_runs_on_the_rest(slurm, bed, monkeypatch):
     nodes = {n.name: n for n in bed.nodes}
-    job, out, ckpt = submit(slurm, "drain", 2, "--preset tiny --steps 400 --ckpt-every 10 --log-every 5 "
-                            "--sim-compute-seconds 0.1", CLUSTERPULSE_AGENT_SERVICE="1")
+    job, out, ckpt = submit(slurm, "drain", 2, LONG_JOB, CLUSTERPULSE_AGENT_SERVICE="1")
     info = wait_state(slurm, job, ("RUNNING",), 120, out)
     first = slurm.hostnames(info["NodeList"])
     wait_until(lambda: (f := find_latest_valid(ckpt)) and f.step >= 10, 180,
