@@ -5,13 +5,20 @@ Layout under the checkpoint directory:
     .tmp-step-00000050/     being written; never loaded, removed at the next start
     run-state.json          restart accounting (trainer.runstate)
 
-Every rank writes its shards into the temporary directory; when DCP's save has
-finished on rank 0 (which happens only after every rank's write, because rank 0
-writes DCP's metadata last), rank 0 checksums the files, writes the manifest,
-fsyncs, renames the directory to its final name (atomic on POSIX) and prunes to
-the newest K. A crash at any instant leaves at most a temporary directory behind and
-the previous checkpoint intact. Resume verifies manifests newest first and falls back
-past any that is corrupt or incomplete, saying so in the log.
+Every rank writes its shards into the temporary directory, then checksums the files
+it wrote itself (while they are hot in its page cache) into
+`checksums-rank<R>.json`, fsynced. Rank 0 builds the manifest from DCP's own
+metadata (`.metadata`: the list of every storage file, not a directory listing,
+which NFS may cache), waits until every file DCP lists has a checksum from its
+writer, writes the manifest, fsyncs, renames the directory to its final name
+(atomic on POSIX) and prunes to the newest K. Nobody re-reads the whole checkpoint
+at save time. A crash at any instant leaves at most a temporary directory behind and
+the previous checkpoint intact.
+
+Resume verifies in parallel: rank r hashes every world-th file, the ranks agree, and
+a checkpoint any rank finds corrupt or incomplete is skipped (logged, newest first).
+One that verifies but does not load (`dcp.load` raises on some rank) is skipped too
+(trainer.main), so a bad checkpoint is a fallback, not a crash loop.
 
 Async saves (`async_save`) stage the state to host memory (the only part that blocks
 training), then write in DCP's background thread, on a separate gloo group so that
@@ -20,6 +27,7 @@ checkpoint collectives never interleave with training collectives.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,7 +36,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,17 +80,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def verify(path: Path) -> str | None:
-    """None if the checkpoint at `path` is complete and intact, else what is wrong."""
+def rank_sums_name(rank: int) -> str:
+    return f"checksums-rank{rank}.json"
+
+
+def dcp_files(path: Path) -> list[str]:
+    """The storage files DCP's metadata lists for the checkpoint at `path`."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    md = FileSystemReader(str(path)).read_metadata()
+    return sorted({si.relative_path for si in md.storage_data.values()})
+
+
+def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
+    """None if this rank's share of the checkpoint at `path` is intact, else what is
+    wrong. Rank r hashes every world-th file of the manifest; the ranks agree."""
     manifest_path = path / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
+        if not isinstance(files, dict):
+            raise TypeError
     except FileNotFoundError:
         return "no manifest (incomplete write)"
     except (ValueError, KeyError, TypeError):
         return "manifest unreadable"
-    for rel, digest in files.items():
+    for i, (rel, digest) in enumerate(sorted(files.items())):
+        if i % world != rank:
+            continue
         f = path / rel
         if not f.is_file():
             return f"file {rel} missing"
@@ -91,24 +116,37 @@ def verify(path: Path) -> str | None:
     return None
 
 
+def candidates(root: Path) -> list[Found]:
+    """Published checkpoints, newest first."""
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and p.name.startswith("step-"):
+                try:
+                    out.append(Found(int(p.name[5:]), p))
+                except ValueError:
+                    continue
+    return sorted(out, key=lambda f: f.step, reverse=True)
+
+
+def iter_valid(root: Path, rank: int = 0, world: int = 1,
+               agree: Callable[[bool], bool] = lambda ok: ok) -> Iterator[Found]:
+    """Checkpoints that every rank verified, newest first (collective when `agree`
+    is; every rank must iterate the same way). Logs each one skipped and why."""
+    for found in candidates(root):
+        problem = verify(found.path, rank, world)
+        if problem is not None:
+            log.warning("checkpoint %s is unusable (%s); falling back to an older one",
+                        found.path.name, problem)
+            print(f"trainer: checkpoint {found.path.name} is unusable ({problem}); "
+                  "falling back to an older one", flush=True)
+        if agree(problem is None):
+            yield found
+
+
 def find_latest_valid(root: Path) -> Found | None:
-    """The newest checkpoint that verifies; logs each one skipped and why."""
-    if not root.is_dir():
-        return None
-    candidates = []
-    for p in root.iterdir():
-        if p.is_dir() and p.name.startswith("step-"):
-            try:
-                candidates.append((int(p.name[5:]), p))
-            except ValueError:
-                continue
-    for step, path in sorted(candidates, reverse=True):
-        problem = verify(path)
-        if problem is None:
-            return Found(step, path)
-        log.warning("checkpoint %s is unusable (%s); falling back to an older one", path.name,
-                    problem)
-    return None
+    """The newest checkpoint that verifies (one process checks every file)."""
+    return next(iter_valid(root), None)
 
 
 class CheckpointManager:
@@ -128,6 +166,7 @@ class CheckpointManager:
         self.blocking_seconds_total = 0.0
         self.last_blocking_seconds = 0.0
         self.failures = 0
+        self.publish_timeout_s = 300.0
         self._pending: tuple[int, threading.Event] | None = None
         # The save plan and the staging buffers are the same every time: cache them, so an
         # async save blocks training only for the copy into host memory.
@@ -174,6 +213,7 @@ class CheckpointManager:
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
                 if kill_midway:  # the data is written but not yet published
                     os.kill(os.getpid(), signal.SIGKILL)
+                self._write_own_sums(tmp)
                 if self.rank == 0:
                     self._publish(step, tmp)
                 else:
@@ -196,6 +236,7 @@ class CheckpointManager:
         """Runs in DCP's writer thread once this rank's write is over."""
         try:
             fut.result()
+            self._write_own_sums(tmp)
             if self.rank == 0:
                 self._publish(step, tmp)
             else:
@@ -212,15 +253,46 @@ class CheckpointManager:
         with self._lock:
             self.committed_step, self.committed_unix = step, time.time()
 
-    def _publish(self, step: int, tmp: Path) -> None:
-        self.before_publish(step)
-        files = {}
-        for f in sorted(tmp.rglob("*")):
+    def _write_own_sums(self, tmp: Path) -> None:
+        """Checksum the files this rank wrote (DCP names them __<rank>_<n>.distcp)."""
+        sums = {}
+        for f in sorted(tmp.glob(f"__{self.rank}_*")):
             if f.is_file():
-                files[str(f.relative_to(tmp))] = _sha256(f)
+                sums[f.name] = _sha256(f)
                 with open(f, "rb+") as fh:
                     os.fsync(fh.fileno())
+        out = tmp / rank_sums_name(self.rank)
+        with open(out.with_suffix(".tmp"), "w") as fh:
+            json.dump({"rank": self.rank, "files": sums}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(out.with_suffix(".tmp"), out)
+
+    def _gather_sums(self, tmp: Path, files: list[str]) -> dict[str, str]:
+        """Every file's checksum from its writer; waits for writers still hashing."""
+        deadline = time.monotonic() + self.publish_timeout_s
+        sums: dict[str, str] = {}
+        while True:
+            for f in tmp.glob("checksums-rank*.json"):
+                with contextlib.suppress(OSError, ValueError):
+                    sums.update(json.loads(f.read_text())["files"])
+            missing = [f for f in files if f not in sums]
+            if not missing:
+                return {f: sums[f] for f in files}
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"no checksum from the writer of {missing[0]} "
+                                      f"({len(missing)} files) after "
+                                      f"{self.publish_timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def _publish(self, step: int, tmp: Path) -> None:
+        self.before_publish(step)
+        files = self._gather_sums(tmp, dcp_files(tmp))  # the list comes from DCP
+        files[".metadata"] = _sha256(tmp / ".metadata")
+        with open(tmp / ".metadata", "rb+") as fh:
+            os.fsync(fh.fileno())
         manifest = {"step": step, "created_unix": time.time(), "files": files,
+                    "files_from": "dcp-metadata",
                     "world_size": dist.get_world_size() if dist.is_initialized() else 1}
         with open(tmp / MANIFEST, "w") as fh:
             json.dump(manifest, fh, indent=1)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.faults import InjectError, Injection, parse_injection
+from trainer.instrument import check_run_id
 from trainer.model import PRESETS
 from trainer.telemetry import parse_agent_addr
 
@@ -101,6 +102,11 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         raise ConfigError(str(err)) from None
     if a.steps < 1 or a.global_batch < 1 or a.consensus_every < 1 or a.keep < 1:
         raise ConfigError("--steps, --global-batch, --consensus-every and --keep must be >= 1")
+    run_id = a.run_id or a.ckpt_dir.resolve().name
+    try:
+        check_run_id(run_id)
+    except ValueError as err:
+        raise ConfigError(f"{err} (set --run-id)") from None
     if a.ckpt_every < 0 or a.ckpt_every_seconds < 0:
         raise ConfigError("--ckpt-every and --ckpt-every-seconds must be >= 0")
     return TrainConfig(
@@ -108,7 +114,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         warmup_steps=a.warmup_steps, seed=a.seed, parallel=a.parallel,
         ckpt_dir=a.ckpt_dir.resolve(), ckpt_every=a.ckpt_every,
         ckpt_every_seconds=a.ckpt_every_seconds, keep=a.keep, async_ckpt=a.async_ckpt,
-        summary_json=a.summary_json, run_id=a.run_id or a.ckpt_dir.resolve().name,
+        summary_json=a.summary_json, run_id=run_id,
         agent=agent, consensus_every=a.consensus_every,
         sim_compute_seconds=a.sim_compute_seconds, collective_timeout_s=a.collective_timeout,
         log_every=a.log_every, injections=injections,

@@ -1,9 +1,11 @@
 """One small collective every few steps: restart agreement plus straggler scores.
 
-Every `every` steps each rank contributes [restart wanted?, its median compute time
-over the window]; one all_gather of 2 floats per rank gives every rank
+Every `every` steps each rank contributes [flags, its median compute time over the
+window]; one all_gather of 2 floats per rank, on a CPU (gloo) group and read back
+once, gives every rank
 - the decision: restart if any rank heard a restart command (so all stop at the same
-  step even if only one node's agent got the command), and
+  step even if only one node's agent got the command); likewise a SIGTERM seen by
+  any rank (preemption) and a time-based checkpoint wanted by any rank; and
 - its straggler score: its median compute time over the (lower) median of all ranks'
   medians.
   Medians over a window ignore single noisy or checkpoint steps; dividing by the
@@ -37,35 +39,38 @@ class Consensus:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def exchange(self, want_restart: bool, world: int,
-                 want_checkpoint: bool = False) -> tuple[bool, bool, list[float] | None]:
-        """(restart?, checkpoint?, per-rank scores or None during warm-up).
+    def exchange(self, want_restart: bool, world: int, want_checkpoint: bool = False,
+                 want_preempt: bool = False,
+                 ) -> tuple[bool, bool, list[float] | None, bool]:
+        """(restart?, checkpoint?, per-rank scores or None during warm-up, preempt?).
 
-        Collective: every rank calls it at the same step. A time-based checkpoint is
-        wanted by whichever rank's clock says so and then taken by all.
+        Collective: every rank calls it at the same step. Each flag is wanted by
+        whichever rank says so and then acted on by all. The tensors stay on the CPU
+        (the group is gloo; Pulse makes a gloo side group under NCCL), so the exchange
+        never synchronizes a device, and the result is read back in one conversion.
         """
         t0 = time.perf_counter()
         mine = statistics.median(self._window) if self._window else 0.0
         self._window = []
         self._windows_seen += 1
-        flags = (1 if want_restart else 0) | (2 if want_checkpoint else 0)
-        device = "cpu"
-        if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
-            device = f"cuda:{torch.cuda.current_device()}"  # NCCL moves only device tensors
-        local = torch.tensor([float(flags), mine], dtype=torch.float64, device=device)
+        flags = (1 if want_restart else 0) | (2 if want_checkpoint else 0) \
+            | (4 if want_preempt else 0)
+        local = torch.tensor([float(flags), mine], dtype=torch.float64)
         if dist.is_initialized() and world > 1:
-            out = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world)]
+            out = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(out, local, group=self.group)
+            rows = torch.stack(out).tolist()
         else:
-            out = [local]
+            rows = [local.tolist()]
         self.exchanges += 1
         self.seconds += time.perf_counter() - t0
-        flags_all = [int(t[0].item()) for t in out]
+        flags_all = [int(r[0]) for r in rows]
         restart = any(f & 1 for f in flags_all)
         checkpoint = any(f & 2 for f in flags_all)
+        preempt = any(f & 4 for f in flags_all)
         if self._windows_seen <= self.warmup_windows:
-            return restart, checkpoint, None
-        return restart, checkpoint, straggler_scores([t[1].item() for t in out])
+            return restart, checkpoint, None, preempt
+        return restart, checkpoint, straggler_scores([r[1] for r in rows]), preempt
 
 
 def straggler_scores(medians: list[float]) -> list[float] | None:

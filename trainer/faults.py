@@ -7,17 +7,27 @@ the CLUSTERPULSE_INJECT environment variable (specs separated by commas).
     data_slow:rank=0:step=5:seconds=0.2   rank 0 waits for data each step from step 5
     ckpt_fail:step=20                  the checkpoint write at step 20 fails
     ckpt_corrupt:step=20               the published checkpoint of step 20 is corrupted
+    ckpt_unloadable:step=20            the published checkpoint of step 20 verifies but
+                                       does not load (a torn write certified by its manifest)
     ckpt_kill:step=20[:rank=0]         the rank is SIGKILLed during the checkpoint write
+    graceful:step=12[:rank=0]          as if the agent delivered a checkpoint-restart command
+                                       to the rank after step 12 (default rank 0)
+    init_crash:rank=1                  the rank exits (code 1) before joining the process
+                                       group, like a CUDA error at set_device or a bad import
 
 A fault fires only in the attempt it names (`attempt`, default 0: the first run), so
 a crash at step 35 does not recur after torchrun restarts the job from step 30.
+The attempt is the number all ranks agree on (trainer.parallel); `init_crash` fires
+before any agreement exists, so it counts this node's own starts instead
+(`trainer.parallel.local_attempt`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = {"slow", "hang", "crash", "data_slow", "ckpt_fail", "ckpt_corrupt", "ckpt_kill"}
+KINDS = {"slow", "hang", "crash", "data_slow", "ckpt_fail", "ckpt_corrupt", "ckpt_kill",
+         "graceful", "init_crash", "ckpt_unloadable"}
 CRASH_MODES = {"exception", "exit", "sigkill"}
 
 
@@ -101,6 +111,16 @@ class Faults:
 
     def ckpt_corrupt(self, step: int) -> bool:
         return self._at("ckpt_corrupt", step) is not None
+
+    def graceful_at(self, step: int) -> bool:
+        i = self._at("graceful", step)
+        return i is not None and (i.rank is not None or self.rank == 0)
+
+    def ckpt_unloadable(self, step: int) -> bool:
+        return self._at("ckpt_unloadable", step) is not None
+
+    def init_crash(self) -> bool:
+        return any(i.kind == "init_crash" for i in self.mine)
 
     def ckpt_kill(self, step: int) -> bool:
         i = self._at("ckpt_kill", step)

@@ -1,50 +1,80 @@
 """Instrumentation for any training loop: step/section timing, heartbeats, events,
-per-rank compute versus sync-wait, and restart commands from the node agent.
+per-rank compute versus sync-wait, input stalls, and the restart protocol.
 
-    pulse = Pulse(run="my-run")              # identity from torchrun's environment
-    pulse = Pulse(run="my-run", agent=None)  # or: no agent, timing only
-    pulse.attach_ddp(ddp_model)              # compute/sync split from DDP bucket timing
-    for step, batch in enumerate(loader, 1):
-        with pulse.step(step) as s:
-            with s.section("data"):
-                batch = to_device(batch)
-            with s.section("forward_backward"):
-                loss = model(batch).loss
-                loss.backward()
-            with s.section("optimizer"):
-                opt.step(); opt.zero_grad()
-            s.loss = loss
-        if pulse.restart_requested(step):     # all ranks agree; see trainer.restart
-            save_checkpoint(step); raise SystemExit(RESTART_EXIT_CODE)
+    info = init_distributed()                    # restart-safe (trainer.parallel)
+    with Pulse(run="my-run") as pulse:           # agent: $CLUSTERPULSE_AGENT or :9401
+        pulse.attach_ddp(ddp_model)              # compute/sync split from DDP buckets
+        for x, y in pulse.data(loader):          # time waiting for input is measured
+            step += 1
+            with pulse.step(step) as s:
+                with s.section("forward_backward"):
+                    loss = loss_fn(ddp_model(x), y); loss.backward()
+                with s.section("optimizer"):
+                    opt.step(); opt.zero_grad()
+                s.loss = loss
+            pulse.boundary(step, save=save_checkpoint)   # may leave for a restart
+
+`boundary` is the whole graceful protocol in one call (see its docstring); the
+complete, tested example is examples/ddp_tutorial.py.
 
 Why the split matters: in synchronous training every rank's step takes as long as the
-slowest rank's, so step time cannot name the straggler. With DDP a communication
-hook stamps the moment each gradient bucket is ready (the rank's own work is done
-up to there) before handing it to the normal all-reduce; the time from the last
-bucket ready to the end of backward is waiting for peers. Without DDP (e.g. FSDP)
+slowest rank's, so step time cannot name the straggler. With DDP a gradient hook
+stamps the moment each gradient bucket is ready (the rank's own work is done
+up to there; measured as the last gradient ready) while DDP runs its normal C++
+all-reduce; the time from there to the end of backward is waiting for peers. Without DDP (e.g. FSDP)
 `sync_probe()` times a one-element all-reduce at a chosen point: the straggler
 arrives last and waits ~0, the others wait for it.
 
-On CUDA the host runs ahead of the device, so timestamps are CUDA events recorded at
-the same points and read one step later (no device synchronize per step).
+On CUDA the host runs ahead of the device, so every mark is a CUDA event recorded at
+the same points and read once it has completed (a step or more later); the loss is
+copied to pinned host memory without blocking and read then too. Nothing in a step
+synchronizes the device.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from agent import protocol
+from trainer import PREEMPTED_EXIT_CODE
 from trainer.consensus import Consensus
-from trainer.telemetry import AgentLink
+from trainer.restart import SigtermCatcher, request_relaunch
+from trainer.telemetry import AgentLink, parse_agent_addr
 
+log = logging.getLogger("trainer.instrument")
 HEARTBEAT_EVERY_S = 1.0
+AGENT_ENV = "CLUSTERPULSE_AGENT"
+DEFAULT_AGENT = "127.0.0.1:9401"
+# Section names are heartbeat phases; the agent drops phases it does not know, so a
+# loop may only use the protocol's own (minus the ones Pulse sets itself).
+SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between"})
+
+
+def check_run_id(run: str) -> str:
+    """The run id as the agent accepts it, or ValueError naming the rule."""
+    if not isinstance(run, str) or not protocol._RUN_ID.fullmatch(run):
+        raise ValueError(f"run id {run!r} is not accepted by the agent: use 1-128 characters "
+                         "from letters, digits and _ . : - (no spaces or slashes)")
+    return run
+
+
+def resolve_agent(agent: tuple[str, int] | str | None) -> tuple[str, int] | None:
+    """"env" -> $CLUSTERPULSE_AGENT (or 127.0.0.1:9401); "HOST:PORT"/"none" parsed."""
+    if agent == "env":
+        agent = os.environ.get(AGENT_ENV) or DEFAULT_AGENT
+    if isinstance(agent, str):
+        return parse_agent_addr(agent)
+    return agent
 
 
 class _HostClock:
@@ -79,34 +109,48 @@ class StepContext:
         self.samples = 0
         self.tokens = 0
         self.sections: dict[str, float] = {}
+        self.fb_end: Any = None  # clock mark at the end of forward_backward
         self._extra_wait = 0.0
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
+        if name not in SECTIONS:
+            raise ValueError(f"section {name!r} is not one the agent accepts; use one of "
+                             f"{', '.join(sorted(SECTIONS))}")
         t0 = time.perf_counter()
         self.pulse._enter(name)
         try:
             yield
         finally:
             self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - t0
+            if name == "forward_backward":
+                self.fb_end = self.pulse._clock.mark()
             self.pulse._enter("step")
 
 
 class Pulse:
-    def __init__(self, run: str, agent: tuple[str, int] | None = ("127.0.0.1", 9401),
+    """One per rank. `agent`: "env" ($CLUSTERPULSE_AGENT, else 127.0.0.1:9401),
+    "HOST:PORT", a (host, port) tuple, or None/"none" for timing without an agent."""
+
+    def __init__(self, run: str, agent: tuple[str, int] | str | None = "env",
                  rank: int | None = None, local_rank: int | None = None,
                  world_size: int | None = None, gpu: int | None = None,
                  restarts: int | None = None, consensus_every: int = 5,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, catch_sigterm: bool = True) -> None:
         env = os.environ
-        self.run = run
+        self.run = check_run_id(run)
+        if consensus_every < 1:
+            raise ValueError(f"consensus_every must be >= 1, got {consensus_every}")
         self.rank = int(env.get("RANK", 0)) if rank is None else rank
         self.local_rank = int(env.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
         self.world_size = int(env.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.gpu = self.local_rank if gpu is None else gpu
-        self.restarts = (int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
-                         if restarts is None else restarts)
-        self.link = AgentLink(agent)
+        if restarts is None:
+            from trainer.parallel import local_attempt
+
+            restarts = local_attempt()
+        self.restarts = restarts
+        self.link = AgentLink(resolve_agent(agent))
         self.slowdown = 1.0  # simulated GPU slowdown, from the agent's replies
         self.commands: dict[str, str] = {}  # id -> action, heard but not yet acted on
         self._acks: list[str] = []
@@ -114,14 +158,22 @@ class Pulse:
             _CudaClock() if torch.cuda.is_available() and torch.cuda.is_initialized()
             else _HostClock())
         self._bucket_marks: list[Any] = []
+        self._grads_ready = 0
         self._has_hook = False
-        self._pending: list[tuple[StepContext, Any, Any, Any, float]] = []
-        self._probe_wait = 0.0
+        self._pending: list[tuple[StepContext, Any, Any, Any, float, Any, list]] = []
+        self._probes: list[tuple[Any, Any]] = []
+        self._fetch_wait = 0.0
         self.last: dict[str, float] = {}  # the last step's figures (also sent to the agent)
         self.extra: dict[str, float] = {}  # fields added to every message (e.g. checkpoint)
         self.straggler_scores: list[float] | None = None
         self.checkpoint_agreed = False
+        self.preempt_agreed = False
+        if group is None and dist.is_initialized() and dist.get_backend() != "gloo":
+            group = dist.new_group(backend="gloo")  # consensus stays on the CPU: no device sync
         self.consensus = Consensus(every=consensus_every, group=group)
+        self.sigterm = SigtermCatcher()
+        if catch_sigterm:
+            self.sigterm.install()
         self._samples = 0
         self._tokens = 0
         self.identity = {"run": run, "rank": self.rank, "local_rank": self.local_rank,
@@ -129,80 +181,137 @@ class Pulse:
                          "restarts": self.restarts}
         self.phase, self._phase_since, self._step = "start", time.monotonic(), 0
         self._closed = threading.Event()
+        self.outcome: str | None = None
         self.link.send({"type": "event", "event": "start", **self.identity})
         self._beat = threading.Thread(target=self._heartbeat_loop, name="pulse-heartbeat",
                                       daemon=True)
         self._beat.start()
 
+    # -- context manager -------------------------------------------------------------------
+    def __enter__(self) -> Pulse:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close("finished" if kind is None else "failed")
+
     # -- compute / sync split ------------------------------------------------------------
     def attach_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Stamp bucket-ready times, then run DDP's normal all-reduce."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        """Stamp the moment each gradient is ready; DDP's own C++ all-reduce is kept.
 
-        def hook(state, bucket):  # unannotated: DDP checks real annotation objects
-            self._bucket_marks.append(self._clock.mark())
-            return allreduce_hook(state, bucket)
+        The last gradient ready is when the rank's own backward work is done (DDP
+        launches the last bucket's all-reduce right then); from there to the end of
+        forward_backward the rank waits for its peers. A post-accumulate-grad hook
+        per parameter gives that mark without a Python DDP comm hook: a Python comm
+        hook's futures run Python callbacks on gloo's threads, which can abort the
+        process at interpreter exit ("terminate called without an active exception").
+        """
+        params = [p for p in ddp_model.parameters() if p.requires_grad]
+        on_host = isinstance(self._clock, _HostClock)
 
-        ddp_model.register_comm_hook(None, hook)
+        def ready(param: torch.Tensor) -> None:
+            self._grads_ready += 1
+            # a float per gradient on the host; on CUDA one event, at the last gradient
+            if on_host or self._grads_ready == len(params):
+                self._bucket_marks.append(self._clock.mark())
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(ready)
         self._has_hook = True
 
     def sync_probe(self, group: dist.ProcessGroup | None = None) -> None:
-        """Time a one-element all-reduce here: the wait for the slowest peer."""
+        """Time a one-element all-reduce here, to its completion: the wait for the
+        slowest peer (device events on CUDA, read later)."""
         if not dist.is_initialized() or self.world_size < 2:
             return
         t = torch.zeros(1, device="cuda" if isinstance(self._clock, _CudaClock) else "cpu")
-        t0 = time.perf_counter()
         previous = self.phase
         self._enter("sync")
+        a = self._clock.mark()
         dist.all_reduce(t, group=group)
-        self._probe_wait += time.perf_counter() - t0
+        self._probes.append((a, self._clock.mark()))
         self._enter(previous)
+
+    # -- input ---------------------------------------------------------------------------
+    def data(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Yield from `iterable`, timing each fetch: that wait is the next step's data
+        wait (a slow input pipeline shows as data-loading, not as compute)."""
+        it = iter(iterable)
+        while True:
+            self._enter("data")
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                self._enter("between")
+                return
+            self._fetch_wait += time.perf_counter() - t0
+            self._enter("between")
+            yield item
 
     # -- steps ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[StepContext]:
         ctx = StepContext(self, step)
+        fetch, self._fetch_wait = self._fetch_wait, 0.0
+        if fetch:
+            ctx.sections["data"] = fetch
         self._enter("step")
         self._bucket_marks = []
-        self._probe_wait = 0.0
+        self._grads_ready = 0
+        self._probes = []
         t0 = time.perf_counter()
         start_mark = self._clock.mark()
         yield ctx
+        loss = ctx.loss
+        if isinstance(loss, torch.Tensor) and loss.device.type == "cuda":
+            # enqueue the copy before the end mark: readable once that mark completes
+            host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            host.copy_(loss.detach().float().reshape(()), non_blocking=True)
+            ctx.loss = host
         end_mark = self._clock.mark()
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 + fetch
         last_bucket = self._bucket_marks[-1] if self._bucket_marks else None
-        self._pending.append((ctx, start_mark, last_bucket, end_mark, wall))
+        self._pending.append((ctx, start_mark, last_bucket, end_mark, wall, ctx.fb_end,
+                              self._probes))
         self._step = step
         self._enter("between")
         self._resolve()
 
     def _resolve(self) -> None:
         """Turn finished steps' marks into figures and send them (CUDA: a step late)."""
+        clock = self._clock
         while self._pending:
-            ctx, start, last_bucket, end, wall = self._pending[0]
-            sync_wait = self._probe_wait
-            if last_bucket is not None:
-                tail = self._clock.elapsed(last_bucket, end)
-                if tail is None:
-                    return
-                # the tail after the last bucket also holds the optimizer step and
-                # anything after backward: only the part inside forward_backward waits.
-                after_fb = ctx.sections.get("optimizer", 0.0) + ctx.sections.get("checkpoint", 0.0)
-                sync_wait = max(0.0, tail - after_fb)
-            elif self._clock.elapsed(start, end) is None:
+            ctx, start, last_bucket, end, wall, fb_end, probes = self._pending[0]
+            total = clock.elapsed(start, end)
+            if total is None:
                 return
-            self._pending.pop(0)
             data = ctx.sections.get("data", 0.0)
             ckpt = ctx.sections.get("checkpoint", 0.0)
-            compute = max(0.0, wall - data - sync_wait - ckpt - ctx._extra_wait)
+            probe_wait = sum(clock.elapsed(a, b) or 0.0 for a, b in probes)
+            if last_bucket is not None:
+                # sync wait: last bucket ready -> end of forward_backward, on one clock
+                ref = fb_end if fb_end is not None else end
+                sync_wait = max(0.0, clock.elapsed(last_bucket, ref) or 0.0)
+                if fb_end is None:  # no section: the tail also holds the optimizer
+                    sync_wait = max(0.0, sync_wait - ctx.sections.get("optimizer", 0.0))
+            else:
+                sync_wait = probe_wait
+            self._pending.pop(0)
+            if isinstance(clock, _CudaClock):
+                # device time of the step; input waits are host-side and come on top
+                compute = max(0.0, total - sync_wait - ckpt)
+            else:
+                compute = max(0.0, wall - data - sync_wait - ckpt - ctx._extra_wait)
             loss = ctx.loss
             if isinstance(loss, torch.Tensor):
-                loss = float(loss.detach().float().item())
+                loss = float(loss.detach().float().item())  # CPU or completed pinned copy
             self.last = {"step_seconds": wall, "compute_seconds": compute,
                          "sync_wait_seconds": sync_wait, "data_wait_seconds": data}
             msg = {"type": "step", **self.identity, "step": ctx.step, **self.last}
             if loss is not None and loss == loss:
                 msg["loss"] = loss
+                self.last["loss"] = loss
             self._samples += ctx.samples
             self._tokens += ctx.tokens
             self.consensus.record(compute)
@@ -235,37 +344,129 @@ class Pulse:
             if isinstance(reply.get("slowdown"), int | float):
                 self.slowdown = max(1.0, min(float(reply["slowdown"]), 20.0))
             for cmd in reply.get("commands", []) or []:
-                if isinstance(cmd, dict) and isinstance(cmd.get("id"), str):
+                if (isinstance(cmd, dict) and isinstance(cmd.get("id"), str)
+                        and cmd["id"] not in self._acks):
                     self.commands.setdefault(cmd["id"], str(cmd.get("action")))
 
+    # -- agreement -----------------------------------------------------------------------
     def restart_requested(self, step: int, want_checkpoint: bool = False) -> bool:
         """Collective every `consensus_every` steps: True on every rank if any rank
-        heard a restart command. Also refreshes this rank's straggler score, and
-        sets `checkpoint_agreed` if any rank asked for a (time-based) checkpoint."""
+        heard a restart command or SIGTERM (then `preempt_agreed` says which). Also
+        refreshes this rank's straggler score, and sets `checkpoint_agreed` if any
+        rank asked for a (time-based) checkpoint. Prefer `boundary`, which also acts."""
         self.checkpoint_agreed = False
         if not self.consensus.due(step):
             return False
+        self._resolve()
         self._read_replies()
         want = any(a == "checkpoint-restart" for a in self.commands.values())
         self._enter("sync")
-        restart, self.checkpoint_agreed, scores = self.consensus.exchange(
-            want, self.world_size, want_checkpoint)
+        restart, self.checkpoint_agreed, scores, self.preempt_agreed = self.consensus.exchange(
+            want, self.world_size, want_checkpoint, want_preempt=self.sigterm.received)
         self._enter("between")
         if scores is not None:
             self.straggler_scores = scores
             self.extra["straggler_score"] = round(scores[self.rank], 4)
-        return restart
+        return restart or self.preempt_agreed
+
+    def boundary(self, step: int, save: Callable[[int], None] | None = None,
+                 want_checkpoint: bool = False,
+                 before_exit: Callable[[str, list[str]], None] | None = None) -> None:
+        """Call after every step, on every rank. Every `consensus_every` steps the
+        ranks agree (one small CPU collective); when a `checkpoint-restart` command or
+        SIGTERM reached any rank they all, at this same step:
+
+        1. call `save(step)` (your checkpoint; raise if it fails);
+        2. check that every rank's save succeeded. If one failed, the restart is
+           aborted, logged and reported, and training goes on (the agent resends the
+           command, escalating to a hard restart at its deadline); after SIGTERM
+           they leave anyway, since the grace period is running out;
+        3. acknowledge the command to the agent, pass a barrier (nobody leaves while
+           a peer is still writing), close this Pulse, destroy the process group;
+        4. raise SystemExit: 0 with a relaunch request under clusterpulse-train (the
+           failure budget is untouched), 42 under a plain torchrun, 143 after SIGTERM.
+
+        `before_exit(reason, command_ids)` runs between 2 and 3 (e.g. bookkeeping).
+        """
+        if not self.restart_requested(step, want_checkpoint):
+            return
+        reason = "preempted" if self.preempt_agreed else "checkpoint-restart"
+        ok = True
+        if save is not None:
+            self._enter("checkpoint")
+            try:
+                save(step)
+            except Exception as err:  # storage may fail: report it, decide together
+                ok = False
+                log.error("checkpoint for %s at step %d failed: %s", reason, step, err)
+            self._enter("between")
+        if not self.all_ranks(ok):
+            self.event("checkpoint_failed", step=step)
+            if reason == "checkpoint-restart":
+                print(f"clusterpulse: checkpoint-restart at step {step} ABORTED: the "
+                      "checkpoint failed on at least one rank; training goes on from here",
+                      flush=True)
+                return
+            print(f"clusterpulse: preempted at step {step} and the checkpoint failed: "
+                  "leaving without one", flush=True)
+        ids = sorted(i for i, a in self.commands.items() if a == "checkpoint-restart")
+        if ids and reason == "checkpoint-restart":
+            self.ack(ids)
+        if before_exit is not None:
+            before_exit(reason, ids)
+        code = PREEMPTED_EXIT_CODE if reason == "preempted" else request_relaunch()
+        if self.rank == 0:
+            print(f"clusterpulse: {reason} at step {step}: checkpoint saved, leaving with "
+                  f"exit code {code}", flush=True)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier(group=self.consensus.group)
+        self.close(reason)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise SystemExit(code)
+
+    def all_ranks(self, ok: bool) -> bool:
+        """True on every rank iff `ok` on every rank (collective, CPU group)."""
+        if not dist.is_initialized() or self.world_size < 2:
+            return ok
+        t = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.consensus.group)
+        return bool(t.item())
 
     # -- events --------------------------------------------------------------------------
     def event(self, name: str, **fields: Any) -> None:
         self.link.send({"type": "event", "event": name, **self.identity, **fields})
 
+    def checkpoint_committed(self, step: int, timestamp: float | None = None,
+                             blocking_seconds: float | None = None) -> None:
+        """Report a committed checkpoint: feeds the last-checkpoint step and time
+        (the CheckpointStale alert ages the time, not the step)."""
+        self.extra["checkpoint_step"] = step
+        self.extra["checkpoint_timestamp_seconds"] = time.time() if timestamp is None \
+            else timestamp
+        fields: dict[str, Any] = {"step": step}
+        if blocking_seconds is not None:
+            self.extra["checkpoint_blocking_seconds"] = blocking_seconds
+            fields["checkpoint_blocking_seconds"] = blocking_seconds
+        self.event("checkpoint_committed", **fields)
+
     def ack(self, command_ids: list[str]) -> None:
         """Acknowledge commands now and in the next messages (datagrams can be lost)."""
         self._acks = list(dict.fromkeys(self._acks + command_ids))[-16:]
+        for cid in command_ids:
+            self.commands.pop(cid, None)
         self.event("restart_requested", acks=self._acks)
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
+        """Stop the heartbeat thread (joined: no thread outlives the loop) and tell the
+        agent how the rank ended: finished, failed, checkpoint-restart or preempted.
+        Idempotent."""
+        if self._closed.is_set():
+            return
+        self.outcome = outcome
         self._closed.set()
-        self.event("exit")
+        if self._beat.is_alive() and self._beat is not threading.current_thread():
+            self._beat.join(timeout=5)
+        self.sigterm.uninstall()
+        self.event("exit", outcome=outcome)
         self.link.close()

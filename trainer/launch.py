@@ -1,13 +1,33 @@
-"""`clusterpulse-train`: torchrun with sensible defaults for the reference trainer.
+"""`clusterpulse-train`: torchrun with restart-safe defaults for the reference trainer
+(or any script instrumented with trainer.instrument).
 
-Everything after `--` goes to the trainer (`python -m trainer --help`).
+Everything after `--` goes to the trainer (`python -m trainer --help`), or, with
+`--script`, to your script.
+
+What it adds to torchrun, and why:
+- `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: a fresh store per rendezvous round, so a
+  restart never reads a dead peer's address (pytorch#135712; see trainer.parallel).
+- Graceful restarts outside the failure budget: torchrun counts every non-zero worker
+  exit as a failure, so graceful checkpoint-restarts used to spend `--max-restarts`.
+  Here a rank leaving for a graceful restart writes this launcher's relaunch file
+  and exits 0; torchrun ends cleanly and the launcher starts it again (a new
+  rendezvous on every node). `--max-restarts` is left whole for real failures.
+- SIGTERM/SIGINT are passed on to torchrun (which passes them to the ranks: they
+  checkpoint at the next consensus step); the launcher then exits 143.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+from trainer.parallel import RELAUNCHES_ENV, SHARE_STORE_ENV
+from trainer.restart import RELAUNCH_FILE_ENV
 
 EXAMPLES = """\
 examples:
@@ -16,10 +36,12 @@ examples:
       --ckpt-dir /shared/ckpt/run1 --ckpt-every 500
   # two nodes: run on each, with the same rendezvous endpoint
   clusterpulse-train --nnodes 2 --rdzv-endpoint head:29400 --nproc 8 -- --ckpt-dir /shared/ckpt
+  # your own instrumented script (see examples/ddp_tutorial.py)
+  clusterpulse-train --nproc 4 --script examples/ddp_tutorial.py -- 10 5
 """
 
 
-def build_command(argv: list[str]) -> list[str]:
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         i = argv.index("--")
         ours, trainer_args = argv[:i], argv[i + 1:]
@@ -31,11 +53,27 @@ def build_command(argv: list[str]) -> list[str]:
                    help="ranks on this node (default: GPUs, or 2 on CPU)")
     p.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX (default: 1)")
     p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts torchrun allows the worker group (default: 3)")
+                   help="failure restarts torchrun allows (graceful ones are not counted; "
+                   "default: 3)")
     p.add_argument("--rdzv-endpoint", default="",
                    help="HOST:PORT of the c10d rendezvous for multi-node runs")
     p.add_argument("--rdzv-id", default="clusterpulse", help="rendezvous id")
+    p.add_argument("--monitor-interval", type=float, default=None,
+                   help="seconds between torchrun's worker checks (torchrun's default)")
+    p.add_argument("--script", default="",
+                   help="run this Python script instead of the reference trainer")
     a = p.parse_args(ours)
+    if a.nproc is not None and a.nproc < 1:
+        p.error("--nproc must be >= 1")
+    if a.max_restarts < 0:
+        p.error("--max-restarts must be >= 0")
+    if a.script and not Path(a.script).is_file():
+        p.error(f"--script {a.script}: no such file")
+    return a, trainer_args
+
+
+def build_command(argv: list[str]) -> list[str]:
+    a, trainer_args = parse(argv)
     nproc = a.nproc
     if nproc is None:
         import torch
@@ -43,15 +81,54 @@ def build_command(argv: list[str]) -> list[str]:
         nproc = torch.cuda.device_count() or 2
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--max-restarts={a.max_restarts}"]
+    if a.monitor_interval is not None:
+        cmd.append(f"--monitor-interval={a.monitor_interval}")
     if a.rdzv_endpoint:
         cmd += [f"--nnodes={a.nnodes}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id={a.rdzv_id}"]
     else:
         cmd += ["--standalone"]
-    return [*cmd, "-m", "trainer", *trainer_args]
+    target = [a.script] if a.script else ["-m", "trainer"]
+    return [*cmd, *target, *trainer_args]
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run torchrun, relaunching it after each graceful restart; torchrun's exit code."""
+    env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1"}
+    stop: list[int] = []
+    child: subprocess.Popen | None = None
+
+    def forward(signum: int, frame: object) -> None:
+        stop.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with tempfile.TemporaryDirectory(prefix="clusterpulse-train-") as tmp:
+            marker = Path(tmp) / "relaunch"
+            relaunches = 0
+            while True:
+                marker.unlink(missing_ok=True)
+                env.update({RELAUNCH_FILE_ENV: str(marker), RELAUNCHES_ENV: str(relaunches)})
+                child = subprocess.Popen(cmd, env=env)
+                rc = child.wait()
+                if stop:
+                    return 128 + stop[0]
+                if rc == 0 and marker.exists():
+                    relaunches += 1
+                    print(f"clusterpulse-train: graceful restart {relaunches}: relaunching "
+                          "(the failure budget is untouched)", file=sys.stderr, flush=True)
+                    continue
+                return rc
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def main(argv: list[str] | None = None) -> int:
-    cmd = build_command(sys.argv[1:] if argv is None else argv)
-    os.execv(cmd[0], cmd)
-    return 0  # not reached
+    return run(build_command(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -15,14 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from agent.logsetup import setup_logging
-from trainer import RESTART_EXIT_CODE
-from trainer.checkpoint import CheckpointError, CheckpointManager, find_latest_valid
+from trainer.checkpoint import MANIFEST, CheckpointError, CheckpointManager, iter_valid
 from trainer.config import ConfigError, TrainConfig, parse_config
 from trainer.data import SyntheticTokens
 from trainer.faults import Faults
 from trainer.instrument import Pulse
 from trainer.model import PRESETS, build_model
-from trainer.parallel import DistInfo, init_distributed, wrap
+from trainer.parallel import DistInfo, init_distributed, local_attempt, wrap
 from trainer.runstate import RunState
 from trainer.state import TrainState, parameter_digest
 
@@ -47,28 +47,48 @@ def _corrupt(path: Path) -> None:
         fh.write(bytes(b ^ 0xFF for b in chunk))
 
 
+def _make_unloadable(path: Path) -> None:
+    """Truncate the largest data file and certify it in the manifest: a torn write
+    that passes verification (what a re-read after the fact would have certified)."""
+    f = max((p for p in path.rglob("*.distcp")), key=lambda p: p.stat().st_size)
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"][f.name] = hashlib.sha256(f.read_bytes()).hexdigest()
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        self.info = info = init_distributed(cfg.collective_timeout_s)
-        self.attempt = info.generation  # agreed by all ranks, unlike torchrun's count
+        rank = int(os.environ.get("RANK", 0))
+        self.runstate_path = cfg.ckpt_dir / "run-state.json"
+        self.runstate = RunState.load(self.runstate_path) if rank == 0 else RunState()
+        if Faults(cfg.injections, rank, local_attempt()).init_crash():
+            print(f"trainer: injected: rank {rank} exits before joining the process group",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+        # The attempt number: rank 0's count from the run state, broadcast to all.
+        self.info = info = init_distributed(cfg.collective_timeout_s,
+                                            attempt=self.runstate.next_attempt(cfg.run_id))
+        self.attempt = info.attempt
         self.faults = Faults(cfg.injections, info.rank, self.attempt)
         mc = PRESETS[cfg.preset]
         if cfg.global_batch % info.world:
             raise ConfigError(f"--global-batch {cfg.global_batch} must be divisible by the "
                               f"world size {info.world}")
         self.model = wrap(build_model(cfg.preset, cfg.seed), cfg.parallel, info)
+        self.data = SyntheticTokens(cfg.seed, mc.vocab, mc.seq_len, cfg.global_batch)
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self._settle_ddp_buckets()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         warm = max(1, cfg.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm))
         self.state = TrainState(self.model, self.optimizer, self.scheduler)
-        self.data = SyntheticTokens(cfg.seed, mc.vocab, mc.seq_len, cfg.global_batch)
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         ckpt_group = (dist.new_group(backend="gloo")
                       if cfg.async_ckpt and info.world > 1 else None)
-        self.runstate_path = cfg.ckpt_dir / "run-state.json"
-        self.runstate = RunState.load(self.runstate_path) if info.rank == 0 else RunState()
         self.ckpt = CheckpointManager(
             cfg.ckpt_dir, info.rank, keep=cfg.keep, async_save=cfg.async_ckpt, group=ckpt_group,
             after_publish=self._after_publish)
@@ -80,36 +100,67 @@ class Trainer:
         self.sync_bytes = 0.0
         self.host_bytes = 0.0
 
+    def _settle_ddp_buckets(self) -> None:
+        """One backward of a zero loss before training, so that every attempt reduces
+        every real step with the same bucket layout.
+
+        DDP reduces the first backward in one bucket in parameter order, then rebuilds
+        its buckets in gradient-ready order. Left alone, a resumed attempt would reduce
+        its first step with the initial layout where an uninterrupted run used the
+        rebuilt one; with more than two ranks that changes the summation order of
+        gloo's ring (which rank starts each chunk) and the run stops being bit-exact.
+        The zero loss leaves parameters, optimizer and RNG untouched.
+        """
+        x, _ = self.data.shard(0, self.info.rank, self.info.world)
+        (self.model(x.to(self.info.device)).sum() * 0.0).backward()
+        self.model.zero_grad(set_to_none=True)
+
     # -- checkpoints -------------------------------------------------------------------
     def _after_publish(self, step: int, path: Path) -> None:
         if self.faults.ckpt_corrupt(step):
             _corrupt(path)
             log.warning("injected: corrupted checkpoint %s", path.name)
+        if self.faults.ckpt_unloadable(step):
+            _make_unloadable(path)
+            log.warning("injected: checkpoint %s will verify but not load", path.name)
 
     def resume(self) -> int:
+        """Load the newest checkpoint every rank verified and loaded; fall back past
+        any that is corrupt, incomplete, or verifies but does not load."""
         info = self.info
         if info.rank == 0:
             self.ckpt.clean_temporaries()
-            found = find_latest_valid(self.cfg.ckpt_dir)
-            choice = str(found.path) if found else None
+        if info.world > 1:
+            dist.barrier(group=self.pulse.consensus.group)  # no rank looks before cleanup
+        import torch.distributed.checkpoint as dcp
+
+        for found in iter_valid(self.cfg.ckpt_dir, info.rank, info.world, self.pulse.all_ranks):
+            try:
+                dcp.load({"app": self.state}, checkpoint_id=str(found.path))
+                error = ""
+            except Exception as err:  # any rank's failure sends every rank further back
+                error = f"{type(err).__name__}: {err}"
+            if self.pulse.all_ranks(not error):
+                break
+            print(f"trainer: checkpoint {found.path.name} verifies but does not load "
+                  f"({error or 'on another rank'}); falling back to an older one", flush=True)
+            self.pulse.event("checkpoint_failed", step=found.step)
+            if info.rank == 0:
+                self.runstate.load_failures.append({"checkpoint": found.path.name,
+                                                    "error": error[:500],
+                                                    "unix": time.time()})
         else:
-            choice = None
-        choice = _broadcast(choice, info)
-        if choice is None:
             if self.attempt > 0 and info.rank == 0:
                 log.warning("restart %d found no valid checkpoint: starting from step 0",
                             self.attempt)
             return 0
-        import torch.distributed.checkpoint as dcp
-
-        dcp.load({"app": self.state}, checkpoint_id=choice)
         self.ckpt.committed_step = self.state.step
         if info.rank == 0:
-            print(f"trainer: resumed from {Path(choice).name} (step {self.state.step}, "
+            print(f"trainer: resumed from {found.path.name} (step {self.state.step}, "
                   f"attempt {self.attempt})", flush=True)
         return self.state.step
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, raise_errors: bool = False) -> None:
         self.state.step = step
         self.pulse._enter("checkpoint")
         self.pulse.extra["checkpoint_in_progress"] = 1
@@ -121,6 +172,8 @@ class Trainer:
                              checkpoint_blocking_seconds=self.ckpt.last_blocking_seconds)
         except CheckpointError:
             self.pulse.event("checkpoint_failed", step=step)
+            if raise_errors:
+                raise
         finally:
             self.pulse.extra["checkpoint_in_progress"] = 0
             self.pulse._enter("between")
@@ -191,9 +244,9 @@ class Trainer:
         if info.rank == 0:
             self.runstate.begin_attempt(cfg.run_id, self.attempt, start)
             self.runstate.save(self.runstate_path)
-        # torchrun stops surviving workers with SIGTERM when one fails: turn it into an
-        # exception so that rank 0 records how far the run got before it goes.
-        signal.signal(signal.SIGTERM, _raise_on_sigterm)
+        # SIGTERM (preemption, torchrun stopping the workers) is caught by Pulse and
+        # handled at the next consensus step; if peers are gone, that collective fails
+        # and rank 0 still records how far the run got before it goes.
         try:
             return self._loop(start)
         except BaseException:
@@ -223,32 +276,31 @@ class Trainer:
             self._inject_process_faults(step)
             due_time = (cfg.ckpt_every_seconds > 0
                         and time.monotonic() - self.last_ckpt_time >= cfg.ckpt_every_seconds)
-            restart = self.pulse.restart_requested(step, want_checkpoint=due_time)
-            if restart:
-                return self._graceful_exit(step)
+            if self.faults.graceful_at(step):  # as if the agent had delivered a command
+                self.pulse.commands[f"injected-{self.attempt}-{step}"] = "checkpoint-restart"
+            # Leaves (SystemExit) for a checkpoint-restart or after SIGTERM.
+            self.pulse.boundary(step, save=self._save_to_leave, want_checkpoint=due_time,
+                                before_exit=self._before_exit)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or self.pulse.checkpoint_agreed:
                 self.save(step)
         self.ckpt.wait()
         return self._finish(loss, time.time() - t_run)
 
-    def _graceful_exit(self, step: int) -> int:
-        """Checkpoint at the agreed step, make sure it is published, exit for torchrun."""
+    def _save_to_leave(self, step: int) -> None:
+        """The checkpoint a restart leaves with: raises unless it is committed."""
         if self.ckpt.committed_step != step:
-            self.save(step)
+            self.save(step, raise_errors=True)
         self.ckpt.wait()
-        ids = sorted(self.pulse.commands)
-        if ids:
-            self.pulse.ack(ids)
+        if self.ckpt.committed_step != step:
+            raise CheckpointError(f"the checkpoint of step {step} was not committed")
+
+    def _before_exit(self, reason: str, command_ids: list[str]) -> None:
+        """Every rank saved: record why the ranks leave, for the next attempt."""
         if self.info.rank == 0:
             self.runstate.checkpoint_blocking_seconds += self.ckpt.blocking_seconds_total
-            self.runstate.pending_exit = "checkpoint-restart"
-            self.runstate.pending_command = ",".join(ids)
+            self.runstate.pending_exit = reason
+            self.runstate.pending_command = ",".join(command_ids)
             self.runstate.save(self.runstate_path)
-            print(f"trainer: checkpoint-restart at step {step}: exiting for torchrun to "
-                  f"restart (exit code {RESTART_EXIT_CODE})", flush=True)
-        if self.info.world > 1:
-            dist.barrier()  # nobody leaves before rank 0 has published
-        return RESTART_EXIT_CODE
 
     def _finish(self, loss: torch.Tensor, wall: float) -> int:
         info = self.info
@@ -269,7 +321,8 @@ class Trainer:
                 "run": self.cfg.run_id, "steps": self.cfg.steps, "world_size": info.world,
                 "parallel": self.cfg.parallel, "final_loss": float(final_loss.item()),
                 "param_sha256": digest, "restarts": rs.restarts,
-                "steps_recomputed": recomputed, "time_lost_to_restarts_seconds": round(lost, 3),
+                "steps_recomputed": recomputed, "checkpoint_load_failures": rs.load_failures,
+                "time_lost_to_restarts_seconds": round(lost, 3),
                 "checkpoint_blocking_seconds": round(rs.checkpoint_blocking_seconds, 4),
                 "goodput": round(rs.goodput(), 4),
                 "wall_seconds": round(total_wall, 3),
@@ -289,10 +342,6 @@ class Trainer:
         return 0
 
 
-def _raise_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     setup_logging(os.environ.get("CLUSTERPULSE_LOG_LEVEL", "warning"))
     try:
@@ -301,9 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
+    outcome = "failed"
     try:
-        return trainer.run()
+        rc = trainer.run()
+        outcome = "finished"
+        return rc
     finally:
-        trainer.pulse.close()
+        trainer.pulse.close(outcome)  # no-op if a restart already closed it
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,16 +1,42 @@
-"""Process group and model wrapping: DDP or FSDP2, gloo on CPU, NCCL on CUDA."""
+"""Process group and model wrapping: DDP or FSDP2, gloo on CPU, NCCL on CUDA.
+
+`init_distributed` is the restart-safe process-group init any loop can use.
+
+Why it needs care: torchrun's c10d rendezvous shares ONE TCPStore across all
+rendezvous rounds by default, and the process group's keys are not namespaced per
+round (pytorch#135712). After a restart a rank can read a dead peer's address from
+the previous round and fail in gloo's `connectFullMesh` (or NCCL's init). torch's
+own answer is `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` on the torchrun agent: every
+rendezvous round then hands the workers a fresh port, and worker rank 0 hosts a
+fresh store for that round only, so nothing of an earlier round can be read.
+`clusterpulse-train` sets it. Under a plain torchrun that shares its store:
+- one node: the store is namespaced by `TORCHELASTIC_RESTART_COUNT`, which is exact
+  there (one agent counts every restart of every local worker);
+- several nodes: the agents' counts can differ (a node that joins late starts at 0),
+  so no per-rank scheme can be correct; init refuses with a clear error instead of
+  wedging the job.
+
+The attempt number (restart accounting, fault injection) is not taken from any
+per-node counter: rank 0 proposes it and broadcasts it over the new process group,
+so every rank of a round holds the same number by construction.
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+RELAUNCHES_ENV = "CLUSTERPULSE_RELAUNCHES"  # graceful relaunches so far (clusterpulse-train)
+
+
+class DistInitError(RuntimeError):
+    """The launcher's set-up cannot give a restart-safe process group."""
 
 
 @dataclass(frozen=True)
@@ -20,57 +46,70 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str
-    # How many times the job has been (re)started, agreed by every rank: the attempt
-    # number for restart accounting and fault injection (see _generation_store).
-    generation: int = 0
+    # The attempt number, identical on every rank of a round (rank 0's proposal).
+    attempt: int = 0
+
+    @property
+    def generation(self) -> int:  # the old name, kept for callers of the first API
+        return self.attempt
 
 
-def init_distributed(timeout_s: float) -> DistInfo:
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+def local_attempt() -> int:
+    """This node's own count of (re)starts: graceful relaunches by clusterpulse-train
+    plus torchrun's failure restarts. Only a proposal: ranks agree on rank 0's."""
+    return (int(os.environ.get(RELAUNCHES_ENV, 0) or 0)
+            + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0))
+
+
+def _device_and_backend(local_rank: int) -> tuple[torch.device, str]:
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)  # one rank per GPU
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if world > 1 and not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store, generation = _generation_store(rank, world, timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timeout, device_id=device if backend == "nccl" else None)
-    return DistInfo(rank, world, local_rank, device, backend, generation)
+        return device, "nccl"
+    return torch.device("cpu"), "gloo"
 
 
-def _generation_store(rank: int, world: int,
-                      timeout: datetime.timedelta) -> tuple[dist.Store, int]:
-    """The rendezvous store, under a prefix unique to this generation of the job.
-
-    torchrun keeps one TCPStore across restarts (same MASTER_PORT) and the process
-    group's keys are not namespaced per restart. After a rank is killed mid-collective,
-    a restarted rank can read its dead peer's address and fail (or hang until the
-    collective timeout) in gloo's connectFullMesh: 2 of 2 SIGKILL restarts here, and
-    every multi-node hard restart in the end-to-end test.
-
-    TORCHELASTIC_RESTART_COUNT cannot name the generation: an agent that restarts its
-    workers for a membership change does not count it, so nodes disagree (and a
-    multi-node job's restarts would be miscounted). Instead each
-    rank claims the first free slot for its rank number (compare-and-set on the store):
-    the n-th process to hold rank r gets generation n, so the ranks of one round agree
-    as long as every rank of every earlier round got this far (init is the trainer's
-    first step).
-    """
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+def _shared_store_prefixed(world: int, rank: int,
+                           timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's shared store, namespaced by the restart count (single node only)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local_world != world:
+        raise DistInitError(
+            "torchrun shares one rendezvous store across restarts and this job spans "
+            f"several nodes ({world} ranks, {local_world} here): restarts could reuse a "
+            f"dead peer's address. Set {SHARE_STORE_ENV}=1 in torchrun's environment "
+            "(clusterpulse-train does) so that each rendezvous round gets a fresh store.")
     store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           int(os.environ.get("MASTER_PORT", "29500")), world,
-                          is_master=(not agent_store and rank == 0), timeout=timeout)
-    token = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}".encode()
-    generation = 0
-    while store.compare_set(f"clusterpulse/slot/{generation}/{rank}", "", token) != token:
-        generation += 1
-    return dist.PrefixStore(f"clusterpulse/generation-{generation}", store), generation
+                          is_master=False, timeout=timeout)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+    return dist.PrefixStore(f"clusterpulse/restart-{restarts}", store)
+
+
+def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> DistInfo:
+    """Join this round's process group (restart-safe) and agree on the attempt number.
+
+    `attempt` is this rank's proposal (default: `local_attempt()`); every rank gets
+    rank 0's. Safe to call when the process group already exists.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device, backend = _device_and_backend(local_rank)
+    proposal = local_attempt() if attempt is None else attempt
+    if world > 1 and not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        kwargs: dict = {"timeout": timeout, "device_id": device if backend == "nccl" else None}
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            kwargs.update(store=_shared_store_prefixed(world, rank, timeout), rank=rank,
+                          world_size=world)
+        dist.init_process_group(backend, **kwargs)  # env:// : this round's own store
+    agreed = proposal
+    if world > 1:
+        box = torch.tensor([proposal], dtype=torch.int64, device=device)
+        dist.broadcast(box, src=0)
+        agreed = int(box.item())  # once per start, not per step
+    return DistInfo(rank, world, local_rank, device, backend, agreed)
 
 
 def wrap(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:

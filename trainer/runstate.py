@@ -22,7 +22,9 @@ class RunState:
     checkpoint_blocking_seconds: float = 0.0
     pending_exit: str = ""  # "checkpoint-restart" when ranks left on purpose
     pending_command: str = ""
+    attempts: int = 0  # attempts begun (reached the process group); the next one's number
     restarts: list[dict] = field(default_factory=list)
+    load_failures: list[dict] = field(default_factory=list)  # checkpoints that did not load
 
     @classmethod
     def load(cls, path: Path) -> RunState:
@@ -37,11 +39,16 @@ class RunState:
         tmp.write_text(json.dumps(asdict(self), indent=1))
         os.replace(tmp, path)
 
+    def next_attempt(self, run: str) -> int:
+        """Rank 0's proposal for the attempt number (all ranks adopt rank 0's)."""
+        return self.attempts if self.started_unix and self.run == run else 0
+
     def begin_attempt(self, run: str, attempt: int, resume_step: int) -> None:
         """Record how the previous attempt ended, as seen from the new one."""
         now = time.time()
         if not self.started_unix or self.run != run:
             self.__init__(run=run, started_unix=now)  # a new run in this directory
+        self.attempts = max(self.attempts, attempt + 1)
         if attempt > 0:
             cause = self.pending_exit or "failure"
             self.restarts.append({

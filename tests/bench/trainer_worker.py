@@ -1,9 +1,11 @@
 """Runs under torchrun for bench_trainer: instrumentation overhead and checkpoint
 blocking, each side by side with its baseline in the same processes.
 
-Overhead: blocks of steps alternate between the bare loop and the same loop with
-Pulse (timing, comm hook, telemetry to a live agent port, consensus every 5 steps),
-so that machine noise hits both alike; medians per mode are compared.
+Overhead: blocks of steps alternate between a truly bare loop (its own DDP model: no
+comm hook, no Pulse, no telemetry) and the same loop on an identical DDP model with
+Pulse (timing, bucket comm hook, telemetry to a live agent port, heartbeat thread,
+step-boundary agreement every 5 steps), so that machine noise hits both alike;
+medians per mode are compared.
 """
 
 from __future__ import annotations
@@ -29,13 +31,24 @@ from trainer.state import TrainState
 def main() -> None:
     agent_port, out_dir, preset = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     info = init_distributed(300)
+    bare_model = wrap(build_model(preset, 1), "ddp", info)  # no hook, ever
+    bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=1e-3)
     model = wrap(build_model(preset, 1), "ddp", info)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     mc = PRESETS[preset]
     data = SyntheticTokens(1, mc.vocab, mc.seq_len, 8)
     pulse = Pulse(run="bench", agent=("127.0.0.1", agent_port))
-    pulse.attach_ddp(model)  # the hook only stamps a time; bare blocks pay it too (~1 us)
+    pulse.attach_ddp(model)
+
+    def bare(step: int) -> torch.Tensor:
+        x, y = data.shard(step, info.rank, info.world)
+        logits = bare_model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        bare_opt.step()
+        bare_opt.zero_grad(set_to_none=True)
+        return loss
 
     def work(step: int) -> torch.Tensor:
         x, y = data.shard(step, info.rank, info.world)
@@ -54,11 +67,11 @@ def main() -> None:
                 step += 1
                 t0 = time.perf_counter()
                 if mode == "bare":
-                    work(step)
+                    bare(step)
                 else:
                     with pulse.step(step) as s, s.section("forward_backward"):
                         s.loss = work(step)
-                    pulse.restart_requested(step)
+                    pulse.boundary(step)
                 times[mode].append(time.perf_counter() - t0)
     result = {m: statistics.median(v[10:]) for m, v in times.items()}
     exchanges = max(pulse.consensus.exchanges, 1)
@@ -82,6 +95,7 @@ def main() -> None:
     if info.rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()
+    pulse.close()
     dist.destroy_process_group()
 
 

@@ -143,3 +143,25 @@ def test_graceful_checkpoint_restart_command_loses_no_step(tmp_path, clean_diges
     finally:
         server.shutdown()
         running.agent.stop()
+
+
+def test_failed_graceful_save_aborts_and_unloadable_checkpoint_falls_back(tmp_path,
+                                                                           clean_digest):
+    """Under a plain torchrun (its shared store, 42 for graceful exits):
+    - a graceful restart whose checkpoint fails is aborted, said so, and retried at
+      the next agreement (no exit with steps lost);
+    - a checkpoint that verifies but does not load is skipped, logged and recorded,
+      and the job resumes from the one before, ending with the clean parameters."""
+    r = run_trainer(tmp_path / "ckpt", steps=STEPS, max_restarts=2, args=[
+        *CKPT, "--inject", "graceful:step=10", "--inject", "ckpt_fail:step=10",
+        "--inject", "ckpt_unloadable:step=30:attempt=1",
+        "--inject", "crash:rank=1:step=33:attempt=1"])
+    assert r.returncode == 0, r.log[-3000:]
+    assert "checkpoint-restart at step 10 ABORTED" in r.log
+    causes = [(x["cause"], x["resume_step"], x["steps_recomputed"])
+              for x in r.summary["restarts"]]
+    assert causes == [("checkpoint-restart", 15, 0), ("failure", 20, 13)], r.summary
+    assert "checkpoint step-00000030 verifies but does not load" in r.log
+    (failure,) = r.summary["checkpoint_load_failures"]
+    assert failure["checkpoint"] == "step-00000030" and failure["error"]
+    assert r.digest == clean_digest["ddp"]

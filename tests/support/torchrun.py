@@ -56,4 +56,38 @@ def start_trainer(ckpt: Path, log: Path, nproc: int = 2, steps: int = 40,
                             start_new_session=True)
 
 
-__all__ = ["REPO", "RunResult", "run_trainer", "start_trainer"]
+
+
+
+def launcher_cmd(nproc: int, max_restarts: int, args: list[str], nnodes: int = 1,
+                 rdzv_port: int | None = None, script: str | None = None) -> list[str]:
+    """clusterpulse-train (the launcher that relaunches graceful restarts) with the same
+    fast worker monitoring as torchrun_cmd; `nnodes` > 1: one such command per "node",
+    all on loopback with a c10d rendezvous at `rdzv_port`."""
+    cmd = [sys.executable, "-m", "trainer.launch", "--nproc", str(nproc),
+           "--max-restarts", str(max_restarts), "--monitor-interval", "0.2"]
+    if nnodes > 1:
+        cmd += ["--nnodes", str(nnodes), "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}",
+                "--rdzv-id", "test"]
+    if script:
+        cmd += ["--script", script]
+    return [*cmd, "--", *args]
+
+
+def start_logged(cmd: list[str], log: Path, cwd: Path, extra_env: dict | None = None,
+                 ) -> subprocess.Popen:
+    """A process group of its own (kill it whole with os.killpg), output in `log`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(extra_env or {})}
+    fh = open(log, "wb")  # noqa: SIM115 - owned by the process
+    return subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def stop_group(p: subprocess.Popen) -> None:
+    """End a start_logged process and everything it started."""
+    import contextlib
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):  # also any worker it left behind
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)

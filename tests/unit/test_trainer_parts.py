@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoint import CheckpointManager, find_latest_valid, verify
+from trainer.checkpoint import CheckpointManager, dcp_files, find_latest_valid, verify
 from trainer.consensus import Consensus
 from trainer.faults import Faults, InjectError, parse_injection
 from trainer.instrument import Pulse
@@ -50,7 +52,12 @@ def test_checkpoints_publish_atomically_prune_and_fall_back(tmp_path):
         mgr.save(step, _state(step))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000020", "step-00000030"]
     manifest = json.loads((tmp_path / "step-00000030" / "manifest.json").read_text())
-    assert manifest["step"] == 30 and manifest["files"]
+    assert manifest["step"] == 30 and manifest["files_from"] == "dcp-metadata"
+    # the manifest lists what DCP's metadata lists (plus the metadata itself), with the
+    # checksums each writer computed for its own files
+    assert set(manifest["files"]) == {*dcp_files(tmp_path / "step-00000030"), ".metadata"}
+    own = json.loads((tmp_path / "step-00000030" / "checksums-rank0.json").read_text())
+    assert own["files"] and all(manifest["files"][k] == v for k, v in own["files"].items())
     assert find_latest_valid(tmp_path).step == 30
     # An interrupted write leaves only a temporary directory: never loaded, then cleaned.
     (tmp_path / ".tmp-step-00000040").mkdir()
@@ -61,6 +68,10 @@ def test_checkpoints_publish_atomically_prune_and_fall_back(tmp_path):
     data = next((tmp_path / "step-00000030").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:-8] + b"garbage!")
     assert "fails its checksum" in verify(tmp_path / "step-00000030")
+    # verified in parallel: each of 2 ranks hashes its half; only one half holds the
+    # bad file, and agreeing on both halves finds it
+    halves = [verify(tmp_path / "step-00000030", rank=r, world=2) for r in (0, 1)]
+    assert sorted(h is None for h in halves) == [False, True]
     found = find_latest_valid(tmp_path)
     assert found.step == 20
     loaded = _state(0)
@@ -71,11 +82,18 @@ def test_checkpoints_publish_atomically_prune_and_fall_back(tmp_path):
     assert find_latest_valid(tmp_path) is None
 
 
-def test_async_checkpoint_publishes_in_the_background(tmp_path):
-    mgr = CheckpointManager(tmp_path, rank=0, async_save=True)
-    blocked = mgr.save(5, _state(5))
+def test_async_checkpoint_returns_before_the_write_and_publishes_later(tmp_path):
+    """The save call returns while the write is still running (the loop is not
+    blocked by it), and the checkpoint is published only once the write is done."""
+    release = threading.Event()
+    mgr = CheckpointManager(tmp_path, rank=0, async_save=True,
+                            before_publish=lambda step: release.wait(60))
+    mgr.save(5, _state(5))
+    assert mgr.in_flight and mgr.committed_step is None  # write not yet published
+    assert find_latest_valid(tmp_path) is None
+    release.set()
     mgr.wait()
-    assert mgr.committed_step == 5 and blocked >= 0
+    assert mgr.committed_step == 5 and not mgr.in_flight
     assert find_latest_valid(tmp_path).step == 5
 
 
@@ -95,11 +113,12 @@ def test_straggler_score_is_relative_and_skips_warmup():
     c = Consensus(every=3, warmup_windows=1)
     for x in (0.1, 0.1, 0.1):
         c.record(x)
-    assert c.exchange(False, world=1) == (False, False, None)  # warm-up window
+    assert c.exchange(False, world=1) == (False, False, None, False)  # warm-up window
     for x in (0.2, 0.2, 0.9):  # a checkpoint-like outlier does not move the median
         c.record(x)
-    restart, ckpt, scores = c.exchange(True, world=1, want_checkpoint=True)
-    assert restart and ckpt and scores == [1.0]
+    restart, ckpt, scores, preempt = c.exchange(True, world=1, want_checkpoint=True)
+    assert restart and ckpt and scores == [1.0] and not preempt
+    assert c.exchange(False, world=1, want_preempt=True)[3] is True
 
 
 def test_pulse_sends_step_telemetry_and_never_blocks_without_agent():
@@ -141,5 +160,136 @@ def test_launcher_builds_the_torchrun_command():
     cmd = build_command(["--nproc", "2", "--max-restarts", "1", "--", "--steps", "5"])
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
                        "--standalone", "-m", "trainer", "--steps", "5"]
+    cmd = build_command(["--nproc", "2", "--script", "examples/ddp_tutorial.py", "--", "3"])
+    assert cmd[-2:] == ["examples/ddp_tutorial.py", "3"]
     cmd = build_command(["--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "head:29400"])
     assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=head:29400" in cmd
+
+
+@pytest.mark.parametrize("run", ["my run/1", "", "x" * 129, "run\n"])
+def test_run_ids_the_agent_would_drop_are_refused_at_construction(run):
+    with pytest.raises(ValueError, match="not accepted by the agent"):
+        Pulse(run=run, agent=None)
+
+
+def test_section_names_the_agent_would_drop_are_refused():
+    pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
+    with (pulse.step(1) as s, pytest.raises(ValueError, match="section 'forward' is not one"),
+          s.section("forward")):
+        pass
+    pulse.close()
+
+
+def test_pulse_honours_clusterpulse_agent(monkeypatch):
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.settimeout(5)
+    monkeypatch.setenv("CLUSTERPULSE_AGENT", f"127.0.0.1:{rx.getsockname()[1]}")
+    with Pulse(run="env-run", rank=0, world_size=1, catch_sigterm=False) as pulse:
+        assert pulse.link.addr == rx.getsockname()
+        assert json.loads(rx.recv(8192))["event"] == "start"
+    monkeypatch.setenv("CLUSTERPULSE_AGENT", "none")
+    assert Pulse(run="off", world_size=1, catch_sigterm=False).link.addr is None
+    monkeypatch.setenv("CLUSTERPULSE_AGENT", "localhost")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        Pulse(run="bad", world_size=1, catch_sigterm=False)
+
+
+def test_data_stalls_count_as_data_wait_and_close_reports_the_outcome():
+    """A slow input pipeline shows as data wait, not compute; the context manager
+    stops (joins) the heartbeat thread and tells the agent the rank finished."""
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.settimeout(5)
+
+    def slow_loader():
+        for i in range(2):
+            time.sleep(0.2)
+            yield i
+
+    with Pulse(run="unit", agent=rx.getsockname(), rank=0, world_size=1,
+               catch_sigterm=False) as pulse:
+        for step, _batch in enumerate(pulse.data(slow_loader()), start=1):
+            with pulse.step(step) as s, s.section("forward_backward"):
+                pass
+            assert pulse.last["data_wait_seconds"] >= 0.2
+            assert pulse.last["compute_seconds"] < pulse.last["data_wait_seconds"]
+            assert pulse.last["step_seconds"] >= pulse.last["data_wait_seconds"]
+        beat = pulse._beat
+    assert not beat.is_alive() and pulse.outcome == "finished"
+    msgs = []
+    while True:
+        m = json.loads(rx.recv(8192))
+        msgs.append(m)
+        if m.get("event") == "exit":
+            break
+    assert msgs[-1]["outcome"] == "finished"
+    assert [m["step"] for m in msgs if m["type"] == "step"] == [1, 2]
+
+
+def test_checkpoint_committed_feeds_the_checkpoint_age():
+    pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
+    pulse.checkpoint_committed(40, timestamp=1234.5)
+    assert pulse.extra["checkpoint_step"] == 40
+    assert pulse.extra["checkpoint_timestamp_seconds"] == 1234.5
+    pulse.close()
+
+
+def test_a_failed_save_aborts_a_graceful_restart_and_training_goes_on(capsys):
+    pulse = Pulse(run="unit", agent=None, world_size=1, consensus_every=1,
+                  catch_sigterm=False)
+    pulse.commands["c1"] = "checkpoint-restart"
+
+    def failing_save(step):
+        raise OSError("disk full")
+
+    pulse.boundary(3, save=failing_save)  # returns: no exit with steps lost
+    assert "checkpoint-restart at step 3 ABORTED" in capsys.readouterr().out
+    assert pulse.commands == {"c1": "checkpoint-restart"}  # not acknowledged: resent
+    saved = []
+    with pytest.raises(SystemExit) as exit_:
+        pulse.boundary(4, save=saved.append)
+    assert saved == [4] and exit_.value.code == 42 and pulse.outcome == "checkpoint-restart"
+    assert "c1" in pulse._acks
+
+
+def test_sigterm_becomes_a_checkpoint_then_exit_143():
+    import os
+    import signal
+
+    pulse = Pulse(run="unit", agent=None, world_size=1, consensus_every=2)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert pulse.sigterm.received
+        saved = []
+        pulse.boundary(1, save=saved.append)  # not a consensus step: keeps going
+        with pytest.raises(SystemExit) as exit_:
+            pulse.boundary(2, save=saved.append)
+        assert saved == [2] and exit_.value.code == 143 and pulse.outcome == "preempted"
+    finally:
+        pulse.close()
+    assert signal.getsignal(signal.SIGTERM) is not pulse.sigterm._handle
+
+
+def test_attach_ddp_adds_no_python_comm_hook(tmp_path):
+    """Regression guard for the exit-time abort: a Python DDP comm hook runs Python
+    callbacks on gloo's threads; attach_ddp must time buckets without one."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+        pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
+        pulse.attach_ddp(model)
+        assert model._comm_hooks == [] and model.logger is not None
+        with pulse.step(1) as s, s.section("forward_backward"):
+            model(torch.ones(2, 8)).sum().backward()
+        assert len(pulse._pending) == 0 and pulse.last["sync_wait_seconds"] >= 0
+        assert pulse._grads_ready == 2  # weight and bias: the last one is the mark
+        pulse.close()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,72 @@
+"""Restarts a real job can rely on (issue 12), with real torchrun agents on loopback:
+two clusterpulse-train "nodes" x 2 ranks with a c10d rendezvous.
+
+One launch carries the whole story, checked at the end:
+- rank 1 dies before joining the process group (like a CUDA error at set_device):
+  with the old compare-and-set generation slots the next rounds disagreed and
+  wedged in gloo's connectFullMesh until --max-restarts ran out; now every round
+  has a fresh store and the job goes on;
+- three graceful checkpoint-restarts, then a SIGKILLed rank, under --max-restarts 2:
+  torchrun used to count each graceful exit (42) as a failure, so five restarts
+  would have been needed; now the graceful ones are relaunched outside the budget;
+- with 4 ranks (a reduction order that could matter) the job ends bit-exactly where
+  an uninterrupted 4-rank run ends.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.ports import free_port
+from tests.support.torchrun import launcher_cmd, start_logged, stop_group
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEPS = 40
+BASE = ["--preset", "tiny", "--steps", str(STEPS), "--ckpt-every", "10", "--agent", "none",
+        "--collective-timeout", "120"]
+
+
+def _run(tmp_path, name: str, nnodes: int, extra: list[str], max_restarts: int) -> tuple:
+    ckpt = tmp_path / name
+    args = [*BASE, "--ckpt-dir", str(ckpt), "--summary-json", str(ckpt / "summary.json"),
+            *extra]
+    port = free_port()
+    procs = [start_logged(launcher_cmd(4 // nnodes, max_restarts, args, nnodes=nnodes,
+                                       rdzv_port=port), tmp_path / f"{name}-{i}.log", tmp_path)
+             for i in range(nnodes)]
+    try:
+        codes = [p.wait(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            stop_group(p)
+    logs = [(tmp_path / f"{name}-{i}.log").read_text(errors="replace") for i in range(nnodes)]
+    summary_path = ckpt / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return codes, logs, summary
+
+
+def test_dead_rank_before_init_and_graceful_restarts_outside_the_failure_budget(tmp_path):
+    codes, logs, summary = _run(tmp_path, "faults", 2, [
+        "--inject", "init_crash:rank=1",
+        "--inject", "graceful:step=8",
+        "--inject", "graceful:step=18:attempt=1",
+        "--inject", "graceful:step=27:attempt=2",
+        "--inject", "crash:rank=2:step=33:mode=sigkill:attempt=3",
+    ], max_restarts=2)
+    assert codes == [0, 0], "\n\n".join(x[-4000:] for x in logs)
+    everything = "\n".join(logs)
+    assert "injected: rank 1 exits before joining the process group" in everything
+    for launcher_log in logs:  # each node's launcher relaunched its torchrun 3 times
+        assert "graceful restart 3: relaunching (the failure budget is untouched)" in launcher_log
+    causes = [(r["cause"], r["resume_step"], r["steps_recomputed"]) for r in summary["restarts"]]
+    assert causes == [("checkpoint-restart", 10, 0), ("checkpoint-restart", 20, 0),
+                      ("checkpoint-restart", 30, 0), ("failure", 30, 3)], summary["restarts"]
+    assert summary["world_size"] == 4
+
+    clean_codes, clean_logs, clean = _run(tmp_path, "clean", 1, [], max_restarts=0)
+    assert clean_codes == [0], clean_logs[0][-4000:]
+    assert clean["restarts"] == []
+    assert summary["param_sha256"] == clean["param_sha256"]
