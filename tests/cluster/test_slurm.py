@@ -131,7 +131,9 @@ def test_usr1_before_time_limit_requeues_and_resumes_from_checkpoint(slurm):
     slurm.run("scancel", "--batch", "--signal=USR1", job)
     wait_until(lambda: int(slurm.job(job).get("Restarts", "0")) >= 1, 120, "the requeue")
     step = resumed_step(slurm, job, out)
-    assert step >= before >= 20  # resumed from the checkpoint the first run left
+    # Resumed past the last periodic checkpoint: the ranks saved on SIGTERM, within the
+    # KillWait grace (no step done before the signal is recomputed).
+    assert step > before >= 20
     assert "USR1: time limit or preemption near, requeueing" in out.read_text()
     slurm.run("scancel", job)  # proven; the remaining steps would only cost CI time
     wait_state(slurm, job, DONE, 120, out)
@@ -169,9 +171,21 @@ def test_failing_gpu_drains_node_and_requeued_job_runs_on_the_rest(slurm, bed, m
     assert resumed_step(slurm, job, out) >= 10
     slurm.run("scancel", job)
     wait_state(slurm, job, DONE, 120, out)
-    # Healthy again, the node is resumed by the same check that drained it (NHC-style).
-    r = requests.post(f"http://{bad.ip}:9400/v1/faults", json={"kind": "recover", "gpu": 1},
-                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
-    assert r.status_code == 200, r.text
-    wait_until(lambda: slurm.node_states().get(bad.name, "").rstrip("*") == "idle", 90,
-               f"{bad.name} resumed by its health check")
+    # It stays drained: XID 79 is counted since the driver loaded, and only a GPU reset
+    # (or a reboot) clears it, as on real hardware.
+
+
+def test_health_check_drains_a_node_whose_agent_is_gone_and_resumes_it_when_back(slurm, bed):
+    node = next(n for n in bed.nodes
+                if slurm.node_states().get(n.name, "").rstrip("*") == "idle")
+    (pid,) = bed.find(node, "-m", "agent", "0.0.0.0:9400")
+    bed.kill_process(pid)
+    wait_until(lambda: "drain" in slurm.run("sinfo", "-h", "-n", node.name, "-o", "%T"), 90,
+               f"{node.name} drained by its health check")
+    assert slurm.node_reason(node.name).startswith("clusterpulse: agent unreachable")
+    node.spawn([sys.executable, "-m", "agent", "--backend", "sim", "--gpus", "2",
+                "--node", node.name, "--listen", "0.0.0.0:9400", "--interval", "0.5"],
+               log=slurm.run_dir / f"service-agent-{node.name}-2.log", cwd=REPO)
+    # Healthy again: the check that drained it resumes it (NHC-style; its own reason only).
+    wait_until(lambda: slurm.node_states().get(node.name, "").rstrip("*") == "idle", 120,
+               f"{node.name} resumed by its health check")
