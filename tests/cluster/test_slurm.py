@@ -55,6 +55,15 @@ def slurm(bed, tmp_path_factory):
     cluster.stop()
 
 
+@pytest.fixture(autouse=True)
+def no_job_left(slurm):
+    """A failed test must not leave its job holding nodes the next test needs."""
+    yield
+    slurm.run("scancel", "--partition=main", check=False)
+    wait_until(lambda: not slurm.run("squeue", "-h", check=False).strip(), 120,
+               "the queue to empty")
+
+
 def submit(slurm: SlurmCluster, name: str, nodes: int, train_args: str,
            **env: str) -> tuple[str, Path, Path]:
     out, ckpt = slurm.run_dir / f"{name}.out", slurm.run_dir / f"ckpt-{name}"
@@ -124,7 +133,7 @@ def test_sbatch_runs_agent_step_and_torchrun_on_every_node(slurm, bed):
 def test_usr1_before_time_limit_requeues_and_resumes_from_checkpoint(slurm):
     job, out, ckpt = submit(slurm, "preempt", 2, LONG_JOB, CLUSTERPULSE_AGENT_SERVICE="1")
     wait_state(slurm, job, ("RUNNING",), 120, out)
-    wait_until(lambda: (f := find_latest_valid(ckpt)) and f.step >= 20, 180,
+    wait_until(lambda: (f := find_latest_valid(ckpt)) and f.step >= 20, 420,
                "a checkpoint at step >= 20")
     before = find_latest_valid(ckpt).step
     # What --signal=B:USR1@120 delivers 120 s before the time limit, sent now.
@@ -142,9 +151,9 @@ def test_usr1_before_time_limit_requeues_and_resumes_from_checkpoint(slurm):
 def test_failing_gpu_drains_node_and_requeued_job_runs_on_the_rest(slurm, bed, monkeypatch):
     nodes = {n.name: n for n in bed.nodes}
     job, out, ckpt = submit(slurm, "drain", 2, LONG_JOB, CLUSTERPULSE_AGENT_SERVICE="1")
-    info = wait_state(slurm, job, ("RUNNING",), 120, out)
+    info = wait_state(slurm, job, ("RUNNING",), 180, out)
     first = slurm.hostnames(info["NodeList"])
-    wait_until(lambda: (f := find_latest_valid(ckpt)) and f.step >= 10, 180,
+    wait_until(lambda: (f := find_latest_valid(ckpt)) and f.step >= 10, 420,
                "a checkpoint at step >= 10")
     bad = nodes[first[1]]
     r = requests.post(f"http://{bad.ip}:9400/v1/faults", json={"kind": "gpu_lost", "gpu": 1},
