@@ -52,6 +52,7 @@ from agent.httpsafe import (
 from agent.logsetup import setup_logging
 from agent.tokens import TokenError, Tokens
 from dashboard.actions import ACTIONS, ActionError, request_action
+from dashboard.drain import NODE_ACTIONS, Drainer, DrainSettings
 from dashboard.promclient import PrometheusClient, PrometheusError
 
 log = logging.getLogger("dashboard.remediation")
@@ -74,6 +75,7 @@ class Policy:
     dry_run: bool = False
     max_actions_per_run: int = 1
     window_s: float = 900.0
+    drain: DrainSettings = field(default_factory=DrainSettings)
 
     @classmethod
     def load(cls, path: Path) -> Policy:
@@ -87,12 +89,17 @@ class Policy:
         for i, r in enumerate(raw.get("rule", [])):
             if not isinstance(r, dict) or not isinstance(r.get("alert"), str):
                 raise PolicyError(f"policy {path}, rule #{i + 1}: 'alert' (a name) is required")
-            if r.get("action") not in ACTIONS:
+            if r.get("action") not in (*ACTIONS, *NODE_ACTIONS):
                 raise PolicyError(f"policy {path}, rule #{i + 1}: 'action' must be one of "
-                                  f"{', '.join(ACTIONS)}")
+                                  f"{', '.join((*ACTIONS, *NODE_ACTIONS))}")
             rules.append(Rule(r["alert"], r["action"], float(r.get("sustained_s", 0))))
+        try:
+            drain = DrainSettings.from_toml(raw.get("drain", {}), f"policy {path}")
+        except ValueError as err:
+            raise PolicyError(str(err)) from None
         return cls(rules, bool(raw.get("dry_run", False)),
-                   int(raw.get("max_actions_per_run", 1)), float(raw.get("window_s", 900)))
+                   int(raw.get("max_actions_per_run", 1)), float(raw.get("window_s", 900)),
+                   drain)
 
 
 @dataclass
@@ -133,6 +140,10 @@ class Remediator:
                 continue
             rule = next((r for r in self.policy.rules if r.alert == name), None)
             if rule is None:
+                continue
+            if rule.action in NODE_ACTIONS:  # acts on the node, not on a run (drain.py)
+                decisions.append(Drainer(self.policy.drain, self.audit,
+                                         self.policy.dry_run).decide(alert))
                 continue
             for run in self._runs(alert["labels"]):
                 decisions.append(self._decide(rule, run, alert))

@@ -26,10 +26,14 @@ command -v buildah >/dev/null || missing+=(buildah)
 command -v debootstrap >/dev/null || missing+=(debootstrap)
 # The 16,384-GPU benchmark (make bench-fleet) also runs the dashboard on VictoriaMetrics.
 command -v victoria-metrics >/dev/null || missing+=(victoria-metrics)
+# A real Slurm for the testbed's scheduler tests (deploy/testbed/slurm.py).
+command -v slurmctld >/dev/null || missing+=(slurm-wlm)
+command -v munged >/dev/null || missing+=(munge)
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing Debian packages: ${missing[*]}"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get -o DPkg::Lock::Timeout=900 install -y -qq \
+    --no-install-recommends \
     "${missing[@]}" >/dev/null
   # Debian's packages start system services where systemd runs; ours use their own ports.
 fi

@@ -58,6 +58,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--rdzv-endpoint", default="",
                    help="HOST:PORT of the c10d rendezvous for multi-node runs")
     p.add_argument("--rdzv-id", default="clusterpulse", help="rendezvous id")
+    # Schedulers know node addresses better than hostnames do (deploy/slurm/train.sbatch).
+    p.add_argument("--local-addr", default="",
+                   help="address this node advertises to its peers (default: its hostname)")
+    p.add_argument("--rdzv-host", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether this node hosts the rendezvous store (default: guessed "
+                   "from the hostname)")
     p.add_argument("--monitor-interval", type=float, default=None,
                    help="seconds between torchrun's worker checks (torchrun's default)")
     p.add_argument("--script", default="",
@@ -86,8 +92,12 @@ def build_command(argv: list[str]) -> list[str]:
     if a.rdzv_endpoint:
         cmd += [f"--nnodes={a.nnodes}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id={a.rdzv_id}"]
+        if a.rdzv_host is not None:
+            cmd.append(f"--rdzv-conf=is_host={str(a.rdzv_host).lower()}")
     else:
         cmd += ["--standalone"]
+    if a.local_addr:
+        cmd.append(f"--local-addr={a.local_addr}")
     target = [a.script] if a.script else ["-m", "trainer"]
     return [*cmd, *target, *trainer_args]
 

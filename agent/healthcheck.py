@@ -1,0 +1,256 @@
+"""`clusterpulse-healthcheck`: is this node fit to run jobs? One answer, in the form
+schedulers already consume.
+
+It reads the local agent's /metrics (so it sees exactly what Prometheus sees) and
+fails the node for what an operator would take it out of service for: a GPU that
+stopped answering (fell off the bus), a critical XID, uncorrectable ECC errors or a
+failed row remap, an agent that is unreachable or no longer collecting.
+
+The output follows two protocols at once, because they agree:
+- LBNL NHC / Slurm `HealthCheckProgram`: exit status 0 = healthy, non-zero = not, and
+  one line naming the reason. slurmd ignores the exit status; like NHC, `--drain`
+  drains the node itself (`scontrol update NodeName=... State=DRAIN Reason=...`) and
+  resumes it once healthy again, but only if it was this check that drained it.
+- Kubernetes Node Problem Detector custom plugins: exit 0 = OK, 1 = problem (the
+  condition is set), 2 = unknown; stdout is the condition's message.
+
+Unknown (2) means the check could not decide (the agent answered something that is
+not its metrics); an agent that does not answer at all is a problem (1), since then
+nothing watches the node's GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+OK, PROBLEM, UNKNOWN = 0, 1, 2
+# Prefix of every reason we set in Slurm: a node drained by someone else (an admin,
+# another check) is never resumed by us.
+REASON_PREFIX = "clusterpulse:"
+# XIDs after which NVIDIA's XID catalogue says the GPU needs a reset or a node drain
+# (not the application errors such as 13/31/43 a buggy job can cause on a good GPU).
+# 48 DBE ECC, 63/64 row remap event/failure, 74 NVLink, 79 fallen off the bus,
+# 92 high single-bit ECC rate, 94/95 contained/uncontained ECC, 119/120 GSP errors,
+# 140 unrecovered ECC.
+CRITICAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
+
+
+@dataclass
+class Verdict:
+    status: int
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def message(self) -> str:
+        if self.status == OK:
+            return "OK"
+        return "; ".join(self.reasons)
+
+
+def fetch_metrics(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode("utf-8", errors="replace")
+
+
+def evaluate(text: str, now: float, max_age_s: float, xids: frozenset[int],
+             ecc_max: float) -> Verdict:
+    """The verdict for one /metrics page; pure, so it is tested without an agent."""
+    try:
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+    except ValueError as err:
+        return Verdict(UNKNOWN, [f"agent metrics unreadable: {err}"])
+    if "clusterpulse_gpu_up" not in families:
+        return Verdict(UNKNOWN, ["agent metrics have no clusterpulse_gpu_up (not a "
+                                 "ClusterPulse agent?)"])
+    problems: list[str] = []
+
+    def samples(name: str, suffix: str = ""):
+        fam = families.get(name)
+        return [s for s in fam.samples if s.name == name + suffix] if fam else []
+
+    last = samples("clusterpulse_agent_last_collection_timestamp_seconds")
+    if last and now - last[0].value > max_age_s:
+        problems.append(f"agent stale: last GPU collection {now - last[0].value:.0f} s ago")
+    reasons = {(s.labels.get("gpu"), s.labels.get("reason")) for s in
+               samples("clusterpulse_gpu_down_reason") if s.value}
+    for s in samples("clusterpulse_gpu_up"):
+        if s.value == 0:
+            why = ",".join(sorted(r for g, r in reasons if g == s.labels.get("gpu") and r))
+            problems.append(f"GPU {s.labels.get('gpu')} down" + (f" ({why})" if why else ""))
+    for s in samples("clusterpulse_gpu_xid_errors", "_total"):
+        code = int(s.labels.get("xid", "0") or 0)
+        if code in xids and s.value > 0:
+            problems.append(f"GPU {s.labels.get('gpu')} XID {code} x{s.value:.0f}")
+    for s in samples("clusterpulse_gpu_ecc_errors", "_total"):
+        if s.labels.get("kind") == "uncorrected" and s.value > ecc_max:
+            problems.append(f"GPU {s.labels.get('gpu')} {s.value:.0f} uncorrectable ECC errors")
+    for s in samples("clusterpulse_gpu_row_remap_failed"):
+        if s.value:
+            problems.append(f"GPU {s.labels.get('gpu')} row remap failed")
+    return Verdict(PROBLEM if problems else OK, problems)
+
+
+def check(url: str, timeout: float, max_age_s: float, xids: frozenset[int],
+          ecc_max: float) -> Verdict:
+    try:
+        text = fetch_metrics(url, timeout)
+    except urllib.error.HTTPError as err:
+        return Verdict(UNKNOWN, [f"agent at {url} answered HTTP {err.code}"])
+    except (urllib.error.URLError, OSError) as err:
+        why = getattr(err, "reason", err)
+        return Verdict(PROBLEM, [f"agent unreachable at {url}: {why}"])
+    return evaluate(text, time.time(), max_age_s, xids, ecc_max)
+
+
+class SlurmError(Exception):
+    pass
+
+
+def _scontrol(*args: str) -> str:
+    exe = shutil.which("scontrol")
+    if exe is None:
+        raise SlurmError("scontrol not found in PATH; --drain needs Slurm's client tools")
+    r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise SlurmError(f"scontrol {' '.join(args)} failed: {r.stderr.strip() or r.stdout}")
+    return r.stdout
+
+
+def node_state(node: str) -> tuple[str, str]:
+    """(State, Reason) of a Slurm node, from `scontrol show node -o`."""
+    fields: dict[str, str] = {}
+    line = _scontrol("show", "node", "-o", node).strip()
+    # Reason= is last but one and may contain spaces: split at known keys only.
+    head, _, reason = line.partition(" Reason=")
+    for tok in head.split():
+        k, _, v = tok.partition("=")
+        fields[k] = v
+    reason = reason.split(" [", 1)[0].strip() if reason else ""
+    return fields.get("State", ""), reason
+
+
+def apply_to_slurm(node: str, verdict: Verdict) -> str:
+    """Drain on a problem; resume a node that this check drained once it is healthy."""
+    state, reason = node_state(node)
+    if verdict.status == PROBLEM:
+        want = f"{REASON_PREFIX} {verdict.message}"[:200]
+        if "DRAIN" in state and reason.startswith(REASON_PREFIX):
+            return f"already drained: {reason}"
+        _scontrol("update", f"NodeName={node}", "State=DRAIN", f"Reason={want}")
+        return f"drained {node}: {want}"
+    if verdict.status == OK and "DRAIN" in state and reason.startswith(REASON_PREFIX):
+        _scontrol("update", f"NodeName={node}", "State=RESUME")
+        return f"resumed {node} (was: {reason})"
+    return ""
+
+
+EXAMPLES = """\
+exit status: 0 healthy, 1 problem (the node should not run jobs), 2 unknown.
+
+examples:
+  # ask the local agent; print OK or the reasons
+  clusterpulse-healthcheck --agent http://127.0.0.1:9477
+
+  # drain on a problem, resume the node when healthy again if this check drained it
+  clusterpulse-healthcheck --drain
+  # the same as Slurm's HealthCheckProgram (deploy/slurm/healthcheck.sh)
+  clusterpulse-healthcheck --drain --detach
+
+  # as a Kubernetes Node Problem Detector custom plugin
+  # (deploy/kubernetes/node-problem-detector/)
+  clusterpulse-healthcheck --agent http://127.0.0.1:9477 --timeout 5
+
+  # also treat XID 13 as critical, tolerate no stale collection over 30 s
+  clusterpulse-healthcheck --xid 13 --max-age 30
+"""
+
+
+def _xid(text: str) -> int:
+    try:
+        code = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"XID must be a number, got {text!r}") from None
+    if not 0 < code < 1000:
+        raise argparse.ArgumentTypeError(f"XID must be in 1..999, got {code}")
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ
+    p = argparse.ArgumentParser(
+        prog="clusterpulse-healthcheck", epilog=EXAMPLES,
+        description="Node health check for Slurm (HealthCheckProgram, NHC-style) and "
+        "Kubernetes Node Problem Detector: reads the local ClusterPulse agent's metrics.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--agent", default=env.get("CLUSTERPULSE_AGENT_URL", "http://127.0.0.1:9477"),
+                   help="agent base URL (env CLUSTERPULSE_AGENT_URL; "
+                   "default http://127.0.0.1:9477)")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the agent (default 5)")
+    p.add_argument("--max-age", type=float, default=60.0,
+                   help="a last GPU collection older than this many seconds is a problem "
+                   "(default 60)")
+    p.add_argument("--xid", type=_xid, action="append", default=[],
+                   help="treat this XID as critical too (repeatable); default set: "
+                   + ",".join(map(str, sorted(CRITICAL_XIDS))))
+    p.add_argument("--ecc-max", type=float, default=0,
+                   help="uncorrectable ECC errors tolerated per GPU (default 0)")
+    p.add_argument("--drain", action="store_true",
+                   help="drain this node in Slurm on a problem (and resume it once healthy "
+                   "if this check drained it)")
+    p.add_argument("--detach", action="store_true",
+                   help="with --drain: update Slurm from a detached child and exit at once. "
+                   "Needed as HealthCheckProgram: slurmd waits for the program while "
+                   "slurmctld waits for slurmd, so a synchronous scontrol stalls until "
+                   "timeouts (what NHC's detached mode is for)")
+    p.add_argument("--node", default=env.get("SLURMD_NODENAME") or socket.gethostname(),
+                   help="Slurm node name for --drain (default: $SLURMD_NODENAME, "
+                   "else the hostname)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.timeout <= 0 or a.max_age <= 0:
+        p.error("--timeout and --max-age must be positive")
+    url = a.agent.rstrip("/") + "/metrics"
+    verdict = check(url, a.timeout, a.max_age, CRITICAL_XIDS | frozenset(a.xid), a.ecc_max)
+    print(verdict.message if verdict.status == OK else
+          f"ERROR: clusterpulse-healthcheck: {verdict.message}", flush=True)
+    if a.drain and a.detach:
+        if os.fork() != 0:
+            return verdict.status
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # slurmd reads our output until EOF: release it
+            os.dup2(devnull, fd)
+        try:
+            apply_to_slurm(a.node, verdict)
+        except (SlurmError, subprocess.TimeoutExpired):
+            os._exit(1)
+        os._exit(0)
+    if a.drain:
+        try:
+            done = apply_to_slurm(a.node, verdict)
+        except (SlurmError, subprocess.TimeoutExpired) as err:
+            print(f"clusterpulse-healthcheck: cannot update Slurm: {err}", file=sys.stderr)
+            return verdict.status or UNKNOWN
+        if done:
+            print(f"clusterpulse-healthcheck: {done}", file=sys.stderr)
+    return verdict.status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""Remediation action `drain-node`: take a failing node out of Slurm the way Slurm
+admins already do (`scontrol update NodeName=... State=DRAIN Reason=...`).
+
+Draining stops new work from landing on the node and lets running jobs end; with
+`requeue = true` the jobs running there are requeued at once (`scontrol requeue`), so
+a job stuck on a broken GPU restarts from its last checkpoint on the remaining nodes
+instead of waiting for its time limit.
+
+Policy (in the remediation policy TOML):
+
+    [[rule]]
+    alert = "GpuDown"
+    action = "drain-node"
+
+    [drain]
+    requeue = true       # also requeue the jobs running on the node (default false)
+    max_drained = 1      # never hold more than this many nodes drained by us at once
+
+A node already drained (by its health check, an admin or us) keeps its reason, which
+names the first cause; `requeue` still moves the jobs left on it.
+
+`max_drained` is the guard draino-style drainers keep: an alert storm (or a broken
+exporter) must not empty the cluster. Nodes count as ours by their Reason prefix, so
+they stay drained until an operator resumes them (`scontrol update NodeName=X
+State=RESUME`); the node health check never resumes them (it only resumes its own).
+The alert's `node` label is the Slurm node name (the agent's --node defaults to the
+hostname, as Slurm's NodeName usually is). Every decision is audited.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+from agent.audit import AuditLog
+
+log = logging.getLogger("dashboard.drain")
+
+NODE_ACTIONS = ("drain-node",)
+REASON_PREFIX = "clusterpulse-remediate:"
+NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class DrainError(Exception):
+    """Slurm refused or could not be reached; the message says which command and why."""
+
+
+@dataclass(frozen=True)
+class DrainSettings:
+    requeue: bool = False
+    max_drained: int = 1
+
+    @classmethod
+    def from_toml(cls, raw: Any, where: str) -> DrainSettings:
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: [drain] must be a table")
+        unknown = set(raw) - {"requeue", "max_drained"}
+        if unknown:
+            raise ValueError(f"{where}: [drain] has unknown keys {', '.join(sorted(unknown))}")
+        requeue, most = raw.get("requeue", False), raw.get("max_drained", 1)
+        if not isinstance(requeue, bool):
+            raise ValueError(f"{where}: [drain] requeue must be true or false")
+        if not isinstance(most, int) or isinstance(most, bool) or most < 1:
+            raise ValueError(f"{where}: [drain] max_drained must be an integer >= 1")
+        return cls(requeue, most)
+
+
+def slurm(exe: str, *args: str) -> str:
+    """Run one Slurm client command (scontrol, sinfo, squeue); its stdout."""
+    path = shutil.which(exe)
+    if path is None:
+        raise DrainError(f"{exe} not found in PATH (Slurm client tools are needed to drain)")
+    try:
+        r = subprocess.run([path, *args], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        raise DrainError(f"{exe} {' '.join(args)} timed out (slurmctld unreachable?)") from None
+    if r.returncode != 0:
+        raise DrainError(f"{exe} {' '.join(args)}: {(r.stderr or r.stdout).strip()}")
+    return r.stdout
+
+
+def drained_by_us() -> set[str]:
+    """Nodes whose drain reason is ours (`sinfo -R`: reason and node list)."""
+    out = slurm("sinfo", "-R", "-h", "-o", "%E|%N")
+    nodes: set[str] = set()
+    for line in out.splitlines():
+        reason, _, nodelist = line.partition("|")
+        if reason.startswith(REASON_PREFIX):
+            nodes.update(slurm("scontrol", "show", "hostnames", nodelist).split())
+    return nodes
+
+
+def is_drained(node: str) -> bool:
+    state = slurm("sinfo", "-h", "-N", "-n", node, "-o", "%T").split()
+    return any("drain" in st for st in state)
+
+
+def jobs_on(node: str) -> list[str]:
+    out = slurm("squeue", "-h", "-t", "RUNNING,CONFIGURING", "-w", node, "-o", "%i")
+    return [j for j in out.split() if j]
+
+
+@dataclass
+class Drainer:
+    settings: DrainSettings
+    audit: AuditLog
+    dry_run: bool = False
+
+    def decide(self, alert: dict) -> dict:
+        labels = alert.get("labels", {})
+        node, name = labels.get("node", ""), labels.get("alertname", "")
+        base = {"node": node, "alert": name, "action": "drain-node"}
+        why = f"policy: {name} -> drain-node"
+        if not NODE_NAME.match(node):
+            self.audit.write("policy", "drain-node", why, "failed", source="remediation",
+                             alert=labels, detail="alert has no valid node label")
+            return {**base, "outcome": "failed", "detail": "alert has no valid node label"}
+        reason = f"{REASON_PREFIX} {name}" + (f" gpu {labels['gpu']}" if "gpu" in labels else "")
+        try:
+            ours = drained_by_us()
+            if node in ours or is_drained(node):
+                # Drained already (by us, the node's health check or an admin): keep its
+                # reason, which names the first cause; the running jobs still need moving.
+                outcome, detail = "already_drained", ""
+            elif len(ours) >= self.settings.max_drained:
+                outcome = "rate_limited"
+                detail = (f"{len(ours)} node(s) already drained by remediation "
+                          f"(max_drained={self.settings.max_drained}): {', '.join(sorted(ours))}")
+            elif self.dry_run:
+                outcome, detail = "dry_run", ""
+            else:
+                slurm("scontrol", "update", f"NodeName={node}", "State=DRAIN",
+                      f"Reason={reason}")
+                outcome, detail = "acted", ""
+            if (outcome in ("acted", "already_drained") and self.settings.requeue
+                    and not self.dry_run):
+                requeued = []
+                for job in jobs_on(node):
+                    slurm("scontrol", "requeue", job)
+                    requeued.append(job)
+                if requeued:
+                    detail = f"requeued jobs {', '.join(requeued)}"
+        except DrainError as err:
+            outcome, detail = "failed", str(err)
+        self.audit.write("policy", "drain-node", why, outcome, source="remediation",
+                         node=node, alert=labels, slurm_reason=reason, detail=detail)
+        log.info("drain-node %s: %s %s", node, outcome, detail)
+        return {**base, "outcome": outcome, "detail": detail}

@@ -1,0 +1,200 @@
+"""A real Slurm on the testbed (munged, slurmctld on the bridge, one slurmd per node
+namespace) running deploy/slurm/train.sbatch: the job with its agents on every node,
+preemption with a checkpoint and a requeue that resumes, and a failing GPU that drains
+its node (health check) and moves the job to the remaining nodes (drain-node).
+
+One Slurm for the module; nodes run a "service" agent on :9400 (as the systemd unit
+would), which the HealthCheckProgram reads."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from agent.audit import AuditLog
+from dashboard.promclient import PrometheusClient
+from dashboard.remediation import Policy, Remediator
+from deploy.testbed.slurm import SlurmCluster, unavailable
+from tests.support.procs import REPO, wait_until
+from trainer.checkpoint import find_latest_valid
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+TOKEN = "slurm-testbed-token-0123456789"
+SBATCH = REPO / "deploy/slurm/train.sbatch"
+VENV = Path(sys.executable).parent.parent
+LONG_JOB = "--preset tiny --steps 400 --ckpt-every 10 --log-every 5 --sim-compute-seconds 0.1"
+DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+@pytest.fixture(scope="module")
+def slurm(bed, tmp_path_factory):
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"Slurm unavailable: {reason}")
+    run: Path = tmp_path_factory.mktemp("slurm")
+    token = run / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    for n in bed.nodes:
+        n.spawn([sys.executable, "-m", "agent", "--backend", "sim", "--gpus", "2",
+                 "--node", n.name, "--listen", "0.0.0.0:9400", "--telemetry",
+                 "127.0.0.1:9401", "--interval", "0.5", "--token-file", str(token)],
+                log=run / f"service-agent-{n.name}.log", cwd=REPO)
+    for n in bed.nodes:
+        wait_until(lambda n=n: requests.get(f"http://{n.ip}:9400/healthz", timeout=2).ok,
+                   60, f"service agent on {n.name}")
+    cluster = SlurmCluster.on_testbed(bed, run / "slurm",
+                                      health_check_agent="http://127.0.0.1:9400",
+                                      health_interval=10, kill_wait=30)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_job_left(slurm):
+    """A failed test must not leave its job holding nodes the next test needs."""
+    yield
+    slurm.run("scancel", "--partition=main", check=False)
+    wait_until(lambda: not slurm.run("squeue", "-h", check=False).strip(), 120,
+               "the queue to empty")
+
+
+def submit(slurm: SlurmCluster, name: str, nodes: int, train_args: str,
+           **env: str) -> tuple[str, Path, Path]:
+    out, ckpt = slurm.run_dir / f"{name}.out", slurm.run_dir / f"ckpt-{name}"
+    # The job inherits the test's environment (sbatch --export=ALL) plus these.
+    job_env = {"VENV": str(VENV), "CKPT": str(ckpt), "NPROC": "1", "TRAIN_ARGS": train_args,
+               "AGENT_ARGS": "--backend sim --gpus 2 --interval 0.5",
+               "CLUSTERPULSE_TOKEN_FILE": "/nonexistent", **env}
+    job = slurm.sbatch(SBATCH, f"--nodes={nodes}", f"--job-name={name}", f"--output={out}",
+                       f"--chdir={slurm.run_dir}", env=job_env)
+    return job, out, ckpt
+
+
+def wait_state(slurm: SlurmCluster, job: str, states: tuple[str, ...], timeout: float,
+               out: Path) -> dict:
+    try:
+        return wait_until(lambda: (j := slurm.job(job)).get("JobState") in states and j,
+                          timeout, f"job {job} in {states}", interval=1)
+    except AssertionError as err:
+        text = out.read_text(errors="replace")[-3000:] if out.exists() else "(no output)"
+        raise AssertionError(f"{err}\njob: {slurm.job(job)}\noutput:\n{text}") from None
+
+
+def resumed_step(slurm: SlurmCluster, job: str, out: Path) -> int:
+    """The step the requeued run resumed from, once it has trained past it."""
+    def check() -> int | None:
+        lines = out.read_text(errors="replace").splitlines()
+        at = [i for i, line in enumerate(lines) if "trainer: resumed from" in line]
+        if at and any(line.startswith("trainer: step ") for line in lines[at[-1]:]):
+            return int(lines[at[-1]].split("(step ")[1].split(",")[0])
+        return None
+
+    try:
+        return wait_until(check, 300, f"job {job} to resume and train on", interval=1)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{out.read_text(errors='replace')[-3000:]}") from None
+
+
+def port_open(ip: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((ip, port)) == 0
+
+
+def test_sbatch_runs_agent_step_and_torchrun_on_every_node(slurm, bed):
+    job, out, ckpt = submit(slurm, "basic", 2, "--preset tiny --steps 20 --ckpt-every 10 "
+                            "--sim-compute-seconds 0.1", AGENT_PORT="9410")
+    info = wait_state(slurm, job, ("RUNNING",), 120, out)
+    nodes = {n.name: n for n in bed.nodes}
+    allocated = slurm.hostnames(info["NodeList"])
+    assert len(allocated) == 2
+    # The job's own agent (its step, port 9410) on each node sees that node's rank.
+    for name in allocated:
+        wait_until(lambda name=name: f'run="basic-{job}"' in requests.get(
+            f"http://{nodes[name].ip}:9410/metrics", timeout=2).text, 120,
+            f"rank of the job reported by the agent step on {name}")
+    info = wait_state(slurm, job, DONE, 240, out)
+    text = out.read_text()
+    assert info["JobState"] == "COMPLETED", text[-3000:]
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 20
+    # Slurm tracked the agent as a step and ended it with the job: nothing leaks.
+    for name in allocated:
+        assert not port_open(nodes[name].ip, 9410), f"agent step outlived the job on {name}"
+        assert not bed.find(nodes[name], "--listen", "0.0.0.0:9410")
+
+
+def test_usr1_before_time_limit_requeues_and_resumes_from_checkpoint(slurm):
+    job, out, ckpt = submit(slurm, "preempt", 2, LONG_JOB, CLUSTERPULSE_AGENT_SERVICE="1")
+    wait_state(slurm, job, ("RUNNING",), 120, out)
+    wait_until(lambda: (f := find_latest_valid(ckpt)) and f.step >= 20, 420,
+               "a checkpoint at step >= 20")
+    before = find_latest_valid(ckpt).step
+    # What --signal=B:USR1@120 delivers 120 s before the time limit, sent now.
+    slurm.run("scancel", "--batch", "--signal=USR1", job)
+    wait_until(lambda: int(slurm.job(job).get("Restarts", "0")) >= 1, 120, "the requeue")
+    step = resumed_step(slurm, job, out)
+    # Resumed past the last periodic checkpoint: the ranks saved on SIGTERM, within the
+    # KillWait grace (no step done before the signal is recomputed).
+    assert step > before >= 20
+    assert "USR1: time limit or preemption near, requeueing" in out.read_text()
+    slurm.run("scancel", job)  # proven; the remaining steps would only cost CI time
+    wait_state(slurm, job, DONE, 120, out)
+
+
+def test_failing_gpu_drains_node_and_requeued_job_runs_on_the_rest(slurm, bed, monkeypatch):
+    nodes = {n.name: n for n in bed.nodes}
+    job, out, ckpt = submit(slurm, "drain", 2, LONG_JOB, CLUSTERPULSE_AGENT_SERVICE="1")
+    info = wait_state(slurm, job, ("RUNNING",), 180, out)
+    first = slurm.hostnames(info["NodeList"])
+    wait_until(lambda: (f := find_latest_valid(ckpt)) and f.step >= 10, 420,
+               "a checkpoint at step >= 10")
+    bad = nodes[first[1]]
+    r = requests.post(f"http://{bad.ip}:9400/v1/faults", json={"kind": "gpu_lost", "gpu": 1},
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+    assert r.status_code == 200, r.text
+    # slurmd's HealthCheckProgram (clusterpulse-healthcheck --drain) drains the node.
+    wait_until(lambda: "drain" in slurm.run("sinfo", "-h", "-n", bad.name, "-o", "%T"), 90,
+               f"{bad.name} drained by its health check")
+    assert slurm.node_reason(bad.name).startswith("clusterpulse: GPU 1 down")
+    # The alert's remediation (deploy/slurm/policy.toml: GpuDown -> drain-node, requeue).
+    audit = AuditLog(slurm.run_dir / "audit.jsonl")
+    policy = Policy.load(REPO / "deploy/slurm/policy.toml")
+    rem = Remediator(policy, PrometheusClient("http://127.0.0.1:9"), None, audit)
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))  # as the receiver's service has
+    (d,) = rem.handle({"alerts": [{"status": "firing", "labels": {
+        "alertname": "GpuDown", "node": bad.name, "gpu": "1"}}]})
+    assert d["outcome"] == "already_drained" and d["detail"] == f"requeued jobs {job}", d
+    (rec,) = [r for r in audit.read() if r["action"] == "drain-node"]
+    assert rec["node"] == bad.name and rec["who"] == "policy" and job in rec["detail"]
+    # Requeued, it runs on the two remaining nodes and resumes from its checkpoint.
+    wait_until(lambda: int(slurm.job(job).get("Restarts", "0")) >= 1, 60, "the requeue")
+    info = wait_state(slurm, job, ("RUNNING", *DONE), 180, out)
+    assert bad.name not in slurm.hostnames(info["NodeList"])
+    assert resumed_step(slurm, job, out) >= 10
+    slurm.run("scancel", job)
+    wait_state(slurm, job, DONE, 120, out)
+    # It stays drained: XID 79 is counted since the driver loaded, and only a GPU reset
+    # (or a reboot) clears it, as on real hardware.
+
+
+def test_health_check_drains_a_node_whose_agent_is_gone_and_resumes_it_when_back(slurm, bed):
+    node = next(n for n in bed.nodes
+                if slurm.node_states().get(n.name, "").rstrip("*") == "idle")
+    (pid,) = bed.find(node, "-m", "agent", "0.0.0.0:9400")
+    bed.kill_process(pid)
+    wait_until(lambda: "drain" in slurm.run("sinfo", "-h", "-n", node.name, "-o", "%T"), 90,
+               f"{node.name} drained by its health check")
+    assert slurm.node_reason(node.name).startswith("clusterpulse: agent unreachable")
+    node.spawn([sys.executable, "-m", "agent", "--backend", "sim", "--gpus", "2",
+                "--node", node.name, "--listen", "0.0.0.0:9400", "--interval", "0.5"],
+               log=slurm.run_dir / f"service-agent-{node.name}-2.log", cwd=REPO)
+    # Healthy again: the check that drained it resumes it (NHC-style; its own reason only).
+    wait_until(lambda: slurm.node_states().get(node.name, "").rstrip("*") == "idle", 120,
+               f"{node.name} resumed by its health check")

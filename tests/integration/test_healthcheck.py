@@ -1,0 +1,106 @@
+"""`clusterpulse-healthcheck` against a real agent (simulated GPUs, faults injected
+through the control API), run exactly as Node Problem Detector runs it (the rule's
+path and args from the shipped plugin config) and as Slurm's HealthCheckProgram would:
+exit 0 healthy, 1 problem (with the reason on stdout), 2 unknown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from threading import Thread
+
+import pytest
+import requests
+
+from agent.healthcheck import OK, PROBLEM, UNKNOWN
+from tests.support.ports import free_port
+from tests.support.procs import REPO, start_agent_cli, wait_until
+
+pytestmark = pytest.mark.integration
+TOKEN = "healthcheck-token-0123456789"
+NPD_CONFIG = REPO / "deploy/kubernetes/node-problem-detector/clusterpulse-gpu-monitor.json"
+
+
+def healthcheck(url: str, *extra: str) -> subprocess.CompletedProcess:
+    """The check as NPD invokes it: the rule's args, our agent's URL substituted."""
+    rule = json.loads(NPD_CONFIG.read_text())["rules"][0]
+    args = [url if a == "http://127.0.0.1:9400" else a for a in rule["args"]]
+    return subprocess.run([sys.executable, "-m", "agent.healthcheck", *args, *extra],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory) -> str:
+    """Base URL of a real agent with 4 simulated GPUs and its control API on."""
+    tmp: Path = tmp_path_factory.mktemp("healthcheck")
+    token = tmp / "token"
+    token.write_text(TOKEN)
+    proc, port, _ = start_agent_cli(tmp, "hc-node", gpus=4, token_file=token)
+    yield f"http://127.0.0.1:{port}"
+    proc.stop()
+
+
+def inject(agent: str, fault: dict) -> None:
+    r = requests.post(f"{agent}/v1/faults", json=fault, timeout=5,
+                      headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200, r.text
+
+
+def test_healthy_node_is_ok_then_each_fault_is_a_problem_naming_it(agent):
+    r = healthcheck(agent)
+    assert (r.returncode, r.stdout.strip()) == (OK, "OK"), r.stderr
+
+    inject(agent, {"kind": "gpu_lost", "gpu": 1})
+    r = wait_until(lambda: (x := healthcheck(agent)).returncode == PROBLEM and x, 30,
+                   "health check to see the lost GPU")
+    assert "GPU 1 down" in r.stdout and r.stdout.startswith("ERROR:")
+
+    inject(agent, {"kind": "xid", "gpu": 2, "code": 79})
+    inject(agent, {"kind": "ecc_uncorrectable", "gpu": 3})
+    r = wait_until(lambda: "ECC" in (x := healthcheck(agent)).stdout and x, 30,
+                   "health check to see the XID and the ECC error")
+    assert r.returncode == PROBLEM
+    assert "GPU 2 XID 79" in r.stdout and "GPU 3 1 uncorrectable ECC errors" in r.stdout
+    assert "GPU 1 down" in r.stdout  # every reason, not just the first
+
+
+def test_application_xid_is_not_a_node_problem_unless_asked(agent):
+    inject(agent, {"kind": "xid", "gpu": 0, "code": 13})  # a job's own fault
+    wait_until(lambda: 'xid="13"' in requests.get(
+        agent + "/metrics", timeout=5).text, 30, "XID 13 exported")
+    assert "XID 13" not in healthcheck(agent).stdout
+    assert "GPU 0 XID 13" in healthcheck(agent, "--xid", "13").stdout
+
+
+def test_unreachable_agent_is_a_problem_and_non_agent_is_unknown(tmp_path):
+    r = healthcheck(f"http://127.0.0.1:{free_port()}")
+    assert r.returncode == PROBLEM and "agent unreachable" in r.stdout
+
+    class NotAnAgent(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"# HELP node_load1 load\n# TYPE node_load1 gauge\nnode_load1 0.5\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotAnAgent)
+    Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        r = healthcheck(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    assert r.returncode == UNKNOWN and "no clusterpulse_gpu_up" in r.stdout
+
+
+def test_bad_arguments_are_one_line_errors():
+    r = subprocess.run([sys.executable, "-m", "agent.healthcheck", "--xid", "abc"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "XID must be a number" in r.stderr
+    assert "Traceback" not in r.stderr
