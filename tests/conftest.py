@@ -3,6 +3,7 @@ telemetry socket (in a short private directory: socket paths are limited to 107 
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
@@ -68,6 +69,7 @@ def socket_path(name: str) -> str:
     traverse (tests that drop privileges send from another uid)."""
     d = tempfile.mkdtemp(prefix="cp-", dir="/tmp")
     os.chmod(d, 0o755)
+    atexit.register(shutil.rmtree, d, True)  # after the session: agents may still run
     return f"{d}/{name}.sock"
 
 
