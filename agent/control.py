@@ -147,7 +147,7 @@ class ControlApi:
         return 200, {"injected": {"kind": fault.kind, "gpu": fault.gpu}}
 
     def _action(self, run: str, payload: dict, principal: str) -> Response:
-        if not protocol.RUN_ID.match(run):
+        if not protocol.RUN_ID.fullmatch(run):
             return 400, {"error": "run id must be 1-128 of A-Z a-z 0-9 _ . : -"}
         action = payload.get("action")
         if not isinstance(action, str) or action not in protocol.ACTIONS:

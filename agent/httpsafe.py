@@ -43,7 +43,9 @@ def content_length(headers: Any, max_bytes: int) -> int:
     if raw is None or raw.strip() == "":
         return 0
     raw = raw.strip()
-    if not raw.isdigit():  # also refuses "-1", "+5", "1e3"
+    # ASCII digits only: also refuses "-1", "+5", "1e3" and str.isdigit()'s other
+    # digits ("¹", "٣"), which int() cannot parse
+    if not (raw.isascii() and raw.isdigit()):
         raise HttpError(400, f"Content-Length must be a non-negative integer, got {raw[:32]!r}")
     if len(raw) > 12 or int(raw) > max_bytes:
         raise HttpError(413, f"body larger than {max_bytes} bytes")

@@ -38,7 +38,7 @@ EVENTS = {"start", "checkpoint_committed", "checkpoint_failed", "restart_request
 ACTIONS = {"checkpoint-restart", "restart"}
 # How a rank's `exit` event says it ended (trainer.instrument.Pulse.close).
 OUTCOMES = {"finished", "failed", "checkpoint-restart", "preempted"}
-RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+RUN_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # use fullmatch: "$" admits a final "\n"
 _COMMAND_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,160}$")
 # NVML's form ("GPU-<uuid>", "MIG-<uuid>"); what CUDA_VISIBLE_DEVICES may hold.
 _GPU_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]{1,80}$")
@@ -137,7 +137,7 @@ def decode(data: bytes) -> dict[str, Any]:
     if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
         raise MalformedMessage("bad_type")
     run = msg.get("run")
-    if not isinstance(run, str) or not RUN_ID.match(run):
+    if not isinstance(run, str) or not RUN_ID.fullmatch(run):
         raise MalformedMessage("bad_run")
     if "rank" not in msg:
         raise MalformedMessage("bad_rank")

@@ -6,15 +6,14 @@ follow the commands to completion, and audit everything. Shared by the dashboard
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 import requests
 
+from agent import protocol
 from agent.audit import AuditLog
 from dashboard.promclient import PrometheusClient
 
-RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 ACTIONS = ("checkpoint-restart", "restart")
 
 
@@ -56,7 +55,7 @@ def token_for(token: str | None, node: str) -> str | None:
 
 def agents_for_run(prom: PrometheusClient, run: str) -> dict[str, str]:
     """node -> agent base URL, from the scrape targets that export the run's ranks."""
-    if not RUN_ID.match(run):
+    if not protocol.RUN_ID.fullmatch(run):
         raise ActionError(f"invalid run id {run!r}")
     scheme = "https" if agent_tls() else "http"
     samples = prom.query(f'max by (node, instance) (clusterpulse_trainer_rank_info{{run="{run}"}})')

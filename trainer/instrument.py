@@ -64,7 +64,7 @@ SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between"})
 
 def check_run_id(run: str) -> str:
     """The run id as the agent accepts it, or ValueError naming the rule."""
-    if not isinstance(run, str) or not protocol._RUN_ID.fullmatch(run):
+    if not isinstance(run, str) or not protocol.RUN_ID.fullmatch(run):
         raise ValueError(f"run id {run!r} is not accepted by the agent: use 1-128 characters "
                          "from letters, digits and _ . : - (no spaces or slashes)")
     return run
