@@ -31,8 +31,10 @@ def bind_unix(path: str) -> socket.socket:
         p.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     except OSError as err:
         raise ChannelError(f"cannot create {p.parent}: {err.strerror}") from None
-    if p.parent.stat().st_mode & (stat.S_IWOTH | stat.S_IWGRP):
-        raise ChannelError(f"{p.parent} is writable by other users: they could replace the "
+    st = p.parent.stat()
+    if st.st_mode & (stat.S_IWOTH | stat.S_IWGRP) or st.st_uid not in (0, os.geteuid()):
+        raise ChannelError(f"{p.parent} is writable by other users (or owned by one): they "
+                           "could replace the "
                            "telemetry socket and impersonate the agent; use a directory "
                            "only the agent's user can write (e.g. /run/clusterpulse)")
     if p.is_socket():

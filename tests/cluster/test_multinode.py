@@ -47,7 +47,7 @@ def max_step(cl: TestbedCluster) -> int:
 def test_ranks_span_the_nodes_over_the_bridge(cl):
     nodes = {s["metric"]["node"]: s["metric"]["instance"]
              for s in cl.query(f'clusterpulse_trainer_rank_info{{run="{RUN}"}}')}
-    assert nodes == {n.name: f"{n.ip}:9400" for n in cl.bed.nodes}
+    assert nodes == {n.name: cl.agent_target(n) for n in cl.bed.nodes}
     ips = {n.ip for n in cl.bed.nodes}
     for node in cl.bed.nodes:  # every TCP connection of the job's processes: node IPs only
         pids = cl.bed.find(node, "-m", RUN)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +15,6 @@ import requests
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Alertmanager, Proc, Prometheus, start_agent_cli
 from tests.support.webhook import WebhookSink
-from trainer.launch import build_command
 
 TOKEN = "e2e-token-0123456789abcdef0123"
 
@@ -64,17 +64,17 @@ class Stack:
 
     def start_job(self, run: str, steps: int, ranks_per_node: int = 2,
                   trainer_args: list[str] | None = None) -> None:
-        """One torchrun per node (c10d rendezvous on loopback), each sending telemetry to
-        its node's agent, exactly as on a real two-node cluster."""
+        """One clusterpulse-train (torchrun, relaunched after graceful restarts) per node,
+        c10d rendezvous on loopback, each sending telemetry to its node's agent, exactly
+        as on a real two-node cluster."""
         endpoint = f"127.0.0.1:{free_port()}"
         for node in self.nodes:
-            cmd = build_command(["--nproc", str(ranks_per_node), "--nnodes", str(len(self.nodes)),
-                                 "--rdzv-endpoint", endpoint, "--rdzv-id", run,
-                                 "--max-restarts", "2", "--",
-                                 "--preset", "tiny", "--steps", str(steps),
-                                 "--ckpt-dir", str(self.tmp / run), "--run-id", run,
-                                 "--agent", node.telemetry,
-                                 *(trainer_args or [])])
+            cmd = [sys.executable, "-m", "trainer.launch", "--nproc", str(ranks_per_node),
+                   "--nnodes", str(len(self.nodes)), "--rdzv-endpoint", endpoint,
+                   "--rdzv-id", run, "--max-restarts", "2", "--",
+                   "--preset", "tiny", "--steps", str(steps),
+                   "--ckpt-dir", str(self.tmp / run), "--run-id", run,
+                   "--agent", node.telemetry, *(trainer_args or [])]
             log = open(self.tmp / f"{run}-{node.name}.log", "wb")  # noqa: SIM115
             self.jobs.append(subprocess.Popen(
                 cmd, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -290,3 +290,17 @@ def test_socket_directory_must_be_private(tmp_path, capsys):
     assert "writable by other users" in capsys.readouterr().err
     assert agent_main(["--backend", "sim", "--telemetry", "unix:relative.sock"]) == 2
     assert "must be absolute" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_socket_directory_squatted_by_another_user_is_refused(tmp_path, capsys):
+    """A directory another user created first (e.g. /tmp/clusterpulse-JOB, mode 0755)
+    is not private even though nobody else can write it: its owner can."""
+    from agent.cli import main as agent_main
+
+    squat = tmp_path / "squat"
+    squat.mkdir(mode=0o755)
+    os.chown(squat, 65534, 65534)  # nobody
+    assert agent_main(["--backend", "sim", "--listen", "127.0.0.1:0",
+                       "--telemetry", f"unix:{squat}/t.sock"]) == 2
+    assert "writable by other users" in capsys.readouterr().err
