@@ -245,6 +245,7 @@ class Trainer:
         if info.rank == 0:
             self.runstate.begin_attempt(cfg.run_id, self.attempt, start)
             self.runstate.save(self.runstate_path)
+            self.pulse.sigterm.on_first = lambda: self.runstate.save(self.runstate_path)
         # SIGTERM (preemption, torchrun stopping the workers) is caught by Pulse and
         # handled at the next consensus step; if peers are gone, that collective fails
         # and rank 0 still records how far the run got before it goes.
@@ -258,6 +259,7 @@ class Trainer:
     def _loop(self, start: int) -> int:
         cfg, info = self.cfg, self.info
         t_run, last_save_state, first = time.time(), 0.0, True
+        save_cost = 0.0  # seconds one run-state write takes (rank 0)
         loss = torch.tensor(float("nan"))
         for step in range(start + 1, cfg.steps + 1):
             loss = self.train_step(step)
@@ -267,8 +269,13 @@ class Trainer:
                     self.runstate.first_step_done(wall)
                 self.runstate.step_done(step, wall)
                 self.pulse.extra["goodput_ratio"] = round(self.runstate.goodput(), 4)
-                if time.time() - last_save_state > 1.0:
+                # How far the run got must survive a SIGKILL (a hard restart of a rank
+                # blocked by a hung peer): write it every step while that costs under 1 %
+                # of the step, else once a second.
+                if time.time() - last_save_state > 1.0 or save_cost * 100 < wall:
+                    t_save = time.perf_counter()
                     self.runstate.save(self.runstate_path)
+                    save_cost = time.perf_counter() - t_save
                     last_save_state = time.time()
                 if cfg.log_every and step % cfg.log_every == 0:
                     print(f"trainer: step {step}/{cfg.steps} loss {float(loss):.4f} "

@@ -16,12 +16,16 @@ requeued job resumes there. A second SIGTERM exits at once.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from trainer import RESTART_EXIT_CODE
+
+log = logging.getLogger("trainer.restart")
 
 RELAUNCH_FILE_ENV = "CLUSTERPULSE_RELAUNCH_FILE"
 
@@ -33,6 +37,10 @@ class SigtermCatcher:
         self.received = False
         self._previous: object = None
         self.installed = False
+        # Run at the first SIGTERM, inside the handler: a rank blocked in a collective
+        # with a hung peer never reaches the step boundary and is SIGKILLed after the
+        # grace period, so what must survive (how far the run got) is written here.
+        self.on_first: Callable[[], None] | None = None
 
     def install(self) -> None:
         if self.installed or threading.current_thread() is not threading.main_thread():
@@ -49,6 +57,11 @@ class SigtermCatcher:
         if self.received:  # asked twice: no more waiting for a step boundary
             raise SystemExit(128 + signum)
         self.received = True
+        if self.on_first is not None:
+            try:
+                self.on_first()
+            except Exception as err:  # never let bookkeeping turn SIGTERM into a crash
+                log.warning("on SIGTERM: %s", err)
 
 
 def request_relaunch() -> int:

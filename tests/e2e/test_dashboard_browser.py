@@ -29,30 +29,34 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("browser")
     stack = Stack.start(tmp)
-    stack.start_job("web", steps=100000, trainer_args=[
-        "--sim-compute-seconds", "0.1", "--ckpt-every", "20",
-        "--inject", "slow:rank=3:step=1:factor=1.8"])
-    ops = tmp / "operators.toml"
-    ops.write_text(f'[operators]\nops = "{hash_password(PASSWORD)}"\n')
-    port = free_port()
-    dash = Proc([sys.executable, "-m", "dashboard.cli", "--prometheus", stack.prom.url,
-                 "--alertmanager", stack.am.url, "--port", str(port), "--token-file",
-                 str(tmp / "token"), "--operators-file", str(ops), "--audit-log",
-                 str(tmp / "audit.jsonl"), "--refresh", "2"], tmp / "dashboard.log",
-                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: requests.get(url + "/_stcore/health", timeout=1).ok, 60, "dashboard")
-    wait_until(lambda: len(stack.prom.query('clusterpulse_trainer_step{run="web"}')) == 4, 120,
-               "4 ranks of run web")
-    from playwright.sync_api import sync_playwright
+    dash = None
+    try:
+        stack.start_job("web", steps=100000, trainer_args=[
+            "--sim-compute-seconds", "0.1", "--ckpt-every", "20",
+            "--inject", "slow:rank=3:step=1:factor=1.8"])
+        ops = tmp / "operators.toml"
+        ops.write_text(f'[operators]\nops = "{hash_password(PASSWORD)}"\n')
+        port = free_port()
+        dash = Proc([sys.executable, "-m", "dashboard.cli", "--prometheus", stack.prom.url,
+                     "--alertmanager", stack.am.url, "--port", str(port), "--token-file",
+                     str(tmp / "token"), "--operators-file", str(ops), "--audit-log",
+                     str(tmp / "audit.jsonl"), "--refresh", "2"], tmp / "dashboard.log",
+                    cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: requests.get(url + "/_stcore/health", timeout=1).ok, 60, "dashboard")
+        wait_until(lambda: len(stack.prom.query('clusterpulse_trainer_step{run="web"}')) == 4, 120,
+                   "4 ranks of run web")
+        from playwright.sync_api import sync_playwright
 
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        yield {"stack": stack, "url": url, "browser": browser, "tmp": tmp}
-        browser.close()
-    dash.stop()
-    stack.stop()
+        ARTIFACTS.mkdir(exist_ok=True)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+            yield {"stack": stack, "url": url, "browser": browser, "tmp": tmp}
+            browser.close()
+    finally:  # also when a wait above fails: no process may outlive the module
+        if dash is not None:
+            dash.stop()
+        stack.stop()
 
 
 def page(env):

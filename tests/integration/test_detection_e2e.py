@@ -31,8 +31,9 @@ def _rank_node(stack: Stack, run: str, rank: int) -> tuple[str, str]:
 
 
 def test_stragglers_are_named_with_their_cause_and_reach_the_webhook(stack):
-    """Rank 3 is slowed in software (cause: compute); then GPU 1 of node-a overheats,
-    thermal-throttles, and its rank is named with cause thermal_throttling."""
+    """Rank 3 is slowed in software (cause: compute); then, in a second run, GPU 1 of
+    node-a overheats, thermal-throttles, and its rank is named with cause
+    thermal_throttling."""
     stack.start_job("strag", steps=3000, trainer_args=[
         "--sim-compute-seconds", "0.1", "--inject", "slow:rank=3:step=1:factor=1.8"])
     try:
@@ -47,16 +48,25 @@ def test_stragglers_are_named_with_their_cause_and_reach_the_webhook(stack):
         wait_until(lambda: any(x["labels"].get("alertname") == "TrainingStraggler"
                                for x in stack.sink.alerts()), 30, "webhook delivery")
 
-        node_a = stack.nodes[0]
+        stack.stop_jobs()
+
+        # A second run, all ranks busy (no software straggler they all wait for), so
+        # a GPU that loses its cooling heats up and throttles as it would under load.
+        stack.start_job("thermal", steps=3000, trainer_args=["--sim-compute-seconds", "0.1"])
+        wait_until(lambda: len(stack.prom.query(
+            'clusterpulse_trainer_step{run="thermal"}')) == 4, 90, "4 ranks of run thermal")
+        hot_node = stack.nodes[0]
         hot = next(r["metric"] for r in stack.prom.query(
-            'clusterpulse_trainer_rank_info{run="strag",node="node-a",local_rank="1"}'))
-        assert node_a.post("/v1/faults", {"kind": "overheat", "gpu": 1}).status_code == 200
+            f'clusterpulse_trainer_rank_info{{run="thermal",node="{hot_node.name}",'
+            'local_rank="1"}'))
+        assert hot_node.post("/v1/faults", {"kind": "overheat", "gpu": 1}).status_code == 200
 
         def thermal():
             return [x for x in stack.firing("TrainingStraggler")
-                    if x["labels"]["rank"] == hot["rank"]]
+                    if x["labels"]["run"] == "thermal" and x["labels"]["rank"] == hot["rank"]]
         (t,) = wait_until(thermal, 150, "thermal straggler alert")
-        assert t["labels"]["cause"] == "thermal_throttling" and t["labels"]["node"] == "node-a"
+        assert t["labels"]["cause"] == "thermal_throttling"
+        assert t["labels"]["node"] == hot_node.name
         assert t["labels"]["gpu"] == "1"
         assert "thermal_throttling" in t["annotations"]["summary"]
     finally:

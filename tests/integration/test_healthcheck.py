@@ -27,7 +27,7 @@ NPD_CONFIG = REPO / "deploy/kubernetes/node-problem-detector/clusterpulse-gpu-mo
 def healthcheck(url: str, *extra: str) -> subprocess.CompletedProcess:
     """The check as NPD invokes it: the rule's args, our agent's URL substituted."""
     rule = json.loads(NPD_CONFIG.read_text())["rules"][0]
-    args = [url if a == "http://127.0.0.1:9400" else a for a in rule["args"]]
+    args = [url if a == "http://127.0.0.1:9477" else a for a in rule["args"]]
     return subprocess.run([sys.executable, "-m", "agent.healthcheck", *args, *extra],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
 
