@@ -104,7 +104,10 @@ def test_hung_rank_is_named_within_15_seconds_and_a_hard_restart_recovers(stack)
         wait_until(resumed, 180, "all ranks past step 70 after the hard restart")
         state = json.loads((stack.tmp / "hang" / "run-state.json").read_text())
         (restart,) = state["restarts"]
-        assert restart["resume_step"] == 40 and restart["steps_recomputed"] == 20
+        # Resumed from the last checkpoint (40), losing at most one checkpoint interval
+        # (the design's budget for a hard restart). Exactly how far past step 55 the
+        # others got before the kill depends on where in step 60 the hang caught them.
+        assert restart["resume_step"] == 40 and 15 <= restart["steps_recomputed"] <= 20
     finally:
         stack.stop_jobs()
 
