@@ -6,7 +6,8 @@ them. `restart` is hard: the agent terminates its local ranks and torchrun resta
 them from the last committed checkpoint. A graceful command that has not completed
 by its deadline escalates to hard, because a hung rank never reaches a step boundary.
 
-States: pending -> delivered (every targeted rank acknowledged) -> completed (every
+States: pending -> delivered (every targeted rank acknowledged: it heard the command,
+or left for a checkpoint-restart while it was open) -> completed (every
 targeted rank is back with a higher restart count); or escalated (then completed or
 failed); or failed.
 """
@@ -117,15 +118,35 @@ class CommandBook:
         with self._lock:
             return list(self._commands.values())
 
-    def pending_for(self, run: str, rank: int) -> list[dict]:
-        """Graceful commands a rank must still hear about (resent until acknowledged)."""
+    def pending_for(self, run: str, rank: int, restarts: int = 0,
+                    sender: Sender | None = None) -> list[dict]:
+        """Graceful commands a rank must still hear about (resent until acknowledged).
+
+        A command is for the processes that held the ranks when it was given: once a
+        rank is back with a higher restart count (or as another verified process) it
+        has left, so it is not told again even if its acknowledgement was lost, or it
+        would restart a second time.
+        """
         with self._lock:
             return [
                 {"id": c.id, "action": c.action}
                 for c in self._commands.values()
                 if c.run == run and c.action == "checkpoint-restart" and rank in c.targets
                 and rank not in c.acked and c.state in ("pending", "delivered")
+                and restarts <= c.targets[rank] and not _replaced(c.owners.get(rank), sender)
             ]
+
+    def left_gracefully(self, run: str, rank: int, sender: Sender) -> None:
+        """A rank's process said it left for a checkpoint-restart: that carries out
+        every open graceful command it was targeted by, heard or not. (Ranks agree on
+        a restart among themselves; a rank can leave for a command only a peer heard,
+        and would otherwise never acknowledge it.)"""
+        with self._lock:
+            for c in self._commands.values():
+                if (c.run == run and c.action == "checkpoint-restart" and rank in c.targets
+                        and c.state in ("pending", "delivered")
+                        and c.owners.get(rank) == sender):
+                    c.acked.add(rank)
 
     def _terminate(self, cmd: Command) -> None:
         """SIGTERM the run's ranks that the kernel vouched for, through pidfds.
@@ -203,3 +224,9 @@ class CommandBook:
                     cmd.deadline = now + max(60.0, cmd.deadline - cmd.created)
                 else:
                     self._finish(cmd, "failed", "ranks did not resume before the deadline")
+
+
+def _replaced(owner: Sender | None, current: Sender | None) -> bool:
+    """True when the kernel vouches that another process now holds the rank."""
+    return (owner is not None and current is not None and owner.verified
+            and current.verified and owner != current)

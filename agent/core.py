@@ -177,10 +177,12 @@ class Agent:
             if index is not None:
                 r.gpu = index  # the physical GPU, whatever CUDA_VISIBLE_DEVICES renumbered
         self.telemetry_counts["accepted"] += 1
+        if msg.get("event") == "exit" and msg.get("outcome") == "checkpoint-restart":
+            self.commands.left_gracefully(r.run, r.rank, r.sender)
         reply: dict = {"type": "agent", "node": self.node}
         if isinstance(self.backend, SimBackend) and 0 <= r.gpu < self.backend.gpu_count:
             reply["slowdown"] = round(self.backend.slowdown(r.gpu), 4)
-        pending = self.commands.pending_for(r.run, r.rank)
+        pending = self.commands.pending_for(r.run, r.rank, r.restarts, r.sender)
         if pending:
             reply["commands"] = pending
         return protocol.encode(reply)

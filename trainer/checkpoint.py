@@ -4,6 +4,7 @@ Layout under the checkpoint directory:
     step-00000040/          published: complete, with manifest.json (step, sha256 per file)
     .tmp-step-00000050/     being written; never loaded, removed at the next start
     run-state.json          restart accounting (trainer.runstate)
+    run-state.progress      the furthest step, rewritten in place every step
 
 Every rank writes its shards into the temporary directory, then checksums the files
 it wrote itself (while they are hot in its page cache) into

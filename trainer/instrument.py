@@ -55,6 +55,7 @@ from trainer.telemetry import AgentAddr, AgentLink, parse_agent_addr
 
 log = logging.getLogger("trainer.instrument")
 HEARTBEAT_EVERY_S = 1.0
+EVENT_SEND_WAIT_S = 0.2  # at most this long per event while the agent's queue is full
 AGENT_ENV = "CLUSTERPULSE_AGENT"
 DEFAULT_AGENT = protocol.DEFAULT_TELEMETRY
 # Section names are heartbeat phases; the agent drops phases it does not know, so a
@@ -331,9 +332,7 @@ class Pulse:
             self.consensus.record(compute + data)  # own time: slow input is slowness too
             msg["samples_total"], msg["tokens_total"] = self._samples, self._tokens
             msg.update(self.extra)
-            if self._acks:
-                msg["acks"] = self._acks[:16]
-            self.link.send(msg)
+            self.link.send(self._with_acks(msg))
             self._read_replies()
 
     def _enter(self, phase: str) -> None:
@@ -348,10 +347,18 @@ class Pulse:
         """
         while not self._closed.wait(HEARTBEAT_EVERY_S):
             phase, since = self.phase, self._phase_since
-            self.link.send({"type": "heartbeat", **self.identity, "step": self._step,
-                            "phase": "forward_backward" if phase == "step" else phase,
-                            "phase_seconds": round(time.monotonic() - since, 3),
-                            **self.collectives.fields(), **self.extra})
+            self.link.send(self._with_acks({
+                "type": "heartbeat", **self.identity, "step": self._step,
+                "phase": "forward_backward" if phase == "step" else phase,
+                "phase_seconds": round(time.monotonic() - since, 3),
+                **self.collectives.fields(), **self.extra}))
+
+    def _with_acks(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Every message after an acknowledgement repeats it: datagrams can be lost, and
+        a rank that saves and exits right after acknowledging sends few more."""
+        if self._acks:
+            msg["acks"] = self._acks[:16]
+        return msg
 
     def _read_replies(self) -> None:
         for reply in self.link.poll():
@@ -455,7 +462,10 @@ class Pulse:
 
     # -- events --------------------------------------------------------------------------
     def event(self, name: str, **fields: Any) -> None:
-        self.link.send({"type": "event", "event": name, **self.identity, **fields})
+        """Events are rare and each matters: sent with a short wait if the agent's
+        queue is full, where samples are simply dropped."""
+        self.link.send(self._with_acks({"type": "event", "event": name, **self.identity,
+                                        **fields}), wait_s=EVENT_SEND_WAIT_S)
 
     def checkpoint_committed(self, step: int, timestamp: float | None = None,
                              blocking_seconds: float | None = None) -> None:
@@ -475,7 +485,7 @@ class Pulse:
         self._acks = list(dict.fromkeys(self._acks + command_ids))[-16:]
         for cid in command_ids:
             self.commands.pop(cid, None)
-        self.event("restart_requested", acks=self._acks)
+        self.event("restart_requested")
 
     def close(self, outcome: str = "finished") -> None:
         """Stop the heartbeat thread (joined: no thread outlives the loop) and tell the

@@ -24,7 +24,7 @@ from trainer.faults import Faults
 from trainer.instrument import Pulse
 from trainer.model import PRESETS, build_model
 from trainer.parallel import DistInfo, init_distributed, local_attempt, wrap
-from trainer.runstate import RunState
+from trainer.runstate import ProgressMark, RunState, progress_path
 from trainer.state import TrainState, parameter_digest
 
 log = logging.getLogger("trainer")
@@ -249,34 +249,31 @@ class Trainer:
         # SIGTERM (preemption, torchrun stopping the workers) is caught by Pulse and
         # handled at the next consensus step; if peers are gone, that collective fails
         # and rank 0 still records how far the run got before it goes.
+        mark = ProgressMark(progress_path(self.runstate_path)) if info.rank == 0 else None
         try:
-            return self._loop(start)
+            return self._loop(start, mark)
         except BaseException:
             if info.rank == 0:
                 self.runstate.save(self.runstate_path)
             raise
+        finally:
+            if mark is not None:
+                mark.close()
 
-    def _loop(self, start: int) -> int:
-        cfg, info = self.cfg, self.info
-        t_run, last_save_state, first = time.time(), 0.0, True
-        save_cost = 0.0  # seconds one run-state write takes (rank 0)
+    def _loop(self, start: int, mark: ProgressMark | None) -> int:
+        """`mark` (rank 0 only) records each step's progress where a SIGKILL keeps it."""
+        cfg = self.cfg
+        t_run, first = time.time(), True
         loss = torch.tensor(float("nan"))
         for step in range(start + 1, cfg.steps + 1):
             loss = self.train_step(step)
             wall = self.pulse.last.get("step_seconds", 0.0)
-            if info.rank == 0:
+            if mark is not None:
                 if first:
                     self.runstate.first_step_done(wall)
                 self.runstate.step_done(step, wall)
                 self.pulse.extra["goodput_ratio"] = round(self.runstate.goodput(), 4)
-                # How far the run got must survive a SIGKILL (a hard restart of a rank
-                # blocked by a hung peer): write it every step while that costs under 1 %
-                # of the step, else once a second.
-                if time.time() - last_save_state > 1.0 or save_cost * 100 < wall:
-                    t_save = time.perf_counter()
-                    self.runstate.save(self.runstate_path)
-                    save_cost = time.perf_counter() - t_save
-                    last_save_state = time.time()
+                mark.write(self.runstate)  # survives a SIGKILL; see trainer.runstate
                 if cfg.log_every and step % cfg.log_every == 0:
                     print(f"trainer: step {step}/{cfg.steps} loss {float(loss):.4f} "
                           f"step {wall * 1e3:.1f} ms", flush=True)

@@ -23,7 +23,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import select
 import socket
+import time
 from typing import Any
 
 from agent import protocol
@@ -62,21 +64,35 @@ class AgentLink:
         except OSError:  # agent not there yet: try again on a later send
             self._connected = False
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: dict[str, Any], wait_s: float = 0.0) -> None:
+        """Send one datagram. With `wait_s`, a full agent queue (EAGAIN) is waited on
+        for at most that long (a Unix datagram socket turns writable when its peer's
+        queue has room); samples use 0 and are dropped instead."""
         if self._sock is None:
             return
         if self.gpu_uuids and "gpu_uuids" not in msg:
             msg = {**msg, "gpu_uuids": self.gpu_uuids}
         data = protocol.encode(msg)
-        try:
-            if not self._connected:
-                self._connect()
-            self._sock.send(data)
-            self.sent += 1
-        except OSError as err:  # buffer full, agent gone, ...: drop the sample, never the step
-            if err.errno in _RECONNECT:  # the agent restarted: a new socket at the path
-                self._connected = False
-            self.failed += 1
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if not self._connected:
+                    self._connect()
+                self._sock.send(data)
+                self.sent += 1
+                return
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left > 0 and self._connected:
+                    select.select([], [self._sock], [], left)
+                    continue
+                self.failed += 1
+                return
+            except OSError as err:  # agent gone, ...: drop the message, never the step
+                if err.errno in _RECONNECT:  # the agent restarted: a new socket at the path
+                    self._connected = False
+                self.failed += 1
+                return
 
     def poll(self) -> list[dict[str, Any]]:
         """Replies from the agent that arrived since the last poll (non-blocking)."""

@@ -109,6 +109,49 @@ def test_graceful_command_is_delivered_acknowledged_and_completes(sim_agent):
     assert {x["on_behalf_of"] for x in records} == {"bob"}
 
 
+def test_a_lost_acknowledgement_does_not_restart_the_resumed_rank_again(sim_agent):
+    """CI finding: under load a rank's acknowledgement datagram was dropped; after its
+    graceful restart the agent told the new process again, and the job restarted twice."""
+    s = connect(sim_agent.socket_path)
+    _rank(s, step=1, restarts=0)
+    cid = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart",
+                                                 "reason": "straggler"}).json()["id"]
+    assert _rank(s, step=2, restarts=0)["commands"] == [{"id": cid,
+                                                         "action": "checkpoint-restart"}]
+    owner = sim_agent.agent.ranks.of_run("r1")[0].sender
+    # The rank saved and left without its acknowledgement arriving; torchrun restarted it.
+    sim_agent.agent.ranks.of_run("r1")[0].sender = Sender()  # the old process exited
+    assert "commands" not in _rank(s, step=2, restarts=1)
+    sim_agent.agent.collect_once()
+    status = sim_agent.get(f"/v1/commands/{cid}").json()
+    assert status["acknowledged"] == [] and status["state"] == "pending"
+    # Another verified process holding the rank is not the command's process either,
+    # whatever restart count it claims; the owner itself still is.
+    book = sim_agent.agent.commands
+    other = replace(owner, pid=owner.pid + 1)
+    assert book.pending_for("r1", 0, 0, other) == []
+    assert book.pending_for("r1", 0, 0, owner) == [{"id": cid, "action": "checkpoint-restart"}]
+    s.close()
+
+
+def test_a_rank_leaving_for_a_peers_command_has_carried_it_out(sim_agent):
+    """CI finding: ranks agree on a restart among themselves, so a rank can leave for a
+    command only its peer heard; it never acknowledged it and the command showed it
+    as not acknowledged forever."""
+    s = connect(sim_agent.socket_path)
+    _rank(s, step=1, restarts=0)
+    cid = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart",
+                                                 "reason": "straggler"}).json()["id"]
+    exchange(s, type="event", event="exit", run="r1", rank=0, outcome="failed")
+    sim_agent.agent.collect_once()
+    assert sim_agent.get(f"/v1/commands/{cid}").json()["acknowledged"] == []  # a crash is not
+    exchange(s, type="event", event="exit", run="r1", rank=0, outcome="checkpoint-restart")
+    sim_agent.agent.collect_once()
+    status = sim_agent.get(f"/v1/commands/{cid}").json()
+    assert status["acknowledged"] == [0] and status["state"] == "delivered"
+    s.close()
+
+
 def _sleeper() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 

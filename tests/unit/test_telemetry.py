@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -239,6 +240,36 @@ def test_ranks_accept_replies_only_from_their_agent(sim_agent):
         time.sleep(0.02)
     assert got and all(m.get("slowdown") != 20 for m in got)
     link.close()
+
+
+def test_events_wait_briefly_for_a_full_agent_queue_samples_do_not(tmp_path):
+    """A Unix datagram queue holds only a few messages (net.unix.max_dgram_qlen);
+    a busy agent used to lose the rare event that mattered (an acknowledgement)."""
+    path = str(tmp_path / "agent.sock")
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(path)
+    link = AgentLink(path, local_rank=0)
+    while link.failed == 0:  # nobody reads: fill the queue until a sample is dropped
+        link.send({"type": "step", "run": "r1", "rank": 0, "step": 1})
+        assert link.sent < 100_000
+    sent = link.sent
+    link.send({"type": "step", "run": "r1", "rank": 0, "step": 2})
+    assert (link.sent, link.failed) == (sent, 2)  # a sample: dropped at once
+
+    def drain_later():
+        time.sleep(0.05)
+        rx.settimeout(0.5)
+        with contextlib.suppress(OSError):
+            while True:
+                rx.recv(65536)
+
+    reader = threading.Thread(target=drain_later)
+    reader.start()
+    link.send({"type": "event", "event": "exit", "run": "r1", "rank": 0}, wait_s=5)
+    reader.join()
+    assert (link.sent, link.failed) == (sent + 1, 2)  # the event waited and went
+    link.close()
+    rx.close()
 
 
 def test_link_reconnects_after_the_agent_restarts(tmp_path):

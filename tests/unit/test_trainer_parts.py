@@ -16,6 +16,7 @@ from trainer.checkpoint import CheckpointManager, dcp_files, find_latest_valid, 
 from trainer.consensus import Consensus
 from trainer.faults import Faults, InjectError, parse_injection
 from trainer.instrument import Pulse
+from trainer.runstate import RunState, progress_path
 from trainer.telemetry import AgentLink, parse_agent_addr
 
 
@@ -252,6 +253,66 @@ def test_a_failed_save_aborts_a_graceful_restart_and_training_goes_on(capsys):
         pulse.boundary(4, save=saved.append)
     assert saved == [4] and exit_.value.code == 42 and pulse.outcome == "checkpoint-restart"
     assert "c1" in pulse._acks
+
+
+def test_acknowledgements_ride_on_every_later_message_up_to_the_exit():
+    """CI finding: a rank's one acknowledgement datagram was lost under load, and it
+    saved and exited before another step message could repeat it."""
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.settimeout(5)
+    pulse = Pulse(run="unit", agent=rx.getsockname(), rank=0, world_size=1,
+                  consensus_every=1, catch_sigterm=False)
+    pulse.commands["c1"] = "checkpoint-restart"
+    with pytest.raises(SystemExit):
+        pulse.boundary(4, save=lambda step: None)
+    pulse.close("checkpoint-restart")
+    msgs = []
+    while not msgs or msgs[-1].get("event") != "exit":
+        msgs.append(json.loads(rx.recv(8192)))
+    events = {m["event"]: m for m in msgs if m["type"] == "event"}
+    assert events["restart_requested"]["acks"] == ["c1"]
+    assert events["exit"]["acks"] == ["c1"] and events["exit"]["outcome"] == "checkpoint-restart"
+
+
+def test_run_progress_survives_sigkill_between_state_saves(tmp_path):
+    """CI finding: rank 0, blocked behind a hung peer, was SIGKILLed; the run state
+    (rewritten only when cheap) said step 53 where it had reached 59, so the restart
+    reported 13 steps recomputed instead of 19."""
+    import subprocess
+    import sys
+
+    state_path = tmp_path / "run-state.json"
+    child = f"""
+import os, signal, sys
+from pathlib import Path
+from trainer.runstate import ProgressMark, RunState, progress_path
+path = Path({str(state_path)!r})
+rs = RunState()
+rs.begin_attempt("r", 0, 0)
+rs.save(path)
+mark = ProgressMark(progress_path(path))
+for step in range(1, 60):
+    rs.step_done(step, 0.1)
+    mark.write(rs)
+    if step == 53:
+        rs.save(path)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    r = subprocess.run([sys.executable, "-c", child], timeout=60)
+    assert r.returncode == -9
+    state = RunState.load(state_path)
+    assert state.last_step == 59 and abs(state.productive_seconds - 5.9) < 1e-6
+    state.begin_attempt("r", 1, 40)
+    assert state.restarts[-1]["steps_recomputed"] == 19
+    # A mark left by another run in the same directory is not this run's progress.
+    fresh = RunState()
+    fresh.begin_attempt("other", 0, 0)
+    fresh.save(state_path)
+    assert RunState.load(state_path).last_step == 0
+    # A truncated mark is ignored, never an error.
+    progress_path(state_path).write_bytes(b"\x01\x02")
+    assert RunState.load(state_path).last_step == 0
 
 
 def test_sigterm_becomes_a_checkpoint_then_exit_143():
