@@ -7,9 +7,10 @@ them from the last committed checkpoint. A graceful command that has not complet
 by its deadline escalates to hard, because a hung rank never reaches a step boundary.
 
 States: pending -> delivered (every targeted rank acknowledged: it heard the command,
-or left for a checkpoint-restart while it was open) -> completed (every
-targeted rank is back with a higher restart count); or escalated (then completed or
-failed); or failed.
+or left for a checkpoint-restart while it was open) -> completed (as many of the run's
+ranks as were targeted are back on this node as new processes with a higher restart
+count, whatever numbers the new rendezvous gave them); or escalated (then completed
+or failed); or failed.
 """
 
 from __future__ import annotations
@@ -195,22 +196,27 @@ class CommandBook:
     def tick(self) -> None:
         """Advance every open command: acks, resumption, deadlines, SIGKILL follow-up."""
         now = self._clock()
-        by_rank = {(r.run, r.rank): r for r in self._ranks.snapshot()}
+        ranks = self._ranks.snapshot()
         for cmd in self.all():
             if cmd.state in ("completed", "failed"):
                 continue
-            for rank, restarts in cmd.targets.items():
-                r = by_rank.get((cmd.run, rank))
-                if r is None:
+            # Resumed = as many ranks of the run on this node as the command targeted,
+            # each a new process with a higher restart count. Not the same rank numbers:
+            # a new rendezvous (a relaunch after a graceful restart, an elastic change)
+            # numbers nodes afresh, and ranks 0-1 here may come back as ranks 2-3.
+            base = min(cmd.targets.values(), default=0)
+            owners = set(cmd.owners.values())
+            for r in ranks:
+                if r.run != cmd.run:
                     continue
-                if cmd.id in r.acks:
-                    cmd.acked.add(rank)
-                new_process = r.sender != cmd.owners.get(rank) or not r.sender.verified
-                if r.restarts > restarts and r.step >= 0 and new_process:
-                    cmd.resumed.add(rank)
+                if r.rank in cmd.targets and cmd.id in r.acks:
+                    cmd.acked.add(r.rank)
+                new_process = r.sender not in owners or not r.sender.verified
+                if r.restarts > base and r.step >= 0 and new_process:
+                    cmd.resumed.add(r.rank)
             if cmd.state == "pending" and cmd.acked >= set(cmd.targets):
                 cmd.state = "delivered"
-            if cmd.resumed >= set(cmd.targets):
+            if len(cmd.resumed) >= len(cmd.targets):
                 self._finish(cmd, "completed", "all ranks resumed")
                 continue
             if cmd.kill_at is not None and now >= cmd.kill_at:

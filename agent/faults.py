@@ -6,12 +6,11 @@ timestamps); both go through `parse_fault`, so both reject bad input the same wa
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.validate import bounded_number
+from agent.validate import bounded_number, read_toml
 
 FAULT_KINDS = {
     "overheat": "cooling failure: temperature climbs past slowdown, clocks thermal-throttle",
@@ -78,12 +77,7 @@ def parse_fault(raw: Any, gpus: int) -> Fault:
 
 def load_scenario(path: Path, gpus: int) -> list[ScheduledFault]:
     """Read a TOML scenario: a list of [[fault]] tables, each with `at_s` seconds."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as err:
-        raise FaultError(f"cannot read scenario {path}: {err.strerror}") from err
-    except tomllib.TOMLDecodeError as err:
-        raise FaultError(f"scenario {path} is not valid TOML: {err}") from err
+    data = read_toml(path, "scenario", FaultError)
     entries = data.get("fault", [])
     if not isinstance(entries, list):
         raise FaultError(f"scenario {path}: 'fault' must be an array of tables ([[fault]])")

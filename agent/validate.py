@@ -1,4 +1,5 @@
-"""Typed, bounded numbers from untrusted JSON/TOML.
+"""Typed, bounded numbers from untrusted JSON/TOML, and TOML files read with an error
+that names the file and the problem (never a traceback).
 
 `True` is an int in Python and JSON's `Infinity`/`NaN` parse to floats, so a plain
 isinstance check lets `"deadline_s": true` or `"duration_s": Infinity` through.
@@ -7,6 +8,8 @@ isinstance check lets `"deadline_s": true` or `"duration_s": Infinity` through.
 from __future__ import annotations
 
 import math
+import tomllib
+from pathlib import Path
 from typing import Any
 
 
@@ -26,3 +29,14 @@ def bounded_number(v: Any, lo: float, hi: float) -> float | None:
         return None
     f = float(v)
     return f if lo <= f <= hi else None
+
+
+def read_toml(path: Path, what: str, error: type[Exception]) -> dict[str, Any]:
+    """The TOML file at `path` as a dict; `error` ("cannot read <what> ...", "<what> ...
+    is not valid TOML: ...") if it cannot be read or parsed."""
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as err:
+        raise error(f"cannot read {what} {path}: {err.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise error(f"{what} {path} is not valid TOML: {err}") from None

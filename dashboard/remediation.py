@@ -36,7 +36,6 @@ import logging
 import sys
 import threading
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +50,7 @@ from agent.httpsafe import (
 )
 from agent.logsetup import setup_logging
 from agent.tokens import TokenError, Tokens
+from agent.validate import read_toml
 from dashboard.actions import ACTIONS, ActionError, request_action
 from dashboard.drain import NODE_ACTIONS, Drainer, DrainSettings
 from dashboard.promclient import PrometheusClient, PrometheusError
@@ -79,12 +79,7 @@ class Policy:
 
     @classmethod
     def load(cls, path: Path) -> Policy:
-        try:
-            raw = tomllib.loads(path.read_text())
-        except OSError as err:
-            raise PolicyError(f"cannot read policy {path}: {err.strerror}") from None
-        except tomllib.TOMLDecodeError as err:
-            raise PolicyError(f"policy {path} is not valid TOML: {err}") from None
+        raw = read_toml(path, "policy", PolicyError)
         rules = []
         for i, r in enumerate(raw.get("rule", [])):
             if not isinstance(r, dict) or not isinstance(r.get("alert"), str):

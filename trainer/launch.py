@@ -64,6 +64,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--rdzv-host", action=argparse.BooleanOptionalAction, default=None,
                    help="whether this node hosts the rendezvous store (default: guessed "
                    "from the hostname)")
+    p.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra c10d rendezvous settings, e.g. join_timeout=120 "
+                   "(repeatable; torchrun's --rdzv-conf)")
     p.add_argument("--monitor-interval", type=float, default=None,
                    help="seconds between torchrun's worker checks (torchrun's default)")
     p.add_argument("--script", default="",
@@ -73,6 +76,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error("--nproc must be >= 1")
     if a.max_restarts < 0:
         p.error("--max-restarts must be >= 0")
+    for kv in a.rdzv_conf:
+        key, sep, _ = kv.partition("=")
+        if not sep or not key or "," in kv:
+            p.error(f"--rdzv-conf {kv!r}: expected KEY=VALUE (one per flag)")
     if a.script and not Path(a.script).is_file():
         p.error(f"--script {a.script}: no such file")
     return a, trainer_args
@@ -92,8 +99,11 @@ def build_command(argv: list[str]) -> list[str]:
     if a.rdzv_endpoint:
         cmd += [f"--nnodes={a.nnodes}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id={a.rdzv_id}"]
+        conf = [*a.rdzv_conf]
         if a.rdzv_host is not None:
-            cmd.append(f"--rdzv-conf=is_host={str(a.rdzv_host).lower()}")
+            conf.insert(0, f"is_host={str(a.rdzv_host).lower()}")
+        if conf:
+            cmd.append(f"--rdzv-conf={','.join(conf)}")
     else:
         cmd += ["--standalone"]
     if a.local_addr:

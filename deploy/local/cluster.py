@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -36,6 +37,7 @@ if str(REPO) not in sys.path:  # run as a script: deploy.* imports from the repo
 
 from deploy.local.stack import (  # noqa: E402
     Stack,
+    descendants,
     secret_file,
     start_central,
     telemetry_socket,
@@ -53,10 +55,6 @@ examples:
   scripts/demo.sh --scenario my.toml --policy my-policy.toml   # your faults and policy
 """
 RUN = "demo"
-# A fresh rendezvous store per restart round: with torchrun's shared store a restarted
-# rank can read a dead peer's keys and wedge in init (seen here after a graceful restart
-# followed by an escalated hard one). torch's own switch for exactly that.
-FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def operator_password(state: Path) -> str:
@@ -82,18 +80,17 @@ def trainer_args(args: argparse.Namespace, state: Path) -> list[str]:
 
 
 def start_job(stack: Stack, args: argparse.Namespace, state: Path, port: int) -> None:
-    """One torchrun per simulated node, rendezvous over c10d on loopback: a real
-    multi-node job whose ranks report to their own node's agent."""
-    from trainer.launch import build_command
-
+    """One clusterpulse-train (torchrun with a fresh store per round, graceful restarts
+    relaunched) per simulated node, rendezvous over c10d on loopback: a real multi-node
+    job whose ranks report to their own node's agent."""
     for i in range(args.nodes):
-        cmd = build_command([
-            "--nproc", str(args.ranks_per_node), "--nnodes", str(args.nodes),
-            "--rdzv-endpoint", f"127.0.0.1:{port + 97}", "--rdzv-id", RUN,
-            "--max-restarts", "100", "--", *trainer_args(args, state),
-            "--agent", telemetry_socket(state, f"node-{i}")])
+        cmd = [sys.executable, "-m", "trainer.launch",
+               "--nproc", str(args.ranks_per_node), "--nnodes", str(args.nodes),
+               "--rdzv-endpoint", f"127.0.0.1:{port + 97}", "--rdzv-id", RUN,
+               "--max-restarts", "100", "--", *trainer_args(args, state),
+               "--agent", telemetry_socket(state, f"node-{i}")]
         stack.start(f"trainer-node-{i}", cmd, env={"OMP_NUM_THREADS": "1",
-                                                    "PYTHONPATH": str(REPO), **FRESH_STORE})
+                                                    "PYTHONPATH": str(REPO)})
 
 
 class LocalTarget:
@@ -119,19 +116,19 @@ class LocalTarget:
         return next((p for n, p, _ in reversed(self.stack.procs) if n == name), None)
 
     def rank_pids(self, node: int) -> list[int]:
-        """The trainer ranks that node's torchrun started (its children)."""
+        """The trainer ranks under that node's launcher (launcher -> torchrun -> ranks)."""
         parent = self._proc(f"trainer-node-{node}")
         if parent is None:
             return []
         out = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = (entry / "stat").read_text()
-                if int(stat.rsplit(")", 1)[1].split()[1]) == parent.pid and \
-                        b"trainer" in (entry / "cmdline").read_bytes():
-                    out.append(int(entry.name))
+        for pid in descendants([parent.pid]):
+            with contextlib.suppress(OSError):
+                argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+                # the module the process runs: its first `-m` (torchrun's own command
+                # line also holds `-m trainer`, after `-m torch.distributed.run`)
+                module = next((b for a, b in itertools.pairwise(argv) if a == b"-m"), None)
+                if module == b"trainer":
+                    out.append(pid)
         return sorted(out)
 
     def signal_pid(self, pid: int, sig: int) -> None:

@@ -45,9 +45,6 @@ from deploy.testbed.net import TestbedError
 
 AGENT_PORT = 9477
 RDZV_PORT = 29400
-# A fresh rendezvous store per restart round (torch's switch): with the shared store a
-# restarted rank can read a dead peer's keys and wedge in init after a hard restart.
-FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 @dataclass
@@ -172,24 +169,21 @@ class TestbedCluster:
     def start_node(self, job: Job, node: Node) -> None:
         """Start (or, after a node death, restart) the job's torchrun on `node`; an
         elastic job takes a returning node in at its next rendezvous."""
-        from trainer.launch import build_command
-
         host = job.nodes[0]
-        cmd = build_command([
-            "--nproc", str(job.ranks_per_node), "--nnodes", job.nnodes,
-            "--rdzv-endpoint", job.rdzv, "--rdzv-id", job.run,
-            "--max-restarts", str(job.max_restarts), "--",
-            "--run-id", job.run, "--ckpt-dir", str(job.ckpt_dir),
-            "--agent", self.telemetry_address(node), *job.args])
-        at = len(cmd) - 1 - cmd[::-1].index("-m")  # before `-m trainer`: torchrun
-        # options the launcher has no flag for
-        cmd[at:at] = [f"--local-addr={node.ip}", "--monitor-interval=0.5",
-                      f"--rdzv-conf=is_host={int(node is host)},join_timeout=120,"
-                      "last_call_timeout=5"]
+        # clusterpulse-train: a fresh store per round, graceful restarts relaunched
+        cmd = [sys.executable, "-m", "trainer.launch",
+               "--nproc", str(job.ranks_per_node), "--nnodes", job.nnodes,
+               "--rdzv-endpoint", job.rdzv, "--rdzv-id", job.run,
+               f"--local-addr={node.ip}", "--monitor-interval=0.5",
+               "--rdzv-host" if node is host else "--no-rdzv-host",
+               "--rdzv-conf", "join_timeout=120", "--rdzv-conf", "last_call_timeout=5",
+               "--max-restarts", str(job.max_restarts), "--",
+               "--run-id", job.run, "--ckpt-dir", str(job.ckpt_dir),
+               "--agent", self.telemetry_address(node), *job.args]
         job.procs[node.name] = self.stack.start(
             f"{job.run}-{node.name}", node.command(cmd), watch=False,
             env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "eth0",
-                 "LOGLEVEL": "WARNING", **FRESH_STORE, **job.env})
+                 "LOGLEVEL": "WARNING", **job.env})
 
     def rank_pids(self, node: Node, run: str) -> list[int]:
         """The trainer rank processes (not torchrun itself) of `run` on `node`."""
@@ -264,11 +258,12 @@ class TestbedCluster:
 
 
 def _is_torchrun(pid: int) -> bool:
+    """torchrun or the launcher above it, whose command lines name the trainer too."""
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return True
-    return b"torch.distributed.run" in cmd
+    return b"torch.distributed.run" in cmd or b"trainer.launch" in cmd
 
 
 class ClusterTarget:

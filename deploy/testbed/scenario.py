@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import threading
 import time
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
+from agent.validate import read_toml
 from deploy.testbed.faults import EXPECT, TESTBED_ONLY, Fault, Observer, Outcome, Target, play, undo
 
 
@@ -27,12 +27,7 @@ class ScenarioError(ValueError):
 
 
 def load(path: Path, nodes: int, gpus: int, testbed: bool) -> list[tuple[float, Fault]]:
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as err:
-        raise ScenarioError(f"cannot read scenario {path}: {err.strerror}") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ScenarioError(f"scenario {path} is not valid TOML: {err}") from None
+    data = read_toml(path, "scenario", ScenarioError)
     out = []
     for i, raw in enumerate(data.get("fault", [])):
         where = f"scenario {path}, fault #{i + 1}"

@@ -15,8 +15,8 @@ from tests.bench.table import Row, render
 
 SUITES = ["bench_agent", "bench_trainer", "bench_detection", "bench_dashboard"]
 # Run only when named (`make bench-fleet`): 16,384 GPUs in Prometheus and VictoriaMetrics
-# take minutes and GBs of memory.
-ON_REQUEST = ["bench_fleet"]
+# take minutes and GBs of memory; the testbed needs root (`make bench-testbed`).
+ON_REQUEST = ["bench_fleet", "bench_testbed_recovery"]
 
 
 def main() -> int:

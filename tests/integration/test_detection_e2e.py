@@ -74,7 +74,7 @@ def test_stragglers_are_named_with_their_cause_and_reach_the_webhook(stack):
 
 
 def test_hung_rank_is_named_within_15_seconds_and_a_hard_restart_recovers(stack):
-    stack.start_job("hang", steps=3000, launcher=True, trainer_args=[
+    stack.start_job("hang", steps=3000, trainer_args=[
         "--sim-compute-seconds", "0.1", "--ckpt-every", "20", "--inject", "hang:rank=2:step=60"])
     try:
         wait_until(lambda: stack.prom.query('clusterpulse_trainer_step{run="hang",rank="2"}'),

@@ -15,8 +15,6 @@ import requests
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Alertmanager, Proc, Prometheus, start_agent_cli
 from tests.support.webhook import WebhookSink
-from trainer.launch import build_command
-from trainer.parallel import SHARE_STORE_ENV
 
 TOKEN = "e2e-token-0123456789abcdef0123"
 
@@ -65,26 +63,22 @@ class Stack:
         return s
 
     def start_job(self, run: str, steps: int, ranks_per_node: int = 2,
-                  trainer_args: list[str] | None = None, launcher: bool = False) -> None:
-        """One torchrun per node (c10d rendezvous on loopback, a fresh store per round),
-        each sending telemetry to its node's agent, exactly as on a real two-node
-        cluster. Graceful restarts are torchrun restarts here (exit 42), as in the demo;
-        clusterpulse-train's relaunching is tested by test_restart_safety; `launcher`
-        runs the job under clusterpulse-train instead."""
+                  trainer_args: list[str] | None = None) -> None:
+        """One clusterpulse-train per node (c10d rendezvous on loopback, a fresh store per
+        round, graceful restarts relaunched outside the failure budget), each rank
+        sending telemetry to its node's agent, exactly as on a real two-node cluster."""
         endpoint = f"127.0.0.1:{free_port()}"
         for node in self.nodes:
-            argv = ["--nproc", str(ranks_per_node), "--nnodes", str(len(self.nodes)),
-                    "--rdzv-endpoint", endpoint, "--rdzv-id", run, "--max-restarts", "2", "--",
-                    "--preset", "tiny", "--steps", str(steps),
-                    "--ckpt-dir", str(self.tmp / run), "--run-id", run,
-                    "--agent", node.telemetry, *(trainer_args or [])]
-            cmd = ([sys.executable, "-m", "trainer.launch", *argv] if launcher
-                   else build_command(argv))
+            cmd = [sys.executable, "-m", "trainer.launch",
+                   "--nproc", str(ranks_per_node), "--nnodes", str(len(self.nodes)),
+                   "--rdzv-endpoint", endpoint, "--rdzv-id", run, "--max-restarts", "2", "--",
+                   "--preset", "tiny", "--steps", str(steps),
+                   "--ckpt-dir", str(self.tmp / run), "--run-id", run,
+                   "--agent", node.telemetry, *(trainer_args or [])]
             log = open(self.tmp / f"{run}-{node.name}.log", "wb")  # noqa: SIM115
             self.jobs.append(subprocess.Popen(
                 cmd, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-                     SHARE_STORE_ENV: "1"}))
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}))
 
     def firing(self, alertname: str) -> list[dict]:
         r = requests.get(self.prom.url + "/api/v1/alerts", timeout=5).json()

@@ -152,6 +152,32 @@ def test_a_rank_leaving_for_a_peers_command_has_carried_it_out(sim_agent):
     s.close()
 
 
+def test_a_command_completes_when_the_node_gets_new_rank_numbers(sim_agent):
+    """Finding (browser e2e under clusterpulse-train): a relaunch is a new rendezvous,
+    which numbered the nodes afresh; ranks 0-1 of this node came back as ranks 2-3, the
+    command waited for 0-1 here until its deadline and escalated to a hard restart."""
+    s = connect(sim_agent.socket_path)
+    for rank in (0, 1):
+        exchange(s, type="step", run="r1", rank=rank, local_rank=rank, gpu=rank, step=5,
+                 restarts=0)
+    cid = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart",
+                                                 "reason": "straggler"}).json()["id"]
+
+    def new_rank(rank: int) -> RankProcess:
+        return RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r1", "rank": rank,
+                                                    "local_rank": rank - 2, "step": 5,
+                                                    "restarts": 1}])
+
+    with new_rank(2):
+        sim_agent.agent.collect_once()
+        assert sim_agent.get(f"/v1/commands/{cid}").json()["state"] == "pending"  # one of two
+        with new_rank(3):
+            sim_agent.agent.collect_once()
+    status = sim_agent.get(f"/v1/commands/{cid}").json()
+    assert status["state"] == "completed" and status["resumed"] == [2, 3]
+    s.close()
+
+
 def _sleeper() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 

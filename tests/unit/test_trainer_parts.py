@@ -166,6 +166,18 @@ def test_launcher_builds_the_torchrun_command():
     assert cmd[-2:] == ["examples/ddp_tutorial.py", "3"]
     cmd = build_command(["--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "head:29400"])
     assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=head:29400" in cmd
+    cmd = build_command(["--nnodes", "2", "--rdzv-endpoint", "head:29400", "--no-rdzv-host",
+                         "--rdzv-conf", "join_timeout=120", "--rdzv-conf", "last_call_timeout=5"])
+    assert "--rdzv-conf=is_host=false,join_timeout=120,last_call_timeout=5" in cmd
+
+
+def test_launcher_names_a_bad_rendezvous_setting(capsys):
+    from trainer.launch import build_command
+
+    with pytest.raises(SystemExit) as exit_:
+        build_command(["--rdzv-conf", "join_timeout"])
+    assert exit_.value.code == 2
+    assert "--rdzv-conf 'join_timeout': expected KEY=VALUE" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("run", ["my run/1", "", "x" * 129, "run\n"])
