@@ -22,6 +22,7 @@ import contextlib
 import json
 import secrets
 import signal
+import subprocess
 import sys
 import time
 import urllib.error
@@ -165,6 +166,27 @@ class TestbedCluster:
             self.start_node(job, node)
         self.jobs[run] = job
         return job
+
+    def run_job(self, run: str, trainer_args: Sequence[str], ranks_per_node: int = 1,
+                max_restarts: int = 2, timeout_s: float = 1200) -> dict:
+        """Run a (non-elastic) job on every node to its end; its run summary (rank 0
+        writes it, wherever the rendezvous placed rank 0). Raises TestbedError naming
+        the node and its log tail if a node's launcher fails or the job overruns."""
+        summary = self.state / f"{run}-summary.json"
+        job = self.start_job(run, [*trainer_args, "--summary-json", str(summary)],
+                             ranks_per_node=ranks_per_node, max_restarts=max_restarts)
+        deadline = time.time() + timeout_s
+        for name, p in job.procs.items():
+            try:
+                rc = p.wait(timeout=max(1.0, deadline - time.time()))  # type: ignore[attr-defined]
+            except subprocess.TimeoutExpired:
+                rc = None
+            if rc != 0:
+                log = self.state / f"{run}-{name}.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                raise TestbedError(f"job {run} on {name}: "
+                                   f"{'timed out' if rc is None else f'exit {rc}'}\n{tail}")
+        return json.loads(summary.read_text())
 
     def start_node(self, job: Job, node: Node) -> None:
         """Start (or, after a node death, restart) the job's torchrun on `node`; an
