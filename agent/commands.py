@@ -79,7 +79,7 @@ class CommandBook:
     def submit(self, run: str, action: str, reason: str, requested_by: str,
                deadline_s: float, on_behalf_of: str | None = None) -> Command:
         now = self._clock()
-        ranks = self._ranks.of_run(run)
+        ranks = self._ranks.live_of_run(run)  # not the departed: none of them comes back
         cmd = Command(
             id=f"{self._node}-{int(now)}-{next(self._ids)}", run=run, action=action,
             reason=reason, requested_by=requested_by, created=now, deadline=now + deadline_s,

@@ -185,6 +185,12 @@ class RankRegistry:
     def of_run(self, run: str) -> list[RankState]:
         return [r for r in self.snapshot() if r.run == run]
 
+    def live_of_run(self, run: str) -> list[RankState]:
+        """The run's ranks whose process may still run: an entry whose verified process
+        has exited is kept for its evidence, but is no longer a rank here (after a
+        relaunch its number may belong to a process on another node)."""
+        return [r for r in self.of_run(run) if not r.sender.verified or self._alive(r.sender)]
+
     def age(self, r: RankState) -> float:
         """Seconds since the rank last made progress: a hung rank's heartbeat thread
         keeps it known and alive, but this age grows."""

@@ -178,6 +178,23 @@ def test_a_command_completes_when_the_node_gets_new_rank_numbers(sim_agent):
     s.close()
 
 
+def test_departed_ranks_are_not_targets_of_a_new_command(sim_agent):
+    """After such a relaunch this node still lists ranks 0-1 (their processes exited,
+    kept for their evidence); a command that targeted them waited for four ranks where
+    two run, and escalated to a hard restart at its deadline."""
+    with RankProcess(sim_agent.socket_path, [
+            {"type": "step", "run": "r1", "rank": r, "local_rank": r, "step": 5}
+            for r in (0, 1)]):
+        pass  # ranks 0-1 left (their process exited)
+    with RankProcess(sim_agent.socket_path, [
+            {"type": "step", "run": "r1", "rank": r, "local_rank": r - 2, "step": 5,
+             "restarts": 1} for r in (2, 3)]):
+        assert {r.rank for r in sim_agent.agent.ranks.of_run("r1")} == {0, 1, 2, 3}
+        r = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart",
+                                                   "reason": "straggler"})
+        assert r.json()["ranks"] == [2, 3]
+
+
 def _sleeper() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
@@ -209,8 +226,16 @@ def test_a_reused_or_exited_pid_is_never_signalled(sim_agent):
     victim = _sleeper()  # pretend the pid was reused by an unrelated process
     try:
         r.sender = replace(r.sender, pid=victim.pid)
-        out = sim_agent.post("/v1/runs/r1/actions", {"action": "restart", "reason": "x"}).json()
-        assert out["signalled_pids"] == [] and "start time changed" in out["not_signalled"][0]
+        # Alone, the departed rank is no target: there is nothing to restart here.
+        out = sim_agent.post("/v1/runs/r1/actions", {"action": "restart", "reason": "x"})
+        assert out.status_code == 409 and victim.poll() is None
+        # With a live peer the run is restarted, and still the reused pid is not signalled.
+        with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r1", "rank": 1}]) \
+                as live:
+            out = sim_agent.post("/v1/runs/r1/actions", {"action": "restart",
+                                                          "reason": "x"}).json()
+            assert out["signalled_pids"] == [live.p.pid]
+            assert "start time changed" in out["not_signalled"][0]
         assert victim.poll() is None
     finally:
         victim.kill()
