@@ -84,7 +84,10 @@ class AgentLink:
             except BlockingIOError:
                 left = deadline - time.monotonic()
                 if left > 0 and self._connected:
-                    select.select([], [self._sock], [], left)
+                    # poll, not select: a training process may hold > 1024 descriptors
+                    waiter = select.poll()
+                    waiter.register(self._sock, select.POLLOUT)
+                    waiter.poll(left * 1000)
                     continue
                 self.failed += 1
                 return

@@ -248,7 +248,19 @@ def test_events_wait_briefly_for_a_full_agent_queue_samples_do_not(tmp_path):
     path = str(tmp_path / "agent.sock")
     rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     rx.bind(path)
-    link = AgentLink(path, local_rank=0)
+    # A training process can hold > 1024 descriptors, past what select() accepts.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        link = AgentLink(path, local_rank=0)
+    finally:
+        for fd in filler:
+            os.close(fd)
+    assert link._sock is not None and link._sock.fileno() > 1024
     while link.failed == 0:  # nobody reads: fill the queue until a sample is dropped
         link.send({"type": "step", "run": "r1", "rank": 0, "step": 1})
         assert link.sent < 100_000
