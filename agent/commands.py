@@ -155,7 +155,7 @@ class CommandBook:
         A rank learnt over UDP, or whose process is no longer the one that registered
         (exited, pid reused), is not signalled; the reason is kept for the audit log.
         """
-        for r in self._ranks.of_run(cmd.run):
+        for r in self._ranks.live_of_run(cmd.run):  # not departed ranks' entries
             try:
                 fd = identity.open_verified(r.sender)
             except identity.SignalRefused as why:

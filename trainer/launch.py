@@ -80,6 +80,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         key, sep, _ = kv.partition("=")
         if not sep or not key or "," in kv:
             p.error(f"--rdzv-conf {kv!r}: expected KEY=VALUE (one per flag)")
+        if key == "is_host":
+            p.error("--rdzv-conf is_host=...: use --rdzv-host / --no-rdzv-host")
+    if a.rdzv_conf and not a.rdzv_endpoint:
+        p.error("--rdzv-conf needs --rdzv-endpoint (a single node runs --standalone)")
     if a.script and not Path(a.script).is_file():
         p.error(f"--script {a.script}: no such file")
     return a, trainer_args

@@ -269,8 +269,9 @@ class Trainer:
             loss = self.train_step(step)
             wall = self.pulse.last.get("step_seconds", 0.0)
             if mark is not None:
-                if first:
+                if first:  # the restart's downtime, kept whatever ends this attempt
                     self.runstate.first_step_done(wall)
+                    self.runstate.save(self.runstate_path)
                 self.runstate.step_done(step, wall)
                 self.pulse.extra["goodput_ratio"] = round(self.runstate.goodput(), 4)
                 mark.write(self.runstate)  # survives a SIGKILL; see trainer.runstate

@@ -42,10 +42,12 @@ class RunState:
         except (OSError, ValueError, TypeError):
             return cls()
         mark = ProgressMark.read(progress_path(path))
-        if mark is not None and mark.started_unix == state.started_unix \
-                and mark.step > state.last_step:
-            state.last_step, state.last_step_unix = mark.step, mark.step_unix
-            state.productive_seconds = mark.productive_seconds
+        if mark is not None and mark.started_unix == state.started_unix:
+            # each field on its own: an attempt re-running old steps moves the time of
+            # its last step, not the furthest step
+            state.last_step = max(state.last_step, mark.step)
+            state.last_step_unix = max(state.last_step_unix, mark.step_unix)
+            state.productive_seconds = max(state.productive_seconds, mark.productive_seconds)
         return state
 
     def save(self, path: Path) -> None:

@@ -7,6 +7,8 @@ import sys
 import time
 from dataclasses import replace
 
+import pytest
+
 from agent import protocol
 from agent.identity import Sender
 from tests.conftest import TOKEN, start_agent
@@ -235,7 +237,13 @@ def test_a_reused_or_exited_pid_is_never_signalled(sim_agent):
             out = sim_agent.post("/v1/runs/r1/actions", {"action": "restart",
                                                           "reason": "x"}).json()
             assert out["signalled_pids"] == [live.p.pid]
-            assert "start time changed" in out["not_signalled"][0]
+        assert victim.poll() is None
+        # Should the pid be reused between listing the ranks and signalling them, the
+        # pidfd's start-time check refuses it.
+        from agent import identity
+
+        with pytest.raises(identity.SignalRefused, match="start time changed"):
+            identity.open_verified(r.sender)
         assert victim.poll() is None
     finally:
         victim.kill()

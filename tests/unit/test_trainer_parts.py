@@ -16,7 +16,7 @@ from trainer.checkpoint import CheckpointManager, dcp_files, find_latest_valid, 
 from trainer.consensus import Consensus
 from trainer.faults import Faults, InjectError, parse_injection
 from trainer.instrument import Pulse
-from trainer.runstate import RunState, progress_path
+from trainer.runstate import ProgressMark, RunState, progress_path
 from trainer.telemetry import AgentLink, parse_agent_addr
 
 
@@ -174,10 +174,14 @@ def test_launcher_builds_the_torchrun_command():
 def test_launcher_names_a_bad_rendezvous_setting(capsys):
     from trainer.launch import build_command
 
-    with pytest.raises(SystemExit) as exit_:
-        build_command(["--rdzv-conf", "join_timeout"])
-    assert exit_.value.code == 2
-    assert "--rdzv-conf 'join_timeout': expected KEY=VALUE" in capsys.readouterr().err
+    for argv, says in [
+            (["--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout"], "expected KEY=VALUE"),
+            (["--rdzv-endpoint", "h:1", "--rdzv-conf", "is_host=1"], "use --rdzv-host"),
+            (["--rdzv-conf", "join_timeout=5"], "needs --rdzv-endpoint")]:
+        with pytest.raises(SystemExit) as exit_:
+            build_command(argv)
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("run", ["my run/1", "", "x" * 129, "run\n"])
@@ -317,6 +321,17 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert state.last_step == 59 and abs(state.productive_seconds - 5.9) < 1e-6
     state.begin_attempt("r", 1, 40)
     assert state.restarts[-1]["steps_recomputed"] == 19
+    # Attempt 1 re-runs steps 41..50 and is SIGKILLed: the furthest step stays 59, the
+    # time of the last step is attempt 1's (the next restart's downtime starts there).
+    before = state.last_step_unix
+    state.save(state_path)
+    again = ProgressMark(progress_path(state_path))
+    for step in range(41, 51):
+        state.step_done(step, 0.1)
+        again.write(state)
+    again.close()
+    killed = RunState.load(state_path)
+    assert killed.last_step == 59 and killed.last_step_unix > before
     # A mark left by another run in the same directory is not this run's progress.
     fresh = RunState()
     fresh.begin_attempt("other", 0, 0)
