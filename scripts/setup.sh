@@ -26,6 +26,8 @@ command -v buildah >/dev/null || missing+=(buildah)
 command -v debootstrap >/dev/null || missing+=(debootstrap)
 # The 16,384-GPU benchmark (make bench-fleet) also runs the dashboard on VictoriaMetrics.
 command -v victoria-metrics >/dev/null || missing+=(victoria-metrics)
+# The multi-node testbed's network namespaces, veths, bridge and tbf (deploy/testbed/).
+command -v ip >/dev/null && command -v tc >/dev/null || missing+=(iproute2)
 # A real Slurm for the testbed's scheduler tests (deploy/testbed/slurm.py).
 command -v slurmctld >/dev/null || missing+=(slurm-wlm)
 command -v munged >/dev/null || missing+=(munge)

@@ -32,8 +32,9 @@ base_image() {
   if buildah inspect --type image "$BASE" >/dev/null 2>&1; then return; fi
   command -v debootstrap >/dev/null || { echo "build.sh: error: debootstrap is not installed" >&2; exit 2; }
   local mirror=${MIRROR:-}
-  [ -n "$mirror" ] || mirror=$(sed -n 's/^URIs: *\([^ ]*\/debian\)$/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -n 1)
-  [ -n "$mirror" ] || mirror=$(awk '$1 == "deb" && $2 !~ /security/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null)
+  # (either file may be missing: a debootstrap root has only sources.list)
+  [ -n "$mirror" ] || mirror=$(sed -n 's/^URIs: *\([^ ]*\/debian\)$/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -n 1 || true)
+  [ -n "$mirror" ] || mirror=$(awk '$1 == "deb" && $2 !~ /security/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
   [ -n "$mirror" ] || mirror=http://deb.debian.org/debian
   local root
   root=$(mktemp -d)
