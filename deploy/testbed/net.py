@@ -49,6 +49,14 @@ def missing_privileges() -> str | None:
         return ("cannot create network namespaces here (unshare --net: "
                 f"{probe.stderr.strip() or probe.returncode}); a container needs "
                 "CAP_NET_ADMIN and CAP_SYS_ADMIN")
+    # `ip -n NODE ...` enters a namespace in a private mount namespace and makes `/` a
+    # slave mount: impossible where `/` is not a mount point (a plain chroot).
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "unchanged",
+                            "mount", "--make-rslave", "/"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        why = (probe.stderr.strip().splitlines() or [str(probe.returncode)])[0]
+        return ("cannot enter network namespaces with `ip -n` here: `mount --make-rslave /` "
+                f"failed ({why}); `/` must be a mount point (it is not in a plain chroot)")
     return None
 
 
