@@ -49,15 +49,23 @@ def missing_privileges() -> str | None:
         return ("cannot create network namespaces here (unshare --net: "
                 f"{probe.stderr.strip() or probe.returncode}); a container needs "
                 "CAP_NET_ADMIN and CAP_SYS_ADMIN")
-    # `ip -n NODE ...` enters a namespace in a private mount namespace and makes `/` a
-    # slave mount: impossible where `/` is not a mount point (a plain chroot).
+    why = root_propagation_problem()
+    if why:  # `ip -n NODE ...` makes `/` a slave mount in a private mount namespace
+        return f"cannot enter network namespaces with `ip -n` here: {why}"
+    return None
+
+
+def root_propagation_problem() -> str | None:
+    """None if `/` can change its mount propagation in a new mount namespace, which
+    `ip -n` and buildah's layer storage both do; else why not (`/` is not a mount point
+    in a plain chroot)."""
     probe = subprocess.run(["unshare", "--mount", "--propagation", "unchanged",
                             "mount", "--make-rslave", "/"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        why = (probe.stderr.strip().splitlines() or [str(probe.returncode)])[0]
-        return ("cannot enter network namespaces with `ip -n` here: `mount --make-rslave /` "
-                f"failed ({why}); `/` must be a mount point (it is not in a plain chroot)")
-    return None
+    if probe.returncode == 0:
+        return None
+    why = (probe.stderr.strip().splitlines() or [str(probe.returncode)])[0]
+    return (f"`mount --make-rslave /` failed ({why}); `/` must be a mount point (it is not "
+            "in a plain chroot)")
 
 
 def run(*args: str, check: bool = True, quiet: bool = False) -> subprocess.CompletedProcess:
