@@ -1,3 +1,3 @@
-from agent.cli import main
+from clusterpulse.agent.cli import main
 
 raise SystemExit(main())

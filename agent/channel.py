@@ -15,8 +15,8 @@ import stat
 import struct
 from pathlib import Path
 
-from agent import protocol
-from agent.identity import Sender, from_credentials
+from clusterpulse.agent import protocol
+from clusterpulse.agent.identity import Sender, from_credentials
 
 _UCRED = struct.Struct("iII")  # struct ucred: pid_t pid; uid_t uid; gid_t gid
 

@@ -11,16 +11,16 @@ import sys
 import threading
 from pathlib import Path
 
-from agent import __version__, protocol
-from agent.audit import AuditLog
-from agent.backends import Backend, BackendError
-from agent.faults import FaultError, load_scenario
-from agent.httpsafe import tls_context
-from agent.logsetup import setup_logging
-from agent.ranks import RankRegistry
-from agent.tokens import TokenError, Tokens
+from clusterpulse.agent import __version__, protocol
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.backends import Backend, BackendError
+from clusterpulse.agent.faults import FaultError, load_scenario
+from clusterpulse.agent.httpsafe import tls_context
+from clusterpulse.agent.logsetup import setup_logging
+from clusterpulse.agent.ranks import RankRegistry
+from clusterpulse.agent.tokens import TokenError, Tokens
 
-log = logging.getLogger("agent")
+log = logging.getLogger("clusterpulse.agent")
 
 EXAMPLES = """\
 examples:
@@ -112,10 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_backend(args: argparse.Namespace, ranks: RankRegistry) -> Backend:
-    from agent.backends.sim import SimBackend
+    from clusterpulse.agent.backends.sim import SimBackend
 
     if args.backend in ("nvml", "auto"):
-        from agent.backends.nvml import NvmlBackend
+        from clusterpulse.agent.backends.nvml import NvmlBackend
 
         try:
             xid_state = args.state_dir / "xid-counts.json" if args.state_dir else None
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.core import Agent
-    from agent.server import make_server, serve_in_thread
+    from clusterpulse.agent.core import Agent
+    from clusterpulse.agent.server import make_server, serve_in_thread
 
     if args.interval <= 0:
         raise UsageError("--interval must be > 0 seconds")
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             f"cannot listen: {err.strerror or err} ({args.listen} / {args.telemetry})"
         ) from None
     if str(args.sysfs) != "none":
-        from agent.links import NicCounters
+        from clusterpulse.agent.links import NicCounters
 
         agent.links = NicCounters(args.sysfs)
     agent.start()

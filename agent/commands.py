@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from agent import identity
-from agent.audit import AuditLog
-from agent.identity import Sender
-from agent.ranks import RankRegistry
+from clusterpulse.agent import identity
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.identity import Sender
+from clusterpulse.agent.ranks import RankRegistry
 
 KILL_GRACE_S = 5.0
 MAX_COMMANDS = 256

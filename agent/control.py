@@ -17,15 +17,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from agent import protocol
-from agent.backends.sim import SimBackend
-from agent.faults import FAULT_KINDS, FaultError, parse_fault
-from agent.httpsafe import HttpError, parse_json_object
-from agent.tokens import Tokens
-from agent.validate import bounded_number
+from clusterpulse.agent import protocol
+from clusterpulse.agent.backends.sim import SimBackend
+from clusterpulse.agent.faults import FAULT_KINDS, FaultError, parse_fault
+from clusterpulse.agent.httpsafe import HttpError, parse_json_object
+from clusterpulse.agent.tokens import Tokens
+from clusterpulse.agent.validate import bounded_number
 
 if TYPE_CHECKING:
-    from agent.core import Agent
+    from clusterpulse.agent.core import Agent
 
 Response = tuple[int, dict[str, Any]]
 AUTH_FAILURES_PER_MIN = 30

@@ -16,14 +16,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent import channel, protocol
-from agent.audit import AuditLog
-from agent.backends import Backend
-from agent.backends.sim import SimBackend
-from agent.commands import CommandBook
-from agent.identity import Sender
-from agent.ranks import RankRegistry, Refused
-from agent.sample import GpuSample
+from clusterpulse.agent import channel, protocol
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.backends import Backend
+from clusterpulse.agent.backends.sim import SimBackend
+from clusterpulse.agent.commands import CommandBook
+from clusterpulse.agent.identity import Sender
+from clusterpulse.agent.ranks import RankRegistry, Refused
+from clusterpulse.agent.sample import GpuSample
 
 log = logging.getLogger(__name__)
 

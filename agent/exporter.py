@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from agent import __version__
-from agent.identity import still_running
-from agent.sample import CLOCK_EVENT_REASONS
+from clusterpulse.agent import __version__
+from clusterpulse.agent.identity import still_running
+from clusterpulse.agent.sample import CLOCK_EVENT_REASONS
 
 if TYPE_CHECKING:
-    from agent.core import Agent
+    from clusterpulse.agent.core import Agent
 
 GPU_LABELS = ["node", "gpu", "uuid"]
 RANK_LABELS = ["run", "rank", "node", "local_rank"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.validate import bounded_number, read_toml
+from clusterpulse.agent.validate import bounded_number, read_toml
 
 FAULT_KINDS = {
     "overheat": "cooling failure: temperature climbs past slowdown, clocks thermal-throttle",

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent import identity
-from agent.backends.sim import Activity
-from agent.identity import Sender
-from agent.protocol import NUMBER_FIELDS
+from clusterpulse.agent import identity
+from clusterpulse.agent.backends.sim import Activity
+from clusterpulse.agent.identity import Sender
+from clusterpulse.agent.protocol import NUMBER_FIELDS
 
 MAX_ACKS_KEPT = 32
 

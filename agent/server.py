@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from agent.control import ControlApi, Tokens
-from agent.exporter import AgentCollector
-from agent.httpsafe import (
+from clusterpulse.agent.control import ControlApi, Tokens
+from clusterpulse.agent.exporter import AgentCollector
+from clusterpulse.agent.httpsafe import (
     MAX_CONNECTIONS,
     HttpError,
     SafeHandler,
@@ -27,7 +27,7 @@ from agent.httpsafe import (
 )
 
 if TYPE_CHECKING:
-    from agent.core import Agent
+    from clusterpulse.agent.core import Agent
 
 MAX_BODY = 64 * 1024
 _UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="clusterpulse"'}

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import requests
 
-from agent import protocol
-from agent.audit import AuditLog
-from dashboard.promclient import PrometheusClient
+from clusterpulse.agent import protocol
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.dashboard.promclient import PrometheusClient
 
 ACTIONS = ("checkpoint-restart", "restart")
 

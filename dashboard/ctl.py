@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from agent.audit import AuditLog
-from dashboard import actions, auth
-from dashboard.promclient import PrometheusClient, PrometheusError
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.dashboard import actions, auth
+from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
 EXAMPLES = """\
 examples:

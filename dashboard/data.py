@@ -17,9 +17,9 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboard.amclient import AlertmanagerClient, AlertmanagerUnavailable
-from dashboard.config import Settings
-from dashboard.promclient import PrometheusClient, PrometheusError
+from clusterpulse.dashboard.amclient import AlertmanagerClient, AlertmanagerUnavailable
+from clusterpulse.dashboard.config import Settings
+from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
 # name -> (PromQL per node and GPU, unit, higher is worse?)
 HEATMAP_METRICS = {
@@ -203,8 +203,8 @@ def run(prom_url: str, name: str, range_s: int) -> Result:
 def run_incidents(prom_url: str, name: str, range_s: int, audit_path: str) -> Result:
     """The run's incident timeline (dashboard/timeline.py): ALERTS and the run's step
     over the page's range, plus the audit log's actions."""
-    from agent.audit import AuditLog
-    from dashboard import timeline
+    from clusterpulse.agent.audit import AuditLog
+    from clusterpulse.dashboard import timeline
 
     def fetch() -> list:
         prom = PrometheusClient(prom_url)

@@ -36,9 +36,9 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-from agent.audit import AuditLog
+from clusterpulse.agent.audit import AuditLog
 
-log = logging.getLogger("dashboard.drain")
+log = logging.getLogger("clusterpulse.dashboard.drain")
 
 NODE_ACTIONS = ("drain-node",)
 REASON_PREFIX = "clusterpulse-remediate:"

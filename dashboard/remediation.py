@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.audit import AuditLog
-from agent.httpsafe import (
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.httpsafe import (
     HttpError,
     SafeHandler,
     SafeServer,
@@ -48,14 +48,14 @@ from agent.httpsafe import (
     parse_json_object,
     read_body,
 )
-from agent.logsetup import setup_logging
-from agent.tokens import TokenError, Tokens
-from agent.validate import read_toml
-from dashboard.actions import ACTIONS, ActionError, request_action
-from dashboard.drain import NODE_ACTIONS, Drainer, DrainSettings
-from dashboard.promclient import PrometheusClient, PrometheusError
+from clusterpulse.agent.logsetup import setup_logging
+from clusterpulse.agent.tokens import TokenError, Tokens
+from clusterpulse.agent.validate import read_toml
+from clusterpulse.dashboard.actions import ACTIONS, ActionError, request_action
+from clusterpulse.dashboard.drain import NODE_ACTIONS, Drainer, DrainSettings
+from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
-log = logging.getLogger("dashboard.remediation")
+log = logging.getLogger("clusterpulse.dashboard.remediation")
 
 
 class PolicyError(ValueError):

@@ -7,9 +7,9 @@ import time
 
 import streamlit as st
 
-from agent.audit import AuditLog
-from dashboard import auth, config
-from dashboard.data import Result
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.dashboard import auth, config
+from clusterpulse.dashboard.data import Result
 
 RANGES = {"15 min": 900, "1 h": 3600, "6 h": 21600, "24 h": 86400}
 

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from detection.replay import REQUIRED, TraceError, read_rows, replay
-from detection.scoring import ScoringConfig
+from clusterpulse.detection.replay import REQUIRED, TraceError, read_rows, replay
+from clusterpulse.detection.scoring import ScoringConfig
 
 EXAMPLES = f"""\
 examples:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from detection.causes import attribute
-from detection.scoring import ScoringConfig, StragglerScorer
+from clusterpulse.detection.causes import attribute
+from clusterpulse.detection.scoring import ScoringConfig, StragglerScorer
 
 REQUIRED = ("run", "step", "rank", "node", "step_seconds", "compute_seconds", "data_seconds",
             "sync_seconds")

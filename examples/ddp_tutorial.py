@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from trainer.instrument import Pulse
-from trainer.parallel import init_distributed
+from clusterpulse.trainer.instrument import Pulse
+from clusterpulse.trainer.parallel import init_distributed
 
 
 class MyTrainDataset(Dataset):

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from agent.audit import AuditLog
-from agent.backends.sim import SimBackend
-from agent.core import Agent
-from agent.ranks import RankRegistry
-from agent.server import make_server, serve_in_thread
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.backends.sim import SimBackend
+from clusterpulse.agent.core import Agent
+from clusterpulse.agent.ranks import RankRegistry
+from clusterpulse.agent.server import make_server, serve_in_thread
 
 TOKEN = "test-token-0123456789abcdef"
 

@@ -1,3 +1,3 @@
-from trainer.main import main
+from clusterpulse.trainer.main import main
 
 raise SystemExit(main())

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-log = logging.getLogger("trainer.checkpoint")
+log = logging.getLogger("clusterpulse.trainer.checkpoint")
 MANIFEST = "manifest.json"
 
 

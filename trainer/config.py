@@ -7,18 +7,18 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.protocol import DEFAULT_TELEMETRY
-from trainer.faults import InjectError, Injection, parse_injection
-from trainer.instrument import check_run_id
-from trainer.model import PRESETS
-from trainer.telemetry import DEFAULT_SOCKET_PATH, AgentAddr, parse_agent_addr
+from clusterpulse.agent.protocol import DEFAULT_TELEMETRY
+from clusterpulse.trainer.faults import InjectError, Injection, parse_injection
+from clusterpulse.trainer.instrument import check_run_id
+from clusterpulse.trainer.model import PRESETS
+from clusterpulse.trainer.telemetry import DEFAULT_SOCKET_PATH, AgentAddr, parse_agent_addr
 
 EXAMPLES = """\
 examples:
-  torchrun --standalone --nproc-per-node 2 --max-restarts 2 -m trainer --preset tiny \\
+  torchrun --standalone --nproc-per-node 2 --max-restarts 2 -m clusterpulse.trainer --preset tiny \\
       --steps 60 --ckpt-every 10 --ckpt-dir CKPT --summary-json SUMMARY.json \\
       --inject crash:rank=1:step=35
-  torchrun --standalone --nproc-per-node 4 -m trainer --parallel fsdp --async-ckpt ...
+  torchrun --standalone --nproc-per-node 4 -m clusterpulse.trainer --parallel fsdp --async-ckpt ...
   clusterpulse-train --nproc 2 -- --preset tiny --steps 20 --ckpt-dir /tmp/ckpt
 """
 
@@ -53,7 +53,7 @@ class TrainConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m trainer",
+        prog="python -m clusterpulse.trainer",
         description="ClusterPulse reference trainer: a decoder-only LM under DDP or FSDP2 "
         "with telemetry, atomic checkpoints, checkpoint-restart and fault injection. "
         "Launch it with torchrun.", epilog=EXAMPLES,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from detection.scoring import Scores, ScoringConfig, StragglerScorer
+from clusterpulse.detection.scoring import Scores, ScoringConfig, StragglerScorer
 
 
 @dataclass

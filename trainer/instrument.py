@@ -46,14 +46,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from agent import protocol
-from trainer import PREEMPTED_EXIT_CODE
-from trainer.collectives import CollectiveLog
-from trainer.consensus import Consensus
-from trainer.restart import SigtermCatcher, request_relaunch
-from trainer.telemetry import AgentAddr, AgentLink, parse_agent_addr
+from clusterpulse.agent import protocol
+from clusterpulse.trainer import PREEMPTED_EXIT_CODE
+from clusterpulse.trainer.collectives import CollectiveLog
+from clusterpulse.trainer.consensus import Consensus
+from clusterpulse.trainer.restart import SigtermCatcher, request_relaunch
+from clusterpulse.trainer.telemetry import AgentAddr, AgentLink, parse_agent_addr
 
-log = logging.getLogger("trainer.instrument")
+log = logging.getLogger("clusterpulse.trainer.instrument")
 HEARTBEAT_EVERY_S = 1.0
 EVENT_SEND_WAIT_S = 0.2  # at most this long per event while the agent's queue is full
 AGENT_ENV = "CLUSTERPULSE_AGENT"
@@ -151,7 +151,7 @@ class Pulse:
         self.world_size = int(env.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.gpu = self.local_rank if gpu is None else gpu
         if restarts is None:
-            from trainer.parallel import local_attempt
+            from clusterpulse.trainer.parallel import local_attempt
 
             restarts = local_attempt()
         self.restarts = restarts

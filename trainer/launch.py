@@ -1,7 +1,7 @@
 """`clusterpulse-train`: torchrun with restart-safe defaults for the reference trainer
 (or any script instrumented with trainer.instrument).
 
-Everything after `--` goes to the trainer (`python -m trainer --help`), or, with
+Everything after `--` goes to the trainer (`python -m clusterpulse.trainer --help`), or, with
 `--script`, to your script.
 
 What it adds to torchrun, and why:
@@ -26,8 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainer.parallel import RELAUNCHES_ENV, SHARE_STORE_ENV
-from trainer.restart import RELAUNCH_FILE_ENV
+from clusterpulse.trainer.parallel import RELAUNCHES_ENV, SHARE_STORE_ENV
+from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV
 
 EXAMPLES = """\
 examples:
@@ -112,7 +112,7 @@ def build_command(argv: list[str]) -> list[str]:
         cmd += ["--standalone"]
     if a.local_addr:
         cmd.append(f"--local-addr={a.local_addr}")
-    target = [a.script] if a.script else ["-m", "trainer"]
+    target = [a.script] if a.script else ["-m", "clusterpulse.trainer"]
     return [*cmd, *target, *trainer_args]
 
 

@@ -1,4 +1,4 @@
-"""The reference training loop: what torchrun runs as `python -m trainer`."""
+"""The reference training loop: what torchrun runs as `python -m clusterpulse.trainer`."""
 
 from __future__ import annotations
 
@@ -16,18 +16,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
 
-from agent.logsetup import setup_logging
-from trainer.checkpoint import MANIFEST, CheckpointError, CheckpointManager, iter_valid
-from trainer.config import ConfigError, TrainConfig, parse_config
-from trainer.data import SyntheticTokens
-from trainer.faults import Faults
-from trainer.instrument import Pulse
-from trainer.model import PRESETS, build_model
-from trainer.parallel import DistInfo, init_distributed, local_attempt, wrap
-from trainer.runstate import ProgressMark, RunState, progress_path
-from trainer.state import TrainState, parameter_digest
+from clusterpulse.agent.logsetup import setup_logging
+from clusterpulse.trainer.checkpoint import MANIFEST, CheckpointError, CheckpointManager, iter_valid
+from clusterpulse.trainer.config import ConfigError, TrainConfig, parse_config
+from clusterpulse.trainer.data import SyntheticTokens
+from clusterpulse.trainer.faults import Faults
+from clusterpulse.trainer.instrument import Pulse
+from clusterpulse.trainer.model import PRESETS, build_model
+from clusterpulse.trainer.parallel import DistInfo, init_distributed, local_attempt, wrap
+from clusterpulse.trainer.runstate import ProgressMark, RunState, progress_path
+from clusterpulse.trainer.state import TrainState, parameter_digest
 
-log = logging.getLogger("trainer")
+log = logging.getLogger("clusterpulse.trainer")
 
 
 def _broadcast(obj: object, info: DistInfo) -> object:

@@ -23,9 +23,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer import RESTART_EXIT_CODE
+from clusterpulse.trainer import RESTART_EXIT_CODE
 
-log = logging.getLogger("trainer.restart")
+log = logging.getLogger("clusterpulse.trainer.restart")
 
 RELAUNCH_FILE_ENV = "CLUSTERPULSE_RELAUNCH_FILE"
 

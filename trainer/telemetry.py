@@ -28,7 +28,7 @@ import socket
 import time
 from typing import Any
 
-from agent import protocol
+from clusterpulse.agent import protocol
 
 AgentAddr = str | tuple[str, int]
 DEFAULT_SOCKET_PATH = protocol.DEFAULT_SOCKET_PATH

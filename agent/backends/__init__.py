@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from agent.sample import GpuSample
+from clusterpulse.agent.sample import GpuSample
 
 
 class Backend(Protocol):

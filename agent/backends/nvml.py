@@ -24,9 +24,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from agent.backends import BackendError
-from agent.sample import GpuSample, NvLinkSample, decode_clock_events
-from agent.xidstate import XidLedger
+from clusterpulse.agent.backends import BackendError
+from clusterpulse.agent.sample import GpuSample, NvLinkSample, decode_clock_events
+from clusterpulse.agent.xidstate import XidLedger
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import uuid as uuidlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from agent.faults import Fault, ScheduledFault
-from agent.sample import GpuSample, NvLinkSample
+from clusterpulse.agent.faults import Fault, ScheduledFault
+from clusterpulse.agent.sample import GpuSample, NvLinkSample
 
 GIB = 1024**3
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import ui
+from clusterpulse.dashboard import ui
 
 st.title("Audit")
 operator = ui.operator()

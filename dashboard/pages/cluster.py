@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import data, ui
+from clusterpulse.dashboard import data, ui
 
 s = ui.settings()
 st.title("Cluster")

@@ -8,9 +8,9 @@ import time
 import pandas as pd
 import streamlit as st
 
-from dashboard import actions, data, ui
-from dashboard.incidents import hang_incident, straggler_flag
-from dashboard.promclient import PrometheusClient, PrometheusError
+from clusterpulse.dashboard import actions, data, ui
+from clusterpulse.dashboard.incidents import hang_incident, straggler_flag
+from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
 s = ui.settings()
 st.title("Run")
@@ -92,7 +92,7 @@ live()
 def incident_timeline() -> None:
     """Fault -> detection -> action -> first resumed step, with the steps lost: from
     Prometheus's ALERTS and step series and the audit log (dashboard/timeline.py)."""
-    from dashboard import timeline
+    from clusterpulse.dashboard import timeline
 
     st.subheader("Incident timeline")
     result = data.run_incidents(s.prometheus_url, run, range_s,

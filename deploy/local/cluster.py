@@ -59,7 +59,7 @@ RUN = "demo"
 
 def operator_password(state: Path) -> str:
     """A fresh random operator password per start; only its hash is written."""
-    from dashboard.auth import hash_password
+    from clusterpulse.dashboard.auth import hash_password
 
     password = secrets.token_urlsafe(12)
     path = state / "operators.toml"
@@ -84,7 +84,7 @@ def start_job(stack: Stack, args: argparse.Namespace, state: Path, port: int) ->
     relaunched) per simulated node, rendezvous over c10d on loopback: a real multi-node
     job whose ranks report to their own node's agent."""
     for i in range(args.nodes):
-        cmd = [sys.executable, "-m", "trainer.launch",
+        cmd = [sys.executable, "-m", "clusterpulse.trainer.launch",
                "--nproc", str(args.ranks_per_node), "--nnodes", str(args.nodes),
                "--rdzv-endpoint", f"127.0.0.1:{port + 97}", "--rdzv-id", RUN,
                "--max-restarts", "100", "--", *trainer_args(args, state),
@@ -125,9 +125,9 @@ class LocalTarget:
             with contextlib.suppress(OSError):
                 argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
                 # the module the process runs: its first `-m` (torchrun's own command
-                # line also holds `-m trainer`, after `-m torch.distributed.run`)
+                # line also holds `-m clusterpulse.trainer`, after `-m torch.distributed.run`)
                 module = next((b for a, b in itertools.pairwise(argv) if a == b"-m"), None)
-                if module == b"trainer":
+                if module == b"clusterpulse.trainer":
                     out.append(pid)
         return sorted(out)
 
@@ -203,7 +203,8 @@ def start_loopback(args: argparse.Namespace, stack: Stack, state: Path, token_fi
     for i in range(args.nodes):
         node = f"sim-node-{i}" if args.backend == "sim" else socket.gethostname()
         http = port + 2 * i
-        cmd = [sys.executable, "-m", "agent", "--backend", args.backend, "--node", node,
+        cmd = [sys.executable, "-m", "clusterpulse.agent", "--backend", args.backend,
+               "--node", node,
                "--gpus", str(args.gpus_per_node), "--listen", f"127.0.0.1:{http}",
                "--telemetry", telemetry_socket(state, f"node-{i}"),
                "--token-file", str(token_file),
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_dashboard:
             password = operator_password(state)
             stack.start("dashboard", [
-                sys.executable, "-m", "dashboard.cli", "--prometheus", prometheus,
+                sys.executable, "-m", "clusterpulse.dashboard.cli", "--prometheus", prometheus,
                 "--alertmanager", f"http://127.0.0.1:{port + 93}", "--port", str(port + 80),
                 "--token-file", str(token_path), "--operators-file",
                 str(state / "operators.toml"), "--audit-log", str(state / "audit.jsonl")])

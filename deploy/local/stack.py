@@ -175,7 +175,7 @@ def start_central(stack: Stack, state: Path, agents: list[str], token_file: Path
                                      "--cluster.listen-address="])
     prometheus = f"http://127.0.0.1:{prom_port}"
     stack.start("remediation", [
-        sys.executable, "-m", "dashboard.remediation", "--policy", str(policy),
+        sys.executable, "-m", "clusterpulse.dashboard.remediation", "--policy", str(policy),
         "--listen", f"127.0.0.1:{remediation_port}", "--prometheus", prometheus,
         "--token-file", str(token_file), "--audit-log", str(state / "audit.jsonl"),
         "--webhook-token-file", str(hook_token_file),

@@ -1,7 +1,7 @@
 """N nodes on one machine, each with its own network and hostname, and real faults.
 
     with Testbed(nodes=4) as bed:           # needs root; see missing_privileges()
-        p = bed.nodes[1].spawn(["python", "-m", "agent", ...], log=path)
+        p = bed.nodes[1].spawn(["python", "-m", "clusterpulse.agent", ...], log=path)
         bed.partition(bed.nodes[2]); ...; bed.heal(bed.nodes[2])
         bed.kill_node(bed.nodes[3])          # every process of the node, at once
 

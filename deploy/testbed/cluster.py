@@ -138,14 +138,14 @@ class TestbedCluster:
         extra = ["--scenario", str(self.scenarios[node.index])] if node.index in \
             self.scenarios else []
         self.stack.start(f"agent-{node.name}", node.command([
-            sys.executable, "-m", "agent", "--backend", "sim", "--node", node.name,
+            sys.executable, "-m", "clusterpulse.agent", "--backend", "sim", "--node", node.name,
             "--gpus", str(self.gpus), "--listen", self.agent_target(node),
             "--telemetry", self.telemetry_address(node), "--interval", str(self.agent_interval),
             "--token-file", str(self.token_file),
             "--audit-log", str(self.state / f"audit-{node.name}.jsonl"), *extra]), watch=False)
 
     def agent_pids(self, node: Node) -> list[int]:
-        return self.bed.find(node, "-m agent")
+        return self.bed.find(node, "-m clusterpulse.agent")
 
     # -- jobs -----------------------------------------------------------------------------
 
@@ -193,7 +193,7 @@ class TestbedCluster:
         elastic job takes a returning node in at its next rendezvous."""
         host = job.nodes[0]
         # clusterpulse-train: a fresh store per round, graceful restarts relaunched
-        cmd = [sys.executable, "-m", "trainer.launch",
+        cmd = [sys.executable, "-m", "clusterpulse.trainer.launch",
                "--nproc", str(job.ranks_per_node), "--nnodes", job.nnodes,
                "--rdzv-endpoint", job.rdzv, "--rdzv-id", job.run,
                f"--local-addr={node.ip}", "--monitor-interval=0.5",
@@ -209,7 +209,7 @@ class TestbedCluster:
 
     def rank_pids(self, node: Node, run: str) -> list[int]:
         """The trainer rank processes (not torchrun itself) of `run` on `node`."""
-        return [p for p in self.bed.find(node, "-m trainer", run)
+        return [p for p in self.bed.find(node, "-m clusterpulse.trainer", run)
                 if not _is_torchrun(p)]
 
     # -- faults (the chaos list) -------------------------------------------------------
@@ -285,7 +285,7 @@ def _is_torchrun(pid: int) -> bool:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return True
-    return b"torch.distributed.run" in cmd or b"trainer.launch" in cmd
+    return b"torch.distributed.run" in cmd or b"clusterpulse.trainer.launch" in cmd
 
 
 class ClusterTarget:

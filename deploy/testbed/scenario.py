@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.validate import read_toml
+from clusterpulse.agent.validate import read_toml
 from deploy.testbed.faults import EXPECT, TESTBED_ONLY, Fault, Observer, Outcome, Target, play, undo
 
 

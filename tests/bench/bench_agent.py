@@ -20,13 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from agent import protocol
-from agent.audit import AuditLog
-from agent.backends.nvml import NvmlBackend
-from agent.backends.sim import SimBackend
-from agent.core import Agent
-from agent.exporter import GPU_SERIES, AgentCollector
-from agent.ranks import RankRegistry
+from clusterpulse.agent import protocol
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.backends.nvml import NvmlBackend
+from clusterpulse.agent.backends.sim import SimBackend
+from clusterpulse.agent.core import Agent
+from clusterpulse.agent.exporter import GPU_SERIES, AgentCollector
+from clusterpulse.agent.ranks import RankRegistry
 from tests.bench.table import Row
 from tests.conftest import socket_path
 from tests.fakes.fake_pynvml import FakeNvml
@@ -167,7 +167,8 @@ def _proc_cpu_seconds(pid: int) -> float:
 
 def bench_cpu_share(seconds: float = 15.0) -> list[Row]:
     port, path = free_port(), socket_path("bench")
-    p = subprocess.Popen([sys.executable, "-m", "agent", "--backend", "sim", "--gpus", "8",
+    p = subprocess.Popen([sys.executable, "-m", "clusterpulse.agent", "--backend", "sim",
+                          "--gpus", "8",
                           "--listen", f"127.0.0.1:{port}", "--telemetry", f"unix:{path}",
                           "--interval", "1"], stdout=subprocess.DEVNULL)
     try:

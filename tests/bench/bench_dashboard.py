@@ -38,7 +38,7 @@ def _view(at_path: str) -> tuple[float, AppTest]:
 
 
 def run() -> list[Row]:
-    from dashboard import data
+    from clusterpulse.dashboard import data
 
     fleet = subprocess.Popen([sys.executable, "-m", "tests.bench.fleet", str(NODES), str(GPUS)],
                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from detection.scoring import ScoringConfig, StragglerScorer
+from clusterpulse.detection.scoring import ScoringConfig, StragglerScorer
 from tests.bench.table import Row
 
 EVERY = 5

@@ -93,7 +93,7 @@ def _victoria(tmp: Path, fleet_port: int) -> _Store:
 
 def _render(store: _Store) -> tuple[float, float, int]:
     """Cold and warm render of the cluster page against `store`; queries per refresh."""
-    from dashboard import data
+    from clusterpulse.dashboard import data
 
     os.environ["CLUSTERPULSE_PROMETHEUS_URL"] = store.url
     os.environ["CLUSTERPULSE_ALERTMANAGER_URL"] = f"http://127.0.0.1:{free_port()}"

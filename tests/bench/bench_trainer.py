@@ -14,11 +14,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from clusterpulse.trainer.checkpoint import MANIFEST, verify
 from tests.bench.table import Row
 from tests.conftest import start_agent
 from tests.support.procs import REPO
 from tests.support.torchrun import launcher_cmd, start_logged, stop_group
-from trainer.checkpoint import MANIFEST, verify
 
 
 def _worker(preset: str, agent: str) -> dict:

@@ -174,7 +174,7 @@ def run_job(cl: TestbedCluster, run: str, minutes: float, faults: list[tuple[flo
 def stop_job(cl: TestbedCluster, run: str) -> None:
     job = cl.jobs.pop(run)
     for node in cl.bed.nodes:
-        for pid in cl.bed.find(node, "-m", "trainer", f"--run-id {run}") + \
+        for pid in cl.bed.find(node, "-m", "clusterpulse.trainer", f"--run-id {run}") + \
                 cl.bed.find(node, "torch.distributed.run", f"--rdzv-id={run}"):
             cl.bed.kill_process(pid, signal.SIGKILL)
     for p in job.procs.values():

@@ -6,11 +6,11 @@ from __future__ import annotations
 import sys
 import threading
 
-from agent.audit import AuditLog
-from agent.backends.sim import SimBackend
-from agent.core import Agent
-from agent.ranks import RankRegistry
-from agent.server import make_server
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.backends.sim import SimBackend
+from clusterpulse.agent.core import Agent
+from clusterpulse.agent.ranks import RankRegistry
+from clusterpulse.agent.server import make_server
 
 
 def main(nodes: int, gpus: int) -> None:

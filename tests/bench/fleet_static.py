@@ -21,11 +21,11 @@ import sys
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.audit import AuditLog
-from agent.backends.sim import SimBackend
-from agent.core import Agent
-from agent.exporter import AgentCollector
-from agent.ranks import RankRegistry
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.backends.sim import SimBackend
+from clusterpulse.agent.core import Agent
+from clusterpulse.agent.exporter import AgentCollector
+from clusterpulse.agent.ranks import RankRegistry
 
 TEMPLATE_NODE = "TEMPLATENODE"
 WORKERS = 4

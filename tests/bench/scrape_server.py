@@ -21,7 +21,7 @@ class _Quiet(WSGIRequestHandler):
 
 
 def main(kind: str, port: int) -> None:
-    from agent.server import make_server
+    from clusterpulse.agent.server import make_server
     from tests.bench.bench_agent import _agent, _gauge_baseline
 
     agent = _agent()

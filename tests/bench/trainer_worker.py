@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainer.checkpoint import CheckpointManager
-from trainer.data import SyntheticTokens
-from trainer.instrument import Pulse
-from trainer.model import PRESETS, build_model
-from trainer.parallel import init_distributed, wrap
-from trainer.state import TrainState
-from trainer.telemetry import parse_agent_addr
+from clusterpulse.trainer.checkpoint import CheckpointManager
+from clusterpulse.trainer.data import SyntheticTokens
+from clusterpulse.trainer.instrument import Pulse
+from clusterpulse.trainer.model import PRESETS, build_model
+from clusterpulse.trainer.parallel import init_distributed, wrap
+from clusterpulse.trainer.state import TrainState
+from clusterpulse.trainer.telemetry import parse_agent_addr
 
 
 def main() -> None:

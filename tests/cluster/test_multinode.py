@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from clusterpulse.trainer.checkpoint import find_latest_valid
 from deploy.testbed import Testbed, net
 from deploy.testbed.cluster import TestbedCluster
 from tests.support.procs import wait_until
-from trainer.checkpoint import find_latest_valid
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

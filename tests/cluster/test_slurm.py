@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import requests
 
-from agent.audit import AuditLog
-from dashboard.promclient import PrometheusClient
-from dashboard.remediation import Policy, Remediator
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.dashboard.promclient import PrometheusClient
+from clusterpulse.dashboard.remediation import Policy, Remediator
+from clusterpulse.trainer.checkpoint import find_latest_valid
 from deploy.testbed.slurm import SlurmCluster, unavailable
 from tests.support.procs import REPO, wait_until
-from trainer.checkpoint import find_latest_valid
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 TOKEN = "slurm-testbed-token-0123456789"
@@ -41,7 +41,7 @@ def slurm(bed, tmp_path_factory):
     token.write_text(TOKEN)
     token.chmod(0o600)
     for n in bed.nodes:
-        n.spawn([sys.executable, "-m", "agent", "--backend", "sim", "--gpus", "2",
+        n.spawn([sys.executable, "-m", "clusterpulse.agent", "--backend", "sim", "--gpus", "2",
                  "--node", n.name, "--listen", "0.0.0.0:9400", "--telemetry",
                  "127.0.0.1:9401", "--interval", "0.5", "--token-file", str(token)],
                 log=run / f"service-agent-{n.name}.log", cwd=REPO)
@@ -187,12 +187,12 @@ def test_failing_gpu_drains_node_and_requeued_job_runs_on_the_rest(slurm, bed, m
 def test_health_check_drains_a_node_whose_agent_is_gone_and_resumes_it_when_back(slurm, bed):
     node = next(n for n in bed.nodes
                 if slurm.node_states().get(n.name, "").rstrip("*") == "idle")
-    (pid,) = bed.find(node, "-m", "agent", "0.0.0.0:9400")
+    (pid,) = bed.find(node, "-m", "clusterpulse.agent", "0.0.0.0:9400")
     bed.kill_process(pid)
     wait_until(lambda: "drain" in slurm.run("sinfo", "-h", "-n", node.name, "-o", "%T"), 90,
                f"{node.name} drained by its health check")
     assert slurm.node_reason(node.name).startswith("clusterpulse: agent unreachable")
-    node.spawn([sys.executable, "-m", "agent", "--backend", "sim", "--gpus", "2",
+    node.spawn([sys.executable, "-m", "clusterpulse.agent", "--backend", "sim", "--gpus", "2",
                 "--node", node.name, "--listen", "0.0.0.0:9400", "--interval", "0.5"],
                log=slurm.run_dir / f"service-agent-{node.name}-2.log", cwd=REPO)
     # Healthy again: the check that drained it resumes it (NHC-style; its own reason only).

@@ -17,11 +17,11 @@ HEAVY = ("torch", "streamlit", "pandas")
 # Every agent module, imported the way the CLI does, then the CLI's parser built.
 IMPORT_AGENT = f"""
 import importlib, pkgutil, sys
-import agent, agent.cli
-for mod in pkgutil.walk_packages(agent.__path__, "agent."):
+import clusterpulse.agent as agent, clusterpulse.agent.cli
+for mod in pkgutil.walk_packages(agent.__path__, "clusterpulse.agent."):
     if not mod.name.endswith("__main__"):   # that one runs the agent
         importlib.import_module(mod.name)
-agent.cli.build_parser()
+clusterpulse.agent.cli.build_parser()
 print(",".join(m for m in {HEAVY!r} if m in sys.modules))
 """
 
@@ -74,8 +74,31 @@ def test_wheel_contains_config_and_license(tmp_path: Path):
                 if (REPO / "deploy" / rel).is_file()}
     assert expected - names == set()
     assert any(n.endswith("/licenses/LICENSE") for n in names)
-    assert not [n for n in names if n.startswith(("deploy/", "tests/"))]
+    # One import namespace: nothing at the top of site-packages but clusterpulse itself
+    # (a top-level agent/ or trainer/ would clash with users' modules of those names).
+    assert {n.split("/")[0] for n in names} == {"clusterpulse", "clusterpulse-0.1.0.dist-info"}
+    assert {"clusterpulse/agent/cli.py", "clusterpulse/trainer/instrument.py",
+            "clusterpulse/dashboard/pages/cluster.py", "clusterpulse/detection/scoring.py"
+            } <= names
     meta = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in meta
     assert "Requires-Dist: torch" in meta and 'extra == "trainer"' in meta
+
+
+def test_a_users_own_trainer_and_agent_modules_do_not_shadow_ours(tmp_path: Path):
+    """A training script next to its own trainer.py and agent/ imports both, and ours."""
+    (tmp_path / "trainer.py").write_text("WHO = 'user trainer'\n")
+    (tmp_path / "agent").mkdir()
+    (tmp_path / "agent" / "__init__.py").write_text("WHO = 'user agent'\n")
+    (tmp_path / "train.py").write_text(
+        "import agent, trainer\n"
+        "from clusterpulse.trainer.instrument import Pulse\n"
+        "from clusterpulse.agent.protocol import decode\n"
+        "print(trainer.WHO, agent.WHO, Pulse.__module__, decode.__module__, sep=',')\n")
+    out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().split(",") == [
+        "user trainer", "user agent", "clusterpulse.trainer.instrument",
+        "clusterpulse.agent.protocol"]

@@ -12,7 +12,7 @@ import sys
 import pytest
 import requests
 
-from dashboard.auth import hash_password
+from clusterpulse.dashboard.auth import hash_password
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Proc, wait_until
 from tests.support.stack import Stack
@@ -37,7 +37,8 @@ def env(tmp_path_factory):
         ops = tmp / "operators.toml"
         ops.write_text(f'[operators]\nops = "{hash_password(PASSWORD)}"\n')
         port = free_port()
-        dash = Proc([sys.executable, "-m", "dashboard.cli", "--prometheus", stack.prom.url,
+        dash = Proc([sys.executable, "-m", "clusterpulse.dashboard.cli",
+                     "--prometheus", stack.prom.url,
                      "--alertmanager", stack.am.url, "--port", str(port), "--token-file",
                      str(tmp / "token"), "--operators-file", str(ops), "--audit-log",
                      str(tmp / "audit.jsonl"), "--refresh", "2"], tmp / "dashboard.log",

@@ -6,8 +6,8 @@ reason; nothing may silently vanish. Deselected (with the reason) without a GPU.
 
 import pytest
 
-from agent.backends.nvml import FIELDS, NvmlBackend
-from agent.exporter import GPU_SERIES
+from clusterpulse.agent.backends.nvml import FIELDS, NvmlBackend
+from clusterpulse.agent.exporter import GPU_SERIES
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.instrument import Pulse, _CudaClock
+from clusterpulse.trainer.instrument import Pulse, _CudaClock
 
 pytestmark = pytest.mark.gpu
 

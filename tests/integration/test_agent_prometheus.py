@@ -6,7 +6,7 @@ import subprocess
 import pytest
 import requests
 
-from agent.exporter import GPU_SERIES
+from clusterpulse.agent.exporter import GPU_SERIES
 from tests.support.procs import Prometheus, start_agent_cli, wait_until
 
 pytestmark = pytest.mark.integration
@@ -59,8 +59,8 @@ def test_agent_cli_rejects_bad_input_with_a_clear_message(tmp_path):
     from tests.support.procs import REPO
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True,
-                              text=True, cwd=REPO, timeout=60)
+        return subprocess.run([sys.executable, "-m", "clusterpulse.agent", *args],
+                              capture_output=True, text=True, cwd=REPO, timeout=60)
 
     if not _has_nvidia_gpu():
         r = run("--backend", "nvml")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from agent import protocol
+from clusterpulse.agent import protocol
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Prometheus, start_agent_cli, wait_until
 from tests.support.ranksock import connect
@@ -105,7 +105,7 @@ def test_prometheus_down_shows_a_banner_not_a_traceback(monkeypatch, tmp_path):
 
 
 def test_operator_sign_in_uses_hashed_credentials(prom_with_data, monkeypatch, tmp_path):
-    from dashboard.auth import hash_password
+    from clusterpulse.dashboard.auth import hash_password
 
     prom, _ = prom_with_data
     ops = tmp_path / "operators.toml"

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from agent.audit import AuditLog
-from dashboard.actions import request_action
-from dashboard.promclient import PrometheusClient
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.dashboard.actions import request_action
+from clusterpulse.dashboard.promclient import PrometheusClient
 from tests.support.procs import wait_until
 from tests.support.stack import TOKEN, Stack
 

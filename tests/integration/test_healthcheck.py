@@ -15,7 +15,7 @@ from threading import Thread
 import pytest
 import requests
 
-from agent.healthcheck import OK, PROBLEM, UNKNOWN
+from clusterpulse.agent.healthcheck import OK, PROBLEM, UNKNOWN
 from tests.support.ports import free_port
 from tests.support.procs import REPO, start_agent_cli, wait_until
 
@@ -28,7 +28,7 @@ def healthcheck(url: str, *extra: str) -> subprocess.CompletedProcess:
     """The check as NPD invokes it: the rule's args, our agent's URL substituted."""
     rule = json.loads(NPD_CONFIG.read_text())["rules"][0]
     args = [url if a == "http://127.0.0.1:9477" else a for a in rule["args"]]
-    return subprocess.run([sys.executable, "-m", "agent.healthcheck", *args, *extra],
+    return subprocess.run([sys.executable, "-m", "clusterpulse.agent.healthcheck", *args, *extra],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
 
 
@@ -100,7 +100,7 @@ def test_unreachable_agent_is_a_problem_and_non_agent_is_unknown(tmp_path):
 
 
 def test_bad_arguments_are_one_line_errors():
-    r = subprocess.run([sys.executable, "-m", "agent.healthcheck", "--xid", "abc"],
+    r = subprocess.run([sys.executable, "-m", "clusterpulse.agent.healthcheck", "--xid", "abc"],
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and "XID must be a number" in r.stderr
     assert "Traceback" not in r.stderr

@@ -12,10 +12,10 @@ import time
 import pytest
 import requests
 
-from agent.audit import AuditLog
-from agent.tokens import Tokens
-from dashboard.promclient import PrometheusClient
-from dashboard.remediation import Policy, PolicyError, Remediator, Rule, serve
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.tokens import Tokens
+from clusterpulse.dashboard.promclient import PrometheusClient
+from clusterpulse.dashboard.remediation import Policy, PolicyError, Remediator, Rule, serve
 from tests.support.procs import REPO, Prometheus, start_agent_cli, wait_until
 from tests.support.ranksock import RankProcess
 
@@ -142,7 +142,8 @@ def test_ctl_restart_and_agents(cluster):
     prom, port, token, _victim, tmp = cluster
 
     def ctl(*args):
-        return subprocess.run([sys.executable, "-m", "dashboard.ctl", "--prometheus", prom.url,
+        return subprocess.run([sys.executable, "-m", "clusterpulse.dashboard.ctl",
+                               "--prometheus", prom.url,
                                "--token-file", str(token), "--audit-log",
                                str(tmp / "ctl.jsonl"), *args],
                               capture_output=True, text=True, timeout=60, cwd=REPO)

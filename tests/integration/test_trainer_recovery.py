@@ -102,7 +102,7 @@ def test_trainer_runs_unchanged_without_an_agent(tmp_path, clean_digest):
 
 
 def test_bad_flags_are_named_without_a_traceback(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "trainer", "--inject", "explode:step=1"],
+    r = subprocess.run([sys.executable, "-m", "clusterpulse.trainer", "--inject", "explode:step=1"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 2
     assert "unknown kind 'explode'" in r.stderr and "Traceback" not in r.stderr

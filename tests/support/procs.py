@@ -59,7 +59,7 @@ def start_agent_cli(tmp: Path, node: str, gpus: int = 4, token_file: Path | None
     from tests.conftest import socket_path
 
     port, telemetry = free_port(), f"unix:{socket_path(node)}"
-    args = [sys.executable, "-m", "agent", "--backend", "sim", "--node", node,
+    args = [sys.executable, "-m", "clusterpulse.agent", "--backend", "sim", "--node", node,
             "--gpus", str(gpus), "--listen", f"127.0.0.1:{port}",
             "--telemetry", telemetry, "--interval", "0.5",
             "--audit-log", str(tmp / f"{node}-audit.jsonl")]

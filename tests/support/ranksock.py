@@ -10,7 +10,7 @@ import subprocess
 import sys
 from typing import Any
 
-from agent import protocol
+from clusterpulse.agent import protocol
 
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
 _SENDER = r"""

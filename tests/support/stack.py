@@ -69,7 +69,7 @@ class Stack:
         sending telemetry to its node's agent, exactly as on a real two-node cluster."""
         endpoint = f"127.0.0.1:{free_port()}"
         for node in self.nodes:
-            cmd = [sys.executable, "-m", "trainer.launch",
+            cmd = [sys.executable, "-m", "clusterpulse.trainer.launch",
                    "--nproc", str(ranks_per_node), "--nnodes", str(len(self.nodes)),
                    "--rdzv-endpoint", endpoint, "--rdzv-id", run, "--max-restarts", "2", "--",
                    "--preset", "tiny", "--steps", str(steps),

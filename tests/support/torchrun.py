@@ -27,7 +27,7 @@ class RunResult:
 def torchrun_cmd(nproc: int, max_restarts: int, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.2", "-m", "trainer", *args]
+            "--monitor-interval=0.2", "-m", "clusterpulse.trainer", *args]
 
 
 def run_trainer(ckpt: Path, nproc: int = 2, steps: int = 40, args: list[str] | None = None,
@@ -64,7 +64,7 @@ def launcher_cmd(nproc: int, max_restarts: int, args: list[str], nnodes: int = 1
     """clusterpulse-train (the launcher that relaunches graceful restarts) with the same
     fast worker monitoring as torchrun_cmd; `nnodes` > 1: one such command per "node",
     all on loopback with a c10d rendezvous at `rdzv_port`."""
-    cmd = [sys.executable, "-m", "trainer.launch", "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "clusterpulse.trainer.launch", "--nproc", str(nproc),
            "--max-restarts", str(max_restarts), "--monitor-interval", "0.2"]
     if nnodes > 1:
         cmd += ["--nnodes", str(nnodes), "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}",

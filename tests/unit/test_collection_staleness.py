@@ -7,11 +7,11 @@ import threading
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.audit import AuditLog
-from agent.backends.nvml import NvmlBackend
-from agent.core import Agent
-from agent.ranks import RankRegistry
-from agent.server import make_server, serve_in_thread
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.backends.nvml import NvmlBackend
+from clusterpulse.agent.core import Agent
+from clusterpulse.agent.ranks import RankRegistry
+from clusterpulse.agent.server import make_server, serve_in_thread
 from tests.fakes.fake_pynvml import FakeNvml
 from tests.support.procs import wait_until
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from agent import protocol
-from agent.identity import Sender
+from clusterpulse.agent import protocol
+from clusterpulse.agent.identity import Sender
 from tests.conftest import TOKEN, start_agent
 from tests.support.ranksock import RankProcess, connect, exchange
 
@@ -240,7 +240,7 @@ def test_a_reused_or_exited_pid_is_never_signalled(sim_agent):
         assert victim.poll() is None
         # Should the pid be reused between listing the ranks and signalling them, the
         # pidfd's start-time check refuses it.
-        from agent import identity
+        from clusterpulse.agent import identity
 
         with pytest.raises(identity.SignalRefused, match="start time changed"):
             identity.open_verified(r.sender)
@@ -252,10 +252,10 @@ def test_a_reused_or_exited_pid_is_never_signalled(sim_agent):
 
 
 def test_udp_ranks_are_never_signalled(tmp_path):
-    from agent.audit import AuditLog
-    from agent.backends.sim import SimBackend
-    from agent.core import Agent
-    from agent.ranks import RankRegistry
+    from clusterpulse.agent.audit import AuditLog
+    from clusterpulse.agent.backends.sim import SimBackend
+    from clusterpulse.agent.core import Agent
+    from clusterpulse.agent.ranks import RankRegistry
 
     ranks = RankRegistry()
     agent = Agent(SimBackend(gpus=2, node="u"), "u", ranks, AuditLog(tmp_path / "a.jsonl"),

@@ -9,10 +9,10 @@ import subprocess
 import pytest
 import requests
 
-from agent.cli import main as agent_main
-from agent.httpsafe import tls_context
-from agent.server import make_server, serve_in_thread
-from agent.tokens import TokenError, Tokens
+from clusterpulse.agent.cli import main as agent_main
+from clusterpulse.agent.httpsafe import tls_context
+from clusterpulse.agent.server import make_server, serve_in_thread
+from clusterpulse.agent.tokens import TokenError, Tokens
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
                                 reason="the openssl CLI makes the test certificate "
@@ -66,7 +66,7 @@ def test_tls_and_token_files_are_checked(tmp_path, cert, capsys):
 
 
 def test_per_node_agent_tokens():
-    from dashboard.actions import token_for
+    from clusterpulse.dashboard.actions import token_for
 
     assert token_for("0123456789abcdef0\n", "any") == "0123456789abcdef0"
     table = "node-a aaaaaaaaaaaaaaaa1\nnode-b bbbbbbbbbbbbbbbb2  # rack 2\n"

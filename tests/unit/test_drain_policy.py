@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dashboard.drain import DrainSettings
-from dashboard.remediation import Policy, PolicyError
+from clusterpulse.dashboard.drain import DrainSettings
+from clusterpulse.dashboard.remediation import Policy, PolicyError
 from tests.support.procs import REPO
 
 

@@ -14,12 +14,12 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent import protocol
-from agent.httpsafe import HttpError, content_length, parse_json_object
-from agent.identity import Sender
-from agent.ranks import MAX_ACKS_KEPT, RankRegistry, Refused
-from agent.tokens import TokenError, Tokens
-from dashboard.remediation import PayloadError, promql_string, validate_payload
+from clusterpulse.agent import protocol
+from clusterpulse.agent.httpsafe import HttpError, content_length, parse_json_object
+from clusterpulse.agent.identity import Sender
+from clusterpulse.agent.ranks import MAX_ACKS_KEPT, RankRegistry, Refused
+from clusterpulse.agent.tokens import TokenError, Tokens
+from clusterpulse.dashboard.remediation import PayloadError, promql_string, validate_payload
 
 FUZZ = settings(max_examples=100, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -113,7 +113,7 @@ def test_control_api_handles_any_body(sim_agent):
         "gpu": json_values, "factor": json_values, "duration_s": json_values,
         "code": json_values, "requested_by": json_values})
         .map(lambda d: json.dumps(d, allow_nan=True).encode()) | st.binary(max_size=64))
-    from agent.control import ControlApi
+    from clusterpulse.agent.control import ControlApi
 
     api = ControlApi(sim_agent.agent, "fuzz-token-0123456789")
 

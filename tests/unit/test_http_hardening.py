@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from agent.server import MAX_BODY, make_server, serve_in_thread
+from clusterpulse.agent.server import MAX_BODY, make_server, serve_in_thread
 from tests.conftest import TOKEN
 
 
@@ -92,7 +92,7 @@ def test_numbers_are_typed(sim_agent, path, body, field):
 @pytest.fixture
 def tight_agent(sim_agent):
     """The same agent behind a server with a short read timeout and 2 connections."""
-    from agent import httpsafe
+    from clusterpulse.agent import httpsafe
 
     old = httpsafe.READ_TIMEOUT_S
     httpsafe.READ_TIMEOUT_S = 1.0
@@ -133,7 +133,7 @@ def test_failed_authentication_is_audited_and_files_are_private(sim_agent):
 
 
 def test_audit_log_is_hash_chained(tmp_path):
-    from agent.audit import AuditLog, verify_chain
+    from clusterpulse.agent.audit import AuditLog, verify_chain
 
     path = tmp_path / "audit.jsonl"
     path.write_text("")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dashboard.incidents import hang_incident, straggler_flag
+from clusterpulse.dashboard.incidents import hang_incident, straggler_flag
 
 
 def data(margin, behind, blocked) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.links import NicCounters
+from clusterpulse.agent.links import NicCounters
 
 
 def make_sysfs(root: Path) -> None:

@@ -12,7 +12,7 @@ import tomllib
 import pytest
 import yaml
 
-from agent import healthcheck
+from clusterpulse.agent import healthcheck
 from tests.support.procs import REPO
 
 NPD = REPO / "deploy/kubernetes/node-problem-detector"
@@ -44,7 +44,7 @@ def test_plugin_config_has_npd_custom_plugin_structure(config):
 
 def test_rules_run_the_installed_health_check_with_valid_arguments(config):
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["clusterpulse-healthcheck"] == "agent.healthcheck:main"
+    assert scripts["clusterpulse-healthcheck"] == "clusterpulse.agent.healthcheck:main"
     for rule in config["rules"]:
         assert rule["path"].rsplit("/", 1)[-1] == "clusterpulse-healthcheck"
         args = healthcheck.build_parser().parse_args(rule["args"])

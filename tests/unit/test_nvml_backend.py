@@ -3,8 +3,8 @@
 import pynvml
 import pytest
 
-from agent.backends import BackendError
-from agent.backends.nvml import FIELDS, NvmlBackend, error_kind
+from clusterpulse.agent.backends import BackendError
+from clusterpulse.agent.backends.nvml import FIELDS, NvmlBackend, error_kind
 from tests.fakes.fake_pynvml import FakeNvml
 
 

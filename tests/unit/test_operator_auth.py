@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboard import auth
+from clusterpulse.dashboard import auth
 
 REPO = Path(__file__).resolve().parents[2]
 

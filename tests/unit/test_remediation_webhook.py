@@ -10,10 +10,10 @@ import time
 import pytest
 import requests
 
-from agent.audit import AuditLog
-from agent.tokens import Tokens
-from dashboard.promclient import PrometheusClient
-from dashboard.remediation import (
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.tokens import Tokens
+from clusterpulse.dashboard.promclient import PrometheusClient
+from clusterpulse.dashboard.remediation import (
     PayloadError,
     Policy,
     Remediator,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from detection.causes import attribute
+from clusterpulse.detection.causes import attribute
 
 RANKS, STEPS = 16, 200
 
@@ -44,8 +44,8 @@ def write_trace(path: Path, slow_rank: int | None = None, kind: str = "compute")
 
 
 def detect(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "detection.cli", *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "clusterpulse.detection.cli", *args],
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_replay_prints_each_flag_with_rank_node_step_and_cause(tmp_path):

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from detection.scoring import ScoringConfig, StragglerScorer
+from clusterpulse.detection.scoring import ScoringConfig, StragglerScorer
 
 RANKS, STEPS = 64, 400
 

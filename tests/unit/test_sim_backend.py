@@ -2,8 +2,8 @@
 
 import pytest
 
-from agent.backends.sim import Activity, SimBackend
-from agent.faults import Fault, FaultError, load_scenario, parse_fault
+from clusterpulse.agent.backends.sim import Activity, SimBackend
+from clusterpulse.agent.faults import Fault, FaultError, load_scenario, parse_fault
 
 
 class Clock:

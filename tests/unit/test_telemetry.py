@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from agent import protocol
-from agent.identity import Sender
-from agent.ranks import MAX_ACKS_KEPT, RankRegistry, Refused
+from clusterpulse.agent import protocol
+from clusterpulse.agent.identity import Sender
+from clusterpulse.agent.ranks import MAX_ACKS_KEPT, RankRegistry, Refused
+from clusterpulse.trainer.telemetry import AgentLink, rank_gpu_uuids
 from tests.support.ranksock import RankProcess, connect, exchange
-from trainer.telemetry import AgentLink, rank_gpu_uuids
 
 
 def msg(**kw) -> dict:
@@ -294,7 +294,7 @@ def test_link_reconnects_after_the_agent_restarts(tmp_path):
     running, server = start_agent(tmp_path)
     try:
         running.agent.stop()
-        from agent.core import Agent
+        from clusterpulse.agent.core import Agent
 
         agent = Agent(running.agent.backend, "node-a", running.agent.ranks,
                       running.agent.audit, telemetry_addr=path)
@@ -323,7 +323,7 @@ def test_gpu_is_named_by_uuid_not_local_rank(sim_agent, monkeypatch):
 
 
 def test_socket_directory_must_be_private(tmp_path, capsys):
-    from agent.cli import main as agent_main
+    from clusterpulse.agent.cli import main as agent_main
 
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -339,7 +339,7 @@ def test_socket_directory_must_be_private(tmp_path, capsys):
 def test_socket_directory_squatted_by_another_user_is_refused(tmp_path, capsys):
     """A directory another user created first (e.g. /tmp/clusterpulse-JOB, mode 0755)
     is not private even though nobody else can write it: its owner can."""
-    from agent.cli import main as agent_main
+    from clusterpulse.agent.cli import main as agent_main
 
     squat = tmp_path / "squat"
     squat.mkdir(mode=0o755)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dashboard.timeline import incidents, rows
+from clusterpulse.dashboard.timeline import incidents, rows
 
 
 def steps_series() -> list[tuple[float, float]]:

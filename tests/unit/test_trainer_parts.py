@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoint import CheckpointManager, dcp_files, find_latest_valid, verify
-from trainer.consensus import Consensus
-from trainer.faults import Faults, InjectError, parse_injection
-from trainer.instrument import Pulse
-from trainer.runstate import ProgressMark, RunState, progress_path
-from trainer.telemetry import AgentLink, parse_agent_addr
+from clusterpulse.trainer.checkpoint import CheckpointManager, dcp_files, find_latest_valid, verify
+from clusterpulse.trainer.consensus import Consensus
+from clusterpulse.trainer.faults import Faults, InjectError, parse_injection
+from clusterpulse.trainer.instrument import Pulse
+from clusterpulse.trainer.runstate import ProgressMark, RunState, progress_path
+from clusterpulse.trainer.telemetry import AgentLink, parse_agent_addr
 
 
 def test_injection_specs():
@@ -99,7 +99,7 @@ def test_async_checkpoint_returns_before_the_write_and_publishes_later(tmp_path)
 
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
-    from trainer.checkpoint import CheckpointError
+    from clusterpulse.trainer.checkpoint import CheckpointError
 
     mgr = CheckpointManager(tmp_path, rank=0)
     mgr.save(10, _state(10))
@@ -157,11 +157,11 @@ def test_agent_address_parsing():
 
 
 def test_launcher_builds_the_torchrun_command():
-    from trainer.launch import build_command
+    from clusterpulse.trainer.launch import build_command
 
     cmd = build_command(["--nproc", "2", "--max-restarts", "1", "--", "--steps", "5"])
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
-                       "--standalone", "-m", "trainer", "--steps", "5"]
+                       "--standalone", "-m", "clusterpulse.trainer", "--steps", "5"]
     cmd = build_command(["--nproc", "2", "--script", "examples/ddp_tutorial.py", "--", "3"])
     assert cmd[-2:] == ["examples/ddp_tutorial.py", "3"]
     cmd = build_command(["--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "head:29400"])
@@ -172,7 +172,7 @@ def test_launcher_builds_the_torchrun_command():
 
 
 def test_launcher_names_a_bad_rendezvous_setting(capsys):
-    from trainer.launch import build_command
+    from clusterpulse.trainer.launch import build_command
 
     for argv, says in [
             (["--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout"], "expected KEY=VALUE"),
@@ -302,7 +302,7 @@ def test_run_progress_survives_sigkill_between_state_saves(tmp_path):
     child = f"""
 import os, signal, sys
 from pathlib import Path
-from trainer.runstate import ProgressMark, RunState, progress_path
+from clusterpulse.trainer.runstate import ProgressMark, RunState, progress_path
 path = Path({str(state_path)!r})
 rs = RunState()
 rs.begin_attempt("r", 0, 0)
