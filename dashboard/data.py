@@ -21,18 +21,22 @@ from clusterpulse.dashboard.amclient import AlertmanagerClient, AlertmanagerUnav
 from clusterpulse.dashboard.config import Settings
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
-# name -> (PromQL per node and GPU, unit, higher is worse?)
+# name -> (PromQL per node and GPU, unit, whether high values are the healthy ones)
 HEATMAP_METRICS = {
-    "utilization": ("clusterpulse_gpu_utilization_ratio * 100", "%"),
-    "temperature": ("clusterpulse_gpu_temperature_celsius", "°C"),
-    "power": ("clusterpulse_gpu_power_watts", "W"),
+    "utilization": ("clusterpulse_gpu_utilization_ratio * 100", "%", True),
+    "temperature": ("clusterpulse_gpu_temperature_celsius", "°C", False),
+    "power": ("clusterpulse_gpu_power_watts", "W", False),
     "memory": ("100 * clusterpulse_gpu_memory_used_bytes / clusterpulse_gpu_memory_total_bytes",
-               "% used"),
+               "% used", False),
     "clocks": ("100 * clusterpulse_gpu_sm_clock_hertz / clusterpulse_gpu_sm_clock_max_hertz",
-               "% of max"),
+               "% of max", True),
     "errors": ("sum by (node, gpu) (clusterpulse:gpu_xid_recent) or "
-               "0 * max by (node, gpu) (clusterpulse_gpu_up)", "XIDs / 10 min"),
+               "0 * max by (node, gpu) (clusterpulse_gpu_up)", "XIDs / 10 min", False),
 }
+# The heatmap shows at most this many nodes, those at the bad end of the metric
+# (Prometheus picks them: topk/bottomk). 2,048 rows of 8 cells help nobody, and
+# fetching and drawing 16,384 cells every refresh took the page tens of seconds.
+HEATMAP_NODES = 64
 
 
 @dataclass
@@ -74,12 +78,17 @@ def _frame(samples, value: str = "value") -> pd.DataFrame:
 def cluster(prom_url: str, am_url: str, metric: str) -> Result:
     def fetch() -> dict:
         prom = PrometheusClient(prom_url)
-        expr, unit = HEATMAP_METRICS[metric]
+        expr, unit, good_high = HEATMAP_METRICS[metric]
         nodes = _frame(prom.query(
             'max by (node, instance) (up{job=~"clusterpulse.*"} * on (instance) group_left (node)'
             ' max by (instance, node) (max_over_time(clusterpulse_agent_build_info[1h])))'), "up")
-        gpus = _frame(prom.query("max by (node, gpu, uuid) (clusterpulse_gpu_up)"), "up")
-        heat = _frame(prom.query(f"max by (node, gpu) ({expr})"))
+        # GPUs counted by Prometheus (up="1"/"0" -> how many): 2 rows, not one per GPU.
+        counts = {s.labels["up"]: int(s.value) for s in prom.query(
+            'count_values("up", max by (node, gpu, uuid) (clusterpulse_gpu_up))')}
+        per_gpu = f"max by (node, gpu) ({expr})"
+        worst = (f"bottomk({HEATMAP_NODES}, min by (node) ({per_gpu}))" if good_high
+                 else f"topk({HEATMAP_NODES}, max by (node) ({per_gpu}))")
+        heat = _frame(prom.query(f"{per_gpu} and on (node) {worst}"))
         down = _frame(prom.query("max by (node, gpu, reason) (clusterpulse_gpu_down_reason)"))
         runs = _frame(prom.query("clusterpulse:run_step"), "step")
         goodput = _frame(prom.query("max by (run) (clusterpulse_trainer_goodput_ratio)"),
@@ -89,7 +98,9 @@ def cluster(prom_url: str, am_url: str, metric: str) -> Result:
             am_error = ""
         except AlertmanagerUnavailable as err:
             alerts, am_error = [], str(err)
-        return {"nodes": nodes, "gpus": gpus, "heat": heat, "unit": unit, "down": down,
+        return {"nodes": nodes, "gpus_up": counts.get("1", 0),
+                "gpus_total": sum(counts.values()), "heat": heat, "unit": unit,
+                "good_high": good_high, "heat_nodes": HEATMAP_NODES, "down": down,
                 "runs": runs, "goodput": goodput, "alerts": alerts, "am_error": am_error,
                 "queries": prom.queries}
 

@@ -19,13 +19,12 @@ def live() -> None:
     if not ui.show_status(result):
         return
     d = result.value
-    nodes, gpus = d["nodes"], d["gpus"]
+    nodes = d["nodes"]
     n_up = int(nodes["up"].sum()) if not nodes.empty else 0
-    g_up = int(gpus["up"].sum()) if not gpus.empty else 0
     active = [a for a in d["alerts"] if a.state == "active"]
     c = st.columns(5)
     c[0].metric("Nodes up", f"{n_up} / {len(nodes)}")
-    c[1].metric("Healthy GPUs", f"{g_up} / {len(gpus)}")
+    c[1].metric("Healthy GPUs", f"{d['gpus_up']} / {d['gpus_total']}")
     c[2].metric("Critical alerts", sum(a.severity == "critical" for a in active))
     c[3].metric("Warnings", sum(a.severity == "warning" for a in active))
     runs = d["runs"]
@@ -38,7 +37,12 @@ def live() -> None:
         st.info("No GPU data yet.")
     else:
         heat = heat.assign(gpu=heat["gpu"].astype(int)).sort_values(["node", "gpu"])
-        good_high = metric in ("utilization", "clocks")
+        good_high = d["good_high"]
+        shown = heat["node"].nunique()
+        if shown < len(nodes):
+            st.caption(f"The {shown} of {len(nodes)} nodes with the "
+                       f"{'lowest' if good_high else 'highest'} {metric} "
+                       f"(at most {d['heat_nodes']} are drawn).")
         ui.heatmap(heat, "gpu", "node", "value", d["unit"],
                    scheme="blues" if good_high else "redyellowgreen", reverse=not good_high,
                    height=max(120, 22 * heat["node"].nunique()))

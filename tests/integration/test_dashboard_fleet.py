@@ -1,0 +1,90 @@
+"""The cluster page at fleet scale: more nodes than a heatmap can show. Real agents
+(simulated GPUs, their own HTTP servers) scraped by a real Prometheus; Prometheus picks
+the nodes at the bad end of the metric, so the page never fetches one row per GPU."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.backends.sim import SimBackend
+from clusterpulse.agent.core import Agent
+from clusterpulse.agent.faults import Fault
+from clusterpulse.agent.ranks import RankRegistry
+from clusterpulse.agent.server import make_server
+from clusterpulse.dashboard import data
+from tests.support.ports import free_port
+from tests.support.procs import REPO, Prometheus, wait_until
+
+pytestmark = pytest.mark.integration
+NODES = data.HEATMAP_NODES + 2
+# Overheating GPUs on the nodes that sort last by name: a page that drew the first 64
+# nodes, not the 64 hottest, would leave them out.
+HOT = [f"n{i:03d}" for i in range(NODES - 3, NODES)]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    agents, servers = [], []
+    for i in range(NODES):
+        name = f"n{i:03d}"
+        ranks = RankRegistry()
+        backend = SimBackend(gpus=1, node=name, activity=ranks.activity)
+        if name in HOT:
+            backend.inject(Fault(kind="overheat", gpu=0))
+        agent = Agent(backend, name, ranks, AuditLog(None), interval_s=1)
+        agent.start()
+        server = make_server(agent, "127.0.0.1", 0, None)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        agents.append(agent)
+        servers.append(server)
+    prom = Prometheus(tmp_path_factory.mktemp("fleet"),
+                      [f"127.0.0.1:{s.server_port}" for s in servers], scrape_interval="2s")
+
+    def hottest_are_the_hot_nodes() -> bool:
+        up = prom.query("count(clusterpulse_gpu_up)")
+        top = prom.query("topk(3, max by (node) (clusterpulse_gpu_temperature_celsius))")
+        return (bool(up) and up[0]["value"][1] == str(NODES)
+                and sorted(r["metric"]["node"] for r in top) == HOT)
+
+    try:
+        wait_until(hottest_are_the_hot_nodes, 90, "every node scraped, the hot ones hottest")
+        yield prom
+    finally:
+        prom.stop()
+        # Each shutdown waits up to one poll interval (0.5 s): all at once, not 66 in turn.
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda s: s.shutdown(), servers))
+            list(pool.map(lambda a: a.stop(), agents))
+
+
+def test_heatmap_shows_the_worst_nodes_and_gpus_are_counted_by_prometheus(fleet):
+    am = f"http://127.0.0.1:{free_port()}"
+    d = data.cluster(fleet.url, am, "temperature").value
+    assert (d["gpus_up"], d["gpus_total"]) == (NODES, NODES)
+    assert len(d["nodes"]) == NODES
+    shown = set(d["heat"]["node"])
+    assert len(shown) == data.HEATMAP_NODES and set(HOT) <= shown
+    # Utilization is healthy when high: the nodes with the lowest are the ones drawn.
+    util = data.cluster(fleet.url, am, "utilization").value
+    assert util["heat"]["node"].nunique() == data.HEATMAP_NODES and util["good_high"]
+
+
+def test_cluster_page_says_which_nodes_it_draws(fleet, monkeypatch, tmp_path):
+    monkeypatch.setenv("CLUSTERPULSE_PROMETHEUS_URL", fleet.url)
+    monkeypatch.setenv("CLUSTERPULSE_ALERTMANAGER_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(tmp_path / "audit.jsonl"))
+    at = AppTest.from_file(str(REPO / "dashboard" / "app.py"), default_timeout=30)
+    at.run()
+    at.sidebar.selectbox(key="heat_metric").select("temperature").run()
+    assert not at.exception, at.exception
+    got = {m.label: m.value for m in at.metric}
+    assert got["Nodes up"] == f"{NODES} / {NODES}"
+    assert got["Healthy GPUs"] == f"{NODES} / {NODES}"
+    assert any(c.value.startswith(f"The {data.HEATMAP_NODES} of {NODES} nodes with the "
+                                  "highest temperature") for c in at.caption), \
+        [c.value for c in at.caption]
