@@ -119,6 +119,84 @@ NODE_SERIES = {
 }
 
 
+# Link health of one node, each part a per-GPU (or per-port) expression; they are
+# fetched as one query (`label_replace` tags each with "part") and pivoted here.
+GPU_LINK_PARTS = {
+    "pcie_gen": "max by (gpu) (clusterpulse_gpu_pcie_link_generation{node=NODE})",
+    "pcie_gen_max": "max by (gpu) (clusterpulse_gpu_pcie_link_generation_max{node=NODE})",
+    "pcie_width": "max by (gpu) (clusterpulse_gpu_pcie_link_width_lanes{node=NODE})",
+    "pcie_width_max": "max by (gpu) (clusterpulse_gpu_pcie_link_width_max_lanes{node=NODE})",
+    "pcie_replays_10m":
+        "sum by (gpu) (increase(clusterpulse_gpu_pcie_replays_total{node=NODE}[10m]))",
+    "nvlinks": "count by (gpu) (clusterpulse_gpu_nvlink_up{node=NODE})",
+    "nvlinks_up": "count by (gpu) (clusterpulse_gpu_nvlink_up{node=NODE} == 1)",
+    "nvlink_errors_10m":
+        "sum by (gpu) (increase(clusterpulse_gpu_nvlink_errors_total{node=NODE}[10m]))",
+}
+NIC_PORT = "device, port, kind"
+
+
+def _nic_sum(*counters: str) -> str:
+    """Counters of one port added up. Each gets a label of its own first: after
+    increase() drops the name they share labels, and `a or b` would keep only a."""
+    tagged = [f'label_replace(increase(clusterpulse_nic_{c}_total{{node=NODE}}[10m]), '
+              f'"counter", "{c}", "", "")' for c in counters]
+    return f"sum by ({NIC_PORT}) ({' or '.join(tagged)})"
+
+
+NIC_LINK_PARTS = {
+    "up": f"max by ({NIC_PORT}) (clusterpulse_nic_port_up{{node=NODE}})",
+    "rx_mb_s": f"sum by ({NIC_PORT}) "
+               "(rate(clusterpulse_nic_receive_bytes_total{node=NODE}[1m])) / 1e6",
+    "tx_mb_s": f"sum by ({NIC_PORT}) "
+               "(rate(clusterpulse_nic_transmit_bytes_total{node=NODE}[1m])) / 1e6",
+    "errors_10m": _nic_sum("symbol_errors", "receive_errors", "transmit_errors"),
+    "flaps_10m": _nic_sum("link_downed", "carrier_changes"),
+}
+
+
+def _parts(prom: PrometheusClient, parts: dict[str, str], node: str, keys: list[str]
+           ) -> pd.DataFrame:
+    """One query for several per-key expressions; one row per key, one column per part."""
+    sel = f'"{node}"'
+    expr = " or ".join(f'label_replace({e.replace("NODE", sel)}, "part", "{name}", "", "")'
+                       for name, e in parts.items())
+    rows = [{**{k: s.labels.get(k, "") for k in keys}, "part": s.labels["part"],
+             "value": s.value} for s in prom.query(expr)]
+    if not rows:
+        return pd.DataFrame(columns=keys)
+    wide = pd.DataFrame(rows).pivot_table(index=keys, columns="part", values="value",
+                                          aggfunc="max").reset_index()
+    return wide.reindex(columns=[*keys, *parts])
+
+
+def gpu_link_health(wide: pd.DataFrame) -> pd.DataFrame:
+    """Per GPU: PCIe as trained vs its maximum, NVLinks up, errors; and what is wrong."""
+    out = []
+    for _, r in wide.iterrows():
+        problems = []
+        if r["pcie_width"] < r["pcie_width_max"]:
+            problems.append(f"PCIe x{r['pcie_width']:.0f} of x{r['pcie_width_max']:.0f}")
+        links = 0 if pd.isna(r["nvlinks"]) else int(r["nvlinks"])
+        up = 0 if pd.isna(r["nvlinks_up"]) else int(r["nvlinks_up"])
+        if up < links:
+            problems.append(f"{links - up} NVLink(s) down")
+        for part, what in (("nvlink_errors_10m", "NVLink errors"),
+                           ("pcie_replays_10m", "PCIe replays")):
+            if r[part] > 0:
+                problems.append(f"{r[part]:.0f} {what}")
+        out.append({
+            "gpu": r["gpu"],
+            "PCIe": f"Gen{r['pcie_gen']:.0f} x{r['pcie_width']:.0f}"
+                    f" (max Gen{r['pcie_gen_max']:.0f} x{r['pcie_width_max']:.0f})",
+            "NVLinks up": f"{up} / {links}",
+            "NVLink errors (10 min)": r["nvlink_errors_10m"],
+            "PCIe replays (10 min)": r["pcie_replays_10m"],
+            "health": "; ".join(problems) or "ok",
+        })
+    return pd.DataFrame(out)
+
+
 @st.cache_data(ttl=5, show_spinner=False)
 def node(prom_url: str, name: str, range_s: int) -> Result:
     def fetch() -> dict:
@@ -136,8 +214,11 @@ def node(prom_url: str, name: str, range_s: int) -> Result:
             f'sum by (gpu, xid) (clusterpulse:gpu_xid_recent{{node={sel}}})'), "count")
         ecc = _frame(prom.query(
             f'max by (gpu, kind) (clusterpulse_gpu_ecc_errors_total{{node={sel}}})'), "count")
+        gpu_links = gpu_link_health(_parts(prom, GPU_LINK_PARTS, name, ["gpu"]))
+        nics = _parts(prom, NIC_LINK_PARTS, name, ["device", "port", "kind"])
         return {"series": series, "throttle": [(r.labels, r.points) for r in throttle],
-                "xid": events, "ecc": ecc, "queries": prom.queries}
+                "xid": events, "ecc": ecc, "gpu_links": gpu_links, "nics": nics,
+                "queries": prom.queries}
 
     return _guard(f"node:{prom_url}:{name}:{range_s}", fetch)
 

@@ -1,4 +1,4 @@
-"""Node: per-GPU time series, throttle reasons over time, XID and ECC events."""
+"""Node: per-GPU time series, throttle reasons over time, XID and ECC events, link health."""
 
 from __future__ import annotations
 
@@ -41,6 +41,21 @@ def live() -> None:
     c1.dataframe(d["xid"], hide_index=True) if not d["xid"].empty else c1.caption("none")
     c2.markdown("**ECC error counters**")
     c2.dataframe(d["ecc"], hide_index=True) if not d["ecc"].empty else c2.caption("none")
+    st.subheader("Links")
+    st.markdown("**GPU interconnect** (PCIe as trained against its maximum, NVLinks)")
+    links = d["gpu_links"]
+    if links.empty:
+        st.caption("not reported")
+    else:
+        bad = links[links["health"] != "ok"]
+        for _, r in bad.iterrows():
+            st.warning(f"GPU {r['gpu']}: {r['health']}")
+        st.dataframe(links, hide_index=True, width="stretch")
+    st.markdown("**Network ports** (InfiniBand/RoCE and Ethernet, from sysfs)")
+    if d["nics"].empty:
+        st.caption("No physical network ports reported.")
+    else:
+        st.dataframe(d["nics"].round(2), hide_index=True, width="stretch")
 
 
 live()
