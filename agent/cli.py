@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sysfs", type=Path, default=Path("/sys"),
                    help="sysfs root for NIC port health (InfiniBand/RoCE counters, Ethernet "
                    "statistics); 'none' to turn it off (default: /sys)")
+    p.add_argument("--nic", action="append", metavar="IFACE",
+                   help="network interface whose queue (root qdisc) to export; repeat for "
+                   "several (default: every interface that has a queue)")
+    p.add_argument("--no-queues", action="store_true",
+                   help="do not read the NICs' queue statistics (they need `tc`, iproute2)")
     p.add_argument("--rank-grace", type=float, default=300.0,
                    help="seconds before a silent rank is forgotten (default: 300)")
     p.add_argument("--max-ranks", type=int, default=1024,
@@ -184,10 +189,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"cannot listen: {err.strerror or err} ({args.listen} / {args.telemetry})"
         ) from None
-    if str(args.sysfs) != "none":
-        from clusterpulse.agent.links import NicCounters
+    from clusterpulse.agent.links import NicCounters, QueueCounters
 
-        agent.links = NicCounters(args.sysfs)
+    if str(args.sysfs) != "none":
+        agent.links.append(NicCounters(args.sysfs))
+    if not args.no_queues:
+        agent.links.append(QueueCounters(args.nic))
     agent.start()
     serve_in_thread(server)
     done = threading.Event()

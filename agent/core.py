@@ -54,7 +54,8 @@ class Agent:
         self.snapshot = Snapshot()
         self.telemetry_counts: collections.Counter[str] = collections.Counter()
         self.internal_errors = 0
-        self.links = None  # NIC port health (agent.links.NicCounters), set by the CLI
+        # NIC port health and queues (agent.links.NicCounters, QueueCounters), set by the CLI
+        self.links: list = []
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._sock: socket.socket | None = None

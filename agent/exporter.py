@@ -105,8 +105,7 @@ class AgentCollector(Collector):
         yield from self._agent_series()
         yield from self._gpu_series()
         yield from self._rank_series()
-        links = getattr(self.agent, "links", None)  # NIC port health, when configured
-        if links is not None:
+        for links in self.agent.links:  # NIC port health and queues, when configured
             yield from links.families(self.agent.node)
 
     def _agent_series(self) -> Iterable:

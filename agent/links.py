@@ -10,12 +10,22 @@ GPU metric shows it. The kernel already counts what matters, in plain files:
 Reading them is a handful of small file reads that never block on hardware, so they
 are read at scrape time. `root` is a constructor argument so that the same reader
 runs against a tree written by a test (the file format is the kernel's).
+
+Counters say a link is broken; they do not say it is *slow*. A link that carries less
+than the traffic offered to it (a shaped or degraded port, a congested uplink) holds
+packets back in the interface's queueing discipline, and the kernel counts that
+(`overlimits`, `backlog`, `drops` of the root qdisc). `QueueCounters` reads them with
+`tc -s -j qdisc show` (netlink, so it sees the agent's own network namespace). For
+InfiniBand the equivalent evidence is `port_xmit_wait` above.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Iterator
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,3 +135,82 @@ class NicCounters:
         yield up
         yield flaps
         yield from fams.values()
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    qdisc: str  # the root queueing discipline's kind: mq, fq_codel, tbf, ...
+    overlimits: float  # packets held back because the traffic exceeded the rate
+    drops: float
+    backlog_bytes: float  # queued now
+
+
+def parse_qdiscs(text: str) -> dict[str, QueueStats]:
+    """`tc -s -j qdisc show` output -> each device's root qdisc. Devices without a
+    queue (`noqueue`: loopback, veths, bridges) have nothing to measure and are left out."""
+    out = {}
+    for q in json.loads(text):
+        if not isinstance(q, dict):
+            continue
+        dev, kind = q.get("dev"), q.get("kind")
+        if not (q.get("root") and isinstance(dev, str) and isinstance(kind, str)) \
+                or kind == "noqueue":
+            continue
+        out[dev] = QueueStats(kind, float(q.get("overlimits", 0)), float(q.get("drops", 0)),
+                              float(q.get("backlog", 0)))
+    return out
+
+
+def read_qdiscs(tc: str) -> dict[str, QueueStats]:
+    """The root qdiscs of this network namespace, read with `tc` (2 s at most)."""
+    out = subprocess.run([tc, "-s", "-j", "qdisc", "show"], capture_output=True, text=True,
+                         timeout=2, check=True)
+    return parse_qdiscs(out.stdout)
+
+
+class QueueCounters:
+    """Root-qdisc statistics of the node's network interfaces, read at scrape time.
+
+    `devices`: the interfaces to export (default: every one with a queue). `read` is
+    `read_qdiscs` with the `tc` found on PATH; a failure (no tc, a timeout, odd output)
+    is logged once and the scrape goes on without these series.
+    """
+
+    def __init__(self, devices: Sequence[str] | None = None,
+                 read: Callable[[], dict[str, QueueStats]] | None = None) -> None:
+        tc = shutil.which("tc")
+        self.devices = set(devices) if devices else None
+        self.read = read or (lambda: read_qdiscs(tc) if tc else {})
+        self._warned = tc is None and read is None
+        if self._warned:
+            log.warning("tc (iproute2) not found: no queue statistics for the NICs")
+
+    def queues(self) -> dict[str, QueueStats]:
+        try:
+            found = self.read()
+        except (OSError, subprocess.SubprocessError, ValueError, AttributeError) as err:
+            if not self._warned:
+                log.warning("cannot read queueing statistics: %s", err)
+                self._warned = True
+            return {}
+        return {d: q for d, q in found.items() if self.devices is None or d in self.devices}
+
+    def families(self, node: str) -> Iterator:
+        labels = ["node", "device", "qdisc"]
+        held = CounterMetricFamily(
+            PREFIX + "nic_queue_overlimits",
+            "Packets the interface's root qdisc held back because more was sent than the "
+            "link's rate: a link slower than its traffic (shaped, degraded or congested).",
+            labels=labels)
+        drops = CounterMetricFamily(PREFIX + "nic_queue_drops",
+                                    "Packets the interface's root qdisc dropped.", labels=labels)
+        backlog = GaugeMetricFamily(PREFIX + "nic_queue_backlog_bytes",
+                                    "Bytes waiting in the interface's root qdisc.", labels=labels)
+        for dev, q in sorted(self.queues().items()):
+            lb = [node, dev, q.qdisc]
+            held.add_metric(lb, q.overlimits)
+            drops.add_metric(lb, q.drops)
+            backlog.add_metric(lb, q.backlog_bytes)
+        yield held
+        yield drops
+        yield backlog

@@ -4,7 +4,7 @@
 #   deploy/images/build.sh dashboard          # localhost/clusterpulse-dashboard:<version>
 #   deploy/images/build.sh base               # only the base image
 # The base is a Debian bookworm minbase root (debootstrap) with python3, imported as
-# localhost/clusterpulse-base:bookworm and reused while it exists (`buildah rmi` it to
+# localhost/clusterpulse-base:bookworm-iproute2 and reused while it exists (`buildah rmi` it to
 # rebuild). The project and its dependencies go in as wheels built here, so the image
 # build itself needs no network. Then push wherever you like:
 #   buildah push localhost/clusterpulse-agent:0.1.0 docker://registry.example.com/clusterpulse-agent:0.1.0
@@ -22,7 +22,7 @@ case "${1:-}" in
 esac
 command -v buildah >/dev/null || { echo "build.sh: error: buildah is not installed (apt-get install buildah)" >&2; exit 2; }
 
-BASE=${BASE:-localhost/clusterpulse-base:bookworm}
+BASE=${BASE:-localhost/clusterpulse-base:bookworm-iproute2}
 ISOLATION=${ISOLATION:-chroot}
 PYTHON=${PYTHON:-.venv/bin/python}
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
@@ -39,8 +39,9 @@ base_image() {
   local root
   root=$(mktemp -d)
   trap 'rm -rf "$root"' RETURN
-  say "debootstrap bookworm minbase + python3 from $mirror (once; a few minutes)"
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+  # iproute2: the agent reads its NICs' queue statistics with `tc`.
+  say "debootstrap bookworm minbase + python3 + iproute2 from $mirror (once; a few minutes)"
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,iproute2 \
     bookworm "$root" "$mirror" >"$root.log" 2>&1 || { tail -n 20 "$root.log" >&2; exit 1; }
   rm -f "$root.log"
   # Slim: no apt lists, caches, docs or man pages in the image.

@@ -142,6 +142,9 @@ class TestbedCluster:
             "--gpus", str(self.gpus), "--listen", self.agent_target(node),
             "--telemetry", self.telemetry_address(node), "--interval", str(self.agent_interval),
             "--token-file", str(self.token_file),
+            # /sys is the host's in a node (nsenter keeps the mount namespace): its NICs
+            # are not the node's. The node's link is eth0, its queue read over netlink.
+            "--sysfs", "none", "--nic", "eth0",
             "--audit-log", str(self.state / f"audit-{node.name}.jsonl"), *extra]), watch=False)
 
     def agent_pids(self, node: Node) -> list[int]:

@@ -39,7 +39,7 @@ EXPECT: dict[str, tuple[tuple[str, ...], str | None]] = {
     "agent_kill": (("NodeAgentDown",), None),
     "node_death": (("NodeAgentDown",), None),
     "partition": (("NodeAgentDown",), None),
-    "slow_link": (("TrainingStraggler", "LinkSlow", "NodeLinkSlow"), None),
+    "slow_link": (("TrainingLinkCongested",), None),
 }
 TESTBED_ONLY = {"node_death", "partition", "slow_link"}
 # Faults the job recovers from by restarting its ranks (remediation or torchrun): they

@@ -114,6 +114,26 @@ def _render(store: _Store) -> tuple[float, float, int]:
     return times[0], times[1], queries
 
 
+def _fetch(store: _Store) -> tuple[float, float]:
+    """The cluster page's GPU data as fetched now (Prometheus counts the GPUs and picks
+    the heatmap's worst nodes) against the per-GPU fetch it replaced, in seconds."""
+    from clusterpulse.dashboard.data import HEATMAP_METRICS, HEATMAP_NODES
+
+    expr = HEATMAP_METRICS["utilization"][0]
+    now = ['count_values("up", max by (node, gpu, uuid) (clusterpulse_gpu_up))',
+           f"max by (node, gpu) ({expr}) and on (node) "
+           f"bottomk({HEATMAP_NODES}, min by (node) (max by (node, gpu) ({expr})))"]
+    before = ["max by (node, gpu, uuid) (clusterpulse_gpu_up)", f"max by (node, gpu) ({expr})"]
+    times = []
+    for queries in (now, before):
+        t0 = time.perf_counter()
+        rows = sum(len(store.query(q)) for q in queries)
+        times.append(time.perf_counter() - t0)
+        print(f"  {store.name}: {len(queries)} queries, {rows} rows in {times[-1]:.2f} s",
+              file=sys.stderr, flush=True)
+    return times[0], times[1]
+
+
 def _own(store: _Store) -> dict[str, list[float]]:
     """Prometheus' own metrics from its /metrics (it does not scrape itself here)."""
     out: dict[str, list[float]] = {}
@@ -130,7 +150,10 @@ def _rss(store: _Store) -> float:
 
 
 def _all_gpus(store: _Store) -> bool:
-    return store.scalar("count(clusterpulse_gpu_up)") == NODES * GPUS
+    seen = store.scalar("count(clusterpulse_gpu_up)")
+    print(f"  {store.name}: {seen:.0f} of {NODES * GPUS} GPUs scraped", file=sys.stderr,
+          flush=True)
+    return seen == NODES * GPUS
 
 
 def run() -> list[Row]:
@@ -165,6 +188,7 @@ def run() -> list[Row]:
                 # What the agents expose (Prometheus adds 5 series of its own per target).
                 gpu_series = prom.scalar('sum(scrape_samples_scraped{job="clusterpulse"})')
                 scrape = prom.scalar('max(scrape_duration_seconds{job="clusterpulse"})')
+                p_fetch, p_fetch_before = _fetch(prom)
                 p_cold, p_warm, p_queries = _render(prom)
                 rss = _rss(prom)
             finally:
@@ -173,6 +197,7 @@ def run() -> list[Row]:
             try:
                 wait_until(lambda: _all_gpus(vm), 900, "every GPU in VictoriaMetrics",
                            interval=5)
+                v_fetch, v_fetch_before = _fetch(vm)
                 v_cold, v_warm, v_queries = _render(vm)
                 v_rss = _rss(vm)
             finally:
@@ -200,6 +225,10 @@ def run() -> list[Row]:
             budget="< 2 s", baseline=p_cold, baseline_name="Prometheus"),
         Row("fleet: cluster page render, VictoriaMetrics, second view", v_warm, "s",
             baseline=p_warm, baseline_name="Prometheus"),
+        Row("fleet: cluster page GPU data, Prometheus (counted + worst 64 nodes)", p_fetch,
+            "s", baseline=p_fetch_before, baseline_name="one row per GPU"),
+        Row("fleet: cluster page GPU data, VictoriaMetrics (counted + worst 64 nodes)",
+            v_fetch, "s", baseline=v_fetch_before, baseline_name="one row per GPU"),
         Row("fleet: PromQL queries per refresh (Prometheus / VictoriaMetrics)", p_queries,
             "queries", baseline=v_queries, baseline_name="VictoriaMetrics"),
         Row("fleet: VictoriaMetrics resident memory", v_rss / 2**20, "MiB",

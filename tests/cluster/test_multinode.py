@@ -1,10 +1,10 @@
 """A real multi-node job on the testbed, watched by the real stack, under real faults.
 
 One testbed (3 nodes, one rank each, elastic 2..3 nodes) and one job serve the whole
-module, in order: the job spans the nodes over the bridge; a slow link slows its steps;
-a partition is detected and heals without duplicate ranks; a node dies, NodeAgentDown
-fires within two scrapes, and the job restarts on the two remaining nodes from its last
-checkpoint; teardown leaves nothing. Detection is judged from Prometheus's own sample
+module, in order: the job spans the nodes over the bridge; a slow link slows its steps
+and is named; a partition is detected and heals without duplicate ranks; a node dies,
+NodeAgentDown fires within two scrapes, and the job restarts on the two remaining nodes
+from its last checkpoint; teardown leaves nothing. Detection is judged from Prometheus's own sample
 timestamps, not from the wall clock of a loaded machine.
 """
 
@@ -65,9 +65,11 @@ def step_seconds(cl: TestbedCluster, window_s: float) -> float:
     return float(r[0]["value"][1])
 
 
-def test_slow_link_shows_in_step_time(cl):
+def test_slow_link_slows_the_job_and_is_named(cl):
     """tbf on one node's link (4 Mbit/s) slows every rank's step: ranks wait for the
-    gradients that cross the slow link (attribution is the detection rules' job)."""
+    gradients that cross the slow link, so no rank is a straggler; the node's agent sees
+    its queue hold packets back, and TrainingLinkCongested names that node and link
+    (cause communication), no other."""
     start = max_step(cl)
     wait_until(lambda: max_step(cl) >= start + 20, 120, "20 normal steps")
     before = step_seconds(cl, 8)
@@ -77,9 +79,14 @@ def test_slow_link_shows_in_step_time(cl):
     try:
         wait_until(lambda: max_step(cl) >= s0 + 6, 180, "6 steps over the slow link")
         during = step_seconds(cl, time.monotonic() - t0 - 3)
+        wait_until(lambda: cl.alerts("TrainingLinkCongested"), 180, "TrainingLinkCongested")
+        named = {(a["labels"]["node"], a["labels"]["device"], a["labels"]["cause"])
+                 for a in cl.alerts("TrainingLinkCongested")}
+        print(f"slow link named after {time.monotonic() - t0:.0f} s (for: 30s included)")
     finally:
         cl.bed.fix_link(node)
     assert during > 3 * before, f"step {during:.3f}s on the slow link vs {before:.3f}s before"
+    assert named == {(node.name, "eth0", "communication")}, named
 
 
 def test_partition_is_detected_and_heals_without_duplicate_ranks(cl):

@@ -80,6 +80,9 @@ def test_agent_image_runs_non_root_and_serves_metrics(container, tmp_path: Path)
                                                timeout=2).text, 60, "the image's /metrics")
         assert 'clusterpulse_gpu_up{gpu="1",node="image"' in text
         assert 'clusterpulse_agent_build_info{backend="sim",node="image"' in text
+        log.flush()
+        # its NICs' queues are read with tc, which the image carries
+        assert "tc (iproute2) not found" not in (tmp_path / "agent.log").read_text()
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -94,6 +97,10 @@ def test_agent_image_runs_non_root_and_serves_metrics(container, tmp_path: Path)
                           "('torch', 'streamlit', 'pandas') if u.find_spec(m)])"],
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    # The NICs' queue statistics: the agent runs `tc`, which the image must carry.
+    out = subprocess.run(["buildah", "run", "--isolation", "chroot", ctr, "--", "tc", "-s",
+                          "-j", "qdisc", "show"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("["), out.stdout + out.stderr
 
 
 def test_dashboard_image_has_the_dashboard_and_remediation(container):

@@ -48,7 +48,7 @@ def fleet(tmp_path_factory):
             backend.inject(Fault(kind="nvlink_down", gpu=0))
             sysfs = tmp_path_factory.mktemp("sysfs")
             make_sysfs(sysfs)
-            agent.links = NicCounters(sysfs)
+            agent.links.append(NicCounters(sysfs))
         agent.start()
         server = make_server(agent, "127.0.0.1", 0, None)
         threading.Thread(target=server.serve_forever, daemon=True).start()

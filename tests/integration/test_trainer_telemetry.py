@@ -16,8 +16,8 @@ def test_slowed_rank_has_the_compute_time_and_its_peer_the_wait(tmp_path, parall
     running, server = start_agent(tmp_path)
     try:
         r = run_trainer(tmp_path / "job", steps=30, agent=running.telemetry,
-                        args=["--parallel", parallel, "--sim-compute-seconds", "0.03",
-                              "--inject", "slow:rank=1:step=1:factor=2"])
+                        args=["--parallel", parallel, "--sim-compute-seconds", "0.05",
+                              "--inject", "slow:rank=1:step=1:factor=3"])
         assert r.returncode == 0, r.log[-3000:]
         ranks = {x.rank: x for x in running.agent.ranks.of_run("job")}
         assert set(ranks) == {0, 1}

@@ -10,7 +10,13 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clusterpulse.agent.links import NicCounters
+from clusterpulse.agent.links import (
+    NicCounters,
+    QueueCounters,
+    QueueStats,
+    parse_qdiscs,
+    read_qdiscs,
+)
 from tests.support.sysfs import make_sysfs
 
 
@@ -53,3 +59,57 @@ def test_exported_series_are_named_by_the_contract_and_promtool_clean(tmp_path):
 
 def test_missing_sysfs_is_no_ports_not_an_error(tmp_path):
     assert NicCounters(tmp_path / "nothing").ports() == []
+
+
+# `tc -s -j qdisc show` on a machine whose eth0 has pfifo_fast, with a node's veth shaped
+# by tbf at 4 Mbit/s while a TCP sender fills it (captured from iproute2 6.1).
+TC_JSON = (
+    '[{"kind":"noqueue","handle":"0:","dev":"lo","root":true,"refcnt":2,"options":{},'
+    '"bytes":0,"packets":0,"drops":0,"overlimits":0,"requeues":0,"backlog":0,"qlen":0},'
+    '{"kind":"pfifo_fast","handle":"0:","dev":"eth0","root":true,"refcnt":2,"options":'
+    '{"bands":3,"multiqueue":false},"bytes":8626592,"packets":100419,"drops":0,'
+    '"overlimits":0,"requeues":1,"backlog":0,"qlen":0},'
+    '{"kind":"tbf","handle":"802b:","dev":"veth1","root":true,"refcnt":3,"options":'
+    '{"rate":500000,"burst":32768,"lat":500000},"bytes":1643740,"packets":1094,"drops":3,'
+    '"overlimits":986,"requeues":0,"backlog":266464,"qlen":41},'
+    '{"kind":"fq_codel","handle":"0:","dev":"eth1","parent":"1:1","bytes":5,"packets":1,'
+    '"drops":0,"overlimits":0,"requeues":0,"backlog":0,"qlen":0}]')
+
+
+def test_queue_statistics_of_root_qdiscs():
+    q = parse_qdiscs(TC_JSON)
+    assert set(q) == {"eth0", "veth1"}  # lo has no queue; eth1's is not a root qdisc
+    assert q["veth1"] == QueueStats("tbf", 986.0, 3.0, 266464.0)
+
+
+def test_queue_counters_export_the_named_interfaces():
+    reg = CollectorRegistry()
+
+    class Collector:
+        def collect(self):
+            yield from QueueCounters(["veth1"], read=lambda: parse_qdiscs(TC_JSON)).families("n1")
+
+    reg.register(Collector())
+    samples = {(s.name, s.labels["device"]): s.value
+               for f in text_string_to_metric_families(generate_latest(reg).decode())
+               for s in f.samples}
+    assert samples == {("clusterpulse_nic_queue_overlimits_total", "veth1"): 986.0,
+                       ("clusterpulse_nic_queue_drops_total", "veth1"): 3.0,
+                       ("clusterpulse_nic_queue_backlog_bytes", "veth1"): 266464.0}
+
+
+def test_queue_counters_survive_a_failing_tc(caplog):
+    def broken() -> dict:
+        raise subprocess.TimeoutExpired(["tc"], 2)
+
+    qc = QueueCounters(read=broken)
+    assert qc.queues() == {} and qc.queues() == {}
+    assert sum("cannot read queueing statistics" in r.message for r in caplog.records) == 1
+
+
+def test_real_tc_reads_this_namespace():
+    tc = shutil.which("tc")
+    assert tc, "tc (iproute2) is installed by the test command's set-up"
+    found = read_qdiscs(tc)
+    assert "lo" not in found  # loopback has no queue
+    assert all(isinstance(s, QueueStats) and s.overlimits >= 0 for s in found.values())
