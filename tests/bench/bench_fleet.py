@@ -30,6 +30,7 @@ from tests.support.procs import REPO, Proc, wait_until
 NODES, GPUS = int(os.environ.get("CLUSTERPULSE_FLEET_NODES", "2048")), 8
 # Scrapes every 60 s (not the 5 s we recommend) so that a shared 2-core benchmark
 # machine can ingest the whole fleet; per-second figures for 5 s are in docs/scaling.md.
+# Rules: the global evaluation interval is 5 s; the heavy groups set their own (15-30 s).
 SCRAPE_S, RULE_S = 60, 5
 RULES = [REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
          REPO / "deploy" / "prometheus" / "alerts.rules.yml"]
@@ -134,6 +135,12 @@ def _fetch(store: _Store) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def _groups(store: _Store) -> dict[str, tuple[float, float]]:
+    """Each rule group's last evaluation time and its interval, in seconds."""
+    groups = requests.get(store.url + "/api/v1/rules", timeout=60).json()["data"]["groups"]
+    return {g["name"]: (g["evaluationTime"], g["interval"]) for g in groups}
+
+
 def _own(store: _Store) -> dict[str, list[float]]:
     """Prometheus' own metrics from its /metrics (it does not scrape itself here)."""
     out: dict[str, list[float]] = {}
@@ -173,17 +180,16 @@ def run() -> list[Row]:
                 # Two more scrape intervals of scrapes and rule evaluations (steady state),
                 # sampling the rule groups' evaluation time every 5 s.
                 first, t0 = _own(prom), time.monotonic()
-                rule_p = 0.0
+                worst: dict[str, tuple[float, float]] = {}  # group -> (max eval s, interval)
                 while time.monotonic() - t0 < 2 * SCRAPE_S:
                     time.sleep(RULE_S)
-                    rule_p = max(rule_p, *_own(prom)[
-                        "prometheus_rule_group_last_duration_seconds"])
+                    for name, (took, every) in _groups(prom).items():
+                        worst[name] = (max(took, worst.get(name, (0.0, 0.0))[0]), every)
                 last = _own(prom)
                 appended = "prometheus_tsdb_head_samples_appended_total"
                 ingest = ((sum(last[appended]) - sum(first[appended]))
                           / (time.monotonic() - t0))
                 series = last["prometheus_tsdb_head_series"][0]
-                rule_max = max(last["prometheus_rule_group_last_duration_seconds"])
                 missed = sum(last["prometheus_rule_group_iterations_missed_total"])
                 # What the agents expose (Prometheus adds 5 series of its own per target).
                 gpu_series = prom.scalar('sum(scrape_samples_scraped{job="clusterpulse"})')
@@ -211,10 +217,8 @@ def run() -> list[Row]:
         Row("fleet: series an agent exposes, per GPU", per_gpu, "series"),
         Row(f"fleet: ingest at {SCRAPE_S} s scrapes (samples/s)", ingest, "samples/s"),
         Row("fleet: slowest scrape of one node", scrape, "s"),
-        Row(f"fleet: slowest rule group, last eval (interval {RULE_S} s)", rule_max, "s",
-            budget=f"< {RULE_S} s"),
-        Row(f"fleet: slowest rule group eval over {2 * SCRAPE_S} s", rule_p, "s",
-            budget=f"< {RULE_S} s"),
+        *[Row(f"fleet: rule group {name}, slowest eval over {2 * SCRAPE_S} s", took, "s",
+              budget=f"< {every:g} s") for name, (took, every) in sorted(worst.items())],
         Row("fleet: rule group iterations missed", missed, "iterations", budget="0"),
         Row("fleet: Prometheus resident memory", rss / 2**20, "MiB"),
         Row("fleet: cluster page render, Prometheus, cold cache", p_cold, "s",
