@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "up":
+            # "Ctrl-C removes it" also when started in the background of a script: such
+            # jobs inherit SIGINT ignored, and Python then never raises KeyboardInterrupt.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             with Testbed(nodes=args.nodes) as bed:
                 print(f"testbed {bed.prefix}: bridge {bed.bridge} {bed.bridge_ip}/24")
                 for n in bed.nodes:
