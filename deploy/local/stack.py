@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -152,7 +153,13 @@ def start_central(stack: Stack, state: Path, agents: list[str], token_file: Path
     prom_bin, am_bin = shutil.which("prometheus"), shutil.which("prometheus-alertmanager")
     if not prom_bin:
         raise RuntimeError("prometheus is not installed; run scripts/setup.sh")
-    rules = sorted((REPO / "deploy" / "prometheus").glob("*rules.yml"))
+    # The rule groups' own intervals (15-30 s for the per-GPU ones) are sized for a
+    # fleet; a local cluster of a few nodes evaluates everything at its scrape interval,
+    # so each fault shows in seconds. Same rules, written without `interval:`.
+    rules = []
+    for src in sorted((REPO / "deploy" / "prometheus").glob("*rules.yml")):
+        rules.append(state / src.name)
+        rules[-1].write_text(re.sub(r"(?m)^    interval: \S+\n", "", src.read_text()))
     config = (HERE / "prometheus.yml.tmpl").read_text().format(
         scrape_interval=scrape_interval,
         rule_files="\n".join(f"  - {r}" for r in rules) or "  []",
