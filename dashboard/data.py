@@ -74,21 +74,30 @@ def _frame(samples, value: str = "value") -> pd.DataFrame:
 
 
 # -- the cluster page (6 queries + 1 Alertmanager call) -----------------------------
+def cluster_gpu_queries(metric: str) -> tuple[str, str]:
+    """The page's two per-GPU queries, answered small by Prometheus: the GPUs counted
+    (up="1"/"0" -> how many: 2 rows) and the heatmap's nodes, at most HEATMAP_NODES at
+    the bad end of `metric` (topk/bottomk per node), with their GPUs."""
+    expr, _, good_high = HEATMAP_METRICS[metric]
+    per_gpu = f"max by (node, gpu) ({expr})"
+    worst = (f"bottomk({HEATMAP_NODES}, min by (node) ({per_gpu}))" if good_high
+             else f"topk({HEATMAP_NODES}, max by (node) ({per_gpu}))")
+    return ('count_values("up", max by (node, gpu, uuid) (clusterpulse_gpu_up))',
+            f"{per_gpu} and on (node) {worst}")
+
+
 @st.cache_data(ttl=5, show_spinner=False)
 def cluster(prom_url: str, am_url: str, metric: str) -> Result:
     def fetch() -> dict:
         prom = PrometheusClient(prom_url)
-        expr, unit, good_high = HEATMAP_METRICS[metric]
+        _, unit, good_high = HEATMAP_METRICS[metric]
+        gpu_counts, heat_query = cluster_gpu_queries(metric)
         nodes = _frame(prom.query(
             'max by (node, instance) (up{job=~"clusterpulse.*"} * on (instance) group_left (node)'
             ' max by (instance, node) (max_over_time(clusterpulse_agent_build_info[1h])))'), "up")
         # GPUs counted by Prometheus (up="1"/"0" -> how many): 2 rows, not one per GPU.
-        counts = {s.labels["up"]: int(s.value) for s in prom.query(
-            'count_values("up", max by (node, gpu, uuid) (clusterpulse_gpu_up))')}
-        per_gpu = f"max by (node, gpu) ({expr})"
-        worst = (f"bottomk({HEATMAP_NODES}, min by (node) ({per_gpu}))" if good_high
-                 else f"topk({HEATMAP_NODES}, max by (node) ({per_gpu}))")
-        heat = _frame(prom.query(f"{per_gpu} and on (node) {worst}"))
+        counts = {s.labels["up"]: int(s.value) for s in prom.query(gpu_counts)}
+        heat = _frame(prom.query(heat_query))
         down = _frame(prom.query("max by (node, gpu, reason) (clusterpulse_gpu_down_reason)"))
         runs = _frame(prom.query("clusterpulse:run_step"), "step")
         goodput = _frame(prom.query("max by (run) (clusterpulse_trainer_goodput_ratio)"),

@@ -118,12 +118,10 @@ def _render(store: _Store) -> tuple[float, float, int]:
 def _fetch(store: _Store) -> tuple[float, float]:
     """The cluster page's GPU data as fetched now (Prometheus counts the GPUs and picks
     the heatmap's worst nodes) against the per-GPU fetch it replaced, in seconds."""
-    from clusterpulse.dashboard.data import HEATMAP_METRICS, HEATMAP_NODES
+    from clusterpulse.dashboard.data import HEATMAP_METRICS, cluster_gpu_queries
 
     expr = HEATMAP_METRICS["utilization"][0]
-    now = ['count_values("up", max by (node, gpu, uuid) (clusterpulse_gpu_up))',
-           f"max by (node, gpu) ({expr}) and on (node) "
-           f"bottomk({HEATMAP_NODES}, min by (node) (max by (node, gpu) ({expr})))"]
+    now = list(cluster_gpu_queries("utilization"))
     before = ["max by (node, gpu, uuid) (clusterpulse_gpu_up)", f"max by (node, gpu) ({expr})"]
     times = []
     for queries in (now, before):
