@@ -157,9 +157,12 @@ class Observer:
             return json.load(r)["data"]["result"]
 
     def pids(self, at: float | None = None) -> set[str]:
-        """The run's rank processes Prometheus sees (pid labels of rank_info)."""
+        """The run's live rank processes (pid labels of rank_info). An agent keeps an
+        exited rank's entry for its grace period (evidence); after a restart that moved
+        the rank to another node, counting it would hold "recovered" back 300 s."""
         return {s["metric"].get("pid", "") for s in self.query(
-            f'clusterpulse_trainer_rank_info{{run="{self.run}"}}', at)}
+            f'clusterpulse_trainer_rank_info{{run="{self.run}"}} unless on '
+            f'(run, rank, node, local_rank) clusterpulse_trainer_process_alive == 0', at)}
 
     def step(self, at: float | None = None) -> int | None:
         r = self.query(f'max(clusterpulse_trainer_step{{run="{self.run}"}})', at)

@@ -76,3 +76,26 @@ def test_agent_cli_rejects_bad_input_with_a_clear_message(tmp_path):
     assert r.returncode == 2 and "cannot read scenario" in r.stderr
     r = run("--help")
     assert r.returncode == 0 and "examples:" in r.stdout
+
+
+def test_fault_observer_counts_only_live_rank_processes(tmp_path):
+    """An exited rank's entry stays exported for its grace period; the chaos and demo
+    observer must not count it as a process still running (it held recovery back)."""
+    from deploy.testbed.faults import Observer
+    from tests.support.ranksock import RankProcess
+
+    agent, port, telemetry = start_agent_cli(tmp_path, "node-z", gpus=2)
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
+    path = telemetry[len("unix:"):]
+    step = {"type": "step", "run": "r", "step": 5, "world_size": 2}
+    try:
+        with RankProcess(path, [{**step, "rank": 0, "local_rank": 0}]) as live:
+            gone = RankProcess(path, [{**step, "rank": 1, "local_rank": 1}])
+            gone.stop()
+            wait_until(lambda: prom.query('clusterpulse_trainer_process_alive{rank="1"} == 0'),
+                       30, "rank 1's exit exported")
+            assert len(prom.query('clusterpulse_trainer_rank_info{run="r"}')) == 2
+            assert Observer(prom.url, tmp_path / "audit.jsonl", "r").pids() == {str(live.pid)}
+    finally:
+        prom.stop()
+        agent.stop()
