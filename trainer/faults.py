@@ -6,6 +6,8 @@ the CLUSTERPULSE_INJECT environment variable (specs separated by commas).
     crash:rank=1:step=35[:mode=exception|exit|sigkill]
     data_slow:rank=0:step=5:seconds=0.2   rank 0 waits for data each step from step 5
     ckpt_fail:step=20                  the checkpoint write at step 20 fails
+    ckpt_slow:step=20:seconds=15       the checkpoint at step 20 blocks training 15 s longer
+                                       (slow shared storage)
     ckpt_corrupt:step=20               the published checkpoint of step 20 is corrupted
     ckpt_unloadable:step=20            the published checkpoint of step 20 verifies but
                                        does not load (a torn write certified by its manifest)
@@ -26,8 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = {"slow", "hang", "crash", "data_slow", "ckpt_fail", "ckpt_corrupt", "ckpt_kill",
-         "graceful", "init_crash", "ckpt_unloadable"}
+KINDS = {"slow", "hang", "crash", "data_slow", "ckpt_fail", "ckpt_slow", "ckpt_corrupt",
+         "ckpt_kill", "graceful", "init_crash", "ckpt_unloadable"}
 CRASH_MODES = {"exception", "exit", "sigkill"}
 
 
@@ -108,6 +110,10 @@ class Faults:
 
     def ckpt_fail(self, step: int) -> bool:
         return self._at("ckpt_fail", step) is not None
+
+    def ckpt_delay(self, step: int) -> float:
+        i = self._at("ckpt_slow", step)
+        return i.seconds if i else 0.0
 
     def ckpt_corrupt(self, step: int) -> bool:
         return self._at("ckpt_corrupt", step) is not None

@@ -166,6 +166,8 @@ class Trainer:
         self.pulse._enter("checkpoint")
         self.pulse.extra["checkpoint_in_progress"] = 1
         try:
+            if delay := self.faults.ckpt_delay(step):
+                time.sleep(delay)  # storage this slow blocks the step like a long write
             self.ckpt.save(step, {"app": self.state}, fail=self.faults.ckpt_fail(step),
                            kill_midway=self.faults.ckpt_kill(step))
             self.pulse.event("checkpoint_committed" if not self.cfg.async_ckpt

@@ -112,6 +112,39 @@ def test_hung_rank_is_named_within_15_seconds_and_a_hard_restart_recovers(stack)
         stack.stop_jobs()
 
 
+def test_a_long_checkpoint_a_restart_and_a_clean_finish_never_page(stack):
+    """Routine operations of a real 4-rank job: a checkpoint that blocks every rank
+    12 s (slow storage; the steady hang threshold is 5 s here), a graceful
+    checkpoint-restart whose new ranks load the checkpoint in phase start, and a clean
+    finish whose ranks' heartbeat ages then grow for ever. Each used to page (JobStalled
+    during the save, RankHung while loading, JobStalled for 5 minutes after the end)."""
+    start = time.time()
+    stack.start_job("calm", steps=120, trainer_args=[
+        "--sim-compute-seconds", "0.05", "--ckpt-every", "40",
+        "--inject", "ckpt_slow:step=40:seconds=12", "--inject", "graceful:step=80"])
+    try:
+        codes = [p.wait(timeout=300) for p in stack.jobs]
+        assert codes == [0, 0], codes
+        state = json.loads((stack.tmp / "calm" / "run-state.json").read_text())
+        assert [r["cause"] for r in state["restarts"]] == ["checkpoint-restart"], state
+        time.sleep(12)  # ages grow after the finish: JobStalled used to fire within 5 s
+        window = f"{int(time.time() - start) + 5}s"
+        # The job did stop long enough to page: 12 s without a step, against 5 s (and the
+        # restart's gap: the old processes gone, the new ones starting, ~10 s here).
+        aged = stack.prom.query(
+            f'max(max_over_time(clusterpulse_trainer_heartbeat_age_seconds{{run="calm"}}[{window}]))')
+        assert aged and float(aged[0]["value"][1]) >= 10, aged
+        threshold = stack.prom.query(
+            f'max_over_time(clusterpulse:run_hang_threshold_seconds{{run="calm"}}[{window}])')
+        assert threshold and float(threshold[0]["value"][1]) < 10, threshold
+        paged = stack.prom.query(
+            f'max_over_time(ALERTS{{run="calm",alertname=~"RankHung|JobStalled"}}[{window}])')
+        assert paged == [], [p["metric"] for p in paged]  # not even pending
+        assert not [a for a in stack.sink.alerts() if a["labels"].get("run") == "calm"]
+    finally:
+        stack.stop_jobs()
+
+
 def test_a_hang_at_a_non_consensus_step_pages_only_the_hung_rank(stack):
     """Rank 1 stops after step 62 (consensus runs every 5 steps): its peers block in
     the DDP all-reduce of step 63, inside backward, in phase forward_backward. One
