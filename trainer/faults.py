@@ -16,11 +16,13 @@ the CLUSTERPULSE_INJECT environment variable (specs separated by commas).
                                        to the rank after step 12 (default rank 0)
     init_crash:rank=1                  the rank exits (code 1) before joining the process
                                        group, like a CUDA error at set_device or a bad import
+    init_hang:rank=1                   the rank never joins the process group (alive), like
+                                       a rank stuck in NCCL or CUDA initialisation
 
 A fault fires only in the attempt it names (`attempt`, default 0: the first run), so
 a crash at step 35 does not recur after torchrun restarts the job from step 30.
-The attempt is the number all ranks agree on (trainer.parallel); `init_crash` fires
-before any agreement exists, so it counts this node's own starts instead
+The attempt is the number all ranks agree on (trainer.parallel); `init_crash` and
+`init_hang` fire before any agreement exists, so it counts this node's own starts instead
 (`trainer.parallel.local_attempt`).
 """
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = {"slow", "hang", "crash", "data_slow", "ckpt_fail", "ckpt_slow", "ckpt_corrupt",
-         "ckpt_kill", "graceful", "init_crash", "ckpt_unloadable"}
+         "ckpt_kill", "graceful", "init_crash", "init_hang", "ckpt_unloadable"}
 CRASH_MODES = {"exception", "exit", "sigkill"}
 
 
@@ -127,6 +129,9 @@ class Faults:
 
     def init_crash(self) -> bool:
         return any(i.kind == "init_crash" for i in self.mine)
+
+    def init_hang(self) -> bool:
+        return any(i.kind == "init_hang" for i in self.mine)
 
     def ckpt_kill(self, step: int) -> bool:
         i = self._at("ckpt_kill", step)

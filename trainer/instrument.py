@@ -63,6 +63,14 @@ DEFAULT_AGENT = protocol.DEFAULT_TELEMETRY
 SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between"})
 
 
+def _cpu_group() -> dist.ProcessGroup | None:
+    """The group consensus runs on: a gloo side group under NCCL (no device sync), the
+    default group (None) under gloo or before the process group exists."""
+    if dist.is_initialized() and dist.get_backend() != "gloo":
+        return dist.new_group(backend="gloo")
+    return None
+
+
 def check_run_id(run: str) -> str:
     """The run id as the agent accepts it, or ValueError naming the rule."""
     if not isinstance(run, str) or not protocol.RUN_ID.fullmatch(run):
@@ -173,9 +181,8 @@ class Pulse:
         self.straggler_scores: list[float] | None = None
         self.checkpoint_agreed = False
         self.preempt_agreed = False
-        if group is None and dist.is_initialized() and dist.get_backend() != "gloo":
-            group = dist.new_group(backend="gloo")  # consensus stays on the CPU: no device sync
-        self.consensus = Consensus(every=consensus_every, group=group)
+        self.consensus = Consensus(every=consensus_every,
+                                   group=group if group is not None else _cpu_group())
         self.sigterm = SigtermCatcher()
         if catch_sigterm:
             self.sigterm.install()
@@ -193,6 +200,20 @@ class Pulse:
         self._beat = threading.Thread(target=self._heartbeat_loop, name="pulse-heartbeat",
                                       daemon=True)
         self._beat.start()
+
+    def joined(self, restarts: int | None = None) -> None:
+        """Finish the set-up of a Pulse started before the process group existed (the
+        reference trainer starts it first, so that a rank stuck in init or loading is
+        seen in phase `start` rather than not at all): consensus on a CPU group, CUDA
+        events now that the device is initialized, and `restarts`, the attempt number
+        all ranks agreed on."""
+        if self.consensus.group is None:
+            self.consensus.group = _cpu_group()
+        if isinstance(self._clock, _HostClock) and torch.cuda.is_available() \
+                and torch.cuda.is_initialized():
+            self._clock = _CudaClock()
+        if restarts is not None:
+            self.restarts = self.identity["restarts"] = restarts
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> Pulse:

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,14 +66,32 @@ class Trainer:
         rank = int(os.environ.get("RANK", 0))
         self.runstate_path = cfg.ckpt_dir / "run-state.json"
         self.runstate = RunState.load(self.runstate_path) if rank == 0 else RunState()
-        if Faults(cfg.injections, rank, local_attempt()).init_crash():
+        early = Faults(cfg.injections, rank, local_attempt())
+        if early.init_crash():
             print(f"trainer: injected: rank {rank} exits before joining the process group",
                   file=sys.stderr, flush=True)
             os._exit(1)
+        # Telemetry first: a rank stuck from here to its first step (process group,
+        # model wrap, loading a checkpoint) is then seen in phase start, not missing.
+        self.pulse = Pulse(run=cfg.run_id, agent=cfg.agent, consensus_every=cfg.consensus_every,
+                           restarts=local_attempt())
+        if early.init_hang():
+            print(f"trainer: injected: rank {rank} never joins the process group",
+                  file=sys.stderr, flush=True)
+            threading.Event().wait()
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.pulse.close("failed")  # the agent hears that this rank is gone
+            raise
+
+    def _build(self, cfg: TrainConfig) -> None:
+        """Join the process group and build the model, data, optimizer and checkpoints."""
         # The attempt number: rank 0's count from the run state, broadcast to all.
         self.info = info = init_distributed(cfg.collective_timeout_s,
                                             attempt=self.runstate.next_attempt(cfg.run_id))
         self.attempt = info.attempt
+        self.pulse.joined(restarts=self.attempt)
         self.faults = Faults(cfg.injections, info.rank, self.attempt)
         mc = PRESETS[cfg.preset]
         if cfg.global_batch % info.world:
@@ -93,8 +112,6 @@ class Trainer:
         self.ckpt = CheckpointManager(
             cfg.ckpt_dir, info.rank, keep=cfg.keep, async_save=cfg.async_ckpt, group=ckpt_group,
             after_publish=self._after_publish)
-        self.pulse = Pulse(run=cfg.run_id, agent=cfg.agent, consensus_every=cfg.consensus_every,
-                           restarts=self.attempt)
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             self.pulse.attach_ddp(self.model)
         self.last_ckpt_time = time.monotonic()

@@ -5,6 +5,8 @@ the way they happen; alerts must come out naming the right rank, node and cause.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -143,6 +145,30 @@ def test_a_long_checkpoint_a_restart_and_a_clean_finish_never_page(stack):
         assert not [a for a in stack.sink.alerts() if a["labels"].get("run") == "calm"]
     finally:
         stack.stop_jobs()
+
+
+def test_a_rank_stuck_in_init_pages_the_job_after_the_absolute_timeout(tmp_path):
+    """Rank 1 never joins the process group; the other 3 wait for it in init. No rank
+    has a step time or a collective count, so no root can be told: JobStalled pages
+    the job once every rank is past the absolute timeout (20 s here, set as an operator
+    sets it), and RankHung pages no one. Ranks used to send nothing before the process
+    group and the model existed: an init hang showed no rank at all."""
+    s = Stack.start(tmp_path, hang_timeout_s=20)
+    try:
+        s.start_job("init", steps=100, trainer_args=["--inject", "init_hang:rank=1"])
+        wait_until(lambda: len(s.prom.query(
+            'clusterpulse_trainer_phase{run="init",phase="start"} == 1')) == 4, 90,
+            "4 ranks in phase start")
+        (a,) = wait_until(lambda: s.firing("JobStalled"), 90, "JobStalled")
+        assert a["labels"]["run"] == "init"
+        assert float(a["value"]) >= 20, a  # the youngest rank's age: past the timeout
+        assert not s.firing("RankHung")
+        wait_until(lambda: any(x["labels"].get("alertname") == "JobStalled"
+                               for x in s.sink.alerts()), 30, "the page delivered")
+    finally:
+        for p in s.jobs:  # a rank stuck in init does not leave on SIGTERM: no 20 s grace
+            os.killpg(p.pid, signal.SIGKILL)
+        s.stop()
 
 
 def test_a_hang_at_a_non_consensus_step_pages_only_the_hung_rank(stack):

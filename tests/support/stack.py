@@ -45,7 +45,10 @@ class Stack:
     jobs: list[subprocess.Popen] = field(default_factory=list)
 
     @classmethod
-    def start(cls, tmp: Path, nodes: int = 2, gpus: int = 4) -> Stack:
+    def start(cls, tmp: Path, nodes: int = 2, gpus: int = 4,
+              hang_timeout_s: int | None = None) -> Stack:
+        """`hang_timeout_s`: the absolute hang timeout, set as an operator would (the
+        `clusterpulse:config_hang_timeout_seconds` rule), instead of its 300 s."""
         s = cls(tmp)
         token = tmp / "token"
         token.write_text(TOKEN)
@@ -58,6 +61,12 @@ class Stack:
         s.am = Alertmanager(tmp, s.sink.url)
         rules = [REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
                  REPO / "deploy" / "prometheus" / "alerts.rules.yml"]
+        if hang_timeout_s is not None:
+            text, default = rules[0].read_text(), (
+                "- record: clusterpulse:config_hang_timeout_seconds\n        expr: vector(300)")
+            assert default in text, "the hang timeout rule moved"
+            rules[0] = tmp / rules[0].name
+            rules[0].write_text(text.replace(default, default.replace("300", str(hang_timeout_s))))
         s.prom = Prometheus(tmp, [f"127.0.0.1:{n.port}" for n in s.nodes], rule_files=rules,
                             alertmanager=f"127.0.0.1:{s.am.port}")
         return s
