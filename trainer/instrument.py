@@ -63,6 +63,12 @@ DEFAULT_AGENT = protocol.DEFAULT_TELEMETRY
 SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between"})
 
 
+def _local_attempt() -> int:
+    from clusterpulse.trainer.parallel import local_attempt
+
+    return local_attempt()
+
+
 def _cpu_group() -> dist.ProcessGroup | None:
     """The group consensus runs on: a gloo side group under NCCL (no device sync), the
     default group (None) under gloo or before the process group exists."""
@@ -149,7 +155,8 @@ class Pulse:
                  rank: int | None = None, local_rank: int | None = None,
                  world_size: int | None = None, gpu: int | None = None,
                  restarts: int | None = None, consensus_every: int = 5,
-                 group: dist.ProcessGroup | None = None, catch_sigterm: bool = True) -> None:
+                 group: dist.ProcessGroup | None = None, catch_sigterm: bool = True,
+                 before_process_group: bool = False) -> None:
         env = os.environ
         self.run = check_run_id(run)
         if consensus_every < 1:
@@ -158,11 +165,13 @@ class Pulse:
         self.local_rank = int(env.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
         self.world_size = int(env.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.gpu = self.local_rank if gpu is None else gpu
-        if restarts is None:
-            from clusterpulse.trainer.parallel import local_attempt
-
-            restarts = local_attempt()
+        # Started before the process group (see joined()): the agreed attempt number is
+        # not known yet, and SIGTERM must still end a rank stuck in init.
+        self._joined = not before_process_group
+        if restarts is None and self._joined:
+            restarts = _local_attempt()
         self.restarts = restarts
+        self._catch_sigterm = catch_sigterm
         self.link = AgentLink(resolve_agent(agent))
         self.slowdown = 1.0  # simulated GPU slowdown, from the agent's replies
         self.commands: dict[str, str] = {}  # id -> action, heard but not yet acted on
@@ -181,18 +190,20 @@ class Pulse:
         self.straggler_scores: list[float] | None = None
         self.checkpoint_agreed = False
         self.preempt_agreed = False
-        self.consensus = Consensus(every=consensus_every,
-                                   group=group if group is not None else _cpu_group())
+        self.consensus = Consensus(every=consensus_every, group=group if group is not None
+                                   or not self._joined else _cpu_group())
         self.sigterm = SigtermCatcher()
-        if catch_sigterm:
+        if catch_sigterm and self._joined:
             self.sigterm.install()
         self.collectives = CollectiveLog()  # sequence numbers: who a hang waits for
         self._ddp_seq: int | None = None  # DDP's gradient all-reduce now in flight
         self._samples = 0
         self._tokens = 0
-        self.identity = {"run": run, "rank": self.rank, "local_rank": self.local_rank,
-                         "world_size": self.world_size, "pid": os.getpid(), "gpu": self.gpu,
-                         "restarts": self.restarts}
+        self.identity: dict[str, Any] = {
+            "run": run, "rank": self.rank, "local_rank": self.local_rank,
+            "world_size": self.world_size, "pid": os.getpid(), "gpu": self.gpu}
+        if self.restarts is not None:  # unknown until joined(): the agent keeps its count
+            self.identity["restarts"] = self.restarts
         self.phase, self._phase_since, self._step = "start", time.monotonic(), 0
         self._closed = threading.Event()
         self.outcome: str | None = None
@@ -202,18 +213,25 @@ class Pulse:
         self._beat.start()
 
     def joined(self, restarts: int | None = None) -> None:
-        """Finish the set-up of a Pulse started before the process group existed (the
+        """Finish the set-up of a Pulse made with `before_process_group=True` (the
         reference trainer starts it first, so that a rank stuck in init or loading is
         seen in phase `start` rather than not at all): consensus on a CPU group, CUDA
-        events now that the device is initialized, and `restarts`, the attempt number
-        all ranks agreed on."""
+        events now that the device is initialized, `restarts` (the attempt number all
+        ranks agreed on; until now the agent kept the rank's previous count, so a
+        requeued run's counter never dips), and the SIGTERM catcher (until now SIGTERM
+        ended the rank as usual: there was nothing to checkpoint)."""
+        if self._joined:
+            return
+        self._joined = True
         if self.consensus.group is None:
             self.consensus.group = _cpu_group()
         if isinstance(self._clock, _HostClock) and torch.cuda.is_available() \
                 and torch.cuda.is_initialized():
             self._clock = _CudaClock()
-        if restarts is not None:
-            self.restarts = self.identity["restarts"] = restarts
+        self.restarts = self.identity["restarts"] = (
+            _local_attempt() if restarts is None else restarts)
+        if self._catch_sigterm:
+            self.sigterm.install()
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> Pulse:
@@ -399,6 +417,9 @@ class Pulse:
         self.checkpoint_agreed = False
         if not self.consensus.due(step):
             return False
+        if not self._joined and dist.is_initialized():
+            raise RuntimeError("Pulse(before_process_group=True): call pulse.joined() once "
+                               "the process group exists (its consensus group is set there)")
         self._resolve()
         self._read_replies()
         want = any(a == "checkpoint-restart" for a in self.commands.values())

@@ -74,7 +74,7 @@ class Trainer:
         # Telemetry first: a rank stuck from here to its first step (process group,
         # model wrap, loading a checkpoint) is then seen in phase start, not missing.
         self.pulse = Pulse(run=cfg.run_id, agent=cfg.agent, consensus_every=cfg.consensus_every,
-                           restarts=local_attempt())
+                           before_process_group=True)
         if early.init_hang():
             print(f"trainer: injected: rank {rank} never joins the process group",
                   file=sys.stderr, flush=True)

@@ -93,18 +93,40 @@ def _victoria(tmp: Path, fleet_port: int) -> _Store:
 
 
 def _render(store: _Store) -> tuple[float, float, int]:
-    """Cold and warm render of the cluster page against `store`; queries per refresh."""
+    """Cold and warm render of the cluster page against `store`; queries per refresh.
+
+    Cold means the first view with no cached data in a dashboard process already
+    running (the server imports its modules once): one untimed render first, then every
+    data cache cleared. Each query of the cold render is timed and printed."""
+    import streamlit as st
+
     from clusterpulse.dashboard import data
+    from clusterpulse.dashboard.promclient import PrometheusClient
 
     os.environ["CLUSTERPULSE_PROMETHEUS_URL"] = store.url
     os.environ["CLUSTERPULSE_ALERTMANAGER_URL"] = f"http://127.0.0.1:{free_port()}"
     app = str(REPO / "dashboard" / "app.py")
+    AppTest.from_file(app, default_timeout=300).run()
+    st.cache_data.clear()
     times = []
-    data.cluster.clear()
-    for _ in range(2):
-        at = AppTest.from_file(app, default_timeout=300)
+    plain = PrometheusClient.query
+
+    def timed(self, promql: str, at: float | None = None) -> list:
         t0 = time.perf_counter()
-        at.run()
+        try:
+            return plain(self, promql, at)
+        finally:
+            print(f"  {store.name}: {time.perf_counter() - t0:5.2f} s  {promql[:90]}",
+                  file=sys.stderr, flush=True)
+
+    for n in range(2):
+        at = AppTest.from_file(app, default_timeout=300)
+        PrometheusClient.query = timed if n == 0 else plain  # type: ignore[method-assign]
+        t0 = time.perf_counter()
+        try:
+            at.run()
+        finally:
+            PrometheusClient.query = plain  # type: ignore[method-assign]
         times.append(time.perf_counter() - t0)
         assert not at.exception, at.exception
         metrics = {m.label: m.value for m in at.metric}
@@ -219,11 +241,11 @@ def run() -> list[Row]:
               budget=f"< {every:g} s") for name, (took, every) in sorted(worst.items())],
         Row("fleet: rule group iterations missed", missed, "iterations", budget="0"),
         Row("fleet: Prometheus resident memory", rss / 2**20, "MiB"),
-        Row("fleet: cluster page render, Prometheus, cold cache", p_cold, "s",
+        Row("fleet: cluster page render, Prometheus, no cached data", p_cold, "s",
             budget="< 2 s"),
         Row("fleet: cluster page render, Prometheus, second view", p_warm, "s",
-            baseline=p_cold, baseline_name="cold cache"),
-        Row("fleet: cluster page render, VictoriaMetrics, cold cache", v_cold, "s",
+            baseline=p_cold, baseline_name="no cached data"),
+        Row("fleet: cluster page render, VictoriaMetrics, no cached data", v_cold, "s",
             budget="< 2 s", baseline=p_cold, baseline_name="Prometheus"),
         Row("fleet: cluster page render, VictoriaMetrics, second view", v_warm, "s",
             baseline=p_warm, baseline_name="Prometheus"),

@@ -5,8 +5,6 @@ the way they happen; alerts must come out naming the right rank, node and cause.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 
 import pytest
@@ -131,10 +129,11 @@ def test_a_long_checkpoint_a_restart_and_a_clean_finish_never_page(stack):
         assert [r["cause"] for r in state["restarts"]] == ["checkpoint-restart"], state
         time.sleep(12)  # ages grow after the finish: JobStalled used to fire within 5 s
         window = f"{int(time.time() - start) + 5}s"
-        # The job did stop long enough to page: 12 s without a step, against 5 s (and the
-        # restart's gap: the old processes gone, the new ones starting, ~10 s here).
+        # The job did stop long enough to page: 12 s in the checkpoint, against 5 s.
         aged = stack.prom.query(
-            f'max(max_over_time(clusterpulse_trainer_heartbeat_age_seconds{{run="calm"}}[{window}]))')
+            'max(max_over_time((clusterpulse_trainer_heartbeat_age_seconds{run="calm"} and on '
+            '(run, rank, node, local_rank) clusterpulse_trainer_phase{phase="checkpoint"} == 1)'
+            f'[{window}:1s]))')
         assert aged and float(aged[0]["value"][1]) >= 10, aged
         threshold = stack.prom.query(
             f'max_over_time(clusterpulse:run_hang_threshold_seconds{{run="calm"}}[{window}])')
@@ -154,6 +153,7 @@ def test_a_rank_stuck_in_init_pages_the_job_after_the_absolute_timeout(tmp_path)
     sets it), and RankHung pages no one. Ranks used to send nothing before the process
     group and the model existed: an init hang showed no rank at all."""
     s = Stack.start(tmp_path, hang_timeout_s=20)
+    start = time.time()
     try:
         s.start_job("init", steps=100, trainer_args=["--inject", "init_hang:rank=1"])
         wait_until(lambda: len(s.prom.query(
@@ -161,14 +161,12 @@ def test_a_rank_stuck_in_init_pages_the_job_after_the_absolute_timeout(tmp_path)
             "4 ranks in phase start")
         (a,) = wait_until(lambda: s.firing("JobStalled"), 90, "JobStalled")
         assert a["labels"]["run"] == "init"
-        assert float(a["value"]) >= 20, a  # the youngest rank's age: past the timeout
-        assert not s.firing("RankHung")
         wait_until(lambda: any(x["labels"].get("alertname") == "JobStalled"
                                for x in s.sink.alerts()), 30, "the page delivered")
+        window = f"{int(time.time() - start) + 5}s"
+        assert s.prom.query(f'max_over_time(ALERTS{{alertname="RankHung"}}[{window}])') == []
     finally:
-        for p in s.jobs:  # a rank stuck in init does not leave on SIGTERM: no 20 s grace
-            os.killpg(p.pid, signal.SIGKILL)
-        s.stop()
+        s.stop()  # SIGTERM ends a rank stuck in init: its Pulse catches it only once joined
 
 
 def test_a_hang_at_a_non_consensus_step_pages_only_the_hung_rank(stack):

@@ -382,3 +382,30 @@ def test_attach_ddp_adds_no_python_comm_hook(tmp_path):
         pulse.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_pulse_started_before_the_process_group_completes_its_set_up_when_joined():
+    """Started first so that a rank stuck in init is seen; until joined() it claims no
+    restart count (the agent keeps the rank's previous one: a requeued run's counter
+    never dips to 0 and back) and leaves SIGTERM to end the rank (nothing to save)."""
+    import signal
+
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.settimeout(2)
+    before = signal.getsignal(signal.SIGTERM)
+    pulse = Pulse(run="unit", agent=rx.getsockname(), rank=0, world_size=1,
+                  before_process_group=True)
+    try:
+        start = json.loads(rx.recv(8192))
+        assert start["event"] == "start" and "restarts" not in start
+        assert signal.getsignal(signal.SIGTERM) is before
+        pulse.joined(restarts=3)
+        assert signal.getsignal(signal.SIGTERM) is not before  # graceful preemption now
+        pulse.event("probe")
+        while (m := json.loads(rx.recv(8192))).get("event") != "probe":
+            pass
+        assert m["restarts"] == 3
+    finally:
+        pulse.close()
+    assert signal.getsignal(signal.SIGTERM) is before
