@@ -8,6 +8,7 @@ marked stale with the reason, never an exception.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,16 +23,18 @@ from clusterpulse.dashboard.config import Settings
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
 # name -> (PromQL per node and GPU, unit, whether high values are the healthy ones)
+# metric -> (PromQL per GPU, unit, whether high is good). `{sel}` stands for the label
+# matchers of every selector: empty for the whole fleet, the heatmap's nodes after.
 HEATMAP_METRICS = {
-    "utilization": ("clusterpulse_gpu_utilization_ratio * 100", "%", True),
-    "temperature": ("clusterpulse_gpu_temperature_celsius", "°C", False),
-    "power": ("clusterpulse_gpu_power_watts", "W", False),
-    "memory": ("100 * clusterpulse_gpu_memory_used_bytes / clusterpulse_gpu_memory_total_bytes",
-               "% used", False),
-    "clocks": ("100 * clusterpulse_gpu_sm_clock_hertz / clusterpulse_gpu_sm_clock_max_hertz",
-               "% of max", True),
-    "errors": ("sum by (node, gpu) (clusterpulse:gpu_xid_recent) or "
-               "0 * max by (node, gpu) (clusterpulse_gpu_up)", "XIDs / 10 min", False),
+    "utilization": ("clusterpulse_gpu_utilization_ratio{sel} * 100", "%", True),
+    "temperature": ("clusterpulse_gpu_temperature_celsius{sel}", "°C", False),
+    "power": ("clusterpulse_gpu_power_watts{sel}", "W", False),
+    "memory": ("100 * clusterpulse_gpu_memory_used_bytes{sel}"
+               " / clusterpulse_gpu_memory_total_bytes{sel}", "% used", False),
+    "clocks": ("100 * clusterpulse_gpu_sm_clock_hertz{sel}"
+               " / clusterpulse_gpu_sm_clock_max_hertz{sel}", "% of max", True),
+    "errors": ("sum by (node, gpu) (clusterpulse:gpu_xid_recent{sel}) or "
+               "0 * max by (node, gpu) (clusterpulse_gpu_up{sel})", "XIDs / 10 min", False),
 }
 # The heatmap shows at most this many nodes, those at the bad end of the metric
 # (Prometheus picks them: topk/bottomk). 2,048 rows of 8 cells help nobody, and
@@ -73,17 +76,32 @@ def _frame(samples, value: str = "value") -> pd.DataFrame:
     return pd.DataFrame([{**s.labels, value: s.value} for s in samples])
 
 
-# -- the cluster page (6 queries + 1 Alertmanager call) -----------------------------
-def cluster_gpu_queries(metric: str) -> tuple[str, str]:
-    """The page's two per-GPU queries, answered small by Prometheus: the GPUs counted
-    (up="1"/"0" -> how many: 2 rows) and the heatmap's nodes, at most HEATMAP_NODES at
-    the bad end of `metric` (topk/bottomk per node), with their GPUs."""
-    expr, _, good_high = HEATMAP_METRICS[metric]
-    per_gpu = f"max by (node, gpu) ({expr})"
-    worst = (f"bottomk({HEATMAP_NODES}, min by (node) ({per_gpu}))" if good_high
-             else f"topk({HEATMAP_NODES}, max by (node) ({per_gpu}))")
-    return ('count_values("up", max by (node, gpu, uuid) (clusterpulse_gpu_up))',
-            f"{per_gpu} and on (node) {worst}")
+# -- the cluster page (7 queries + 1 Alertmanager call) -----------------------------
+GPU_COUNTS = 'count_values("up", max by (node, gpu, uuid) (clusterpulse_gpu_up))'
+
+
+def heatmap_query(metric: str, nodes: list[str] | None = None) -> str:
+    """Per-GPU values of `metric`; with `nodes`, only theirs, selected by the index (the
+    expression then reads 8 series a node instead of aggregating the whole fleet)."""
+    expr = HEATMAP_METRICS[metric][0]
+    sel = ""
+    if nodes is not None:  # a regex of the names, escaped for RE2 and a PromQL string
+        names = "|".join(re.escape(n).replace("\\", "\\\\") for n in nodes)
+        sel = f'{{node=~"{names}"}}'
+    return f"max by (node, gpu) ({expr.format(sel=sel)})"
+
+
+def cluster_gpu_data(prom: PrometheusClient, metric: str) -> tuple[dict[str, int], list]:
+    """The page's GPU data, answered small by Prometheus: the GPUs counted (up="1"/"0"
+    -> how many: 2 rows), then the heatmap's nodes (at most HEATMAP_NODES, at the bad
+    end of `metric`: topk/bottomk over each node's worst GPU), then only their GPUs."""
+    good_high = HEATMAP_METRICS[metric][2]
+    counts = {s.labels["up"]: int(s.value) for s in prom.query(GPU_COUNTS)}
+    per_gpu = heatmap_query(metric)
+    worst = prom.query(f"bottomk({HEATMAP_NODES}, min by (node) ({per_gpu}))" if good_high
+                       else f"topk({HEATMAP_NODES}, max by (node) ({per_gpu}))")
+    nodes = sorted(s.labels["node"] for s in worst if "node" in s.labels)
+    return counts, (prom.query(heatmap_query(metric, nodes)) if nodes else [])
 
 
 @st.cache_data(ttl=5, show_spinner=False)
@@ -91,13 +109,11 @@ def cluster(prom_url: str, am_url: str, metric: str) -> Result:
     def fetch() -> dict:
         prom = PrometheusClient(prom_url)
         _, unit, good_high = HEATMAP_METRICS[metric]
-        gpu_counts, heat_query = cluster_gpu_queries(metric)
         nodes = _frame(prom.query(
             'max by (node, instance) (up{job=~"clusterpulse.*"} * on (instance) group_left (node)'
             ' max by (instance, node) (max_over_time(clusterpulse_agent_build_info[1h])))'), "up")
-        # GPUs counted by Prometheus (up="1"/"0" -> how many): 2 rows, not one per GPU.
-        counts = {s.labels["up"]: int(s.value) for s in prom.query(gpu_counts)}
-        heat = _frame(prom.query(heat_query))
+        counts, heat_rows = cluster_gpu_data(prom, metric)
+        heat = _frame(heat_rows)
         down = _frame(prom.query("max by (node, gpu, reason) (clusterpulse_gpu_down_reason)"))
         runs = _frame(prom.query("clusterpulse:run_step"), "step")
         goodput = _frame(prom.query("max by (run) (clusterpulse_trainer_goodput_ratio)"),

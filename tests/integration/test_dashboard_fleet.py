@@ -125,3 +125,17 @@ def test_node_page_shows_link_health(fleet, monkeypatch, tmp_path):
     assert not at.warning
     gpu = next(df.value for df in at.dataframe if "NVLinks up" in df.value.columns)
     assert list(gpu["health"]) == ["ok"]
+
+
+def test_heatmap_reads_only_the_picked_nodes_whatever_their_names(fleet):
+    """The heatmap's values come from a node=~ matcher of the picked names: a name with
+    regex characters (FQDNs: dots, dashes) must match itself and nothing else."""
+    import json
+    import re
+
+    q = data.heatmap_query("temperature", ["gpu-7.rack.example", "n001"])
+    pattern = json.loads(re.search(r'node=~("(?:[^"\\]|\\.)*")', q).group(1))
+    assert re.fullmatch(pattern, "gpu-7.rack.example") and re.fullmatch(pattern, "n001")
+    assert not re.fullmatch(pattern, "gpu-7xrack.example") and not re.fullmatch(pattern, "n0012")
+    got = {r["metric"]["node"] for r in fleet.query(data.heatmap_query("temperature", HOT))}
+    assert got == set(HOT)
