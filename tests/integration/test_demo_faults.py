@@ -33,7 +33,7 @@ after_s = 5
 kind = "gpu_lost"
 node = 1
 gpu = 0
-seconds = 40
+seconds = 25
 after_s = 5
 
 [[fault]]

@@ -127,7 +127,7 @@ def test_a_long_checkpoint_a_restart_and_a_clean_finish_never_page(stack):
         assert codes == [0, 0], codes
         state = json.loads((stack.tmp / "calm" / "run-state.json").read_text())
         assert [r["cause"] for r in state["restarts"]] == ["checkpoint-restart"], state
-        time.sleep(12)  # ages grow after the finish: JobStalled used to fire within 5 s
+        time.sleep(8)  # ages grow after the finish: JobStalled used to fire within 5 s
         window = f"{int(time.time() - start) + 5}s"
         # The job did stop long enough to page: 12 s in the checkpoint, against 5 s.
         aged = stack.prom.query(
