@@ -22,7 +22,6 @@ from clusterpulse.dashboard.amclient import AlertmanagerClient, AlertmanagerUnav
 from clusterpulse.dashboard.config import Settings
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
-# name -> (PromQL per node and GPU, unit, whether high values are the healthy ones)
 # metric -> (PromQL per GPU, unit, whether high is good). `{sel}` stands for the label
 # matchers of every selector: empty for the whole fleet, the heatmap's nodes after.
 HEATMAP_METRICS = {
