@@ -60,6 +60,8 @@ NUMBER_FIELDS = frozenset({
     "collectives_entered_total", "collectives_completed_total",
     # Straggler scoring (detection.scoring): against its own history, and the decision.
     "straggler_self_score", "straggler_flagged",
+    # The last step's gradient all-reduce: its window and the bytes each rank moved.
+    "comm_seconds", "comm_bytes",
 })
 # What a rank blocked in a collective waits in ("" when it is not blocked).
 COLLECTIVES = {"", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",

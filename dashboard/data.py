@@ -286,6 +286,8 @@ def run(prom_url: str, name: str, range_s: int) -> Result:
                             ("compute s", "clusterpulse_trainer_compute_seconds"),
                             ("sync wait s", "clusterpulse_trainer_sync_wait_seconds"),
                             ("data wait s", "clusterpulse_trainer_data_wait_seconds"),
+                            ("all-reduce s", "clusterpulse_trainer_comm_seconds"),
+                            ("all-reduce bytes", "clusterpulse_trainer_comm_bytes"),
                             ("heartbeat age s", "clusterpulse_trainer_heartbeat_age_seconds"),
                             ("restarts", "clusterpulse_trainer_restarts_total"),
                             ("checkpoint step", "clusterpulse_trainer_checkpoint_last_step"),

@@ -66,3 +66,11 @@ class CollectiveLog:
             return {"collectives_entered_total": self.entered,
                     "collectives_completed_total": self.completed,
                     "collective": self._ops[oldest] if oldest is not None else ""}
+
+
+def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends (and receives) to all-reduce `nbytes` in a ring: 2(n-1)/n
+    of them, half in the reduce-scatter and half in the all-gather. Over the time the
+    all-reduce takes this is nccl-tests' "bus bandwidth", the figure to hold against
+    the link's own speed; it does not depend on the rank count."""
+    return 2.0 * nbytes * (world_size - 1) / max(world_size, 1)

@@ -21,7 +21,11 @@ Why the split matters: in synchronous training every rank's step takes as long a
 slowest rank's, so step time cannot name the straggler. With DDP a gradient hook
 stamps the moment each gradient bucket is ready (the rank's own work is done
 up to there; measured as the last gradient ready) while DDP runs its normal C++
-all-reduce; the time from there to the end of backward is waiting for peers. Without DDP (e.g. FSDP)
+all-reduce; the time from there to the end of backward is waiting for peers. From the
+first gradient ready to the end of backward DDP's all-reduces run: the gradient bytes
+each rank moves over that window is the step's achieved bus bandwidth (a lower bound:
+the window also holds backward compute the all-reduces overlap), the figure that
+falls for every rank together when a link on the ring is slow. Without DDP (e.g. FSDP)
 `sync_probe()` times a one-element all-reduce at a chosen point: the straggler
 arrives last and waits ~0, the others wait for it.
 
@@ -48,7 +52,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from clusterpulse.agent import protocol
 from clusterpulse.trainer import PREEMPTED_EXIT_CODE
-from clusterpulse.trainer.collectives import CollectiveLog
+from clusterpulse.trainer.collectives import CollectiveLog, ring_allreduce_bytes
 from clusterpulse.trainer.consensus import Consensus
 from clusterpulse.trainer.restart import SigtermCatcher, request_relaunch
 from clusterpulse.trainer.telemetry import AgentAddr, AgentLink, parse_agent_addr
@@ -182,7 +186,8 @@ class Pulse:
         self._bucket_marks: list[Any] = []
         self._grads_ready = 0
         self._has_hook = False
-        self._pending: list[tuple[StepContext, Any, Any, Any, float, Any, list]] = []
+        self._allreduce_bytes = 0.0  # bytes each rank moves per step in DDP's all-reduce
+        self._pending: list[tuple[StepContext, Any, Any, Any, Any, float, Any, list]] = []
         self._probes: list[tuple[Any, Any]] = []
         self._fetch_wait = 0.0
         self.last: dict[str, float] = {}  # the last step's figures (also sent to the agent)
@@ -251,14 +256,20 @@ class Pulse:
         per parameter gives that mark without a Python DDP comm hook: a Python comm
         hook's futures run Python callbacks on gloo's threads, which can abort the
         process at interpreter exit ("terminate called without an active exception").
+
+        The first gradient ready opens the all-reduce window (DDP launches a bucket
+        as soon as its gradients are all ready); with the bytes DDP reduces, a ring
+        all-reduce moves `ring_allreduce_bytes` of them per rank in that window.
         """
         params = [p for p in ddp_model.parameters() if p.requires_grad]
         on_host = isinstance(self._clock, _HostClock)
+        self._allreduce_bytes = ring_allreduce_bytes(
+            sum(p.numel() * p.element_size() for p in params), self.world_size)
 
         def ready(param: torch.Tensor) -> None:
             self._grads_ready += 1
-            # a float per gradient on the host; on CUDA one event, at the last gradient
-            if on_host or self._grads_ready == len(params):
+            # a float per gradient on the host; on CUDA an event at the first and the last
+            if on_host or self._grads_ready in (1, len(params)):
                 self._bucket_marks.append(self._clock.mark())
             if self._grads_ready == len(params):
                 # DDP launches its last bucket now: this rank has entered the gradient
@@ -325,9 +336,10 @@ class Pulse:
             ctx.loss = host
         end_mark = self._clock.mark()
         wall = time.perf_counter() - t0 + fetch
+        first_bucket = self._bucket_marks[0] if self._bucket_marks else None
         last_bucket = self._bucket_marks[-1] if self._bucket_marks else None
-        self._pending.append((ctx, start_mark, last_bucket, end_mark, wall, ctx.fb_end,
-                              self._probes))
+        self._pending.append((ctx, start_mark, first_bucket, last_bucket, end_mark, wall,
+                              ctx.fb_end, self._probes))
         self._step = step
         self._enter("between")
         self._resolve()
@@ -336,19 +348,22 @@ class Pulse:
         """Turn finished steps' marks into figures and send them (CUDA: a step late)."""
         clock = self._clock
         while self._pending:
-            ctx, start, last_bucket, end, wall, fb_end, probes = self._pending[0]
+            ctx, start, first_bucket, last_bucket, end, wall, fb_end, probes = self._pending[0]
             total = clock.elapsed(start, end)
             if total is None:
                 return
             data = ctx.sections.get("data", 0.0)
             ckpt = ctx.sections.get("checkpoint", 0.0)
             probe_wait = sum(clock.elapsed(a, b) or 0.0 for a, b in probes)
+            comm = None
             if last_bucket is not None:
-                # sync wait: last bucket ready -> end of forward_backward, on one clock
+                # sync wait: last bucket ready -> end of forward_backward, on one clock;
+                # the all-reduce window: first bucket ready -> the same end
                 ref = fb_end if fb_end is not None else end
-                sync_wait = max(0.0, clock.elapsed(last_bucket, ref) or 0.0)
-                if fb_end is None:  # no section: the tail also holds the optimizer
-                    sync_wait = max(0.0, sync_wait - ctx.sections.get("optimizer", 0.0))
+                # no section: the tail also holds the optimizer
+                tail = 0.0 if fb_end is not None else ctx.sections.get("optimizer", 0.0)
+                sync_wait = max(0.0, (clock.elapsed(last_bucket, ref) or 0.0) - tail)
+                comm = max(0.0, (clock.elapsed(first_bucket, ref) or 0.0) - tail)
             else:
                 sync_wait = probe_wait
             self._pending.pop(0)
@@ -362,6 +377,8 @@ class Pulse:
                 loss = float(loss.detach().float().item())  # CPU or completed pinned copy
             self.last = {"step_seconds": wall, "compute_seconds": compute,
                          "sync_wait_seconds": sync_wait, "data_wait_seconds": data}
+            if comm and self._allreduce_bytes:
+                self.last.update(comm_seconds=comm, comm_bytes=self._allreduce_bytes)
             msg = {"type": "step", **self.identity, "step": ctx.step, **self.last}
             if loss is not None and loss == loss:
                 msg["loss"] = loss

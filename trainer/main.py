@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from clusterpulse.agent.logsetup import setup_logging
 from clusterpulse.trainer.checkpoint import MANIFEST, CheckpointError, CheckpointManager, iter_valid
+from clusterpulse.trainer.collectives import ring_allreduce_bytes
 from clusterpulse.trainer.config import ConfigError, TrainConfig, parse_config
 from clusterpulse.trainer.data import SyntheticTokens
 from clusterpulse.trainer.faults import Faults
@@ -234,7 +235,7 @@ class Trainer:
             s.loss = loss.detach()
             s.samples = x.shape[0]
             s.tokens = x.numel()
-        self.sync_bytes += 2 * self.param_bytes * (info.world - 1) / max(info.world, 1)
+        self.sync_bytes += ring_allreduce_bytes(self.param_bytes, info.world)
         self.host_bytes += x.numel() * 8
         pulse.extra.update(sync_bytes_total=self.sync_bytes, host_bytes_total=self.host_bytes,
                            memory_bytes=float(self.param_bytes * 4))

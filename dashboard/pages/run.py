@@ -28,6 +28,11 @@ def straggler_table(d: dict) -> pd.DataFrame:
     for col in ("score", "self score", "compute s", "sync wait s", "data wait s",
                 "heartbeat age s", "step"):
         out[col] = out["rank"].map(per.get(col, {}))
+    # bytes each rank moved in the gradient all-reduce over its window: a slow link
+    # on the ring lowers every rank's figure together (no rank is a straggler then)
+    out["bus MB/s"] = (out["rank"].map(per.get("all-reduce bytes", {}))
+                       / out["rank"].map(per.get("all-reduce s", {})) / 1e6)
+    out["all-reduce s"] = out["rank"].map(per.get("all-reduce s", {}))
     out["cause"] = out["rank"].map(d["causes"])
     out["GPU °C"] = out["rank"].map(d["gpu_temp"])
     flagged = out["rank"].map(per.get("flagged", {}))

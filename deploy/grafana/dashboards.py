@@ -160,6 +160,12 @@ def run() -> dict[str, Any]:
                [(f"clusterpulse_trainer_data_wait_seconds{{{sel}}} / "
                  f"clusterpulse_trainer_step_seconds{{{sel}}}", "rank {{rank}}")],
                "percentunit", (12, 20, 12, 8)),
+        _panel(ts, "Gradient all-reduce bus bandwidth by rank",
+               [(f"clusterpulse_trainer_comm_bytes{{{sel}}} / "
+                 f"clusterpulse_trainer_comm_seconds{{{sel}}}", "rank {{rank}}")],
+               "Bps", (0, 28, 24, 8),
+               desc="Bytes each rank moved in the gradient all-reduce over its window (a "
+                    "lower bound). A slow link on the ring lowers every rank's together."),
     ], [_var("run", "label_values(clusterpulse_trainer_step, run)", "Run")])
 
 

@@ -65,20 +65,28 @@ def step_seconds(cl: TestbedCluster, window_s: float) -> float:
     return float(r[0]["value"][1])
 
 
+def comm_bandwidth(cl: TestbedCluster, window_s: float) -> float:
+    r = cl.query(f'avg_over_time(clusterpulse:run_comm_bandwidth_bytes_per_second'
+                 f'{{run="{RUN}"}}[{max(2, int(window_s))}s])')
+    return float(r[0]["value"][1])
+
+
 def test_slow_link_slows_the_job_and_is_named(cl):
     """tbf on one node's link (4 Mbit/s) slows every rank's step: ranks wait for the
     gradients that cross the slow link, so no rank is a straggler; the node's agent sees
     its queue hold packets back, and TrainingLinkCongested names that node and link
-    (cause communication), no other."""
+    (cause communication), no other. The run's gradient all-reduce bus bandwidth
+    falls with it, every rank's together."""
     start = max_step(cl)
     wait_until(lambda: max_step(cl) >= start + 20, 120, "20 normal steps")
-    before = step_seconds(cl, 8)
+    before, bw_before = step_seconds(cl, 8), comm_bandwidth(cl, 8)
     node = cl.bed.nodes[1]
     cl.bed.slow_link(node, rate="4mbit", burst="32kb", latency="500ms")
     t0, s0 = time.monotonic(), max_step(cl)
     try:
         wait_until(lambda: max_step(cl) >= s0 + 6, 180, "6 steps over the slow link")
         during = step_seconds(cl, time.monotonic() - t0 - 3)
+        bw_during = comm_bandwidth(cl, time.monotonic() - t0 - 3)
         wait_until(lambda: cl.alerts("TrainingLinkCongested"), 180, "TrainingLinkCongested")
         named = {(a["labels"]["node"], a["labels"]["device"], a["labels"]["cause"])
                  for a in cl.alerts("TrainingLinkCongested")}
@@ -86,6 +94,7 @@ def test_slow_link_slows_the_job_and_is_named(cl):
     finally:
         cl.bed.fix_link(node)
     assert during > 3 * before, f"step {during:.3f}s on the slow link vs {before:.3f}s before"
+    assert bw_during < bw_before / 3, f"all-reduce {bw_during:.3g} B/s vs {bw_before:.3g} before"
     assert named == {(node.name, "eth0", "communication")}, named
 
 

@@ -35,7 +35,8 @@ def prom_with_data(tmp_path_factory):
                     "sync_wait_seconds": 0.0 if rank == 3 else 0.05, "data_wait_seconds": 0.001,
                     "straggler_score": 2.0 if rank == 3 else 1.0, "restarts": 0,
                     "checkpoint_step": 40, "checkpoint_timestamp_seconds": 1.7e9,
-                    "goodput_ratio": 0.9}))
+                    "goodput_ratio": 0.9, "comm_bytes": 2e7,
+                    "comm_seconds": 0.05 if rank == 3 else 0.1}))
 
     def ready():
         report()
@@ -84,6 +85,11 @@ def test_run_page_flags_the_straggler_with_its_evidence(prom_with_data, monkeypa
     top = table.iloc[0]
     assert top["rank"] == "3" and top["flag"] == "STRAGGLER" and top["cause"] == "compute"
     assert top["node"] == "node-b"
+    # the gradient all-reduce: bytes over its window; the straggler's window is short
+    assert top["bus MB/s"] == pytest.approx(400) and top["all-reduce s"] == 0.05
+    assert list(table["bus MB/s"].iloc[1:]) == pytest.approx([200] * 3)
+    (bw,) = prom.query('clusterpulse:run_comm_bandwidth_bytes_per_second{run="llm"}')
+    assert float(bw["value"][1]) == pytest.approx(2e8)  # the median rank's
     assert any("Rank 3 on node-b" in w.value for w in at.warning)
     # A viewer sees no action form.
     assert any("Viewers are read-only" in i.value for i in at.info)

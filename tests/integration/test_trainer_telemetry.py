@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from clusterpulse.trainer.collectives import ring_allreduce_bytes
+from clusterpulse.trainer.model import build_model
 from tests.conftest import start_agent
 from tests.support.torchrun import run_trainer
 
@@ -30,6 +32,18 @@ def test_slowed_rank_has_the_compute_time_and_its_peer_the_wait(tmp_path, parall
         assert slow["step_seconds"] == pytest.approx(fast["step_seconds"], rel=0.3)
         assert ranks[1].steps_total == 30 and ranks[1].step == 30
         assert ranks[0].values["loss"] > 0 and ranks[0].world_size == 2
+        if parallel == "ddp":
+            # DDP's gradient all-reduce: a ring moves 2(n-1)/n of the gradient bytes per
+            # rank, in a window from the first gradient ready to the sync's end; the
+            # waiting rank's window holds its wait, the straggler's hardly any.
+            grad_bytes = sum(p.numel() * p.element_size()
+                             for p in build_model("tiny", 0).parameters())
+            for v in (fast, slow):
+                assert v["comm_bytes"] == ring_allreduce_bytes(grad_bytes, 2) == grad_bytes
+                assert v["comm_seconds"] >= v["sync_wait_seconds"]
+            assert fast["comm_seconds"] > fast["sync_wait_seconds"] > slow["comm_seconds"]
+        else:  # FSDP's collectives are not timed (its sync is probed): nothing claimed
+            assert "comm_seconds" not in fast and "comm_bytes" not in fast
     finally:
         server.shutdown()
         running.agent.stop()

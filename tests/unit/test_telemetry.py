@@ -77,6 +77,18 @@ def test_registry_is_bounded_and_forgets_silent_ranks():
     assert [r.rank for r in reg.snapshot()] == [0]
 
 
+@pytest.mark.parametrize("outcome,phase", [
+    ("finished", "exited"), ("preempted", "exited"),
+    # a rank that raised or was restarted: the restart gap applies (the hang rules), so
+    # a crash that nothing restarts still pages; a finish never does
+    ("failed", "forward_backward"), ("checkpoint-restart", "forward_backward")])
+def test_only_a_clean_exit_ends_a_rank(outcome, phase):
+    reg = RankRegistry()
+    reg.update(msg(type="heartbeat", phase="forward_backward"), None)
+    reg.update(protocol.decode(raw(msg(type="event", event="exit", outcome=outcome))), None)
+    assert reg.of_run("r1")[0].phase == phase
+
+
 def test_rank_memory_is_bounded_whatever_arrives():
     """Finding: every unknown numeric key was kept and the acks set never shrank."""
     reg = RankRegistry()
