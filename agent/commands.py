@@ -9,8 +9,9 @@ by its deadline escalates to hard, because a hung rank never reaches a step boun
 States: pending -> delivered (every targeted rank acknowledged: it heard the command,
 or left for a checkpoint-restart while it was open) -> completed (as many of the run's
 ranks as were targeted are back on this node as new processes with a higher restart
-count, whatever numbers the new rendezvous gave them); or escalated (then completed
-or failed); or failed.
+count that have each completed a step, whatever numbers the new rendezvous gave them;
+joining the process group or loading the checkpoint is not resuming); or escalated
+(then completed or failed); or failed.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class CommandBook:
                 if r.rank in cmd.targets and cmd.id in r.acks:
                     cmd.acked.add(r.rank)
                 new_process = r.sender not in owners or not r.sender.verified
-                if r.restarts > base and r.step >= 0 and new_process:
+                if r.restarts > base and r.process_steps > 0 and new_process:
                     cmd.resumed.add(r.rank)
             if cmd.state == "pending" and cmd.acked >= set(cmd.targets):
                 cmd.state = "delivered"

@@ -55,6 +55,9 @@ class RankState:
     restarts: int = 0
     steps_total: int = 0
     last_counted_step: int = -1
+    # Steps completed by the process that holds the rank now: a restarted process has
+    # resumed once it has completed one (its heartbeats before that carry the old step).
+    process_steps: int = 0
     # rates for the GPU simulator, from consecutive cumulative counters
     sync_bytes_per_s: float = 0.0
     host_bytes_per_s: float = 0.0
@@ -105,6 +108,7 @@ class RankRegistry:
                     raise Refused("owned_by_other_process")
                 self._check_quota(sender, replacing=key)
                 r.sender = sender  # the previous owner exited: a restarted worker
+                r.process_steps = 0
             if r is None:
                 self._check_quota(sender)
                 if len(self._ranks) >= self.max_ranks and not self._evict_dead():
@@ -138,6 +142,8 @@ class RankRegistry:
 
     @staticmethod
     def _fold(r: RankState, msg: dict[str, Any], now: float) -> None:
+        if msg.get("restarts", r.restarts) != r.restarts:
+            r.process_steps = 0  # a new attempt (also where senders are unverified)
         for name in ("local_rank", "world_size", "gpu", "restarts"):
             if name in msg:
                 setattr(r, name, msg[name])
@@ -156,6 +162,7 @@ class RankRegistry:
         if "step" in msg:
             if msg["type"] == "step" and msg["step"] != r.last_counted_step:
                 r.steps_total += 1  # heartbeats carry the step too; count step messages
+                r.process_steps += 1
                 r.last_counted_step = msg["step"]
             r.step = msg["step"]
         for k in NUMBER_FIELDS.intersection(msg):  # the only values kept: a fixed set

@@ -99,8 +99,16 @@ def test_graceful_command_is_delivered_acknowledged_and_completes(sim_agent):
                                               "step": 3, "restarts": 1}]):
         pass  # the old owner (this process) is alive, so the new one is refused ...
     sim_agent.agent.ranks.of_run("r1")[0].sender = Sender()  # ... unless it has exited
+    # Joined its process group and loading the checkpoint (heartbeats carry the old
+    # step): not resumed yet (CI finding: the page said "All ranks resumed" before the
+    # run had recorded its restart).
+    with RankProcess(sim_agent.socket_path, [{"type": "heartbeat", "run": "r1", "rank": 0,
+                                              "step": 3, "restarts": 1, "phase": "start"}]):
+        sim_agent.agent.collect_once()
+        assert sim_agent.get(f"/v1/commands/{cid}").json()["state"] == "delivered"
+    sim_agent.agent.ranks.of_run("r1")[0].sender = Sender()
     with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r1", "rank": 0,
-                                              "step": 3, "restarts": 1}]):
+                                              "step": 4, "restarts": 1}]):
         sim_agent.agent.collect_once()
     status = sim_agent.get(f"/v1/commands/{cid}").json()
     assert status["state"] == "completed" and status["resumed"] == [0]
