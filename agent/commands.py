@@ -155,8 +155,14 @@ class CommandBook:
 
         A rank learnt over UDP, or whose process is no longer the one that registered
         (exited, pid reused), is not signalled; the reason is kept for the audit log.
+        Only the processes that held the ranks when the command was made: at an
+        escalation the ranks that did leave may be back as new processes still
+        loading their checkpoint, and those must not be killed.
         """
+        owners = set(cmd.owners.values())
         for r in self._ranks.live_of_run(cmd.run):  # not departed ranks' entries
+            if r.sender not in owners:
+                continue
             try:
                 fd = identity.open_verified(r.sender)
             except identity.SignalRefused as why:
@@ -213,7 +219,8 @@ class CommandBook:
                 if r.rank in cmd.targets and cmd.id in r.acks:
                     cmd.acked.add(r.rank)
                 new_process = r.sender not in owners or not r.sender.verified
-                if r.restarts > base and r.process_steps > 0 and new_process:
+                stepped = r.process_steps > 0 or r.phase == "exited"  # or had none left
+                if r.restarts > base and stepped and new_process:
                     cmd.resumed.add(r.rank)
             if cmd.state == "pending" and cmd.acked >= set(cmd.targets):
                 cmd.state = "delivered"

@@ -185,8 +185,10 @@ class Pulse:
             else _HostClock())
         self._bucket_marks: list[Any] = []
         self._grads_ready = 0
+        self._first_grad: Any = None  # this step's first gradient ready (the window's start)
         self._has_hook = False
         self._allreduce_bytes = 0.0  # bytes each rank moves per step in DDP's all-reduce
+        self._n_params = 0  # gradients DDP reduces (attach_ddp)
         self._pending: list[tuple[StepContext, Any, Any, Any, Any, float, Any, list]] = []
         self._probes: list[tuple[Any, Any]] = []
         self._fetch_wait = 0.0
@@ -259,23 +261,35 @@ class Pulse:
 
         The first gradient ready opens the all-reduce window (DDP launches a bucket
         as soon as its gradients are all ready); with the bytes DDP reduces, a ring
-        all-reduce moves `ring_allreduce_bytes` of them per rank in that window.
+        all-reduce over DDP's own group moves `ring_allreduce_bytes` of them per rank
+        in that window. Backward passes under `no_sync()` (gradient accumulation)
+        reduce nothing and are not marked: the window is the syncing pass's.
         """
         params = [p for p in ddp_model.parameters() if p.requires_grad]
         on_host = isinstance(self._clock, _HostClock)
+        group = getattr(ddp_model, "process_group", None)
         self._allreduce_bytes = ring_allreduce_bytes(
-            sum(p.numel() * p.element_size() for p in params), self.world_size)
+            sum(p.numel() * p.element_size() for p in params),
+            group.size() if group is not None else self.world_size)
 
         def ready(param: torch.Tensor) -> None:
+            if not getattr(ddp_model, "require_backward_grad_sync", True):
+                return  # inside no_sync(): no all-reduce follows this backward
             self._grads_ready += 1
+            first, last = self._grads_ready == 1, self._grads_ready == len(params)
             # a float per gradient on the host; on CUDA an event at the first and the last
-            if on_host or self._grads_ready in (1, len(params)):
-                self._bucket_marks.append(self._clock.mark())
-            if self._grads_ready == len(params):
+            if on_host or first or last:
+                mark = self._clock.mark()
+                if first:
+                    self._first_grad = mark
+                if on_host or last:
+                    self._bucket_marks.append(mark)
+            if last:
                 # DDP launches its last bucket now: this rank has entered the gradient
                 # all-reduce; it completes when the step ends (backward has returned)
                 self._ddp_seq = self.collectives.enter("all_reduce")
 
+        self._n_params = len(params)
         for p in params:
             p.register_post_accumulate_grad_hook(ready)
         self._has_hook = True
@@ -321,6 +335,7 @@ class Pulse:
         self._enter("step")
         self._bucket_marks = []
         self._grads_ready = 0
+        self._first_grad = None
         self._probes = []
         t0 = time.perf_counter()
         start_mark = self._clock.mark()
@@ -336,8 +351,9 @@ class Pulse:
             ctx.loss = host
         end_mark = self._clock.mark()
         wall = time.perf_counter() - t0 + fetch
-        first_bucket = self._bucket_marks[0] if self._bucket_marks else None
         last_bucket = self._bucket_marks[-1] if self._bucket_marks else None
+        # a window only where every gradient was ready: DDP then reduced them all
+        first_bucket = self._first_grad if self._grads_ready >= self._n_params else None
         self._pending.append((ctx, start_mark, first_bucket, last_bucket, end_mark, wall,
                               ctx.fb_end, self._probes))
         self._step = step
@@ -363,7 +379,8 @@ class Pulse:
                 # no section: the tail also holds the optimizer
                 tail = 0.0 if fb_end is not None else ctx.sections.get("optimizer", 0.0)
                 sync_wait = max(0.0, (clock.elapsed(last_bucket, ref) or 0.0) - tail)
-                comm = max(0.0, (clock.elapsed(first_bucket, ref) or 0.0) - tail)
+                if first_bucket is not None:
+                    comm = max(0.0, (clock.elapsed(first_bucket, ref) or 0.0) - tail)
             else:
                 sync_wait = probe_wait
             self._pending.pop(0)

@@ -36,7 +36,8 @@ def processes_mentioning(text: str) -> list[int]:
 
 def test_local_cluster_starts_healthy_and_stops_clean(tmp_path):
     state = tmp_path / "state"
-    base = random.randrange(30000, 39000, 100)
+    # below the kernel's ephemeral ports (32768+), which other tests' free ports use
+    base = random.randrange(25000, 30000, 100)
     p = subprocess.Popen([sys.executable, "deploy/local/cluster.py", "--state-dir", str(state),
                           "--base-port", str(base)], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)

@@ -285,6 +285,27 @@ def test_udp_ranks_are_never_signalled(tmp_path):
         agent.stop()
 
 
+def test_escalation_spares_the_new_processes_still_loading(sim_agent):
+    """Review finding: once "resumed" waited for a step, an escalation at the deadline
+    SIGTERMed every live rank of the run, the restarted processes still loading their
+    checkpoint included. It may signal only the processes the command was made for."""
+    s = connect(sim_agent.socket_path)
+    _rank(s, step=5, restarts=0)
+    cid = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart",
+                                                 "reason": "slow", "deadline_s": 1}).json()["id"]
+    s.close()
+    sim_agent.agent.ranks.of_run("r1")[0].sender = Sender()  # the old process left
+    with RankProcess(sim_agent.socket_path, [{"type": "heartbeat", "run": "r1", "rank": 0,
+                                              "step": 5, "restarts": 1,
+                                              "phase": "start"}]) as new:
+        time.sleep(1.3)
+        sim_agent.agent.collect_once()
+        assert sim_agent.get(f"/v1/commands/{cid}").json()["state"] == "escalated"
+        time.sleep(0.5)
+        assert new.p.poll() is None, "the new process was signalled"
+    assert not _audit(sim_agent)[-1].get("signalled_pids")
+
+
 def test_graceful_command_escalates_to_hard_after_deadline(sim_agent):
     with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r1", "rank": 0,
                                               "step": 5}]) as rank:

@@ -379,6 +379,13 @@ def test_attach_ddp_adds_no_python_comm_hook(tmp_path):
             model(torch.ones(2, 8)).sum().backward()
         assert len(pulse._pending) == 0 and pulse.last["sync_wait_seconds"] >= 0
         assert pulse._grads_ready == 2  # weight and bias: the last one is the mark
+        # one rank reduces nothing: no all-reduce traffic is claimed
+        assert "comm_seconds" not in pulse.last and "comm_bytes" not in pulse.last
+        # gradient accumulation: a backward under no_sync() reduces nothing, is not marked
+        with pulse.step(2) as s, s.section("forward_backward"), model.no_sync():
+            model(torch.ones(2, 8)).sum().backward()
+        assert pulse._grads_ready == 0 and pulse._first_grad is None
+        assert pulse.last["sync_wait_seconds"] == 0
         pulse.close()
     finally:
         dist.destroy_process_group()
