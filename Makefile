@@ -1,5 +1,5 @@
 # Convenience targets; the README's two commands are scripts/demo.sh and scripts/test.sh.
-.PHONY: setup test demo bench bench-fleet bench-testbed lint chaos
+.PHONY: setup test demo bench bench-fleet bench-testbed bench-incidents lint chaos
 setup:
 	scripts/setup.sh
 test:
@@ -14,5 +14,7 @@ bench-fleet: setup
 	.venv/bin/python -m tests.bench.run --only bench_fleet
 bench-testbed: setup  # recovery on a 4-node testbed (root: network namespaces)
 	.venv/bin/python -m tests.bench.run --only bench_testbed_recovery
+bench-incidents: setup  # hangs and slow links end to end vs the previous rules (root: links)
+	.venv/bin/python -m tests.bench.run --only bench_incidents
 chaos: setup  # the multi-node chaos run (root: network namespaces); MINUTES=30 SEED=1
 	.venv/bin/python -m tests.bench.chaos --minutes $${MINUTES:-30} --seed $${SEED:-1}

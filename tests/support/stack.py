@@ -46,9 +46,10 @@ class Stack:
 
     @classmethod
     def start(cls, tmp: Path, nodes: int = 2, gpus: int = 4,
-              hang_timeout_s: int | None = None) -> Stack:
+              hang_timeout_s: int | None = None, extra_rules: list[Path] | None = None) -> Stack:
         """`hang_timeout_s`: the absolute hang timeout, set as an operator would (the
-        `clusterpulse:config_hang_timeout_seconds` rule), instead of its 300 s."""
+        `clusterpulse:config_hang_timeout_seconds` rule), instead of its 300 s.
+        `extra_rules`: rule files loaded next to the project's (a benchmark's baseline)."""
         s = cls(tmp)
         token = tmp / "token"
         token.write_text(TOKEN)
@@ -67,7 +68,8 @@ class Stack:
             assert default in text, "the hang timeout rule moved"
             rules[0] = tmp / rules[0].name
             rules[0].write_text(text.replace(default, default.replace("300", str(hang_timeout_s))))
-        s.prom = Prometheus(tmp, [f"127.0.0.1:{n.port}" for n in s.nodes], rule_files=rules,
+        s.prom = Prometheus(tmp, [f"127.0.0.1:{n.port}" for n in s.nodes],
+                            rule_files=rules + (extra_rules or []),
                             alertmanager=f"127.0.0.1:{s.am.port}")
         return s
 
