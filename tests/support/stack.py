@@ -4,6 +4,7 @@ project's config delivering to a webhook sink, and multi-node torchrun jobs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -107,6 +108,23 @@ class Stack:
                 os.killpg(p.pid, 9)
                 p.wait()
         self.jobs.clear()
+        self._kill_strays()
+
+    def _kill_strays(self) -> None:
+        """Ranks that outlived their launcher: a hung rank defers SIGTERM (Pulse acts on
+        it at a consensus step it never reaches) and sits in its own process group, so
+        the launcher's group kill orphans it. Found by their checkpoint directory."""
+        needle = f"--ckpt-dir\0{self.tmp}/"
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if needle in cmdline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(proc.name), 9)
 
     def stop(self) -> None:
         self.stop_jobs()
