@@ -13,6 +13,7 @@ from pathlib import Path
 
 import requests
 
+from deploy.local.stack import descendants
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Alertmanager, Proc, Prometheus, start_agent_cli
 from tests.support.webhook import WebhookSink
@@ -98,6 +99,10 @@ class Stack:
                 if a["labels"]["alertname"] == alertname and a["state"] == "firing"]
 
     def stop_jobs(self) -> None:
+        """As the local cluster stops: the launchers' groups, then every descendant still
+        alive (a hung rank defers SIGTERM and sits in a session of its own, so a
+        launcher killed before torchrun reaped it would orphan it)."""
+        family = descendants([p.pid for p in self.jobs if p.poll() is None])
         for p in self.jobs:
             if p.poll() is None:
                 os.killpg(p.pid, 15)
@@ -108,23 +113,9 @@ class Stack:
                 os.killpg(p.pid, 9)
                 p.wait()
         self.jobs.clear()
-        self._kill_strays()
-
-    def _kill_strays(self) -> None:
-        """Ranks that outlived their launcher: a hung rank defers SIGTERM (Pulse acts on
-        it at a consensus step it never reaches) and sits in its own process group, so
-        the launcher's group kill orphans it. Found by their checkpoint directory."""
-        needle = f"--ckpt-dir\0{self.tmp}/"
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if needle in cmdline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(proc.name), 9)
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
 
     def stop(self) -> None:
         self.stop_jobs()
