@@ -68,9 +68,14 @@ class CollectiveLog:
                     "collective": self._ops[oldest] if oldest is not None else ""}
 
 
+def ring_bus_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-gather or reduce-scatter of
+    an `nbytes` buffer (the gathered output, the reduce-scatter's input): (n-1)/n of
+    them. Over the collective's time this is nccl-tests' "bus bandwidth", the figure
+    to hold against the link's own speed; it does not depend on the rank count."""
+    return nbytes * (world_size - 1) / max(world_size, 1)
+
+
 def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
-    """Bytes each rank sends (and receives) to all-reduce `nbytes` in a ring: 2(n-1)/n
-    of them, half in the reduce-scatter and half in the all-gather. Over the time the
-    all-reduce takes this is nccl-tests' "bus bandwidth", the figure to hold against
-    the link's own speed; it does not depend on the rank count."""
-    return 2.0 * nbytes * (world_size - 1) / max(world_size, 1)
+    """The same for an all-reduce: a reduce-scatter then an all-gather, 2(n-1)/n."""
+    return 2.0 * ring_bus_bytes(nbytes, world_size)

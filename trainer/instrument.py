@@ -27,7 +27,9 @@ each rank moves over that window is the step's achieved bus bandwidth (a lower b
 the window also holds backward compute the all-reduces overlap), the figure that
 falls for every rank together when a link on the ring is slow. Without DDP (e.g. FSDP)
 `sync_probe()` times a one-element all-reduce at a chosen point: the straggler
-arrives last and waits ~0, the others wait for it.
+arrives last and waits ~0, the others wait for it. With FSDP2, `attach_fsdp` times
+each all-gather and reduce-scatter (FSDP's own, through its custom-collective hook)
+and counts the bytes each rank moves in them: the same collective time and bandwidth.
 
 On CUDA the host runs ahead of the device, so every mark is a CUDA event recorded at
 the same points and read once it has completed (a step or more later); the loss is
@@ -189,7 +191,9 @@ class Pulse:
         self._has_hook = False
         self._allreduce_bytes = 0.0  # bytes each rank moves per step in DDP's all-reduce
         self._n_params = 0  # gradients DDP reduces (attach_ddp)
-        self._pending: list[tuple[StepContext, Any, Any, Any, Any, float, Any, list]] = []
+        self._comm_marks: list[tuple[Any, Any, float]] = []  # FSDP: (start, end, bytes)
+        self._pending: list[tuple[StepContext, Any, Any, Any, Any, float, Any, list,
+                                  list]] = []
         self._probes: list[tuple[Any, Any]] = []
         self._fetch_wait = 0.0
         self.last: dict[str, float] = {}  # the last step's figures (also sent to the agent)
@@ -308,6 +312,44 @@ class Pulse:
         self._probes.append((a, self._clock.mark()))
         self._enter(previous)
 
+    def attach_fsdp(self, model: torch.nn.Module) -> int:
+        """Time every all-gather and reduce-scatter of the FSDP2 (`fully_shard`)
+        modules in `model`; returns how many modules are timed (0: no FSDP2 module, or
+        a torch without FSDP's custom-collective hook, >= 2.8).
+
+        Each collective runs as FSDP's default one would, between two marks on the
+        stream FSDP issues it on (CUDA events; on CPU the host blocks in it), and is
+        counted as entered and completed (the sequence numbers that name a hang's root).
+        A rank moves (n-1)/n of each gathered buffer and of each reduce-scatter's input
+        (nccl-tests' bus bytes), summed over the step with the collectives' time:
+        per-rank collective time and achieved bandwidth. Call it after `fully_shard`
+        and after any `set_custom_*` or symmetric-memory setting of your own (those
+        replace these). Collectives that FSDP issues asynchronously (`unshard(async_op=
+        True)`, prefetch by hand) are neither timed nor counted: their completion is
+        only known where the caller waits.
+        """
+        from clusterpulse.trainer.fsdp_comms import timed_fsdp_comms
+
+        comms = timed_fsdp_comms(self._timed_collective)
+        if comms is None:
+            return 0
+        from torch.distributed.fsdp import FSDPModule
+
+        gather, scatter = comms
+        modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for m in modules:
+            m.set_custom_all_gather(gather)
+            m.set_custom_reduce_scatter(scatter)
+        return len(modules)
+
+    def _timed_collective(self, op: str, bus_bytes: float, call: Callable[[], Any]) -> Any:
+        """Run a blocking collective between two clock marks and count it (FSDP)."""
+        with self.collectives.track(op):
+            a = self._clock.mark()
+            result = call()
+            self._comm_marks.append((a, self._clock.mark(), bus_bytes))
+        return result
+
     # -- input ---------------------------------------------------------------------------
     def data(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yield from `iterable`, timing each fetch: that wait is the next step's data
@@ -337,6 +379,7 @@ class Pulse:
         self._grads_ready = 0
         self._first_grad = None
         self._probes = []
+        self._comm_marks = []
         t0 = time.perf_counter()
         start_mark = self._clock.mark()
         yield ctx
@@ -355,7 +398,8 @@ class Pulse:
         # a window only where every gradient was ready: DDP then reduced them all
         first_bucket = self._first_grad if self._grads_ready >= self._n_params else None
         self._pending.append((ctx, start_mark, first_bucket, last_bucket, end_mark, wall,
-                              ctx.fb_end, self._probes))
+                              ctx.fb_end, self._probes, self._comm_marks))
+        self._comm_marks = []
         self._step = step
         self._enter("between")
         self._resolve()
@@ -364,14 +408,21 @@ class Pulse:
         """Turn finished steps' marks into figures and send them (CUDA: a step late)."""
         clock = self._clock
         while self._pending:
-            ctx, start, first_bucket, last_bucket, end, wall, fb_end, probes = self._pending[0]
+            (ctx, start, first_bucket, last_bucket, end, wall, fb_end, probes,
+             comm_marks) = self._pending[0]
             total = clock.elapsed(start, end)
             if total is None:
                 return
             data = ctx.sections.get("data", 0.0)
             ckpt = ctx.sections.get("checkpoint", 0.0)
             probe_wait = sum(clock.elapsed(a, b) or 0.0 for a, b in probes)
-            comm = None
+            comm, comm_bytes = None, self._allreduce_bytes
+            if comm_marks:  # FSDP's timed collectives, each on its own stream (CUDA)
+                times = [clock.elapsed(a, b) for a, b, _ in comm_marks]
+                if None in times:
+                    return  # one still runs on its stream: report on a later step
+                comm = sum(t for t in times if t is not None)
+                comm_bytes = sum(n for _, _, n in comm_marks)
             if last_bucket is not None:
                 # sync wait: last bucket ready -> end of forward_backward, on one clock;
                 # the all-reduce window: first bucket ready -> the same end
@@ -394,8 +445,8 @@ class Pulse:
                 loss = float(loss.detach().float().item())  # CPU or completed pinned copy
             self.last = {"step_seconds": wall, "compute_seconds": compute,
                          "sync_wait_seconds": sync_wait, "data_wait_seconds": data}
-            if comm and self._allreduce_bytes:
-                self.last.update(comm_seconds=comm, comm_bytes=self._allreduce_bytes)
+            if comm and comm_bytes:
+                self.last.update(comm_seconds=comm, comm_bytes=comm_bytes)
             msg = {"type": "step", **self.identity, "step": ctx.step, **self.last}
             if loss is not None and loss == loss:
                 msg["loss"] = loss

@@ -1,5 +1,6 @@
 """Telemetry from a real torchrun job into a real agent: the compute/sync split names
-the straggler, for DDP (bucket-ready comm hook) and FSDP (sync probes)."""
+the straggler, for DDP (bucket-ready comm hook) and FSDP (sync probes); collective
+time and bytes for both (DDP's all-reduce window, FSDP's timed collectives)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,20 @@ def test_slowed_rank_has_the_compute_time_and_its_peer_the_wait(tmp_path, parall
                 assert v["comm_bytes"] == ring_allreduce_bytes(grad_bytes, 2) == grad_bytes
                 assert v["comm_seconds"] >= v["sync_wait_seconds"]
             assert fast["comm_seconds"] > fast["sync_wait_seconds"] > slow["comm_seconds"]
-        else:  # FSDP's collectives are not timed (its sync is probed): nothing claimed
-            assert "comm_seconds" not in fast and "comm_bytes" not in fast
+        else:
+            # FSDP2: each all-gather (forward, and backward for the resharded blocks)
+            # and each reduce-scatter is timed; a rank moves (n-1)/n of each gathered
+            # or reduced buffer: with 2 ranks half the parameters' bytes per all-gather
+            # of every unit and half per reduce-scatter, so between 1x (forward
+            # all-gather + reduce-scatter) and 1.5x (every unit re-gathered) of them.
+            model = build_model("tiny", 0)
+            param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            units = 1 + len(model.blocks)
+            for v in (fast, slow):
+                assert param_bytes <= v["comm_bytes"] <= 1.5 * param_bytes * 1.01, v
+                assert 0 < v["comm_seconds"] < v["step_seconds"], v
+                # each collective is counted: the sequence numbers name a hang's root
+                assert v["collectives_entered_total"] >= 30 * 2 * units, v
     finally:
         server.shutdown()
         running.agent.stop()
