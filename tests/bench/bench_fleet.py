@@ -161,6 +161,50 @@ def _fetch(store: _Store) -> tuple[float, float]:
     return now, then
 
 
+# The straggler-cause rule of the previous release: per-GPU evidence only as recorded
+# every 15 s (the current rule also reads each clock-event reason from the last scrape).
+CAUSE_RULES = ("clusterpulse:gpu_clock_event_now", "clusterpulse:rank_straggler_cause")
+PREVIOUS_CAUSE_RULE = """
+label_replace(clusterpulse:rank_gpu * on (node, gpu) group_left ()
+    (max_over_time(clusterpulse:gpu_thermal_throttled[1m]) == 1),
+  "cause", "thermal_throttling", "", "")
+or on (run, rank)
+label_replace(clusterpulse:rank_gpu * on (node, gpu) group_left ()
+    (clusterpulse:gpu_power_brake == 1), "cause", "power_brake", "", "")
+or on (run, rank)
+label_replace(clusterpulse:rank_gpu * on (node, gpu) group_left ()
+    (clusterpulse:gpu_clock_slowdown == 1), "cause", "slow_clocks", "", "")
+or on (run, rank)
+label_replace(clusterpulse:rank_gpu * on (node, gpu) group_left ()
+    (0 * max by (node, gpu) (clusterpulse:gpu_xid_recent) + 1), "cause", "gpu_errors", "", "")
+or on (run, rank)
+label_replace(clusterpulse:rank_gpu * on (run, rank) group_left ()
+    (0 * (clusterpulse:rank_data_wait_ratio > 0.2) + 1), "cause", "data_loading", "", "")
+or on (run, rank)
+label_replace(clusterpulse:rank_gpu, "cause", "compute", "", "")
+"""
+
+
+def _cause_rule_cost(store: _Store, repeats: int = 7) -> tuple[float, float]:
+    """One evaluation of the straggler-cause rules as loaded (the clock events read
+    from the last scrape, then the cause), against the previous release's cause rule,
+    as instant queries taken in turn (median seconds of each). This fleet has no
+    ranks: what differs is reading the per-GPU evidence, which scales with GPUs."""
+    groups = requests.get(store.url + "/api/v1/rules", timeout=60).json()["data"]["groups"]
+    rules = {r["name"]: r["query"] for g in groups for r in g["rules"] if "query" in r}
+    variants = {"ours": [rules[name] for name in CAUSE_RULES],
+                "previous": [PREVIOUS_CAUSE_RULE]}
+    times: dict[str, list[float]] = {"ours": [], "previous": []}
+    for _ in range(repeats):
+        for name, exprs in variants.items():
+            t0 = time.perf_counter()
+            for expr in exprs:
+                store.query(expr)
+            times[name].append(time.perf_counter() - t0)
+    mid = repeats // 2
+    return sorted(times["ours"])[mid], sorted(times["previous"])[mid]
+
+
 def _groups(store: _Store) -> dict[str, tuple[float, float]]:
     """Each rule group's last evaluation time and its interval, in seconds."""
     groups = requests.get(store.url + "/api/v1/rules", timeout=60).json()["data"]["groups"]
@@ -221,6 +265,7 @@ def run() -> list[Row]:
                 gpu_series = prom.scalar('sum(scrape_samples_scraped{job="clusterpulse"})')
                 scrape = prom.scalar('max(scrape_duration_seconds{job="clusterpulse"})')
                 p_fetch, p_fetch_before = _fetch(prom)
+                cause, cause_before = _cause_rule_cost(prom)
                 p_cold, p_worst, p_warm, p_queries = _render(prom)
                 rss = _rss(prom)
             finally:
@@ -246,6 +291,8 @@ def run() -> list[Row]:
         *[Row(f"fleet: rule group {name}, slowest eval over {2 * SCRAPE_S} s", took, "s",
               budget=f"< {every:g} s") for name, (took, every) in sorted(worst.items())],
         Row("fleet: rule group iterations missed", missed, "iterations", budget="0"),
+        Row("fleet: straggler-cause rules, one evaluation (median of 7)", cause, "s",
+            baseline=cause_before, baseline_name="recorded evidence only"),
         Row("fleet: Prometheus resident memory", rss / 2**20, "MiB"),
         Row(f"fleet: cluster page render, Prometheus, no cached data (median of "
             f"{COLD_RENDERS})", p_cold, "s", budget="< 2 s"),
