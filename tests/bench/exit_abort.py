@@ -3,6 +3,8 @@ exception", seen in 4 of 37 instrumented runs with attach_ddp): runs the instrum
 DDP tutorial N times under torchrun and counts runs that did not end cleanly.
 
     python -m tests.bench.exit_abort --runs 40
+    python -m tests.bench.exit_abort --runs 40 --agent --concurrent 2   # as reported:
+        # ranks talking to a real agent, on a machine busy with other runs
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tests.support.procs import REPO
+from tests.support.procs import REPO, start_agent_cli
 
 
-def one_run(tmp: Path, i: int) -> tuple[int, bool]:
+def one_run(tmp: Path, i: int, agent: str) -> tuple[int, bool]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=2", str(REPO / "examples" / "ddp_tutorial.py"), "1", "1",
            "--snapshot", str(tmp / f"s{i}.pt")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CLUSTERPULSE_AGENT": "none",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CLUSTERPULSE_AGENT": agent,
            "PYTHONPATH": str(REPO)}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     out = p.stdout + p.stderr
@@ -32,15 +35,30 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=40, help="runs (default: 40)")
+    ap.add_argument("--agent", action="store_true",
+                    help="start a real agent and send the ranks' telemetry to it")
+    ap.add_argument("--concurrent", type=int, default=1,
+                    help="runs at a time, to load the machine (default: 1)")
     a = ap.parse_args()
-    bad = aborts = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(a.runs):
-            rc, aborted = one_run(Path(tmp), i)
-            bad += rc != 0
-            aborts += aborted
-            print(f"run {i + 1}/{a.runs}: exit {rc}{' ABORT' if aborted else ''}", flush=True)
-    print(f"RESULT runs={a.runs} failed={bad} terminate_called={aborts}", flush=True)
+    bad = aborts = done = 0
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        proc, address = None, "none"
+        if a.agent:
+            proc, _, address = start_agent_cli(tmp, "abort-node", gpus=2)
+        try:
+            with ThreadPoolExecutor(max(1, a.concurrent)) as pool:
+                for rc, aborted in pool.map(lambda i: one_run(tmp, i, address), range(a.runs)):
+                    done += 1
+                    bad += rc != 0
+                    aborts += aborted
+                    print(f"run {done}/{a.runs}: exit {rc}{' ABORT' if aborted else ''}",
+                          flush=True)
+        finally:
+            if proc is not None:
+                proc.stop()
+    print(f"RESULT runs={a.runs} agent={a.agent} concurrent={a.concurrent} failed={bad} "
+          f"terminate_called={aborts}", flush=True)
     return 0
 
 
