@@ -16,7 +16,7 @@ from streamlit.testing.v1 import AppTest
 
 from tests.bench.table import Row
 from tests.support.ports import free_port
-from tests.support.procs import REPO, Prometheus, wait_until
+from tests.support.procs import REPO, RULE_FILES, Prometheus, wait_until
 
 NODES, GPUS = 128, 8
 
@@ -44,8 +44,7 @@ def run() -> list[Row]:
                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     targets = fleet.stdout.readline().split()
     with tempfile.TemporaryDirectory() as tmp:
-        rules = [REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
-                 REPO / "deploy" / "prometheus" / "alerts.rules.yml"]
+        rules = list(RULE_FILES)
         prom = Prometheus(Path(tmp), targets, rule_files=rules, scrape_interval="5s")
         try:
             wait_until(lambda: len(prom.query("clusterpulse_gpu_up")) == NODES * GPUS, 120,

@@ -24,7 +24,7 @@ from streamlit.testing.v1 import AppTest
 
 from tests.bench.table import Row
 from tests.support.ports import free_port
-from tests.support.procs import REPO, Proc, wait_until
+from tests.support.procs import REPO, RULE_FILES, Proc, wait_until
 
 # CLUSTERPULSE_FLEET_NODES=256 runs a smaller fleet on a busy machine.
 NODES, GPUS = int(os.environ.get("CLUSTERPULSE_FLEET_NODES", "2048")), 8
@@ -33,8 +33,7 @@ NODES, GPUS = int(os.environ.get("CLUSTERPULSE_FLEET_NODES", "2048")), 8
 # Rules: the global evaluation interval is 5 s; the heavy groups set their own (15-30 s).
 SCRAPE_S, RULE_S = 60, 5
 COLD_RENDERS = 5  # one render is one sample of a query time that rule evaluation moves
-RULES = [REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
-         REPO / "deploy" / "prometheus" / "alerts.rules.yml"]
+RULES = list(RULE_FILES)
 
 
 def _scrape_config(fleet_port: int) -> list[str]:

@@ -8,7 +8,7 @@ from streamlit.testing.v1 import AppTest
 
 from clusterpulse.agent import protocol
 from tests.support.ports import free_port
-from tests.support.procs import REPO, Prometheus, start_agent_cli, wait_until
+from tests.support.procs import REPO, RULE_FILES, Prometheus, start_agent_cli, wait_until
 from tests.support.ranksock import connect
 
 pytestmark = pytest.mark.integration
@@ -19,8 +19,7 @@ APP = str(REPO / "dashboard" / "app.py")
 def prom_with_data(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dash")
     agents = [start_agent_cli(tmp, f"node-{c}", gpus=4) for c in "ab"]
-    rules = [REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
-             REPO / "deploy" / "prometheus" / "alerts.rules.yml"]
+    rules = list(RULE_FILES)
     prom = Prometheus(tmp, [f"127.0.0.1:{port}" for _, port, _ in agents], rule_files=rules)
     socks = [connect(telemetry[len("unix:"):]) for _, _, telemetry in agents]
 

@@ -22,11 +22,9 @@ from clusterpulse.agent.core import Agent
 from clusterpulse.agent.faults import Fault
 from clusterpulse.agent.ranks import RankRegistry
 from clusterpulse.agent.server import make_server
-from tests.support.procs import REPO, Prometheus, wait_until
+from tests.support.procs import RULE_FILES, Prometheus, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-RULES = [REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
-         REPO / "deploy" / "prometheus" / "alerts.rules.yml"]
 
 
 def _last_gpu_pass(prom: Prometheus) -> str:
@@ -41,7 +39,7 @@ def test_a_gpu_that_slows_just_after_the_evidence_pass_pages_with_its_cause(tmp_
     agent.start()
     server = make_server(agent, "127.0.0.1", 0, None)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    prom = Prometheus(tmp_path, [f"127.0.0.1:{server.server_port}"], rule_files=RULES)
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{server.server_port}"], rule_files=list(RULE_FILES))
     score = {0: 1.0, 1: 1.0}
     stop = threading.Event()
 

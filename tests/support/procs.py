@@ -14,6 +14,9 @@ import requests
 from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+# The project's Prometheus rules, as every real Prometheus in the tests loads them.
+RULE_FILES = (REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
+              REPO / "deploy" / "prometheus" / "alerts.rules.yml")
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str, interval: float = 0.2):

@@ -15,7 +15,7 @@ import requests
 
 from deploy.local.stack import descendants
 from tests.support.ports import free_port
-from tests.support.procs import REPO, Alertmanager, Proc, Prometheus, start_agent_cli
+from tests.support.procs import REPO, RULE_FILES, Alertmanager, Proc, Prometheus, start_agent_cli
 from tests.support.webhook import WebhookSink
 
 TOKEN = "e2e-token-0123456789abcdef0123"
@@ -62,8 +62,7 @@ class Stack:
             s.nodes.append(Node(name, proc, port, telemetry))
         s.sink = WebhookSink()
         s.am = Alertmanager(tmp, s.sink.url)
-        rules = [REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
-                 REPO / "deploy" / "prometheus" / "alerts.rules.yml"]
+        rules = list(RULE_FILES)
         if hang_timeout_s is not None:
             text, default = rules[0].read_text(), (
                 "- record: clusterpulse:config_hang_timeout_seconds\n        expr: vector(300)")
