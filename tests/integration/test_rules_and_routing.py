@@ -90,23 +90,29 @@ def test_a_down_node_inhibits_its_gpu_and_rank_alerts_in_a_real_alertmanager(tmp
         def alert(**labels):
             return {"labels": labels, "annotations": {"summary": "test"}, "startsAt": now}
 
-        # The sources first: Alertmanager's inhibitor learns of alerts asynchronously, so a
-        # target posted in the same batch can be dispatched (group_wait 0 s for critical)
-        # before its source is known; Prometheus re-sends both every evaluation anyway.
-        requests.post(am.url + "/api/v2/alerts", timeout=5, json=[
-            alert(alertname="NodeAgentDown", severity="critical", node="n1"),
-            alert(alertname="RankHung", severity="critical", node="n1", run="r1", rank="2"),
-            alert(alertname="RankHung", severity="critical", node="n2", run="r1", rank="5"),
-            # A stuck collection on n2: its GPU series are frozen, their alerts stale.
-            alert(alertname="AgentCollectionStale", severity="critical", node="n2"),
-        ]).raise_for_status()
-        wait_until(lambda: len(am.alerts()) == 4, 20, "inhibiting alerts known")
-        time.sleep(1)
-        requests.post(am.url + "/api/v2/alerts", timeout=5, json=[
-            alert(alertname="GpuDown", severity="critical", node="n1", gpu="3"),
-            alert(alertname="JobStalled", severity="critical", run="r1"),
-            alert(alertname="GpuThermalSlowdown", severity="warning", node="n2", gpu="0"),
-        ]).raise_for_status()
+        # Sources before their targets, one layer at a time: Alertmanager's inhibitor learns
+        # of alerts asynchronously, so a target posted in the same batch as its source can
+        # be dispatched (group_wait 0 s for critical) before the source is known (CI once
+        # delivered RankHung n1 posted together with NodeAgentDown n1; alertmanager#2229).
+        # Prometheus re-sends every firing alert each evaluation, so in a real stack the
+        # source is known by the next one. RankHung is both: NodeAgentDown's target and
+        # JobStalled's source.
+        layers = [
+            [alert(alertname="NodeAgentDown", severity="critical", node="n1"),
+             # A stuck collection on n2: its GPU series are frozen, their alerts stale.
+             alert(alertname="AgentCollectionStale", severity="critical", node="n2")],
+            [alert(alertname="RankHung", severity="critical", node="n1", run="r1", rank="2"),
+             alert(alertname="RankHung", severity="critical", node="n2", run="r1", rank="5")],
+            [alert(alertname="GpuDown", severity="critical", node="n1", gpu="3"),
+             alert(alertname="JobStalled", severity="critical", run="r1"),
+             alert(alertname="GpuThermalSlowdown", severity="warning", node="n2", gpu="0")],
+        ]
+        known = 0
+        for layer in layers:
+            requests.post(am.url + "/api/v2/alerts", timeout=5, json=layer).raise_for_status()
+            known += len(layer)
+            wait_until(lambda n=known: len(am.alerts()) == n, 20, f"{known} alerts known")
+            time.sleep(1)
 
         def states():
             return {(a["labels"]["alertname"], a["labels"].get("node", "")): a["status"]
