@@ -151,9 +151,13 @@ class Remediator:
             return []
         sel = f'node="{promql_string(labels["node"])}"' + (
             f',gpu="{promql_string(labels["gpu"])}"' if "gpu" in labels else "")
+        # Live ranks only: an agent keeps an ended rank for its grace period (evidence),
+        # and restarting a run that has finished or moved away from this node only
+        # audits a failure (the chaos run restarted its stopped baseline job).
+        live = (f"clusterpulse_trainer_rank_info{{{sel}}} unless on (run, rank, node, local_rank) "
+                f"(clusterpulse_trainer_process_alive == 0)")
         try:
-            return sorted({s.labels["run"] for s in self.prom.query(
-                f"max by (run) (clusterpulse_trainer_rank_info{{{sel}}})")})
+            return sorted({s.labels["run"] for s in self.prom.query(f"max by (run) ({live})")})
         except PrometheusError as err:
             log.error("cannot find runs for %s: %s", labels, err)
             return []

@@ -102,6 +102,22 @@ def test_node_level_alert_finds_the_runs_on_that_gpu_and_dry_run_never_acts(clus
     assert r["commands"] == []
 
 
+def test_node_level_alert_leaves_alone_a_run_whose_rank_there_has_ended(cluster):
+    """The agent keeps an ended rank for its grace period; a lost GPU under it is no
+    reason to restart that run (it may have finished, or moved to other nodes)."""
+    prom, _, _, victim, tmp = cluster
+    victim.kill()
+    victim.wait()
+    wait_until(lambda: prom.query('clusterpulse_trainer_process_alive{run="job"} == 0'), 30,
+               "the ended rank scraped")
+    assert prom.query('clusterpulse_trainer_rank_info{run="job",node="node-r",gpu="1"}')
+    audit = AuditLog(tmp / "a.jsonl")
+    rem = Remediator(Policy([Rule("GpuDown", "restart")]), PrometheusClient(prom.url), TOKEN,
+                     audit)
+    assert rem.handle({"alerts": [firing("GpuDown", node="node-r", gpu="1")]}) == []
+    assert audit.read() == []
+
+
 def test_webhook_endpoint(cluster):
     prom, _, _, _, _tmp = cluster
     rem = Remediator(Policy([]), PrometheusClient(prom.url), TOKEN, AuditLog(None))
