@@ -11,7 +11,7 @@ lint:
 bench: setup
 	.venv/bin/python -m tests.bench.run
 bench-fleet: setup
-	.venv/bin/python -m tests.bench.run --only bench_fleet
+	.venv/bin/python -m tests.bench.run --only bench_fleet --only bench_event_rules
 bench-testbed: setup  # recovery on a 4-node testbed (root: network namespaces)
 	.venv/bin/python -m tests.bench.run --only bench_testbed_recovery
 bench-incidents: setup  # hangs and slow links end to end vs the previous rules (root: links)
