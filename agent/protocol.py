@@ -70,6 +70,9 @@ COLLECTIVES = {"", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "b
 # ("data", "forward_backward", "optimizer", "checkpoint"), "sync" (waiting for peers
 # in an instrumented collective), "between" (outside a step) or "start".
 PHASES = {"start", "data", "forward_backward", "optimizer", "checkpoint", "sync", "between"}
+# Phases with no step-time reference, held to the absolute hang timeout (the rules'
+# clusterpulse:rank_hang_threshold_seconds): starting and loading, saving a checkpoint.
+OWN_TIMEOUT_PHASES = frozenset({"start", "checkpoint"})
 # `pid` is accepted for compatibility with older ranks but never used: the agent takes
 # the sender's pid from the kernel.
 INT_FIELDS = frozenset({"rank", "local_rank", "world_size", "pid", "gpu", "step", "restarts"})

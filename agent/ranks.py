@@ -27,7 +27,7 @@ from typing import Any
 from clusterpulse.agent import identity
 from clusterpulse.agent.backends.sim import Activity
 from clusterpulse.agent.identity import Sender
-from clusterpulse.agent.protocol import NUMBER_FIELDS
+from clusterpulse.agent.protocol import NUMBER_FIELDS, OWN_TIMEOUT_PHASES
 
 MAX_ACKS_KEPT = 32
 
@@ -48,7 +48,9 @@ class RankState:
     addr: Any = None  # where replies go: the kernel-given sender address
     first_seen: float = 0.0
     last_seen: float = 0.0  # monotonic time of the last datagram of any kind
-    last_progress: float = 0.0  # monotonic time of the last completed step (or start)
+    # monotonic time of the last completed step, of the start, or of leaving a phase
+    # with its own timeout (start, checkpoint)
+    last_progress: float = 0.0
     phase: str = "start"
     values: dict[str, float] = field(default_factory=dict)
     step: int = -1
@@ -153,6 +155,13 @@ class RankRegistry:
         if msg["type"] == "step" or msg.get("event") == "start":
             r.last_progress = now
         if "phase" in msg:
+            if r.phase in OWN_TIMEOUT_PHASES and \
+                    msg["phase"] not in OWN_TIMEOUT_PHASES:
+                # Loading or saving a checkpoint has its own (absolute) timeout; counting
+                # that time against the next step's steady threshold paged a rank that
+                # had loaded for 8 s the moment its first step began (RankHung in a
+                # graceful restart on a loaded machine), and ranks after a 12 s save.
+                r.last_progress = now
             r.phase = msg["phase"]
         if msg.get("event") == "exit" and msg.get("outcome", "finished") in (
                 "finished", "preempted"):

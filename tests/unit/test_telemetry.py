@@ -77,6 +77,33 @@ def test_registry_is_bounded_and_forgets_silent_ranks():
     assert [r.rank for r in reg.snapshot()] == [0]
 
 
+def test_time_loading_or_saving_a_checkpoint_does_not_count_against_the_next_step():
+    """Start and checkpoint have the absolute hang timeout; the steady threshold counts
+    from when the rank leaves them, not from its last step (CI paged a rank that had
+    loaded a checkpoint for seconds the moment its first step began)."""
+    t = [0.0]
+    reg = RankRegistry(clock=lambda: t[0])
+    reg.update(msg(type="event", event="start", phase="start"), None)
+    t[0] = 8.0
+    reg.update(msg(type="heartbeat", phase="start"), None)  # loading: 8 s old
+    assert reg.age(reg.of_run("r1")[0]) == 8.0
+    t[0] = 9.0
+    reg.update(msg(type="heartbeat", phase="forward_backward"), None)  # the first step
+    t[0] = 12.0
+    reg.update(msg(type="heartbeat", phase="forward_backward"), None)
+    assert reg.age(reg.of_run("r1")[0]) == 3.0  # from the end of loading, and growing
+    reg.update(msg(step=40), None)
+    reg.update(msg(type="heartbeat", phase="checkpoint"), None)
+    t[0] = 30.0  # an 18 s save
+    reg.update(msg(type="heartbeat", phase="forward_backward"), None)
+    t[0] = 31.0
+    assert reg.age(reg.of_run("r1")[0]) == 1.0
+    reg.update(msg(type="heartbeat", phase="sync"), None)  # training phases: no reset
+    t[0] = 40.0
+    reg.update(msg(type="heartbeat", phase="forward_backward"), None)
+    assert reg.age(reg.of_run("r1")[0]) == 10.0
+
+
 @pytest.mark.parametrize("outcome,phase", [
     ("finished", "exited"), ("preempted", "exited"),
     # a rank that raised or was restarted: the restart gap applies (the hang rules), so
