@@ -151,13 +151,17 @@ class Remediator:
             return []
         sel = f'node="{promql_string(labels["node"])}"' + (
             f',gpu="{promql_string(labels["gpu"])}"' if "gpu" in labels else "")
-        # Live ranks only: an agent keeps an ended rank for its grace period (evidence),
-        # and restarting a run that has finished or moved away from this node only
-        # audits a failure (the chaos run restarted its stopped baseline job).
-        live = (f"clusterpulse_trainer_rank_info{{{sel}}} unless on (run, rank, node, local_rank) "
-                f"(clusterpulse_trainer_process_alive == 0)")
+        # Runs with a rank here and a live rank anywhere. An agent keeps an ended rank for
+        # its grace period (evidence): restarting a run whose ranks have all ended only
+        # audits a failure (the chaos run restarted its stopped baseline job). The rank
+        # on the lost GPU itself may have died with it (a CUDA error) while its peers
+        # wait: that run is the one to restart.
+        live = ("clusterpulse_trainer_rank_info unless on (run, rank, node, local_rank) "
+                "(clusterpulse_trainer_process_alive == 0)")
+        query = (f"max by (run) (clusterpulse_trainer_rank_info{{{sel}}}) "
+                 f"and on (run) max by (run) ({live})")
         try:
-            return sorted({s.labels["run"] for s in self.prom.query(f"max by (run) ({live})")})
+            return sorted({s.labels["run"] for s in self.prom.query(query)})
         except PrometheusError as err:
             log.error("cannot find runs for %s: %s", labels, err)
             return []

@@ -36,7 +36,7 @@ def cluster(tmp_path):
     victim = rank.p
     wait_until(lambda: prom.query('clusterpulse_trainer_rank_info{run="job"}'), 30,
                "rank scraped")
-    yield prom, port, token, victim, tmp_path
+    yield prom, port, token, victim, tmp_path, telemetry
     rank.stop()
     prom.stop()
     agent.stop()
@@ -48,7 +48,7 @@ def firing(name: str, started: float | None = None, **labels) -> dict:
 
 
 def test_policy_acts_rate_limits_and_audits(cluster):
-    prom, _port, _, victim, tmp = cluster
+    prom, _port, _, victim, tmp, _telemetry = cluster
     audit = AuditLog(tmp / "audit.jsonl")
     policy = Policy([Rule("RankHung", "restart"), Rule("TrainingStraggler",
                                                           "checkpoint-restart", 60)],
@@ -71,7 +71,7 @@ def test_policy_acts_rate_limits_and_audits(cluster):
 def test_sustained_alert_is_acted_on_without_a_new_notification(cluster):
     """Alertmanager repeats an unchanged alert only after hours: the receiver re-checks
     waiting alerts itself, and forgets them when they resolve."""
-    prom, _, _, _, tmp = cluster
+    prom, _, _, _, tmp, _telemetry = cluster
     now = [time.time()]
     rem = Remediator(Policy([Rule("TrainingStraggler", "checkpoint-restart", 60)]),
                      PrometheusClient(prom.url), TOKEN, AuditLog(tmp / "audit.jsonl"),
@@ -90,7 +90,7 @@ def test_sustained_alert_is_acted_on_without_a_new_notification(cluster):
 
 
 def test_node_level_alert_finds_the_runs_on_that_gpu_and_dry_run_never_acts(cluster):
-    prom, port, _, victim, tmp = cluster
+    prom, port, _, victim, tmp, _telemetry = cluster
     policy = Policy([Rule("GpuDown", "restart")], dry_run=True)
     rem = Remediator(policy, PrometheusClient(prom.url), TOKEN, AuditLog(tmp / "a.jsonl"))
     (d,) = rem.handle({"alerts": [firing("GpuDown", node="node-r", gpu="1")]})
@@ -102,16 +102,30 @@ def test_node_level_alert_finds_the_runs_on_that_gpu_and_dry_run_never_acts(clus
     assert r["commands"] == []
 
 
-def test_node_level_alert_leaves_alone_a_run_whose_rank_there_has_ended(cluster):
-    """The agent keeps an ended rank for its grace period; a lost GPU under it is no
-    reason to restart that run (it may have finished, or moved to other nodes)."""
-    prom, _, _, victim, tmp = cluster
-    victim.kill()
-    victim.wait()
-    wait_until(lambda: prom.query('clusterpulse_trainer_process_alive{run="job"} == 0'), 30,
-               "the ended rank scraped")
+def test_node_level_alert_restarts_a_run_only_while_one_of_its_ranks_lives(cluster):
+    """The rank on a lost GPU may die with it (a CUDA error) while its peers wait: the run
+    is restarted. Once every rank of the run has ended (it finished, or was stopped) the
+    agent still lists them for its grace period, and GpuDown under them acts on nothing."""
+    prom, _, _, victim, tmp, telemetry = cluster
+    peer = RankProcess(telemetry[len("unix:"):], [{
+        "type": "step", "run": "job", "rank": 1, "local_rank": 1, "gpu": 0, "step": 3}])
+    try:
+        wait_until(lambda: prom.query('clusterpulse_trainer_rank_info{run="job",rank="1"}'), 30,
+                   "the peer scraped")
+        victim.kill()
+        victim.wait()
+        wait_until(lambda: prom.query('clusterpulse_trainer_process_alive{rank="0"} == 0'), 30,
+                   "the rank on GPU 1 seen ended")
+        policy = Policy([Rule("GpuDown", "restart")], dry_run=True)
+        rem = Remediator(policy, PrometheusClient(prom.url), TOKEN, AuditLog(tmp / "a.jsonl"))
+        (d,) = rem.handle({"alerts": [firing("GpuDown", node="node-r", gpu="1")]})
+        assert d == {"run": "job", "alert": "GpuDown", "action": "restart", "outcome": "dry_run"}
+    finally:
+        peer.stop()
+    wait_until(lambda: prom.query('clusterpulse_trainer_process_alive{rank="1"} == 0'), 30,
+               "the peer seen ended")
     assert prom.query('clusterpulse_trainer_rank_info{run="job",node="node-r",gpu="1"}')
-    audit = AuditLog(tmp / "a.jsonl")
+    audit = AuditLog(tmp / "b.jsonl")
     rem = Remediator(Policy([Rule("GpuDown", "restart")]), PrometheusClient(prom.url), TOKEN,
                      audit)
     assert rem.handle({"alerts": [firing("GpuDown", node="node-r", gpu="1")]}) == []
@@ -119,7 +133,7 @@ def test_node_level_alert_leaves_alone_a_run_whose_rank_there_has_ended(cluster)
 
 
 def test_webhook_endpoint(cluster):
-    prom, _, _, _, _tmp = cluster
+    prom, _, _, _, _tmp, _telemetry = cluster
     rem = Remediator(Policy([]), PrometheusClient(prom.url), TOKEN, AuditLog(None))
     server = serve(rem, "127.0.0.1", 0, Tokens.single(HOOK_TOKEN, "alertmanager"))
     try:
@@ -134,7 +148,7 @@ def test_webhook_endpoint(cluster):
 
 def test_label_values_are_escaped_in_promql(cluster):
     """Finding: a `node` label was pasted into PromQL; this one selected every run."""
-    prom, _, _, victim, tmp = cluster
+    prom, _, _, victim, tmp, _telemetry = cluster
     rem = Remediator(Policy([Rule("GpuDown", "restart")], dry_run=True),
                      PrometheusClient(prom.url), TOKEN, AuditLog(tmp / "a.jsonl"))
     evil = 'x"} or clusterpulse_trainer_rank_info{node!="'
@@ -155,7 +169,7 @@ def test_policy_files_are_validated(tmp_path):
 
 
 def test_ctl_restart_and_agents(cluster):
-    prom, port, token, _victim, tmp = cluster
+    prom, port, token, _victim, tmp, _telemetry = cluster
 
     def ctl(*args):
         return subprocess.run([sys.executable, "-m", "clusterpulse.dashboard.ctl",
