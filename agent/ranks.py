@@ -155,8 +155,7 @@ class RankRegistry:
         if msg["type"] == "step" or msg.get("event") == "start":
             r.last_progress = now
         if "phase" in msg:
-            if r.phase in OWN_TIMEOUT_PHASES and \
-                    msg["phase"] not in OWN_TIMEOUT_PHASES:
+            if r.phase in OWN_TIMEOUT_PHASES and msg["phase"] not in OWN_TIMEOUT_PHASES:
                 # Loading or saving a checkpoint has its own (absolute) timeout; counting
                 # that time against the next step's steady threshold paged a rank that
                 # had loaded for 8 s the moment its first step began (RankHung in a

@@ -13,7 +13,6 @@ at its end, in turn, as instant queries (median of 7 each).
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
@@ -23,11 +22,11 @@ from pathlib import Path
 import requests
 import yaml
 
+from tests.bench.bench_fleet import GPUS, NODES  # the same fleet (CLUSTERPULSE_FLEET_NODES)
 from tests.bench.table import Row
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Proc, wait_until
 
-NODES, GPUS = int(os.environ.get("CLUSTERPULSE_FLEET_NODES", "2048")), 8
 HISTORY_S, SCRAPE_S = 80 * 60, 30
 WITH_ERRORS = 16  # GPUs with uncorrected ECC errors and an XID 79 in their history
 RECORDS = ("clusterpulse:gpu_ecc_uncorrected_recent", "clusterpulse:gpu_xid_recent")
