@@ -106,8 +106,10 @@ class Prometheus:
         wait_until(lambda: requests.get(self.url + "/-/ready", timeout=1).ok, 30,
                    "prometheus ready")
 
-    def query(self, promql: str) -> list[dict]:
-        r = requests.get(self.url + "/api/v1/query", params={"query": promql}, timeout=5)
+    def query(self, promql: str, at: float | None = None) -> list[dict]:
+        """An instant query, now or at unix time `at`."""
+        params = {"query": promql} if at is None else {"query": promql, "time": at}
+        r = requests.get(self.url + "/api/v1/query", params=params, timeout=5)
         r.raise_for_status()
         return r.json()["data"]["result"]
 

@@ -97,6 +97,36 @@ class Stack:
         return [a for a in r["data"]["alerts"]
                 if a["labels"]["alertname"] == alertname and a["state"] == "firing"]
 
+    def hang_evidence(self, run: str, window: str) -> str:
+        """Each rank's hang inputs around the first hang alert of `run` in `window`, one
+        line per rank and second: what a failed no-page assertion needs to be told
+        apart (which phase, how old, against which threshold, how far behind)."""
+        alerts = self.prom.query(
+            f'ALERTS{{run="{run}",alertname=~"RankHung|JobStalled"}}[{window}]')
+        if not alerts:
+            return "no hang alert"
+        first = min(float(a["values"][0][0]) for a in alerts)
+        lines = [f"{a['metric']['alertname']} rank={a['metric'].get('rank', '-')} "
+                 f"{a['metric']['alertstate']} from {float(a['values'][0][0]) - first:+.0f}s"
+                 for a in alerts]
+        series = {
+            "phase": f'clusterpulse_trainer_phase{{run="{run}"}} == 1',
+            "age": f'clusterpulse_trainer_heartbeat_age_seconds{{run="{run}"}}',
+            "threshold": f'clusterpulse:rank_hang_threshold_seconds{{run="{run}"}}',
+            "behind": f'clusterpulse:rank_collectives_behind{{run="{run}"}}',
+            "alive": f'clusterpulse_trainer_process_alive{{run="{run}"}}',
+        }
+        for dt in range(-20, 3):
+            rows: dict[tuple[str, str], dict[str, str]] = {}
+            for name, expr in series.items():
+                for r in self.prom.query(expr, at=first + dt):
+                    m = r["metric"]
+                    row = rows.setdefault((m.get("rank", "?"), m.get("node", "?")), {})
+                    row[name] = m["phase"] if name == "phase" else r["value"][1][:6]
+            lines += [f"{dt:+d}s rank {k[0]}@{k[1]} " + " ".join(
+                f"{n}={v.get(n, '-')}" for n in series) for k, v in sorted(rows.items())]
+        return "\n".join(lines)
+
     def stop_jobs(self) -> None:
         """As the local cluster stops: the launchers' groups, then every descendant still
         alive (a hung rank defers SIGTERM and sits in a session of its own, so a
