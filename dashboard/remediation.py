@@ -11,12 +11,17 @@ The policy file (TOML) says which alert triggers which action:
     action = "restart"
     [[rule]]
     alert = "TrainingStraggler"
+    match = { cause = "compute|data_loading" }   # labels, as anchored regexes
     action = "checkpoint-restart"
     sustained_s = 120          # only once the alert has fired this long
 
+The first rule whose alert and `match` fit an alert decides; an alert no rule fits
+is left to the people it pages. `match` lets the action follow the evidence: a
+straggler whose GPU throttles for heat is not cured by restarting the job in place
+(the GPU is as hot after it), while a scheduler can move the job off the node.
 Alerts without a `run` label (a lost GPU) act on the runs with ranks on that node
 (and GPU), found through Prometheus. Every decision (acted, dry run, rate-limited,
-no rule) is audited, and every notification is kept for the dashboard's history.
+waiting) is audited, and every notification is kept for the dashboard's history.
 
 The webhook can restart jobs, so it only takes authenticated notifications: a bearer
 token or basic auth (password = a token) from --webhook-token-file, both of which
@@ -33,6 +38,7 @@ import binascii
 import datetime
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -62,11 +68,39 @@ class PolicyError(ValueError):
     pass
 
 
+LABEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
 @dataclass(frozen=True)
 class Rule:
     alert: str
     action: str
     sustained_s: float = 0.0
+    # (label, anchored regex) pairs the alert's labels must all fit (a missing label
+    # is the empty string, as in Alertmanager's matchers)
+    match: tuple[tuple[str, re.Pattern[str]], ...] = ()
+
+    def fits(self, labels: dict) -> bool:
+        return labels.get("alertname") == self.alert and all(
+            pattern.fullmatch(labels.get(name, "")) for name, pattern in self.match)
+
+
+def _matchers(raw: object, where: str) -> tuple[tuple[str, re.Pattern[str]], ...]:
+    if not isinstance(raw, dict):
+        raise PolicyError(f"{where}: 'match' must be a table of label = regex, "
+                          f"e.g. match = {{ cause = \"compute|data_loading\" }}")
+    out = []
+    for name, value in raw.items():
+        if not LABEL_NAME.match(name):
+            raise PolicyError(f"{where}: match: {name!r} is not a label name")
+        if not isinstance(value, str):
+            raise PolicyError(f"{where}: match.{name} must be a string (a regex)")
+        try:
+            out.append((name, re.compile(value)))
+        except re.error as err:
+            raise PolicyError(f"{where}: match.{name}: bad regular expression "
+                              f"{value!r}: {err}") from None
+    return tuple(out)
 
 
 @dataclass
@@ -76,6 +110,9 @@ class Policy:
     max_actions_per_run: int = 1
     window_s: float = 900.0
     drain: DrainSettings = field(default_factory=DrainSettings)
+
+    def rule_for(self, labels: dict) -> Rule | None:
+        return next((r for r in self.rules if r.fits(labels)), None)
 
     @classmethod
     def load(cls, path: Path) -> Policy:
@@ -87,7 +124,8 @@ class Policy:
             if r.get("action") not in (*ACTIONS, *NODE_ACTIONS):
                 raise PolicyError(f"policy {path}, rule #{i + 1}: 'action' must be one of "
                                   f"{', '.join((*ACTIONS, *NODE_ACTIONS))}")
-            rules.append(Rule(r["alert"], r["action"], float(r.get("sustained_s", 0))))
+            rules.append(Rule(r["alert"], r["action"], float(r.get("sustained_s", 0)),
+                              _matchers(r.get("match", {}), f"policy {path}, rule #{i + 1}")))
         try:
             drain = DrainSettings.from_toml(raw.get("drain", {}), f"policy {path}")
         except ValueError as err:
@@ -106,10 +144,12 @@ class Remediator:
     history_path: Path | None = None
     clock: callable = time.time
     _acted: dict[str, list[float]] = field(default_factory=dict)
-    # Alerts a rule wants sustained: Alertmanager does not notify again for an unchanged
-    # group until repeat_interval (hours), so the receiver re-checks them itself (tick).
-    _waiting: dict[tuple[str, str], tuple[Rule, dict]] = field(default_factory=dict)
-    # (run, alert) -> when this receiver first heard it firing: the clock sustained_s
+    # Alerts a rule wants sustained, by ("run:<run>" or "node:<node>", alert):
+    # Alertmanager does not notify again for an unchanged group until repeat_interval
+    # (hours), so the receiver re-checks them itself (tick).
+    _waiting: dict[tuple[str, str], tuple[Rule, tuple[str, str], dict]] = field(
+        default_factory=dict)
+    # the same key -> when this receiver first heard it firing: the clock sustained_s
     # runs on (bounded: entries go when the alert resolves or is acted on)
     _first_seen: dict[tuple[str, str], float] = field(default_factory=dict)
     _refusals: list[float] = field(default_factory=list)
@@ -129,20 +169,51 @@ class Remediator:
             if alert.get("status") != "firing":
                 with self._lock:
                     for key in [k for k in self._waiting if k[1] == name
-                                and self._waiting[k][1].get("labels") == alert.get("labels")]:
+                                and self._waiting[k][2].get("labels") == alert.get("labels")]:
                         del self._waiting[key]
                         self._first_seen.pop(key, None)
                 continue
-            rule = next((r for r in self.policy.rules if r.alert == name), None)
+            rule = self.policy.rule_for(alert.get("labels", {}))
             if rule is None:
                 continue
             if rule.action in NODE_ACTIONS:  # acts on the node, not on a run (drain.py)
-                decisions.append(Drainer(self.policy.drain, self.audit,
-                                         self.policy.dry_run).decide(alert))
+                decisions.append(self._decide_node(rule, alert))
                 continue
             for run in self._runs(alert["labels"]):
                 decisions.append(self._decide(rule, run, alert))
         return decisions
+
+    def _decide_node(self, rule: Rule, alert: dict) -> dict:
+        node = alert.get("labels", {}).get("node", "")
+        waiting = self._still_waiting(rule, ("node", node), alert)
+        if waiting is not None:
+            return {"node": node, "alert": rule.alert, "action": rule.action, **waiting}
+        return Drainer(self.policy.drain, self.audit, self.policy.dry_run).decide(alert)
+
+    def _still_waiting(self, rule: Rule, subject: tuple[str, str], alert: dict
+                       ) -> dict | None:
+        """None once the alert has fired `sustained_s` (or the rule wants no wait);
+        else the waiting decision, and the alert is kept for `tick` to decide again."""
+        if not rule.sustained_s:
+            return None
+        key = (f"{subject[0]}:{subject[1]}", rule.alert)
+        now = self.clock()
+        with self._lock:
+            if len(self._first_seen) >= MAX_TRACKED and key not in self._first_seen:
+                self._first_seen.pop(next(iter(self._first_seen)))
+            first = self._first_seen.setdefault(key, now)
+        # Alertmanager's startsAt may only make the alert younger than our own sighting
+        # (it re-fired), never older: a missing or backdated one cannot skip sustained_s.
+        stated = _parse_time(alert.get("startsAt", ""))
+        started = max(first, stated) if stated is not None and stated <= now else first
+        with self._lock:
+            if now - started < rule.sustained_s:
+                self._waiting[key] = (rule, subject, alert)
+                return {"outcome": "waiting", "detail": f"firing {now - started:.0f} s of "
+                        f"the {rule.sustained_s:.0f} s the policy requires"}
+            self._waiting.pop(key, None)
+            self._first_seen.pop(key, None)
+        return None
 
     def _runs(self, labels: dict) -> list[str]:
         if "run" in labels:
@@ -168,24 +239,11 @@ class Remediator:
 
     def _decide(self, rule: Rule, run: str, alert: dict) -> dict:
         why = f"policy: {rule.alert} -> {rule.action}"
-        now = self.clock()
-        with self._lock:
-            if len(self._first_seen) >= MAX_TRACKED and (run, rule.alert) not in self._first_seen:
-                self._first_seen.pop(next(iter(self._first_seen)))
-            first = self._first_seen.setdefault((run, rule.alert), now)
-        # Alertmanager's startsAt may only make the alert younger than our own sighting
-        # (it re-fired), never older: a missing or backdated one cannot skip sustained_s.
-        stated = _parse_time(alert.get("startsAt", ""))
-        started = max(first, stated) if stated is not None and stated <= now else first
         base = {"run": run, "alert": rule.alert, "action": rule.action}
-        if rule.sustained_s and now - started < rule.sustained_s:
-            with self._lock:
-                self._waiting[(run, rule.alert)] = (rule, alert)
-            return {**base, "outcome": "waiting", "detail": f"firing {now - started:.0f} s of "
-                    f"the {rule.sustained_s:.0f} s the policy requires"}
-        with self._lock:
-            self._waiting.pop((run, rule.alert), None)
-            self._first_seen.pop((run, rule.alert), None)
+        waiting = self._still_waiting(rule, ("run", run), alert)
+        if waiting is not None:
+            return {**base, **waiting}
+        now = self.clock()
         with self._lock:
             recent = [t for t in self._acted.get(run, []) if now - t < self.policy.window_s]
             if len(recent) >= self.policy.max_actions_per_run:
@@ -226,8 +284,10 @@ class Remediator:
     def tick(self) -> list[dict]:
         """Decide again on alerts still firing that were waiting to be sustained."""
         with self._lock:
-            waiting = list(self._waiting.items())
-        return [self._decide(rule, run, alert) for (run, _), (rule, alert) in waiting]
+            waiting = list(self._waiting.values())
+        return [self._decide(rule, subject, alert) if kind == "run"
+                else self._decide_node(rule, alert)
+                for rule, (kind, subject), alert in waiting]
 
 
 def _parse_time(text: object) -> float | None:

@@ -35,6 +35,7 @@ REPO = HERE.parents[1]
 if str(REPO) not in sys.path:  # run as a script: deploy.* imports from the repository root
     sys.path.insert(0, str(REPO))
 
+from clusterpulse.dashboard.remediation import Policy, PolicyError  # noqa: E402
 from deploy.local.stack import (  # noqa: E402
     Stack,
     descendants,
@@ -251,17 +252,6 @@ def start_testbed(args: argparse.Namespace, state: Path, exits: contextlib.ExitS
         cl.stack
 
 
-def policy_window(path: Path) -> float:
-    """The policy's rate-limit window: a fault that needs an action waits this long
-    after the previous action, or the policy would (rightly) refuse to act."""
-    import tomllib
-
-    try:
-        return float(tomllib.loads(path.read_text()).get("window_s", 900))
-    except (OSError, ValueError):
-        return 0.0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     gpus = count_gpus() if args.backend != "sim" and not args.testbed else 0
@@ -278,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.base_port + 97 > 65535:
         print("demo: --base-port too high", file=sys.stderr)
+        return 2
+    try:  # the receiver would refuse a bad policy; say so before starting anything
+        policy = Policy.load(args.policy)
+    except PolicyError as err:
+        print(f"demo: {err}", file=sys.stderr)
         return 2
     faults = []
     if args.scenario != "none" and not args.no_job:
@@ -349,10 +344,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {i}. {f.describe(names)} ({after:.0f} s after the previous)")
         print(f"  logs         {state}\nPress Ctrl-C to stop.", flush=True)
         if faults:
-            observer = Observer(prometheus, state / "audit.jsonl", RUN)
+            observer = Observer(prometheus, state / "audit.jsonl", RUN, policy)
             driver = scenario_mod.Driver(faults, target, observer, names,
                                          lambda line: print(line, flush=True),
-                                         action_gap_s=policy_window(args.policy))
+                                         action_gap_s=policy.window_s)
             driver.start()
         started = time.time()
         while not stopping:

@@ -26,25 +26,48 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-# What each fault should raise and what remediation should do about it. Actions are
-# those of the remediation policy (deploy/local/policy.toml); None: nothing to do for
-# the policy (torchrun or the elastic restart handles it, or the fault heals itself).
-EXPECT: dict[str, tuple[tuple[str, ...], str | None]] = {
-    "gpu_overheat": (("TrainingStraggler", "GpuThermalSlowdown"), "checkpoint-restart"),
-    "gpu_lost": (("GpuDown",), "restart"),
-    "rank_hang": (("RankHung",), "restart"),
-    "rank_crash": ((), None),
-    "agent_kill": (("NodeAgentDown",), None),
-    "node_death": (("NodeAgentDown",), None),
-    "partition": (("NodeAgentDown",), None),
-    "slow_link": (("TrainingLinkCongested",), None),
+if TYPE_CHECKING:
+    from clusterpulse.dashboard.remediation import Policy
+
+# What each fault should raise. Whether the remediation acts on it, and how, is the
+# policy's call (`expected_action`): ALERT_LABELS are the labels of those alerts that a
+# policy rule may match on (the straggler of an overheating GPU has cause
+# thermal_throttling). No action: the policy leaves the fault to the people paged,
+# torchrun, the elastic restart, or its own end.
+EXPECT: dict[str, tuple[str, ...]] = {
+    "gpu_overheat": ("TrainingStraggler", "GpuThermalSlowdown"),
+    "gpu_lost": ("GpuDown",),
+    "rank_hang": ("RankHung",),
+    "rank_crash": (),
+    "agent_kill": ("NodeAgentDown",),
+    "node_death": ("NodeAgentDown",),
+    "partition": ("NodeAgentDown",),
+    "slow_link": ("TrainingLinkCongested",),
 }
+ALERT_LABELS: dict[str, dict[str, str]] = {"gpu_overheat": {"cause": "thermal_throttling"}}
+
+
+def expected_action(kind: str, policy: Policy) -> str | None:
+    """The action `policy` takes on the alerts fault `kind` raises (the first one a
+    rule fits), or None."""
+    for name in EXPECT[kind]:
+        rule = policy.rule_for({"alertname": name, **ALERT_LABELS.get(kind, {})})
+        if rule is not None:
+            return rule.action
+    return None
+
+
 TESTBED_ONLY = {"node_death", "partition", "slow_link"}
-# Faults the job recovers from by restarting its ranks (remediation or torchrun): they
-# count as recovered only once new rank processes step, not when old ones still do.
-RESTARTS = {"gpu_overheat", "gpu_lost", "rank_hang", "rank_crash", "node_death"}
+# Faults the job recovers from by restarting its ranks (torchrun, the elastic restart,
+# or any restart the policy takes): they count as recovered only once new rank
+# processes step, not when old ones still do.
+RESTARTS = {"gpu_lost", "rank_hang", "rank_crash", "node_death"}
+RESTART_ACTIONS = {"restart", "checkpoint-restart"}
+# Faults that slow the job while it keeps stepping: recovered once their alerts have
+# resolved (the job runs at its pace again), not at its first step after the fault.
+SLOWDOWNS = {"gpu_overheat", "slow_link"}
 
 
 class Target(Protocol):
@@ -145,10 +168,14 @@ class Outcome:
 class Observer:
     """Reads what the stack did: Prometheus (alerts, steps), the audit log."""
 
-    def __init__(self, prometheus: str, audit_log: Path, run: str) -> None:
+    def __init__(self, prometheus: str, audit_log: Path, run: str, policy: Policy) -> None:
         self.prometheus = prometheus
         self.audit_log = audit_log
         self.run = run
+        self.policy = policy
+
+    def action_for(self, kind: str) -> str | None:
+        return expected_action(kind, self.policy)
 
     def query(self, promql: str, at: float | None = None) -> list[dict]:
         params = {"query": promql, **({"time": f"{at:.3f}"} if at else {})}
@@ -187,7 +214,7 @@ class Observer:
 
     def update(self, o: Outcome, node_name: str) -> None:
         """Fill in what has happened since the fault; call repeatedly."""
-        names, action = EXPECT[o.fault.kind]
+        names, action = EXPECT[o.fault.kind], self.action_for(o.fault.kind)
         if o.step_at_fault is None:
             o.step_at_fault = self.step(o.fault.at)
         if o.pids_at_fault is None:
@@ -208,20 +235,23 @@ class Observer:
                     o.action, o.acted_at = action, rec["ts"]
                     break
         if o.recovered_at is None and o.step_at_fault is not None:
-            self._recovery(o)
+            self._recovery(o, node_name)
 
-    def _recovery(self, o: Outcome) -> None:
+    def _recovery(self, o: Outcome, node_name: str) -> None:
         """Recovered once the run steps again after the fault was handled: after the
         action if one is expected (else after detection, else the fault itself). The
         lowest step since then is where it resumed from; the steps it had made up to
         then and lost are the recomputed ones."""
-        action = EXPECT[o.fault.kind][1]
+        action = self.action_for(o.fault.kind)
         if action and o.acted_at is None:
             return
-        if o.fault.kind in RESTARTS:  # new processes must be the ones stepping
-            now_pids = self.pids()
+        if o.fault.kind in RESTARTS or action in RESTART_ACTIONS:
+            now_pids = self.pids()  # new processes must be the ones stepping
             if not now_pids or now_pids & (o.pids_at_fault or set()):
                 return
+        elif o.fault.kind in SLOWDOWNS and (
+                o.detected_at is None or self.firing(EXPECT[o.fault.kind], node_name)):
+            return
         ref = o.acted_at or o.detected_at or o.fault.at
         span = f"{max(1, int(time.time() - ref))}s"
         series = f'max(clusterpulse_trainer_step{{run="{self.run}"}})'

@@ -75,7 +75,7 @@ class Driver(threading.Thread):
             for i, (after, fault) in enumerate(self.faults, 1):
                 if self.stop_event.wait(after):
                     return
-                if EXPECT[fault.kind][1]:  # the policy acts at most once per window
+                if self.obs.action_for(fault.kind):  # at most one action per window
                     gap = self.obs.last_action() + self.action_gap_s + 2 - time.time()
                     if gap > 0 and self.stop_event.wait(gap):
                         return
@@ -91,7 +91,7 @@ class Driver(threading.Thread):
     def _settle(self, o: Outcome) -> None:
         """Wait until the fault's alerts have resolved, so that the next fault's
         detection is its own (a cooling GPU keeps its rank straggling for a while)."""
-        names = EXPECT[o.fault.kind][0]
+        names = EXPECT[o.fault.kind]
         end = time.time() + self.deadline_s
         while names and time.time() < end and not self.stop_event.is_set():
             try:
@@ -112,7 +112,7 @@ class Driver(threading.Thread):
 
     def _follow(self, o: Outcome) -> None:
         name = self.names[o.fault.node]
-        alerts, action = EXPECT[o.fault.kind]
+        alerts, action = EXPECT[o.fault.kind], self.obs.action_for(o.fault.kind)
         undone = False
         said: set[str] = set()
         end = time.time() + self.deadline_s

@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clusterpulse.dashboard.remediation import Policy
 from deploy.testbed import Testbed, TestbedError, missing_privileges
 from deploy.testbed.cluster import ClusterTarget, TestbedCluster
 from deploy.testbed.faults import EXPECT, Fault, Observer, Outcome, play, undo
@@ -96,7 +97,8 @@ def alert_episodes(obs: Observer, start: float, end: float,
 def run_job(cl: TestbedCluster, run: str, minutes: float, faults: list[tuple[float, Fault]],
             batch: int, min_nodes: int) -> RunResult:
     job = cl.start_job(run, trainer_args(10**7, batch), min_nodes=min_nodes, max_restarts=100)
-    obs = Observer(cl.central.prometheus, cl.state / "audit.jsonl", run)  # type: ignore[union-attr]
+    obs = Observer(cl.central.prometheus, cl.state / "audit.jsonl", run,  # type: ignore[union-attr]
+                   Policy.load(cl.policy))
     target = ClusterTarget(cl, run)
     names = [n.name for n in cl.bed.nodes]
     start = time.time()
@@ -203,7 +205,7 @@ def report(base: RunResult, chaos: RunResult, names: list[str], args: argparse.N
              "steps recomputed |", "|---|---|---|---|---|---|---|---|"]
     missed = 0
     for i, o in enumerate(chaos.outcomes, 1):
-        expect_alerts = EXPECT[o.fault.kind][0]
+        expect_alerts = EXPECT[o.fault.kind]
         if expect_alerts and o.detected_at is None:
             missed += 1
         lines.append(f"| {i} | {o.fault.kind} | {names[o.fault.node]} | "

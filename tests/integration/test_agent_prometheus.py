@@ -81,6 +81,7 @@ def test_agent_cli_rejects_bad_input_with_a_clear_message(tmp_path):
 def test_fault_observer_counts_only_live_rank_processes(tmp_path):
     """An exited rank's entry stays exported for its grace period; the chaos and demo
     observer must not count it as a process still running (it held recovery back)."""
+    from clusterpulse.dashboard.remediation import Policy
     from deploy.testbed.faults import Observer
     from tests.support.ranksock import RankProcess
 
@@ -95,7 +96,8 @@ def test_fault_observer_counts_only_live_rank_processes(tmp_path):
             wait_until(lambda: prom.query('clusterpulse_trainer_process_alive{rank="1"} == 0'),
                        30, "rank 1's exit exported")
             assert len(prom.query('clusterpulse_trainer_rank_info{run="r"}')) == 2
-            assert Observer(prom.url, tmp_path / "audit.jsonl", "r").pids() == {str(live.pid)}
+            obs = Observer(prom.url, tmp_path / "audit.jsonl", "r", Policy([]))
+            assert obs.pids() == {str(live.pid)}
     finally:
         prom.stop()
         agent.stop()

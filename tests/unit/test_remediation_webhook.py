@@ -16,12 +16,14 @@ from clusterpulse.dashboard.promclient import PrometheusClient
 from clusterpulse.dashboard.remediation import (
     PayloadError,
     Policy,
+    PolicyError,
     Remediator,
     Rule,
     promql_string,
     serve,
     validate_payload,
 )
+from tests.support.procs import REPO
 from tests.unit.test_http_hardening import post, raw_request, status_and_error
 
 HOOK = "alertmanager-hook-token-0123456789"
@@ -110,3 +112,75 @@ def test_starts_at_cannot_skip_sustained_s(tmp_path, starts):
 def test_promql_string_escapes_quotes_and_backslashes():
     assert promql_string('x"} or up{a!="') == 'x\\"} or up{a!=\\"'
     assert promql_string("a\\b\n") == "a\\\\b\\n"
+
+
+def test_the_first_rule_whose_labels_fit_decides_and_a_hardware_straggler_is_not_restarted(
+        tmp_path):
+    """A thermally throttled GPU is as hot after a restart in place: the shipped local
+    policy restarts a straggler only for causes a new process can cure, and the Slurm
+    policy drains the node of one whose GPU is at fault."""
+    local = Policy.load(REPO / "deploy/local/policy.toml")
+    slurm = Policy.load(REPO / "deploy/slurm/policy.toml")
+
+    def straggler(cause: str) -> dict:
+        return {"alertname": "TrainingStraggler", "run": "r", "rank": "3", "node": "n1",
+                "gpu": "0", "cause": cause}
+
+    for cause in ("compute", "data_loading"):
+        assert local.rule_for(straggler(cause)).action == "checkpoint-restart"
+        assert slurm.rule_for(straggler(cause)) is None
+    for cause in ("thermal_throttling", "power_brake", "slow_clocks", "gpu_errors"):
+        assert local.rule_for(straggler(cause)) is None
+        assert slurm.rule_for(straggler(cause)).action == "drain-node"
+    assert local.rule_for({"alertname": "TrainingStraggler", "run": "r"}) is None  # no cause
+    assert local.rule_for({"alertname": "RankHung", "run": "r"}).action == "restart"
+    # anchored: "compute" does not fit "computed", nor a part of a longer value
+    path = tmp_path / "p.toml"
+    path.write_text("[[rule]]\nalert = 'A'\nmatch = { cause = 'compute' }\naction = 'restart'\n"
+                    "[[rule]]\nalert = 'A'\naction = 'checkpoint-restart'\n")
+    p = Policy.load(path)
+    assert p.rule_for({"alertname": "A", "cause": "computed"}).action == "checkpoint-restart"
+    assert p.rule_for({"alertname": "A", "cause": "compute"}).action == "restart"
+
+
+@pytest.mark.parametrize(("body", "named"), [
+    ("match = 'compute'", "'match' must be a table"),
+    ("match = { 'bad-label' = 'x' }", "'bad-label' is not a label name"),
+    ("match = { cause = 3 }", "match.cause must be a string"),
+    ("match = { cause = '(' }", "match.cause: bad regular expression '('"),
+])
+def test_bad_matchers_are_named(tmp_path, body, named):
+    path = tmp_path / "policy.toml"
+    path.write_text(f"[[rule]]\nalert = 'TrainingStraggler'\naction = 'restart'\n{body}\n")
+    with pytest.raises(PolicyError, match=r"^policy .*rule #1") as err:
+        Policy.load(path)
+    assert named in str(err.value)
+
+
+def test_a_node_action_waits_for_sustained_s_too(tmp_path):
+    """drain-node used to act on the first notification whatever sustained_s said:
+    a straggler that lasted one evaluation would have drained its node. (No Slurm
+    answers here: once decided, the drain is audited as failed, naming why.)"""
+    now = [time.time()]
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    rem = Remediator(Policy([Rule("TrainingStraggler", "drain-node", 60)], dry_run=True),
+                     PrometheusClient("http://127.0.0.1:9"), None, audit,
+                     clock=lambda: now[0])
+    a = {"status": "firing", "labels": {"alertname": "TrainingStraggler", "run": "r",
+                                        "node": "n1", "cause": "thermal_throttling"}}
+    (d,) = rem.handle({"alerts": [a]})
+    assert d["outcome"] == "waiting" and d["node"] == "n1", d
+    now[0] += 30
+    assert [x["outcome"] for x in rem.tick()] == ["waiting"]
+    assert audit.read() == []  # nothing decided yet, nothing asked of Slurm
+    now[0] += 31
+    (d,) = rem.tick()
+    assert d["outcome"] != "waiting" and d["node"] == "n1", d
+    (rec,) = audit.read()
+    assert rec["action"] == "drain-node" and rec["node"] == "n1", rec
+    assert rem.tick() == []  # decided: no longer waiting
+    # resolved before its time: forgotten, and a new firing waits the whole time again
+    rem.handle({"alerts": [a]})
+    rem.handle({"alerts": [{**a, "status": "resolved"}]})
+    assert rem.tick() == []
+    assert rem.handle({"alerts": [a]})[0]["outcome"] == "waiting"

@@ -41,3 +41,16 @@ def test_demo_rejects_a_bad_scenario_before_starting_anything(tmp_path):
     assert p.returncode == 2
     assert "unknown kind 'melt'" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "state").exists()
+
+
+def test_demo_rejects_a_bad_policy_before_starting_anything(tmp_path):
+    bad = tmp_path / "policy.toml"
+    bad.write_text("[[rule]]\nalert = 'TrainingStraggler'\naction = 'restart'\n"
+                   "match = { cause = '(' }\n")
+    p = subprocess.run([sys.executable, "deploy/local/cluster.py", "--state-dir",
+                        str(tmp_path / "state"), "--policy", str(bad)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "rule #1: match.cause: bad regular expression" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "state").exists()
