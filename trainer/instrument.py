@@ -44,6 +44,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
@@ -189,6 +190,7 @@ class Pulse:
         self._grads_ready = 0
         self._first_grad: Any = None  # this step's first gradient ready (the window's start)
         self._has_hook = False
+        self._hooks: list[Any] = []  # removed at close: the model outlives no Pulse
         self._allreduce_bytes = 0.0  # bytes each rank moves per step in DDP's all-reduce
         self._n_params = 0  # gradients DDP reduces (attach_ddp)
         self._comm_marks: list[tuple[Any, Any, float]] = []  # FSDP: (start, end, bytes)
@@ -275,12 +277,19 @@ class Pulse:
         self._allreduce_bytes = ring_allreduce_bytes(
             sum(p.numel() * p.element_size() for p in params),
             group.size() if group is not None else self.world_size)
+        # The hook lives on each parameter, which the model holds: a strong reference
+        # back to the model (or its parameters) is a cycle through tensors that the
+        # garbage collector cannot free, so the DDP model, its reducer and process
+        # group lived until interpreter finalization, where their C++ destructors
+        # (gloo's threads) run while Python is half torn down.
+        model_ref, n_params = weakref.ref(ddp_model), len(params)
 
         def ready(param: torch.Tensor) -> None:
-            if not getattr(ddp_model, "require_backward_grad_sync", True):
+            model = model_ref()
+            if model is not None and not getattr(model, "require_backward_grad_sync", True):
                 return  # inside no_sync(): no all-reduce follows this backward
             self._grads_ready += 1
-            first, last = self._grads_ready == 1, self._grads_ready == len(params)
+            first, last = self._grads_ready == 1, self._grads_ready == n_params
             # a float per gradient on the host; on CUDA an event at the first and the last
             if on_host or first or last:
                 mark = self._clock.mark()
@@ -293,9 +302,8 @@ class Pulse:
                 # all-reduce; it completes when the step ends (backward has returned)
                 self._ddp_seq = self.collectives.enter("all_reduce")
 
-        self._n_params = len(params)
-        for p in params:
-            p.register_post_accumulate_grad_hook(ready)
+        self._n_params = n_params
+        self._hooks += [p.register_post_accumulate_grad_hook(ready) for p in params]
         self._has_hook = True
 
     def sync_probe(self, group: dist.ProcessGroup | None = None) -> None:
@@ -624,6 +632,10 @@ class Pulse:
         self._closed.set()
         if self._beat.is_alive() and self._beat is not threading.current_thread():
             self._beat.join(timeout=5)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         self.sigterm.uninstall()
+        self.sigterm.on_first = None  # the caller's bookkeeping (it may hold the trainer)
         self.event("exit", outcome=outcome)
         self.link.close()

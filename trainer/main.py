@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -382,8 +383,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = trainer.run()
         outcome = "finished"
-        return rc
+    except SystemExit as leave:  # a restart or preemption leaves from the loop
+        rc = leave.code if isinstance(leave.code, int) else 1
     finally:
         trainer.pulse.close(outcome)  # no-op if a restart already closed it
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Free the model, its DDP reducer and the process group it holds now, while Python
+    # is whole: left to interpreter finalization, their C++ destructors (gloo's worker
+    # threads) ran while Python was half torn down, and a rank that had finished
+    # could abort there ("terminate called without an active exception").
+    del trainer
+    gc.collect()
+    return rc

@@ -391,6 +391,40 @@ def test_attach_ddp_adds_no_python_comm_hook(tmp_path):
         dist.destroy_process_group()
 
 
+def test_attach_ddp_leaves_no_reference_cycle_through_the_model(tmp_path):
+    """The exit-time abort ("terminate called without an active exception", only in
+    runs with attach_ddp): each parameter's hook held the DDP model, a cycle through
+    tensors that not even the garbage collector frees, so the model, its reducer and
+    the process group it holds were destroyed at interpreter finalization, in C++
+    (gloo's threads) while Python was half gone. Dropping the model must free it by
+    reference counting alone, and close() must take the hooks off the parameters."""
+    import datetime
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    gc.disable()
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+        pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
+        pulse.attach_ddp(model)
+        with pulse.step(1) as s, s.section("forward_backward"):
+            model(torch.ones(2, 8)).sum().backward()
+        assert pulse._grads_ready == 2  # the hooks ran
+        params, ref = list(model.parameters()), weakref.ref(model)
+        del model
+        assert ref() is None, "the parameters' hooks keep the DDP model alive"
+        assert all(len(p._post_accumulate_grad_hooks or {}) == 1 for p in params)
+        pulse.close()
+        assert all(not p._post_accumulate_grad_hooks for p in params)
+    finally:
+        gc.enable()
+        dist.destroy_process_group()
+
+
 def test_a_pulse_started_before_the_process_group_completes_its_set_up_when_joined():
     """Started first so that a rank stuck in init is seen; until joined() it claims no
     restart count (the agent keeps the rank's previous one: a requeued run's counter
