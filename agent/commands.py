@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from clusterpulse.agent import identity
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.identity import Sender
+from clusterpulse.agent.protocol import EXITED
 from clusterpulse.agent.ranks import RankRegistry
 
 KILL_GRACE_S = 5.0
@@ -219,7 +220,7 @@ class CommandBook:
                 if r.rank in cmd.targets and cmd.id in r.acks:
                     cmd.acked.add(r.rank)
                 new_process = r.sender not in owners or not r.sender.verified
-                stepped = r.process_steps > 0 or r.phase == "exited"  # or had none left
+                stepped = r.process_steps > 0 or r.phase == EXITED  # or had none left
                 if r.restarts > base and stepped and new_process:
                     cmd.resumed.add(r.rank)
             if cmd.state == "pending" and cmd.acked >= set(cmd.targets):

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from clusterpulse.agent import __version__
 from clusterpulse.agent.identity import still_running
+from clusterpulse.agent.protocol import EXITED, RESTARTING
 from clusterpulse.agent.sample import CLOCK_EVENT_REASONS
 
 if TYPE_CHECKING:
@@ -261,7 +262,7 @@ class AgentCollector(Collector):
         for r in ranks:
             lb = labels(r)
             phase.add_metric([*lb, r.phase], 1.0)
-            if r.collective and r.phase != "exited":
+            if r.collective and r.phase not in (EXITED, RESTARTING):
                 blocked.add_metric([*lb, r.collective],
                                    r.values.get("collectives_completed_total", 0.0) + 1)
             info.add_metric([*lb, str(r.gpu), str(r.pid), str(r.world_size)], 1.0)

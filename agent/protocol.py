@@ -73,6 +73,10 @@ PHASES = {"start", "data", "forward_backward", "optimizer", "checkpoint", "sync"
 # Phases with no step-time reference, held to the absolute hang timeout (the rules'
 # clusterpulse:rank_hang_threshold_seconds): starting and loading, saving a checkpoint.
 OWN_TIMEOUT_PHASES = frozenset({"start", "checkpoint"})
+# Phases the agent sets itself, never accepted from a rank: its exit event said it
+# finished (or was preempted) and its growing age is no hang; or it leaves for a
+# checkpoint-restart, and the rules give it the restart gap until its successor reports.
+EXITED, RESTARTING = "exited", "restarting"
 # `pid` is accepted for compatibility with older ranks but never used: the agent takes
 # the sender's pid from the kernel.
 INT_FIELDS = frozenset({"rank", "local_rank", "world_size", "pid", "gpu", "step", "restarts"})

@@ -27,7 +27,7 @@ from typing import Any
 from clusterpulse.agent import identity
 from clusterpulse.agent.backends.sim import Activity
 from clusterpulse.agent.identity import Sender
-from clusterpulse.agent.protocol import NUMBER_FIELDS, OWN_TIMEOUT_PHASES
+from clusterpulse.agent.protocol import EXITED, NUMBER_FIELDS, OWN_TIMEOUT_PHASES, RESTARTING
 
 MAX_ACKS_KEPT = 32
 
@@ -162,9 +162,15 @@ class RankRegistry:
                 # graceful restart on a loaded machine), and ranks after a 12 s save.
                 r.last_progress = now
             r.phase = msg["phase"]
-        if msg.get("event") == "exit" and msg.get("outcome", "finished") in (
-                "finished", "preempted"):
-            r.phase = "exited"  # a clean finish or a preemption: its growing age is no hang
+        if msg.get("event") == "exit":
+            outcome = msg.get("outcome", "finished")
+            if outcome in ("finished", "preempted"):
+                r.phase = EXITED  # a clean finish or a preemption: its growing age is no hang
+            elif outcome == "checkpoint-restart":
+                # saved and leaving on purpose: until it is gone and a new process takes
+                # the rank over, its tear-down (destroying the process group, exiting)
+                # is part of the restart, not a step that hangs
+                r.phase, r.last_progress = RESTARTING, now
         if "collective" in msg:
             r.collective = msg["collective"]
         if "step" in msg:

@@ -468,7 +468,21 @@ class Pulse:
             self._read_replies()
 
     def _enter(self, phase: str) -> None:
+        entering = phase != self.phase and phase in protocol.OWN_TIMEOUT_PHASES
         self.phase, self._phase_since = phase, time.monotonic()
+        if entering and not self._closed.is_set():
+            # Saving a checkpoint has its own timeout; the next heartbeat can be a second
+            # away, and one dropped or late on a loaded machine left the agent holding
+            # a saving rank to the steady hang threshold of the phase it saw last.
+            self._send_heartbeat(wait_s=EVENT_SEND_WAIT_S)
+
+    def _send_heartbeat(self, wait_s: float = 0.0) -> None:
+        phase, since = self.phase, self._phase_since
+        self.link.send(self._with_acks({
+            "type": "heartbeat", **self.identity, "step": self._step,
+            "phase": "forward_backward" if phase == "step" else phase,
+            "phase_seconds": round(time.monotonic() - since, 3),
+            **self.collectives.fields(), **dict(self.extra)}), wait_s=wait_s)
 
     def _heartbeat_loop(self) -> None:
         """Tell the agent every second that the process lives and what it is doing.
@@ -478,12 +492,7 @@ class Pulse:
         and its peers show as waiting in "sync".
         """
         while not self._closed.wait(HEARTBEAT_EVERY_S):
-            phase, since = self.phase, self._phase_since
-            self.link.send(self._with_acks({
-                "type": "heartbeat", **self.identity, "step": self._step,
-                "phase": "forward_backward" if phase == "step" else phase,
-                "phase_seconds": round(time.monotonic() - since, 3),
-                **self.collectives.fields(), **self.extra}))
+            self._send_heartbeat()
 
     def _with_acks(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Every message after an acknowledgement repeats it: datagrams can be lost, and

@@ -104,16 +104,53 @@ def test_time_loading_or_saving_a_checkpoint_does_not_count_against_the_next_ste
     assert reg.age(reg.of_run("r1")[0]) == 10.0
 
 
-@pytest.mark.parametrize("outcome,phase", [
-    ("finished", "exited"), ("preempted", "exited"),
-    # a rank that raised or was restarted: the restart gap applies (the hang rules), so
-    # a crash that nothing restarts still pages; a finish never does
-    ("failed", "forward_backward"), ("checkpoint-restart", "forward_backward")])
-def test_only_a_clean_exit_ends_a_rank(outcome, phase):
-    reg = RankRegistry()
+@pytest.mark.parametrize("outcome,phase,age", [
+    ("finished", "exited", 10.0), ("preempted", "exited", 10.0),
+    # a rank that raised keeps its last phase: the restart gap applies once its process
+    # is gone (the hang rules), so a crash that nothing restarts still pages
+    ("failed", "forward_backward", 10.0),
+    # one that saved and leaves for a checkpoint-restart is "restarting" from its exit
+    # event on (the restart gap, alive or not): its tear-down is no hung step
+    ("checkpoint-restart", "restarting", 0.0)])
+def test_only_a_clean_exit_ends_a_rank(outcome, phase, age):
+    t = [0.0]
+    reg = RankRegistry(clock=lambda: t[0])
     reg.update(msg(type="heartbeat", phase="forward_backward"), None)
+    t[0] = 10.0
     reg.update(protocol.decode(raw(msg(type="event", event="exit", outcome=outcome))), None)
-    assert reg.of_run("r1")[0].phase == phase
+    r = reg.of_run("r1")[0]
+    assert (r.phase, reg.age(r)) == (phase, age)
+    for own in (protocol.EXITED, protocol.RESTARTING):  # the agent's to set, not a rank's
+        with pytest.raises(protocol.MalformedMessage):
+            protocol.decode(raw(msg(type="heartbeat", phase=own)))
+
+
+def test_entering_a_checkpoint_is_told_at_once_not_at_the_next_heartbeat(tmp_path):
+    """Saving has its own timeout; the agent learnt of it from the 1 s heartbeat, and
+    a late one on a loaded machine left it holding a saving rank to the 5 s floor of
+    the training phase it saw last."""
+    from clusterpulse.trainer.instrument import Pulse
+
+    path = str(tmp_path / "agent.sock")
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(path)
+    rx.settimeout(10)
+    pulse = Pulse(run="r1", agent=f"unix:{path}", world_size=1, catch_sigterm=False)
+    try:
+        sent = pulse.link.sent
+        pulse._enter("checkpoint")
+        assert pulse.link.sent == sent + 1  # sent from the call itself, not the thread
+        pulse._enter("checkpoint")  # no change: nothing more
+        pulse._enter("between")  # leaving is learnt from the next heartbeat or step
+        assert pulse.link.sent == sent + 1
+        seen = []
+        while not any(m.get("phase") == "checkpoint" for m in seen):
+            seen.append(json.loads(rx.recv(65536)))
+        (told,) = [m for m in seen if m.get("phase") == "checkpoint"]
+        assert told["type"] == "heartbeat" and told["run"] == "r1", told
+    finally:
+        pulse.close()
+        rx.close()
 
 
 def test_rank_memory_is_bounded_whatever_arrives():
