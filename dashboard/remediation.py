@@ -20,8 +20,10 @@ is left to the people it pages. `match` lets the action follow the evidence: a
 straggler whose GPU throttles for heat is not cured by restarting the job in place
 (the GPU is as hot after it), while a scheduler can move the job off the node.
 Alerts without a `run` label (a lost GPU) act on the runs with ranks on that node
-(and GPU), found through Prometheus. Every decision (acted, dry run, rate-limited,
-waiting) is audited, and every notification is kept for the dashboard's history.
+(and GPU), found through Prometheus. An alert waiting for `sustained_s` is acted on
+only if Prometheus still has it firing then. Every decision taken (acted, dry run,
+rate-limited, failed) is audited, and every notification is kept for the dashboard's
+history.
 
 The webhook can restart jobs, so it only takes authenticated notifications: a bearer
 token or basic auth (password = a token) from --webhook-token-file, both of which
@@ -144,14 +146,15 @@ class Remediator:
     history_path: Path | None = None
     clock: callable = time.time
     _acted: dict[str, list[float]] = field(default_factory=dict)
-    # Alerts a rule wants sustained, by ("run:<run>" or "node:<node>", alert):
-    # Alertmanager does not notify again for an unchanged group until repeat_interval
-    # (hours), so the receiver re-checks them itself (tick).
-    _waiting: dict[tuple[str, str], tuple[Rule, tuple[str, str], dict]] = field(
-        default_factory=dict)
+    # Alerts a rule wants sustained, one entry per alert (its labels) and subject
+    # ("run:<run>" or "node:<node>"): Alertmanager does not notify again for an
+    # unchanged group until repeat_interval (hours), so the receiver re-checks them
+    # itself (tick), and asks Prometheus whether each still fires before acting (a
+    # resolved notification comes only at the next group_interval, minutes later).
+    _waiting: dict[tuple, tuple[Rule, tuple[str, str], dict]] = field(default_factory=dict)
     # the same key -> when this receiver first heard it firing: the clock sustained_s
     # runs on (bounded: entries go when the alert resolves or is acted on)
-    _first_seen: dict[tuple[str, str], float] = field(default_factory=dict)
+    _first_seen: dict[tuple, float] = field(default_factory=dict)
     _refusals: list[float] = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -165,13 +168,12 @@ class Remediator:
                 f.write(json.dumps({"received": self.clock(), **payload}) + "\n")
         decisions = []
         for alert in payload.get("alerts", []):
-            name = alert.get("labels", {}).get("alertname", "")
             if alert.get("status") != "firing":
+                ident = _identity(alert)
                 with self._lock:
-                    for key in [k for k in self._waiting if k[1] == name
-                                and self._waiting[k][2].get("labels") == alert.get("labels")]:
-                        del self._waiting[key]
-                        self._first_seen.pop(key, None)
+                    for key in [k for k in self._first_seen if k[1:] == ident]:
+                        self._waiting.pop(key, None)
+                        del self._first_seen[key]
                 continue
             rule = self.policy.rule_for(alert.get("labels", {}))
             if rule is None:
@@ -183,20 +185,22 @@ class Remediator:
                 decisions.append(self._decide(rule, run, alert))
         return decisions
 
-    def _decide_node(self, rule: Rule, alert: dict) -> dict:
+    def _decide_node(self, rule: Rule, alert: dict, recheck: bool = False) -> dict:
         node = alert.get("labels", {}).get("node", "")
-        waiting = self._still_waiting(rule, ("node", node), alert)
+        waiting = self._still_waiting(rule, ("node", node), alert, recheck)
         if waiting is not None:
             return {"node": node, "alert": rule.alert, "action": rule.action, **waiting}
         return Drainer(self.policy.drain, self.audit, self.policy.dry_run).decide(alert)
 
-    def _still_waiting(self, rule: Rule, subject: tuple[str, str], alert: dict
-                       ) -> dict | None:
+    def _still_waiting(self, rule: Rule, subject: tuple[str, str], alert: dict,
+                       recheck: bool = False) -> dict | None:
         """None once the alert has fired `sustained_s` (or the rule wants no wait);
-        else the waiting decision, and the alert is kept for `tick` to decide again."""
+        else the waiting (or resolved) decision, and a waiting alert is kept for `tick`
+        to decide again. `recheck` (tick): the last notification may be minutes old,
+        so Prometheus must still show the alert firing before the policy acts."""
         if not rule.sustained_s:
             return None
-        key = (f"{subject[0]}:{subject[1]}", rule.alert)
+        key = (f"{subject[0]}:{subject[1]}", *_identity(alert))
         now = self.clock()
         with self._lock:
             if len(self._first_seen) >= MAX_TRACKED and key not in self._first_seen:
@@ -211,9 +215,34 @@ class Remediator:
                 self._waiting[key] = (rule, subject, alert)
                 return {"outcome": "waiting", "detail": f"firing {now - started:.0f} s of "
                         f"the {rule.sustained_s:.0f} s the policy requires"}
+        if recheck:
+            firing = self._firing_now(alert)
+            if firing is None:  # Prometheus cannot say: never act blind, ask again later
+                with self._lock:
+                    self._waiting[key] = (rule, subject, alert)
+                return {"outcome": "waiting", "detail": "sustained, but Prometheus cannot "
+                        "confirm it still fires"}
+            if not firing:
+                with self._lock:
+                    self._waiting.pop(key, None)
+                    self._first_seen.pop(key, None)
+                return {"outcome": "resolved", "detail": "no longer firing in Prometheus"}
+        with self._lock:
             self._waiting.pop(key, None)
             self._first_seen.pop(key, None)
         return None
+
+    def _firing_now(self, alert: dict) -> bool | None:
+        """Whether Prometheus has this alert firing now (its ALERTS series, on the
+        labels that name what it is about); None when Prometheus cannot be asked."""
+        labels = alert.get("labels", {})
+        sel = ",".join(f'{k}="{promql_string(str(labels[k]))}"'
+                       for k in ("alertname", *SUBJECT_LABELS) if k in labels)
+        try:
+            return bool(self.prom.query(f'ALERTS{{alertstate="firing",{sel}}}'))
+        except PrometheusError as err:
+            log.warning("cannot check that %s still fires: %s", labels, err)
+            return None
 
     def _runs(self, labels: dict) -> list[str]:
         if "run" in labels:
@@ -237,10 +266,10 @@ class Remediator:
             log.error("cannot find runs for %s: %s", labels, err)
             return []
 
-    def _decide(self, rule: Rule, run: str, alert: dict) -> dict:
+    def _decide(self, rule: Rule, run: str, alert: dict, recheck: bool = False) -> dict:
         why = f"policy: {rule.alert} -> {rule.action}"
         base = {"run": run, "alert": rule.alert, "action": rule.action}
-        waiting = self._still_waiting(rule, ("run", run), alert)
+        waiting = self._still_waiting(rule, ("run", run), alert, recheck)
         if waiting is not None:
             return {**base, **waiting}
         now = self.clock()
@@ -285,9 +314,20 @@ class Remediator:
         """Decide again on alerts still firing that were waiting to be sustained."""
         with self._lock:
             waiting = list(self._waiting.values())
-        return [self._decide(rule, subject, alert) if kind == "run"
-                else self._decide_node(rule, alert)
+        return [self._decide(rule, subject, alert, recheck=True) if kind == "run"
+                else self._decide_node(rule, alert, recheck=True)
                 for rule, (kind, subject), alert in waiting]
+
+
+# The labels that say what an alert is about (Prometheus's ALERTS series has them;
+# Alertmanager may add external labels that it does not).
+SUBJECT_LABELS = ("run", "rank", "node", "gpu", "local_rank", "cause")
+
+
+def _identity(alert: dict) -> tuple[str, tuple[tuple[str, str], ...]]:
+    labels = alert.get("labels", {})
+    return (str(labels.get("alertname", "")),
+            tuple(sorted((k, str(v)) for k, v in labels.items() if k in SUBJECT_LABELS)))
 
 
 def _parse_time(text: object) -> float | None:

@@ -563,17 +563,22 @@ class Pulse:
             return
         reason = "preempted" if self.preempt_agreed else "checkpoint-restart"
         ok = True
+        # From the save until this rank leaves (the agreement, the acknowledgement, the
+        # barrier that waits for the slowest writer) the restart's own protocol runs in
+        # phase checkpoint, held to the checkpoint's timeout: in a training phase it was
+        # held to the steady floor (5 s), and a loaded machine's slow writer paged.
+        self._enter("checkpoint")
         if save is not None:
-            self._enter("checkpoint")
             try:
                 save(step)
             except (Exception, CheckpointException) as err:  # DCP's is a BaseException
                 ok = False
                 log.error("checkpoint for %s at step %d failed: %s", reason, step, err)
-            self._enter("between")
+            self._enter("checkpoint")  # the caller's save may have left it
         if not self.all_ranks(ok):
             self.event("checkpoint_failed", step=step)
             if reason == "checkpoint-restart":
+                self._enter("between")
                 print(f"clusterpulse: checkpoint-restart at step {step} ABORTED: the "
                       "checkpoint failed on at least one rank; training goes on from here",
                       flush=True)

@@ -184,8 +184,8 @@ class Trainer:
 
     def save(self, step: int, raise_errors: bool = False) -> None:
         self.state.step = step
+        self.pulse.extra["checkpoint_in_progress"] = 1  # told with the phase, at once
         self.pulse._enter("checkpoint")
-        self.pulse.extra["checkpoint_in_progress"] = 1
         try:
             if delay := self.faults.ckpt_delay(step):
                 time.sleep(delay)  # storage this slow blocks the step like a long write
@@ -371,6 +371,17 @@ class Trainer:
         return 0
 
 
+def _exit_status(code: object) -> int:
+    """What the interpreter would make of SystemExit(code): None is 0, an int itself,
+    anything else is printed and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging(os.environ.get("CLUSTERPULSE_LOG_LEVEL", "warning"))
     try:
@@ -384,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = trainer.run()
         outcome = "finished"
     except SystemExit as leave:  # a restart or preemption leaves from the loop
-        rc = leave.code if isinstance(leave.code, int) else 1
+        rc = _exit_status(leave.code)
     finally:
         trainer.pulse.close(outcome)  # no-op if a restart already closed it
         if dist.is_initialized():

@@ -51,7 +51,9 @@ ALERT_LABELS: dict[str, dict[str, str]] = {"gpu_overheat": {"cause": "thermal_th
 
 def expected_action(kind: str, policy: Policy) -> str | None:
     """The action `policy` takes on the alerts fault `kind` raises (the first one a
-    rule fits), or None."""
+    rule fits), or None (also for a dry-run policy, which only audits)."""
+    if policy.dry_run:
+        return None
     for name in EXPECT[kind]:
         rule = policy.rule_for({"alertname": name, **ALERT_LABELS.get(kind, {})})
         if rule is not None:
@@ -64,7 +66,10 @@ TESTBED_ONLY = {"node_death", "partition", "slow_link"}
 # or any restart the policy takes): they count as recovered only once new rank
 # processes step, not when old ones still do.
 RESTARTS = {"gpu_lost", "rank_hang", "rank_crash", "node_death"}
-RESTART_ACTIONS = {"restart", "checkpoint-restart"}
+RESTART_ACTIONS = {"restart", "checkpoint-restart", "drain-node"}  # drained: requeued
+# The audit outcomes of an action taken: a run's restart (accepted by its agents, or by
+# some), a node's drain (by the receiver, or found drained already and its jobs requeued)
+TAKEN = {"accepted", "partial", "acted", "already_drained"}
 # Faults that slow the job while it keeps stepping: recovered once their alerts have
 # resolved (the job runs at its pace again), not at its first step after the fault.
 SLOWDOWNS = {"gpu_overheat", "slow_link"}
@@ -231,7 +236,7 @@ class Observer:
         if o.acted_at is None and action:
             for rec in self.audit(o.fault.at):
                 if rec.get("action") == action and rec.get("source") == "remediation" \
-                        and rec.get("outcome") in ("accepted", "partial"):
+                        and rec.get("outcome") in TAKEN:
                     o.action, o.acted_at = action, rec["ts"]
                     break
         if o.recovered_at is None and o.step_at_fault is not None:
@@ -272,7 +277,7 @@ class Observer:
     def last_action(self) -> float:
         """When the remediation last acted on the run (its rate limit counts from there)."""
         acts = [r["ts"] for r in self.audit(0) if r.get("source") == "remediation"
-                and r.get("run") == self.run and r.get("outcome") in ("accepted", "partial")]
+                and r.get("run") == self.run and r.get("outcome") in TAKEN]
         return max(acts, default=0.0)
 
     def firing(self, names: tuple[str, ...], node: str) -> bool:

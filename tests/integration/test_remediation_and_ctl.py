@@ -29,7 +29,13 @@ def cluster(tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
     agent, port, telemetry = start_agent_cli(tmp_path, "node-r", gpus=2, token_file=token)
-    prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
+    # Rank 0 of run "job" straggles while it reports (a stand-in for the project's rule,
+    # evaluated by the real Prometheus: the receiver checks ALERTS before it acts).
+    rules = tmp_path / "straggler.rules.yml"
+    rules.write_text("groups:\n- name: t\n  rules:\n  - alert: TrainingStraggler\n"
+                     "    expr: max by (run, rank) (clusterpulse_trainer_step{run=\"job\","
+                     "rank=\"0\"}) >= 0\n")
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"], rule_files=[rules])
     # the rank: a live process the agent knows from the kernel's credentials
     rank = RankProcess(telemetry[len("unix:"):], [{
         "type": "step", "run": "job", "rank": 0, "local_rank": 0, "gpu": 1, "step": 3}])
@@ -70,18 +76,25 @@ def test_policy_acts_rate_limits_and_audits(cluster):
 
 def test_sustained_alert_is_acted_on_without_a_new_notification(cluster):
     """Alertmanager repeats an unchanged alert only after hours: the receiver re-checks
-    waiting alerts itself, and forgets them when they resolve."""
+    waiting alerts itself, and forgets them when they resolve. Its resolved
+    notification comes only at the next group_interval (minutes in production): a
+    sustained alert is acted on only if Prometheus still has it firing."""
     prom, _, _, _, tmp, _telemetry = cluster
+    wait_until(lambda: prom.query('ALERTS{alertname="TrainingStraggler",run="job",'
+                                  'rank="0",alertstate="firing"}'), 30, "the alert firing")
     now = [time.time()]
+    audit = AuditLog(tmp / "audit.jsonl")
     rem = Remediator(Policy([Rule("TrainingStraggler", "checkpoint-restart", 60)]),
-                     PrometheusClient(prom.url), TOKEN, AuditLog(tmp / "audit.jsonl"),
-                     clock=lambda: now[0])
+                     PrometheusClient(prom.url), TOKEN, audit, clock=lambda: now[0])
+    # rank 2: notified firing, but resolved in Prometheus before the wait was over
+    gone = firing("TrainingStraggler", now[0], run="job", rank="2")
     alert = firing("TrainingStraggler", now[0], run="job", rank="0")
-    assert rem.handle({"alerts": [alert]})[0]["outcome"] == "waiting"
+    assert [d["outcome"] for d in rem.handle({"alerts": [gone, alert]})] == ["waiting"] * 2
     now[0] += 61
-    (d,) = rem.tick()
-    assert d["outcome"] == "acted"
-    assert rem.tick() == []  # acted on once, no longer waiting
+    decided = {d["outcome"] for d in rem.tick()}
+    assert decided == {"resolved", "acted"}, decided
+    assert [r["outcome"] for r in audit.read() if r["who"] == "policy"] == ["accepted"]
+    assert rem.tick() == []  # acted on once, the other dropped: nothing waits
     other = firing("TrainingStraggler", now[0], run="job", rank="1")
     rem.handle({"alerts": [other]})
     rem.handle({"alerts": [{**other, "status": "resolved"}]})

@@ -104,9 +104,15 @@ def test_starts_at_cannot_skip_sustained_s(tmp_path, starts):
     a = alert("TrainingStraggler", **extra)
     assert rem.handle({"alerts": [a]})[0]["outcome"] == "waiting"
     now[0] += 60
-    assert rem.tick()[0]["outcome"] == "waiting"
+    (d,) = rem.tick()
+    assert (d["outcome"], d["detail"]) == ("waiting", "firing 60 s of the 120 s the policy "
+                                                      "requires")
     now[0] += 61
-    assert rem.tick()[0]["outcome"] == "dry_run"
+    # sustained: it would act now, once Prometheus confirms the alert still fires (none
+    # answers here: it keeps waiting, never acts blind; the integration test has one)
+    (d,) = rem.tick()
+    assert (d["outcome"], d["detail"]) == ("waiting", "sustained, but Prometheus cannot "
+                                                      "confirm it still fires")
 
 
 def test_promql_string_escapes_quotes_and_backslashes():
@@ -159,8 +165,9 @@ def test_bad_matchers_are_named(tmp_path, body, named):
 
 def test_a_node_action_waits_for_sustained_s_too(tmp_path):
     """drain-node used to act on the first notification whatever sustained_s said:
-    a straggler that lasted one evaluation would have drained its node. (No Slurm
-    answers here: once decided, the drain is audited as failed, naming why.)"""
+    a straggler that lasted one evaluation would have drained its node. Each alert
+    waits on its own clock: another run's straggler on the same node resolving does not
+    reset or forget this one's."""
     now = [time.time()]
     audit = AuditLog(tmp_path / "audit.jsonl")
     rem = Remediator(Policy([Rule("TrainingStraggler", "drain-node", 60)], dry_run=True),
@@ -168,19 +175,25 @@ def test_a_node_action_waits_for_sustained_s_too(tmp_path):
                      clock=lambda: now[0])
     a = {"status": "firing", "labels": {"alertname": "TrainingStraggler", "run": "r",
                                         "node": "n1", "cause": "thermal_throttling"}}
+    b = {"status": "firing", "labels": {**a["labels"], "run": "other"}}
     (d,) = rem.handle({"alerts": [a]})
     assert d["outcome"] == "waiting" and d["node"] == "n1", d
     now[0] += 30
-    assert [x["outcome"] for x in rem.tick()] == ["waiting"]
+    rem.handle({"alerts": [b]})
+    now[0] += 20
+    rem.handle({"alerts": [{**b, "status": "resolved"}]})  # the other one ends
+    (d,) = rem.tick()  # this one still waits: 50 s of 60
+    assert (d["outcome"], d["detail"]) == ("waiting", "firing 50 s of the 60 s the policy "
+                                                      "requires"), d
     assert audit.read() == []  # nothing decided yet, nothing asked of Slurm
-    now[0] += 31
-    (d,) = rem.tick()
-    assert d["outcome"] != "waiting" and d["node"] == "n1", d
-    (rec,) = audit.read()
-    assert rec["action"] == "drain-node" and rec["node"] == "n1", rec
-    assert rem.tick() == []  # decided: no longer waiting
-    # resolved before its time: forgotten, and a new firing waits the whole time again
-    rem.handle({"alerts": [a]})
+    now[0] += 11
+    (d,) = rem.tick()  # sustained; acting waits for Prometheus to confirm (none here)
+    assert d["detail"] == "sustained, but Prometheus cannot confirm it still fires", d
+    assert audit.read() == []
+    # resolved before its time: forgotten; a new firing waits the whole time again
     rem.handle({"alerts": [{**a, "status": "resolved"}]})
     assert rem.tick() == []
-    assert rem.handle({"alerts": [a]})[0]["outcome"] == "waiting"
+    now[0] += 100
+    (d,) = rem.handle({"alerts": [a]})
+    assert (d["outcome"], d["detail"]) == ("waiting", "firing 0 s of the 60 s the policy "
+                                                      "requires"), d

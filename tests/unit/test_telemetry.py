@@ -125,11 +125,15 @@ def test_only_a_clean_exit_ends_a_rank(outcome, phase, age):
             protocol.decode(raw(msg(type="heartbeat", phase=own)))
 
 
-def test_entering_a_checkpoint_is_told_at_once_not_at_the_next_heartbeat(tmp_path):
+def test_entering_a_checkpoint_is_told_at_once_not_at_the_next_heartbeat(tmp_path,
+                                                                         monkeypatch):
     """Saving has its own timeout; the agent learnt of it from the 1 s heartbeat, and
     a late one on a loaded machine left it holding a saving rank to the 5 s floor of
     the training phase it saw last."""
+    from clusterpulse.trainer import instrument
     from clusterpulse.trainer.instrument import Pulse
+
+    monkeypatch.setattr(instrument, "HEARTBEAT_EVERY_S", 3600)  # only what _enter sends
 
     path = str(tmp_path / "agent.sock")
     rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

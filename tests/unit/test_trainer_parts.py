@@ -407,9 +407,9 @@ def test_attach_ddp_leaves_no_reference_cycle_through_the_model(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1, timeout=datetime.timedelta(seconds=60))
     gc.disable()
+    pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
     try:
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
-        pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
         pulse.attach_ddp(model)
         with pulse.step(1) as s, s.section("forward_backward"):
             model(torch.ones(2, 8)).sum().backward()
@@ -421,6 +421,7 @@ def test_attach_ddp_leaves_no_reference_cycle_through_the_model(tmp_path):
         pulse.close()
         assert all(not p._post_accumulate_grad_hooks for p in params)
     finally:
+        pulse.close()
         gc.enable()
         dist.destroy_process_group()
 
@@ -450,3 +451,13 @@ def test_a_pulse_started_before_the_process_group_completes_its_set_up_when_join
     finally:
         pulse.close()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_restart_leaving_main_keeps_the_interpreters_exit_status(capsys):
+    """main() catches the SystemExit a restart or preemption raises (to free the model
+    before exit) and must return what the interpreter would have made of it."""
+    from clusterpulse.trainer.main import _exit_status
+
+    assert [_exit_status(c) for c in (None, 0, 42, 143)] == [0, 0, 42, 143]
+    assert _exit_status("cannot go on") == 1
+    assert capsys.readouterr().err == "cannot go on\n"
