@@ -227,9 +227,10 @@ class Remediator:
                     self._waiting.pop(key, None)
                     self._first_seen.pop(key, None)
                 return {"outcome": "resolved", "detail": "no longer firing in Prometheus"}
-        with self._lock:
+        with self._lock:  # claim it: a notification and the ticker may both get here
             self._waiting.pop(key, None)
-            self._first_seen.pop(key, None)
+            if self._first_seen.pop(key, None) is None:
+                return {"outcome": "decided", "detail": "decided already"}
         return None
 
     def _firing_now(self, alert: dict) -> bool | None:

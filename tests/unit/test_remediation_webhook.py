@@ -197,3 +197,33 @@ def test_a_node_action_waits_for_sustained_s_too(tmp_path):
     (d,) = rem.handle({"alerts": [a]})
     assert (d["outcome"], d["detail"]) == ("waiting", "firing 0 s of the 60 s the policy "
                                                       "requires"), d
+
+
+def test_a_sustained_alert_is_decided_once_when_a_notification_and_the_ticker_race(tmp_path):
+    """The webhook thread and the ticker can both find the wait over at the same time;
+    for a drain that meant draining, and requeueing the node's jobs, twice."""
+    import threading
+
+    class Confirming(Remediator):
+        meet = threading.Barrier(2, timeout=10)
+
+        def _firing_now(self, alert):  # both deciders are past the wait here
+            self.meet.wait()
+            return True
+
+    now = [time.time()]
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    rem = Confirming(Policy([Rule("TrainingStraggler", "restart", 60)], dry_run=True),
+                     PrometheusClient("http://127.0.0.1:9"), None, audit,
+                     clock=lambda: now[0])
+    a = alert("TrainingStraggler")
+    rem.handle({"alerts": [a]})
+    now[0] += 61
+    out: list[dict] = []
+    deciders = [threading.Thread(target=lambda: out.extend(rem.tick())) for _ in range(2)]
+    for t in deciders:
+        t.start()
+    for t in deciders:
+        t.join(timeout=20)
+    assert sorted(d["outcome"] for d in out) == ["decided", "dry_run"], out
+    assert [r["outcome"] for r in audit.read()] == ["dry_run"]
