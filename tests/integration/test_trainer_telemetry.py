@@ -26,7 +26,11 @@ def test_slowed_rank_has_the_compute_time_and_its_peer_the_wait(tmp_path, parall
         assert set(ranks) == {0, 1}
         fast, slow = ranks[0].values, ranks[1].values
         assert slow["compute_seconds"] > 1.5 * fast["compute_seconds"], (fast, slow)
-        assert fast["sync_wait_seconds"] > 0.02 > slow["sync_wait_seconds"], (fast, slow)
+        # The fast rank waits for the slow one (~0.1 s a step here), the slow one hardly
+        # at all: a relation, since one descheduled moment of the fast rank on a loaded
+        # 2-core machine made the slow one wait 22 ms in a fresh-machine run.
+        assert fast["sync_wait_seconds"] > 0.02, (fast, slow)
+        assert fast["sync_wait_seconds"] > 2 * slow["sync_wait_seconds"], (fast, slow)
         assert slow["straggler_score"] > 1.4 and 0.6 < fast["straggler_score"] <= 1.0
         # Both ranks see about the same step time: synchronous training hides the
         # straggler there, which is why the split is measured at all.
