@@ -147,7 +147,7 @@ class Remediator:
     clock: callable = time.time
     _acted: dict[str, list[float]] = field(default_factory=dict)
     # Alerts a rule wants sustained, one entry per alert (its labels) and subject
-    # ("run:<run>" or "node:<node>"): Alertmanager does not notify again for an
+    # (("run", run) or ("node", node)): Alertmanager does not notify again for an
     # unchanged group until repeat_interval (hours), so the receiver re-checks them
     # itself (tick), and asks Prometheus whether each still fires before acting (a
     # resolved notification comes only at the next group_interval, minutes later).
@@ -200,7 +200,7 @@ class Remediator:
         so Prometheus must still show the alert firing before the policy acts."""
         if not rule.sustained_s:
             return None
-        key = (f"{subject[0]}:{subject[1]}", *_identity(alert))
+        key = (subject, *_identity(alert))
         now = self.clock()
         with self._lock:
             if len(self._first_seen) >= MAX_TRACKED and key not in self._first_seen:
