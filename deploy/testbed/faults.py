@@ -73,6 +73,7 @@ TAKEN = {"accepted", "partial", "acted", "already_drained"}
 # Faults that slow the job while it keeps stepping: recovered once their alerts have
 # resolved (the job runs at its pace again), not at its first step after the fault.
 SLOWDOWNS = {"gpu_overheat", "slow_link"}
+SAMPLE_LAG_S = 2.0  # the testbed's 1 s scrape plus its agents' 0.5 s interval, rounded up
 
 
 class Target(Protocol):
@@ -250,15 +251,22 @@ class Observer:
         action = self.action_for(o.fault.kind)
         if action and o.acted_at is None:
             return
+        if EXPECT[o.fault.kind] and o.detected_at is None:
+            return  # judged from the detection on: just after the fault, the steps
+            # made before it still look like progress (a partition "recovered" at once)
         if o.fault.kind in RESTARTS or action in RESTART_ACTIONS:
             now_pids = self.pids()  # new processes must be the ones stepping
             if not now_pids or now_pids & (o.pids_at_fault or set()):
                 return
-        elif o.fault.kind in SLOWDOWNS and (
-                o.detected_at is None or self.firing(EXPECT[o.fault.kind], node_name)):
+        elif o.fault.kind in SLOWDOWNS and self.firing(EXPECT[o.fault.kind], node_name):
             return
         ref = o.acted_at or o.detected_at or o.fault.at
-        span = f"{max(1, int(time.time() - ref))}s"
+        # A scraped step is up to a scrape and an agent interval old: one read just
+        # after `ref` may predate the fault and look like progress since.
+        since = ref + SAMPLE_LAG_S
+        if time.time() < since + 1:
+            return
+        span = f"{int(time.time() - since)}s"
         series = f'max(clusterpulse_trainer_step{{run="{self.run}"}})'
         # > 0: a restarted rank reports step 0 until it has loaded its checkpoint
         low = self.query(f"min_over_time(({series} > 0)[{span}:1s])")
@@ -271,7 +279,10 @@ class Observer:
                               at=ref)
             reached = int(float(peak[0]["value"][1])) if peak else lowest
             o.step_at_fault = max(o.step_at_fault or 0, reached)
-            o.resumed_from = min(lowest, o.step_at_fault)
+            # Only new processes can go back to a checkpoint; the same ones carry on
+            # (a scrape taken just before the fault would read as steps lost).
+            restarted = bool(self.pids() - (o.pids_at_fault or set()))
+            o.resumed_from = min(lowest, o.step_at_fault) if restarted else o.step_at_fault
             o.recovered_at = time.time()
 
     def last_action(self) -> float:

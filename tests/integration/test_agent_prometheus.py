@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+import time
 
 import pytest
 import requests
@@ -99,5 +100,55 @@ def test_fault_observer_counts_only_live_rank_processes(tmp_path):
             obs = Observer(prom.url, tmp_path / "audit.jsonl", "r", Policy([]))
             assert obs.pids() == {str(live.pid)}
     finally:
+        prom.stop()
+        agent.stop()
+
+
+def test_fault_observer_does_not_take_the_steps_before_a_stall_for_recovery(tmp_path):
+    """A partition stalls the job; polled right after the fault, the steps of the second
+    before it used to read as "stepping again" (the chaos run reported a partition
+    recovered in 0.01 s). Recovery is judged from the detection on, and comes only
+    when the job steps again after the stall."""
+    from clusterpulse.agent import protocol
+    from clusterpulse.dashboard.remediation import Policy
+    from deploy.testbed.faults import Fault, Observer, Outcome
+    from tests.support.ranksock import connect
+
+    agent, port, telemetry = start_agent_cli(tmp_path, "node-p", gpus=1)
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
+    sock = connect(telemetry[len("unix:"):])
+    step = 0
+
+    def advance(seconds: float) -> None:
+        nonlocal step
+        end = time.time() + seconds
+        while time.time() < end:
+            step += 1
+            sock.send(protocol.encode({"type": "step", "run": "p", "rank": 0, "local_rank": 0,
+                                       "world_size": 1, "step": step}))
+            time.sleep(0.1)
+
+    obs = Observer(prom.url, tmp_path / "audit.jsonl", "p", Policy([]))
+    try:
+        deadline = time.time() + 30
+        while obs.step() is None and time.time() < deadline:
+            advance(0.5)  # until Prometheus has the run's steps
+        advance(2.5)  # stepping right up to the fault
+        o = Outcome(Fault("partition", 0, seconds=30, at=time.time()))
+        stalled_at = step
+        for _ in range(12):  # polled as the chaos loop does, from right after the fault
+            obs.update(o, "node-p")
+            assert o.recovered_at is None, "recovered before the stall was even detected"
+            time.sleep(0.25)
+        o.detected_at = o.fault.at + 1  # NodeAgentDown (the rules are not loaded here)
+        time.sleep(3)  # the stall, seen for seconds after the detection
+        obs.update(o, "node-p")
+        assert o.recovered_at is None, "recovered while the job is stalled"
+        advance(3)
+        wait_until(lambda: (obs.update(o, "node-p"), o.recovered_at)[1], 30, "recovery seen")
+        assert o.recovered_at > o.fault.at + 3
+        assert o.recomputed == 0 and o.resumed_from >= stalled_at - 10  # same process
+    finally:
+        sock.close()
         prom.stop()
         agent.stop()
