@@ -14,6 +14,13 @@ What it adds to torchrun, and why:
   rendezvous on every node). `--max-restarts` is left whole for real failures.
 - SIGTERM/SIGINT are passed on to torchrun (which passes them to the ranks: they
   checkpoint at the next consensus step); the launcher then exits 143.
+- Multi-node rendezvous settings for recovery rather than start-up (RDZV_DEFAULTS):
+  torch's c10d rendezvous declares a node dead after 3 missed 5 s keep-alives (15 s)
+  and then waits `last_call_timeout` (30 s) for more nodes, so an elastic job that lost
+  a node stood still for ~45 s before it could go on without it. Here: keep-alives
+  every 2 s, dead after 3 missed (6 s), last call 5 s. Each is a `--rdzv-conf`
+  setting and yields to one given there (raise them for jobs of many hundreds of
+  nodes, where every keep-alive rewrites the rendezvous state on the store's host).
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from pathlib import Path
 
 from clusterpulse.trainer.parallel import RELAUNCHES_ENV, SHARE_STORE_ENV
 from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV
+
+RDZV_DEFAULTS = {"keep_alive_interval": "2", "keep_alive_max_attempt": "3",
+                 "last_call_timeout": "5"}
 
 EXAMPLES = """\
 examples:
@@ -103,7 +113,8 @@ def build_command(argv: list[str]) -> list[str]:
     if a.rdzv_endpoint:
         cmd += [f"--nnodes={a.nnodes}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id={a.rdzv_id}"]
-        conf = [*a.rdzv_conf]
+        given = {kv.partition("=")[0] for kv in a.rdzv_conf}
+        conf = [*a.rdzv_conf, *(f"{k}={v}" for k, v in RDZV_DEFAULTS.items() if k not in given)]
         if a.rdzv_host is not None:
             conf.insert(0, f"is_host={str(a.rdzv_host).lower()}")
         if conf:

@@ -30,6 +30,9 @@ from pathlib import Path
 from deploy.testbed import net
 from deploy.testbed.net import TestbedError
 
+# A node is provisioned as the deploy files say a training node should be.
+NODE_SYSCTL = Path(__file__).resolve().parents[1] / "sysctl" / "90-clusterpulse-training.conf"
+
 
 @dataclass
 class Node:
@@ -143,6 +146,7 @@ class Testbed:
         net.run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         net.run("ip", "-n", ns, "link", "set", "eth0", "up")
         net.run("ip", "-n", ns, "link", "set", "lo", "up")
+        net.apply_sysctl(ns, net.read_sysctl_conf(NODE_SYSCTL))
         net.make_uts(ns, hostname)
         return Node(i, hostname, ns, ip, host_veth, self)
 

@@ -201,7 +201,7 @@ class TestbedCluster:
                "--rdzv-endpoint", job.rdzv, "--rdzv-id", job.run,
                f"--local-addr={node.ip}", "--monitor-interval=0.5",
                "--rdzv-host" if node is host else "--no-rdzv-host",
-               "--rdzv-conf", "join_timeout=120", "--rdzv-conf", "last_call_timeout=5",
+               "--rdzv-conf", "join_timeout=120",
                "--max-restarts", str(job.max_restarts), "--",
                "--run-id", job.run, "--ckpt-dir", str(job.ckpt_dir),
                "--agent", self.telemetry_address(node), *job.args]

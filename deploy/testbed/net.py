@@ -219,6 +219,37 @@ def kill_netns(ns: str, rounds: int = 50) -> None:
         raise TestbedError(f"processes {left} of namespace {ns} survive SIGKILL")
 
 
+def read_sysctl_conf(path: Path) -> dict[str, str]:
+    """The `key = value` settings of a sysctl.d file (comments and blank lines skipped,
+    a leading `-`, "ignore failure", dropped)."""
+    out = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line[0] in "#;":
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise TestbedError(f"{path}:{n}: expected KEY = VALUE, got {line!r}")
+        out[key.strip().lstrip("-")] = value.strip()
+    return out
+
+
+def apply_sysctl(ns: str, settings: dict[str, str]) -> list[str]:
+    """Set per-namespace sysctls inside network namespace `ns`, as the node's boot
+    would from /etc/sysctl.d; the keys this kernel does not have (returned) are left
+    out, as `sysctl --system` leaves them."""
+    missing = []
+    for key, value in settings.items():
+        rel = key.replace(".", "/")
+        if not (Path("/proc/sys") / rel).exists():
+            missing.append(key)
+            continue
+        # /proc/sys/net is the namespace of the process that opens it
+        run("nsenter", f"--net={NETNS_DIR / ns}", "--", "sh", "-c",
+            'printf "%s\n" "$1" > "/proc/sys/$2"', "sh", value, rel)
+    return missing
+
+
 def link_exists(name: str, ns: str | None = None) -> bool:
     cmd = ["ip", *(["-n", ns] if ns else []), "link", "show", "dev", name]
     return subprocess.run(cmd, capture_output=True).returncode == 0

@@ -96,6 +96,33 @@ def test_each_node_has_its_own_hostname(bed):
     assert os.uname().nodename not in names  # the root namespace keeps its own
 
 
+def test_nodes_carry_the_shipped_node_tuning(bed):
+    """Each node gets deploy/sysctl's settings in its own network namespace (the TCP
+    backoff cap that decides how fast a job resumes after a partition); the machine's
+    own namespace keeps its values."""
+    from deploy.testbed.bed import NODE_SYSCTL
+
+    settings = net.read_sysctl_conf(NODE_SYSCTL)
+    assert "net.ipv4.tcp_rto_max_ms" in settings
+    present = {k: v for k, v in settings.items()
+               if (Path("/proc/sys") / k.replace(".", "/")).exists()}
+    if not present:
+        pytest.skip(f"this kernel ({os.uname().release}) has none of {sorted(settings)}")
+    for key, value in present.items():
+        path = "/proc/sys/" + key.replace(".", "/")
+        assert [n.run(["cat", path]).stdout.strip() for n in bed.nodes] == [value] * 3
+        assert Path(path).read_text().strip() != value, f"{key} changed outside the nodes"
+
+
+def test_a_sysctl_file_with_a_bad_line_is_named(tmp_path):
+    conf = tmp_path / "bad.conf"
+    conf.write_text("# comment\n-net.ipv4.tcp_retries2 = 15\nnet.ipv4.tcp_rto_max_ms 5000\n")
+    with pytest.raises(net.TestbedError, match=r"bad.conf:3: expected KEY = VALUE"):
+        net.read_sysctl_conf(conf)
+    conf.write_text("# comment\n\n-net.ipv4.tcp_retries2 = 15\n")
+    assert net.read_sysctl_conf(conf) == {"net.ipv4.tcp_retries2": "15"}
+
+
 def test_partition_cuts_the_link_and_heal_restores_it(bed, server):
     n0, n1, n2 = bed.nodes
     bed.partition(n0)

@@ -168,7 +168,14 @@ def test_launcher_builds_the_torchrun_command():
     assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=head:29400" in cmd
     cmd = build_command(["--nnodes", "2", "--rdzv-endpoint", "head:29400", "--no-rdzv-host",
                          "--rdzv-conf", "join_timeout=120", "--rdzv-conf", "last_call_timeout=5"])
-    assert "--rdzv-conf=is_host=false,join_timeout=120,last_call_timeout=5" in cmd
+    assert "--rdzv-conf=is_host=false,join_timeout=120,last_call_timeout=5," \
+        "keep_alive_interval=2,keep_alive_max_attempt=3" in cmd
+    # recovery-minded defaults (a dead node noticed in 6 s, not 15), each yielding to
+    # the caller's own setting
+    (conf,) = [c for c in build_command(["--nnodes", "2:4", "--rdzv-endpoint", "h:1"])
+               if c.startswith("--rdzv-conf=")]
+    assert sorted(conf.removeprefix("--rdzv-conf=").split(",")) == [
+        "keep_alive_interval=2", "keep_alive_max_attempt=3", "last_call_timeout=5"]
 
 
 def test_launcher_names_a_bad_rendezvous_setting(capsys):
