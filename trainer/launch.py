@@ -12,6 +12,10 @@ What it adds to torchrun, and why:
   Here a rank leaving for a graceful restart writes this launcher's relaunch file
   and exits 0; torchrun ends cleanly and the launcher starts it again (a new
   rendezvous on every node). `--max-restarts` is left whole for real failures.
+- Warm restarts (trainer/warmstart.py): the reference trainer's ranks are forked from
+  a server that imported torch and the trainer once, so a restart does not pay every
+  rank's ~3.5 s of imports again. `--cold-start` (and `--script`) start each rank as
+  a new interpreter, as torchrun does.
 - SIGTERM/SIGINT are passed on to torchrun (which passes them to the ranks: they
   checkpoint at the next consensus step); the launcher then exits 143.
 - Multi-node rendezvous settings for recovery rather than start-up (RDZV_DEFAULTS):
@@ -36,6 +40,7 @@ from pathlib import Path
 from clusterpulse.trainer.parallel import RELAUNCHES_ENV, SHARE_STORE_ENV
 from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV
 
+TRAINER_MAIN = Path(__file__).resolve().with_name("__main__.py")
 RDZV_DEFAULTS = {"keep_alive_interval": "2", "keep_alive_max_attempt": "3",
                  "last_call_timeout": "5"}
 
@@ -81,6 +86,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="seconds between torchrun's worker checks (torchrun's default)")
     p.add_argument("--script", default="",
                    help="run this Python script instead of the reference trainer")
+    p.add_argument("--cold-start", action="store_true",
+                   help="start each rank as a new interpreter (torchrun's way), not forked "
+                   "from a server that has torch and the trainer imported")
     a = p.parse_args(ours)
     if a.nproc is not None and a.nproc < 1:
         p.error("--nproc must be >= 1")
@@ -106,7 +114,9 @@ def build_command(argv: list[str]) -> list[str]:
         import torch
 
         nproc = torch.cuda.device_count() or 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+    warm = not (a.script or a.cold_start)
+    torchrun = "clusterpulse.trainer.warmstart" if warm else "torch.distributed.run"
+    cmd = [sys.executable, "-m", torchrun, f"--nproc-per-node={nproc}",
            f"--max-restarts={a.max_restarts}"]
     if a.monitor_interval is not None:
         cmd.append(f"--monitor-interval={a.monitor_interval}")
@@ -123,13 +133,19 @@ def build_command(argv: list[str]) -> list[str]:
         cmd += ["--standalone"]
     if a.local_addr:
         cmd.append(f"--local-addr={a.local_addr}")
-    target = [a.script] if a.script else ["-m", "clusterpulse.trainer"]
+    if warm:
+        target = ["--run-path", "--start-method=forkserver", str(TRAINER_MAIN)]
+    else:
+        target = [a.script] if a.script else ["-m", "clusterpulse.trainer"]
     return [*cmd, *target, *trainer_args]
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None) -> int:
     """Run torchrun, relaunching it after each graceful restart; torchrun's exit code."""
-    env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1"}
+    # unbuffered as torchrun's own rank command lines (`python -u`): ranks forked warm
+    # would otherwise hold their progress lines until they exit
+    env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1",
+           "PYTHONUNBUFFERED": "1"}
     stop: list[int] = []
     child: subprocess.Popen | None = None
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -38,7 +37,7 @@ if str(REPO) not in sys.path:  # run as a script: deploy.* imports from the repo
 from clusterpulse.dashboard.remediation import Policy, PolicyError  # noqa: E402
 from deploy.local.stack import (  # noqa: E402
     Stack,
-    descendants,
+    rank_pids,
     secret_file,
     start_central,
     telemetry_socket,
@@ -119,18 +118,7 @@ class LocalTarget:
     def rank_pids(self, node: int) -> list[int]:
         """The trainer ranks under that node's launcher (launcher -> torchrun -> ranks)."""
         parent = self._proc(f"trainer-node-{node}")
-        if parent is None:
-            return []
-        out = []
-        for pid in descendants([parent.pid]):
-            with contextlib.suppress(OSError):
-                argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
-                # the module the process runs: its first `-m` (torchrun's own command
-                # line also holds `-m clusterpulse.trainer`, after `-m torch.distributed.run`)
-                module = next((b for a, b in itertools.pairwise(argv) if a == b"-m"), None)
-                if module == b"clusterpulse.trainer":
-                    out.append(pid)
-        return sorted(out)
+        return [] if parent is None else rank_pids([parent.pid])
 
     def signal_pid(self, pid: int, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -7,6 +7,7 @@ project's routing, and the remediation policy receiver.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -74,20 +75,60 @@ class Stack:
                 os.kill(pid, signal.SIGKILL)
 
 
-def descendants(roots: list[int]) -> list[int]:
-    """Every living descendant of `roots` (from /proc's parent links)."""
+def _children() -> dict[int, list[int]]:
+    """Each living process's children (from /proc's parent links)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
                 ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
                 children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def descendants(roots: list[int]) -> list[int]:
+    """Every living descendant of `roots`."""
+    children = _children()
     out, todo = [], list(roots)
     while todo:
         for child in children.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
     return out
+
+
+def _argv(pid: int) -> list[bytes]:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def _module(argv: list[bytes]) -> bytes | None:
+    """The module a Python command line runs: its first `-m` (torchrun's own command
+    line names the trainer module too, after its own)."""
+    return next((b for a, b in itertools.pairwise(argv) if a == b"-m"), None)
+
+
+TORCHRUNS = {b"torch.distributed.run", b"clusterpulse.trainer.warmstart"}
+
+
+def rank_pids(roots: list[int]) -> list[int]:
+    """The training ranks at or under `roots` (launchers, torchruns): the children of
+    each torchrun, or, where ranks start warm (trainer/warmstart.py), the children of
+    its forkserver, whose command line they carry; not the other helpers
+    multiprocessing starts for torchrun (the resource tracker)."""
+    children = _children()
+    tree = [*roots, *descendants(roots)]
+    out = []
+    for torchrun in (p for p in tree if _module(_argv(p)) in TORCHRUNS):
+        for child in children.get(torchrun, []):
+            cmd = b" ".join(_argv(child))
+            if b"multiprocessing.forkserver" in cmd:
+                out += children.get(child, [])
+            elif b"from multiprocessing." not in cmd:
+                out.append(child)
+    return sorted(out)
 
 
 def free_port() -> int:

@@ -37,6 +37,7 @@ from deploy.local.stack import (
     Central,
     Stack,
     free_port,
+    rank_pids,
     start_central,
     telemetry_socket,
     wait_http,
@@ -211,9 +212,9 @@ class TestbedCluster:
                  "LOGLEVEL": "WARNING", **job.env})
 
     def rank_pids(self, node: Node, run: str) -> list[int]:
-        """The trainer rank processes (not torchrun itself) of `run` on `node`."""
-        return [p for p in self.bed.find(node, "-m clusterpulse.trainer", run)
-                if not _is_torchrun(p)]
+        """The trainer rank processes of `run` on `node` (under its launcher)."""
+        return rank_pids(self.bed.find(node, "-m clusterpulse.trainer.launch",
+                                       f"--rdzv-id {run} "))
 
     # -- faults (the chaos list) -------------------------------------------------------
 
@@ -280,15 +281,6 @@ class TestbedCluster:
         except urllib.error.HTTPError as err:
             raise TestbedError(f"{url}: {err.code} {err.read().decode(errors='replace')}") \
                 from None
-
-
-def _is_torchrun(pid: int) -> bool:
-    """torchrun or the launcher above it, whose command lines name the trainer too."""
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return True
-    return b"torch.distributed.run" in cmd or b"clusterpulse.trainer.launch" in cmd
 
 
 class ClusterTarget:

@@ -56,12 +56,13 @@ def bench_overhead_and_checkpoints() -> list[Row]:
 
 
 def _launch(tmp: Path, name: str, extra: list[str], max_restarts: int,
-            steps: int = 60) -> dict:
+            steps: int = 60, ranks: int = 2, cold_start: bool = False) -> dict:
     ckpt = tmp / name
     args = ["--preset", "tiny", "--steps", str(steps), "--ckpt-every", "10", "--agent", "none",
             "--sim-compute-seconds", "0.02", "--ckpt-dir", str(ckpt),
             "--summary-json", str(ckpt / "summary.json"), *extra]
-    p = start_logged(launcher_cmd(2, max_restarts, args), tmp / f"{name}.log", tmp)
+    p = start_logged(launcher_cmd(ranks, max_restarts, args, cold_start=cold_start),
+                     tmp / f"{name}.log", tmp)
     try:
         assert p.wait(timeout=900) == 0, (tmp / f"{name}.log").read_text()[-3000:]
     finally:
@@ -73,11 +74,20 @@ def bench_recovery() -> list[Row]:
     """Under clusterpulse-train (the supported launcher), 2 ranks on one machine."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        s = _launch(Path(tmp), "crash", ["--inject", "crash:rank=1:step=35:mode=sigkill"], 2)
+        crash = ["--inject", "crash:rank=1:step=35:mode=sigkill"]
+        s = _launch(Path(tmp), "crash", crash, 2)
         (restart,) = s["restarts"]
         rows.append(Row("crash (SIGKILL) -> first resumed step", restart["downtime_seconds"], "s"))
         rows.append(Row("crash: steps recomputed (checkpoint every 10)",
                         restart["steps_recomputed"], "steps", budget="<= 10"))
+        # ranks forked warm (the default) against new interpreters, 4 ranks each
+        downtime = {}
+        for cold in (False, True):
+            name = f"crash4-{'cold' if cold else 'warm'}"
+            s = _launch(Path(tmp), name, crash, 2, ranks=4, cold_start=cold)
+            downtime[cold] = s["restarts"][0]["downtime_seconds"]
+        rows.append(Row("crash, 4 ranks -> first resumed step (warm ranks)", downtime[False],
+                        "s", baseline=downtime[True], baseline_name="--cold-start"))
         # 20 graceful restarts under --max-restarts 0: none may spend the failure budget
         # (an injection fires in the attempt it names; one per agreement, every 5 steps)
         graceful = [f"graceful:step={3 + 5 * i}:attempt={i}" for i in range(20)]

@@ -175,9 +175,9 @@ def run_job(cl: TestbedCluster, run: str, minutes: float, faults: list[tuple[flo
 
 def stop_job(cl: TestbedCluster, run: str) -> None:
     job = cl.jobs.pop(run)
-    for node in cl.bed.nodes:
-        for pid in cl.bed.find(node, "-m", "clusterpulse.trainer", f"--run-id {run}") + \
-                cl.bed.find(node, "torch.distributed.run", f"--rdzv-id={run}"):
+    for node in cl.bed.nodes:  # the ranks (found under their launcher), then the rest
+        for pid in cl.rank_pids(node, run) + \
+                cl.bed.find(node, "-m", "clusterpulse.trainer", f"--run-id {run} "):
             cl.bed.kill_process(pid, signal.SIGKILL)
     for p in job.procs.values():
         p.wait()  # type: ignore[attr-defined]

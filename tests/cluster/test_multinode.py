@@ -50,7 +50,7 @@ def test_ranks_span_the_nodes_over_the_bridge(cl):
     assert nodes == {n.name: cl.agent_target(n) for n in cl.bed.nodes}
     ips = {n.ip for n in cl.bed.nodes}
     for node in cl.bed.nodes:  # every TCP connection of the job's processes: node IPs only
-        pids = cl.bed.find(node, "-m", RUN)
+        pids = cl.bed.find(node, "-m", RUN) + cl.rank_pids(node, RUN)  # launchers, ranks
         out = node.run(["ss", "-Htnp"]).stdout
         peers = {m.group(1) for line in out.splitlines()
                  if any(f"pid={p}," in line for p in pids)

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from clusterpulse.agent.identity import start_time
+from deploy.local.stack import descendants, rank_pids
 from tests.support.procs import REPO, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -66,6 +68,10 @@ def test_local_cluster_starts_healthy_and_stops_clean(tmp_path):
                 float(s["value"][1]) for s in r["data"]["result"]) > 5
         wait_until(training, 120, "4 ranks of the demo job training, seen by Prometheus")
         assert processes_mentioning(str(state))
+        # ranks started warm carry their forkserver's command line, not the state dir:
+        # every process of the demo is checked by its place in the tree
+        assert len(rank_pids([p.pid])) == 4
+        family = {pid: start_time(pid) for pid in descendants([p.pid])}
     finally:
         p.send_signal(signal.SIGINT)
         rest = p.communicate(timeout=60)[0]
@@ -73,3 +79,14 @@ def test_local_cluster_starts_healthy_and_stops_clean(tmp_path):
     assert "no process left behind" in rest
     time.sleep(1)
     assert processes_mentioning(str(state)) == []
+    assert [pid for pid, st in family.items() if running(pid, st)] == []
+
+
+def running(pid: int, started: int | None) -> bool:
+    """The same process (pid and start time) is still there and not a zombie (a killed
+    child whose parent went first waits to be reaped; it holds nothing)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return started is not None and start_time(pid) == started and state != "Z"

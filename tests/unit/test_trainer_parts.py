@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,12 +158,22 @@ def test_agent_address_parsing():
 
 
 def test_launcher_builds_the_torchrun_command():
+    from clusterpulse.trainer import warmstart
     from clusterpulse.trainer.launch import build_command
 
+    # the reference trainer starts warm: ranks forked from a server with the imports done
     cmd = build_command(["--nproc", "2", "--max-restarts", "1", "--", "--steps", "5"])
+    main_py = str(Path(warmstart.__file__).resolve().with_name("__main__.py"))
+    assert cmd[1:] == ["-m", "clusterpulse.trainer.warmstart", "--nproc-per-node=2",
+                       "--max-restarts=1", "--standalone", "--run-path",
+                       "--start-method=forkserver", main_py, "--steps", "5"]
+    assert warmstart.PRELOAD == ["clusterpulse.trainer.main"]
+    cmd = build_command(["--nproc", "2", "--cold-start", "--max-restarts", "1", "--", "--steps",
+                         "5"])
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
                        "--standalone", "-m", "clusterpulse.trainer", "--steps", "5"]
     cmd = build_command(["--nproc", "2", "--script", "examples/ddp_tutorial.py", "--", "3"])
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]  # foreign code: torchrun's own way
     assert cmd[-2:] == ["examples/ddp_tutorial.py", "3"]
     cmd = build_command(["--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "head:29400"])
     assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=head:29400" in cmd
