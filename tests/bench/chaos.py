@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=parse_every, default=(180.0, 300.0),
                    help="seconds between faults, MIN:MAX (default: 180:300)")
     p.add_argument("--state-dir", type=Path, default=Path("/tmp/clusterpulse-chaos"),
-                   help="logs, Prometheus data, checkpoints (default: /tmp/clusterpulse-chaos)")
+                   help="each invocation keeps its logs, Prometheus data and checkpoints in "
+                   "a new directory under this one (default: /tmp/clusterpulse-chaos)")
     p.add_argument("--out", type=Path, help="also write the report (Markdown) here")
     args = p.parse_args(argv)
     args.baseline_minutes = args.baseline_minutes or args.minutes
@@ -276,14 +277,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: {reason}", file=sys.stderr)
         return 2
     rng = random.Random(args.seed)
-    args.state_dir.mkdir(parents=True, exist_ok=True)
+    # A directory of its own: jobs named as an earlier invocation's would resume from its
+    # checkpoints (a baseline "starting" at step 4,700 counts steps it never made).
+    state = args.state_dir / time.strftime("%Y%m%d-%H%M%S")
+    state.mkdir(parents=True)
     batch = args.nodes * (args.nodes - 1)  # divisible by the world size with one node fewer
     try:
         with Testbed(nodes=args.nodes) as bed, \
-                TestbedCluster(bed, args.state_dir, scrape_interval="1s") as cl:
+                TestbedCluster(bed, state, scrape_interval="1s") as cl:
             names = [n.name for n in bed.nodes]
             faults = draw_faults(rng, args.minutes, args.every, args.nodes)
-            say(f"testbed {bed.prefix} up: {', '.join(names)}; {len(faults)} faults drawn: "
+            say(f"testbed {bed.prefix} up, state in {state}: {', '.join(names)}; "
+                f"{len(faults)} faults drawn: "
                 + ", ".join(f"{f.kind}@{t:.0f}s" for t, f in faults))
             say("baseline run (no faults) ...")
             base = run_job(cl, "baseline", args.baseline_minutes, [], batch, args.nodes - 1)
