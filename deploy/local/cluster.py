@@ -37,6 +37,7 @@ if str(REPO) not in sys.path:  # run as a script: deploy.* imports from the repo
 from clusterpulse.dashboard.remediation import Policy, PolicyError  # noqa: E402
 from deploy.local.stack import (  # noqa: E402
     Stack,
+    duration_s,
     rank_pids,
     secret_file,
     start_central,
@@ -161,7 +162,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "or 'none'")
     p.add_argument("--policy", type=Path, default=HERE / "policy.toml",
                    help="remediation policy (default: deploy/local/policy.toml)")
-    p.add_argument("--scrape-interval", default="2s", help="Prometheus scrape (default: 2s)")
+    p.add_argument("--scrape-interval", default="2s",
+                   help="Prometheus scrape, e.g. 500ms, 2s, 1m (default: 2s)")
     p.add_argument("--base-port", type=int, default=19400,
                    help="first port; the stack uses a few after it (default: 19400)")
     p.add_argument("--duration", type=float, default=0,
@@ -181,6 +183,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.ranks_per_node = 1 if args.testbed else 2
     if not 1 <= args.nodes <= 32 or not 1 <= args.ranks_per_node <= 16:
         p.error("--nodes must be in 1..32 and --ranks-per-node in 1..16")
+    try:
+        duration_s(args.scrape_interval)
+    except ValueError as err:
+        p.error(f"--scrape-interval: {err}")
     return args
 
 
@@ -332,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {i}. {f.describe(names)} ({after:.0f} s after the previous)")
         print(f"  logs         {state}\nPress Ctrl-C to stop.", flush=True)
         if faults:
-            observer = Observer(prometheus, state / "audit.jsonl", RUN, policy)
+            observer = Observer(prometheus, state / "audit.jsonl", RUN, policy,
+                                # a step read is up to a scrape and an agent's 1 s old
+                                sample_lag_s=duration_s(args.scrape_interval) + 1)
             driver = scenario_mod.Driver(faults, target, observer, names,
                                          lambda line: print(line, flush=True),
                                          action_gap_s=policy.window_s)

@@ -131,6 +131,14 @@ def rank_pids(roots: list[int]) -> list[int]:
     return sorted(out)
 
 
+def duration_s(text: str) -> float:
+    """A one-unit Prometheus duration (500ms, 2s, 1m) in seconds."""
+    m = re.fullmatch(r"(\d+)(ms|s|m)", text)
+    if not m:
+        raise ValueError(f"expected a duration such as 500ms, 2s or 1m, got {text!r}")
+    return int(m[1]) * {"ms": 0.001, "s": 1.0, "m": 60.0}[m[2]]
+
+
 def free_port() -> int:
     """A TCP port free on loopback now (for central services of concurrent runs)."""
     with socket.socket() as s:

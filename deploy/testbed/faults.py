@@ -73,7 +73,9 @@ TAKEN = {"accepted", "partial", "acted", "already_drained"}
 # Faults that slow the job while it keeps stepping: recovered once their alerts have
 # resolved (the job runs at its pace again), not at its first step after the fault.
 SLOWDOWNS = {"gpu_overheat", "slow_link"}
-SAMPLE_LAG_S = 2.0  # the testbed's 1 s scrape plus its agents' 0.5 s interval, rounded up
+# How old a scraped step can be: the testbed's 1 s scrape plus its agents' 0.5 s
+# interval, rounded up (Observer(sample_lag_s=...) for other intervals).
+SAMPLE_LAG_S = 2.0
 
 
 class Target(Protocol):
@@ -174,11 +176,13 @@ class Outcome:
 class Observer:
     """Reads what the stack did: Prometheus (alerts, steps), the audit log."""
 
-    def __init__(self, prometheus: str, audit_log: Path, run: str, policy: Policy) -> None:
+    def __init__(self, prometheus: str, audit_log: Path, run: str, policy: Policy,
+                 sample_lag_s: float = SAMPLE_LAG_S) -> None:
         self.prometheus = prometheus
         self.audit_log = audit_log
         self.run = run
         self.policy = policy
+        self.sample_lag_s = sample_lag_s
 
     def action_for(self, kind: str) -> str | None:
         return expected_action(kind, self.policy)
@@ -189,16 +193,21 @@ class Observer:
         with urllib.request.urlopen(url, timeout=10) as r:
             return json.load(r)["data"]["result"]
 
+    def live(self, metric: str) -> str:
+        """`metric` of the run's live rank processes. An agent keeps an exited rank's
+        entry for its grace period (evidence): counted, it held "recovered" back 300 s
+        after a restart that moved the rank to another node, and its last step hid
+        where an elastic restart (ranks renumbered) resumed from."""
+        return (f'{metric}{{run="{self.run}"}} unless on (run, rank, node, local_rank) '
+                f'clusterpulse_trainer_process_alive == 0')
+
     def pids(self, at: float | None = None) -> set[str]:
-        """The run's live rank processes (pid labels of rank_info). An agent keeps an
-        exited rank's entry for its grace period (evidence); after a restart that moved
-        the rank to another node, counting it would hold "recovered" back 300 s."""
+        """The run's live rank processes (pid labels of rank_info)."""
         return {s["metric"].get("pid", "") for s in self.query(
-            f'clusterpulse_trainer_rank_info{{run="{self.run}"}} unless on '
-            f'(run, rank, node, local_rank) clusterpulse_trainer_process_alive == 0', at)}
+            self.live("clusterpulse_trainer_rank_info"), at)}
 
     def step(self, at: float | None = None) -> int | None:
-        r = self.query(f'max(clusterpulse_trainer_step{{run="{self.run}"}})', at)
+        r = self.query(f'max({self.live("clusterpulse_trainer_step")})', at)
         return int(float(r[0]["value"][1])) if r else None
 
     def alerts(self) -> list[dict]:
@@ -244,30 +253,29 @@ class Observer:
             self._recovery(o, node_name)
 
     def _recovery(self, o: Outcome, node_name: str) -> None:
-        """Recovered once the run steps again after the fault was handled: after the
-        action if one is expected (else after detection, else the fault itself). The
-        lowest step since then is where it resumed from; the steps it had made up to
-        then and lost are the recomputed ones."""
+        """Recovered once the run steps again since the fault, and after the action if
+        one is expected. The lowest step since the fault is where it resumed from; the
+        steps it had made until the fault was handled (the action, else detection, else
+        the fault) and lost are the recomputed ones."""
         action = self.action_for(o.fault.kind)
         if action and o.acted_at is None:
             return
-        if EXPECT[o.fault.kind] and o.detected_at is None:
-            return  # judged from the detection on: just after the fault, the steps
-            # made before it still look like progress (a partition "recovered" at once)
         if o.fault.kind in RESTARTS or action in RESTART_ACTIONS:
             now_pids = self.pids()  # new processes must be the ones stepping
             if not now_pids or now_pids & (o.pids_at_fault or set()):
                 return
-        elif o.fault.kind in SLOWDOWNS and self.firing(EXPECT[o.fault.kind], node_name):
+        elif o.fault.kind in SLOWDOWNS and (
+                o.detected_at is None or self.firing(EXPECT[o.fault.kind], node_name)):
             return
         ref = o.acted_at or o.detected_at or o.fault.at
-        # A scraped step is up to a scrape and an agent interval old: one read just
-        # after `ref` may predate the fault and look like progress since.
-        since = ref + SAMPLE_LAG_S
+        # A scraped step is up to a scrape and an agent interval old: read from just
+        # after the fault, the steps made before it look like progress since (a
+        # partition "recovered" in 0.01 s).
+        since = o.fault.at + self.sample_lag_s
         if time.time() < since + 1:
             return
         span = f"{int(time.time() - since)}s"
-        series = f'max(clusterpulse_trainer_step{{run="{self.run}"}})'
+        series = f'max({self.live("clusterpulse_trainer_step")})'
         # > 0: a restarted rank reports step 0 until it has loaded its checkpoint
         low = self.query(f"min_over_time(({series} > 0)[{span}:1s])")
         now = self.step()

@@ -81,7 +81,9 @@ def test_agent_cli_rejects_bad_input_with_a_clear_message(tmp_path):
 
 def test_fault_observer_counts_only_live_rank_processes(tmp_path):
     """An exited rank's entry stays exported for its grace period; the chaos and demo
-    observer must not count it as a process still running (it held recovery back)."""
+    observer must not count it as a process still running (it held recovery back), nor
+    its last step as the run's (after an elastic restart renumbered the ranks, it hid
+    where the job resumed from: a node death "recomputed 0 steps", 18 in the logs)."""
     from clusterpulse.dashboard.remediation import Policy
     from deploy.testbed.faults import Observer
     from tests.support.ranksock import RankProcess
@@ -92,13 +94,14 @@ def test_fault_observer_counts_only_live_rank_processes(tmp_path):
     step = {"type": "step", "run": "r", "step": 5, "world_size": 2}
     try:
         with RankProcess(path, [{**step, "rank": 0, "local_rank": 0}]) as live:
-            gone = RankProcess(path, [{**step, "rank": 1, "local_rank": 1}])
+            gone = RankProcess(path, [{**step, "rank": 1, "local_rank": 1, "step": 9}])
             gone.stop()
             wait_until(lambda: prom.query('clusterpulse_trainer_process_alive{rank="1"} == 0'),
                        30, "rank 1's exit exported")
             assert len(prom.query('clusterpulse_trainer_rank_info{run="r"}')) == 2
             obs = Observer(prom.url, tmp_path / "audit.jsonl", "r", Policy([]))
             assert obs.pids() == {str(live.pid)}
+            assert obs.step() == 5
     finally:
         prom.stop()
         agent.stop()
@@ -107,8 +110,8 @@ def test_fault_observer_counts_only_live_rank_processes(tmp_path):
 def test_fault_observer_does_not_take_the_steps_before_a_stall_for_recovery(tmp_path):
     """A partition stalls the job; polled right after the fault, the steps of the second
     before it used to read as "stepping again" (the chaos run reported a partition
-    recovered in 0.01 s). Recovery is judged from the detection on, and comes only
-    when the job steps again after the stall."""
+    recovered in 0.01 s). Recovery is judged from samples taken after the fault, and
+    comes only when the job steps again after the stall."""
     from clusterpulse.agent import protocol
     from clusterpulse.dashboard.remediation import Policy
     from deploy.testbed.faults import Fault, Observer, Outcome
