@@ -16,15 +16,18 @@ What it adds to torchrun, and why:
   a server that imported torch and the trainer once, so a restart does not pay every
   rank's ~3.5 s of imports again. `--cold-start` (and `--script`) start each rank as
   a new interpreter, as torchrun does.
-- SIGTERM/SIGINT are passed on to torchrun (which passes them to the ranks: they
-  checkpoint at the next consensus step); the launcher then exits 143.
+- SIGTERM and SIGINT (Ctrl-C) reach torchrun as one SIGTERM each, from here (it runs
+  in a process group of its own), and torchrun passes it to the ranks: they
+  checkpoint at the next consensus step (a second one: at once); the launcher then
+  exits 128 + the signal (143, 130).
 - Multi-node rendezvous settings for recovery rather than start-up (RDZV_DEFAULTS):
   torch's c10d rendezvous declares a node dead after 3 missed 5 s keep-alives (15 s)
   and then waits `last_call_timeout` (30 s) for more nodes, so an elastic job that lost
   a node stood still for ~45 s before it could go on without it. Here: keep-alives
-  every 2 s, dead after 3 missed (6 s), last call 5 s. Each is a `--rdzv-conf`
-  setting and yields to one given there (raise them for jobs of many hundreds of
-  nodes, where every keep-alive rewrites the rendezvous state on the store's host).
+  every second, dead after 5 missed (5 s: a node busy for 4 s is not taken for dead),
+  last call 5 s. Each is a `--rdzv-conf` setting and yields to one given there (raise
+  the interval for jobs of many hundreds of nodes, where every keep-alive rewrites the
+  rendezvous state on the store's host).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from clusterpulse.trainer.parallel import RELAUNCHES_ENV, SHARE_STORE_ENV
 from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV
 
 TRAINER_MAIN = Path(__file__).resolve().with_name("__main__.py")
-RDZV_DEFAULTS = {"keep_alive_interval": "2", "keep_alive_max_attempt": "3",
+RDZV_DEFAULTS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "5",
                  "last_call_timeout": "5"}
 
 EXAMPLES = """\
@@ -123,7 +126,7 @@ def build_command(argv: list[str]) -> list[str]:
     if a.rdzv_endpoint:
         cmd += [f"--nnodes={a.nnodes}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id={a.rdzv_id}"]
-        given = {kv.partition("=")[0] for kv in a.rdzv_conf}
+        given = {kv.partition("=")[0].strip() for kv in a.rdzv_conf}
         conf = [*a.rdzv_conf, *(f"{k}={v}" for k, v in RDZV_DEFAULTS.items() if k not in given)]
         if a.rdzv_host is not None:
             conf.insert(0, f"is_host={str(a.rdzv_host).lower()}")
@@ -142,17 +145,16 @@ def build_command(argv: list[str]) -> list[str]:
 
 def run(cmd: list[str], env: dict[str, str] | None = None) -> int:
     """Run torchrun, relaunching it after each graceful restart; torchrun's exit code."""
-    # unbuffered as torchrun's own rank command lines (`python -u`): ranks forked warm
-    # would otherwise hold their progress lines until they exit
-    env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1",
-           "PYTHONUNBUFFERED": "1"}
+    env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1"}
     stop: list[int] = []
     child: subprocess.Popen | None = None
 
     def forward(signum: int, frame: object) -> None:
         stop.append(signum)
         if child is not None and child.poll() is None:
-            child.send_signal(signum)
+            # SIGTERM, whatever came: torchrun passes its signal on, and the ranks
+            # checkpoint on SIGTERM only (SIGINT would stop them mid-step)
+            child.send_signal(signal.SIGTERM)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -162,7 +164,10 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> int:
             while True:
                 marker.unlink(missing_ok=True)
                 env.update({RELAUNCH_FILE_ENV: str(marker), RELAUNCHES_ENV: str(relaunches)})
-                child = subprocess.Popen(cmd, env=env)
+                # torchrun in a process group of its own: a signal to the launcher's
+                # group (Ctrl-C, `kill -- -PGID`) reaches it once, from here; twice, it
+                # stopped waiting for its ranks' SIGTERM checkpoints and left them
+                child = subprocess.Popen(cmd, env=env, process_group=0)
                 rc = child.wait()
                 if stop:
                     return 128 + stop[0]

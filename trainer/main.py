@@ -384,6 +384,11 @@ def _exit_status(code: object) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging(os.environ.get("CLUSTERPULSE_LOG_LEVEL", "warning"))
+    # A rank forked warm (trainer/warmstart.py) has OpenMP's thread count from its
+    # server's start, before torchrun set OMP_NUM_THREADS for its ranks.
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
     try:
         cfg = parse_config(argv)
         trainer = Trainer(cfg)

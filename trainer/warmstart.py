@@ -12,8 +12,11 @@ once, as torchrun starts (in parallel with its rendezvous), so that each rank it
 starts later, the first ones and those of every restart, is a fork of a process that
 has the imports done.
 
-Forking is safe here because nothing the server imports starts a thread or touches
-CUDA at import time (the ranks initialise CUDA after the fork, on their own device).
+Forking is safe here because nothing the server imports touches CUDA at import time
+(the ranks initialise CUDA after the fork, on their own device), and the threads a
+library may start at import (an OpenBLAS pool) are not carried into a fork. What the
+server read from its environment at import, such as OpenMP's thread count, predates
+torchrun's per-rank settings: the trainer applies OMP_NUM_THREADS itself at start.
 A rank started this way carries the server's command line, not the trainer's:
 `deploy.local.stack.rank_pids` finds ranks by their place in the process tree.
 
@@ -25,13 +28,25 @@ A rank started this way carries the server's command line, not the trainer's:
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
+import os
+import sys
 from multiprocessing import forkserver
 
-PRELOAD = ["clusterpulse.trainer.main"]
+# The session first (trainer/forkserver_session.py), then what every rank imports.
+PRELOAD = ["clusterpulse.trainer.forkserver_session", "clusterpulse.trainer.main"]
 
 
 def main() -> None:
+    # The forkserver ignores a preload that fails to import (its ranks would then import
+    # on their own, cold, and silently so): make a missing module an error here.
+    missing = [m for m in PRELOAD if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.exit(f"warmstart: cannot import {', '.join(missing)}")
+    # Ranks print progress lines that monitors read as they come (torchrun starts new
+    # interpreters with `python -u`); the server's environment is theirs.
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     multiprocessing.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()  # starts importing now, while torchrun meets its peers
     from torch.distributed.run import main as torchrun

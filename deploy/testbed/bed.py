@@ -100,6 +100,7 @@ class Testbed:
         self.nodes: list[Node] = []
         self.subnet = None
         self.bridge_ip = ""
+        self.sysctl_missing: list[str] = []  # node tuning this kernel lacks (NODE_SYSCTL)
         self._up = False
         self._old_sigterm = None
 
@@ -146,7 +147,7 @@ class Testbed:
         net.run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         net.run("ip", "-n", ns, "link", "set", "eth0", "up")
         net.run("ip", "-n", ns, "link", "set", "lo", "up")
-        net.apply_sysctl(ns, net.read_sysctl_conf(NODE_SYSCTL))
+        self.sysctl_missing = net.apply_sysctl(ns, net.read_sysctl_conf(NODE_SYSCTL))
         net.make_uts(ns, hostname)
         return Node(i, hostname, ns, ip, host_veth, self)
 

@@ -237,9 +237,13 @@ def read_sysctl_conf(path: Path) -> dict[str, str]:
 def apply_sysctl(ns: str, settings: dict[str, str]) -> list[str]:
     """Set per-namespace sysctls inside network namespace `ns`, as the node's boot
     would from /etc/sysctl.d; the keys this kernel does not have (returned) are left
-    out, as `sysctl --system` leaves them."""
+    out, as `sysctl --system` leaves them. Only `net.*` keys: others are the whole
+    machine's, not a node's."""
     missing = []
     for key, value in settings.items():
+        if not key.startswith("net."):
+            raise TestbedError(f"sysctl {key}: not per network namespace; a testbed node "
+                               "can only carry net.* settings")
         rel = key.replace(".", "/")
         if not (Path("/proc/sys") / rel).exists():
             missing.append(key)

@@ -175,9 +175,13 @@ def run_job(cl: TestbedCluster, run: str, minutes: float, faults: list[tuple[flo
 
 def stop_job(cl: TestbedCluster, run: str) -> None:
     job = cl.jobs.pop(run)
-    for node in cl.bed.nodes:  # the ranks (found under their launcher), then the rest
-        for pid in cl.rank_pids(node, run) + \
-                cl.bed.find(node, "-m", "clusterpulse.trainer", f"--run-id {run} "):
+    for node in cl.bed.nodes:
+        # launchers and torchruns frozen first (no rank forked after the look), then
+        # the ranks found under them, then all of it
+        launchers = cl.bed.find(node, "-m", "clusterpulse.trainer", f"--run-id {run} ")
+        for pid in launchers:
+            cl.bed.kill_process(pid, signal.SIGSTOP)
+        for pid in cl.rank_pids(node, run) + launchers:
             cl.bed.kill_process(pid, signal.SIGKILL)
     for p in job.procs.values():
         p.wait()  # type: ignore[attr-defined]
@@ -287,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                 TestbedCluster(bed, state, scrape_interval="1s") as cl:
             names = [n.name for n in bed.nodes]
             faults = draw_faults(rng, args.minutes, args.every, args.nodes)
+            if bed.sysctl_missing:
+                say(f"this kernel lacks the node tuning's {', '.join(bed.sysctl_missing)}: "
+                    "partitions recover at TCP's uncapped backoff")
             say(f"testbed {bed.prefix} up, state in {state}: {', '.join(names)}; "
                 f"{len(faults)} faults drawn: "
                 + ", ".join(f"{f.kind}@{t:.0f}s" for t, f in faults))

@@ -96,7 +96,7 @@ def test_each_node_has_its_own_hostname(bed):
     assert os.uname().nodename not in names  # the root namespace keeps its own
 
 
-def test_nodes_carry_the_shipped_node_tuning(bed):
+def test_nodes_carry_the_shipped_node_tuning():
     """Each node gets deploy/sysctl's settings in its own network namespace (the TCP
     backoff cap that decides how fast a job resumes after a partition); the machine's
     own namespace keeps its values."""
@@ -104,14 +104,16 @@ def test_nodes_carry_the_shipped_node_tuning(bed):
 
     settings = net.read_sysctl_conf(NODE_SYSCTL)
     assert "net.ipv4.tcp_rto_max_ms" in settings
-    present = {k: v for k, v in settings.items()
-               if (Path("/proc/sys") / k.replace(".", "/")).exists()}
-    if not present:
-        pytest.skip(f"this kernel ({os.uname().release}) has none of {sorted(settings)}")
-    for key, value in present.items():
-        path = "/proc/sys/" + key.replace(".", "/")
-        assert [n.run(["cat", path]).stdout.strip() for n in bed.nodes] == [value] * 3
-        assert Path(path).read_text().strip() != value, f"{key} changed outside the nodes"
+    paths = {k: Path("/proc/sys") / k.replace(".", "/") for k in settings}
+    root_before = {k: p.read_text() for k, p in paths.items() if p.exists()}
+    with Testbed(nodes=2) as two:
+        assert two.sysctl_missing == [k for k in settings if k not in root_before]
+        if not root_before:
+            pytest.skip(f"this kernel ({os.uname().release}) has none of {sorted(settings)}")
+        for key in root_before:
+            assert [n.run(["cat", str(paths[key])]).stdout.strip() for n in two.nodes] == \
+                [settings[key]] * 2
+        assert {k: paths[k].read_text() for k in root_before} == root_before
 
 
 def test_a_sysctl_file_with_a_bad_line_is_named(tmp_path):
@@ -121,6 +123,8 @@ def test_a_sysctl_file_with_a_bad_line_is_named(tmp_path):
         net.read_sysctl_conf(conf)
     conf.write_text("# comment\n\n-net.ipv4.tcp_retries2 = 15\n")
     assert net.read_sysctl_conf(conf) == {"net.ipv4.tcp_retries2": "15"}
+    with pytest.raises(net.TestbedError, match=r"vm\.swappiness: not per network namespace"):
+        net.apply_sysctl("tb0000-node0", {"vm.swappiness": "10"})
 
 
 def test_partition_cuts_the_link_and_heal_restores_it(bed, server):

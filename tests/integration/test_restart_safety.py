@@ -16,10 +16,15 @@ One launch carries the whole story, checked at the end:
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
+from clusterpulse.trainer.checkpoint import find_latest_valid
+from deploy.local.stack import rank_pids
 from tests.support.ports import free_port
+from tests.support.procs import wait_until
 from tests.support.torchrun import launcher_cmd, start_logged, stop_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -70,3 +75,28 @@ def test_dead_rank_before_init_and_graceful_restarts_outside_the_failure_budget(
     assert clean_codes == [0], clean_logs[0][-4000:]
     assert clean["restarts"] == []
     assert summary["param_sha256"] == clean["param_sha256"]
+
+
+@pytest.mark.parametrize(("cold", "sig"), [(False, signal.SIGTERM), (True, signal.SIGTERM),
+                                           (False, signal.SIGINT)],
+                         ids=["warm-sigterm", "cold-sigterm", "warm-ctrl-c"])
+def test_a_signal_to_the_launchers_process_group_checkpoints_then_exits(tmp_path, cold, sig):
+    """`kill -- -PGID` of clusterpulse-train (a supervisor's stop) or Ctrl-C: the ranks
+    save at their next agreement and the launcher exits 128 + the signal. Warm ranks
+    used to share the launcher's group with their forkserver, which died of SIGTERM and
+    took them down (torch sets their parent-death signal) before any save; torchrun,
+    signalled by the group and again by the launcher, stopped waiting for the save; and
+    Ctrl-C reached the ranks as SIGINT, which stops them mid-step."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "job.log"
+    args = [*BASE[:2], "--steps", "100000", "--ckpt-every", "100000", "--agent", "none",
+            "--sim-compute-seconds", "0.02", "--log-every", "10", "--ckpt-dir", str(ckpt)]
+    p = start_logged(launcher_cmd(2, 0, args, cold_start=cold), log, tmp_path)
+    try:
+        wait_until(lambda: "step 20/" in log.read_text(errors="replace"), 180, "training")
+        assert len(rank_pids([p.pid])) == 2
+        os.killpg(p.pid, sig)
+        assert p.wait(timeout=120) == 128 + sig, log.read_text(errors="replace")[-3000:]
+    finally:
+        stop_group(p)
+    found = find_latest_valid(ckpt)  # no periodic checkpoint is ever due: it is the SIGTERM's
+    assert found is not None and found.step >= 20, log.read_text(errors="replace")[-3000:]

@@ -87,10 +87,18 @@ def start_logged(cmd: list[str], log: Path, cwd: Path, extra_env: dict | None = 
 
 
 def stop_group(p: subprocess.Popen) -> None:
-    """End a start_logged process and everything it started."""
+    """End a start_logged process and everything it started: its group, and every
+    descendant (torchrun starts ranks in sessions of their own, warm ones in their
+    forkserver's)."""
     import contextlib
     import signal
 
-    with contextlib.suppress(ProcessLookupError):  # also any worker it left behind
+    from deploy.local.stack import descendants
+
+    family = descendants([p.pid])
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGKILL)
+    for pid in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     p.wait(timeout=30)

@@ -167,7 +167,9 @@ def test_launcher_builds_the_torchrun_command():
     assert cmd[1:] == ["-m", "clusterpulse.trainer.warmstart", "--nproc-per-node=2",
                        "--max-restarts=1", "--standalone", "--run-path",
                        "--start-method=forkserver", main_py, "--steps", "5"]
-    assert warmstart.PRELOAD == ["clusterpulse.trainer.main"]
+    # the server leaves the launcher's process group before anything else is imported
+    assert warmstart.PRELOAD[0] == "clusterpulse.trainer.forkserver_session"
+    assert "clusterpulse.trainer.main" in warmstart.PRELOAD
     cmd = build_command(["--nproc", "2", "--cold-start", "--max-restarts", "1", "--", "--steps",
                          "5"])
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
@@ -180,13 +182,17 @@ def test_launcher_builds_the_torchrun_command():
     cmd = build_command(["--nnodes", "2", "--rdzv-endpoint", "head:29400", "--no-rdzv-host",
                          "--rdzv-conf", "join_timeout=120", "--rdzv-conf", "last_call_timeout=5"])
     assert "--rdzv-conf=is_host=false,join_timeout=120,last_call_timeout=5," \
-        "keep_alive_interval=2,keep_alive_max_attempt=3" in cmd
-    # recovery-minded defaults (a dead node noticed in 6 s, not 15), each yielding to
+        "keep_alive_interval=1,keep_alive_max_attempt=5" in cmd
+    # recovery-minded defaults (a dead node noticed in 5 s, not 15), each yielding to
     # the caller's own setting
     (conf,) = [c for c in build_command(["--nnodes", "2:4", "--rdzv-endpoint", "h:1"])
                if c.startswith("--rdzv-conf=")]
     assert sorted(conf.removeprefix("--rdzv-conf=").split(",")) == [
-        "keep_alive_interval=2", "keep_alive_max_attempt=3", "last_call_timeout=5"]
+        "keep_alive_interval=1", "keep_alive_max_attempt=5", "last_call_timeout=5"]
+    (conf,) = [c for c in build_command(["--nnodes", "2:4", "--rdzv-endpoint", "h:1",
+                                         "--rdzv-conf", "keep_alive_interval =3"])
+               if c.startswith("--rdzv-conf=")]
+    assert "keep_alive_interval=1" not in conf  # torch strips the key: so is it here
 
 
 def test_launcher_names_a_bad_rendezvous_setting(capsys):
