@@ -349,6 +349,7 @@ class Trainer:
             summary = {
                 "run": self.cfg.run_id, "steps": self.cfg.steps, "world_size": info.world,
                 "parallel": self.cfg.parallel, "final_loss": float(final_loss.item()),
+                "intra_op_threads": torch.get_num_threads(),  # rank 0's
                 "param_sha256": digest, "restarts": rs.restarts,
                 "steps_recomputed": recomputed, "checkpoint_load_failures": rs.load_failures,
                 "time_lost_to_restarts_seconds": round(lost, 3),

@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 
 import pytest
 
 from clusterpulse.trainer.checkpoint import find_latest_valid
 from deploy.local.stack import rank_pids
 from tests.support.ports import free_port
-from tests.support.procs import wait_until
+from tests.support.procs import REPO, wait_until
 from tests.support.torchrun import launcher_cmd, start_logged, stop_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -100,3 +101,18 @@ def test_a_signal_to_the_launchers_process_group_checkpoints_then_exits(tmp_path
         stop_group(p)
     found = find_latest_valid(ckpt)  # no periodic checkpoint is ever due: it is the SIGTERM's
     assert found is not None and found.step >= 20, log.read_text(errors="replace")[-3000:]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores to tell 1 thread from all")
+def test_warm_ranks_take_torchruns_thread_count(tmp_path):
+    """torchrun sets OMP_NUM_THREADS=1 for ranks sharing a node when it is unset; a warm
+    rank's OpenMP read its forkserver's environment before that (a rank on 2 cores
+    computed with 2 threads, its peer too)."""
+    ckpt = tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = str(REPO)
+    cmd = launcher_cmd(2, 0, [*BASE, "--ckpt-dir", str(ckpt), "--summary-json",
+                              str(ckpt / "summary.json")])
+    r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads((ckpt / "summary.json").read_text())["intra_op_threads"] == 1
