@@ -156,10 +156,13 @@ def unregister(prefix: str) -> None:
 
 
 def process_alive(pid: int, start_time: int | None) -> bool:
-    """True when `pid` runs and (if given) started at `start_time` (not a reused pid)."""
+    """True when `pid` runs and (if given) started at `start_time` (not a reused pid).
+    A zombie does not run: it is dead and waits for its parent to reap it."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
+        return False
+    if stat.rsplit(")", 1)[1].split()[0] == "Z":
         return False
     if start_time is None:
         return True

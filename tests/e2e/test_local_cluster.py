@@ -17,6 +17,7 @@ import requests
 
 from clusterpulse.agent.identity import start_time
 from deploy.local.stack import descendants, rank_pids
+from deploy.testbed import net
 from tests.support.procs import REPO, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -79,14 +80,7 @@ def test_local_cluster_starts_healthy_and_stops_clean(tmp_path):
     assert "no process left behind" in rest
     time.sleep(1)
     assert processes_mentioning(str(state)) == []
-    assert [pid for pid, st in family.items() if running(pid, st)] == []
+    # the same processes (pid and start time), zombies aside: dead, awaiting a reaper
+    assert [pid for pid, st in family.items() if st is not None and
+            net.process_alive(pid, st)] == []
 
-
-def running(pid: int, started: int | None) -> bool:
-    """The same process (pid and start time) is still there and not a zombie (a killed
-    child whose parent went first waits to be reaped; it holds nothing)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return started is not None and start_time(pid) == started and state != "Z"
