@@ -2,9 +2,13 @@
 
 `checkpoint-restart` is graceful: the ranks are told (in the reply to their next
 datagram), agree on a step among themselves, save, and exit for torchrun to restart
-them. `restart` is hard: the agent terminates its local ranks and torchrun restarts
-them from the last committed checkpoint. A graceful command that has not completed
-by its deadline escalates to hard, because a hung rank never reaches a step boundary.
+them. With `leave_s` this node sits the restart out that long (its launcher waits,
+trainer/restart.py) while an elastic job goes on without it: the ranks must leave by
+the deadline, and once they have, the command has `leave_s` plus the deadline again to
+see them back (a rank that cannot leave says why, and the command fails). `restart`
+is hard: the agent terminates its local ranks and torchrun restarts them from the
+last committed checkpoint. A graceful command that has not completed by its deadline
+escalates to hard, because a hung rank never reaches a step boundary.
 
 States: pending -> delivered (every targeted rank acknowledged: it heard the command,
 or left for a checkpoint-restart while it was open) -> completed (as many of the run's
@@ -24,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from clusterpulse.agent import identity
+from clusterpulse.agent import identity, protocol
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.identity import Sender
 from clusterpulse.agent.protocol import EXITED
@@ -44,6 +48,7 @@ class Command:
     created: float
     deadline: float
     on_behalf_of: str | None = None  # the operator a principal (the dashboard) acts for
+    leave_s: float = 0.0  # graceful: how long this node sits the restart out
     state: str = "pending"
     detail: str = ""
     targets: dict[int, int] = field(default_factory=dict)  # rank -> restarts at creation
@@ -60,7 +65,7 @@ class Command:
         return {
             "id": self.id, "run": self.run, "action": self.action, "reason": self.reason,
             "requested_by": self.requested_by, "on_behalf_of": self.on_behalf_of,
-            "state": self.state, "detail": self.detail,
+            "leave_s": self.leave_s, "state": self.state, "detail": self.detail,
             "created_unix": self.created, "ranks": sorted(self.targets),
             "acknowledged": sorted(self.acked), "resumed": sorted(self.resumed),
             "signalled_pids": list(self.killed_pids), "not_signalled": list(self.not_signalled),
@@ -79,13 +84,14 @@ class CommandBook:
         self._ids = itertools.count(1)
 
     def submit(self, run: str, action: str, reason: str, requested_by: str,
-               deadline_s: float, on_behalf_of: str | None = None) -> Command:
+               deadline_s: float, on_behalf_of: str | None = None,
+               leave_s: float = 0.0) -> Command:
         now = self._clock()
         ranks = self._ranks.live_of_run(run)  # not the departed: none of them comes back
         cmd = Command(
             id=f"{self._node}-{int(now)}-{next(self._ids)}", run=run, action=action,
-            reason=reason, requested_by=requested_by, created=now, deadline=now + deadline_s,
-            on_behalf_of=on_behalf_of,
+            reason=reason, requested_by=requested_by, created=now,
+            deadline=now + deadline_s, on_behalf_of=on_behalf_of, leave_s=leave_s,
             targets={r.rank: r.restarts for r in ranks},
             owners={r.rank: r.sender for r in ranks},
         )
@@ -108,6 +114,8 @@ class CommandBook:
     @staticmethod
     def _signals(cmd: Command) -> dict:
         out: dict = {"on_behalf_of": cmd.on_behalf_of} if cmd.on_behalf_of else {}
+        if cmd.leave_s:
+            out["leave_s"] = cmd.leave_s
         if cmd.killed_pids or cmd.not_signalled:
             out.update(signalled_pids=list(cmd.killed_pids),
                        not_signalled=list(cmd.not_signalled))
@@ -132,7 +140,7 @@ class CommandBook:
         """
         with self._lock:
             return [
-                {"id": c.id, "action": c.action}
+                {"id": c.id, "action": c.action, **({"leave_s": c.leave_s} if c.leave_s else {})}
                 for c in self._commands.values()
                 if c.run == run and c.action == "checkpoint-restart" and rank in c.targets
                 and rank not in c.acked and c.state in ("pending", "delivered")
@@ -143,13 +151,24 @@ class CommandBook:
         """A rank's process said it left for a checkpoint-restart: that carries out
         every open graceful command it was targeted by, heard or not. (Ranks agree on
         a restart among themselves; a rank can leave for a command only a peer heard,
-        and would otherwise never acknowledge it.)"""
+        and would otherwise never acknowledge it.) Not a command that also takes the
+        node out (`leave_s`): only the rank's own acknowledgement says it sat out."""
         with self._lock:
             for c in self._commands.values():
                 if (c.run == run and c.action == "checkpoint-restart" and rank in c.targets
-                        and c.state in ("pending", "delivered")
+                        and c.state in ("pending", "delivered") and not c.leave_s
                         and c.owners.get(rank) == sender):
                     c.acked.add(rank)
+
+    def leave_refused(self, run: str, rank: int, cid: str, reason: str) -> None:
+        """A rank said its node cannot sit out: the command fails, nothing restarted."""
+        with self._lock:
+            cmd = self._commands.get(cid)
+            if (cmd is None or cmd.run != run or not cmd.leave_s or rank not in cmd.targets
+                    or cmd.state not in ("pending", "delivered")):
+                return
+            self._finish(cmd, "failed", f"rank {rank} cannot take node {self._node} out of the "
+                         f"job: {protocol.LEAVE_REFUSALS[reason]}; nothing was restarted")
 
     def _terminate(self, cmd: Command) -> None:
         """SIGTERM the run's ranks that the kernel vouched for, through pidfds.
@@ -225,6 +244,8 @@ class CommandBook:
                     cmd.resumed.add(r.rank)
             if cmd.state == "pending" and cmd.acked >= set(cmd.targets):
                 cmd.state = "delivered"
+                if cmd.leave_s:  # they left: the node sits out, then they come back
+                    cmd.deadline = now + cmd.leave_s + (cmd.deadline - cmd.created)
             if len(cmd.resumed) >= len(cmd.targets):
                 self._finish(cmd, "completed", "all ranks resumed")
                 continue

@@ -159,8 +159,13 @@ class ControlApi:
         if deadline is None:
             return 400, {"error": f"'deadline_s' must be a number of seconds in "
                                   f"1..{MAX_DEADLINE_S}"}
+        leave = bounded_number(payload.get("leave_s", 0), 0, protocol.MAX_LEAVE_S)
+        if leave is None or (leave and action != "checkpoint-restart"):
+            return 400, {"error": f"'leave_s' (seconds this node sits the restart out) must "
+                                  f"be a number in 0..{protocol.MAX_LEAVE_S}, and only with "
+                                  "checkpoint-restart"}
         cmd = self.agent.commands.submit(run, action, reason.strip()[:500], principal,
-                                         deadline, **_on_behalf(payload))
+                                         deadline, leave_s=leave, **_on_behalf(payload))
         return (202 if cmd.state != "failed" else 409), cmd.to_json()
 
 

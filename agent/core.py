@@ -180,6 +180,8 @@ class Agent:
         self.telemetry_counts["accepted"] += 1
         if msg.get("event") == "exit" and msg.get("outcome") == "checkpoint-restart":
             self.commands.left_gracefully(r.run, r.rank, r.sender)
+        if msg.get("event") == "leave_refused":
+            self.commands.leave_refused(r.run, r.rank, msg["command"], msg["reason"])
         reply: dict = {"type": "agent", "node": self.node}
         if isinstance(self.backend, SimBackend) and 0 <= r.gpu < self.backend.gpu_count:
             reply["slowdown"] = round(self.backend.slowdown(r.gpu), 4)

@@ -34,8 +34,22 @@ DEFAULT_SOCKET_PATH = "/run/clusterpulse/telemetry.sock"
 DEFAULT_TELEMETRY = f"unix:{DEFAULT_SOCKET_PATH}"
 
 MESSAGE_TYPES = {"step", "heartbeat", "event"}
-EVENTS = {"start", "checkpoint_committed", "checkpoint_failed", "restart_requested", "exit"}
+EVENTS = {"start", "checkpoint_committed", "checkpoint_failed", "restart_requested", "exit",
+          "leave_refused"}
 ACTIONS = {"checkpoint-restart", "restart"}
+# The longest a graceful command may keep a node out of its job (`leave_s`, the
+# remediation's evict-node): an hour; an operator who wants a node out for longer
+# drains it in the scheduler.
+MAX_LEAVE_S = 3600
+# Why a rank cannot take its node out of the job (event `leave_refused`, field
+# `reason`): it says so when the command arrives, and nothing restarts.
+LEAVE_REFUSALS = {
+    "single_node": "a single-node job cannot go on without its node",
+    "rendezvous_host": "the node hosts the rendezvous store: the others cannot meet without it",
+    "min_nodes": "the job is at its minimum node count (--nnodes MIN:MAX)",
+    "no_launcher": "its ranks do not run under clusterpulse-train, which sits a node out",
+    "udp": "its ranks report over UDP, which is never trusted to take a node out",
+}
 # How a rank's `exit` event says it ended (trainer.instrument.Pulse.close).
 OUTCOMES = {"finished", "failed", "checkpoint-restart", "preempted"}
 RUN_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # use fullmatch: "$" admits a final "\n"
@@ -173,6 +187,12 @@ def decode(data: bytes) -> dict[str, Any]:
             if not isinstance(msg["outcome"], str) or msg["outcome"] not in OUTCOMES:
                 raise MalformedMessage("bad_outcome")
             out["outcome"] = msg["outcome"]
+        if msg["event"] == "leave_refused":
+            if not isinstance(msg.get("command"), str) or not _COMMAND_ID.match(msg["command"]):
+                raise MalformedMessage("bad_command")
+            if not isinstance(msg.get("reason"), str) or msg["reason"] not in LEAVE_REFUSALS:
+                raise MalformedMessage("bad_reason")
+            out["command"], out["reason"] = msg["command"], msg["reason"]
     acks = msg.get("acks", [])
     if (not isinstance(acks, list) or len(acks) > MAX_ACKS
             or not all(isinstance(a, str) and _COMMAND_ID.match(a) for a in acks)):

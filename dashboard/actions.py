@@ -6,6 +6,7 @@ follow the commands to completion, and audit everything. Shared by the dashboard
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import requests
@@ -65,7 +66,10 @@ def agents_for_run(prom: PrometheusClient, run: str) -> dict[str, str]:
 
 def request_action(prom: PrometheusClient, run: str, action: str, reason: str, who: str,
                    token: str | None, audit: AuditLog, deadline_s: float = 120,
-                   source: str = "dashboard") -> list[NodeResult]:
+                   source: str = "dashboard", nodes: Collection[str] | None = None,
+                   leave_s: float = 0.0, audited_as: str | None = None) -> list[NodeResult]:
+    """Ask the agents of the run's nodes (of `nodes` only, if given) for `action`;
+    `leave_s`: those nodes sit the graceful restart out that long (evict-node)."""
     if action not in ACTIONS:
         raise ActionError(f"action must be one of {', '.join(ACTIONS)}")
     if not reason.strip():
@@ -75,6 +79,12 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
     agents = agents_for_run(prom, run)
     if not agents:
         raise ActionError(f"no agent reports ranks of run {run!r}")
+    if nodes is not None:
+        agents = {node: url for node, url in agents.items() if node in nodes}
+        if not agents:
+            raise ActionError(f"run {run!r} has no ranks on {', '.join(sorted(nodes))}")
+    payload = {"action": action, "reason": reason, "requested_by": who,
+               "deadline_s": deadline_s, **({"leave_s": leave_s} if leave_s else {})}
     results = []
     for node, url in sorted(agents.items()):
         if token_for(token, node) is None:
@@ -84,8 +94,7 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
         try:
             r = requests.post(f"{url}/v1/runs/{run}/actions", timeout=5, verify=agent_tls(),
                               headers={"Authorization": f"Bearer {token_for(token, node)}"},
-                              json={"action": action, "reason": reason, "requested_by": who,
-                                    "deadline_s": deadline_s})
+                              json=payload)
             body = r.json()
             ok = r.status_code == 202
             results.append(NodeResult(node, url, ok, body.get("id", ""), body.get("state", ""),
@@ -96,8 +105,9 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
     accepted = sum(r.ok for r in results)
     outcome = "accepted" if accepted == len(results) else (
         "partial" if accepted else "failed")
-    audit.write(who, action, reason, outcome, run=run, source=source,
-                nodes={r.node: (r.command or r.error) for r in results})
+    audit.write(who, audited_as or action, reason, outcome, run=run, source=source,
+                nodes={r.node: (r.command or r.error) for r in results},
+                **({"leave_s": leave_s} if leave_s else {}))
     return results
 
 

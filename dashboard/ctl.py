@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from clusterpulse.agent import protocol
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.dashboard import actions, auth
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
@@ -17,6 +18,7 @@ EXAMPLES = """\
 examples:
   clusterpulse-ctl restart --run llama-7b --graceful --reason "straggler on node-7" --wait
   clusterpulse-ctl restart --run llama-7b --hard --reason "rank 12 hung"
+  clusterpulse-ctl evict --run llama-7b --node node-7 --for 600 --reason "NIC trained down"
   clusterpulse-ctl agents --run llama-7b
   clusterpulse-ctl hash-password            # for the dashboard's operators file
 environment: CLUSTERPULSE_PROMETHEUS_URL, CLUSTERPULSE_AGENT_TOKEN_FILE, CLUSTERPULSE_AUDIT_LOG
@@ -42,10 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--reason", required=True)
     r.add_argument("--wait", action="store_true", help="follow until the ranks resume")
     r.add_argument("--timeout", type=float, default=300)
+    e = sub.add_parser("evict", help="graceful restart that one node sits out (elastic jobs "
+                       "under clusterpulse-train; see docs/trainer.md)")
+    e.add_argument("--run", required=True)
+    e.add_argument("--node", required=True, help="the node to take out of the run")
+    e.add_argument("--for", dest="leave_s", type=float, default=600,
+                   help="seconds it sits out before it rejoins (default: 600)")
+    e.add_argument("--reason", required=True)
     a_ = sub.add_parser("agents", help="list the agents serving a run")
     a_.add_argument("--run", required=True)
     sub.add_parser("hash-password", help="print a password hash for the operators file")
     a = p.parse_args(argv)
+    if a.cmd == "evict" and not 1 <= a.leave_s <= protocol.MAX_LEAVE_S:
+        p.error(f"evict --for: seconds in 1..{protocol.MAX_LEAVE_S} (longer: drain the node)")
     if a.cmd == "hash-password":
         pw = getpass.getpass("Password: ")
         if len(pw) < 8 or pw != getpass.getpass("Again: "):
@@ -61,9 +72,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         token = a.token_file.read_text().strip() if a.token_file else None
         who = f"{getpass.getuser()}@cli"
-        results = actions.request_action(prom, a.run, "checkpoint-restart" if a.graceful
-                                         else "restart", a.reason, who, token,
-                                         AuditLog(a.audit_log), source="cli")
+        if a.cmd == "evict":
+            results = actions.request_action(prom, a.run, "checkpoint-restart", a.reason, who,
+                                             token, AuditLog(a.audit_log), source="cli",
+                                             nodes=[a.node], leave_s=a.leave_s,
+                                             audited_as="evict-node")
+        else:
+            results = actions.request_action(prom, a.run, "checkpoint-restart" if a.graceful
+                                             else "restart", a.reason, who, token,
+                                             AuditLog(a.audit_log), source="cli")
     except (actions.ActionError, PrometheusError, OSError) as err:
         print(f"clusterpulse-ctl: error: {err}", file=sys.stderr)
         return 1
@@ -71,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{res.node}: {'accepted ' + res.command if res.ok else 'FAILED: ' + res.error}")
     if not all(res.ok for res in results):
         return 1
-    if not a.wait:
+    if a.cmd == "evict" or not a.wait:  # an eviction completes only after the node is back
         return 0
     deadline = time.time() + a.timeout
     while time.time() < deadline:

@@ -15,6 +15,21 @@ The policy file (TOML) says which alert triggers which action:
     action = "checkpoint-restart"
     sustained_s = 120          # only once the alert has fired this long
 
+    [[rule]]
+    alert = "TrainingLinkCongested"
+    action = "evict-node"      # the alert's node sits out; the job goes on without it
+    [evict]
+    leave_s = 300              # how long it sits out before it rejoins
+
+`evict-node` is a graceful checkpoint-restart of the runs with ranks on the alert's
+node, asked of that node's agent only, with the node sitting out `leave_s` before
+its launcher starts again (clusterpulse-train, trainer/launch.py): an elastic job
+(`--nnodes MIN:MAX`) goes on without the node and takes it back at its return,
+instead of running every step at its pace. When the job cannot go on without the
+node (at its minimum node count, or the node hosts the rendezvous store) its ranks
+refuse the command, which fails saying why, and nothing restarts. The launcher sits
+out at most half the rendezvous join_timeout.
+
 The first rule whose alert and `match` fit an alert decides; an alert no rule fits
 is left to the people it pages. `match` lets the action follow the evidence: a
 straggler whose GPU throttles for heat is not cured by restarting the job in place
@@ -47,6 +62,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clusterpulse.agent import protocol
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.httpsafe import (
     HttpError,
@@ -71,6 +87,26 @@ class PolicyError(ValueError):
 
 
 LABEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+EVICT_NODE = "evict-node"  # a graceful restart the alert's node sits out (see above)
+
+
+@dataclass(frozen=True)
+class EvictSettings:
+    leave_s: float = 300.0
+
+    @classmethod
+    def from_toml(cls, raw: object, where: str) -> EvictSettings:
+        if not isinstance(raw, dict):
+            raise PolicyError(f"{where}: [evict] must be a table")
+        unknown = set(raw) - {"leave_s"}
+        if unknown:
+            raise PolicyError(f"{where}: [evict] has unknown keys {', '.join(sorted(unknown))}")
+        leave = raw.get("leave_s", 300)
+        if (not isinstance(leave, int | float) or isinstance(leave, bool)
+                or not 1 <= leave <= protocol.MAX_LEAVE_S):
+            raise PolicyError(f"{where}: [evict] leave_s must be a number of seconds in "
+                              f"1..{protocol.MAX_LEAVE_S}")
+        return cls(float(leave))
 
 
 @dataclass(frozen=True)
@@ -112,6 +148,7 @@ class Policy:
     max_actions_per_run: int = 1
     window_s: float = 900.0
     drain: DrainSettings = field(default_factory=DrainSettings)
+    evict: EvictSettings = field(default_factory=EvictSettings)
 
     def rule_for(self, labels: dict) -> Rule | None:
         return next((r for r in self.rules if r.fits(labels)), None)
@@ -123,9 +160,9 @@ class Policy:
         for i, r in enumerate(raw.get("rule", [])):
             if not isinstance(r, dict) or not isinstance(r.get("alert"), str):
                 raise PolicyError(f"policy {path}, rule #{i + 1}: 'alert' (a name) is required")
-            if r.get("action") not in (*ACTIONS, *NODE_ACTIONS):
+            if r.get("action") not in (*ACTIONS, EVICT_NODE, *NODE_ACTIONS):
                 raise PolicyError(f"policy {path}, rule #{i + 1}: 'action' must be one of "
-                                  f"{', '.join((*ACTIONS, *NODE_ACTIONS))}")
+                                  f"{', '.join((*ACTIONS, EVICT_NODE, *NODE_ACTIONS))}")
             rules.append(Rule(r["alert"], r["action"], float(r.get("sustained_s", 0)),
                               _matchers(r.get("match", {}), f"policy {path}, rule #{i + 1}")))
         try:
@@ -134,7 +171,7 @@ class Policy:
             raise PolicyError(str(err)) from None
         return cls(rules, bool(raw.get("dry_run", False)),
                    int(raw.get("max_actions_per_run", 1)), float(raw.get("window_s", 900)),
-                   drain)
+                   drain, EvictSettings.from_toml(raw.get("evict", {}), f"policy {path}"))
 
 
 @dataclass
@@ -288,8 +325,17 @@ class Remediator:
                              alert=alert.get("labels", {}))
             return {**base, "outcome": outcome}
         try:
-            results = request_action(self.prom, run, rule.action, why, "policy", self.token,
-                                     self.audit, source="remediation")
+            if rule.action == EVICT_NODE:
+                node = alert.get("labels", {}).get("node")
+                if not node:
+                    raise ActionError("the alert names no node to evict")
+                results = request_action(self.prom, run, "checkpoint-restart", why, "policy",
+                                         self.token, self.audit, source="remediation",
+                                         nodes=[node], leave_s=self.policy.evict.leave_s,
+                                         audited_as=EVICT_NODE)
+            else:
+                results = request_action(self.prom, run, rule.action, why, "policy",
+                                         self.token, self.audit, source="remediation")
             ok = all(r.ok for r in results)
             return {**base, "outcome": "acted" if ok else "partial",
                     "nodes": {r.node: r.command or r.error for r in results}}

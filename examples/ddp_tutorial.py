@@ -4,7 +4,7 @@ multigpu_torchrun.py), on CPU/gloo or CUDA/NCCL, instrumented with ClusterPulse.
 The README's recipe is this file; CI runs it as is through a graceful restart, a
 crash and a slow-data rank (tests/integration/test_ddp_tutorial.py).
 
-    clusterpulse-train --nproc 4 --script examples/ddp_tutorial.py -- 50 5
+    clusterpulse-train --nproc 4 --script examples/ddp_tutorial.py --preload torch -- 50 5
     torchrun --standalone --nproc-per-node 4 examples/ddp_tutorial.py 50 5
 """
 

@@ -46,9 +46,17 @@ class TrainConfig:
     agent: AgentAddr | None = DEFAULT_SOCKET_PATH
     consensus_every: int = 5
     sim_compute_seconds: float = 0.0
+    sim_sample_seconds: float = 0.0
     collective_timeout_s: float = 600.0
     log_every: int = 10
     injections: list[Injection] = field(default_factory=list)
+
+    def simulated_compute_s(self, samples: int) -> float:
+        """The GPU time a step of `samples` sequences stands for on a CPU demo. The
+        per-sequence part is what makes an elastic job honest: on one node fewer, each
+        rank's share of the fixed global batch grows and so does its step, where a fixed
+        pad would let the smaller job step as fast as the whole one."""
+        return self.sim_compute_seconds + self.sim_sample_seconds * samples
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps between restart/straggler exchanges (default: 5)")
     p.add_argument("--sim-compute-seconds", type=float, default=0.0,
                    help="CPU demo with simulated GPUs: pad each step's compute to this long")
+    p.add_argument("--sim-sample-seconds", type=float, default=0.0,
+                   help="simulated GPU time per sequence of the rank's batch, added to "
+                   "--sim-compute-seconds: with the global batch fixed, a smaller world "
+                   "gives each rank more sequences and a longer step, as real GPUs take")
     p.add_argument("--collective-timeout", type=float, default=600.0,
                    help="seconds before a stuck collective fails (default: 600)")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 progress line every N steps")
@@ -111,6 +123,8 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         raise ConfigError(f"{err} (set --run-id)") from None
     if a.ckpt_every < 0 or a.ckpt_every_seconds < 0:
         raise ConfigError("--ckpt-every and --ckpt-every-seconds must be >= 0")
+    if a.sim_compute_seconds < 0 or a.sim_sample_seconds < 0:
+        raise ConfigError("--sim-compute-seconds and --sim-sample-seconds must be >= 0")
     return TrainConfig(
         preset=a.preset, steps=a.steps, global_batch=a.global_batch, lr=a.lr,
         warmup_steps=a.warmup_steps, seed=a.seed, parallel=a.parallel,
@@ -118,6 +132,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         ckpt_every_seconds=a.ckpt_every_seconds, keep=a.keep, async_ckpt=a.async_ckpt,
         summary_json=a.summary_json, run_id=run_id,
         agent=agent, consensus_every=a.consensus_every,
-        sim_compute_seconds=a.sim_compute_seconds, collective_timeout_s=a.collective_timeout,
+        sim_compute_seconds=a.sim_compute_seconds, sim_sample_seconds=a.sim_sample_seconds,
+        collective_timeout_s=a.collective_timeout,
         log_every=a.log_every, injections=injections,
     )

@@ -57,7 +57,12 @@ from clusterpulse.agent import protocol
 from clusterpulse.trainer import PREEMPTED_EXIT_CODE
 from clusterpulse.trainer.collectives import CollectiveLog, ring_allreduce_bytes
 from clusterpulse.trainer.consensus import Consensus
-from clusterpulse.trainer.restart import SigtermCatcher, request_relaunch
+from clusterpulse.trainer.restart import (
+    SigtermCatcher,
+    clear_relaunch_request,
+    leave_refusal,
+    request_relaunch,
+)
 from clusterpulse.trainer.telemetry import AgentAddr, AgentLink, parse_agent_addr
 
 log = logging.getLogger("clusterpulse.trainer.instrument")
@@ -179,9 +184,12 @@ class Pulse:
             restarts = _local_attempt()
         self.restarts = restarts
         self._catch_sigterm = catch_sigterm
+        if self.local_rank == 0:
+            clear_relaunch_request()  # one an earlier, failed attempt left
         self.link = AgentLink(resolve_agent(agent))
         self.slowdown = 1.0  # simulated GPU slowdown, from the agent's replies
         self.commands: dict[str, str] = {}  # id -> action, heard but not yet acted on
+        self._leave_s: dict[str, float] = {}  # id -> how long this node sits the restart out
         self._acks: list[str] = []
         self._clock: _HostClock | _CudaClock = (
             _CudaClock() if torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -508,6 +516,16 @@ class Pulse:
             for cmd in reply.get("commands", []) or []:
                 if (isinstance(cmd, dict) and isinstance(cmd.get("id"), str)
                         and cmd["id"] not in self._acks):
+                    leave = cmd.get("leave_s")
+                    if leave is not None:  # take this node out of the job for a while
+                        if (not isinstance(leave, int | float) or isinstance(leave, bool)
+                                or not 0 < leave <= protocol.MAX_LEAVE_S):
+                            continue
+                        why = leave_refusal(isinstance(self.link.addr, str))
+                        if why:  # say so now; nothing restarts for a leave that cannot be
+                            self.event("leave_refused", command=cmd["id"], reason=why)
+                            continue
+                        self._leave_s[cmd["id"]] = float(leave)
                     self.commands.setdefault(cmd["id"], str(cmd.get("action")))
 
     # -- agreement -----------------------------------------------------------------------
@@ -586,11 +604,12 @@ class Pulse:
             print(f"clusterpulse: preempted at step {step} and the checkpoint failed: "
                   "leaving without one", flush=True)
         ids = sorted(i for i, a in self.commands.items() if a == "checkpoint-restart")
+        leave = max((self._leave_s.get(i, 0.0) for i in ids), default=0.0)
         if ids and reason == "checkpoint-restart":
             self.ack(ids)
         if before_exit is not None:
             before_exit(reason, ids)
-        code = PREEMPTED_EXIT_CODE if reason == "preempted" else request_relaunch()
+        code = PREEMPTED_EXIT_CODE if reason == "preempted" else request_relaunch(leave)
         if self.rank == 0:
             print(f"clusterpulse: {reason} at step {step}: checkpoint saved, leaving with "
                   f"exit code {code}", flush=True)
@@ -634,6 +653,7 @@ class Pulse:
         self._acks = list(dict.fromkeys(self._acks + command_ids))[-16:]
         for cid in command_ids:
             self.commands.pop(cid, None)
+            self._leave_s.pop(cid, None)
         self.event("restart_requested")
 
     def close(self, outcome: str = "finished") -> None:

@@ -14,8 +14,19 @@ What it adds to torchrun, and why:
   rendezvous on every node). `--max-restarts` is left whole for real failures.
 - Warm restarts (trainer/warmstart.py): the reference trainer's ranks are forked from
   a server that imported torch and the trainer once, so a restart does not pay every
-  rank's ~3.5 s of imports again. `--cold-start` (and `--script`) start each rank as
-  a new interpreter, as torchrun does.
+  rank's ~3.5 s of imports again. `--cold-start` starts each rank as a new
+  interpreter, as torchrun does. A `--script` starts cold unless `--preload` names
+  what the server may import for it (torch, the script's heavy libraries): what a
+  foreign module does at import is unknown here, and a module that touched CUDA at
+  import would break every forked rank.
+- Leaving an elastic job for a while (the remediation's `evict-node`: a node whose
+  link or GPU slows every rank): the ranks checkpoint as for any graceful restart and
+  this launcher waits the command's `leave_s` (at most half the rendezvous
+  `join_timeout`) before starting torchrun again, while the other nodes go on without
+  it and take it back when it returns. The ranks refuse the command, and nothing
+  restarts, when the job cannot go on without the node: it is at `--nnodes`' minimum,
+  the node hosts the rendezvous store, or the job has one node; this launcher tells
+  them the first and last two (CANNOT_LEAVE_ENV, MIN_NODES_ENV).
 - SIGTERM and SIGINT (Ctrl-C) reach torchrun as one SIGTERM each, from here (it runs
   in a process group of its own), and torchrun passes it to the ranks: they
   checkpoint at the next consensus step (a second one: at once); the launcher then
@@ -34,16 +45,26 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from clusterpulse.trainer.parallel import RELAUNCHES_ENV, SHARE_STORE_ENV
-from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV
+from clusterpulse.trainer.restart import (
+    CANNOT_LEAVE_ENV,
+    MIN_NODES_ENV,
+    RELAUNCH_FILE_ENV,
+    leave_path,
+)
+from clusterpulse.trainer.warmstart import PRELOAD_OPTION
 
 TRAINER_MAIN = Path(__file__).resolve().with_name("__main__.py")
+SCRIPT_RUNNER = Path(__file__).resolve().with_name("scriptrun.py")
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 RDZV_DEFAULTS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "5",
                  "last_call_timeout": "5"}
 
@@ -54,8 +75,8 @@ examples:
       --ckpt-dir /shared/ckpt/run1 --ckpt-every 500
   # two nodes: run on each, with the same rendezvous endpoint
   clusterpulse-train --nnodes 2 --rdzv-endpoint head:29400 --nproc 8 -- --ckpt-dir /shared/ckpt
-  # your own instrumented script (see examples/ddp_tutorial.py)
-  clusterpulse-train --nproc 4 --script examples/ddp_tutorial.py -- 10 5
+  # your own instrumented script (see examples/ddp_tutorial.py), restarts warm
+  clusterpulse-train --nproc 4 --script examples/ddp_tutorial.py --preload torch -- 10 5
 """
 
 
@@ -89,6 +110,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="seconds between torchrun's worker checks (torchrun's default)")
     p.add_argument("--script", default="",
                    help="run this Python script instead of the reference trainer")
+    p.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                   help="with --script: start ranks forked from a server that imported "
+                   "MODULE once (repeatable; e.g. torch): restarts skip those imports")
     p.add_argument("--cold-start", action="store_true",
                    help="start each rank as a new interpreter (torchrun's way), not forked "
                    "from a server that has torch and the trainer imported")
@@ -107,20 +131,33 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error("--rdzv-conf needs --rdzv-endpoint (a single node runs --standalone)")
     if a.script and not Path(a.script).is_file():
         p.error(f"--script {a.script}: no such file")
+    if a.preload and not a.script:
+        p.error("--preload is for --script: the reference trainer preloads what it imports")
+    if a.preload and a.cold_start:
+        p.error("--preload starts ranks warm, --cold-start as new interpreters: pick one")
+    for module in a.preload:
+        if not MODULE_NAME.fullmatch(module):
+            p.error(f"--preload {module!r}: not a module name (e.g. torch, my_pkg.models)")
     return a, trainer_args
 
 
 def build_command(argv: list[str]) -> list[str]:
-    a, trainer_args = parse(argv)
+    return command(*parse(argv))
+
+
+def command(a: argparse.Namespace, trainer_args: list[str]) -> list[str]:
     nproc = a.nproc
     if nproc is None:
         import torch
 
         nproc = torch.cuda.device_count() or 2
-    warm = not (a.script or a.cold_start)
-    torchrun = "clusterpulse.trainer.warmstart" if warm else "torch.distributed.run"
-    cmd = [sys.executable, "-m", torchrun, f"--nproc-per-node={nproc}",
-           f"--max-restarts={a.max_restarts}"]
+    warm = not a.cold_start and (not a.script or bool(a.preload))
+    if warm:
+        cmd = [sys.executable, "-m", "clusterpulse.trainer.warmstart",
+               *(f"{PRELOAD_OPTION}{m}" for m in a.preload)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run"]
+    cmd += [f"--nproc-per-node={nproc}", f"--max-restarts={a.max_restarts}"]
     if a.monitor_interval is not None:
         cmd.append(f"--monitor-interval={a.monitor_interval}")
     if a.rdzv_endpoint:
@@ -137,14 +174,61 @@ def build_command(argv: list[str]) -> list[str]:
     if a.local_addr:
         cmd.append(f"--local-addr={a.local_addr}")
     if warm:
-        target = ["--run-path", "--start-method=forkserver", str(TRAINER_MAIN)]
+        target = ["--run-path", "--start-method=forkserver",
+                  *([str(SCRIPT_RUNNER), a.script] if a.script else [str(TRAINER_MAIN)])]
     else:
         target = [a.script] if a.script else ["-m", "clusterpulse.trainer"]
     return [*cmd, *target, *trainer_args]
 
 
-def run(cmd: list[str], env: dict[str, str] | None = None) -> int:
-    """Run torchrun, relaunching it after each graceful restart; torchrun's exit code."""
+def leave_env(a: argparse.Namespace) -> dict[str, str]:
+    """What the ranks need to know to refuse a leave this node cannot take
+    (trainer.restart.leave_refusal): that it never can, or the job's minimum."""
+    if not a.rdzv_endpoint:
+        return {CANNOT_LEAVE_ENV: "single_node"}
+    host = a.rdzv_host
+    if host is None:  # torch's own guess (its c10d rendezvous backend's)
+        from torch.distributed.elastic.rendezvous.utils import (
+            _matches_machine_hostname,
+            parse_rendezvous_endpoint,
+        )
+
+        host = _matches_machine_hostname(parse_rendezvous_endpoint(a.rdzv_endpoint, 29400)[0])
+    if host:
+        return {CANNOT_LEAVE_ENV: "rendezvous_host"}
+    return {MIN_NODES_ENV: a.nnodes.split(":")[0]}
+
+
+def longest_leave_s(a: argparse.Namespace) -> float:
+    """Half the rendezvous join_timeout (torch's default 600 s): should the job fall
+    below its minimum while this node sits out (another node lost), the others wait for
+    nodes that long before they give up, and this one is back in time."""
+    conf = dict(kv.partition("=")[::2] for kv in a.rdzv_conf)
+    timeout = next((v for k, v in conf.items() if k.strip() == "join_timeout"), "600")
+    try:
+        return float(timeout) / 2
+    except ValueError:  # torch refuses it too, at its rendezvous
+        return 300.0
+
+
+def _sit_out(request: str, longest_s: float, stop: list[int]) -> None:
+    """Wait what the ranks' leave file asks (seconds), at most `longest_s`."""
+    try:
+        seconds = min(float(request.split()[0]), longest_s)
+    except (IndexError, ValueError):
+        print(f"clusterpulse-train: ignoring a malformed leave request {request!r}",
+              file=sys.stderr, flush=True)
+        return
+    print(f"clusterpulse-train: leaving the job for {seconds:.0f} s (the other nodes go "
+          "on without this one), then rejoining", file=sys.stderr, flush=True)
+    end = time.monotonic() + seconds
+    while not stop and time.monotonic() < end:
+        time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+
+
+def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float) -> int:
+    """Run torchrun, relaunching it after each graceful restart (after sitting out what
+    a leave asks, at most `longest_leave` s); torchrun's exit code."""
     env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1"}
     stop: list[int] = []
     child: subprocess.Popen | None = None
@@ -160,9 +244,11 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="clusterpulse-train-") as tmp:
             marker = Path(tmp) / "relaunch"
+            leave_file = Path(leave_path(marker))
             relaunches = 0
             while True:
                 marker.unlink(missing_ok=True)
+                leave_file.unlink(missing_ok=True)
                 env.update({RELAUNCH_FILE_ENV: str(marker), RELAUNCHES_ENV: str(relaunches)})
                 # torchrun in a process group of its own: a signal to the launcher's
                 # group (Ctrl-C, `kill -- -PGID`) reaches it once, from here; twice, it
@@ -175,6 +261,10 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> int:
                     relaunches += 1
                     print(f"clusterpulse-train: graceful restart {relaunches}: relaunching "
                           "(the failure budget is untouched)", file=sys.stderr, flush=True)
+                    if leave_file.exists():
+                        _sit_out(leave_file.read_text(), longest_leave, stop)
+                        if stop:
+                            return 128 + stop[0]
                     continue
                 return rc
     finally:
@@ -183,7 +273,8 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_command(sys.argv[1:] if argv is None else argv))
+    a, trainer_args = parse(sys.argv[1:] if argv is None else argv)
+    return run(command(a, trainer_args), {**os.environ, **leave_env(a)}, longest_leave_s(a))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from clusterpulse.trainer.model import PRESETS, build_model
 from clusterpulse.trainer.parallel import DistInfo, init_distributed, local_attempt, wrap
 from clusterpulse.trainer.runstate import ProgressMark, RunState, progress_path
 from clusterpulse.trainer.state import TrainState, parameter_digest
+from clusterpulse.trainer.warmstart import take_torchrun_thread_count
 
 log = logging.getLogger("clusterpulse.trainer")
 
@@ -222,7 +223,7 @@ class Trainer:
                 own = (time.perf_counter() - t0) * 3  # forward + backward ~ 3x forward
                 # Simulated GPU work and slowdowns stretch the rank's own compute, before
                 # backward so that DDP's bucket timing sees it as compute, not waiting.
-                target = max(own, cfg.sim_compute_seconds)
+                target = max(own, cfg.simulated_compute_s(x.shape[0]))
                 target *= self.faults.slow_factor(step) * pulse.slowdown
                 if target > own:
                     time.sleep(target - own)
@@ -385,11 +386,7 @@ def _exit_status(code: object) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging(os.environ.get("CLUSTERPULSE_LOG_LEVEL", "warning"))
-    # A rank forked warm (trainer/warmstart.py) has OpenMP's thread count from its
-    # server's start, before torchrun set OMP_NUM_THREADS for its ranks.
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
+    take_torchrun_thread_count()  # a rank forked warm has its server's count
     try:
         cfg = parse_config(argv)
         trainer = Trainer(cfg)

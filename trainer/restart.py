@@ -8,6 +8,18 @@ job and the launcher starts it again (a new rendezvous, a fresh store), leaving
 `--max-restarts` whole for real failures. Under a plain torchrun (no such variable)
 the rank exits with RESTART_EXIT_CODE (42) and torchrun restarts it as a failure.
 
+A graceful restart can also take this node out of the job for a while (the remediation
+action `evict-node`: a node whose link or GPU slows every rank): the command carries
+`leave_s`, and the ranks that heard it also write `<relaunch file>.leave` with the
+seconds; the launcher then waits that long before it starts torchrun again, while the
+other nodes' launchers go on at once with one node fewer (an elastic job), and the
+node rejoins at the end. The leave file is separate from the relaunch file because
+ranks of the node that did not hear the command (they agreed to restart because a
+peer did) write the relaunch file too. Whether the node may leave at all is decided
+when the command arrives, before anything restarts (`leave_refusal`): the launcher
+tells its ranks what it knows (CANNOT_LEAVE_ENV, MIN_NODES_ENV), torchrun how many
+nodes the job has now (GROUP_WORLD_SIZE).
+
 SIGTERM (Slurm `--signal=TERM@N`, Kubernetes preemption, torchrun stopping its
 workers) is caught and becomes a request: at the next consensus step every rank
 checkpoints and exits with PREEMPTED_EXIT_CODE (143, i.e. "terminated") so that a
@@ -23,11 +35,14 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from clusterpulse.agent.protocol import LEAVE_REFUSALS
 from clusterpulse.trainer import RESTART_EXIT_CODE
 
 log = logging.getLogger("clusterpulse.trainer.restart")
 
 RELAUNCH_FILE_ENV = "CLUSTERPULSE_RELAUNCH_FILE"
+CANNOT_LEAVE_ENV = "CLUSTERPULSE_CANNOT_LEAVE"  # a LEAVE_REFUSALS key, from the launcher
+MIN_NODES_ENV = "CLUSTERPULSE_MIN_NODES"  # the launcher's --nnodes minimum
 
 
 class SigtermCatcher:
@@ -64,12 +79,51 @@ class SigtermCatcher:
                 log.warning("on SIGTERM: %s", err)
 
 
-def request_relaunch() -> int:
-    """Arrange a graceful restart; returns the exit code the rank must leave with."""
+def leave_refusal(over_unix_socket: bool) -> str | None:
+    """Why this rank's node cannot sit a restart out (a LEAVE_REFUSALS key), or None.
+    A command over UDP is never trusted that far: anyone who can send a datagram from
+    the agent's address could park the node."""
+    if not over_unix_socket:
+        return "udp"
+    if not os.environ.get(RELAUNCH_FILE_ENV):
+        return "no_launcher"
+    if os.environ.get(CANNOT_LEAVE_ENV) in LEAVE_REFUSALS:
+        return os.environ[CANNOT_LEAVE_ENV]
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1) or 1)  # torchrun: nodes in this round
+    if nodes - 1 < int(os.environ.get(MIN_NODES_ENV, nodes) or nodes):
+        return "min_nodes"
+    return None
+
+
+def request_relaunch(leave_s: float = 0.0) -> int:
+    """Arrange a graceful restart (this node sitting out `leave_s` seconds first, which
+    `leave_refusal` allowed); returns the exit code the rank must leave with."""
     path = os.environ.get(RELAUNCH_FILE_ENV)
     if not path:
         return RESTART_EXIT_CODE
-    tmp = Path(path + f".{os.getpid()}")
-    tmp.write_text("checkpoint-restart\n")
-    os.replace(tmp, path)  # every rank of the node may write it: same content, atomic
+    if leave_s > 0:
+        _write_atomically(Path(leave_path(path)), f"{leave_s:g}\n")
+    # every rank of the node may write it: same content, atomic
+    _write_atomically(Path(path), "checkpoint-restart\n")
     return 0
+
+
+def clear_relaunch_request() -> None:
+    """At a rank's start (local rank 0): a request an earlier attempt of this torchrun
+    wrote before it failed (a peer died after the agreement) must not make this
+    attempt's end relaunch, or sit out, by mistake. Requests are only written after
+    every rank of an attempt has started, at an agreement."""
+    path = os.environ.get(RELAUNCH_FILE_ENV)
+    if path:
+        for p in (Path(path), Path(leave_path(path))):
+            p.unlink(missing_ok=True)
+
+
+def leave_path(relaunch_file: str | Path) -> str:
+    return f"{relaunch_file}.leave"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

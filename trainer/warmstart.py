@@ -24,6 +24,11 @@ A rank started this way carries the server's command line, not the trainer's:
         --start-method forkserver .../clusterpulse/trainer/__main__.py <trainer options>
 
 (`clusterpulse-train` builds that command; `--cold-start` there is plain torchrun.)
+
+A foreign script (`clusterpulse-train --script S --preload torch ...`) starts warm the
+same way, through trainer/scriptrun.py, with the server importing the modules named by
+`--preload=MODULE` options given before torchrun's own; without any, the server
+imports the reference trainer.
 """
 
 from __future__ import annotations
@@ -34,24 +39,51 @@ import os
 import sys
 from multiprocessing import forkserver
 
-# The session first (trainer/forkserver_session.py), then what every rank imports.
-PRELOAD = ["clusterpulse.trainer.forkserver_session", "clusterpulse.trainer.main"]
+SESSION = "clusterpulse.trainer.forkserver_session"  # first: see that module
+TRAINER = "clusterpulse.trainer.main"  # what the reference trainer's ranks import
+PRELOAD_OPTION = "--preload="
+
+
+def take_torchrun_thread_count() -> None:
+    """Apply torchrun's OMP_NUM_THREADS to this rank. A rank forked warm has torch's
+    intra-op thread count from its server's start, before torchrun set the variable
+    for its ranks (on 2 cores, 2 ranks would each compute with 2 threads)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+
+
+def preload(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(modules the server imports, torchrun's arguments): leading `--preload=MODULE`
+    options name the modules; without any, the reference trainer."""
+    n = next((i for i, arg in enumerate(argv) if not arg.startswith(PRELOAD_OPTION)),
+             len(argv))
+    extra = [arg.removeprefix(PRELOAD_OPTION) for arg in argv[:n]]
+    return [SESSION, *(extra or [TRAINER])], argv[n:]
 
 
 def main() -> None:
+    modules, sys.argv[1:] = preload(sys.argv[1:])
     # The forkserver ignores a preload that fails to import (its ranks would then import
     # on their own, cold, and silently so): make a missing module an error here.
-    missing = [m for m in PRELOAD if importlib.util.find_spec(m) is None]
+    missing = [m for m in modules if not _importable(m)]
     if missing:
         sys.exit(f"warmstart: cannot import {', '.join(missing)}")
     # Ranks print progress lines that monitors read as they come (torchrun starts new
     # interpreters with `python -u`); the server's environment is theirs.
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.set_forkserver_preload(modules)
     forkserver.ensure_running()  # starts importing now, while torchrun meets its peers
     from torch.distributed.run import main as torchrun
 
     torchrun()
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is not there, a bad name
+        return False
 
 
 if __name__ == "__main__":

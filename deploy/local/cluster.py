@@ -71,12 +71,16 @@ def operator_password(state: Path) -> str:
 
 def trainer_args(args: argparse.Namespace, state: Path) -> list[str]:
     """The job's trainer flags; the global batch divides every world size it may have
-    (the testbed job is elastic: it continues on one node fewer after a node death)."""
+    (the testbed job is elastic: it continues on one node fewer after a node death).
+    Simulated GPUs take 150 ms per step with every rank in, as a cost per sequence, so
+    that on one node fewer the larger share of the global batch takes longer."""
     worlds = [args.nodes * args.ranks_per_node, max(1, args.nodes - 1) * args.ranks_per_node]
+    batch = math.lcm(*worlds)
+    per_sequence = 0.15 * worlds[0] / batch
     return ["--preset", "tiny", "--steps", str(args.steps), "--run-id", RUN,
-            "--global-batch", str(math.lcm(*worlds)),
+            "--global-batch", str(batch),
             "--ckpt-dir", str(state / "checkpoints"), "--ckpt-every", "50", "--async-ckpt",
-            *(["--sim-compute-seconds", "0.15"] if args.backend == "sim" else []),
+            *(["--sim-sample-seconds", f"{per_sequence:.6f}"] if args.backend == "sim" else []),
             "--log-every", "100"]
 
 

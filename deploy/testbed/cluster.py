@@ -43,6 +43,7 @@ from deploy.local.stack import (
     wait_http,
 )
 from deploy.testbed.bed import Node, Testbed
+from deploy.testbed.faults import live_ranks
 from deploy.testbed.net import TestbedError
 
 AGENT_PORT = 9477
@@ -240,7 +241,7 @@ class TestbedCluster:
 
     def gpu_fault(self, node: Node, kind: str, gpu: int, **fields) -> dict:
         """A simulated-GPU fault through the node agent's control API (agent/faults.py)."""
-        return self._post(self.agent_url(node) + "/v1/faults", {"kind": kind, "gpu": gpu,
+        return self._call(self.agent_url(node) + "/v1/faults", {"kind": kind, "gpu": gpu,
                                                                **fields})
 
     # -- reading what happened -------------------------------------------------------
@@ -251,6 +252,17 @@ class TestbedCluster:
             {"query": promql})
         with urllib.request.urlopen(url, timeout=10) as r:
             return json.load(r)["data"]["result"]
+
+    def step_seconds(self, run: str, window_s: float) -> float:
+        """The run's mean step time over the last `window_s` seconds (the average of its
+        live ranks)."""
+        series = live_ranks("clusterpulse_trainer_step_seconds", run)
+        r = self.query(f'avg(avg_over_time(({series})[{max(2, int(window_s))}s:1s]))')
+        return float(r[0]["value"][1]) if r else float("nan")
+
+    def job_nodes(self, run: str) -> list[str]:
+        """The nodes with a rank process of `run` now (from the process trees)."""
+        return sorted(n.name for n in self.bed.nodes if self.rank_pids(n, run))
 
     def alerts(self, name: str | None = None, state: str = "firing") -> list[dict]:
         """Alerts Prometheus evaluates now (optionally one name) in `state`."""
@@ -271,8 +283,14 @@ class TestbedCluster:
                 out.append(json.loads(line))
         return out
 
-    def _post(self, url: str, body: dict) -> dict:
-        req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+    def agent_command(self, node: Node, command: str) -> dict:
+        """A command's state at the node's agent (pending, delivered, completed...)."""
+        return self._call(f"{self.agent_url(node)}/v1/commands/{command}", None)
+
+    def _call(self, url: str, body: dict | None) -> dict:
+        """POST `body` to the agent's control API, or GET without one."""
+        req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                     method="GET" if body is None else "POST",
                                      headers={"Authorization": f"Bearer {self.token}",
                                               "Content-Type": "application/json"})
         try:

@@ -49,15 +49,16 @@ EXPECT: dict[str, tuple[str, ...]] = {
 ALERT_LABELS: dict[str, dict[str, str]] = {"gpu_overheat": {"cause": "thermal_throttling"}}
 
 
-def expected_action(kind: str, policy: Policy) -> str | None:
+def expected_action(kind: str, policy: Policy, seconds: float = 0.0) -> str | None:
     """The action `policy` takes on the alerts fault `kind` raises (the first one a
-    rule fits), or None (also for a dry-run policy, which only audits)."""
+    rule fits), or None (also for a dry-run policy, which only audits, and for a fault
+    of `seconds` that is over before the rule's `sustained_s` has passed)."""
     if policy.dry_run:
         return None
     for name in EXPECT[kind]:
         rule = policy.rule_for({"alertname": name, **ALERT_LABELS.get(kind, {})})
         if rule is not None:
-            return rule.action
+            return None if 0 < seconds <= rule.sustained_s else rule.action
     return None
 
 
@@ -66,7 +67,8 @@ TESTBED_ONLY = {"node_death", "partition", "slow_link"}
 # or any restart the policy takes): they count as recovered only once new rank
 # processes step, not when old ones still do.
 RESTARTS = {"gpu_lost", "rank_hang", "rank_crash", "node_death"}
-RESTART_ACTIONS = {"restart", "checkpoint-restart", "drain-node"}  # drained: requeued
+# drained: requeued; evicted: the others restart without the node
+RESTART_ACTIONS = {"restart", "checkpoint-restart", "drain-node", "evict-node"}
 # The audit outcomes of an action taken: a run's restart (accepted by its agents, or by
 # some), a node's drain (by the receiver, or found drained already and its jobs requeued)
 TAKEN = {"accepted", "partial", "acted", "already_drained"}
@@ -87,6 +89,16 @@ class Target(Protocol):
     def kill_agent(self, node: int) -> None: ...
     def start_agent(self, node: int) -> None: ...
     def node_name(self, node: int) -> str: ...
+
+
+def live_ranks(metric: str, run: str) -> str:
+    """PromQL: `metric` of the run's live rank processes. An agent keeps an exited
+    rank's entry for its grace period (evidence): counted, it held "recovered" back
+    300 s after a restart that moved the rank to another node, its last step hid where
+    an elastic restart (ranks renumbered) resumed from, and its last step time stays in
+    a job's average after its node left."""
+    return (f'{metric}{{run="{run}"}} unless on (run, rank, node, local_rank) '
+            f'clusterpulse_trainer_process_alive == 0')
 
 
 @dataclass
@@ -184,8 +196,8 @@ class Observer:
         self.policy = policy
         self.sample_lag_s = sample_lag_s
 
-    def action_for(self, kind: str) -> str | None:
-        return expected_action(kind, self.policy)
+    def action_for(self, fault: Fault) -> str | None:
+        return expected_action(fault.kind, self.policy, fault.seconds)
 
     def query(self, promql: str, at: float | None = None) -> list[dict]:
         params = {"query": promql, **({"time": f"{at:.3f}"} if at else {})}
@@ -194,12 +206,7 @@ class Observer:
             return json.load(r)["data"]["result"]
 
     def live(self, metric: str) -> str:
-        """`metric` of the run's live rank processes. An agent keeps an exited rank's
-        entry for its grace period (evidence): counted, it held "recovered" back 300 s
-        after a restart that moved the rank to another node, and its last step hid
-        where an elastic restart (ranks renumbered) resumed from."""
-        return (f'{metric}{{run="{self.run}"}} unless on (run, rank, node, local_rank) '
-                f'clusterpulse_trainer_process_alive == 0')
+        return live_ranks(metric, self.run)
 
     def pids(self, at: float | None = None) -> set[str]:
         """The run's live rank processes (pid labels of rank_info)."""
@@ -229,7 +236,7 @@ class Observer:
 
     def update(self, o: Outcome, node_name: str) -> None:
         """Fill in what has happened since the fault; call repeatedly."""
-        names, action = EXPECT[o.fault.kind], self.action_for(o.fault.kind)
+        names, action = EXPECT[o.fault.kind], self.action_for(o.fault)
         if o.step_at_fault is None:
             o.step_at_fault = self.step(o.fault.at)
         if o.pids_at_fault is None:
@@ -257,7 +264,7 @@ class Observer:
         one is expected. The lowest step since the fault is where it resumed from; the
         steps it had made until the fault was handled (the action, else detection, else
         the fault) and lost are the recomputed ones."""
-        action = self.action_for(o.fault.kind)
+        action = self.action_for(o.fault)
         if action and o.acted_at is None:
             return
         if o.fault.kind in RESTARTS or action in RESTART_ACTIONS:

@@ -75,7 +75,7 @@ class Driver(threading.Thread):
             for i, (after, fault) in enumerate(self.faults, 1):
                 if self.stop_event.wait(after):
                     return
-                if self.obs.action_for(fault.kind):  # at most one action per window
+                if self.obs.action_for(fault):  # at most one action per window
                     gap = self.obs.last_action() + self.action_gap_s + 2 - time.time()
                     if gap > 0 and self.stop_event.wait(gap):
                         return
@@ -112,7 +112,7 @@ class Driver(threading.Thread):
 
     def _follow(self, o: Outcome) -> None:
         name = self.names[o.fault.node]
-        alerts, action = EXPECT[o.fault.kind], self.obs.action_for(o.fault.kind)
+        alerts, action = EXPECT[o.fault.kind], self.obs.action_for(o.fault)
         undone = False
         said: set[str] = set()
         end = time.time() + self.deadline_s

@@ -8,6 +8,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 from clusterpulse.trainer.checkpoint import MANIFEST, verify
+from deploy.local.stack import rank_pids
 from tests.bench.table import Row
 from tests.conftest import start_agent
 from tests.support.procs import REPO
@@ -108,6 +110,39 @@ def bench_recovery() -> list[Row]:
     return rows
 
 
+def _script_crash_downtime(tmp: Path, name: str, preload: list[str]) -> float:
+    """examples/ddp_tutorial.py on 4 ranks: SIGKILL one rank once the first snapshot
+    exists; seconds until every rank of the restart has loaded the snapshot."""
+    snapshot, log = tmp / f"{name}.pt", tmp / f"{name}.log"
+    cmd = launcher_cmd(4, 1, ["400", "1", "--snapshot", str(snapshot)],
+                       script=str(REPO / "examples" / "ddp_tutorial.py"), preload=preload)
+    p = start_logged(cmd, log, tmp, {"CLUSTERPULSE_AGENT": "none"})
+    try:
+        deadline = time.time() + 600
+        while not snapshot.exists() or len(rank_pids([p.pid])) < 4:
+            assert time.time() < deadline and p.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(rank_pids([p.pid])[0], signal.SIGKILL)
+        crashed = time.time()
+        while log.read_text().count("Resuming training from snapshot") < 4:
+            assert time.time() < deadline and p.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.02)
+        return time.time() - crashed
+    finally:
+        stop_group(p)
+
+
+def bench_script_recovery() -> list[Row]:
+    """The README's recipe (a foreign script): a crash restart with its ranks forked
+    from a server that imported torch (`--preload torch`) against new interpreters."""
+    with tempfile.TemporaryDirectory() as tmp:
+        warm = _script_crash_downtime(Path(tmp), "warm", ["torch"])
+        cold = _script_crash_downtime(Path(tmp), "cold", [])
+    return [Row("ddp_tutorial.py, 4 ranks: crash -> snapshot loaded on every rank "
+                "(--preload torch)", warm, "s", baseline=cold, baseline_name="no --preload "
+                "(new interpreters)")]
+
+
 def _verify_share(args: tuple[str, int, int]) -> str | None:
     path, rank, world = args
     return verify(Path(path), rank, world)
@@ -149,4 +184,5 @@ def bench_verify() -> list[Row]:
 
 
 def run() -> list[Row]:
-    return bench_overhead_and_checkpoints() + bench_recovery() + bench_verify()
+    return (bench_overhead_and_checkpoints() + bench_recovery() + bench_script_recovery()
+            + bench_verify())

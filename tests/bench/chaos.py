@@ -37,6 +37,7 @@ KINDS = ["gpu_overheat", "gpu_lost", "rank_hang", "rank_crash", "agent_kill", "n
 TRANSIENT = {"gpu_overheat": 120, "gpu_lost": 60, "partition": 30, "slow_link": 60,
              "agent_kill": 20, "node_death": 60}
 CKPT_EVERY = 50
+STEP_S = 0.1  # simulated GPU time of a step with every node in
 RESUMED = re.compile(r"trainer: resumed from step-(\d+)")
 
 
@@ -56,10 +57,15 @@ def say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def trainer_args(steps: int, batch: int) -> list[str]:
+def trainer_args(steps: int, batch: int, nodes: int) -> list[str]:
+    """100 ms of simulated GPU time per step with every node in (one rank per node), as
+    a cost per sequence: on one node fewer (elastic) each rank takes a larger share of
+    the fixed global batch and a longer step, as GPUs would (a fixed pad let the
+    smaller job step as fast)."""
+    per_sequence = STEP_S * nodes / batch
     return ["--preset", "tiny", "--steps", str(steps), "--global-batch", str(batch),
-            "--ckpt-every", str(CKPT_EVERY), "--async-ckpt", "--sim-compute-seconds", "0.1",
-            "--log-every", "200"]
+            "--ckpt-every", str(CKPT_EVERY), "--async-ckpt",
+            "--sim-sample-seconds", f"{per_sequence:.6f}", "--log-every", "200"]
 
 
 def draw_faults(rng: random.Random, minutes: float, every: tuple[float, float],
@@ -96,7 +102,8 @@ def alert_episodes(obs: Observer, start: float, end: float,
 
 def run_job(cl: TestbedCluster, run: str, minutes: float, faults: list[tuple[float, Fault]],
             batch: int, min_nodes: int) -> RunResult:
-    job = cl.start_job(run, trainer_args(10**7, batch), min_nodes=min_nodes, max_restarts=100)
+    job = cl.start_job(run, trainer_args(10**7, batch, len(cl.bed.nodes)), min_nodes=min_nodes,
+                       max_restarts=100)
     obs = Observer(cl.central.prometheus, cl.state / "audit.jsonl", run,  # type: ignore[union-attr]
                    Policy.load(cl.policy))
     target = ClusterTarget(cl, run)

@@ -59,12 +59,6 @@ def test_ranks_span_the_nodes_over_the_bridge(cl):
         assert peers - {node.ip}, f"{node.name} talks to no other node"
 
 
-def step_seconds(cl: TestbedCluster, window_s: float) -> float:
-    r = cl.query(f'avg(avg_over_time(clusterpulse_trainer_step_seconds{{run="{RUN}"}}'
-                 f'[{max(2, int(window_s))}s]))')
-    return float(r[0]["value"][1])
-
-
 def comm_bandwidth(cl: TestbedCluster, window_s: float) -> float:
     r = cl.query(f'avg_over_time(clusterpulse:run_comm_bandwidth_bytes_per_second'
                  f'{{run="{RUN}"}}[{max(2, int(window_s))}s])')
@@ -79,13 +73,13 @@ def test_slow_link_slows_the_job_and_is_named(cl):
     falls with it, every rank's together."""
     start = max_step(cl)
     wait_until(lambda: max_step(cl) >= start + 20, 120, "20 normal steps")
-    before, bw_before = step_seconds(cl, 8), comm_bandwidth(cl, 8)
+    before, bw_before = cl.step_seconds(RUN, 8), comm_bandwidth(cl, 8)
     node = cl.bed.nodes[1]
     cl.bed.slow_link(node, rate="4mbit", burst="32kb", latency="500ms")
     t0, s0 = time.monotonic(), max_step(cl)
     try:
         wait_until(lambda: max_step(cl) >= s0 + 6, 180, "6 steps over the slow link")
-        during = step_seconds(cl, time.monotonic() - t0 - 3)
+        during = cl.step_seconds(RUN, time.monotonic() - t0 - 3)
         bw_during = comm_bandwidth(cl, time.monotonic() - t0 - 3)
         wait_until(lambda: cl.alerts("TrainingLinkCongested"), 180, "TrainingLinkCongested")
         named = {(a["labels"]["node"], a["labels"]["device"], a["labels"]["cause"])

@@ -1,7 +1,8 @@
 """The README's recipe, run as is: examples/ddp_tutorial.py (the PyTorch DDP tutorial
-script, instrumented) under clusterpulse-train with a real agent, through a slow-data
-rank, a graceful checkpoint-restart and a crash, ending bit-exactly where an
-uninterrupted run ends. Also: the README shows exactly that file."""
+script, instrumented) under clusterpulse-train with a real agent, its ranks started warm
+(`--preload torch`), through a slow-data rank, a graceful checkpoint-restart and a
+crash, ending bit-exactly where an uninterrupted run started cold ends. Also: the
+README shows exactly that file."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             out.append(int(stat.parent.name))
     return out
+
+
+def _forked_warm(pid: int) -> bool:
+    """Whether the rank is a child of the warm-start server (torchrun's forkserver)."""
+    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return b"forkserver" in Path(f"/proc/{ppid}/cmdline").read_bytes()
 
 
 def _stall_data_workers(pid: int, stop: threading.Event) -> None:
@@ -80,7 +87,8 @@ def test_tutorial_through_slow_data_graceful_restart_and_crash(tmp_path):
     running, server = start_agent(tmp_path)
     log = tmp_path / "tutorial.log"
     p = start_logged(launcher_cmd(2, 1, [EPOCHS, "2", "--snapshot", str(tmp_path / "s.pt"),
-                                         "--run-id", "tut"], script=str(SCRIPT)), log, tmp_path,
+                                         "--run-id", "tut"], script=str(SCRIPT),
+                                  preload=["torch"]), log, tmp_path,
                      {"CLUSTERPULSE_AGENT": running.telemetry})
     stop = threading.Event()
     try:
@@ -89,6 +97,7 @@ def test_tutorial_through_slow_data_graceful_restart_and_crash(tmp_path):
 
         wait_until(lambda: len(ranks()) == 2 and min(r.step for r in ranks().values()) > 20,
                    300, "both ranks past step 20")
+        assert all(_forked_warm(r.pid) for r in ranks().values())
         # 1. a slow-data rank: its input wait shows, not as compute
         staller = threading.Thread(target=_stall_data_workers, args=(ranks()[1].pid, stop))
         staller.start()

@@ -14,6 +14,7 @@ import requests
 
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.tokens import Tokens
+from clusterpulse.dashboard.actions import ActionError, request_action
 from clusterpulse.dashboard.promclient import PrometheusClient
 from clusterpulse.dashboard.remediation import Policy, PolicyError, Remediator, Rule, serve
 from tests.support.procs import REPO, Prometheus, start_agent_cli, wait_until
@@ -178,7 +179,39 @@ def test_policy_files_are_validated(tmp_path):
     p.write_text("[[rule]\n")
     with pytest.raises(PolicyError, match="not valid TOML"):
         Policy.load(p)
-    assert len(Policy.load(REPO / "deploy" / "local" / "policy.toml").rules) == 3
+    assert len(Policy.load(REPO / "deploy" / "local" / "policy.toml").rules) == 4
+    for table, says in [("[evict]\nleave_s = 0\n", "leave_s must be a number"),
+                        ("[evict]\nleave_s = 'long'\n", "leave_s must be a number"),
+                        ("[evict]\ngrace = 5\n", "unknown keys grace")]:
+        p.write_text(table)
+        with pytest.raises(PolicyError, match=says):
+            Policy.load(p)
+
+
+def test_evict_node_asks_the_alerts_node_alone_to_sit_the_restart_out(cluster):
+    """A link alert names a node, not a run: the runs with ranks there get a graceful
+    restart that this node's agent alone is asked for, with the policy's cooldown as the
+    time its ranks' launcher waits before rejoining (the rest of the job goes on)."""
+    prom, port, _, victim, tmp, _telemetry = cluster
+    policy_file = tmp / "evict.toml"
+    policy_file.write_text('[[rule]]\nalert = "TrainingLinkCongested"\naction = "evict-node"\n'
+                           "[evict]\nleave_s = 45\n")
+    audit = AuditLog(tmp / "audit.jsonl")
+    rem = Remediator(Policy.load(policy_file), PrometheusClient(prom.url), TOKEN, audit)
+    (d,) = rem.handle({"alerts": [firing("TrainingLinkCongested", node="node-r",
+                                         device="eth0")]})
+    assert d["outcome"] == "acted" and d["action"] == "evict-node", d
+    cid = d["nodes"]["node-r"]
+    cmd = requests.get(f"http://127.0.0.1:{port}/v1/commands/{cid}", timeout=5,
+                       headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert (cmd["action"], cmd["leave_s"], cmd["run"]) == ("checkpoint-restart", 45, "job")
+    assert victim.poll() is None  # graceful: nothing is signalled
+    (rec,) = [r for r in audit.read() if r["who"] == "policy"]
+    assert (rec["action"], rec["outcome"], rec["leave_s"]) == ("evict-node", "accepted", 45)
+    # the request goes to the named nodes' agents only
+    with pytest.raises(ActionError, match="has no ranks on node-z"):
+        request_action(PrometheusClient(prom.url), "job", "checkpoint-restart", "t", "ops",
+                       TOKEN, audit, nodes=["node-z"], leave_s=45)
 
 
 def test_ctl_restart_and_agents(cluster):
@@ -201,3 +234,15 @@ def test_ctl_restart_and_agents(cluster):
     assert record["source"] == "cli" and record["why"] == "test"
     r = ctl("restart", "--run", "bad run", "--hard", "--reason", "x")
     assert r.returncode == 1 and "invalid run id" in r.stderr
+    r = ctl("evict", "--run", "job", "--node", "node-r", "--for", "0", "--reason", "link")
+    assert r.returncode == 2 and "evict --for: seconds in 1..3600" in r.stderr
+    r = ctl("evict", "--run", "job", "--node", "node-z", "--for", "60", "--reason", "link")
+    assert r.returncode == 1 and "has no ranks on node-z" in r.stderr
+    r = ctl("evict", "--run", "job", "--node", "node-r", "--for", "60", "--reason", "link")
+    assert r.returncode == 0 and "node-r: accepted node-r-" in r.stdout
+    cid = r.stdout.split("accepted ")[1].split()[0]
+    cmd = requests.get(f"http://127.0.0.1:{port}/v1/commands/{cid}", timeout=5,
+                       headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert (cmd["action"], cmd["leave_s"]) == ("checkpoint-restart", 60)
+    record = json.loads((tmp / "ctl.jsonl").read_text().splitlines()[-1])
+    assert (record["action"], record["leave_s"], record["source"]) == ("evict-node", 60, "cli")

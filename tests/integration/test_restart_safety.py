@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -116,3 +117,48 @@ def test_warm_ranks_take_torchruns_thread_count(tmp_path):
     r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert json.loads((ckpt / "summary.json").read_text())["intra_op_threads"] == 1
+
+
+FOREIGN = '''\
+import atexit, json, multiprocessing, os, sys
+import torch
+from helper import VALUE  # a sibling module: the script's directory is on sys.path
+
+out, rank = os.environ["OUT"], os.environ["RANK"]
+atexit.register(lambda: open(os.path.join(out, f"atexit-{rank}"), "w").write("ran"))
+if __name__ == "__main__":
+    parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().decode(errors="replace")
+    json.dump({"argv": sys.argv, "threads": torch.get_num_threads(), "value": VALUE,
+               "parent": parent, "start_method": multiprocessing.get_start_method()},
+              open(os.path.join(out, f"rank-{rank}.json"), "w"))
+'''
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores to tell 1 thread from all")
+def test_a_preloaded_foreign_script_runs_warm_as_python_would_run_it(tmp_path):
+    """`--script S --preload torch`: ranks forked from the server, and yet the script
+    sees what `python S` gives it: its directory on sys.path, its argv, its atexit
+    handlers run, torchrun's thread count (OMP_NUM_THREADS unset: 1 per rank), and the
+    platform's multiprocessing start method (a DataLoader's workers failed to start
+    through the server's forkserver)."""
+    (tmp_path / "job").mkdir()
+    script = tmp_path / "job" / "train.py"
+    script.write_text(FOREIGN)
+    (tmp_path / "job" / "helper.py").write_text("VALUE = 42\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(PYTHONPATH=str(REPO), OUT=str(out))
+    cmd = launcher_cmd(2, 0, ["--epochs", "3"], script=str(script), preload=["torch"])
+    r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    platform_default = subprocess.run(
+        [sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    for rank in (0, 1):
+        seen = json.loads((out / f"rank-{rank}.json").read_text())
+        assert "forkserver" in seen["parent"], seen  # warm: a fork of the server
+        assert seen["argv"] == [str(script), "--epochs", "3"]
+        assert seen["value"] == 42 and seen["threads"] == 1
+        assert seen["start_method"] == platform_default
+        assert (out / f"atexit-{rank}").read_text() == "ran"

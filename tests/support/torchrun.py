@@ -61,7 +61,7 @@ def start_trainer(ckpt: Path, log: Path, nproc: int = 2, steps: int = 40,
 
 def launcher_cmd(nproc: int, max_restarts: int, args: list[str], nnodes: int = 1,
                  rdzv_port: int | None = None, script: str | None = None,
-                 cold_start: bool = False) -> list[str]:
+                 cold_start: bool = False, preload: list[str] | None = None) -> list[str]:
     """clusterpulse-train (the launcher that relaunches graceful restarts) with the same
     fast worker monitoring as torchrun_cmd; `nnodes` > 1: one such command per "node",
     all on loopback with a c10d rendezvous at `rdzv_port`."""
@@ -72,6 +72,8 @@ def launcher_cmd(nproc: int, max_restarts: int, args: list[str], nnodes: int = 1
                 "--rdzv-id", "test"]
     if script:
         cmd += ["--script", script]
+    for module in preload or []:
+        cmd += ["--preload", module]
     if cold_start:
         cmd.append("--cold-start")
     return [*cmd, "--", *args]

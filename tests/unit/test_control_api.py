@@ -12,6 +12,7 @@ import pytest
 from clusterpulse.agent import protocol
 from clusterpulse.agent.identity import Sender
 from tests.conftest import TOKEN, start_agent
+from tests.support.procs import wait_until
 from tests.support.ranksock import RankProcess, connect, exchange
 
 
@@ -318,3 +319,84 @@ def test_graceful_command_escalates_to_hard_after_deadline(sim_agent):
         assert rank.p.wait(timeout=10) == -15
     escalated = _audit(sim_agent)[-1]
     assert escalated["outcome"] == "escalated" and escalated["signalled_pids"] == [rank.pid]
+
+
+def test_a_leave_rides_on_the_graceful_command_and_its_deadline_restarts_once_left(sim_agent):
+    """evict-node: the node's agent tells its ranks how long to sit the restart out. The
+    ranks must leave within deadline_s (else it escalates: a hung rank never leaves);
+    once they have, the command has leave_s more to see them back."""
+    s = connect(sim_agent.socket_path)
+    _rank(s, step=1, restarts=0)
+    r = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart", "reason": "link",
+                                                "deadline_s": 1, "leave_s": 2.5})
+    assert r.status_code == 202 and r.json()["leave_s"] == 2.5
+    cid = r.json()["id"]
+    assert _rank(s, step=2, restarts=0)["commands"] == [
+        {"id": cid, "action": "checkpoint-restart", "leave_s": 2.5}]
+    cmd = sim_agent.agent.commands.get(cid)
+    assert cmd.deadline == cmd.created + 1  # to leave
+    _rank(s, step=2, restarts=0, acks=[cid])  # left
+    sim_agent.agent.collect_once()
+    assert sim_agent.get(f"/v1/commands/{cid}").json()["state"] == "delivered"
+    assert cmd.deadline >= cmd.created + 1 + 2.5  # to be back: the sit-out and deadline_s
+    # a rank that does not leave within deadline_s (hung) is escalated then
+    with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r2", "rank": 0,
+                                              "step": 5}]) as rank:
+        r = sim_agent.post("/v1/runs/r2/actions", {"action": "checkpoint-restart",
+                                                    "reason": "link", "deadline_s": 1,
+                                                    "leave_s": 600})
+        time.sleep(1.3)
+        sim_agent.agent.collect_once()
+        assert sim_agent.get(f"/v1/commands/{r.json()['id']}").json()["state"] == "escalated"
+        assert rank.p.wait(timeout=10) == -15
+    s.close()
+    assert _audit(sim_agent)[0]["leave_s"] == 2.5
+    for body, says in [({"action": "restart", "leave_s": 5}, "only with checkpoint-restart"),
+                       ({"action": "checkpoint-restart", "leave_s": -1}, "'leave_s'"),
+                       ({"action": "checkpoint-restart", "leave_s": protocol.MAX_LEAVE_S + 1},
+                        f"0..{protocol.MAX_LEAVE_S}")]:
+        r = sim_agent.post("/v1/runs/r1/actions", {**body, "reason": "x"})
+        assert r.status_code == 400 and says in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize(("nodes", "leaves"), [(3, True), (2, False)])
+def test_a_rank_leaves_for_a_leave_or_refuses_it_before_anything_restarts(
+        sim_agent, tmp_path, monkeypatch, nodes, leaves):
+    """The rank side for real (Pulse over the agent's Unix socket): in a job of `nodes`
+    nodes whose minimum is 2, a leave is taken (checkpoint, relaunch file and leave
+    file, exit 0 for the launcher) or refused: the command fails naming why, and the
+    rank trains on without a restart."""
+    from clusterpulse.trainer.instrument import Pulse
+
+    relaunch = tmp_path / "relaunch"
+    monkeypatch.setenv("CLUSTERPULSE_RELAUNCH_FILE", str(relaunch))
+    monkeypatch.setenv("CLUSTERPULSE_MIN_NODES", "2")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", str(nodes))
+    pulse = Pulse(run="r1", agent=f"unix:{sim_agent.socket_path}", rank=0, local_rank=0,
+                  world_size=1, consensus_every=1, catch_sigterm=False)
+    try:
+        with pulse.step(1):
+            pass
+        wait_until(lambda: sim_agent.agent.ranks.of_run("r1"), 10, "the rank registered")
+        r = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart",
+                                                    "reason": "link", "leave_s": 30})
+        cid = r.json()["id"]
+        with pulse.step(2):
+            pass
+        time.sleep(0.3)  # the reply to step 2 carries the command
+        saved = []
+        if leaves:
+            with pytest.raises(SystemExit) as exit_:
+                pulse.boundary(2, save=saved.append)
+            assert exit_.value.code == 0 and saved == [2]
+            assert (tmp_path / "relaunch.leave").read_text() == "30\n"
+            assert relaunch.read_text() == "checkpoint-restart\n"
+        else:
+            pulse.boundary(2, save=saved.append)  # returns: no restart
+            assert saved == [] and not relaunch.exists()
+            status = wait_until(lambda: (c := sim_agent.get(f"/v1/commands/{cid}").json())
+                                ["state"] == "failed" and c, 10, "the command to fail")
+            assert "the job is at its minimum node count" in status["detail"], status
+            assert "nothing was restarted" in status["detail"]
+    finally:
+        pulse.close()

@@ -4,7 +4,11 @@ fallback, straggler scoring, telemetry sending with no agent."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,11 +18,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from clusterpulse.trainer.checkpoint import CheckpointManager, dcp_files, find_latest_valid, verify
+from clusterpulse.trainer.config import ConfigError, parse_config
 from clusterpulse.trainer.consensus import Consensus
+from clusterpulse.trainer.data import SyntheticTokens
 from clusterpulse.trainer.faults import Faults, InjectError, parse_injection
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.runstate import ProgressMark, RunState, progress_path
 from clusterpulse.trainer.telemetry import AgentLink, parse_agent_addr
+from tests.support.procs import REPO, wait_until
 
 
 def test_injection_specs():
@@ -167,9 +174,13 @@ def test_launcher_builds_the_torchrun_command():
     assert cmd[1:] == ["-m", "clusterpulse.trainer.warmstart", "--nproc-per-node=2",
                        "--max-restarts=1", "--standalone", "--run-path",
                        "--start-method=forkserver", main_py, "--steps", "5"]
-    # the server leaves the launcher's process group before anything else is imported
-    assert warmstart.PRELOAD[0] == "clusterpulse.trainer.forkserver_session"
-    assert "clusterpulse.trainer.main" in warmstart.PRELOAD
+    # the server leaves the launcher's process group before anything else is imported,
+    # then imports the trainer; or, for a script, what --preload named
+    assert warmstart.preload(["--nproc-per-node=2"]) == (
+        ["clusterpulse.trainer.forkserver_session", "clusterpulse.trainer.main"],
+        ["--nproc-per-node=2"])
+    assert warmstart.preload(["--preload=torch", "--preload=numpy", "--nproc-per-node=2"]) == (
+        ["clusterpulse.trainer.forkserver_session", "torch", "numpy"], ["--nproc-per-node=2"])
     cmd = build_command(["--nproc", "2", "--cold-start", "--max-restarts", "1", "--", "--steps",
                          "5"])
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
@@ -177,6 +188,13 @@ def test_launcher_builds_the_torchrun_command():
     cmd = build_command(["--nproc", "2", "--script", "examples/ddp_tutorial.py", "--", "3"])
     assert cmd[1:3] == ["-m", "torch.distributed.run"]  # foreign code: torchrun's own way
     assert cmd[-2:] == ["examples/ddp_tutorial.py", "3"]
+    # ... unless the caller names what the server may import for it
+    cmd = build_command(["--nproc", "2", "--max-restarts", "1", "--script",
+                         "examples/ddp_tutorial.py", "--preload", "torch", "--", "3"])
+    runner = str(Path(warmstart.__file__).resolve().with_name("scriptrun.py"))
+    assert cmd[1:] == ["-m", "clusterpulse.trainer.warmstart", "--preload=torch",
+                       "--nproc-per-node=2", "--max-restarts=1", "--standalone", "--run-path",
+                       "--start-method=forkserver", runner, "examples/ddp_tutorial.py", "3"]
     cmd = build_command(["--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "head:29400"])
     assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=head:29400" in cmd
     cmd = build_command(["--nnodes", "2", "--rdzv-endpoint", "head:29400", "--no-rdzv-host",
@@ -201,7 +219,10 @@ def test_launcher_names_a_bad_rendezvous_setting(capsys):
     for argv, says in [
             (["--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout"], "expected KEY=VALUE"),
             (["--rdzv-endpoint", "h:1", "--rdzv-conf", "is_host=1"], "use --rdzv-host"),
-            (["--rdzv-conf", "join_timeout=5"], "needs --rdzv-endpoint")]:
+            (["--rdzv-conf", "join_timeout=5"], "needs --rdzv-endpoint"),
+            (["--preload", "torch"], "--preload is for --script"),
+            (["--script", "README.md", "--preload", "torch", "--cold-start"], "pick one"),
+            (["--script", "README.md", "--preload", "torch; rm"], "not a module name")]:
         with pytest.raises(SystemExit) as exit_:
             build_command(argv)
         assert exit_.value.code == 2
@@ -430,6 +451,12 @@ def test_attach_ddp_leaves_no_reference_cycle_through_the_model(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1, timeout=datetime.timedelta(seconds=60))
+    # The first DDP model of a process imports torch._dynamo from its __init__, and that
+    # import leaves a cycle through the __init__ frame (so the model) that only the
+    # collector frees: torch's, once per process; this test ran alone, it failed on it.
+    import torch._dynamo
+
+    gc.collect()
     gc.disable()
     pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
     try:
@@ -485,3 +512,86 @@ def test_a_restart_leaving_main_keeps_the_interpreters_exit_status(capsys):
     assert [_exit_status(c) for c in (None, 0, 42, 143)] == [0, 0, 42, 143]
     assert _exit_status("cannot go on") == 1
     assert capsys.readouterr().err == "cannot go on\n"
+
+
+def test_simulated_compute_follows_the_ranks_share_of_the_global_batch():
+    # A global batch of 12 on 4 nodes, elastic down to 3 (the chaos job's shape).
+    cfg = parse_config(["--global-batch", "12", "--sim-sample-seconds", "0.025"])
+    data = SyntheticTokens(cfg.seed, vocab=64, seq_len=16, global_batch=cfg.global_batch)
+    on_four = cfg.simulated_compute_s(data.shard(0, 0, 4)[0].shape[0])
+    on_three = cfg.simulated_compute_s(data.shard(0, 0, 3)[0].shape[0])
+    assert on_four == pytest.approx(0.075) and on_three == pytest.approx(0.1)
+    # The fixed pad stays what it was: the same for every world size.
+    fixed = parse_config(["--sim-compute-seconds", "0.1"])
+    assert fixed.simulated_compute_s(3) == fixed.simulated_compute_s(4) == 0.1
+    with pytest.raises(ConfigError, match="--sim-sample-seconds"):
+        parse_config(["--sim-sample-seconds", "-1"])
+
+
+def test_the_launcher_sits_a_leave_out_and_tells_its_ranks_when_it_cannot(tmp_path):
+    from clusterpulse.trainer.launch import leave_env, longest_leave_s, parse
+
+    # the rank side for real: the first attempt leaves for 1.2 s, the relaunch finishes
+    child = [sys.executable, "-c", "import os, time\nfrom clusterpulse.trainer.restart import "
+             "request_relaunch\nif os.environ['CLUSTERPULSE_RELAUNCHES'] == '0':\n"
+             "    code = request_relaunch(1.2)\n    print('left', time.monotonic(), flush=True)"
+             "\n    raise SystemExit(code)\nprint('back', time.monotonic(), flush=True)\n"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", "import sys\nfrom clusterpulse.trainer.launch "
+                        "import run\nsys.exit(run(sys.argv[1:], None, 60))", *child],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    times = dict(line.split() for line in r.stdout.splitlines())
+    assert float(times["back"]) - float(times["left"]) >= 1.2  # sat out before relaunching
+    assert "leaving the job for 1 s" in r.stderr
+    # SIGTERM while it sits out (a preemption, a stop): it ends at once, 128 + 15
+    err = tmp_path / "err"
+    with open(err, "w") as fh:
+        p = subprocess.Popen([sys.executable, "-c", "import sys\nfrom clusterpulse.trainer."
+                              "launch import run\nsys.exit(run(sys.argv[1:], None, 600))",
+                              *(arg.replace("1.2", "600") for arg in child)],
+                             env=env, stdout=subprocess.DEVNULL, stderr=fh)
+    try:
+        wait_until(lambda: "leaving the job for 600 s" in err.read_text(), 60, "the sit-out")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 143
+    finally:
+        p.kill()
+    # what the ranks are told: a node that can never leave, or the job's minimum
+    for argv, told in [
+            (["--nnodes", "2:4", "--rdzv-endpoint", "head:1", "--no-rdzv-host"],
+             {"CLUSTERPULSE_MIN_NODES": "2"}),
+            (["--nnodes", "4", "--rdzv-endpoint", "head:1", "--no-rdzv-host"],
+             {"CLUSTERPULSE_MIN_NODES": "4"}),
+            (["--nnodes", "2:4", "--rdzv-endpoint", "head:1", "--rdzv-host"],
+             {"CLUSTERPULSE_CANNOT_LEAVE": "rendezvous_host"}),
+            (["--nnodes", "2:4", "--rdzv-endpoint", "localhost:1"],  # torch's own guess
+             {"CLUSTERPULSE_CANNOT_LEAVE": "rendezvous_host"}),
+            ([], {"CLUSTERPULSE_CANNOT_LEAVE": "single_node"})]:
+        assert leave_env(parse(argv)[0]) == told, argv
+    # at most half the rendezvous join_timeout: the others wait that long for nodes
+    assert longest_leave_s(parse([])[0]) == 300
+    assert longest_leave_s(parse(["--rdzv-endpoint", "h:1", "--rdzv-conf",
+                                  "join_timeout=120"])[0]) == 60
+
+
+
+@pytest.mark.parametrize(("env", "unix", "refused"), [
+    ({}, True, "no_launcher"),
+    ({"CLUSTERPULSE_RELAUNCH_FILE": "/x", "CLUSTERPULSE_CANNOT_LEAVE": "rendezvous_host"},
+     True, "rendezvous_host"),
+    ({"CLUSTERPULSE_RELAUNCH_FILE": "/x", "CLUSTERPULSE_MIN_NODES": "3",
+      "GROUP_WORLD_SIZE": "3"}, True, "min_nodes"),
+    ({"CLUSTERPULSE_RELAUNCH_FILE": "/x", "CLUSTERPULSE_MIN_NODES": "3",
+      "GROUP_WORLD_SIZE": "4"}, False, "udp"),
+    ({"CLUSTERPULSE_RELAUNCH_FILE": "/x", "CLUSTERPULSE_MIN_NODES": "3",
+      "GROUP_WORLD_SIZE": "4"}, True, None)])
+def test_a_rank_knows_when_its_node_cannot_leave(monkeypatch, env, unix, refused):
+    from clusterpulse.trainer.restart import leave_refusal
+
+    for key in ("CLUSTERPULSE_RELAUNCH_FILE", "CLUSTERPULSE_CANNOT_LEAVE",
+                "CLUSTERPULSE_MIN_NODES", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert leave_refusal(unix) == refused
