@@ -16,6 +16,9 @@ from clusterpulse.agent.audit import AuditLog
 from clusterpulse.dashboard.promclient import PrometheusClient
 
 ACTIONS = ("checkpoint-restart", "restart")
+# How far back an action on named nodes looks for them: the fault that names a node (a
+# slow link) can make its scrapes time out, and Prometheus marks its series stale.
+NODE_LOOKBACK = "2m"
 
 
 class ActionError(Exception):
@@ -54,12 +57,17 @@ def token_for(token: str | None, node: str) -> str | None:
     return table.get(node) or table.get("*")
 
 
-def agents_for_run(prom: PrometheusClient, run: str) -> dict[str, str]:
-    """node -> agent base URL, from the scrape targets that export the run's ranks."""
+def agents_for_run(prom: PrometheusClient, run: str, lookback: str = "") -> dict[str, str]:
+    """node -> agent base URL, from the scrape targets that export the run's ranks (or
+    did within `lookback`, e.g. "2m": a node whose slow link makes its scrapes time out
+    is the node an eviction is for)."""
     if not protocol.RUN_ID.fullmatch(run):
         raise ActionError(f"invalid run id {run!r}")
     scheme = "https" if agent_tls() else "http"
-    samples = prom.query(f'max by (node, instance) (clusterpulse_trainer_rank_info{{run="{run}"}})')
+    series = f'clusterpulse_trainer_rank_info{{run="{run}"}}'
+    if lookback:
+        series = f"last_over_time({series}[{lookback}])"
+    samples = prom.query(f"max by (node, instance) ({series})")
     return {s.labels["node"]: f"{scheme}://{s.labels['instance']}" for s in samples
             if "instance" in s.labels and "node" in s.labels}
 
@@ -76,7 +84,7 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
         raise ActionError("a reason is required; it goes to the audit log")
     if not token:
         raise ActionError("no agent token configured (CLUSTERPULSE_AGENT_TOKEN_FILE)")
-    agents = agents_for_run(prom, run)
+    agents = agents_for_run(prom, run, lookback=NODE_LOOKBACK if nodes is not None else "")
     if not agents:
         raise ActionError(f"no agent reports ranks of run {run!r}")
     if nodes is not None:

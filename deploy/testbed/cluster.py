@@ -255,10 +255,17 @@ class TestbedCluster:
 
     def step_seconds(self, run: str, window_s: float) -> float:
         """The run's mean step time over the last `window_s` seconds (the average of its
-        live ranks)."""
+        live ranks); NaN if Prometheus has no number for it for 10 s (an empty or NaN
+        answer now and then: asked again)."""
         series = live_ranks("clusterpulse_trainer_step_seconds", run)
-        r = self.query(f'avg(avg_over_time(({series})[{max(2, int(window_s))}s:1s]))')
-        return float(r[0]["value"][1]) if r else float("nan")
+        query = f'avg(avg_over_time(({series})[{max(2, int(window_s))}s:1s]))'
+        deadline = time.monotonic() + 10
+        while True:
+            r = self.query(query)
+            value = float(r[0]["value"][1]) if r else float("nan")
+            if value == value or time.monotonic() > deadline:  # NaN != NaN
+                return value
+            time.sleep(0.5)
 
     def job_nodes(self, run: str) -> list[str]:
         """The nodes with a rank process of `run` now (from the process trees)."""
