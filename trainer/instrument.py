@@ -604,6 +604,9 @@ class Pulse:
             print(f"clusterpulse: preempted at step {step} and the checkpoint failed: "
                   "leaving without one", flush=True)
         ids = sorted(i for i, a in self.commands.items() if a == "checkpoint-restart")
+        if reason == "checkpoint-restart":
+            ids = self.agreed_command_ids(ids)
+        # a leave only where it was heard: evict-node's command reaches one node's agent
         leave = max((self._leave_s.get(i, 0.0) for i in ids), default=0.0)
         if ids and reason == "checkpoint-restart":
             self.ack(ids)
@@ -619,6 +622,18 @@ class Pulse:
         if dist.is_initialized():
             dist.destroy_process_group()
         raise SystemExit(code)
+
+    def agreed_command_ids(self, heard: list[str]) -> list[str]:
+        """The restart commands any rank heard (collective, CPU group, only when the
+        ranks leave): one rank's agent may deliver a command a step before another's,
+        and the agreement carries only a flag, so a rank that had not heard it yet
+        left without its id: rank 0 recorded a restart with no command, and the
+        command missed that rank's acknowledgement."""
+        if not dist.is_initialized() or self.world_size < 2:
+            return heard
+        every: list[list[str] | None] = [None] * self.world_size
+        dist.all_gather_object(every, heard, group=self.consensus.group)
+        return sorted({i for ids in every for i in ids or []})
 
     def all_ranks(self, ok: bool) -> bool:
         """True on every rank iff `ok` on every rank (collective, CPU group)."""

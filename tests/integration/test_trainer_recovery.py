@@ -101,6 +101,61 @@ def test_trainer_runs_unchanged_without_an_agent(tmp_path, clean_digest):
     assert r.digest == clean_digest["ddp"]
 
 
+# Two ranks, each reporting to its own node's agent, stepping until they leave.
+TWO_NODE_RANK = """
+import datetime, json, pathlib, sys, time
+import torch.distributed as dist
+from clusterpulse.trainer.instrument import Pulse
+rank, store, agent, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+pulse = Pulse(run="r1", agent=agent, rank=rank, local_rank=0, world_size=2,
+              consensus_every=1, catch_sigterm=False)
+left = {}
+try:
+    for step in range(1, 1200):
+        with pulse.step(step):
+            time.sleep(0.05)
+        pulse.boundary(step, save=lambda s: None,
+                       before_exit=lambda reason, ids: left.update(reason=reason, ids=ids))
+except SystemExit as exit_:
+    left["code"] = exit_.code
+out.write_text(json.dumps(left))
+"""
+
+
+def test_a_command_one_node_heard_is_recorded_and_acknowledged_by_every_rank(tmp_path):
+    """The agreement carried only a flag: a rank whose agent had not delivered the
+    command (another node's, or its own a step late) left with no command id, so rank 0
+    recorded a restart without its command (CI failed on that) and the rank never
+    acknowledged it. Here the command reaches only rank 1's node."""
+    a, server_a = start_agent(tmp_path, node="node-a")
+    b, server_b = start_agent(tmp_path, node="node-b")
+    try:
+        procs = [subprocess.Popen(
+            [sys.executable, "-c", TWO_NODE_RANK, str(rank), str(tmp_path / "store"),
+             agent.telemetry, str(tmp_path / f"rank{rank}.json")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for rank, agent in ((0, a), (1, b))]
+        wait_until(lambda: a.agent.ranks.of_run("r1") and b.agent.ranks.of_run("r1"), 60,
+                   "both ranks registered")
+        r = b.post("/v1/runs/r1/actions", {"action": "checkpoint-restart", "reason": "test"})
+        assert r.status_code == 202, r.text
+        cid = r.json()["id"]
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0, out
+        left = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+        assert left == [{"reason": "checkpoint-restart", "ids": [cid], "code": 42}] * 2
+        b.agent.collect_once()
+        assert b.get(f"/v1/commands/{cid}").json()["acknowledged"] == [1]
+        assert a.get(f"/v1/commands/{cid}").status_code == 404  # node-a never had it
+    finally:
+        for server, running in ((server_a, a), (server_b, b)):
+            server.shutdown()
+            running.agent.stop()
+
+
 def test_bad_flags_are_named_without_a_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "clusterpulse.trainer", "--inject", "explode:step=1"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
