@@ -58,7 +58,9 @@ from clusterpulse.trainer import PREEMPTED_EXIT_CODE
 from clusterpulse.trainer.collectives import CollectiveLog, ring_allreduce_bytes
 from clusterpulse.trainer.consensus import Consensus
 from clusterpulse.trainer.restart import (
+    PEER_SIGTERM_WAIT_S,
     SigtermCatcher,
+    await_sigterm,
     clear_relaunch_request,
     leave_refusal,
     request_relaunch,
@@ -621,6 +623,10 @@ class Pulse:
         self.close(reason)
         if dist.is_initialized():
             dist.destroy_process_group()
+        if reason == "preempted" and not self.sigterm.received and self.world_size > 1:
+            # a peer's SIGTERM: ours comes if torchrun is restarting the workers for a
+            # node that joins; leaving first would count as a failure (restart.py)
+            await_sigterm(PEER_SIGTERM_WAIT_S)
         raise SystemExit(code)
 
     def agreed_command_ids(self, heard: list[str]) -> list[str]:

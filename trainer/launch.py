@@ -60,7 +60,7 @@ from clusterpulse.trainer.restart import (
     RELAUNCH_FILE_ENV,
     leave_path,
 )
-from clusterpulse.trainer.warmstart import PRELOAD_OPTION
+from clusterpulse.trainer.warmstart import PRELOAD_OPTION, PRELOAD_PATH_OPTION
 
 TRAINER_MAIN = Path(__file__).resolve().with_name("__main__.py")
 SCRIPT_RUNNER = Path(__file__).resolve().with_name("scriptrun.py")
@@ -155,6 +155,8 @@ def command(a: argparse.Namespace, trainer_args: list[str]) -> list[str]:
     if warm:
         cmd = [sys.executable, "-m", "clusterpulse.trainer.warmstart",
                *(f"{PRELOAD_OPTION}{m}" for m in a.preload)]
+        if a.script:  # a module beside the script can be preloaded, as python S finds it
+            cmd.append(f"{PRELOAD_PATH_OPTION}{Path(a.script).resolve().parent}")
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run"]
     cmd += [f"--nproc-per-node={nproc}", f"--max-restarts={a.max_restarts}"]

@@ -24,6 +24,14 @@ SIGTERM (Slurm `--signal=TERM@N`, Kubernetes preemption, torchrun stopping its
 workers) is caught and becomes a request: at the next consensus step every rank
 checkpoints and exits with PREEMPTED_EXIT_CODE (143, i.e. "terminated") so that a
 requeued job resumes there. A second SIGTERM exits at once.
+
+A rank that agreed to leave for a *peer's* SIGTERM waits a little for its own
+(`await_sigterm`) before it exits. When a node (re)joins an elastic job, every node's
+torchrun agent restarts its workers with SIGTERM, each when its own monitor loop
+notices the waiting node; a rank that exited 143 before its agent noticed was a
+failed worker to that agent: one of `--max-restarts` spent on every rejoin, and with
+`--max-restarts 0` the job ended on that node. Under Slurm or Kubernetes every rank
+gets the signal anyway, within milliseconds.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,6 +86,26 @@ class SigtermCatcher:
                 self.on_first()
             except Exception as err:  # never let bookkeeping turn SIGTERM into a crash
                 log.warning("on SIGTERM: %s", err)
+
+
+PEER_SIGTERM_WAIT_S = 10.0  # torchrun notices a waiting node within --monitor-interval
+
+
+def await_sigterm(timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for this process's SIGTERM; True if it came. Its own
+    handler for the wait (the trainer's catcher is gone by then); from the main thread
+    only, where Python runs signal handlers (elsewhere: False at once)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    came = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: came.set())
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not came.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)  # a signal wakes the sleep; the handler runs between them
+        return came.is_set()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def leave_refusal(over_unix_socket: bool) -> str | None:

@@ -28,7 +28,9 @@ A rank started this way carries the server's command line, not the trainer's:
 A foreign script (`clusterpulse-train --script S --preload torch ...`) starts warm the
 same way, through trainer/scriptrun.py, with the server importing the modules named by
 `--preload=MODULE` options given before torchrun's own; without any, the server
-imports the reference trainer.
+imports the reference trainer. The script's directory comes first on the server's
+sys.path (`--preload-path=DIR`, which the launcher adds), as it does for `python S`,
+so a module beside the script can be preloaded too.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from multiprocessing import forkserver
 SESSION = "clusterpulse.trainer.forkserver_session"  # first: see that module
 TRAINER = "clusterpulse.trainer.main"  # what the reference trainer's ranks import
 PRELOAD_OPTION = "--preload="
+PRELOAD_PATH_OPTION = "--preload-path="
+PRELOAD_PATH_ENV = "CLUSTERPULSE_PRELOAD_PATH"  # read by the server's SESSION module
 
 
 def take_torchrun_thread_count() -> None:
@@ -53,17 +57,26 @@ def take_torchrun_thread_count() -> None:
         sys.modules["torch"].set_num_threads(int(threads))
 
 
-def preload(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(modules the server imports, torchrun's arguments): leading `--preload=MODULE`
-    options name the modules; without any, the reference trainer."""
-    n = next((i for i, arg in enumerate(argv) if not arg.startswith(PRELOAD_OPTION)),
-             len(argv))
-    extra = [arg.removeprefix(PRELOAD_OPTION) for arg in argv[:n]]
-    return [SESSION, *(extra or [TRAINER])], argv[n:]
+def preload(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(modules the server imports, directories it imports them from first, torchrun's
+    arguments): leading `--preload=MODULE` options name the modules (without any, the
+    reference trainer), `--preload-path=DIR` the directories."""
+    ours = (PRELOAD_OPTION, PRELOAD_PATH_OPTION)
+    n = next((i for i, arg in enumerate(argv) if not arg.startswith(ours)), len(argv))
+    extra = [arg.removeprefix(PRELOAD_OPTION) for arg in argv[:n]
+             if arg.startswith(PRELOAD_OPTION)]
+    paths = [arg.removeprefix(PRELOAD_PATH_OPTION) for arg in argv[:n]
+             if arg.startswith(PRELOAD_PATH_OPTION)]
+    return [SESSION, *(extra or [TRAINER])], paths, argv[n:]
 
 
 def main() -> None:
-    modules, sys.argv[1:] = preload(sys.argv[1:])
+    modules, paths, sys.argv[1:] = preload(sys.argv[1:])
+    # The forkserver ignores the sys.path it is given (Python < 3.13): its session
+    # module puts these first on its own. Here, for the check below.
+    sys.path[:0] = paths
+    if paths:
+        os.environ[PRELOAD_PATH_ENV] = os.pathsep.join(paths)
     # The forkserver ignores a preload that fails to import (its ranks would then import
     # on their own, cold, and silently so): make a missing module an error here.
     missing = [m for m in modules if not _importable(m)]

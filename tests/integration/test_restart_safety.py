@@ -79,6 +79,36 @@ def test_dead_rank_before_init_and_graceful_restarts_outside_the_failure_budget(
     assert summary["param_sha256"] == clean["param_sha256"]
 
 
+def test_a_node_joining_spends_no_failure_restart_on_a_node_slow_to_notice(tmp_path):
+    """A node joining an elastic job makes every torchrun agent restart its workers
+    with SIGTERM, each when its monitor loop notices. The ranks agree to leave at the
+    first SIGTERM any of them sees; a rank that then exited before its own agent had
+    noticed was a failed worker to that agent: a failure restart spent (here, with
+    --max-restarts 0, the job ended on that node). Node0's agent looks every 3 s."""
+    ckpt = tmp_path / "ckpt"
+    args = [*BASE[:3], "300", *BASE[4:], "--ckpt-dir", str(ckpt), "--global-batch", "6",
+            "--sim-compute-seconds", "0.05", "--summary-json", str(ckpt / "summary.json")]
+    port = free_port()
+    nodes = [launcher_cmd(1, 0, args, nnodes="2:3", rdzv_port=port, monitor_interval=every)
+             for every in (3.0, 0.2, 0.2)]
+    procs = [start_logged(cmd, tmp_path / f"node{i}.log", tmp_path)
+             for i, cmd in enumerate(nodes[:2])]
+    try:
+        wait_until(lambda: (found := find_latest_valid(ckpt)) is not None and found.step >= 20,
+                   240, "the 2-node job past step 20")
+        procs.append(start_logged(nodes[2], tmp_path / "node2.log", tmp_path))
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            stop_group(p)
+    logs = [(tmp_path / f"node{i}.log").read_text(errors="replace") for i in range(3)]
+    assert codes == [0, 0, 0], "\n\n".join(log[-3000:] for log in logs)
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["steps"] == 300 and summary["world_size"] == 3, summary
+    causes = [r["cause"] for r in summary["restarts"]]
+    assert causes and "failure" not in causes, summary["restarts"]
+
+
 @pytest.mark.parametrize(("cold", "sig"), [(False, signal.SIGTERM), (True, signal.SIGTERM),
                                            (False, signal.SIGINT)],
                          ids=["warm-sigterm", "cold-sigterm", "warm-ctrl-c"])
@@ -122,13 +152,15 @@ def test_warm_ranks_take_torchruns_thread_count(tmp_path):
 FOREIGN = '''\
 import atexit, json, multiprocessing, os, sys
 import torch
-from helper import VALUE  # a sibling module: the script's directory is on sys.path
+import helper  # a sibling module: the script's directory is on sys.path
+VALUE = helper.VALUE
 
 out, rank = os.environ["OUT"], os.environ["RANK"]
 atexit.register(lambda: open(os.path.join(out, f"atexit-{rank}"), "w").write("ran"))
 if __name__ == "__main__":
     parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().decode(errors="replace")
     json.dump({"argv": sys.argv, "threads": torch.get_num_threads(), "value": VALUE,
+               "helper_imported_here": helper.PID == os.getpid(),
                "parent": parent, "start_method": multiprocessing.get_start_method()},
               open(os.path.join(out, f"rank-{rank}.json"), "w"))
 '''
@@ -136,20 +168,22 @@ if __name__ == "__main__":
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores to tell 1 thread from all")
 def test_a_preloaded_foreign_script_runs_warm_as_python_would_run_it(tmp_path):
-    """`--script S --preload torch`: ranks forked from the server, and yet the script
-    sees what `python S` gives it: its directory on sys.path, its argv, its atexit
+    """`--script S --preload torch --preload helper` (a module beside S): ranks forked
+    from the server, which imported both, and yet the script sees what `python S`
+    gives it: its directory on sys.path, its argv, its atexit
     handlers run, torchrun's thread count (OMP_NUM_THREADS unset: 1 per rank), and the
     platform's multiprocessing start method (a DataLoader's workers failed to start
     through the server's forkserver)."""
     (tmp_path / "job").mkdir()
     script = tmp_path / "job" / "train.py"
     script.write_text(FOREIGN)
-    (tmp_path / "job" / "helper.py").write_text("VALUE = 42\n")
+    (tmp_path / "job" / "helper.py").write_text("import os\nVALUE, PID = 42, os.getpid()\n")
     out = tmp_path / "out"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(PYTHONPATH=str(REPO), OUT=str(out))
-    cmd = launcher_cmd(2, 0, ["--epochs", "3"], script=str(script), preload=["torch"])
+    # run from elsewhere: the server must find the script's sibling on its own
+    cmd = launcher_cmd(2, 0, ["--epochs", "3"], script=str(script), preload=["torch", "helper"])
     r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     platform_default = subprocess.run(
@@ -160,5 +194,6 @@ def test_a_preloaded_foreign_script_runs_warm_as_python_would_run_it(tmp_path):
         assert "forkserver" in seen["parent"], seen  # warm: a fork of the server
         assert seen["argv"] == [str(script), "--epochs", "3"]
         assert seen["value"] == 42 and seen["threads"] == 1
+        assert seen["helper_imported_here"] is False  # preloaded: imported by the server
         assert seen["start_method"] == platform_default
         assert (out / f"atexit-{rank}").read_text() == "ran"

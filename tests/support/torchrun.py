@@ -59,15 +59,16 @@ def start_trainer(ckpt: Path, log: Path, nproc: int = 2, steps: int = 40,
 
 
 
-def launcher_cmd(nproc: int, max_restarts: int, args: list[str], nnodes: int = 1,
+def launcher_cmd(nproc: int, max_restarts: int, args: list[str], nnodes: int | str = 1,
                  rdzv_port: int | None = None, script: str | None = None,
-                 cold_start: bool = False, preload: list[str] | None = None) -> list[str]:
+                 cold_start: bool = False, preload: list[str] | None = None,
+                 monitor_interval: float = 0.2) -> list[str]:
     """clusterpulse-train (the launcher that relaunches graceful restarts) with the same
-    fast worker monitoring as torchrun_cmd; `nnodes` > 1: one such command per "node",
-    all on loopback with a c10d rendezvous at `rdzv_port`."""
+    fast worker monitoring as torchrun_cmd; `nnodes` > 1 (or "MIN:MAX"): one such
+    command per "node", all on loopback with a c10d rendezvous at `rdzv_port`."""
     cmd = [sys.executable, "-m", "clusterpulse.trainer.launch", "--nproc", str(nproc),
-           "--max-restarts", str(max_restarts), "--monitor-interval", "0.2"]
-    if nnodes > 1:
+           "--max-restarts", str(max_restarts), "--monitor-interval", str(monitor_interval)]
+    if str(nnodes) != "1":
         cmd += ["--nnodes", str(nnodes), "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}",
                 "--rdzv-id", "test"]
     if script:

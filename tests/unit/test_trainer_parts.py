@@ -177,10 +177,12 @@ def test_launcher_builds_the_torchrun_command():
     # the server leaves the launcher's process group before anything else is imported,
     # then imports the trainer; or, for a script, what --preload named
     assert warmstart.preload(["--nproc-per-node=2"]) == (
-        ["clusterpulse.trainer.forkserver_session", "clusterpulse.trainer.main"],
+        ["clusterpulse.trainer.forkserver_session", "clusterpulse.trainer.main"], [],
         ["--nproc-per-node=2"])
-    assert warmstart.preload(["--preload=torch", "--preload=numpy", "--nproc-per-node=2"]) == (
-        ["clusterpulse.trainer.forkserver_session", "torch", "numpy"], ["--nproc-per-node=2"])
+    assert warmstart.preload(["--preload=torch", "--preload-path=/job", "--preload=numpy",
+                              "--nproc-per-node=2"]) == (
+        ["clusterpulse.trainer.forkserver_session", "torch", "numpy"], ["/job"],
+        ["--nproc-per-node=2"])
     cmd = build_command(["--nproc", "2", "--cold-start", "--max-restarts", "1", "--", "--steps",
                          "5"])
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
@@ -193,7 +195,8 @@ def test_launcher_builds_the_torchrun_command():
                          "examples/ddp_tutorial.py", "--preload", "torch", "--", "3"])
     runner = str(Path(warmstart.__file__).resolve().with_name("scriptrun.py"))
     assert cmd[1:] == ["-m", "clusterpulse.trainer.warmstart", "--preload=torch",
-                       "--nproc-per-node=2", "--max-restarts=1", "--standalone", "--run-path",
+                       f"--preload-path={Path('examples').resolve()}", "--nproc-per-node=2",
+                       "--max-restarts=1", "--standalone", "--run-path",
                        "--start-method=forkserver", runner, "examples/ddp_tutorial.py", "3"]
     cmd = build_command(["--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "head:29400"])
     assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=head:29400" in cmd
@@ -595,3 +598,18 @@ def test_a_rank_knows_when_its_node_cannot_leave(monkeypatch, env, unix, refused
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert leave_refusal(unix) == refused
+
+
+def test_await_sigterm_takes_the_signal_or_times_out_and_restores_the_handler():
+    """A rank leaving for a peer's SIGTERM waits for its own (restart.await_sigterm):
+    it must return as soon as the signal comes, not kill the process, and leave the
+    handler it found."""
+    from clusterpulse.trainer.restart import await_sigterm
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    t0 = time.monotonic()
+    assert await_sigterm(30) is True
+    assert time.monotonic() - t0 < 20  # woke at the signal, far before the timeout
+    assert await_sigterm(0.2) is False
+    assert signal.getsignal(signal.SIGTERM) is before
