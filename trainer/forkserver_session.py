@@ -11,8 +11,8 @@ torch sets to SIGINT, would stop at once, without their checkpoint.
 Only the forkserver imports this module: importing it anywhere else would move that
 process out of its session too.
 
-It also puts the directories warmstart was given (a foreign script's own, so that a
-module beside the script can be preloaded) first on the server's sys.path: the
+It also adds the directories warmstart was given (a foreign script's own, so that a
+module beside the script can be preloaded) to the server's sys.path: the
 forkserver starts with Python's default path whatever multiprocessing passes it
 (its `sys_path` argument is unused before Python 3.13).
 """
@@ -29,4 +29,4 @@ with contextlib.suppress(OSError):  # already a session or group leader: nothing
     os.setsid()
 
 _paths = os.environ.get(PRELOAD_PATH_ENV, "")
-sys.path[:0] = [p for p in _paths.split(os.pathsep) if p]
+sys.path.extend(p for p in _paths.split(os.pathsep) if p)  # after the libraries: see warmstart

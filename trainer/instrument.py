@@ -60,7 +60,6 @@ from clusterpulse.trainer.consensus import Consensus
 from clusterpulse.trainer.restart import (
     PEER_SIGTERM_WAIT_S,
     SigtermCatcher,
-    await_sigterm,
     clear_relaunch_request,
     leave_refusal,
     request_relaunch,
@@ -605,13 +604,12 @@ class Pulse:
                 return
             print(f"clusterpulse: preempted at step {step} and the checkpoint failed: "
                   "leaving without one", flush=True)
-        ids = sorted(i for i, a in self.commands.items() if a == "checkpoint-restart")
-        if reason == "checkpoint-restart":
-            ids = self.agreed_command_ids(ids)
+        heard = sorted(i for i, a in self.commands.items() if a == "checkpoint-restart")
+        ids = self.agreed_command_ids(heard) if reason == "checkpoint-restart" else heard
         # a leave only where it was heard: evict-node's command reaches one node's agent
         leave = max((self._leave_s.get(i, 0.0) for i in ids), default=0.0)
-        if ids and reason == "checkpoint-restart":
-            self.ack(ids)
+        if ids and reason == "checkpoint-restart":  # this agent's own last: acks keep 16
+            self.ack([i for i in ids if i not in heard] + heard)
         if before_exit is not None:
             before_exit(reason, ids)
         code = PREEMPTED_EXIT_CODE if reason == "preempted" else request_relaunch(leave)
@@ -620,13 +618,14 @@ class Pulse:
                   f"exit code {code}", flush=True)
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier(group=self.consensus.group)
+        if reason == "preempted" and not self.sigterm.received and self.world_size > 1:
+            # a peer's SIGTERM: ours comes if torchrun is restarting the workers for a
+            # node that joins; leaving first would count as a failure (restart.py).
+            # Before close(), which takes the catcher off: caught, not killed by it.
+            self.sigterm.wait(PEER_SIGTERM_WAIT_S)
         self.close(reason)
         if dist.is_initialized():
             dist.destroy_process_group()
-        if reason == "preempted" and not self.sigterm.received and self.world_size > 1:
-            # a peer's SIGTERM: ours comes if torchrun is restarting the workers for a
-            # node that joins; leaving first would count as a failure (restart.py)
-            await_sigterm(PEER_SIGTERM_WAIT_S)
         raise SystemExit(code)
 
     def agreed_command_ids(self, heard: list[str]) -> list[str]:

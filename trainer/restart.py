@@ -26,7 +26,7 @@ checkpoints and exits with PREEMPTED_EXIT_CODE (143, i.e. "terminated") so that 
 requeued job resumes there. A second SIGTERM exits at once.
 
 A rank that agreed to leave for a *peer's* SIGTERM waits a little for its own
-(`await_sigterm`) before it exits. When a node (re)joins an elastic job, every node's
+(`SigtermCatcher.wait`) before it exits. When a node (re)joins an elastic job, every node's
 torchrun agent restarts its workers with SIGTERM, each when its own monitor loop
 notices the waiting node; a rank that exited 143 before its agent noticed was a
 failed worker to that agent: one of `--max-restarts` spent on every rejoin, and with
@@ -77,6 +77,14 @@ class SigtermCatcher:
             signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
             self.installed = False
 
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the SIGTERM; True if it came. Only where the
+        catcher is installed (main thread): elsewhere nothing would see it arrive."""
+        deadline = time.monotonic() + timeout_s
+        while self.installed and not self.received and time.monotonic() < deadline:
+            time.sleep(0.05)  # a signal ends the sleep; the handler runs between them
+        return self.received
+
     def _handle(self, signum: int, frame: object) -> None:
         if self.received:  # asked twice: no more waiting for a step boundary
             raise SystemExit(128 + signum)
@@ -89,23 +97,6 @@ class SigtermCatcher:
 
 
 PEER_SIGTERM_WAIT_S = 10.0  # torchrun notices a waiting node within --monitor-interval
-
-
-def await_sigterm(timeout_s: float) -> bool:
-    """Wait up to `timeout_s` for this process's SIGTERM; True if it came. Its own
-    handler for the wait (the trainer's catcher is gone by then); from the main thread
-    only, where Python runs signal handlers (elsewhere: False at once)."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    came = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: came.set())
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not came.is_set() and time.monotonic() < deadline:
-            time.sleep(0.05)  # a signal wakes the sleep; the handler runs between them
-        return came.is_set()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def leave_refusal(over_unix_socket: bool) -> str | None:

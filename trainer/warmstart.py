@@ -28,9 +28,9 @@ A rank started this way carries the server's command line, not the trainer's:
 A foreign script (`clusterpulse-train --script S --preload torch ...`) starts warm the
 same way, through trainer/scriptrun.py, with the server importing the modules named by
 `--preload=MODULE` options given before torchrun's own; without any, the server
-imports the reference trainer. The script's directory comes first on the server's
-sys.path (`--preload-path=DIR`, which the launcher adds), as it does for `python S`,
-so a module beside the script can be preloaded too.
+imports the reference trainer. The script's directory is on the server's sys.path
+too (`--preload-path=DIR`, which the launcher adds; after the libraries), so a module
+beside the script can be preloaded.
 """
 
 from __future__ import annotations
@@ -73,10 +73,12 @@ def preload(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
 def main() -> None:
     modules, paths, sys.argv[1:] = preload(sys.argv[1:])
     # The forkserver ignores the sys.path it is given (Python < 3.13): its session
-    # module puts these first on its own. Here, for the check below.
-    sys.path[:0] = paths
-    if paths:
-        os.environ[PRELOAD_PATH_ENV] = os.pathsep.join(paths)
+    # module adds these on its own. Here, for the check below. Appended, not first as
+    # `python S` has it: the server only needs to find a sibling module, and a file
+    # beside the script named like a library module must not replace it in torch's
+    # imports (the rank's scriptrun still puts the directory first for the script).
+    sys.path.extend(paths)
+    os.environ[PRELOAD_PATH_ENV] = os.pathsep.join(paths)  # never an outer job's
     # The forkserver ignores a preload that fails to import (its ranks would then import
     # on their own, cold, and silently so): make a missing module an error here.
     missing = [m for m in modules if not _importable(m)]

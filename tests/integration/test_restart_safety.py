@@ -84,13 +84,14 @@ def test_a_node_joining_spends_no_failure_restart_on_a_node_slow_to_notice(tmp_p
     with SIGTERM, each when its monitor loop notices. The ranks agree to leave at the
     first SIGTERM any of them sees; a rank that then exited before its own agent had
     noticed was a failed worker to that agent: a failure restart spent (here, with
-    --max-restarts 0, the job ended on that node). Node0's agent looks every 3 s."""
+    --max-restarts 0, the job ended on that node). Node0's agent looks every 6 s, so
+    node1's notices first almost always (the ranks leave ~1 s after its SIGTERM)."""
     ckpt = tmp_path / "ckpt"
     args = [*BASE[:3], "300", *BASE[4:], "--ckpt-dir", str(ckpt), "--global-batch", "6",
             "--sim-compute-seconds", "0.05", "--summary-json", str(ckpt / "summary.json")]
     port = free_port()
     nodes = [launcher_cmd(1, 0, args, nnodes="2:3", rdzv_port=port, monitor_interval=every)
-             for every in (3.0, 0.2, 0.2)]
+             for every in (6.0, 0.2, 0.2)]
     procs = [start_logged(cmd, tmp_path / f"node{i}.log", tmp_path)
              for i, cmd in enumerate(nodes[:2])]
     try:

@@ -7,6 +7,7 @@ import datetime
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -32,8 +33,9 @@ def test_rule_files_are_valid():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def in_group_order(files: list, order: list[str], into) -> list[str]:
-    """Copies of the rule test files that evaluate the rule groups in `order`.
+def in_group_order(files: list, reverse: bool, into) -> list[str]:
+    """Copies of the rule test files that evaluate the rule groups of their rule files
+    in file order (recording rules first: dependencies first) or in `reverse`.
 
     Prometheus evaluates groups independently, so an alert may read a recording rule
     from one evaluation back; promtool orders them at random (a test that passed 9 runs
@@ -43,7 +45,9 @@ def in_group_order(files: list, order: list[str], into) -> list[str]:
     for f in files:
         doc = yaml.safe_load(f.read_text())
         doc["rule_files"] = [str((f.parent / r).resolve()) for r in doc["rule_files"]]
-        doc["group_eval_order"] = order
+        order = [g["name"] for r in doc["rule_files"]
+                 for g in yaml.safe_load(Path(r).read_text())["groups"]]
+        doc["group_eval_order"] = order[::-1] if reverse else order
         copy = into / f.name
         copy.write_text(yaml.safe_dump(doc, sort_keys=False))
         copies.append(str(copy))
@@ -54,11 +58,11 @@ def in_group_order(files: list, order: list[str], into) -> list[str]:
 def test_promtool_unit_tests_pass_and_cover_every_alert(order, tmp_path):
     files = sorted((PROM / "tests").glob("*_test.yml"))
     assert len(files) >= 2, files  # alerts_test.yml and detection_test.yml
-    groups = [g["name"] for f in ("clusterpulse.rules.yml", "alerts.rules.yml")
-              for g in yaml.safe_load((PROM / f).read_text())["groups"]]
-    assert groups[0] == "clusterpulse-gpu-recording", groups  # recording groups lead
+    for f in files:  # recording rules lead, so file order is dependency order
+        assert yaml.safe_load(f.read_text())["rule_files"][0].endswith(
+            "clusterpulse.rules.yml"), f
     r = run("promtool", "test", "rules", *in_group_order(
-        files, groups if order == "dependencies first" else groups[::-1], tmp_path))
+        files, order == "dependencies last", tmp_path))
     assert r.returncode == 0 and "FAILED" not in r.stdout, r.stdout + r.stderr
     assert r.stdout.count("SUCCESS") == len(files), r.stdout
     alerts = {rule["alert"] for g in yaml.safe_load((PROM / "alerts.rules.yml").read_text())

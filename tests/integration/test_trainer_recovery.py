@@ -147,8 +147,11 @@ def test_a_command_one_node_heard_is_recorded_and_acknowledged_by_every_rank(tmp
             assert p.returncode == 0, out
         left = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
         assert left == [{"reason": "checkpoint-restart", "ids": [cid], "code": 42}] * 2
-        b.agent.collect_once()
-        assert b.get(f"/v1/commands/{cid}").json()["acknowledged"] == [1]
+        def acknowledged() -> list:
+            b.agent.collect_once()
+            return b.get(f"/v1/commands/{cid}").json()["acknowledged"]
+
+        wait_until(lambda: acknowledged() == [1], 30, "rank 1's acknowledgement")
         assert a.get(f"/v1/commands/{cid}").status_code == 404  # node-a never had it
     finally:
         for server, running in ((server_a, a), (server_b, b)):

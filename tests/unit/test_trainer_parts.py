@@ -600,16 +600,22 @@ def test_a_rank_knows_when_its_node_cannot_leave(monkeypatch, env, unix, refused
     assert leave_refusal(unix) == refused
 
 
-def test_await_sigterm_takes_the_signal_or_times_out_and_restores_the_handler():
-    """A rank leaving for a peer's SIGTERM waits for its own (restart.await_sigterm):
-    it must return as soon as the signal comes, not kill the process, and leave the
-    handler it found."""
-    from clusterpulse.trainer.restart import await_sigterm
+def test_a_rank_waits_for_its_own_sigterm_or_times_out():
+    """A rank leaving for a peer's SIGTERM waits for its own (SigtermCatcher.wait): it
+    must return as soon as the signal comes, caught (not killed by it), and give up
+    at its timeout."""
+    from clusterpulse.trainer.restart import SigtermCatcher
 
     before = signal.getsignal(signal.SIGTERM)
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    t0 = time.monotonic()
-    assert await_sigterm(30) is True
-    assert time.monotonic() - t0 < 20  # woke at the signal, far before the timeout
-    assert await_sigterm(0.2) is False
+    catcher = SigtermCatcher()
+    catcher.install()  # before the signal is sent: no window where it would kill pytest
+    try:
+        assert catcher.wait(0.2) is False
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        assert catcher.wait(30) is True
+        assert time.monotonic() - t0 < 20  # woke at the signal, far before the timeout
+    finally:
+        catcher.uninstall()
     assert signal.getsignal(signal.SIGTERM) is before
+    assert SigtermCatcher().wait(5) is False  # not installed: nothing to wait for
