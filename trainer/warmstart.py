@@ -58,7 +58,7 @@ def take_torchrun_thread_count() -> None:
 
 
 def preload(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
-    """(modules the server imports, directories it imports them from first, torchrun's
+    """(modules the server imports, directories it may import them from, torchrun's
     arguments): leading `--preload=MODULE` options name the modules (without any, the
     reference trainer), `--preload-path=DIR` the directories."""
     ours = (PRELOAD_OPTION, PRELOAD_PATH_OPTION)
