@@ -21,6 +21,13 @@ ACTIONS = ("checkpoint-restart", "restart")
 NODE_LOOKBACK = "2m"
 
 
+def recent_rank_info(selector: str, lookback: str = NODE_LOOKBACK) -> str:
+    """PromQL for the rank-info series matching `selector` now or within `lookback`
+    ("" for now only)."""
+    series = f"clusterpulse_trainer_rank_info{{{selector}}}"
+    return f"last_over_time({series}[{lookback}])" if lookback else series
+
+
 class ActionError(Exception):
     """The action cannot be attempted at all (bad run id, no token, no agents)."""
 
@@ -64,9 +71,7 @@ def agents_for_run(prom: PrometheusClient, run: str, lookback: str = "") -> dict
     if not protocol.RUN_ID.fullmatch(run):
         raise ActionError(f"invalid run id {run!r}")
     scheme = "https" if agent_tls() else "http"
-    series = f'clusterpulse_trainer_rank_info{{run="{run}"}}'
-    if lookback:
-        series = f"last_over_time({series}[{lookback}])"
+    series = recent_rank_info(f'run="{run}"', lookback)
     samples = prom.query(f"max by (node, instance) ({series})")
     return {s.labels["node"]: f"{scheme}://{s.labels['instance']}" for s in samples
             if "instance" in s.labels and "node" in s.labels}

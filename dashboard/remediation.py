@@ -75,7 +75,12 @@ from clusterpulse.agent.httpsafe import (
 from clusterpulse.agent.logsetup import setup_logging
 from clusterpulse.agent.tokens import TokenError, Tokens
 from clusterpulse.agent.validate import read_toml
-from clusterpulse.dashboard.actions import ACTIONS, NODE_LOOKBACK, ActionError, request_action
+from clusterpulse.dashboard.actions import (
+    ACTIONS,
+    ActionError,
+    recent_rank_info,
+    request_action,
+)
 from clusterpulse.dashboard.drain import NODE_ACTIONS, Drainer, DrainSettings
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
@@ -296,10 +301,9 @@ class Remediator:
         # wait: that run is the one to restart.
         live = ("clusterpulse_trainer_rank_info unless on (run, rank, node, local_rank) "
                 "(clusterpulse_trainer_process_alive == 0)")
-        # Ranks here within NODE_LOOKBACK: the fault an alert names a node for (a slow
+        # Ranks here within actions.NODE_LOOKBACK: the fault an alert names a node for (a slow
         # link) can make its scrapes time out, and Prometheus marks its series stale.
-        query = (f"max by (run) (last_over_time(clusterpulse_trainer_rank_info{{{sel}}}"
-                 f"[{NODE_LOOKBACK}])) and on (run) max by (run) ({live})")
+        query = f"max by (run) ({recent_rank_info(sel)}) and on (run) max by (run) ({live})"
         try:
             return sorted({s.labels["run"] for s in self.prom.query(query)})
         except PrometheusError as err:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import secrets
 import signal
 import subprocess
@@ -263,7 +264,7 @@ class TestbedCluster:
         while True:
             r = self.query(query)
             value = float(r[0]["value"][1]) if r else float("nan")
-            if value == value or time.monotonic() > deadline:  # NaN != NaN
+            if not math.isnan(value) or time.monotonic() > deadline:
                 return value
             time.sleep(0.5)
 
