@@ -20,6 +20,7 @@ forkserver starts with Python's default path whatever multiprocessing passes it
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 
@@ -28,5 +29,6 @@ from clusterpulse.trainer.warmstart import PRELOAD_PATH_ENV
 with contextlib.suppress(OSError):  # already a session or group leader: nothing to do
     os.setsid()
 
-_paths = os.environ.get(PRELOAD_PATH_ENV, "")
-sys.path.extend(p for p in _paths.split(os.pathsep) if p)  # after the libraries: see warmstart
+with contextlib.suppress(ValueError):  # a JSON list of directories (warmstart.main)
+    _paths = json.loads(os.environ.get(PRELOAD_PATH_ENV, "[]"))
+    sys.path.extend(p for p in _paths if isinstance(p, str) and p)  # after the libraries

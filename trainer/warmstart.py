@@ -36,6 +36,7 @@ beside the script can be preloaded.
 from __future__ import annotations
 
 import importlib.util
+import json
 import multiprocessing
 import os
 import sys
@@ -78,7 +79,9 @@ def main() -> None:
     # beside the script named like a library module must not replace it in torch's
     # imports (the rank's scriptrun still puts the directory first for the script).
     sys.path.extend(paths)
-    os.environ[PRELOAD_PATH_ENV] = os.pathsep.join(paths)  # never an outer job's
+    # JSON, not os.pathsep-joined: a directory may have ":" in its name. Always set:
+    # never an outer job's.
+    os.environ[PRELOAD_PATH_ENV] = json.dumps(paths)
     # The forkserver ignores a preload that fails to import (its ranks would then import
     # on their own, cold, and silently so): make a missing module an error here.
     missing = [m for m in modules if not _importable(m)]

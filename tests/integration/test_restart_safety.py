@@ -175,10 +175,11 @@ def test_a_preloaded_foreign_script_runs_warm_as_python_would_run_it(tmp_path):
     handlers run, torchrun's thread count (OMP_NUM_THREADS unset: 1 per rank), and the
     platform's multiprocessing start method (a DataLoader's workers failed to start
     through the server's forkserver)."""
-    (tmp_path / "job").mkdir()
-    script = tmp_path / "job" / "train.py"
+    job = tmp_path / "job:v1"  # ":" is also os.pathsep: the path is not split on it
+    job.mkdir()
+    script = job / "train.py"
     script.write_text(FOREIGN)
-    (tmp_path / "job" / "helper.py").write_text("import os\nVALUE, PID = 42, os.getpid()\n")
+    (job / "helper.py").write_text("import os\nVALUE, PID = 42, os.getpid()\n")
     out = tmp_path / "out"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
