@@ -161,14 +161,16 @@ class CommandBook:
                     c.acked.add(rank)
 
     def leave_refused(self, run: str, rank: int, cid: str, reason: str) -> None:
-        """A rank said its node cannot sit out: the command fails, nothing restarted."""
+        """A rank said its node cannot sit out: the command fails."""
         with self._lock:
             cmd = self._commands.get(cid)
             if (cmd is None or cmd.run != run or not cmd.leave_s or rank not in cmd.targets
                     or cmd.state not in ("pending", "delivered")):
                 return
+            then = ("it restarted with the job instead" if reason == "others_leaving"
+                    else "nothing was restarted")
             self._finish(cmd, "failed", f"rank {rank} cannot take node {self._node} out of the "
-                         f"job: {protocol.LEAVE_REFUSALS[reason]}; nothing was restarted")
+                         f"job: {protocol.LEAVE_REFUSALS[reason]}; {then}")
 
     def _terminate(self, cmd: Command) -> None:
         """SIGTERM the run's ranks that the kernel vouched for, through pidfds.

@@ -42,11 +42,15 @@ ACTIONS = {"checkpoint-restart", "restart"}
 # drains it in the scheduler.
 MAX_LEAVE_S = 3600
 # Why a rank cannot take its node out of the job (event `leave_refused`, field
-# `reason`): it says so when the command arrives, and nothing restarts.
+# `reason`): it says so when the command arrives, and nothing restarts; or, for
+# `others_leaving`, when the ranks agree on the restart, and the node restarts with
+# the job instead of sitting out.
 LEAVE_REFUSALS = {
     "single_node": "a single-node job cannot go on without its node",
     "rendezvous_host": "the node hosts the rendezvous store: the others cannot meet without it",
     "min_nodes": "the job is at its minimum node count (--nnodes MIN:MAX)",
+    "others_leaving": "other nodes leave the job at the same restart, and it cannot lose this "
+                      "one as well (--nnodes MIN:MAX)",
     "no_launcher": "its ranks do not run under clusterpulse-train, which sits a node out",
     "udp": "its ranks report over UDP, which is never trusted to take a node out",
 }

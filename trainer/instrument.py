@@ -62,6 +62,7 @@ from clusterpulse.trainer.restart import (
     SigtermCatcher,
     clear_relaunch_request,
     leave_refusal,
+    nodes_that_leave,
     request_relaunch,
 )
 from clusterpulse.trainer.telemetry import AgentAddr, AgentLink, parse_agent_addr
@@ -605,9 +606,8 @@ class Pulse:
             print(f"clusterpulse: preempted at step {step} and the checkpoint failed: "
                   "leaving without one", flush=True)
         heard = sorted(i for i, a in self.commands.items() if a == "checkpoint-restart")
-        ids = self.agreed_command_ids(heard) if reason == "checkpoint-restart" else heard
-        # a leave only where it was heard: evict-node's command reaches one node's agent
-        leave = max((self._leave_s.get(i, 0.0) for i in ids), default=0.0)
+        ids, leave = self.agree_on_commands(heard) if reason == "checkpoint-restart" \
+            else (heard, 0.0)
         if ids and reason == "checkpoint-restart":  # this agent's own last: acks keep 16
             self.ack([i for i in ids if i not in heard] + heard)
         if before_exit is not None:
@@ -628,17 +628,33 @@ class Pulse:
             dist.destroy_process_group()
         raise SystemExit(code)
 
-    def agreed_command_ids(self, heard: list[str]) -> list[str]:
-        """The restart commands any rank heard (collective, CPU group, only when the
-        ranks leave): one rank's agent may deliver a command a step before another's,
-        and the agreement carries only a flag, so a rank that had not heard it yet
-        left without its id: rank 0 recorded a restart with no command, and the
-        command missed that rank's acknowledgement."""
+    def agree_on_commands(self, heard: list[str]) -> tuple[list[str], float]:
+        """The restart commands any rank heard, and how long this node sits the restart
+        out (collective, CPU group, only when the ranks leave).
+
+        The ids: one rank's agent may deliver a command a step before another's, and
+        the agreement carries only a flag, so a rank that had not heard it yet left
+        without its id: rank 0 recorded a restart with no command, and the command
+        missed that rank's acknowledgement. The leave: it applies only to the nodes
+        whose agents were asked (evict-node reaches one node), and only to as many of
+        them as the job can lose (`nodes_that_leave`); a node that gives way says so."""
+        mine = max((s for i, s in self._leave_s.items() if i in heard), default=0.0)
         if not dist.is_initialized() or self.world_size < 2:
-            return heard
-        every: list[list[str] | None] = [None] * self.world_size
-        dist.all_gather_object(every, heard, group=self.consensus.group)
-        return sorted({i for ids in every for i in ids or []})
+            return heard, mine
+        node = int(os.environ.get("GROUP_RANK", 0) or 0)  # torchrun: this node's rank
+        every: list[tuple[int, list[str], float] | None] = [None] * self.world_size
+        dist.all_gather_object(every, (node, heard, mine), group=self.consensus.group)
+        wanted: dict[int, float] = {}
+        for n, _, s in filter(None, every):
+            if s > 0:
+                wanted[n] = max(wanted.get(n, 0.0), s)
+        leave = nodes_that_leave(wanted).get(node, 0.0)
+        if mine and not leave:
+            for cid in heard:
+                if cid in self._leave_s:
+                    self.event("leave_refused", command=cid, reason="others_leaving")
+        ids = sorted({i for _, h, _ in filter(None, every) for i in h})
+        return ids, leave
 
     def all_ranks(self, ok: bool) -> bool:
         """True on every rank iff `ok` on every rank (collective, CPU group)."""

@@ -10,15 +10,17 @@ the rank exits with RESTART_EXIT_CODE (42) and torchrun restarts it as a failure
 
 A graceful restart can also take this node out of the job for a while (the remediation
 action `evict-node`: a node whose link or GPU slows every rank): the command carries
-`leave_s`, and the ranks that heard it also write `<relaunch file>.leave` with the
-seconds; the launcher then waits that long before it starts torchrun again, while the
-other nodes' launchers go on at once with one node fewer (an elastic job), and the
-node rejoins at the end. The leave file is separate from the relaunch file because
-ranks of the node that did not hear the command (they agreed to restart because a
-peer did) write the relaunch file too. Whether the node may leave at all is decided
-when the command arrives, before anything restarts (`leave_refusal`): the launcher
-tells its ranks what it knows (CANNOT_LEAVE_ENV, MIN_NODES_ENV), torchrun how many
-nodes the job has now (GROUP_WORLD_SIZE).
+`leave_s`, and the node's ranks also write `<relaunch file>.leave` with the seconds;
+the launcher then waits that long before it starts torchrun again, while the other
+nodes' launchers go on at once with one node fewer (an elastic job), and the node
+rejoins at the end. The leave file is separate from the relaunch file because the
+ranks of the nodes that were not asked (they agreed to restart because a peer did)
+write the relaunch file too. Whether the node may leave at all is decided when the
+command arrives, before anything restarts (`leave_refusal`): the launcher tells its
+ranks what it knows (CANNOT_LEAVE_ENV, MIN_NODES_ENV), torchrun how many nodes the
+job has now (GROUP_WORLD_SIZE). Nodes asked at the same time (two congested links,
+`clusterpulse-ctl evict` of two nodes) are settled when the ranks agree on the
+restart (`nodes_that_leave`): as many leave as the job can lose.
 
 SIGTERM (Slurm `--signal=TERM@N`, Kubernetes preemption, torchrun stopping its
 workers) is caught and becomes a request: at the next consensus step every rank
@@ -109,10 +111,27 @@ def leave_refusal(over_unix_socket: bool) -> str | None:
         return "no_launcher"
     if os.environ.get(CANNOT_LEAVE_ENV) in LEAVE_REFUSALS:
         return os.environ[CANNOT_LEAVE_ENV]
-    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1) or 1)  # torchrun: nodes in this round
-    if nodes - 1 < int(os.environ.get(MIN_NODES_ENV, nodes) or nodes):
+    nodes, minimum = _round_nodes()
+    if nodes - 1 < minimum:
         return "min_nodes"
     return None
+
+
+def nodes_that_leave(wanted: dict[int, float]) -> dict[int, float]:
+    """Of the nodes whose ranks accepted a leave for the same restart (node rank ->
+    seconds), those that go. Each node accepted its own alone (`leave_refusal`: the job
+    can lose one node), but two at once could take it below its minimum, where the
+    others wait the whole sit-out for them. The lowest node ranks go first: every rank
+    computes this from the same gathered facts and gets the same answer."""
+    nodes, minimum = _round_nodes()
+    return dict(sorted(wanted.items())[:max(0, nodes - minimum)])
+
+
+def _round_nodes() -> tuple[int, int]:
+    """Nodes in this rendezvous round (torchrun) and the job's minimum (the launcher's;
+    unset where the node may never leave: then the round's size)."""
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1) or 1)
+    return nodes, int(os.environ.get(MIN_NODES_ENV, nodes) or nodes)
 
 
 def request_relaunch(leave_s: float = 0.0) -> int:

@@ -25,6 +25,7 @@ import pytest
 
 from clusterpulse.trainer.checkpoint import find_latest_valid
 from deploy.local.stack import rank_pids
+from tests.conftest import start_agent
 from tests.support.ports import free_port
 from tests.support.procs import REPO, wait_until
 from tests.support.torchrun import launcher_cmd, start_logged, stop_group
@@ -108,6 +109,59 @@ def test_a_node_joining_spends_no_failure_restart_on_a_node_slow_to_notice(tmp_p
     assert summary["steps"] == 300 and summary["world_size"] == 3, summary
     causes = [r["cause"] for r in summary["restarts"]]
     assert causes and "failure" not in causes, summary["restarts"]
+
+
+def test_two_nodes_evicted_at_once_take_the_job_no_lower_than_its_minimum(tmp_path):
+    """Each node accepts its own eviction alone (the job can lose one node), but two
+    at the same restart took a 3-node job with a 2-node minimum down to one node: the
+    others waited the whole sit-out for them. Now the ranks settle it when they agree:
+    the lowest node ranks that fit leave, the others restart with the job and their
+    commands fail saying why. Commands sent straight to two nodes' agents, as
+    `clusterpulse-ctl evict` with two nodes does."""
+    leave_s = 300  # the longest the launcher allows: the job must not wait for it
+    ckpt = tmp_path / "ckpt"
+    agents = [start_agent(tmp_path, node=f"node{i}") for i in range(3)]
+    port = free_port()
+    procs = []
+    try:
+        for i, (running, _) in enumerate(agents):
+            args = [*BASE[:3], "100000", "--ckpt-every", "20", "--agent", running.telemetry,
+                    "--run-id", "ev2", *BASE[8:], "--ckpt-dir", str(ckpt), "--global-batch",
+                    "6", "--sim-compute-seconds", "0.05"]
+            cmd = launcher_cmd(1, 0, args, nnodes="2:3", rdzv_port=port, rdzv_host=i == 0)
+            procs.append(start_logged(cmd, tmp_path / f"node{i}.log", tmp_path))
+        wait_until(lambda: all(r.agent.ranks.of_run("ev2") for r, _ in agents), 240,
+                   "a rank of the job on each of the 3 nodes")
+        wait_until(lambda: (found := find_latest_valid(ckpt)) is not None and found.step >= 20,
+                   240, "the 3-node job past step 20")
+        ids = {}
+        for i in (1, 2):
+            r = agents[i][0].post("/v1/runs/ev2/actions", {
+                "action": "checkpoint-restart", "reason": "test", "leave_s": leave_s})
+            assert r.status_code == 202, r.text
+            ids[i] = r.json()["id"]
+        logs = [tmp_path / f"node{i}.log" for i in range(3)]
+        wait_until(lambda: any("leaving the job for" in p.read_text(errors="replace")
+                               for p in logs), 180, "a node leaving the job")
+        left_at = find_latest_valid(ckpt).step
+        # the job goes on without it, long before the sit-out ends
+        wait_until(lambda: find_latest_valid(ckpt).step >= left_at + 40, leave_s / 2,
+                   "the job stepping on 2 nodes")
+        leaving = [i for i in (1, 2)
+                   if "leaving the job for" in logs[i].read_text(errors="replace")]
+        assert leaving == [1], [p.read_text(errors="replace")[-2000:] for p in logs]
+        def state(i: int) -> dict:
+            agents[i][0].agent.collect_once()
+            return agents[i][0].get(f"/v1/commands/{ids[i]}").json()
+        wait_until(lambda: state(2)["state"] == "failed", 60, "node2's command failed")
+        assert "other nodes leave" in state(2)["detail"], state(2)
+        assert state(1)["state"] == "delivered", state(1)  # node1 sits out, then returns
+    finally:
+        for p in procs:
+            stop_group(p)
+        for running, server in agents:
+            server.shutdown()
+            running.agent.stop()
 
 
 @pytest.mark.parametrize(("cold", "sig"), [(False, signal.SIGTERM), (True, signal.SIGTERM),

@@ -62,15 +62,18 @@ def start_trainer(ckpt: Path, log: Path, nproc: int = 2, steps: int = 40,
 def launcher_cmd(nproc: int, max_restarts: int, args: list[str], nnodes: int | str = 1,
                  rdzv_port: int | None = None, script: str | None = None,
                  cold_start: bool = False, preload: list[str] | None = None,
-                 monitor_interval: float = 0.2) -> list[str]:
+                 monitor_interval: float = 0.2, rdzv_host: bool | None = None) -> list[str]:
     """clusterpulse-train (the launcher that relaunches graceful restarts) with the same
     fast worker monitoring as torchrun_cmd; `nnodes` > 1 (or "MIN:MAX"): one such
-    command per "node", all on loopback with a c10d rendezvous at `rdzv_port`."""
+    command per "node", all on loopback with a c10d rendezvous at `rdzv_port` (every
+    one of them is the rendezvous host by torch's guess; `rdzv_host` says which is)."""
     cmd = [sys.executable, "-m", "clusterpulse.trainer.launch", "--nproc", str(nproc),
            "--max-restarts", str(max_restarts), "--monitor-interval", str(monitor_interval)]
     if str(nnodes) != "1":
         cmd += ["--nnodes", str(nnodes), "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}",
                 "--rdzv-id", "test"]
+    if rdzv_host is not None:
+        cmd.append("--rdzv-host" if rdzv_host else "--no-rdzv-host")
     if script:
         cmd += ["--script", script]
     for module in preload or []:
