@@ -267,7 +267,8 @@ class Trainer:
         cfg, info = self.cfg, self.info
         start = self.resume()
         if info.rank == 0:
-            self.runstate.begin_attempt(cfg.run_id, self.attempt, start)
+            self.runstate.begin_attempt(cfg.run_id, self.attempt, start,
+                                        membership_change=info.membership_change)
             self.runstate.save(self.runstate_path)
             self.pulse.sigterm.on_first = lambda: self.runstate.save(self.runstate_path)
         # SIGTERM (preemption, torchrun stopping the workers) is caught by Pulse and

@@ -18,18 +18,25 @@ fresh store for that round only, so nothing of an earlier round can be read.
 
 The attempt number (restart accounting, fault injection) is not taken from any
 per-node counter: rank 0 proposes it and broadcasts it over the new process group,
-so every rank of a round holds the same number by construction.
+so every rank of a round holds the same number by construction. In the same
+collective the ranks learn whether torchrun started them again for a membership
+change (`restarted_for_membership`), which the ranks cannot tell from a preemption
+when it happens: both are a SIGTERM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV
 
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 RELAUNCHES_ENV = "CLUSTERPULSE_RELAUNCHES"  # graceful relaunches so far (clusterpulse-train)
@@ -48,6 +55,8 @@ class DistInfo:
     backend: str
     # The attempt number, identical on every rank of a round (rank 0's proposal).
     attempt: int = 0
+    # torchrun restarted some node's workers for a node joining, not for a failure.
+    membership_change: bool = False
 
     @property
     def generation(self) -> int:  # the old name, kept for callers of the first API
@@ -59,6 +68,28 @@ def local_attempt() -> int:
     plus torchrun's failure restarts. Only a proposal: ranks agree on rank 0's."""
     return (int(os.environ.get(RELAUNCHES_ENV, 0) or 0)
             + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0))
+
+
+def restarted_for_membership() -> bool:
+    """True when this node's torchrun started its workers again without counting a
+    failure and without a relaunch: what it does when a node joins the job (it
+    SIGTERMs the workers and starts a new round). Local rank 0 keeps the counts it
+    started with in the launcher's directory (clusterpulse-train: one per launcher
+    process, so a requeued job's new launcher starts afresh); under a plain torchrun
+    there is none and the answer is False."""
+    relaunch_file = os.environ.get(RELAUNCH_FILE_ENV)
+    if not relaunch_file or os.environ.get("LOCAL_RANK", "0") != "0":
+        return False
+    path = Path(f"{relaunch_file}.round")
+    counts = (f"{os.environ.get(RELAUNCHES_ENV, 0)}:"
+              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}\n")
+    try:
+        before = path.read_text()
+    except OSError:
+        before = ""
+    with contextlib.suppress(OSError):  # accounting only: never a reason not to train
+        path.write_text(counts)
+    return before == counts
 
 
 def _device_and_backend(local_rank: int) -> tuple[torch.device, str]:
@@ -104,12 +135,13 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
             kwargs.update(store=_shared_store_prefixed(world, rank, timeout), rank=rank,
                           world_size=world)
         dist.init_process_group(backend, **kwargs)  # env:// : this round's own store
-    agreed = proposal
-    if world > 1:
-        box = torch.tensor([proposal], dtype=torch.int64, device=device)
-        dist.broadcast(box, src=0)
-        agreed = int(box.item())  # once per start, not per step
-    return DistInfo(rank, world, local_rank, device, backend, agreed)
+    agreed, membership = proposal, restarted_for_membership()
+    if world > 1:  # rank 0's proposal (the others give 0), and whether any node rejoined
+        box = torch.tensor([proposal if rank == 0 else 0, int(membership)],
+                           dtype=torch.int64, device=device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        agreed, membership = (int(v) for v in box.tolist())  # once per start, not per step
+    return DistInfo(rank, world, local_rank, device, backend, agreed, bool(membership))
 
 
 def wrap(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:

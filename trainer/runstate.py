@@ -28,7 +28,7 @@ class RunState:
     last_step_unix: float = 0.0
     productive_seconds: float = 0.0  # step time of steps completed for the first time
     checkpoint_blocking_seconds: float = 0.0
-    pending_exit: str = ""  # "checkpoint-restart" when ranks left on purpose
+    pending_exit: str = ""  # "checkpoint-restart", "preempted": why the ranks left
     pending_command: str = ""
     attempts: int = 0  # attempts begun (reached the process group); the next one's number
     restarts: list[dict] = field(default_factory=list)
@@ -59,14 +59,17 @@ class RunState:
         """Rank 0's proposal for the attempt number (all ranks adopt rank 0's)."""
         return self.attempts if self.started_unix and self.run == run else 0
 
-    def begin_attempt(self, run: str, attempt: int, resume_step: int) -> None:
-        """Record how the previous attempt ended, as seen from the new one."""
+    def begin_attempt(self, run: str, attempt: int, resume_step: int,
+                      membership_change: bool = False) -> None:
+        """Record how the previous attempt ended, as seen from the new one: its ranks'
+        own word (checkpoint-restart, preempted), a membership change (torchrun's SIGTERM
+        for a joining node, which the ranks took for a preemption), or a failure."""
         now = time.time()
         if not self.started_unix or self.run != run:
             self.__init__(run=run, started_unix=now)  # a new run in this directory
         self.attempts = max(self.attempts, attempt + 1)
         if attempt > 0:
-            cause = self.pending_exit or "failure"
+            cause = "membership" if membership_change else self.pending_exit or "failure"
             self.restarts.append({
                 "attempt": attempt, "cause": cause, "command": self.pending_command,
                 "resume_step": resume_step, "last_step_before": self.last_step,

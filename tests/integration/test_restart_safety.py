@@ -107,8 +107,8 @@ def test_a_node_joining_spends_no_failure_restart_on_a_node_slow_to_notice(tmp_p
     assert codes == [0, 0, 0], "\n\n".join(log[-3000:] for log in logs)
     summary = json.loads((ckpt / "summary.json").read_text())
     assert summary["steps"] == 300 and summary["world_size"] == 3, summary
-    causes = [r["cause"] for r in summary["restarts"]]
-    assert causes and "failure" not in causes, summary["restarts"]
+    # torchrun's restart for the joining node, told from a preemption (both SIGTERM)
+    assert [r["cause"] for r in summary["restarts"]] == ["membership"], summary["restarts"]
 
 
 def test_two_nodes_evicted_at_once_take_the_job_no_lower_than_its_minimum(tmp_path):
