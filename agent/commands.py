@@ -249,7 +249,13 @@ class CommandBook:
                 if cmd.leave_s:  # they left: the node sits out, then they come back
                     cmd.deadline = now + cmd.leave_s + (cmd.deadline - cmd.created)
             if len(cmd.resumed) >= len(cmd.targets):
-                self._finish(cmd, "completed", "all ranks resumed")
+                if cmd.leave_s and cmd.state == "pending":
+                    # back without acknowledging it: another node's restart came first,
+                    # or the ranks could not take this node out at the agreement
+                    self._finish(cmd, "failed", "the ranks restarted with the job without "
+                                 f"node {self._node} sitting out")
+                else:
+                    self._finish(cmd, "completed", "all ranks resumed")
                 continue
             if cmd.kill_at is not None and now >= cmd.kill_at:
                 self._kill_survivors(cmd)

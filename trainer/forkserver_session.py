@@ -31,4 +31,5 @@ with contextlib.suppress(OSError):  # already a session or group leader: nothing
 
 with contextlib.suppress(ValueError):  # a JSON list of directories (warmstart.main)
     _paths = json.loads(os.environ.get(PRELOAD_PATH_ENV, "[]"))
-    sys.path.extend(p for p in _paths if isinstance(p, str) and p)  # after the libraries
+    if isinstance(_paths, list):  # after the libraries: see warmstart
+        sys.path.extend(p for p in _paths if isinstance(p, str) and p)

@@ -62,6 +62,7 @@ from clusterpulse.trainer.restart import (
     SigtermCatcher,
     clear_relaunch_request,
     leave_refusal,
+    min_nodes,
     nodes_that_leave,
     request_relaunch,
 )
@@ -609,7 +610,7 @@ class Pulse:
         ids, leave = self.agree_on_commands(heard) if reason == "checkpoint-restart" \
             else (heard, 0.0)
         if ids and reason == "checkpoint-restart":  # this agent's own last: acks keep 16
-            self.ack([i for i in ids if i not in heard] + heard)
+            self.ack([i for i in ids if i not in heard] + [i for i in heard if i in ids])
         if before_exit is not None:
             before_exit(reason, ids)
         code = PREEMPTED_EXIT_CODE if reason == "preempted" else request_relaunch(leave)
@@ -638,23 +639,29 @@ class Pulse:
         missed that rank's acknowledgement. The leave: it applies only to the nodes
         whose agents were asked (evict-node reaches one node), and only to as many of
         them as the job can lose (`nodes_that_leave`); a node that gives way says so."""
-        mine = max((s for i, s in self._leave_s.items() if i in heard), default=0.0)
+        mine = {i: s for i, s in self._leave_s.items() if i in heard}  # leaves heard here
         if not dist.is_initialized() or self.world_size < 2:
-            return heard, mine
+            return heard, max(mine.values(), default=0.0)
         node = int(os.environ.get("GROUP_RANK", 0) or 0)  # torchrun: this node's rank
-        every: list[tuple[int, list[str], float] | None] = [None] * self.world_size
-        dist.all_gather_object(every, (node, heard, mine), group=self.consensus.group)
+        every: list[tuple[int, list[str], dict[str, float], int | None] | None] = \
+            [None] * self.world_size
+        dist.all_gather_object(every, (node, heard, mine, min_nodes()),
+                               group=self.consensus.group)
+        facts = [f for f in every if f is not None]
         wanted: dict[int, float] = {}
-        for n, _, s in filter(None, every):
-            if s > 0:
-                wanted[n] = max(wanted.get(n, 0.0), s)
-        leave = nodes_that_leave(wanted).get(node, 0.0)
-        if mine and not leave:
-            for cid in heard:
-                if cid in self._leave_s:
-                    self.event("leave_refused", command=cid, reason="others_leaving")
-        ids = sorted({i for _, h, _ in filter(None, every) for i in h})
-        return ids, leave
+        for n, _, leaves, _ in facts:
+            if leaves:
+                wanted[n] = max(wanted.get(n, 0.0), *leaves.values())
+        # the strictest minimum any node knows (the rendezvous host's ranks know none)
+        minimum = max((m for *_, m in facts if m is not None), default=None)
+        leaving = nodes_that_leave(wanted, minimum)
+        # a node that gives way: its leave is not carried out, nor acknowledged (the
+        # agent fails the command when the ranks come back, even if this event is lost)
+        refused = {i for n, _, leaves, _ in facts if n not in leaving for i in leaves}
+        for cid in sorted(refused & set(mine)):
+            self.event("leave_refused", command=cid, reason="others_leaving")
+        ids = sorted({i for _, h, _, _ in facts for i in h} - refused)
+        return ids, leaving.get(node, 0.0)
 
     def all_ranks(self, ok: bool) -> bool:
         """True on every rank iff `ok` on every rank (collective, CPU group)."""

@@ -111,27 +111,31 @@ def leave_refusal(over_unix_socket: bool) -> str | None:
         return "no_launcher"
     if os.environ.get(CANNOT_LEAVE_ENV) in LEAVE_REFUSALS:
         return os.environ[CANNOT_LEAVE_ENV]
-    nodes, minimum = _round_nodes()
-    if nodes - 1 < minimum:
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1) or 1)  # torchrun: nodes this round
+    minimum = min_nodes()
+    if minimum is None or nodes - 1 < minimum:
         return "min_nodes"
     return None
 
 
-def nodes_that_leave(wanted: dict[int, float]) -> dict[int, float]:
+def nodes_that_leave(wanted: dict[int, float], minimum: int | None) -> dict[int, float]:
     """Of the nodes whose ranks accepted a leave for the same restart (node rank ->
-    seconds), those that go. Each node accepted its own alone (`leave_refusal`: the job
-    can lose one node), but two at once could take it below its minimum, where the
-    others wait the whole sit-out for them. The lowest node ranks go first: every rank
-    computes this from the same gathered facts and gets the same answer."""
-    nodes, minimum = _round_nodes()
-    return dict(sorted(wanted.items())[:max(0, nodes - minimum)])
+    seconds), those that go, given the job's minimum node count (None: unknown, none
+    goes). Each node accepted its own alone (`leave_refusal`: the job can lose one
+    node), but two at once could take it below its minimum, where the others wait the
+    whole sit-out for them. The lowest node ranks go: the rendezvous's numbering, the
+    same on every rank, so every rank gets the same answer from the same gathered
+    facts (which node stays is otherwise arbitrary)."""
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1) or 1)  # torchrun: nodes this round
+    room = 0 if minimum is None else max(0, nodes - minimum)
+    return dict(sorted(wanted.items())[:room])
 
 
-def _round_nodes() -> tuple[int, int]:
-    """Nodes in this rendezvous round (torchrun) and the job's minimum (the launcher's;
-    unset where the node may never leave: then the round's size)."""
-    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1) or 1)
-    return nodes, int(os.environ.get(MIN_NODES_ENV, nodes) or nodes)
+def min_nodes() -> int | None:
+    """The job's minimum node count, where the launcher said it (not on a node that may
+    never leave: the rendezvous host, a single node)."""
+    value = os.environ.get(MIN_NODES_ENV, "")
+    return int(value) if value.isdigit() else None
 
 
 def request_relaunch(leave_s: float = 0.0) -> int:

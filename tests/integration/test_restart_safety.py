@@ -147,15 +147,20 @@ def test_two_nodes_evicted_at_once_take_the_job_no_lower_than_its_minimum(tmp_pa
         # the job goes on without it, long before the sit-out ends
         wait_until(lambda: find_latest_valid(ckpt).step >= left_at + 40, leave_s / 2,
                    "the job stepping on 2 nodes")
+        # which one goes is the rendezvous's numbering (on loopback: torchrun's pid)
         leaving = [i for i in (1, 2)
                    if "leaving the job for" in logs[i].read_text(errors="replace")]
-        assert leaving == [1], [p.read_text(errors="replace")[-2000:] for p in logs]
+        assert len(leaving) == 1, [p.read_text(errors="replace")[-2000:] for p in logs]
+        (gone,), (stayed,) = leaving, {1, 2} - set(leaving)
         def state(i: int) -> dict:
             agents[i][0].agent.collect_once()
             return agents[i][0].get(f"/v1/commands/{ids[i]}").json()
-        wait_until(lambda: state(2)["state"] == "failed", 60, "node2's command failed")
-        assert "other nodes leave" in state(2)["detail"], state(2)
-        assert state(1)["state"] == "delivered", state(1)  # node1 sits out, then returns
+        wait_until(lambda: state(stayed)["state"] == "failed", 60, "the command that gave way")
+        # why: the ranks said so, or (they never heard it before the agreement) they came
+        # back without having acknowledged it
+        detail = state(stayed)["detail"]
+        assert "other nodes leave" in detail or "sitting out" in detail, detail
+        assert state(gone)["state"] == "delivered", state(gone)  # sits out, then returns
     finally:
         for p in procs:
             stop_group(p)

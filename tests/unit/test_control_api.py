@@ -359,6 +359,49 @@ def test_a_leave_rides_on_the_graceful_command_and_its_deadline_restarts_once_le
         assert r.status_code == 400 and says in r.json()["error"], r.text
 
 
+def test_a_leave_whose_node_gave_way_fails_and_says_why(sim_agent):
+    """Of two nodes evicted at once only one may go; the other's ranks restart with
+    the job. Its command fails: with the reason when the ranks say so, and also when
+    that word is lost (or the ranks never heard the command before the agreement): a
+    leave whose ranks come back without having acknowledged it did not sit out. It
+    used to say "completed, all ranks resumed"."""
+    s = connect(sim_agent.socket_path)
+    _rank(s, step=1, restarts=0)
+    ids = []
+    for _ in range(2):
+        r = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart",
+                                                    "reason": "link", "leave_s": 60})
+        ids.append(r.json()["id"])
+    said, lost = ids
+    exchange(s, type="event", event="leave_refused", run="r1", rank=0, local_rank=0,
+             command=said, reason="others_leaving")
+    sim_agent.agent.collect_once()
+    status = sim_agent.get(f"/v1/commands/{said}").json()
+    assert status["state"] == "failed", status
+    assert "other nodes leave the job at the same restart" in status["detail"]
+    assert "it restarted with the job instead" in status["detail"]
+    s.close()
+    sim_agent.agent.ranks.of_run("r1")[0].sender = Sender()  # the old process exited
+    with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r1", "rank": 0,
+                                              "step": 2, "restarts": 1}]):
+        sim_agent.agent.collect_once()
+    status = sim_agent.get(f"/v1/commands/{lost}").json()
+    assert status["state"] == "failed", status
+    assert "without node node-a sitting out" in status["detail"]
+
+
+def test_as_many_nodes_leave_as_the_job_can_lose(monkeypatch):
+    from clusterpulse.trainer.restart import nodes_that_leave
+
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "4")
+    wanted = {3: 30.0, 1: 60.0, 2: 30.0}
+    assert nodes_that_leave(wanted, minimum=2) == {1: 60.0, 2: 30.0}  # the lowest ranks
+    assert nodes_that_leave(wanted, minimum=3) == {1: 60.0}
+    assert nodes_that_leave(wanted, minimum=4) == {}
+    assert nodes_that_leave(wanted, minimum=None) == {}  # not known: nobody leaves
+    assert nodes_that_leave({}, minimum=1) == {}
+
+
 @pytest.mark.parametrize(("nodes", "leaves"), [(3, True), (2, False)])
 def test_a_rank_leaves_for_a_leave_or_refuses_it_before_anything_restarts(
         sim_agent, tmp_path, monkeypatch, nodes, leaves):
