@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import stat
 import threading
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 GENESIS = "0" * 64
+MAX_WAITING = 10_000  # records kept in memory while the file cannot be written
+log = logging.getLogger(__name__)
 
 
 def _digest(line: str) -> str:
@@ -46,6 +49,8 @@ class AuditLog:
         self.chain = chain
         self._lock = threading.Lock()
         self._prev = GENESIS
+        self._waiting: list[dict] = []  # records not yet written (the file refused them)
+        self.failed_writes = 0
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             last = _last_line(path)
@@ -60,22 +65,44 @@ class AuditLog:
         return fd
 
     def write(self, who: str, action: str, why: str, outcome: str, **detail: Any) -> dict:
+        """Append a record. Never raises: a full or read-only disk must not stop what
+        is being recorded (the action has happened, or the caller's loop must go on);
+        the record waits in memory, in order, until a later write succeeds, and the
+        failure is logged and counted (`failed_writes`)."""
         record = {"ts": time.time(), "who": who, "action": action, "why": why,
                   "outcome": outcome, **detail}
         if self.path is None:
             return record
         with self._lock:
-            if self.chain:
-                record["prev"] = self._prev
-            line = json.dumps(record, sort_keys=True, default=str)
-            fd = self._open()
+            self._waiting.append(record)
             try:
-                os.write(fd, (line + "\n").encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            self._prev = _digest(line)
+                self._write_waiting()
+            except OSError as err:
+                self.failed_writes += 1
+                del self._waiting[:-MAX_WAITING]  # the newest: a bounded loss, logged
+                log.error("audit log %s: cannot write (%s); %d record(s) kept in memory "
+                          "until it can", self.path, err.strerror or err, len(self._waiting))
         return record
+
+    def _write_waiting(self) -> None:
+        fd = self._open()
+        try:
+            while self._waiting:
+                record = self._waiting[0]
+                if self.chain:
+                    record["prev"] = self._prev
+                line = json.dumps(record, sort_keys=True, default=str)
+                end = os.lseek(fd, 0, os.SEEK_END)
+                try:
+                    os.write(fd, (line + "\n").encode())
+                    os.fsync(fd)
+                except OSError:
+                    os.ftruncate(fd, end)  # no torn line to break the chain
+                    raise
+                self._prev = _digest(line)
+                self._waiting.pop(0)
+        finally:
+            os.close(fd)
 
     def read(self, limit: int = 1000) -> list[dict]:
         """The newest `limit` records; unreadable lines are skipped, not fatal."""

@@ -26,6 +26,7 @@ from clusterpulse.agent.ranks import RankRegistry, Refused
 from clusterpulse.agent.sample import GpuSample
 
 log = logging.getLogger(__name__)
+FOLLOW_UP_EVERY_S = 1.0  # at most: a hard restart's SIGKILL is due 5 s after its SIGTERM
 
 
 @dataclass(frozen=True)
@@ -70,16 +71,19 @@ class Agent:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
             self._sock.settimeout(0.2)
 
-    @property
-    def telemetry_alive(self) -> bool:
-        """The receiver thread runs (or there is no telemetry): /healthz reports it."""
-        return all(t.is_alive() for t in self._threads if t.name == "agent-telemetry") \
-            or self._stop.is_set()
+    def stopped_threads(self) -> list[str]:
+        """The agent's threads that ended while it runs (/healthz reports them): a dead
+        receiver silences every rank, a dead follow-up loop leaves hung ranks alive."""
+        if self._stop.is_set():
+            return []
+        return [t.name for t in self._threads if not t.is_alive()]
 
     def collection_errors(self) -> dict[str, int]:
         errors = self.backend.errors()
         if self.internal_errors:
             errors["internal"] = errors.get("internal", 0) + self.internal_errors
+        if self.audit.failed_writes:  # records kept in memory until the file takes them
+            errors["audit_write"] = self.audit.failed_writes
         return errors
 
     @property
@@ -101,7 +105,7 @@ class Agent:
 
     def start(self) -> None:
         self.collect_once()
-        targets = [("collect", self._collect_loop)]
+        targets = [("collect", self._collect_loop), ("follow-up", self._follow_up_loop)]
         if self._sock is not None:
             targets.append(("telemetry", self._receive_loop))
         for name, fn in targets:
@@ -119,8 +123,15 @@ class Agent:
             channel.unlink_quietly(self._unix_path)
         self.backend.close()
 
-    # -- collection -----------------------------------------------------------------
+    # -- collection ---------------------------------------------------------------------
     def collect_once(self) -> Snapshot:
+        """One collection and one round of follow-ups (at start, and for callers that
+        drive the agent themselves); the running agent does each on its own thread."""
+        snap = self._collect()
+        self.follow_up()
+        return snap
+
+    def _collect(self) -> Snapshot:
         t0 = time.perf_counter()
         last_success = self.snapshot.last_success
         try:
@@ -130,23 +141,37 @@ class Agent:
             log.exception("collection failed")
             self.internal_errors += 1
             gpus = self.snapshot.gpus
-        self.ranks.expire()
-        self.commands.tick()
         self.snapshot = Snapshot(gpus=gpus, timestamp=time.time(),
                                  duration_s=time.perf_counter() - t0,
                                  cycles=self.snapshot.cycles + 1, last_success=last_success)
         return self.snapshot
 
+    def follow_up(self) -> None:
+        """Expire silent ranks and advance open commands (acks, deadlines, a hard
+        restart's SIGKILL). Not in the collection loop: a GPU in trouble can block NVML
+        calls for minutes, which is when a hung rank's restart must still happen."""
+        try:
+            self.ranks.expire()
+            self.commands.tick()
+        except Exception:  # a bug here must not end the loop: next time may work
+            log.exception("command follow-up failed")
+            self.internal_errors += 1
+
     def _collect_loop(self) -> None:
         next_at = time.monotonic()
         while not self._stop.is_set():
             next_at += self.interval_s
-            self.collect_once()
+            self._collect()
             delay = next_at - time.monotonic()
             if delay < 0:  # fell behind (slow NVML): skip missed ticks, don't burst
                 next_at = time.monotonic()
                 delay = 0
             self._stop.wait(delay)
+
+    def _follow_up_loop(self) -> None:
+        every = min(self.interval_s, FOLLOW_UP_EVERY_S)
+        while not self._stop.wait(every):
+            self.follow_up()
 
     # -- telemetry ------------------------------------------------------------------
     def _gpu_index(self, uuids: tuple[str, ...]) -> int | None:

@@ -74,9 +74,10 @@ def make_server(agent: Agent, host: str, port: int, token: str | Tokens | None,
                 self.send_bytes(200, *render(self.headers.get("Accept", "")))
             elif path in ("/healthz", "/"):
                 snap = agent.snapshot
-                alive = agent.telemetry_alive  # a dead receiver silences every rank
-                self.send_json(200 if alive else 503, {
-                                     "status": "ok" if alive else "telemetry receiver stopped",
+                stopped = agent.stopped_threads()
+                self.send_json(200 if not stopped else 503, {
+                                     "status": f"stopped: {', '.join(stopped)}" if stopped
+                                     else "ok",
                                      "node": agent.node,
                                      "backend": agent.backend.name, "gpus": len(snap.gpus),
                                      "gpus_up": sum(g.up for g in snap.gpus),

@@ -53,11 +53,15 @@ class RankProcess:
 
     The last message must be one the agent answers (replies drain until a pause)."""
 
-    def __init__(self, path: str, msgs: list[dict], user: int | None = None) -> None:
+    def __init__(self, path: str, msgs: list[dict], user: int | None = None,
+                 ignore_sigterm: bool = False) -> None:
         # Another user may not be able to run this venv's interpreter (under a private
         # home); the sender needs the standard library only.
         python = sys.executable if user is None else SYSTEM_PYTHON
-        self.p = subprocess.Popen([python, "-c", _SENDER, path], stdin=subprocess.PIPE,
+        # ignore_sigterm: a hung rank whose SIGTERM handler only sets a flag
+        script = ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                  if ignore_sigterm else "") + _SENDER
+        self.p = subprocess.Popen([python, "-c", script, path], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, user=user)
         assert self.p.stdout is not None and self.p.stdin is not None
         self.p.stdin.write(json.dumps(msgs) + "\n")

@@ -1,8 +1,11 @@
 """A stuck NVML call must be visible: /metrics keeps answering (the scrape never
-waits on NVML) while the age of the last successful collection grows."""
+waits on NVML) while the age of the last successful collection grows; and it must not
+stop what the agent does besides collecting (command follow-ups, an unwritable audit
+log)."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -12,8 +15,10 @@ from clusterpulse.agent.backends.nvml import NvmlBackend
 from clusterpulse.agent.core import Agent
 from clusterpulse.agent.ranks import RankRegistry
 from clusterpulse.agent.server import make_server, serve_in_thread
+from tests.conftest import TOKEN, socket_path, start_agent
 from tests.fakes.fake_pynvml import FakeNvml
 from tests.support.procs import wait_until
+from tests.support.ranksock import RankProcess
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -49,3 +54,72 @@ def test_collection_age_grows_while_nvml_is_stuck_and_metrics_keep_serving(tmp_p
         fake.stuck.set()
         server.shutdown()
         agent.stop()
+
+
+def test_a_hard_restart_is_followed_up_while_nvml_is_stuck(tmp_path):
+    """A GPU in trouble can block NVML calls for minutes, and that is when a job needs
+    a restart. The command follow-ups ran in the collection loop: a hard restart's
+    SIGKILL (5 s after its SIGTERM) never came, and a hung rank whose SIGTERM handler
+    only sets a flag (the trainer's does) lived on."""
+    import requests
+
+    fake = FakeNvml(gpus=2)
+    agent = Agent(NvmlBackend(nvml=fake), "node-s", RankRegistry(),
+                  AuditLog(tmp_path / "audit.jsonl"), interval_s=0.1,
+                  telemetry_addr=socket_path("node-s"))
+    server = make_server(agent, "127.0.0.1", 0, TOKEN)
+    agent.start()
+    serve_in_thread(server)
+    fake.stuck = threading.Event()
+    try:
+        with RankProcess(agent.telemetry_address.removeprefix("unix:"),
+                         [{"type": "step", "run": "r1", "rank": 0, "step": 5}],
+                         ignore_sigterm=True) as rank:
+            r = requests.post(f"http://127.0.0.1:{server.server_port}/v1/runs/r1/actions",
+                              json={"action": "restart", "reason": "hung"},
+                              headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+            assert r.status_code == 202 and r.json()["signalled_pids"] == [rank.pid], r.text
+            assert rank.p.wait(timeout=60) == -9  # SIGTERM ignored, then SIGKILL
+    finally:
+        fake.stuck.set()
+        server.shutdown()
+        agent.stop()
+
+
+def test_an_unwritable_audit_log_stops_nothing_and_loses_no_record(tmp_path):
+    """A full or read-only disk under the audit log: the write raised, in the
+    collection loop when a command finished (the loop ended for good: no GPU samples,
+    no follow-ups, while /healthz said ok) and in the control API after the ranks were
+    already signalled (the operator saw an error and would retry). Now the records
+    wait in memory, the failure is counted, and they are written, in order and
+    chained, once the file can be written again."""
+    from clusterpulse.agent.audit import verify_chain
+
+    running, server = start_agent(tmp_path)
+    path = running.audit_path
+    try:
+        with RankProcess(running.socket_path, [{"type": "step", "run": "r1", "rank": 0,
+                                                "step": 5}]) as rank:
+            path.unlink(missing_ok=True)
+            path.mkdir()  # unwritable, even for root
+            r = running.post("/v1/runs/r1/actions", {"action": "restart", "reason": "hung",
+                                                      "deadline_s": 1})
+            assert r.status_code == 202 and r.json()["signalled_pids"] == [rank.pid], r.text
+            assert rank.p.wait(timeout=10) == -15
+        # nothing resumes: at the deadline the command's end is recorded, in the loop
+        cycles = running.agent.snapshot.cycles
+        wait_until(lambda: running.agent.collection_errors().get("audit_write", 0) >= 2, 60,
+                   "the failed writes counted")
+        wait_until(lambda: running.agent.snapshot.cycles > cycles + 5, 30,
+                   "collection going on")
+        path.rmdir()
+        running.post("/v1/runs/r9/actions", {"action": "restart", "reason": "after"})
+        records = [json.loads(x) for x in path.read_text().splitlines()]
+        assert [(x["action"], x.get("run")) for x in records][:1] == [("restart", "r1")]
+        assert records[-1]["run"] == "r9" and len(records) >= 3, records
+        assert verify_chain(path) == []
+    finally:
+        if path.is_dir():
+            path.rmdir()
+        server.shutdown()
+        running.agent.stop()
