@@ -45,8 +45,9 @@ class Command:
     action: str
     reason: str
     requested_by: str
-    created: float
-    deadline: float
+    created: float  # the book's monotonic clock: what deadlines count from
+    deadline: float  # monotonic, like kill_at
+    created_unix: float  # wall time, only to report: a wall-clock step moves no deadline
     on_behalf_of: str | None = None  # the operator a principal (the dashboard) acts for
     leave_s: float = 0.0  # graceful: how long this node sits the restart out
     state: str = "pending"
@@ -59,26 +60,33 @@ class Command:
     killed_pids: list[int] = field(default_factory=list)
     not_signalled: list[str] = field(default_factory=list)  # why, per rank
     pidfds: list[int] = field(default_factory=list)  # pinned processes awaiting SIGKILL
-    kill_at: float | None = None  # when to SIGKILL what SIGTERM did not end
+    kill_at: float | None = None  # when (monotonic) to SIGKILL what SIGTERM did not end
 
     def to_json(self) -> dict:
         return {
             "id": self.id, "run": self.run, "action": self.action, "reason": self.reason,
             "requested_by": self.requested_by, "on_behalf_of": self.on_behalf_of,
             "leave_s": self.leave_s, "state": self.state, "detail": self.detail,
-            "created_unix": self.created, "ranks": sorted(self.targets),
+            "created_unix": self.created_unix, "ranks": sorted(self.targets),
             "acknowledged": sorted(self.acked), "resumed": sorted(self.resumed),
             "signalled_pids": list(self.killed_pids), "not_signalled": list(self.not_signalled),
         }
 
 
 class CommandBook:
+    """The node's commands. Deadlines and SIGKILL follow-ups run on `clock`, a
+    monotonic clock: on the wall clock an NTP step or a VM resume forward escalated
+    every open graceful command at once, and a step back delayed a hung job's
+    escalation by its size. `wall_clock` only dates what is reported."""
+
     def __init__(self, ranks: RankRegistry, audit: AuditLog, node: str,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self._ranks = ranks
         self._audit = audit
         self._node = node
         self._clock = clock
+        self._wall_clock = wall_clock
         self._lock = threading.Lock()
         self._commands: dict[str, Command] = {}
         self._ids = itertools.count(1)
@@ -86,11 +94,12 @@ class CommandBook:
     def submit(self, run: str, action: str, reason: str, requested_by: str,
                deadline_s: float, on_behalf_of: str | None = None,
                leave_s: float = 0.0) -> Command:
-        now = self._clock()
+        now, now_unix = self._clock(), self._wall_clock()
         ranks = self._ranks.live_of_run(run)  # not the departed: none of them comes back
         cmd = Command(
-            id=f"{self._node}-{int(now)}-{next(self._ids)}", run=run, action=action,
-            reason=reason, requested_by=requested_by, created=now,
+            # wall time in the id: unique across agent restarts (the counter restarts)
+            id=f"{self._node}-{int(now_unix)}-{next(self._ids)}", run=run, action=action,
+            reason=reason, requested_by=requested_by, created=now, created_unix=now_unix,
             deadline=now + deadline_s, on_behalf_of=on_behalf_of, leave_s=leave_s,
             targets={r.rank: r.restarts for r in ranks},
             owners={r.rank: r.sender for r in ranks},

@@ -321,6 +321,34 @@ def test_graceful_command_escalates_to_hard_after_deadline(sim_agent):
     assert escalated["outcome"] == "escalated" and escalated["signalled_pids"] == [rank.pid]
 
 
+def test_deadlines_follow_the_monotonic_clock_not_wall_clock_steps():
+    """Review finding: a wall-clock step (NTP makestep, VM resume) 130 s forward
+    escalated a `deadline_s: 120` checkpoint-restart at once, and a backward step
+    would delay a hung job's escalation by its size. Deadlines and the SIGKILL
+    follow-up run on the monotonic clock; `created_unix` still reports wall time."""
+    from clusterpulse.agent.audit import AuditLog
+    from clusterpulse.agent.commands import CommandBook
+    from clusterpulse.agent.ranks import RankRegistry
+
+    mono, wall = [1000.0], [1_700_000_000.0]
+    ranks = RankRegistry(clock=lambda: mono[0])
+    ranks.update({"v": 1, "type": "step", "run": "r1", "rank": 0, "local_rank": 0,
+                  "pid": 1, "gpu": 0, "step": 5}, None)
+    book = CommandBook(ranks, AuditLog(None), "n", clock=lambda: mono[0],
+                       wall_clock=lambda: wall[0])
+    cmd = book.submit("r1", "checkpoint-restart", "hung", "op", deadline_s=120)
+    assert cmd.to_json()["created_unix"] == 1_700_000_000.0
+    wall[0] += 130  # the wall clock steps past the deadline; 10 s really pass
+    mono[0] += 10
+    book.tick()
+    assert cmd.state == "pending"
+    wall[0] -= 3600  # then an hour back: the deadline still comes 120 s after submit
+    mono[0] += 110
+    book.tick()
+    assert cmd.state == "escalated"
+    assert cmd.to_json()["created_unix"] == 1_700_000_000.0
+
+
 def test_a_leave_rides_on_the_graceful_command_and_its_deadline_restarts_once_left(sim_agent):
     """evict-node: the node's agent tells its ranks how long to sit the restart out. The
     ranks must leave within deadline_s (else it escalates: a hung rank never leaves);
