@@ -7,6 +7,12 @@ Three rules keep it trustworthy on sick hardware:
   asked for again (no error storm every cycle);
 - everything NVML can batch is read with one `nvmlDeviceGetFieldValues` call.
 
+A GPU is known by its UUID, not by NVML's index: after a re-initialisation the
+driver may enumerate one GPU fewer (one fell off the bus) and shift the others'
+indices, so each GPU keeps the `gpu` label it had when the agent first saw it, its
+unsupported metrics, and its XID counts; the lost one is exported as `missing` and
+re-probed until it returns.
+
 The `nvml` module is a constructor argument so that the same code runs against the
 real driver and against a fake at the pynvml API level on machines without a GPU.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib
+import itertools
 import logging
 import re
 import time
@@ -71,7 +78,7 @@ def _field_number(fv: Any) -> float:
 
 @dataclass
 class _Device:
-    index: int
+    index: int  # the exported `gpu` label: NVML's index when the agent first saw the GPU
     handle: Any
     uuid: str
     name: str = ""
@@ -93,7 +100,11 @@ NVLINK_ERRORS = {"replay": "NVML_NVLINK_ERROR_DL_REPLAY",
 
 class NvmlBackend:
     name = "nvml"
+    # Re-initialisations (after a lost GPU, and to re-probe a missing one) wait this
+    # long, then twice as long each time up to the maximum: a GPU back after a reset
+    # reappears within a minute, and one gone for good costs an nvmlInit a minute.
     REINIT_INTERVAL_S = 30.0
+    REINIT_MAX_INTERVAL_S = 60.0
 
     def __init__(self, nvml: ModuleType | None = None, clock=time.monotonic,
                  xid_state: Path | None = None) -> None:
@@ -101,13 +112,14 @@ class NvmlBackend:
         # XID totals persisted across agent restarts (None: this process's counts only).
         self._xids = XidLedger(xid_state) if xid_state is not None else None
         self._clock = clock
-        self._unsupported: dict[tuple[int, str], str] = {}
+        self._unsupported: dict[tuple[str, str], str] = {}  # (uuid, metric) -> reason
         self._errors: collections.Counter[str] = collections.Counter()
         self._devices: dict[str, _Device] = {}  # by uuid: survives re-enumeration
         self._order: list[str] = []
         self._event_set: Any = None
-        self._need_reinit = False
+        self._need_reinit = False  # NVML itself failed: no events until re-initialised
         self._last_reinit = clock()
+        self._reinit_interval = self.REINIT_INTERVAL_S
         self._driver_version = ""
         self.calls = collections.Counter()  # NVML calls by function, for benchmarks
         try:
@@ -140,16 +152,26 @@ class NvmlBackend:
                 log.warning("gpu %d cannot be enumerated: %s", index, err)
                 continue
             seen.add(uuid)
-            dev = self._devices.get(uuid) or _Device(index=index, handle=handle, uuid=uuid)
-            dev.index, dev.handle, dev.missing = index, handle, False
-            if uuid not in self._devices:
+            dev = self._devices.get(uuid)
+            if dev is None:
+                dev = _Device(index=self._free_label(index), handle=handle, uuid=uuid)
                 self._devices[uuid] = dev
                 self._order.append(uuid)
                 self._read_static(dev)
+            dev.handle, dev.missing = handle, False
         for uuid, dev in self._devices.items():
             if uuid not in seen:
                 dev.missing = True
         self._register_xid_events()
+
+    def _free_label(self, index: int) -> int:
+        """The label for a GPU new to the agent: NVML's index, unless a known GPU (up
+        or missing) exports it already, then the lowest free one: two series with one
+        `gpu` label would merge in Prometheus."""
+        taken = {d.index for d in self._devices.values()}
+        if index not in taken:
+            return index
+        return next(i for i in itertools.count() if i not in taken)
 
     def _read_static(self, dev: _Device) -> None:
         dev.name = _text(self._optional(dev, "name", "nvmlDeviceGetName", dev.handle) or "")
@@ -177,7 +199,7 @@ class NvmlBackend:
                 self._call("nvmlDeviceGetNvLinkState", dev.handle, link)
             except n.NVMLError as err:
                 if count == 0:
-                    self._mark_unsupported(dev.index, "nvlink", err)
+                    self._mark_unsupported(dev, "nvlink", err)
                 break
             count += 1
         return count
@@ -188,7 +210,7 @@ class NvmlBackend:
             self._event_set = self._call("nvmlEventSetCreate")
         except n.NVMLError as err:
             for dev in self._devices.values():
-                self._mark_unsupported(dev.index, "xid_errors", err)
+                self._mark_unsupported(dev, "xid_errors", err)
             self._event_set = None
             return
         for dev in self._devices.values():
@@ -200,14 +222,14 @@ class NvmlBackend:
                     self._event_set,
                 )
             except n.NVMLError as err:
-                self._mark_unsupported(dev.index, "xid_errors", err)
+                self._mark_unsupported(dev, "xid_errors", err)
 
     def _drain_xid_events(self) -> None:
         """Collect pending XID events without waiting (timeout 0): never blocks a cycle."""
         if self._event_set is None:
             return
         n = self._nvml
-        by_index = {d.index: d for d in self._devices.values() if not d.missing}
+        by_uuid = {d.uuid: d for d in self._devices.values() if not d.missing}
         for _ in range(1000):  # bound the work per cycle whatever the driver does
             try:
                 event = self._call("nvmlEventSetWait_v2", self._event_set, 0)
@@ -216,11 +238,11 @@ class NvmlBackend:
             except n.NVMLError as err:
                 self._errors[f"xid_events_{error_kind(err)}"] += 1
                 return
-            try:
-                index = self._call("nvmlDeviceGetIndex", event.device)
+            try:  # by UUID: NVML's index of a GPU changes when one before it is lost
+                uuid = _text(self._call("nvmlDeviceGetUUID", event.device))
             except n.NVMLError:
                 continue
-            dev = by_index.get(index)
+            dev = by_uuid.get(uuid)
             if dev is not None:
                 xid = int(event.eventData)
                 dev.xid_counts[xid] = dev.xid_counts.get(xid, 0) + 1
@@ -230,29 +252,30 @@ class NvmlBackend:
             return dict(dev.xid_counts)
         return self._xids.merge(dev.uuid, dev.xid_counts)
 
-    def _mark_unsupported(self, index: int, metric: str, err: Exception | str) -> None:
-        key = (index, metric)
+    def _mark_unsupported(self, dev: _Device, metric: str, err: Exception | str) -> None:
+        key = (dev.uuid, metric)
         if key not in self._unsupported:
             self._unsupported[key] = str(err)
             self._errors["not_supported"] += 1
-            log.info("gpu %d does not support %s: %s", index, metric, err)
+            log.info("gpu %d (%s) does not support %s: %s", dev.index, dev.uuid, metric, err)
 
     def _optional(self, dev: _Device, metric: str, fn: str, *args: Any) -> Any:
         """Call NVML for one metric; None (recorded once) if the device lacks it."""
-        if (dev.index, metric) in self._unsupported:
+        if (dev.uuid, metric) in self._unsupported:
             return None
         n = self._nvml
         try:
             return self._call(fn, *args)
         except (n.NVMLError_NotSupported, n.NVMLError_FunctionNotFound,
                 n.NVMLError_NoPermission) as err:
-            self._mark_unsupported(dev.index, metric, err)
+            self._mark_unsupported(dev, metric, err)
             return None
 
     # -- the collection cycle ----------------------------------------------------
     def collect(self) -> list[GpuSample]:
         n = self._nvml
-        if self._need_reinit and self._clock() - self._last_reinit >= self.REINIT_INTERVAL_S:
+        if ((self._need_reinit or self._any_missing())
+                and self._clock() - self._last_reinit >= self._reinit_interval):
             self._reinit()
         if not self._need_reinit:
             try:
@@ -273,13 +296,25 @@ class NvmlBackend:
                 if kind in ("gpu_is_lost", "uninitialized", "reset_required"):
                     self._need_reinit = True
                 samples.append(self._down(dev, kind))
+        if not self._need_reinit and not self._any_missing():
+            self._reinit_interval = self.REINIT_INTERVAL_S  # all back: the next loss waits 30 s
         return samples
+
+    def _any_missing(self) -> bool:
+        """A known GPU the last enumeration did not find: only a re-init can see it back
+        (NVML enumerates once, at init)."""
+        return any(d.missing for d in self._devices.values())
 
     def _reinit(self) -> None:
         n = self._nvml
         self._last_reinit = self._clock()
-        log.warning("re-initialising NVML after a lost GPU")
+        self._reinit_interval = min(2 * self._reinit_interval, self.REINIT_MAX_INTERVAL_S)
+        log.warning("re-initialising NVML: a GPU was lost or is missing")
         try:
+            if self._event_set is not None:  # _init makes a new one: do not leak the old
+                with contextlib.suppress(n.NVMLError):
+                    self._call("nvmlEventSetFree", self._event_set)
+                self._event_set = None
             with contextlib.suppress(n.NVMLError):
                 self._call("nvmlShutdown")
             self._init()
@@ -336,7 +371,7 @@ class NvmlBackend:
         for link in range(dev.nvlinks):
             state = self._call("nvmlDeviceGetNvLinkState", h, link)
             sample = NvLinkSample(up=int(state) == int(getattr(n, "NVML_FEATURE_ENABLED", 1)))
-            if (dev.index, "nvlink_errors") not in self._unsupported:
+            if (dev.uuid, "nvlink_errors") not in self._unsupported:
                 for kind, const in NVLINK_ERRORS.items():
                     v = self._optional(dev, "nvlink_errors", "nvmlDeviceGetNvLinkErrorCounter",
                                        h, link, getattr(n, const))
@@ -347,11 +382,11 @@ class NvmlBackend:
     def _read_fields(self, dev: _Device, s: GpuSample) -> None:
         wanted = [
             (attr, spec) for attr, spec in FIELDS.items()
-            if (dev.index, attr) not in self._unsupported and hasattr(self._nvml, spec[0])
+            if (dev.uuid, attr) not in self._unsupported and hasattr(self._nvml, spec[0])
         ]
         for attr, (fid_name, _, _) in FIELDS.items():
             if not hasattr(self._nvml, fid_name):
-                self._mark_unsupported(dev.index, attr, "field unknown to this nvidia-ml-py")
+                self._mark_unsupported(dev, attr, "field unknown to this nvidia-ml-py")
         if not wanted:
             return
         ids = [(getattr(self._nvml, fid), scope) for _, (fid, scope, _) in wanted]
@@ -363,12 +398,14 @@ class NvmlBackend:
             elif ret == NVML_ERROR_GPU_IS_LOST:
                 raise self._nvml.NVMLError(NVML_ERROR_GPU_IS_LOST)
             elif ret == NVML_ERROR_NOT_SUPPORTED:
-                self._mark_unsupported(dev.index, attr, "Not Supported")
+                self._mark_unsupported(dev, attr, "Not Supported")
             else:
                 self._errors[f"field_{ret}"] += 1
 
     def unsupported(self) -> dict[tuple[int, str], str]:
-        return dict(self._unsupported)
+        """By the GPU's exported label, as the Backend protocol says; kept by UUID."""
+        return {(self._devices[uuid].index, metric): reason
+                for (uuid, metric), reason in list(self._unsupported.items())}
 
     def errors(self) -> dict[str, int]:
         return dict(self._errors)

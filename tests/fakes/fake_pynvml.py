@@ -112,9 +112,6 @@ class FakeNvml:
         live = [i for i, g in enumerate(self.gpus) if not g.lost]
         return live[index]
 
-    def nvmlDeviceGetIndex(self, handle: int) -> int:
-        return handle
-
     def nvmlDeviceGetUUID(self, h: int) -> str:
         return self._fn("nvmlDeviceGetUUID", h).uuid
 

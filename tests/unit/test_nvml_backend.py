@@ -68,6 +68,70 @@ def test_gpu_lost_mid_run_marks_only_that_gpu_down_and_reinitialises():
     assert s[1].down_reason == "missing"
 
 
+def _labels(samples) -> dict[str, int]:
+    """uuid -> exported gpu label, checking that no label is exported twice."""
+    labels = [g.index for g in samples]
+    assert len(labels) == len(set(labels)), [(g.uuid, g.index) for g in samples]
+    return {g.uuid: g.index for g in samples}
+
+
+def test_a_gpu_off_the_bus_keeps_its_label_and_is_reprobed_until_it_returns():
+    """Review finding: after the re-init, the driver enumerates one GPU fewer; the next
+    GPU took the lost one's index while the lost one kept it (two gpu="1", no gpu="3"),
+    the unsupported-metric memory applied to the wrong device, XIDs landed on the wrong
+    one, and a GPU back after a reset stayed `missing` until the agent restarted."""
+    fake, clock = FakeNvml(gpus=4), Clock()
+    fake.gpus[2].unsupported_fns.add("nvmlDeviceGetPowerUsage")
+    backend = NvmlBackend(nvml=fake, clock=clock)
+    first = _labels(backend.collect())
+    assert first == {f"GPU-fake-{i}": i for i in range(4)}
+    fake.gpus[1].lost = True  # off the bus: the next enumeration has three GPUs
+    for _ in range(int(NvmlBackend.REINIT_INTERVAL_S) + 1):
+        s = backend.collect()
+        assert _labels(s) == first
+        clock.t += 1
+    assert fake.calls["nvmlInit"] == 2  # re-initialised once
+    assert [(g.uuid, g.up, g.down_reason) for g in s] == [
+        ("GPU-fake-0", True, ""), ("GPU-fake-1", False, "missing"),
+        ("GPU-fake-2", True, ""), ("GPU-fake-3", True, "")]
+    assert s[2].power_watts is None and s[3].power_watts == 350.0  # follows the device
+    assert set(backend.unsupported()) == {(2, "power_watts")}
+    fake.events.append((3, 79))  # an XID on GPU-fake-3, now NVML's index 2
+    assert _labels(s := backend.collect()) == first and s[3].xid_errors_total == {79: 1}
+    # while it is missing it is re-probed, but not every collection
+    inits = fake.calls["nvmlInit"]
+    for _ in range(300):
+        assert _labels(backend.collect()) == first
+        clock.t += 1
+    assert 2 <= fake.calls["nvmlInit"] - inits <= 300 / NvmlBackend.REINIT_INTERVAL_S
+    fake.gpus[1].lost = False  # back after a reset
+    for _ in range(int(NvmlBackend.REINIT_MAX_INTERVAL_S) + 2):  # one re-probe interval
+        s = backend.collect()
+        assert _labels(s) == first
+        if s[1].up:
+            break
+        clock.t += 1
+    assert all(g.up for g in s), [(g.uuid, g.down_reason) for g in s]
+    assert s[2].power_watts is None and s[3].power_watts == 350.0
+
+
+def test_a_gpu_new_to_the_agent_never_takes_a_known_gpus_label():
+    """A GPU already off the bus when the agent started is unknown to it; if it is
+    enumerated at a re-init, NVML's index for it belongs to another GPU's series."""
+    fake, clock = FakeNvml(gpus=4), Clock()
+    fake.gpus[1].lost = True
+    backend = NvmlBackend(nvml=fake, clock=clock)
+    first = _labels(backend.collect())
+    assert first == {"GPU-fake-0": 0, "GPU-fake-2": 1, "GPU-fake-3": 2}
+    fake.gpus[1].lost, fake.gpus[3].lost = False, True  # back, and another one lost
+    backend.collect()
+    clock.t += NvmlBackend.REINIT_INTERVAL_S
+    s = backend.collect()
+    labels = _labels(s)
+    assert {u: labels[u] for u in first} == first
+    assert labels["GPU-fake-1"] == 3 and s[-1].up  # the lowest free label
+
+
 def test_unsupported_function_and_field_are_recorded_once_and_not_retried():
     fake = FakeNvml(gpus=1)
     fake.gpus[0].unsupported_fns.add("nvmlDeviceGetPowerUsage")
