@@ -47,12 +47,14 @@ def start_time(pid: int, proc: str = "/proc") -> int | None:
 
 def from_credentials(pid: int, uid: int, gid: int) -> Sender:
     """A verified sender, or an unverified one when the kernel could not name the pid
-    (0: the sender lives in a PID namespace the agent cannot see)."""
+    (0: the sender lives in a PID namespace the agent cannot see) or the process is
+    gone (exited between send and receive: the pid is the kernel's, kept so that a
+    rank's own last datagrams are still its own, see RankRegistry.update)."""
     if pid <= 0:
         return Sender(uid=uid, gid=gid)
     st = start_time(pid)
-    if st is None:  # exited between send and receive
-        return Sender(uid=uid, gid=gid)
+    if st is None:
+        return Sender(pid=pid, uid=uid, gid=gid)
     return Sender(pid=pid, uid=uid, gid=gid, start_time=st, verified=True)
 
 

@@ -30,6 +30,10 @@ from clusterpulse.agent.identity import Sender
 from clusterpulse.agent.protocol import EXITED, NUMBER_FIELDS, OWN_TIMEOUT_PHASES, RESTARTING
 
 MAX_ACKS_KEPT = 32
+# Values that describe the job rather than the process that sent them: a restarted
+# worker keeps them until it says otherwise (CheckpointStale ages the checkpoint time).
+JOB_FIELDS = frozenset({"checkpoint_step", "checkpoint_timestamp_seconds", "goodput_ratio",
+                        "loss"})
 
 
 class Refused(Exception):
@@ -72,7 +76,26 @@ class RankState:
     @property
     def pid(self) -> int:
         """The kernel-reported pid (0 when unverified): never a number from a payload."""
-        return self.sender.pid
+        return self.sender.pid if self.sender.verified else 0
+
+    def new_process(self) -> None:
+        """Another process holds the rank now (a restarted worker, maybe on another GPU
+        after the ranks were renumbered): nothing the old one judged or was doing is
+        its successor's (a straggler flag, a checkpoint in progress, a blocked
+        collective, per-process counters and rates); what describes the job stays."""
+        self.process_steps = 0
+        self.values = {k: v for k, v in self.values.items() if k in JOB_FIELDS}
+        self.collective = ""
+        self._prev = None
+        self.sync_bytes_per_s = self.host_bytes_per_s = 0.0
+
+
+def _owners_last_words(owner: Sender, sender: Sender) -> bool:
+    """A datagram the kernel says came from the owner's pid and user, whose process was
+    gone by the time the agent read it: the owner's last words (its `exit` event), not
+    another process's (a pid reused by a live process reads as verified, and differs)."""
+    return (owner.verified and not sender.verified and sender.pid > 0
+            and (sender.pid, sender.uid) == (owner.pid, owner.uid))
 
 
 class RankRegistry:
@@ -102,7 +125,9 @@ class RankRegistry:
         now = self._clock()
         with self._lock:
             r = self._ranks.get(key)
-            if r is not None and r.sender != sender:
+            if r is not None and r.sender != sender and _owners_last_words(r.sender, sender):
+                sender = r.sender  # the owner's own datagrams, read after it exited
+            elif r is not None and r.sender != sender:
                 if r.sender.verified and self._alive(r.sender):
                     raise Refused("owned_by_other_process")
                 if not sender.verified and r.sender.verified:
@@ -110,7 +135,7 @@ class RankRegistry:
                     raise Refused("owned_by_other_process")
                 self._check_quota(sender, replacing=key)
                 r.sender = sender  # the previous owner exited: a restarted worker
-                r.process_steps = 0
+                r.new_process()
             if r is None:
                 self._check_quota(sender)
                 if len(self._ranks) >= self.max_ranks and not self._evict_dead():
@@ -145,7 +170,7 @@ class RankRegistry:
     @staticmethod
     def _fold(r: RankState, msg: dict[str, Any], now: float) -> None:
         if msg.get("restarts", r.restarts) != r.restarts:
-            r.process_steps = 0  # a new attempt (also where senders are unverified)
+            r.new_process()  # a new attempt (also where senders are unverified)
         for name in ("local_rank", "world_size", "gpu", "restarts"):
             if name in msg:
                 setattr(r, name, msg[name])

@@ -5,6 +5,8 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -427,3 +429,49 @@ def test_socket_directory_squatted_by_another_user_is_refused(tmp_path, capsys):
     assert agent_main(["--backend", "sim", "--listen", "127.0.0.1:0",
                        "--telemetry", f"unix:{squat}/t.sock"]) == 2
     assert "writable by other users" in capsys.readouterr().err
+
+
+def test_a_new_process_on_a_rank_inherits_nothing_of_the_old_ones_judgement():
+    """A restart renumbers ranks across nodes: the process now holding rank 0 may run
+    on another GPU. It inherited the old process's straggler score and flag (the
+    trainer sends them only after its scorer's warm-up), checkpoint-in-progress and
+    blocked collective, so TrainingStraggler pointed at the new process's GPU. What
+    describes the job (its last checkpoint) stays."""
+    alive = {1: True}
+    reg = RankRegistry(alive=lambda s: alive.get(s.pid, False))
+    old = Sender(pid=1, uid=0, start_time=5, verified=True)
+    new = Sender(pid=2, uid=0, start_time=9, verified=True)
+    reg.update(msg(straggler_score=1.6, straggler_flagged=1, checkpoint_in_progress=1,
+                   checkpoint_step=100, checkpoint_timestamp_seconds=1e9), None, old)
+    reg.update(msg(type="heartbeat", collective="all_reduce", phase="sync"), None, old)
+    alive[1] = False  # torchrun restarted the worker
+    r = reg.update(msg(restarts=1, step=101, gpu=1), None, new)
+    assert not {"straggler_score", "straggler_flagged", "checkpoint_in_progress"} & set(r.values)
+    assert r.collective == ""
+    assert (r.values["checkpoint_step"], r.values["checkpoint_timestamp_seconds"]) == (100, 1e9)
+
+
+def test_a_ranks_last_datagrams_read_after_it_exited_still_count():
+    """The kernel names a datagram's sender; its start time is read when the agent
+    reads the datagram. A rank that sent `exit` and exited before the agent got to it
+    became an unverified sender, refused as not the owner: the rank stayed in its
+    training phase, and JobStalled paged a run that had finished cleanly."""
+    from clusterpulse.agent.identity import from_credentials
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    gone = from_credentials(child.pid, os.getuid(), os.getgid())
+    assert not gone.verified and gone.pid == child.pid  # kernel-named, now gone
+    reg = RankRegistry(alive=lambda s: False)
+    owner = Sender(pid=child.pid, uid=os.getuid(), gid=os.getgid(), start_time=7,
+                   verified=True)
+    reg.update(msg(phase="between"), None, owner)
+    r = reg.update(msg(type="event", event="exit", outcome="finished"), None, gone)
+    assert r.phase == "exited" and r.sender == owner and r.pid == child.pid
+    # not another process's (another pid, or the same pid of another user)
+    for other in (Sender(pid=child.pid + 1, uid=os.getuid()),
+                  Sender(pid=child.pid, uid=os.getuid() + 1)):
+        reg.update(msg(run="r2", phase="between"), None, owner)
+        with pytest.raises(Refused, match="owned_by_other_process"):
+            reg.update(msg(run="r2", type="event", event="exit", outcome="finished"), None,
+                       other)
