@@ -80,9 +80,12 @@ def agents_for_run(prom: PrometheusClient, run: str, lookback: str = "") -> dict
 def request_action(prom: PrometheusClient, run: str, action: str, reason: str, who: str,
                    token: str | None, audit: AuditLog, deadline_s: float = 120,
                    source: str = "dashboard", nodes: Collection[str] | None = None,
-                   leave_s: float = 0.0, audited_as: str | None = None) -> list[NodeResult]:
+                   leave_s: float = 0.0, audited_as: str | None = None,
+                   alert: dict | None = None) -> list[NodeResult]:
     """Ask the agents of the run's nodes (of `nodes` only, if given) for `action`;
-    `leave_s`: those nodes sit the graceful restart out that long (evict-node)."""
+    `leave_s`: those nodes sit the graceful restart out that long (evict-node);
+    `alert`: the labels of the alert a policy acts on, kept in the audit record (which
+    rank on which node the action was for)."""
     if action not in ACTIONS:
         raise ActionError(f"action must be one of {', '.join(ACTIONS)}")
     if not reason.strip():
@@ -120,7 +123,7 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
         "partial" if accepted else "failed")
     audit.write(who, audited_as or action, reason, outcome, run=run, source=source,
                 nodes={r.node: (r.command or r.error) for r in results},
-                **({"leave_s": leave_s} if leave_s else {}))
+                **({"leave_s": leave_s} if leave_s else {}), **({"alert": alert} if alert else {}))
     return results
 
 

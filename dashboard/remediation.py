@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import contextlib
 import datetime
 import json
 import logging
@@ -208,7 +209,8 @@ class Remediator:
         if self.history_path is not None:
             with open(self.history_path, "a") as f:
                 f.write(json.dumps({"received": self.clock(), **payload}) + "\n")
-        decisions = []
+        decisions: list[dict] = []
+        retry = False
         for alert in payload.get("alerts", []):
             if alert.get("status") != "firing":
                 ident = _identity(alert)
@@ -223,9 +225,29 @@ class Remediator:
             if rule.action in NODE_ACTIONS:  # acts on the node, not on a run (drain.py)
                 decisions.append(self._decide_node(rule, alert))
                 continue
-            for run in self._runs(alert["labels"]):
-                decisions.append(self._decide(rule, run, alert))
+            try:
+                runs = self._runs(alert["labels"])
+            except PrometheusError as err:
+                decisions.append(self._failed(rule, alert, "", "cannot find the runs the "
+                                              f"alert is about: Prometheus: {err}"))
+                retry = True
+                continue
+            for run in runs:
+                decisions.append(d := self._decide(rule, run, alert))
+                retry |= d.get("retry", False)
+        if retry:
+            raise RetryLater(decisions)
         return decisions
+
+    def _failed(self, rule: Rule, alert: dict, run: str, detail: str) -> dict:
+        """An audited failure; the alert's labels name what it was about."""
+        labels = alert.get("labels", {})
+        self.audit.write("policy", rule.action, f"policy: {rule.alert} -> {rule.action}",
+                         "failed", **({"run": run} if run else {}), source="remediation",
+                         detail=detail, alert=labels)
+        return {**({"run": run} if run else {"node": labels.get("node", "")}),
+                "alert": rule.alert, "action": rule.action, "outcome": "failed",
+                "detail": detail}
 
     def _decide_node(self, rule: Rule, alert: dict, recheck: bool = False) -> dict:
         node = alert.get("labels", {}).get("node", "")
@@ -288,6 +310,8 @@ class Remediator:
             return None
 
     def _runs(self, labels: dict) -> list[str]:
+        """The runs an alert is about: its own `run` label, or the live runs with ranks
+        on its node (and GPU). Raises PrometheusError when Prometheus cannot say."""
         if "run" in labels:
             return [labels["run"]]
         if "node" not in labels:
@@ -304,11 +328,7 @@ class Remediator:
         # Ranks here within actions.NODE_LOOKBACK: the fault an alert names a node for (a slow
         # link) can make its scrapes time out, and Prometheus marks its series stale.
         query = f"max by (run) ({recent_rank_info(sel)}) and on (run) max by (run) ({live})"
-        try:
-            return sorted({s.labels["run"] for s in self.prom.query(query)})
-        except PrometheusError as err:
-            log.error("cannot find runs for %s: %s", labels, err)
-            return []
+        return sorted({s.labels["run"] for s in self.prom.query(query)})  # PrometheusError
 
     def _decide(self, rule: Rule, run: str, alert: dict, recheck: bool = False) -> dict:
         why = f"policy: {rule.alert} -> {rule.action}"
@@ -331,24 +351,39 @@ class Remediator:
                              alert=alert.get("labels", {}))
             return {**base, "outcome": outcome}
         try:
+            labels = alert.get("labels", {})
             if rule.action == EVICT_NODE:
-                node = alert.get("labels", {}).get("node")
+                node = labels.get("node")
                 if not node:
                     raise ActionError("the alert names no node to evict")
                 results = request_action(self.prom, run, "checkpoint-restart", why, "policy",
                                          self.token, self.audit, source="remediation",
                                          nodes=[node], leave_s=self.policy.evict.leave_s,
-                                         audited_as=EVICT_NODE)
+                                         audited_as=EVICT_NODE, alert=labels)
             else:
                 results = request_action(self.prom, run, rule.action, why, "policy",
-                                         self.token, self.audit, source="remediation")
+                                         self.token, self.audit, source="remediation",
+                                         alert=labels)
             ok = all(r.ok for r in results)
             return {**base, "outcome": "acted" if ok else "partial",
                     "nodes": {r.node: r.command or r.error for r in results}}
-        except (ActionError, PrometheusError) as err:
-            self.audit.write("policy", rule.action, why, "failed", run=run,
-                             source="remediation", detail=str(err))
-            return {**base, "outcome": "failed", "detail": str(err)}
+        except ActionError as err:
+            return self._failed(rule, alert, run, str(err))
+        except PrometheusError as err:  # nothing was asked of any agent: try again
+            self._release(rule, run, alert, now)
+            return {**self._failed(rule, alert, run, f"Prometheus: {err}"), "retry": True}
+
+    def _release(self, rule: Rule, run: str, alert: dict, claimed: float) -> None:
+        """Undo a decision that could not be carried out for want of Prometheus: the
+        run's rate-limit slot is free again, and a sustained alert stays sustained (the
+        ticker and Alertmanager's retry decide again, not after another sustained_s)."""
+        with self._lock:
+            with contextlib.suppress(ValueError):
+                self._acted.get(run, []).remove(claimed)
+            if rule.sustained_s:
+                key = (("run", run), *_identity(alert))
+                self._first_seen.setdefault(key, claimed - rule.sustained_s)
+                self._waiting[key] = (rule, ("run", run), alert)
 
 
     def audit_refused(self, client: str) -> None:
@@ -374,7 +409,7 @@ class Remediator:
 
 # The labels that say what an alert is about (Prometheus's ALERTS series has them;
 # Alertmanager may add external labels that it does not).
-SUBJECT_LABELS = ("run", "rank", "node", "gpu", "local_rank", "cause")
+SUBJECT_LABELS = ("run", "rank", "node", "gpu", "local_rank", "cause", "device", "port")
 
 
 def _identity(alert: dict) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -404,6 +439,16 @@ MAX_TRACKED = 10000
 
 class PayloadError(ValueError):
     """A notification that is not Alertmanager's webhook shape; the text says where."""
+
+
+class RetryLater(Exception):
+    """A notification the policy could not decide on for want of Prometheus: answered
+    503, so that Alertmanager sends it again (a 200 would have been the end of it until
+    repeat_interval, hours later). Carries the decisions taken, for the reply."""
+
+    def __init__(self, decisions: list[dict]) -> None:
+        super().__init__("Prometheus could not be asked; send it again")
+        self.decisions = decisions
 
 
 def validate_payload(payload: object) -> None:
@@ -483,6 +528,9 @@ def serve(remediator: Remediator, host: str, port: int, tokens: Tokens,
                 return
             except PayloadError as err:
                 self.send_json(400, {"error": f"not an Alertmanager notification: {err}"})
+                return
+            except RetryLater as err:
+                self.send_json(503, {"error": str(err), "decisions": err.decisions})
                 return
             except TimeoutError:
                 self.refuse(HttpError(408, "timed out reading the request body"))

@@ -212,3 +212,55 @@ def test_a_sustained_alert_is_decided_once_when_a_notification_and_the_ticker_ra
         t.join(timeout=20)
     assert sorted(d["outcome"] for d in out) == ["decided", "dry_run"], out
     assert [r["outcome"] for r in audit.read()] == ["dry_run"]
+
+
+def test_a_decision_prometheus_could_not_support_is_retried_not_dropped(tmp_path):
+    """Prometheus down while the policy decides: an alert that names a node, not a run
+    (GpuDown, TrainingLinkCongested), found no run and was answered 200 with no
+    decision and no record; one that names its run used up the run's rate-limit slot on
+    the failed request, and the retry was `rate_limited`, never sent. Now the webhook
+    answers 503 (Alertmanager retries), says why in the audit log, and a failed request
+    keeps the slot free."""
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    rem = Remediator(Policy([Rule("RankHung", "restart"), Rule("GpuDown", "restart")]),
+                     PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789", audit)
+    server = serve(rem, "127.0.0.1", 0, Tokens.single(HOOK, "alertmanager"))
+    url = f"http://127.0.0.1:{server.server_port}/alertmanager"
+    auth = {"Authorization": f"Bearer {HOOK}"}
+    gpu_down = {"status": "firing", "labels": {"alertname": "GpuDown", "node": "n1",
+                                               "gpu": "0"}}
+    try:
+        for _ in range(2):  # Alertmanager's retry: tried again, not rate-limited
+            for a in (gpu_down, alert()):
+                r = requests.post(url, json={"alerts": [a]}, headers=auth, timeout=30)
+                assert r.status_code == 503, r.text
+                (d,) = r.json()["decisions"]
+                assert d["outcome"] == "failed" and "Prometheus" in d["detail"], d
+    finally:
+        server.shutdown()
+    records = audit.read()
+    assert [x["outcome"] for x in records] == ["failed"] * 4, records
+    assert records[0]["alert"] == gpu_down["labels"]  # the alert behind every record
+
+
+def test_one_rail_recovering_leaves_the_other_rails_wait_alone(tmp_path):
+    """Two congested rails of one node (device mlx5_0, mlx5_1) shared one wait: the
+    alert's identity left out `device`, so the recovered rail's resolved notification
+    dropped the still-congested rail's sustained_s clock."""
+    now = [time.time()]
+    rem = Remediator(Policy([Rule("TrainingLinkCongested", "restart", 120)], dry_run=True),
+                     PrometheusClient("http://127.0.0.1:9"), None,
+                     AuditLog(tmp_path / "audit.jsonl"), clock=lambda: now[0])
+
+    def rail(device: str, status: str = "firing") -> dict:
+        return {"status": status, "labels": {"alertname": "TrainingLinkCongested",
+                                             "run": "r1", "node": "n3", "device": device}}
+
+    rem.handle({"alerts": [rail("mlx5_0"), rail("mlx5_1")]})
+    now[0] += 60
+    (d,) = rem.handle({"alerts": [rail("mlx5_0"), rail("mlx5_1", "resolved")]})
+    assert (d["outcome"], d["detail"]) == ("waiting", "firing 60 s of the 120 s the policy "
+                                                      "requires"), d
+    now[0] += 61
+    (d,) = rem.tick()  # still on its own clock: sustained now
+    assert d["detail"] == "sustained, but Prometheus cannot confirm it still fires", d
