@@ -112,6 +112,7 @@ class ControlApi:
         reg = self.agent.ranks
         return [
             {"run": r.run, "rank": r.rank, "local_rank": r.local_rank, "pid": r.pid,
+             "uid": r.sender.uid if r.sender.verified else None,  # the kernel's word
              "gpu": r.gpu, "step": r.step, "restarts": r.restarts,
              "heartbeat_age_seconds": round(reg.age(r), 3)}
             for r in reg.snapshot()

@@ -77,6 +77,30 @@ def agents_for_run(prom: PrometheusClient, run: str, lookback: str = "") -> dict
             if "instance" in s.labels and "node" in s.labels}
 
 
+def rank_owners(agents: dict[str, str], run: str, token: str) -> dict[int, set[str]]:
+    """uid -> the nodes where a process of that user reports a rank of `run`, from each
+    agent's own list (kernel credentials; ranks over UDP have none). An alert's run
+    label, and Prometheus's, are only what ranks reported: another user's process could
+    report a rank of someone else's run and have the policy restart it. An agent that
+    does not answer is left out (it cannot be acted on either)."""
+    owners: dict[int, set[str]] = {}
+    for node, url in agents.items():
+        node_token = token_for(token, node)
+        if node_token is None:
+            continue
+        try:
+            r = requests.get(f"{url}/v1/ranks", timeout=5, verify=agent_tls(),
+                             headers={"Authorization": f"Bearer {node_token}"})
+            ranks = r.json().get("ranks", []) if r.status_code == 200 else []
+        except (requests.RequestException, ValueError, AttributeError):
+            continue
+        for rank in ranks if isinstance(ranks, list) else []:
+            if (isinstance(rank, dict) and rank.get("run") == run
+                    and isinstance(rank.get("uid"), int)):
+                owners.setdefault(rank["uid"], set()).add(node)
+    return owners
+
+
 def request_action(prom: PrometheusClient, run: str, action: str, reason: str, who: str,
                    token: str | None, audit: AuditLog, deadline_s: float = 120,
                    source: str = "dashboard", nodes: Collection[str] | None = None,
@@ -95,6 +119,14 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
     agents = agents_for_run(prom, run, lookback=NODE_LOOKBACK if nodes is not None else "")
     if not agents:
         raise ActionError(f"no agent reports ranks of run {run!r}")
+    owners = rank_owners(agents, run, token)
+    if len(owners) > 1:
+        where = "; ".join(f"uid {uid} on {', '.join(sorted(on))}"
+                          for uid, on in sorted(owners.items()))
+        raise ActionError(
+            f"run {run!r} is reported by processes of more than one user ({where}): a run "
+            "id is a name any process on a node can report under, so nothing is done; "
+            "find the process that does not belong (GET /v1/ranks on those agents)")
     if nodes is not None:
         agents = {node: url for node, url in agents.items() if node in nodes}
         if not agents:

@@ -146,6 +146,28 @@ def test_node_level_alert_restarts_a_run_only_while_one_of_its_ranks_lives(clust
     assert audit.read() == []
 
 
+def test_a_run_reported_by_another_users_process_is_not_restarted(cluster):
+    """A run id is a name: another user's process on any node could report a rank of
+    the victim's run (here rank 7, never stepping: RankHung fires for it), and the
+    policy, trusting the alert's run label, hard-restarted the victim's ranks every
+    window_s. An action now asks the run's agents who (kernel uid) reports its ranks,
+    and acts on none when more than one user does."""
+    prom, _port, _, victim, tmp, telemetry = cluster
+    audit = AuditLog(tmp / "audit.jsonl")
+    with RankProcess(telemetry[len("unix:"):], [{"type": "step", "run": "job", "rank": 7,
+                                                  "local_rank": 0, "gpu": 0, "step": 1}],
+                     user=65534) as intruder:
+        rem = Remediator(Policy([Rule("RankHung", "restart")]), PrometheusClient(prom.url),
+                         TOKEN, audit)
+        (d,) = rem.handle({"alerts": [firing("RankHung", run="job", rank="7",
+                                             node="node-r")]})
+        assert d["outcome"] == "failed", d
+        assert "more than one user" in d["detail"] and "uid 65534" in d["detail"], d
+        assert victim.poll() is None and intruder.p.poll() is None  # nobody signalled
+    (record,) = [r for r in audit.read() if r["who"] == "policy"]
+    assert record["outcome"] == "failed" and record["alert"]["rank"] == "7"
+
+
 def test_webhook_endpoint(cluster):
     prom, _, _, _, _tmp, _telemetry = cluster
     rem = Remediator(Policy([]), PrometheusClient(prom.url), TOKEN, AuditLog(None))
