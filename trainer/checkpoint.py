@@ -113,8 +113,11 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
         f = path / rel
         if not f.is_file():
             return f"file {rel} missing"
-        if _sha256(f) != digest:
-            return f"file {rel} fails its checksum"
+        try:
+            if _sha256(f) != digest:
+                return f"file {rel} fails its checksum"
+        except OSError as err:  # EIO, a stale NFS handle: unusable, not a crash loop
+            return f"file {rel} unreadable ({err.strerror or err})"
     return None
 
 
@@ -132,9 +135,11 @@ def candidates(root: Path) -> list[Found]:
 
 
 def iter_valid(root: Path, rank: int = 0, world: int = 1,
-               agree: Callable[[bool], bool] = lambda ok: ok) -> Iterator[Found]:
+               agree: Callable[[bool], bool] = lambda ok: ok,
+               unusable: Callable[[Found], None] = lambda found: None) -> Iterator[Found]:
     """Checkpoints that every rank verified, newest first (collective when `agree`
-    is; every rank must iterate the same way). Logs each one skipped and why."""
+    is; every rank must iterate the same way). Logs each one skipped and why, and
+    hands it to `unusable` (on every rank, once every rank has looked at it)."""
     for found in candidates(root):
         problem = verify(found.path, rank, world)
         if problem is not None:
@@ -144,6 +149,25 @@ def iter_valid(root: Path, rank: int = 0, world: int = 1,
                   "falling back to an older one", flush=True)
         if agree(problem is None):
             yield found
+        else:
+            unusable(found)
+
+
+def set_aside(found: Found) -> Path | None:
+    """Move an unusable checkpoint out of the `step-*` names (one process does it, once
+    every rank is done with it): kept as evidence, it no longer holds one of the
+    `--keep` slots (retention goes by name: a stale newer checkpoint made every fresh
+    one be deleted as soon as it was published) nor is it tried again at the next
+    restart. None when it could not be moved (then it is only skipped, as before)."""
+    target = found.path.with_name(f"unusable-{found.path.name}")
+    if target.exists():
+        target = target.with_name(f"{target.name}-{int(time.time())}")
+    try:
+        os.rename(found.path, target)
+    except OSError as err:
+        log.warning("cannot set %s aside: %s", found.path.name, err)
+        return None
+    return target
 
 
 def find_latest_valid(root: Path) -> Found | None:

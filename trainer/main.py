@@ -19,7 +19,14 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
 
 from clusterpulse.agent.logsetup import setup_logging
-from clusterpulse.trainer.checkpoint import MANIFEST, CheckpointError, CheckpointManager, iter_valid
+from clusterpulse.trainer.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointManager,
+    Found,
+    iter_valid,
+    set_aside,
+)
 from clusterpulse.trainer.collectives import ring_allreduce_bytes
 from clusterpulse.trainer.config import ConfigError, TrainConfig, parse_config
 from clusterpulse.trainer.data import SyntheticTokens
@@ -157,7 +164,14 @@ class Trainer:
             dist.barrier(group=self.pulse.consensus.group)  # no rank looks before cleanup
         import torch.distributed.checkpoint as dcp
 
-        for found in iter_valid(self.cfg.ckpt_dir, info.rank, info.world, self.pulse.all_ranks):
+        def unusable(found: Found) -> None:  # every rank is done with it: out of the way
+            if info.rank == 0 and (moved := set_aside(found)) is not None:
+                print(f"trainer: checkpoint {found.path.name} set aside as {moved.name}",
+                      flush=True)
+
+        partly_loaded = False
+        for found in iter_valid(self.cfg.ckpt_dir, info.rank, info.world, self.pulse.all_ranks,
+                                unusable):
             try:
                 dcp.load({"app": self.state}, checkpoint_id=str(found.path))
                 error = ""
@@ -165,6 +179,7 @@ class Trainer:
                 error = f"{type(err).__name__}: {err}".splitlines()[0]
             if self.pulse.all_ranks(not error):
                 break
+            partly_loaded = True
             print(f"trainer: checkpoint {found.path.name} verifies but does not load "
                   f"({error or 'on another rank'}); falling back to an older one", flush=True)
             self.pulse.event("checkpoint_failed", step=found.step)
@@ -172,7 +187,21 @@ class Trainer:
                 self.runstate.load_failures.append({"checkpoint": found.path.name,
                                                     "error": error[:500],
                                                     "unix": time.time()})
+            if info.world > 1:
+                dist.barrier(group=self.pulse.consensus.group)  # nobody still reads it
+            unusable(found)
         else:
+            if partly_loaded:
+                # dcp.load copies into the live model and optimizer: one that failed
+                # partway left part of a checkpoint in them. Training from "step 0" on
+                # that is neither the checkpoint nor a fresh start; the next attempt is
+                # a fresh start (the unusable checkpoints are out of its way).
+                if info.rank == 0:
+                    print("trainer: error: no checkpoint loaded and a failed load may have "
+                          "left part of one in the model; exiting so that the restart "
+                          "starts clean", file=sys.stderr, flush=True)
+                    self.runstate.save(self.runstate_path)
+                raise SystemExit(1)
             if self.attempt > 0 and info.rank == 0:
                 log.warning("restart %d found no valid checkpoint: starting from step 0",
                             self.attempt)
@@ -362,8 +391,13 @@ class Trainer:
                 "consensus_exchanges": self.pulse.consensus.exchanges,
             }
             if self.cfg.summary_json:
-                self.cfg.summary_json.parent.mkdir(parents=True, exist_ok=True)
-                self.cfg.summary_json.write_text(json.dumps(summary, indent=2))
+                try:
+                    self.cfg.summary_json.parent.mkdir(parents=True, exist_ok=True)
+                    self.cfg.summary_json.write_text(json.dumps(summary, indent=2))
+                except OSError as err:  # the run is done: say so, and that this is lost
+                    print(f"trainer: error: cannot write the run summary "
+                          f"{self.cfg.summary_json}: {err.strerror or err}", file=sys.stderr,
+                          flush=True)
             print(f"trainer: done: {self.cfg.steps} steps, loss {summary['final_loss']:.4f}, "
                   f"params {digest[:16]}, restarts {len(rs.restarts)}, "
                   f"goodput {summary['goodput']:.2f}", flush=True)

@@ -13,11 +13,14 @@ a `ProgressMark` beside it is overwritten in place every step with one 32-byte p
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,10 +53,17 @@ class RunState:
             state.productive_seconds = max(state.productive_seconds, mark.productive_seconds)
         return state
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path) -> bool:
+        """Write it (atomically); False when the disk refuses (full, read-only): the
+        accounting is never a reason to stop training or to fail a finished run."""
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(asdict(self), indent=1))
+            os.replace(tmp, path)
+        except OSError as err:
+            log.warning("cannot write the run state %s: %s", path, err.strerror or err)
+            return False
+        return True
 
     def next_attempt(self, run: str) -> int:
         """Rank 0's proposal for the attempt number (all ranks adopt rank 0's)."""

@@ -66,6 +66,38 @@ def test_corrupted_newest_checkpoint_falls_back_to_the_one_before(tmp_path, clea
     assert r.digest == clean_digest["ddp"]
 
 
+def test_a_checkpoint_that_fails_to_load_partway_is_set_aside_and_the_job_starts_clean(
+        tmp_path, clean_digest):
+    """dcp.load copies into the live model and optimizer: one that fails partway leaves
+    part of the checkpoint behind, and the fallback "start from step 0" trained on from
+    that (the run ended with other parameters than one that never failed). Now the
+    unusable checkpoint is set aside (unusable-step-*, kept as evidence) and the ranks
+    exit, so the restart starts clean."""
+    r = run_trainer(tmp_path / "ckpt", steps=STEPS, max_restarts=2, args=[
+        *CKPT, "--inject", "ckpt_unloadable:step=10", "--inject", "crash:rank=1:step=15"])
+    assert r.returncode == 0, r.log[-3000:]
+    assert "checkpoint step-00000010 verifies but does not load" in r.log
+    assert "set aside as unusable-step-00000010" in r.log
+    assert (tmp_path / "ckpt" / "unusable-step-00000010").is_dir()
+    assert r.digest == clean_digest["ddp"]
+
+
+def test_unusable_checkpoints_do_not_hold_the_keep_slots(tmp_path, clean_digest):
+    """Retention kept the newest `--keep` directories by name: after a resume fell back
+    past corrupt newer checkpoints, those held the slots and every fresh checkpoint was
+    deleted as soon as it was published, so the next crash started from step 0 again."""
+    r = run_trainer(tmp_path / "ckpt", steps=STEPS, max_restarts=2, args=[
+        *CKPT, "--keep", "2", "--inject", "ckpt_corrupt:step=20",
+        "--inject", "ckpt_corrupt:step=30", "--inject", "crash:rank=0:step=35",
+        "--inject", "crash:rank=1:step=15:attempt=1"])
+    assert r.returncode == 0, r.log[-3000:]
+    resumed = [x["resume_step"] for x in r.summary["restarts"]]
+    assert resumed == [0, 10], r.summary["restarts"]  # the second resumes from its own save
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("unusable-step-*")) == [
+        "unusable-step-00000020", "unusable-step-00000030"]
+    assert r.digest == clean_digest["ddp"]
+
+
 def test_failed_checkpoint_write_does_not_stop_training(tmp_path, clean_digest):
     r = run_trainer(tmp_path / "ckpt", steps=STEPS, args=[*CKPT, "--inject", "ckpt_fail:step=20"])
     assert r.returncode == 0, r.log[-3000:]

@@ -86,6 +86,15 @@ def test_checkpoints_publish_atomically_prune_and_fall_back(tmp_path):
     loaded = _state(0)
     dcp.load(loaded, checkpoint_id=str(found.path))
     assert torch.equal(loaded["w"], torch.full((64,), 20.0))
+    # A file that cannot be read (EIO, a stale NFS handle) makes the checkpoint
+    # unusable; it used to raise, and every restart crashed on the same file.
+    data = next((tmp_path / "step-00000020").glob("*.distcp"))
+    saved = data.read_bytes()
+    data.unlink()
+    data.symlink_to("/proc/self/mem")  # reading it fails with EIO
+    assert f"file {data.name} unreadable" in verify(tmp_path / "step-00000020")
+    data.unlink()
+    data.write_bytes(saved)
     (tmp_path / "step-00000020" / "manifest.json").unlink()
     assert verify(tmp_path / "step-00000020") == "no manifest (incomplete write)"
     assert find_latest_valid(tmp_path) is None
@@ -619,3 +628,17 @@ def test_a_rank_waits_for_its_own_sigterm_or_times_out():
         catcher.uninstall()
     assert signal.getsignal(signal.SIGTERM) is before
     assert SigtermCatcher().wait(5) is False  # not installed: nothing to wait for
+
+
+def test_a_run_state_the_disk_refuses_is_reported_not_raised(tmp_path, caplog):
+    """A full disk under the checkpoints: the saves failed as designed and training
+    went on, then the run state's write at the end raised and turned the finished run
+    into a crash (rc 1, no summary, and a restart that trained again)."""
+    from clusterpulse.trainer.runstate import RunState
+
+    path = tmp_path / "run-state.json"
+    (tmp_path / "run-state.tmp").mkdir()  # its temporary cannot be written, even by root
+    assert RunState(run="r").save(path) is False
+    assert "cannot write the run state" in caplog.text
+    (tmp_path / "run-state.tmp").rmdir()
+    assert RunState(run="r").save(path) is True and json.loads(path.read_text())["run"] == "r"
