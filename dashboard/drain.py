@@ -19,6 +19,12 @@ Policy (in the remediation policy TOML):
 A node already drained (by its health check, an admin or us) keeps its reason, which
 names the first cause; `requeue` still moves the jobs left on it.
 
+Drain decisions are taken one at a time (in this process): the webhook server answers
+each notification on its own thread, and in an alert storm Alertmanager sends one per
+node at once. A decision counts the nodes drained by us and drains its node before the
+next one counts, so the storm drains `max_drained` nodes and the rest are refused
+(`rate_limited`, saying which nodes count).
+
 `max_drained` is the guard draino-style drainers keep: an alert storm (or a broken
 exporter) must not empty the cluster. Nodes count as ours by their Reason prefix, so
 they stay drained until an operator resumes them (`scontrol update NodeName=X
@@ -33,6 +39,7 @@ import logging
 import re
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +50,10 @@ log = logging.getLogger("clusterpulse.dashboard.drain")
 NODE_ACTIONS = ("drain-node",)
 REASON_PREFIX = "clusterpulse-remediate:"
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# Held from counting the nodes drained by us to draining this one: without it, six
+# notifications of an alert storm each counted the same drained nodes before any had
+# drained its own, and max_drained = 2 drained six. Requeueing counts nothing: outside.
+_DECIDING = threading.Lock()
 
 
 class DrainError(Exception):
@@ -121,21 +132,8 @@ class Drainer:
             return {**base, "outcome": "failed", "detail": "alert has no valid node label"}
         reason = f"{REASON_PREFIX} {name}" + (f" gpu {labels['gpu']}" if "gpu" in labels else "")
         try:
-            ours = drained_by_us()
-            if node in ours or is_drained(node):
-                # Drained already (by us, the node's health check or an admin): keep its
-                # reason, which names the first cause; the running jobs still need moving.
-                outcome, detail = "already_drained", ""
-            elif len(ours) >= self.settings.max_drained:
-                outcome = "rate_limited"
-                detail = (f"{len(ours)} node(s) already drained by remediation "
-                          f"(max_drained={self.settings.max_drained}): {', '.join(sorted(ours))}")
-            elif self.dry_run:
-                outcome, detail = "dry_run", ""
-            else:
-                slurm("scontrol", "update", f"NodeName={node}", "State=DRAIN",
-                      f"Reason={reason}")
-                outcome, detail = "acted", ""
+            with _DECIDING:
+                outcome, detail = self._drain(node, reason)
             if (outcome in ("acted", "already_drained") and self.settings.requeue
                     and not self.dry_run):
                 requeued = []
@@ -150,3 +148,21 @@ class Drainer:
                          node=node, alert=labels, slurm_reason=reason, detail=detail)
         log.info("drain-node %s: %s %s", node, outcome, detail)
         return {**base, "outcome": outcome, "detail": detail}
+
+    def _drain(self, node: str, reason: str) -> tuple[str, str]:
+        """Drain `node` unless it is drained already or max_drained would be exceeded:
+        (outcome, detail). The caller holds _DECIDING, so the count is still true when
+        the drain happens."""
+        ours = drained_by_us()
+        if node in ours or is_drained(node):
+            # Drained already (by us, the node's health check or an admin): keep its
+            # reason, which names the first cause; the running jobs still need moving.
+            return "already_drained", ""
+        if len(ours) >= self.settings.max_drained:
+            return "rate_limited", (f"{len(ours)} node(s) already drained by remediation "
+                                    f"(max_drained={self.settings.max_drained}): "
+                                    f"{', '.join(sorted(ours))}")
+        if self.dry_run:
+            return "dry_run", ""
+        slurm("scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}")
+        return "acted", ""
