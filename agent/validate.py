@@ -1,5 +1,5 @@
-"""Typed, bounded numbers from untrusted JSON/TOML, and TOML files read with an error
-that names the file and the problem (never a traceback).
+"""Typed, bounded numbers from untrusted JSON/TOML, TOML files read with an error that
+names the file and the problem (never a traceback), and unknown keys named.
 
 `True` is an int in Python and JSON's `Infinity`/`NaN` parse to floats, so a plain
 isinstance check lets `"deadline_s": true` or `"duration_s": Infinity` through.
@@ -7,8 +7,10 @@ isinstance check lets `"deadline_s": true` or `"duration_s": Infinity` through.
 
 from __future__ import annotations
 
+import difflib
 import math
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +42,19 @@ def read_toml(path: Path, what: str, error: type[Exception]) -> dict[str, Any]:
         raise error(f"cannot read {what} {path}: {err.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise error(f"{what} {path} is not valid TOML: {err}") from None
+
+
+def unknown_keys(table: dict[str, Any], known: Iterable[str]) -> str | None:
+    """None when every key of `table` is known; else "unknown keys K (did you mean
+    KNOWN?), ...; known: ...". A misspelt key must be an error, not ignored: the
+    default it leaves in place may be the opposite of what was meant (`dry-run = true`
+    loaded a policy that acted)."""
+    known = sorted(known)
+    unknown = sorted(set(table) - set(known))
+    if not unknown:
+        return None
+    named = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1)
+        named.append(f"{key} (did you mean {close[0]}?)" if close else key)
+    return f"unknown keys {', '.join(named)}; known: {', '.join(known)}"

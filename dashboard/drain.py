@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.validate import unknown_keys
 
 log = logging.getLogger("clusterpulse.dashboard.drain")
 
@@ -69,9 +70,9 @@ class DrainSettings:
     def from_toml(cls, raw: Any, where: str) -> DrainSettings:
         if not isinstance(raw, dict):
             raise ValueError(f"{where}: [drain] must be a table")
-        unknown = set(raw) - {"requeue", "max_drained"}
+        unknown = unknown_keys(raw, ("requeue", "max_drained"))
         if unknown:
-            raise ValueError(f"{where}: [drain] has unknown keys {', '.join(sorted(unknown))}")
+            raise ValueError(f"{where}: [drain] has {unknown}")
         requeue, most = raw.get("requeue", False), raw.get("max_drained", 1)
         if not isinstance(requeue, bool):
             raise ValueError(f"{where}: [drain] requeue must be true or false")

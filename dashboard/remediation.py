@@ -75,7 +75,7 @@ from clusterpulse.agent.httpsafe import (
 )
 from clusterpulse.agent.logsetup import setup_logging
 from clusterpulse.agent.tokens import TokenError, Tokens
-from clusterpulse.agent.validate import read_toml
+from clusterpulse.agent.validate import is_number, read_toml, unknown_keys
 from clusterpulse.dashboard.actions import (
     ACTIONS,
     ActionError,
@@ -104,9 +104,9 @@ class EvictSettings:
     def from_toml(cls, raw: object, where: str) -> EvictSettings:
         if not isinstance(raw, dict):
             raise PolicyError(f"{where}: [evict] must be a table")
-        unknown = set(raw) - {"leave_s"}
+        unknown = unknown_keys(raw, ("leave_s",))
         if unknown:
-            raise PolicyError(f"{where}: [evict] has unknown keys {', '.join(sorted(unknown))}")
+            raise PolicyError(f"{where}: [evict] has {unknown}")
         leave = raw.get("leave_s", 300)
         if (not isinstance(leave, int | float) or isinstance(leave, bool)
                 or not 1 <= leave <= protocol.MAX_LEAVE_S):
@@ -161,23 +161,60 @@ class Policy:
 
     @classmethod
     def load(cls, path: Path) -> Policy:
+        """The policy in the TOML file at `path`. Every key and value is checked, and
+        a bad one is a PolicyError naming it: a misspelt key or a zero window would
+        otherwise load as a default and change what the policy does (act instead of
+        dry-run, no rate limit) without a word."""
+        where = f"policy {path}"
         raw = read_toml(path, "policy", PolicyError)
-        rules = []
-        for i, r in enumerate(raw.get("rule", [])):
-            if not isinstance(r, dict) or not isinstance(r.get("alert"), str):
-                raise PolicyError(f"policy {path}, rule #{i + 1}: 'alert' (a name) is required")
-            if r.get("action") not in (*ACTIONS, EVICT_NODE, *NODE_ACTIONS):
-                raise PolicyError(f"policy {path}, rule #{i + 1}: 'action' must be one of "
-                                  f"{', '.join((*ACTIONS, EVICT_NODE, *NODE_ACTIONS))}")
-            rules.append(Rule(r["alert"], r["action"], float(r.get("sustained_s", 0)),
-                              _matchers(r.get("match", {}), f"policy {path}, rule #{i + 1}")))
+        unknown = unknown_keys(raw, POLICY_KEYS)
+        if unknown:
+            raise PolicyError(f"{where}: {unknown}")
+        rules = raw.get("rule", [])
+        if not isinstance(rules, list):
+            raise PolicyError(f"{where}: 'rule' must be an array of tables ([[rule]])")
+        dry_run = raw.get("dry_run", False)
+        if not isinstance(dry_run, bool):
+            raise PolicyError(f"{where}: dry_run must be true or false, not {dry_run!r}")
+        most = raw.get("max_actions_per_run", 1)
+        if not isinstance(most, int) or isinstance(most, bool) or most < 1:
+            raise PolicyError(f"{where}: max_actions_per_run must be an integer >= 1, "
+                              f"not {most!r}")
+        window = raw.get("window_s", 900)
+        if not is_number(window) or window <= 0:
+            raise PolicyError(f"{where}: window_s must be a number of seconds > 0, "
+                              f"not {window!r}")
         try:
-            drain = DrainSettings.from_toml(raw.get("drain", {}), f"policy {path}")
+            drain = DrainSettings.from_toml(raw.get("drain", {}), where)
         except ValueError as err:
             raise PolicyError(str(err)) from None
-        return cls(rules, bool(raw.get("dry_run", False)),
-                   int(raw.get("max_actions_per_run", 1)), float(raw.get("window_s", 900)),
-                   drain, EvictSettings.from_toml(raw.get("evict", {}), f"policy {path}"))
+        return cls([_rule(r, f"{where}, rule #{i + 1}") for i, r in enumerate(rules)],
+                   dry_run, most, float(window), drain,
+                   EvictSettings.from_toml(raw.get("evict", {}), where))
+
+
+POLICY_KEYS = ("dry_run", "max_actions_per_run", "window_s", "rule", "drain", "evict")
+RULE_KEYS = ("alert", "action", "match", "sustained_s")
+
+
+def _rule(raw: object, where: str) -> Rule:
+    """One [[rule]] table, checked as Policy.load checks the file (`where` names it)."""
+    if not isinstance(raw, dict):
+        raise PolicyError(f"{where}: must be a table ([[rule]])")
+    unknown = unknown_keys(raw, RULE_KEYS)
+    if unknown:
+        raise PolicyError(f"{where}: {unknown}")
+    if not isinstance(raw.get("alert"), str) or not raw["alert"]:
+        raise PolicyError(f"{where}: 'alert' (a name) is required")
+    actions = (*ACTIONS, EVICT_NODE, *NODE_ACTIONS)
+    if raw.get("action") not in actions:
+        raise PolicyError(f"{where}: 'action' must be one of {', '.join(actions)}")
+    sustained = raw.get("sustained_s", 0)
+    if not is_number(sustained) or sustained < 0:
+        raise PolicyError(f"{where}: sustained_s must be a number of seconds >= 0, "
+                          f"not {sustained!r}")
+    return Rule(raw["alert"], raw["action"], float(sustained),
+                _matchers(raw.get("match", {}), where))
 
 
 @dataclass
