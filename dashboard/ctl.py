@@ -1,10 +1,17 @@
-"""`clusterpulse-ctl`: the dashboard's actions from a terminal."""
+"""`clusterpulse-ctl`: the dashboard's actions from a terminal.
+
+Each action is audited as `NAME@cli`, NAME being the passwd name of the process's
+real uid (`uid:N` without one): the kernel's word, not $USER or $LOGNAME, which
+whoever runs the command sets. The record goes to --audit-log, else
+$CLUSTERPULSE_AUDIT_LOG (the dashboard's log, to list it on its Audit page), else
+$XDG_STATE_HOME/clusterpulse/audit.jsonl (~/.local/state/clusterpulse/audit.jsonl)."""
 
 from __future__ import annotations
 
 import argparse
 import getpass
 import os
+import pwd
 import sys
 import time
 from pathlib import Path
@@ -25,6 +32,26 @@ environment: CLUSTERPULSE_PROMETHEUS_URL, CLUSTERPULSE_AGENT_TOKEN_FILE, CLUSTER
 """
 
 
+def caller() -> str:
+    """Who runs this command, for the audit: the real uid's passwd name, or `uid:N`
+    when it has none (a container's arbitrary uid). Never getpass.getuser(): it
+    believes $LOGNAME and $USER, so `USER=alice clusterpulse-ctl ...` was alice."""
+    uid = os.getuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid:{uid}"
+
+
+def default_audit_log() -> Path:
+    """$XDG_STATE_HOME/clusterpulse/audit.jsonl, or ~/.local/state/... when it is unset
+    or relative (the XDG spec says to ignore a relative one): the audit used to land
+    in whatever directory the command ran in."""
+    state = os.environ.get("XDG_STATE_HOME", "")
+    base = Path(state) if os.path.isabs(state) else Path.home() / ".local" / "state"
+    return base / "clusterpulse" / "audit.jsonl"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="clusterpulse-ctl", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-file", type=Path,
                    default=os.environ.get("CLUSTERPULSE_AGENT_TOKEN_FILE"))
     p.add_argument("--audit-log", type=Path,
-                   default=Path(os.environ.get("CLUSTERPULSE_AUDIT_LOG",
-                                               "clusterpulse-audit.jsonl")))
+                   default=Path(os.environ.get("CLUSTERPULSE_AUDIT_LOG")
+                                or default_audit_log()),
+                   help="JSON-lines audit log (default: $CLUSTERPULSE_AUDIT_LOG, else "
+                   "$XDG_STATE_HOME/clusterpulse/audit.jsonl, i.e. "
+                   "~/.local/state/clusterpulse/audit.jsonl)")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("restart", help="checkpoint-restart (graceful) or restart (hard) a run")
     r.add_argument("--run", required=True)
@@ -71,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{node}\t{url}")
             return 0
         token = a.token_file.read_text().strip() if a.token_file else None
-        who = f"{getpass.getuser()}@cli"
+        who = f"{caller()}@cli"
         if a.cmd == "evict":
             results = actions.request_action(prom, a.run, "checkpoint-restart", a.reason, who,
                                              token, AuditLog(a.audit_log), source="cli",
