@@ -105,19 +105,21 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
             raise TypeError
     except FileNotFoundError:
         return "no manifest (incomplete write)"
+    except OSError as err:  # EIO, a stale NFS handle: unusable now, not a crash loop
+        return f"manifest {UNREADABLE} ({err.strerror or err})"
     except (ValueError, KeyError, TypeError):
-        return "manifest unreadable"
+        return "manifest malformed"
     for i, (rel, digest) in enumerate(sorted(files.items())):
         if i % world != rank:
             continue
         f = path / rel
-        if not f.is_file():
-            return f"file {rel} missing"
         try:
+            if not f.is_file():
+                return f"file {rel} missing"
             if _sha256(f) != digest:
                 return f"file {rel} fails its checksum"
-        except OSError as err:  # EIO, a stale NFS handle: unusable, not a crash loop
-            return f"file {rel} unreadable ({err.strerror or err})"
+        except OSError as err:
+            return f"file {rel} {UNREADABLE} ({err.strerror or err})"
     return None
 
 
@@ -134,12 +136,16 @@ def candidates(root: Path) -> list[Found]:
     return sorted(out, key=lambda f: f.step, reverse=True)
 
 
+UNREADABLE = "unreadable"  # a read error (EIO, ESTALE) may pass: the checkpoint stays
+
+
 def iter_valid(root: Path, rank: int = 0, world: int = 1,
                agree: Callable[[bool], bool] = lambda ok: ok,
                unusable: Callable[[Found], None] = lambda found: None) -> Iterator[Found]:
     """Checkpoints that every rank verified, newest first (collective when `agree`
     is; every rank must iterate the same way). Logs each one skipped and why, and
-    hands it to `unusable` (on every rank, once every rank has looked at it)."""
+    hands one that is certainly broken (not merely unreadable now on some rank: a
+    transient storage error) to `unusable`, on every rank, once every rank looked."""
     for found in candidates(root):
         problem = verify(found.path, rank, world)
         if problem is not None:
@@ -149,8 +155,8 @@ def iter_valid(root: Path, rank: int = 0, world: int = 1,
                   "falling back to an older one", flush=True)
         if agree(problem is None):
             yield found
-        else:
-            unusable(found)
+        elif agree(problem is None or UNREADABLE not in problem):
+            unusable(found)  # certainly broken on every rank that looked, not a read error
 
 
 def set_aside(found: Found) -> Path | None:

@@ -164,8 +164,15 @@ class Trainer:
             dist.barrier(group=self.pulse.consensus.group)  # no rank looks before cleanup
         import torch.distributed.checkpoint as dcp
 
+        kept: list[str] = []  # unusable checkpoints that could not be set aside (rank 0)
+
         def unusable(found: Found) -> None:  # every rank is done with it: out of the way
-            if info.rank == 0 and (moved := set_aside(found)) is not None:
+            if info.rank != 0:
+                return
+            moved = set_aside(found)
+            if moved is None:
+                kept.append(found.path.name)
+            else:
                 print(f"trainer: checkpoint {found.path.name} set aside as {moved.name}",
                       flush=True)
 
@@ -199,7 +206,12 @@ class Trainer:
                 if info.rank == 0:
                     print("trainer: error: no checkpoint loaded and a failed load may have "
                           "left part of one in the model; exiting so that the restart "
-                          "starts clean", file=sys.stderr, flush=True)
+                          "starts clean" + (f" (but {', '.join(kept)} could not be set "
+                          "aside: move it out of the checkpoint directory, or every "
+                          "restart fails the same way)" if kept else ""),
+                          file=sys.stderr, flush=True)
+                    # this attempt's number is used: the next one gets the next number
+                    self.runstate.attempts = max(self.runstate.attempts, self.attempt + 1)
                     self.runstate.save(self.runstate_path)
                 raise SystemExit(1)
             if self.attempt > 0 and info.rank == 0:

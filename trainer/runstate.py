@@ -79,7 +79,13 @@ class RunState:
             self.__init__(run=run, started_unix=now)  # a new run in this directory
         self.attempts = max(self.attempts, attempt + 1)
         if attempt > 0:
-            cause = "membership" if membership_change else self.pending_exit or "failure"
+            # torchrun restarts a node's workers without counting a failure for a node
+            # that joins, but also on a healthy node while another node's failure is
+            # being restarted: a membership change only if the ranks left together for
+            # a SIGTERM (they agreed on "preempted"); never over a failure or a command
+            cause = self.pending_exit or "failure"
+            if membership_change and cause == "preempted":
+                cause = "membership"
             self.restarts.append({
                 "attempt": attempt, "cause": cause, "command": self.pending_command,
                 "resume_step": resume_step, "last_step_before": self.last_step,

@@ -17,7 +17,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from clusterpulse.trainer.checkpoint import CheckpointManager, dcp_files, find_latest_valid, verify
+from clusterpulse.trainer.checkpoint import (
+    CheckpointManager,
+    dcp_files,
+    find_latest_valid,
+    iter_valid,
+    verify,
+)
 from clusterpulse.trainer.config import ConfigError, parse_config
 from clusterpulse.trainer.consensus import Consensus
 from clusterpulse.trainer.data import SyntheticTokens
@@ -93,6 +99,10 @@ def test_checkpoints_publish_atomically_prune_and_fall_back(tmp_path):
     data.unlink()
     data.symlink_to("/proc/self/mem")  # reading it fails with EIO
     assert f"file {data.name} unreadable" in verify(tmp_path / "step-00000020")
+    # ... and is not set aside for it (the error may pass); a broken one is
+    set_aside: list[int] = []
+    assert list(iter_valid(tmp_path, unusable=lambda f: set_aside.append(f.step))) == []
+    assert set_aside == [30]  # its checksum fails; 20 was only unreadable
     data.unlink()
     data.write_bytes(saved)
     (tmp_path / "step-00000020" / "manifest.json").unlink()
@@ -642,3 +652,19 @@ def test_a_run_state_the_disk_refuses_is_reported_not_raised(tmp_path, caplog):
     assert "cannot write the run state" in caplog.text
     (tmp_path / "run-state.tmp").rmdir()
     assert RunState(run="r").save(path) is True and json.loads(path.read_text())["run"] == "r"
+
+
+@pytest.mark.parametrize(("left_as", "cause"), [
+    ("preempted", "membership"), ("", "failure"), ("checkpoint-restart", "checkpoint-restart")])
+def test_a_membership_change_is_told_only_from_ranks_that_left_for_a_sigterm(left_as, cause):
+    """torchrun restarts a healthy node's workers without counting a failure both for a
+    node that joins and while another node's failure is being restarted: the failure
+    (the ranks never agreed to leave) must not be recorded as a membership change, nor
+    a graceful command's restart."""
+    from clusterpulse.trainer.runstate import RunState
+
+    rs = RunState()
+    rs.begin_attempt("r", 0, 0)
+    rs.pending_exit = left_as
+    rs.begin_attempt("r", 1, 0, membership_change=True)
+    assert rs.restarts[-1]["cause"] == cause
