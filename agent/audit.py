@@ -12,6 +12,7 @@ elsewhere (ship the log off the node for more, see docs/security.md).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -84,6 +85,20 @@ class AuditLog:
                           "until it can", self.path, err.strerror or err, len(self._waiting))
         return record
 
+    def flush(self) -> bool:
+        """Write the records still waiting in memory (at shutdown: they would be lost);
+        True when none is left."""
+        if self.path is None:
+            return True
+        with self._lock:
+            if self._waiting:
+                try:
+                    self._write_waiting()
+                except OSError as err:
+                    log.error("audit log %s: %d record(s) could not be written: %s",
+                              self.path, len(self._waiting), err.strerror or err)
+            return not self._waiting
+
     def _write_waiting(self) -> None:
         fd = self._open()
         try:
@@ -92,9 +107,13 @@ class AuditLog:
                 if self.chain:
                     record["prev"] = self._prev
                 line = json.dumps(record, sort_keys=True, default=str)
+                data = (line + "\n").encode()
                 end = os.lseek(fd, 0, os.SEEK_END)
                 try:
-                    os.write(fd, (line + "\n").encode())
+                    # a nearly full disk (or a file size limit) can take part of it
+                    # without an error: that is a failure too
+                    if os.write(fd, data) != len(data):
+                        raise OSError(errno.ENOSPC, "short write")
                     os.fsync(fd)
                 except OSError:
                     os.ftruncate(fd, end)  # no torn line to break the chain

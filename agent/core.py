@@ -117,6 +117,7 @@ class Agent:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
+        self.audit.flush()  # records a full disk held back, if it takes them now
         if self._sock is not None:
             self._sock.close()
         if self._unix_path is not None:

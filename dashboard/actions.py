@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import requests
@@ -79,22 +80,29 @@ def agents_for_run(prom: PrometheusClient, run: str, lookback: str = "") -> dict
 
 def rank_owners(agents: dict[str, str], run: str, token: str) -> dict[int, set[str]]:
     """uid -> the nodes where a process of that user reports a rank of `run`, from each
-    agent's own list (kernel credentials; ranks over UDP have none). An alert's run
+    agent's own list (kernel credentials; ranks over UDP, or in a PID namespace the
+    agent cannot see, have none, nor do agents older than this check). An alert's run
     label, and Prometheus's, are only what ranks reported: another user's process could
-    report a rank of someone else's run and have the policy restart it. An agent that
-    does not answer is left out (it cannot be acted on either)."""
-    owners: dict[int, set[str]] = {}
-    for node, url in agents.items():
+    report a rank of someone else's run and have the policy restart it. The agents are
+    asked at once; one that does not answer is left out (it cannot be acted on either)."""
+
+    def ask(node: str, url: str) -> list:
         node_token = token_for(token, node)
         if node_token is None:
-            continue
+            return []
         try:
-            r = requests.get(f"{url}/v1/ranks", timeout=5, verify=agent_tls(),
+            r = requests.get(f"{url}/v1/ranks", timeout=3, verify=agent_tls(),
                              headers={"Authorization": f"Bearer {node_token}"})
             ranks = r.json().get("ranks", []) if r.status_code == 200 else []
         except (requests.RequestException, ValueError, AttributeError):
-            continue
-        for rank in ranks if isinstance(ranks, list) else []:
+            return []
+        return ranks if isinstance(ranks, list) else []
+
+    owners: dict[int, set[str]] = {}
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(agents)))) as pool:
+        answers = {node: pool.submit(ask, node, url) for node, url in agents.items()}
+    for node, answer in answers.items():
+        for rank in answer.result():
             if (isinstance(rank, dict) and rank.get("run") == run
                     and isinstance(rank.get("uid"), int)):
                 owners.setdefault(rank["uid"], set()).add(node)
@@ -105,11 +113,13 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
                    token: str | None, audit: AuditLog, deadline_s: float = 120,
                    source: str = "dashboard", nodes: Collection[str] | None = None,
                    leave_s: float = 0.0, audited_as: str | None = None,
-                   alert: dict | None = None) -> list[NodeResult]:
+                   alert: dict | None = None, one_owner: bool = False) -> list[NodeResult]:
     """Ask the agents of the run's nodes (of `nodes` only, if given) for `action`;
     `leave_s`: those nodes sit the graceful restart out that long (evict-node);
     `alert`: the labels of the alert a policy acts on, kept in the audit record (which
-    rank on which node the action was for)."""
+    rank on which node the action was for); `one_owner`: do nothing when the run's
+    ranks are reported by processes of more than one user (`rank_owners`: the policy,
+    which acts on what ranks reported; an operator decides for themselves)."""
     if action not in ACTIONS:
         raise ActionError(f"action must be one of {', '.join(ACTIONS)}")
     if not reason.strip():
@@ -119,7 +129,7 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
     agents = agents_for_run(prom, run, lookback=NODE_LOOKBACK if nodes is not None else "")
     if not agents:
         raise ActionError(f"no agent reports ranks of run {run!r}")
-    owners = rank_owners(agents, run, token)
+    owners = rank_owners(agents, run, token) if one_owner else {}
     if len(owners) > 1:
         where = "; ".join(f"uid {uid} on {', '.join(sorted(on))}"
                           for uid, on in sorted(owners.items()))

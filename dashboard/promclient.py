@@ -14,11 +14,24 @@ import requests
 
 
 class PrometheusError(Exception):
-    """Prometheus answered, but with an error (bad query, timeout, overload)."""
+    """Prometheus answered, but with an error (bad query, timeout, overload).
+    `transient`: asking again later may work (a timeout, an overload, a proxy's 5xx),
+    where a bad query or a URL that is no Prometheus will fail the same way."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class PrometheusUnavailable(PrometheusError):
     """Prometheus could not be reached at all."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=True)
+
+
+# Prometheus's API error types that may pass (the others are the query's own fault)
+TRANSIENT_ERRORS = {"timeout", "canceled", "unavailable", "internal"}
 
 
 @dataclass(frozen=True)
@@ -54,10 +67,12 @@ class PrometheusClient:
             body = r.json()
         except ValueError:
             raise PrometheusError(f"Prometheus answered HTTP {r.status_code} without JSON "
-                                  f"(is {self.url} a Prometheus API?)") from None
+                                  f"(is {self.url} a Prometheus API?)",
+                                  transient=r.status_code >= 500) from None
         if body.get("status") != "success":
-            raise PrometheusError(f"{body.get('errorType', 'error')}: "
-                                  f"{body.get('error', 'unknown error')}")
+            kind = body.get("errorType", "error")
+            raise PrometheusError(f"{kind}: {body.get('error', 'unknown error')}",
+                                  transient=kind in TRANSIENT_ERRORS)
         return body["data"]
 
     def query(self, promql: str, at: float | None = None) -> list[Sample]:

@@ -226,6 +226,9 @@ class Remediator:
     history_path: Path | None = None
     clock: callable = time.time
     _acted: dict[str, list[float]] = field(default_factory=dict)
+    # (run, alert fingerprint, startsAt) -> when it was acted on: a resend within
+    # window_s is not acted on again
+    _done: dict[tuple[str, str, str], float] = field(default_factory=dict)
     # Alerts a rule wants sustained, one entry per alert (its labels) and subject
     # (("run", run) or ("node", node)): Alertmanager does not notify again for an
     # unchanged group until repeat_interval (hours), so the receiver re-checks them
@@ -267,11 +270,12 @@ class Remediator:
             except PrometheusError as err:
                 decisions.append(self._failed(rule, alert, "", "cannot find the runs the "
                                               f"alert is about: Prometheus: {err}"))
-                retry = True
+                retry |= err.transient
                 continue
             for run in runs:
-                decisions.append(d := self._decide(rule, run, alert))
-                retry |= d.get("retry", False)
+                d = self._decide(rule, run, alert)
+                retry |= d.pop("retry", False)
+                decisions.append(d)
         if retry:
             raise RetryLater(decisions)
         return decisions
@@ -374,7 +378,13 @@ class Remediator:
         if waiting is not None:
             return {**base, **waiting}
         now = self.clock()
+        resend = (run, alert.get("fingerprint") or str(_identity(alert)),
+                  alert.get("startsAt", ""))
         with self._lock:
+            self._done = {k: t for k, t in self._done.items() if now - t < self.policy.window_s}
+            if resend in self._done:  # Alertmanager's retry of a notification (a 503
+                # for another alert in it): this one was carried out already
+                return {**base, "outcome": "decided", "detail": "decided already"}
             recent = [t for t in self._acted.get(run, []) if now - t < self.policy.window_s]
             if len(recent) >= self.policy.max_actions_per_run:
                 outcome = "rate_limited"
@@ -396,19 +406,23 @@ class Remediator:
                 results = request_action(self.prom, run, "checkpoint-restart", why, "policy",
                                          self.token, self.audit, source="remediation",
                                          nodes=[node], leave_s=self.policy.evict.leave_s,
-                                         audited_as=EVICT_NODE, alert=labels)
+                                         audited_as=EVICT_NODE, alert=labels,
+                                         one_owner=True)
             else:
                 results = request_action(self.prom, run, rule.action, why, "policy",
                                          self.token, self.audit, source="remediation",
-                                         alert=labels)
+                                         alert=labels, one_owner=True)
             ok = all(r.ok for r in results)
+            with self._lock:
+                self._done[resend] = now
             return {**base, "outcome": "acted" if ok else "partial",
                     "nodes": {r.node: r.command or r.error for r in results}}
         except ActionError as err:
             return self._failed(rule, alert, run, str(err))
         except PrometheusError as err:  # nothing was asked of any agent: try again
             self._release(rule, run, alert, now)
-            return {**self._failed(rule, alert, run, f"Prometheus: {err}"), "retry": True}
+            return {**self._failed(rule, alert, run, f"Prometheus: {err}"),
+                    "retry": err.transient}
 
     def _release(self, rule: Rule, run: str, alert: dict, claimed: float) -> None:
         """Undo a decision that could not be carried out for want of Prometheus: the

@@ -75,6 +75,23 @@ def test_policy_acts_rate_limits_and_audits(cluster):
     assert len((tmp / "history.jsonl").read_text().splitlines()) == 4
 
 
+def test_a_resent_notification_is_not_acted_on_twice(cluster):
+    """Alertmanager sends a whole notification again after a 503 (Prometheus could not
+    support the decision on another alert in it): an alert already acted on was
+    decided again, and with max_actions_per_run above 1 acted on twice."""
+    prom, _port, _, victim, tmp, _telemetry = cluster
+    audit = AuditLog(tmp / "audit.jsonl")
+    rem = Remediator(Policy([Rule("RankHung", "restart")], max_actions_per_run=5),
+                     PrometheusClient(prom.url), TOKEN, audit)
+    hung = {**firing("RankHung", run="job", rank="0"), "fingerprint": "a1b2c3"}
+    (d,) = rem.handle({"alerts": [hung]})
+    assert d["outcome"] == "acted", d
+    assert victim.wait(timeout=10) == -15
+    (d,) = rem.handle({"alerts": [hung]})  # the resend
+    assert (d["outcome"], d["detail"]) == ("decided", "decided already"), d
+    assert [r["outcome"] for r in audit.read() if r["who"] == "policy"] == ["accepted"]
+
+
 def test_sustained_alert_is_acted_on_without_a_new_notification(cluster):
     """Alertmanager repeats an unchanged alert only after hours: the receiver re-checks
     waiting alerts itself, and forgets them when they resolve. Its resolved

@@ -118,6 +118,24 @@ def test_an_unwritable_audit_log_stops_nothing_and_loses_no_record(tmp_path):
         assert [(x["action"], x.get("run")) for x in records][:1] == [("restart", "r1")]
         assert records[-1]["run"] == "r9" and len(records) >= 3, records
         assert verify_chain(path) == []
+        # a short write (the disk takes part of a line without an error) is a failure,
+        # not a torn line: a file size limit shows it
+        import resource
+        import signal
+
+        size = path.stat().st_size
+        old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 40, hard))
+        try:
+            running.agent.audit.write("ops", "restart", "short", "accepted", run="r10")
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, old_handler)
+        assert path.stat().st_size == size  # nothing torn left behind
+        assert running.agent.audit.flush() is True  # written once the file takes it
+        assert json.loads(path.read_text().splitlines()[-1])["run"] == "r10"
+        assert verify_chain(path) == []
     finally:
         if path.is_dir():
             path.rmdir()

@@ -264,3 +264,36 @@ def test_one_rail_recovering_leaves_the_other_rails_wait_alone(tmp_path):
     now[0] += 61
     (d,) = rem.tick()  # still on its own clock: sustained now
     assert d["detail"] == "sustained, but Prometheus cannot confirm it still fires", d
+
+
+def test_a_prometheus_error_that_will_not_pass_is_answered_not_retried(tmp_path):
+    """Only an error that may pass (unreachable, a timeout, an overload) asks
+    Alertmanager to send the notification again: a bad query, or a URL that is no
+    Prometheus, would fail the same way at every resend, for ever."""
+    import http.server
+    import threading
+
+    class BadData(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"status":"error","errorType":"bad_data","error":"parse error"}'
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    prom = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BadData)
+    threading.Thread(target=prom.serve_forever, daemon=True).start()
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    rem = Remediator(Policy([Rule("GpuDown", "restart")]),
+                     PrometheusClient(f"http://127.0.0.1:{prom.server_port}"),
+                     "agent-token-0123456789", audit)
+    try:
+        (d,) = rem.handle({"alerts": [{"status": "firing", "labels": {
+            "alertname": "GpuDown", "node": "n1", "gpu": "0"}}]})  # no RetryLater
+    finally:
+        prom.shutdown()
+    assert d["outcome"] == "failed" and "bad_data" in d["detail"] and "retry" not in d, d
+    assert [r["outcome"] for r in audit.read()] == ["failed"]
