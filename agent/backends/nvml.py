@@ -105,6 +105,7 @@ class NvmlBackend:
     # reappears within a minute, and one gone for good costs an nvmlInit a minute.
     REINIT_INTERVAL_S = 30.0
     REINIT_MAX_INTERVAL_S = 60.0
+    REINIT_RETRY_S = 5.0  # after a re-initialisation that failed
 
     def __init__(self, nvml: ModuleType | None = None, clock=time.monotonic,
                  xid_state: Path | None = None) -> None:
@@ -312,6 +313,9 @@ class NvmlBackend:
         log.warning("re-initialising NVML: a GPU was lost or is missing")
         try:
             if self._event_set is not None:  # _init makes a new one: do not leak the old
+                if not self._need_reinit:  # a re-probe: XIDs queued since the last cycle
+                    with contextlib.suppress(n.NVMLError):
+                        self._drain_xid_events()
                 with contextlib.suppress(n.NVMLError):
                     self._call("nvmlEventSetFree", self._event_set)
                 self._event_set = None
@@ -321,6 +325,10 @@ class NvmlBackend:
             self._need_reinit = False
         except n.NVMLError as err:
             self._errors[f"reinit_{error_kind(err)}"] += 1
+            # NVML is down now for every GPU, not only the missing one: try again soon
+            # (then backing off again), not a minute later
+            self._need_reinit = True
+            self._reinit_interval = self.REINIT_RETRY_S
 
     def _down(self, dev: _Device, reason: str) -> GpuSample:
         return GpuSample(

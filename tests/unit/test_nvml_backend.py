@@ -115,6 +115,29 @@ def test_a_gpu_off_the_bus_keeps_its_label_and_is_reprobed_until_it_returns():
     assert s[2].power_watts is None and s[3].power_watts == 350.0
 
 
+def test_a_reprobe_that_fails_is_retried_soon_and_keeps_the_queued_xids():
+    """Re-probing a missing GPU re-initialises NVML for every GPU: one whose nvmlInit
+    failed left the healthy GPUs down (uninitialized) for the next whole minute, and
+    the XIDs queued since the last cycle went with the freed event set."""
+    fake, clock = FakeNvml(gpus=3), Clock()
+    backend = NvmlBackend(nvml=fake, clock=clock)
+    fake.gpus[1].lost = True
+    while backend.collect()[1].down_reason != "missing":
+        clock.t += 1
+    # an XID queued just before the next re-probe is counted, not lost
+    clock.t += NvmlBackend.REINIT_MAX_INTERVAL_S
+    fake.events.append((2, 48))
+    fake.init_error = pynvml.NVMLError_DriverNotLoaded
+    s = backend.collect()  # the re-probe fails: NVML is down for all of them
+    assert s[2].xid_errors_total == {48: 1}
+    assert [g.up for g in s] == [False, False, False]
+    fake.init_error = None
+    for _ in range(int(NvmlBackend.REINIT_RETRY_S) + 1):
+        clock.t += 1
+        s = backend.collect()
+    assert [g.up for g in s] == [True, False, True]  # within seconds, not a minute
+
+
 def test_a_gpu_new_to_the_agent_never_takes_a_known_gpus_label():
     """A GPU already off the bus when the agent started is unknown to it; if it is
     enumerated at a re-init, NVML's index for it belongs to another GPU's series."""
