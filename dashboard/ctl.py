@@ -48,7 +48,13 @@ def default_audit_log() -> Path:
     or relative (the XDG spec says to ignore a relative one): the audit used to land
     in whatever directory the command ran in."""
     state = os.environ.get("XDG_STATE_HOME", "")
-    base = Path(state) if os.path.isabs(state) else Path.home() / ".local" / "state"
+    if os.path.isabs(state):
+        base = Path(state)
+    else:
+        try:
+            base = Path.home() / ".local" / "state"
+        except RuntimeError:  # no $HOME and no passwd entry (a container's uid)
+            return Path("clusterpulse-audit.jsonl")  # here, as before: said in --help
     return base / "clusterpulse" / "audit.jsonl"
 
 
@@ -64,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                                 or default_audit_log()),
                    help="JSON-lines audit log (default: $CLUSTERPULSE_AUDIT_LOG, else "
                    "$XDG_STATE_HOME/clusterpulse/audit.jsonl, i.e. "
-                   "~/.local/state/clusterpulse/audit.jsonl)")
+                   "~/.local/state/clusterpulse/audit.jsonl; with no home directory, "
+                   "./clusterpulse-audit.jsonl)")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("restart", help="checkpoint-restart (graceful) or restart (hard) a run")
     r.add_argument("--run", required=True)

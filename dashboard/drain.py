@@ -55,6 +55,7 @@ NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # notifications of an alert storm each counted the same drained nodes before any had
 # drained its own, and max_drained = 2 drained six. Requeueing counts nothing: outside.
 _DECIDING = threading.Lock()
+DECIDING_WAIT_S = 45.0  # one slow Slurm command (30 s timeout) ahead, not a queue of them
 
 
 class DrainError(Exception):
@@ -133,8 +134,15 @@ class Drainer:
             return {**base, "outcome": "failed", "detail": "alert has no valid node label"}
         reason = f"{REASON_PREFIX} {name}" + (f" gpu {labels['gpu']}" if "gpu" in labels else "")
         try:
-            with _DECIDING:
+            if not _DECIDING.acquire(timeout=DECIDING_WAIT_S):
+                # Slurm is slow and decisions queue: do not hold the webhook's threads
+                # (and its connection slots) for minutes; the alert is resent
+                raise DrainError(f"another drain decision has waited on Slurm for over "
+                                 f"{DECIDING_WAIT_S:.0f} s; not drained now")
+            try:
                 outcome, detail = self._drain(node, reason)
+            finally:
+                _DECIDING.release()
             if (outcome in ("acted", "already_drained") and self.settings.requeue
                     and not self.dry_run):
                 requeued = []

@@ -68,11 +68,14 @@ class PrometheusClient:
         except ValueError:
             raise PrometheusError(f"Prometheus answered HTTP {r.status_code} without JSON "
                                   f"(is {self.url} a Prometheus API?)",
-                                  transient=r.status_code >= 500) from None
-        if body.get("status") != "success":
-            kind = body.get("errorType", "error")
-            raise PrometheusError(f"{kind}: {body.get('error', 'unknown error')}",
-                                  transient=kind in TRANSIENT_ERRORS)
+                                  transient=r.status_code >= 500 or r.status_code == 429
+                                  ) from None
+        if not isinstance(body, dict) or body.get("status") != "success":
+            kind = body.get("errorType", "error") if isinstance(body, dict) else "error"
+            text = body.get("error", "unknown error") if isinstance(body, dict) else body
+            raise PrometheusError(f"{kind}: {text} (HTTP {r.status_code})",
+                                  transient=kind in TRANSIENT_ERRORS
+                                  or r.status_code >= 500 or r.status_code == 429)
         return body["data"]
 
     def query(self, promql: str, at: float | None = None) -> list[Sample]:

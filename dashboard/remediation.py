@@ -254,7 +254,9 @@ class Remediator:
         for alert in payload.get("alerts", []):
             if alert.get("status") != "firing":
                 ident = _identity(alert)
-                with self._lock:
+                with self._lock:  # over: a new firing is a new alert, whatever startsAt says
+                    self._done = {k: t for k, t in self._done.items()
+                                  if k[1] != _fingerprint(alert)}
                     for key in [k for k in self._first_seen if k[1:] == ident]:
                         self._waiting.pop(key, None)
                         del self._first_seen[key]
@@ -378,12 +380,12 @@ class Remediator:
         if waiting is not None:
             return {**base, **waiting}
         now = self.clock()
-        resend = (run, alert.get("fingerprint") or str(_identity(alert)),
-                  alert.get("startsAt", ""))
+        # the same alert in a resent notification (Alertmanager retries after a 503, or
+        # two Alertmanagers of an HA pair both send): carried out once
+        resend = (run, _fingerprint(alert), alert.get("startsAt", ""))
         with self._lock:
             self._done = {k: t for k, t in self._done.items() if now - t < self.policy.window_s}
-            if resend in self._done:  # Alertmanager's retry of a notification (a 503
-                # for another alert in it): this one was carried out already
+            if resend[2] and resend in self._done:
                 return {**base, "outcome": "decided", "detail": "decided already"}
             recent = [t for t in self._acted.get(run, []) if now - t < self.policy.window_s]
             if len(recent) >= self.policy.max_actions_per_run:
@@ -392,6 +394,7 @@ class Remediator:
                 outcome = "dry_run" if self.policy.dry_run else "act"
                 if not self.policy.dry_run:
                     recent.append(now)
+                    self._done[resend] = now  # claimed with the slot, under one lock
             self._acted[run] = recent
         if outcome != "act":
             self.audit.write("policy", rule.action, why, outcome, run=run, source="remediation",
@@ -413,8 +416,6 @@ class Remediator:
                                          self.token, self.audit, source="remediation",
                                          alert=labels, one_owner=True)
             ok = all(r.ok for r in results)
-            with self._lock:
-                self._done[resend] = now
             return {**base, "outcome": "acted" if ok else "partial",
                     "nodes": {r.node: r.command or r.error for r in results}}
         except ActionError as err:
@@ -429,6 +430,7 @@ class Remediator:
         run's rate-limit slot is free again, and a sustained alert stays sustained (the
         ticker and Alertmanager's retry decide again, not after another sustained_s)."""
         with self._lock:
+            self._done.pop((run, _fingerprint(alert), alert.get("startsAt", "")), None)
             with contextlib.suppress(ValueError):
                 self._acted.get(run, []).remove(claimed)
             if rule.sustained_s:
@@ -461,6 +463,11 @@ class Remediator:
 # The labels that say what an alert is about (Prometheus's ALERTS series has them;
 # Alertmanager may add external labels that it does not).
 SUBJECT_LABELS = ("run", "rank", "node", "gpu", "local_rank", "cause", "device", "port")
+
+
+def _fingerprint(alert: dict) -> str:
+    """Alertmanager's fingerprint of the alert's labels, or those labels themselves."""
+    return str(alert.get("fingerprint") or _identity(alert))
 
 
 def _identity(alert: dict) -> tuple[str, tuple[tuple[str, str], ...]]:

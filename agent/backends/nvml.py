@@ -119,6 +119,7 @@ class NvmlBackend:
         self._order: list[str] = []
         self._event_set: Any = None
         self._need_reinit = False  # NVML itself failed: no events until re-initialised
+        self._reinit_failing = False  # the last re-initialisation failed
         self._last_reinit = clock()
         self._reinit_interval = self.REINIT_INTERVAL_S
         self._driver_version = ""
@@ -322,13 +323,15 @@ class NvmlBackend:
             with contextlib.suppress(n.NVMLError):
                 self._call("nvmlShutdown")
             self._init()
-            self._need_reinit = False
+            self._need_reinit = self._reinit_failing = False
         except n.NVMLError as err:
             self._errors[f"reinit_{error_kind(err)}"] += 1
-            # NVML is down now for every GPU, not only the missing one: try again soon
-            # (then backing off again), not a minute later
+            # NVML is down now for every GPU, not only the missing one: the first
+            # failure is tried again soon, not a minute later; then backing off again
             self._need_reinit = True
-            self._reinit_interval = self.REINIT_RETRY_S
+            if not self._reinit_failing:
+                self._reinit_failing = True
+                self._reinit_interval = self.REINIT_RETRY_S
 
     def _down(self, dev: _Device, reason: str) -> GpuSample:
         return GpuSample(

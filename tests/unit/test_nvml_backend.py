@@ -136,6 +136,13 @@ def test_a_reprobe_that_fails_is_retried_soon_and_keeps_the_queued_xids():
         clock.t += 1
         s = backend.collect()
     assert [g.up for g in s] == [True, False, True]  # within seconds, not a minute
+    # NVML gone for good: the retries back off to once a minute again
+    fake.init_error = pynvml.NVMLError_DriverNotLoaded
+    inits = fake.calls["nvmlInit"]
+    for _ in range(600):
+        clock.t += 1
+        backend.collect()
+    assert fake.calls["nvmlInit"] - inits <= 600 / NvmlBackend.REINIT_MAX_INTERVAL_S + 4
 
 
 def test_a_gpu_new_to_the_agent_never_takes_a_known_gpus_label():

@@ -266,17 +266,23 @@ def test_one_rail_recovering_leaves_the_other_rails_wait_alone(tmp_path):
     assert d["detail"] == "sustained, but Prometheus cannot confirm it still fires", d
 
 
-def test_a_prometheus_error_that_will_not_pass_is_answered_not_retried(tmp_path):
+@pytest.mark.parametrize(("status", "body", "retried"), [
+    (400, b'{"status":"error","errorType":"bad_data","error":"parse error"}', False),
+    (503, b'{"message":"Rate exceeded"}', True),  # a gateway's overload, with JSON
+    (429, b'{"message":"Too many requests"}', True)])
+def test_a_prometheus_error_that_will_not_pass_is_answered_not_retried(tmp_path, status,
+                                                                       body, retried):
     """Only an error that may pass (unreachable, a timeout, an overload) asks
     Alertmanager to send the notification again: a bad query, or a URL that is no
     Prometheus, would fail the same way at every resend, for ever."""
     import http.server
     import threading
 
+    from clusterpulse.dashboard.remediation import RetryLater
+
     class BadData(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = b'{"status":"error","errorType":"bad_data","error":"parse error"}'
-            self.send_response(400)
+            self.send_response(status)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -290,10 +296,16 @@ def test_a_prometheus_error_that_will_not_pass_is_answered_not_retried(tmp_path)
     rem = Remediator(Policy([Rule("GpuDown", "restart")]),
                      PrometheusClient(f"http://127.0.0.1:{prom.server_port}"),
                      "agent-token-0123456789", audit)
+    notification = {"alerts": [{"status": "firing", "labels": {
+        "alertname": "GpuDown", "node": "n1", "gpu": "0"}}]}
     try:
-        (d,) = rem.handle({"alerts": [{"status": "firing", "labels": {
-            "alertname": "GpuDown", "node": "n1", "gpu": "0"}}]})  # no RetryLater
+        if retried:
+            with pytest.raises(RetryLater):
+                rem.handle(notification)
+        else:
+            (d,) = rem.handle(notification)
+            assert d["outcome"] == "failed" and "bad_data" in d["detail"], d
+            assert "retry" not in d
     finally:
         prom.shutdown()
-    assert d["outcome"] == "failed" and "bad_data" in d["detail"] and "retry" not in d, d
     assert [r["outcome"] for r in audit.read()] == ["failed"]
