@@ -150,7 +150,10 @@ def test_fault_observer_does_not_take_the_steps_before_a_stall_for_recovery(tmp_
         advance(3)
         wait_until(lambda: (obs.update(o, "node-p"), o.recovered_at)[1], 30, "recovery seen")
         assert o.recovered_at > o.fault.at + 3
-        assert o.recomputed == 0 and o.resumed_from >= stalled_at - 10  # same process
+        # same process, nothing recomputed: it went on from the last step Prometheus
+        # had before the fault (how far that lags the rank's own step is the scrape's
+        # timing: 11 steps on a loaded machine failed a bound of 10)
+        assert o.recomputed == 0 and 0 < o.step_at_fault <= o.resumed_from <= stalled_at
     finally:
         sock.close()
         prom.stop()
