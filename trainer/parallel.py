@@ -17,8 +17,9 @@ fresh store for that round only, so nothing of an earlier round can be read.
   wedging the job.
 
 The attempt number (restart accounting, fault injection) is not taken from any
-per-node counter: rank 0 proposes it and broadcasts it over the new process group,
-so every rank of a round holds the same number by construction. In the same
+per-node counter: rank 0 proposes it and every rank takes rank 0's over the new
+process group (one all-reduce), so every rank of a round holds the same number by
+construction. In the same
 collective the ranks learn whether torchrun started them again for a membership
 change (`restarted_for_membership`), which the ranks cannot tell from a preemption
 when it happens: both are a SIGTERM.
@@ -55,7 +56,9 @@ class DistInfo:
     backend: str
     # The attempt number, identical on every rank of a round (rank 0's proposal).
     attempt: int = 0
-    # torchrun restarted some node's workers for a node joining, not for a failure.
+    # torchrun started some node's workers again without counting a failure or a
+    # relaunch (a node joined, or another node's failure is being restarted: the run
+    # state tells the two apart by how the ranks left).
     membership_change: bool = False
 
     @property
