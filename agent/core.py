@@ -18,7 +18,7 @@ from typing import Any
 
 from clusterpulse.agent import channel, protocol
 from clusterpulse.agent.audit import AuditLog
-from clusterpulse.agent.backends import Backend
+from clusterpulse.agent.backends import Backend, CollectionFailed
 from clusterpulse.agent.backends.sim import SimBackend
 from clusterpulse.agent.commands import CommandBook
 from clusterpulse.agent.identity import Sender
@@ -138,6 +138,9 @@ class Agent:
         try:
             gpus = self.backend.collect()
             last_success = time.time()
+        except CollectionFailed as err:  # said and counted by the backend: no traceback
+            log.warning("collection failed: %s", err)
+            gpus = self.snapshot.gpus
         except Exception:  # a backend bug must not end monitoring of the node
             log.exception("collection failed")
             self.internal_errors += 1

@@ -31,3 +31,10 @@ class Backend(Protocol):
 
 class BackendError(Exception):
     """The backend cannot start at all (no driver, no devices)."""
+
+
+class CollectionFailed(BackendError):
+    """Nothing this collection could read would be true (NVML itself does not answer
+    after a re-initialisation): the agent keeps the last readings, whose age grows
+    (AgentCollectionStale inhibits the node's GPU alerts), rather than reporting every
+    GPU down, which pages GpuDown at once and restarts their jobs."""

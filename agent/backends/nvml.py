@@ -31,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from clusterpulse.agent.backends import BackendError
+from clusterpulse.agent.backends import BackendError, CollectionFailed
 from clusterpulse.agent.sample import GpuSample, NvLinkSample, decode_clock_events
 from clusterpulse.agent.xidstate import XidLedger
 
@@ -279,6 +279,9 @@ class NvmlBackend:
         if ((self._need_reinit or self._any_missing())
                 and self._clock() - self._last_reinit >= self._reinit_interval):
             self._reinit()
+        if self._reinit_failing:  # shut down, not started again: every handle is void
+            raise CollectionFailed("NVML does not start again after a re-initialisation; "
+                                   "the last GPU readings stand (retrying)")
         if not self._need_reinit:
             try:
                 self._drain_xid_events()

@@ -1,9 +1,11 @@
 """The NVML backend against a fake at the pynvml API level."""
 
+import contextlib
+
 import pynvml
 import pytest
 
-from clusterpulse.agent.backends import BackendError
+from clusterpulse.agent.backends import BackendError, CollectionFailed
 from clusterpulse.agent.backends.nvml import FIELDS, NvmlBackend, error_kind
 from tests.fakes.fake_pynvml import FakeNvml
 
@@ -117,8 +119,10 @@ def test_a_gpu_off_the_bus_keeps_its_label_and_is_reprobed_until_it_returns():
 
 def test_a_reprobe_that_fails_is_retried_soon_and_keeps_the_queued_xids():
     """Re-probing a missing GPU re-initialises NVML for every GPU: one whose nvmlInit
-    failed left the healthy GPUs down (uninitialized) for the next whole minute, and
-    the XIDs queued since the last cycle went with the freed event set."""
+    failed reported the healthy GPUs down (uninitialized; GpuDown pages at once) for the
+    next whole minute, and the XIDs queued since the last cycle went with the freed
+    event set. Now the collection fails as a whole (the agent keeps the last readings,
+    whose age grows) and is retried within seconds."""
     fake, clock = FakeNvml(gpus=3), Clock()
     backend = NvmlBackend(nvml=fake, clock=clock)
     fake.gpus[1].lost = True
@@ -128,20 +132,24 @@ def test_a_reprobe_that_fails_is_retried_soon_and_keeps_the_queued_xids():
     clock.t += NvmlBackend.REINIT_MAX_INTERVAL_S
     fake.events.append((2, 48))
     fake.init_error = pynvml.NVMLError_DriverNotLoaded
-    s = backend.collect()  # the re-probe fails: NVML is down for all of them
-    assert s[2].xid_errors_total == {48: 1}
-    assert [g.up for g in s] == [False, False, False]
+    for _ in range(3):  # the re-probe fails: nothing read would be true
+        with pytest.raises(CollectionFailed):
+            backend.collect()
+        clock.t += 1
     fake.init_error = None
     for _ in range(int(NvmlBackend.REINIT_RETRY_S) + 1):
         clock.t += 1
-        s = backend.collect()
+        with contextlib.suppress(CollectionFailed):
+            s = backend.collect()
     assert [g.up for g in s] == [True, False, True]  # within seconds, not a minute
+    assert s[2].xid_errors_total == {48: 1}
     # NVML gone for good: the retries back off to once a minute again
     fake.init_error = pynvml.NVMLError_DriverNotLoaded
     inits = fake.calls["nvmlInit"]
     for _ in range(600):
         clock.t += 1
-        backend.collect()
+        with contextlib.suppress(CollectionFailed):
+            backend.collect()
     assert fake.calls["nvmlInit"] - inits <= 600 / NvmlBackend.REINIT_MAX_INTERVAL_S + 4
 
 
