@@ -16,6 +16,6 @@ bench-testbed: setup  # recovery on a 4-node testbed (root: network namespaces)
 	.venv/bin/python -m tests.bench.run --only bench_testbed_recovery
 bench-incidents: setup  # hangs and slow links end to end vs the previous rules (root: links)
 	.venv/bin/python -m tests.bench.run --only bench_incidents
-chaos: setup  # the multi-node chaos run (root: network namespaces); MINUTES=30 SEED=1
+chaos: setup  # the multi-node chaos run (root: network namespaces); MINUTES=30 SEED=1 SPARES=1
 	.venv/bin/python -m tests.bench.chaos --minutes $${MINUTES:-30} --seed $${SEED:-1} \
-	  --baseline-minutes $${BASELINE_MINUTES:-$${MINUTES:-30}}
+	  --baseline-minutes $${BASELINE_MINUTES:-$${MINUTES:-30}} --spares $${SPARES:-1}

@@ -27,6 +27,17 @@ What it adds to torchrun, and why:
   restarts, when the job cannot go on without the node: it is at `--nnodes`' minimum,
   the node hosts the rendezvous store, or the job has one node; this launcher tells
   them the first and last two (CANNOT_LEAVE_ENV, MIN_NODES_ENV).
+- Hot spares: an elastic job started on more nodes than its `--nnodes` maximum keeps
+  the extra nodes standing by (torch's rendezvous puts them on its redundancy list:
+  no restart while they wait) and one takes a lost or evicted node's place at the
+  next round, so the job goes on at full size. A graceful restart ends every
+  torchrun, and a standby's with an error (its rendezvous store went away with the
+  host's torchrun); this launcher starts it again, standing by for the new round, as
+  long as the rendezvous comes back within STANDBY_RETURN_S. A standby is a torchrun
+  that reached the rendezvous endpoint and never started a worker (torchrun's own
+  per-attempt log directories, here under the launcher's temporary directory, say
+  whether it did). When the rendezvous does not come back the job has ended and the
+  standby exits 0.
 - SIGTERM and SIGINT (Ctrl-C) reach torchrun as one SIGTERM each, from here (it runs
   in a process group of its own), and torchrun passes it to the ranks: they
   checkpoint at the next consensus step (a second one: at once); the launcher then
@@ -46,11 +57,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from clusterpulse.trainer.parallel import RELAUNCHES_ENV, SHARE_STORE_ENV
@@ -65,6 +79,7 @@ from clusterpulse.trainer.warmstart import PRELOAD_OPTION, PRELOAD_PATH_OPTION
 TRAINER_MAIN = Path(__file__).resolve().with_name("__main__.py")
 SCRIPT_RUNNER = Path(__file__).resolve().with_name("scriptrun.py")
 MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+STANDBY_RETURN_S = 60.0  # a graceful restart's host is back in seconds; a job's end is for good
 RDZV_DEFAULTS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "5",
                  "last_call_timeout": "5"}
 
@@ -145,7 +160,8 @@ def build_command(argv: list[str]) -> list[str]:
     return command(*parse(argv))
 
 
-def command(a: argparse.Namespace, trainer_args: list[str]) -> list[str]:
+def command(a: argparse.Namespace, trainer_args: list[str],
+            log_dir: Path | None = None) -> list[str]:
     nproc = a.nproc
     if nproc is None:
         import torch
@@ -175,6 +191,8 @@ def command(a: argparse.Namespace, trainer_args: list[str]) -> list[str]:
         cmd += ["--standalone"]
     if a.local_addr:
         cmd.append(f"--local-addr={a.local_addr}")
+    if log_dir is not None:  # where run() looks for the workers it started (standby)
+        cmd.append(f"--log-dir={log_dir}")
     if warm:
         target = ["--run-path", "--start-method=forkserver",
                   *([str(SCRIPT_RUNNER), a.script] if a.script else [str(TRAINER_MAIN)])]
@@ -228,9 +246,58 @@ def _sit_out(request: str, longest_s: float, stop: list[int]) -> None:
         time.sleep(min(0.5, max(0.0, end - time.monotonic())))
 
 
-def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float) -> int:
-    """Run torchrun, relaunching it after each graceful restart (after sitting out what
-    a leave asks, at most `longest_leave` s); torchrun's exit code."""
+def rendezvous_address(a: argparse.Namespace) -> tuple[str, int] | None:
+    """The rendezvous store's (host, port) of a multi-node job, None on one node."""
+    if not a.rdzv_endpoint:
+        return None
+    host, sep, port = a.rdzv_endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        return a.rdzv_endpoint, 29400  # torch's default port
+    return host.strip("[]"), int(port)
+
+
+def answers(address: tuple[str, int], timeout_s: float = 2.0) -> bool:
+    """Whether something accepts connections at `address` (the store says nothing of a
+    connection closed before a request)."""
+    try:
+        with socket.create_connection(address, timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _wait(child: subprocess.Popen, rendezvous: tuple[str, int] | None) -> tuple[int, bool]:
+    """torchrun's exit code, and whether the rendezvous answered while it ran."""
+    reached = False
+    while True:
+        try:
+            return child.wait(timeout=None if reached or rendezvous is None else 2), reached
+        except subprocess.TimeoutExpired:
+            reached = answers(rendezvous)  # type: ignore[arg-type]
+
+
+def _started_workers(log_dir: Path) -> bool:
+    """torchrun makes an attempt_N directory under its log directory each time it
+    starts workers (torch.distributed.elastic.multiprocessing.DefaultLogsSpecs)."""
+    return any(log_dir.glob("*/attempt_*"))
+
+
+def _await_rendezvous(address: tuple[str, int], within_s: float, stop: list[int]) -> bool:
+    end = time.monotonic() + within_s
+    while not stop and time.monotonic() < end:
+        if answers(address):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def run(cmd_for: Callable[[Path], list[str]], env: dict[str, str] | None, longest_leave: float,
+        rendezvous: tuple[str, int] | None = None,
+        standby_return_s: float = STANDBY_RETURN_S) -> int:
+    """Run torchrun (`cmd_for(its log directory)`), relaunching it after each graceful
+    restart (after sitting out what a leave asks, at most `longest_leave` s) and, on a
+    standby node, after each round it stood by (see the module's doc); torchrun's exit
+    code."""
     env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1"}
     stop: list[int] = []
     child: subprocess.Popen | None = None
@@ -247,16 +314,19 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float) -> int
         with tempfile.TemporaryDirectory(prefix="clusterpulse-train-") as tmp:
             marker = Path(tmp) / "relaunch"
             leave_file = Path(leave_path(marker))
+            log_dir = Path(tmp) / "torchrun-logs"
             relaunches = 0
+            stood_by = False
             while True:
                 marker.unlink(missing_ok=True)
                 leave_file.unlink(missing_ok=True)
+                shutil.rmtree(log_dir, ignore_errors=True)
                 env.update({RELAUNCH_FILE_ENV: str(marker), RELAUNCHES_ENV: str(relaunches)})
                 # torchrun in a process group of its own: a signal to the launcher's
                 # group (Ctrl-C, `kill -- -PGID`) reaches it once, from here; twice, it
                 # stopped waiting for its ranks' SIGTERM checkpoints and left them
-                child = subprocess.Popen(cmd, env=env, process_group=0)
-                rc = child.wait()
+                child = subprocess.Popen(cmd_for(log_dir), env=env, process_group=0)
+                rc, reached = _wait(child, rendezvous)
                 if stop:
                     return 128 + stop[0]
                 if rc == 0 and marker.exists():
@@ -268,7 +338,21 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float) -> int
                         if stop:
                             return 128 + stop[0]
                     continue
-                return rc
+                if rendezvous is None or not reached or _started_workers(log_dir):
+                    return rc
+                # stood by and the round ended: the job restarted, or it is over
+                if _await_rendezvous(rendezvous, standby_return_s, stop):
+                    if not stood_by:
+                        print("clusterpulse-train: standing by: the job is at its node "
+                              "maximum; this node takes the place of one it loses",
+                              file=sys.stderr, flush=True)
+                    stood_by = True
+                    continue
+                if stop:
+                    return 128 + stop[0]
+                print("clusterpulse-train: the job's rendezvous is gone (the job ended) "
+                      "while this node stood by", file=sys.stderr, flush=True)
+                return 0
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -276,7 +360,8 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float) -> int
 
 def main(argv: list[str] | None = None) -> int:
     a, trainer_args = parse(sys.argv[1:] if argv is None else argv)
-    return run(command(a, trainer_args), {**os.environ, **leave_env(a)}, longest_leave_s(a))
+    return run(lambda log_dir: command(a, trainer_args, log_dir),
+               {**os.environ, **leave_env(a)}, longest_leave_s(a), rendezvous_address(a))
 
 
 if __name__ == "__main__":

@@ -157,12 +157,17 @@ class TestbedCluster:
 
     def start_job(self, run: str, trainer_args: Sequence[str], nodes: Sequence[Node] | None = None,
                   ranks_per_node: int = 1, min_nodes: int | None = None,
-                  max_restarts: int = 20, env: dict | None = None) -> Job:
+                  max_restarts: int = 20, env: dict | None = None, spares: int = 0) -> Job:
         """One torchrun per node; the first node hosts the c10d rendezvous. With
         `min_nodes` below the node count the job is elastic (`--nnodes MIN:MAX`): it
-        restarts on the nodes that remain when one dies."""
+        restarts on the nodes that remain when one dies. With `spares`, MAX is that many
+        below the node count: the nodes the rendezvous cannot take stand by (torch's
+        redundancy list) and one takes a lost node's place at the next restart."""
         nodes = list(nodes or self.bed.nodes)
-        nnodes = f"{min_nodes}:{len(nodes)}" if min_nodes else str(len(nodes))
+        size = len(nodes) - spares
+        if not 0 <= spares < len(nodes) or (spares and not min_nodes):
+            raise ValueError("spares need an elastic job (min_nodes) and a node to run on")
+        nnodes = f"{min_nodes}:{size}" if min_nodes else str(size)
         host = nodes[0]
         rdzv = f"{host.ip}:{RDZV_PORT}"
         job = Job(run, nodes, rdzv, self.state / f"ckpt-{run}", nnodes=nnodes,

@@ -3,6 +3,12 @@ remediation on, against the same job with no faults, in one invocation (`make ch
 
     python -m tests.bench.chaos --minutes 30 --seed 1      # needs root (the testbed)
 
+With `--spares N` (default 1) the testbed has N nodes more than the job's size, the
+job (elastic, one node below its size at least) is started on all of them and the
+rendezvous keeps N standing by (trainer/launch.py, hot spares); the remediation
+then follows deploy/local/policy-spares.toml, which takes a slowed node out at once
+since a spare takes its place. Faults fall on the job's nodes, never on a standby.
+
 Reports, per fault: time to detect (first matching alert's activeAt), time to recover
 (first step past the step the job had reached at the fault), steps recomputed; faults
 missed; false alerts (alerts no fault explains, baseline included); goodput of both
@@ -24,10 +30,11 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from clusterpulse.dashboard.remediation import Policy
+from deploy.local.stack import REPO
 from deploy.testbed import Testbed, TestbedError, missing_privileges
 from deploy.testbed.cluster import ClusterTarget, TestbedCluster
 from deploy.testbed.faults import EXPECT, Fault, Observer, Outcome, play, undo
@@ -39,6 +46,7 @@ TRANSIENT = {"gpu_overheat": 120, "gpu_lost": 60, "partition": 30, "slow_link": 
 CKPT_EVERY = 50
 STEP_S = 0.1  # simulated GPU time of a step with every node in
 RESUMED = re.compile(r"trainer: resumed from step-(\d+)")
+SPARES_POLICY = REPO / "deploy" / "local" / "policy-spares.toml"
 
 
 @dataclass
@@ -100,10 +108,23 @@ def alert_episodes(obs: Observer, start: float, end: float,
     return sorted((a for a in out if a[3] in ("", obs.run)), key=lambda a: a[2])
 
 
+def on_the_job(fault: Fault, cl: TestbedCluster, run: str) -> Fault:
+    """The fault, moved to the next node of the job (never node0, which hosts the
+    rendezvous) if the drawn one has no rank of it now: a standby, a node sitting out.
+    A fault on an idle node would cost the job nothing."""
+    names = [n.name for n in cl.bed.nodes]
+    in_job = set(cl.job_nodes(run))
+    for i in range(len(names) - 1):
+        node = 1 + (fault.node - 1 + i) % (len(names) - 1)
+        if names[node] in in_job:
+            return replace(fault, node=node)
+    return fault
+
+
 def run_job(cl: TestbedCluster, run: str, minutes: float, faults: list[tuple[float, Fault]],
-            batch: int, min_nodes: int) -> RunResult:
-    job = cl.start_job(run, trainer_args(10**7, batch, len(cl.bed.nodes)), min_nodes=min_nodes,
-                       max_restarts=100)
+            batch: int, size: int, spares: int) -> RunResult:
+    job = cl.start_job(run, trainer_args(10**7, batch, size), min_nodes=size - 1,
+                       max_restarts=100, spares=spares)
     obs = Observer(cl.central.prometheus, cl.state / "audit.jsonl", run,  # type: ignore[union-attr]
                    Policy.load(cl.policy))
     target = ClusterTarget(cl, run)
@@ -123,6 +144,7 @@ def run_job(cl: TestbedCluster, run: str, minutes: float, faults: list[tuple[flo
         now = time.time()
         if pending and now - start >= pending[0][0]:
             _, fault = pending.pop(0)
+            fault = on_the_job(fault, cl, run)
             try:
                 play(fault, target)
                 o = Outcome(fault)
@@ -209,7 +231,8 @@ def explained(alert: tuple[str, str, float, str], outcomes: list[Outcome],
 
 def report(base: RunResult, chaos: RunResult, names: list[str], args: argparse.Namespace,
            ) -> str:
-    lines = [f"Chaos benchmark: {len(names)} nodes x 1 rank, {args.baseline_minutes:g} min "
+    lines = [f"Chaos benchmark: a job of {args.nodes} nodes x 1 rank on {len(names)} nodes "
+             f"({args.spares} standing by), {args.baseline_minutes:g} min "
              f"without faults, then {args.minutes:g} min with, seed {args.seed}, fault every "
              f"{args.every[0]:.0f}-{args.every[1]:.0f} s", "",
              "| # | fault | node | detected by | detect s | action | recover s | "
@@ -272,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                         "rate is what the chaos run is held against; the goodput that "
                         "counts start-up favours the longer run")
     p.add_argument("--seed", type=int, default=1, help="fault draw (default: 1)")
-    p.add_argument("--nodes", type=int, default=4, help="default: 4")
+    p.add_argument("--nodes", type=int, default=4, help="the job's size (default: 4)")
+    p.add_argument("--spares", type=int, default=1,
+                   help="testbed nodes beyond the job's size, standing by (default: 1)")
     p.add_argument("--every", type=parse_every, default=(180.0, 300.0),
                    help="seconds between faults, MIN:MAX (default: 180:300)")
     p.add_argument("--state-dir", type=Path, default=Path("/tmp/clusterpulse-chaos"),
@@ -281,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="also write the report (Markdown) here")
     args = p.parse_args(argv)
     args.baseline_minutes = args.baseline_minutes or args.minutes
-    if min(args.minutes, args.baseline_minutes) < 2 or not 2 <= args.nodes <= 16:
-        p.error("--minutes and --baseline-minutes must be >= 2 and --nodes in 2..16")
+    if min(args.minutes, args.baseline_minutes) < 2 or not 2 <= args.nodes <= 16 \
+            or not 0 <= args.spares <= 4:
+        p.error("--minutes and --baseline-minutes must be >= 2, --nodes in 2..16 and "
+                "--spares in 0..4")
     reason = missing_privileges()
     if reason:
         print(f"chaos: {reason}", file=sys.stderr)
@@ -294,10 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     state.mkdir(parents=True)
     batch = args.nodes * (args.nodes - 1)  # divisible by the world size with one node fewer
     try:
-        with Testbed(nodes=args.nodes) as bed, \
-                TestbedCluster(bed, state, scrape_interval="1s") as cl:
+        with Testbed(nodes=args.nodes + args.spares) as bed, \
+                TestbedCluster(bed, state, scrape_interval="1s",
+                               policy=SPARES_POLICY if args.spares else None) as cl:
             names = [n.name for n in bed.nodes]
-            faults = draw_faults(rng, args.minutes, args.every, args.nodes)
+            faults = draw_faults(rng, args.minutes, args.every, len(names))
             if bed.sysctl_missing:
                 say(f"this kernel lacks the node tuning's {', '.join(bed.sysctl_missing)}: "
                     "partitions recover at TCP's uncapped backoff")
@@ -305,9 +333,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{len(faults)} faults drawn: "
                 + ", ".join(f"{f.kind}@{t:.0f}s" for t, f in faults))
             say("baseline run (no faults) ...")
-            base = run_job(cl, "baseline", args.baseline_minutes, [], batch, args.nodes - 1)
+            base = run_job(cl, "baseline", args.baseline_minutes, [], batch, args.nodes,
+                           args.spares)
             say(f"baseline: step {base.final_step} in {base.wall_s:.0f} s; chaos run ...")
-            chaos = run_job(cl, "chaos", args.minutes, faults, batch, args.nodes - 1)
+            chaos = run_job(cl, "chaos", args.minutes, faults, batch, args.nodes, args.spares)
     except TestbedError as err:
         print(f"chaos: {err}", file=sys.stderr)
         return 2

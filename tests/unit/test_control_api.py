@@ -387,6 +387,44 @@ def test_a_leave_rides_on_the_graceful_command_and_its_deadline_restarts_once_le
         assert r.status_code == 400 and says in r.json()["error"], r.text
 
 
+def test_a_leave_whose_node_stays_out_completes_without_escalating():
+    """A node evicted from a job with a hot spare is replaced by it and, after its
+    sit-out, stands by itself: its ranks never come back. That used to escalate at the
+    deadline (a hard restart of nothing) and then fail; the leave did what it was for."""
+    from clusterpulse.agent.audit import AuditLog
+    from clusterpulse.agent.commands import CommandBook
+    from clusterpulse.agent.ranks import RankRegistry
+
+    mono = [1000.0]
+    ranks = RankRegistry(clock=lambda: mono[0])
+    rank = {"v": 1, "run": "r1", "rank": 0, "local_rank": 0, "pid": 1, "gpu": 0}
+    ranks.update({**rank, "type": "step", "step": 5}, None)
+    book = CommandBook(ranks, AuditLog(None), "n", clock=lambda: mono[0])
+    cmd = book.submit("r1", "checkpoint-restart", "link", "op", deadline_s=10, leave_s=30)
+    ranks.update({**rank, "type": "step", "step": 6, "acks": [cmd.id]}, None)
+    book.tick()
+    assert cmd.state == "delivered"
+    ranks.update({**rank, "type": "event", "event": "exit", "outcome": "checkpoint-restart"},
+                 None)
+    mono[0] += 39  # the sit-out and the deadline again, less a second: still waiting
+    book.tick()
+    assert cmd.state == "delivered"
+    mono[0] += 2
+    book.tick()
+    assert cmd.state == "completed" and "went on without it" in cmd.detail
+    # a rank of the run still on the node at the deadline (it acknowledged, then hung
+    # on its way out): escalated as before
+    rank = {**rank, "run": "r2", "pid": 2}
+    ranks.update({**rank, "type": "step", "step": 5, "phase": "step"}, None)
+    cmd = book.submit("r2", "checkpoint-restart", "link", "op", deadline_s=10, leave_s=30)
+    ranks.update({**rank, "type": "step", "step": 6, "phase": "step", "acks": [cmd.id]}, None)
+    book.tick()
+    assert cmd.state == "delivered"
+    mono[0] += 41
+    book.tick()
+    assert cmd.state == "escalated"
+
+
 def test_a_leave_whose_node_gave_way_fails_and_says_why(sim_agent):
     """Of two nodes evicted at once only one may go; the other's ranks restart with
     the job. Its command fails: with the reason when the ranks say so, and also when

@@ -126,6 +126,7 @@ def test_the_first_rule_whose_labels_fit_decides_and_a_hardware_straggler_is_not
     policy drains the node of one whose GPU is at fault."""
     local = Policy.load(REPO / "deploy/local/policy.toml")
     slurm = Policy.load(REPO / "deploy/slurm/policy.toml")
+    spares = Policy.load(REPO / "deploy/local/policy-spares.toml")  # a spare stands by
 
     def straggler(cause: str) -> dict:
         return {"alertname": "TrainingStraggler", "run": "r", "rank": "3", "node": "n1",
@@ -134,9 +135,15 @@ def test_the_first_rule_whose_labels_fit_decides_and_a_hardware_straggler_is_not
     for cause in ("compute", "data_loading"):
         assert local.rule_for(straggler(cause)).action == "checkpoint-restart"
         assert slurm.rule_for(straggler(cause)) is None
+        assert spares.rule_for(straggler(cause)).action == "checkpoint-restart"
     for cause in ("thermal_throttling", "power_brake", "slow_clocks", "gpu_errors"):
         assert local.rule_for(straggler(cause)) is None
         assert slurm.rule_for(straggler(cause)).action == "drain-node"
+        rule = spares.rule_for(straggler(cause))  # out at once: a spare takes its place
+        assert (rule.action, rule.sustained_s) == ("evict-node", 0)
+    link = {"alertname": "TrainingLinkCongested", "node": "n1", "device": "eth0"}
+    assert local.rule_for(link).sustained_s == 120
+    assert (spares.rule_for(link).action, spares.rule_for(link).sustained_s) == ("evict-node", 0)
     assert local.rule_for({"alertname": "TrainingStraggler", "run": "r"}) is None  # no cause
     assert local.rule_for({"alertname": "RankHung", "run": "r"}).action == "restart"
     # anchored: "compute" does not fit "computed", nor a part of a longer value

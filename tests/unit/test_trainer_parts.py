@@ -31,6 +31,7 @@ from clusterpulse.trainer.faults import Faults, InjectError, parse_injection
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.runstate import ProgressMark, RunState, progress_path
 from clusterpulse.trainer.telemetry import AgentLink, parse_agent_addr
+from tests.support.ports import free_port
 from tests.support.procs import REPO, wait_until
 
 
@@ -560,7 +561,7 @@ def test_the_launcher_sits_a_leave_out_and_tells_its_ranks_when_it_cannot(tmp_pa
              "\n    raise SystemExit(code)\nprint('back', time.monotonic(), flush=True)\n"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-c", "import sys\nfrom clusterpulse.trainer.launch "
-                        "import run\nsys.exit(run(sys.argv[1:], None, 60))", *child],
+                        "import run\nsys.exit(run(lambda _: sys.argv[1:], None, 60))", *child],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     times = dict(line.split() for line in r.stdout.splitlines())
@@ -570,7 +571,7 @@ def test_the_launcher_sits_a_leave_out_and_tells_its_ranks_when_it_cannot(tmp_pa
     err = tmp_path / "err"
     with open(err, "w") as fh:
         p = subprocess.Popen([sys.executable, "-c", "import sys\nfrom clusterpulse.trainer."
-                              "launch import run\nsys.exit(run(sys.argv[1:], None, 600))",
+                              "launch import run\nsys.exit(run(lambda _: sys.argv[1:], None, 600))",
                               *(arg.replace("1.2", "600") for arg in child)],
                              env=env, stdout=subprocess.DEVNULL, stderr=fh)
     try:
@@ -595,6 +596,59 @@ def test_the_launcher_sits_a_leave_out_and_tells_its_ranks_when_it_cannot(tmp_pa
     assert longest_leave_s(parse([])[0]) == 300
     assert longest_leave_s(parse(["--rdzv-endpoint", "h:1", "--rdzv-conf",
                                   "join_timeout=120"])[0]) == 60
+
+
+STANDBY_CHILD = """\
+import os, socket, sys, time
+log_dir, count_file, plan = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+n = int(open(count_file).read()) if os.path.exists(count_file) else 0
+open(count_file, "w").write(str(n + 1))
+what = plan[min(n, len(plan) - 1)]
+if "host" in what:  # this torchrun is also the rendezvous: it goes when it ends
+    srv = socket.create_server(("127.0.0.1", int(sys.argv[4])))
+if "workers" in what:  # torchrun's per-attempt directory: it started workers
+    os.makedirs(os.path.join(log_dir, "job_x", "attempt_0"))
+if "wait" in what:
+    time.sleep(2.5)  # long enough for the launcher to see the rendezvous answer
+sys.exit(0 if "ok" in what else 1)
+"""
+
+
+@pytest.mark.parametrize("plan,rendezvous_up,rc,runs,says", [
+    # a standby whose round ended (a graceful restart of the job) starts again, then is
+    # taken into the job, whose workers finish
+    ("wait,workers+ok", True, 0, 2, "standing by"),
+    # a standby whose rendezvous does not come back: the job ended, nothing failed
+    ("host+wait", False, 0, 1, "rendezvous is gone"),
+    # a torchrun that started workers and failed: its failure, no relaunch
+    ("workers+wait", True, 1, 1, ""),
+    # a rendezvous never reached (wrong address, down): torchrun's failure as it is
+    ("wait", False, 1, 1, ""),
+])
+def test_a_standby_node_outlives_the_rounds_it_stood_by(tmp_path, capsys, plan, rendezvous_up,
+                                                        rc, runs, says):
+    """Hot spares: a node beyond the job's --nnodes maximum waits on torch's redundancy
+    list; every graceful restart ends its torchrun with an error (the store goes with
+    the host's torchrun). It used to end the spare's launcher: the job lost its spare
+    at its first checkpoint-restart."""
+    from clusterpulse.trainer.launch import run
+
+    port = free_port()
+    listening = socket.create_server(("127.0.0.1", port)) if rendezvous_up else None
+    count = tmp_path / "count"
+    try:
+        got = run(lambda log_dir: [sys.executable, "-c", STANDBY_CHILD, str(log_dir),
+                                   str(count), plan, str(port)],
+                  {**os.environ, "PYTHONPATH": str(REPO)}, 60, ("127.0.0.1", port),
+                  standby_return_s=1.5)
+    finally:
+        if listening is not None:
+            listening.close()
+    assert (got, int(count.read_text())) == (rc, runs)
+    err = capsys.readouterr().err
+    assert says in err
+    if not says:
+        assert "standing by" not in err and "rendezvous is gone" not in err
 
 
 

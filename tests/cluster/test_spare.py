@@ -1,0 +1,106 @@
+"""Hot spares on the testbed: an elastic job (2..3 nodes) started on 4 nodes keeps one
+standing by (torch's rendezvous redundancy list) and goes on at full size when it
+loses a node, instead of running smaller until the node returns and then restarting
+to take it back.
+
+In order, on one job: the spare outlives a graceful restart of the job (a relaunch of
+every torchrun, which ends the spare's with an error: the store went away); a node
+evicted through its agent (a leave) is replaced by the spare, and its command
+completes once the sit-out is over though its ranks never come back (the node stands
+by itself then); a node dies, the spare takes its place, and the dead node's return
+costs the job no restart.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from deploy.testbed import Testbed
+from deploy.testbed.cluster import TestbedCluster
+from tests.support.procs import wait_until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+RUN = "sp"
+TRAINER = ["--preset", "tiny", "--steps", "100000", "--global-batch", "6", "--ckpt-every", "20",
+           "--sim-sample-seconds", "0.025", "--log-every", "50"]
+RESUMED = re.compile(r"trainer: resumed from step-(\d+)")
+
+
+@pytest.fixture(scope="module")
+def cl(tmp_path_factory) -> Iterator[TestbedCluster]:
+    state = tmp_path_factory.mktemp("spare")
+    with Testbed(nodes=4) as bed, TestbedCluster(bed, state, scrape_interval="1s") as c:
+        c.start_job(RUN, TRAINER, min_nodes=2, spares=1)
+        wait_until(lambda: len(c.job_nodes(RUN)) == 3, 300, "the job on 3 nodes")
+        yield c
+
+
+def standby(cl: TestbedCluster) -> str:
+    (name,) = {n.name for n in cl.bed.nodes} - set(cl.job_nodes(RUN))
+    return name
+
+
+def launcher_alive(cl: TestbedCluster, name: str) -> bool:
+    node = next(n for n in cl.bed.nodes if n.name == name)
+    return bool(cl.bed.find(node, "-m clusterpulse.trainer.launch", f"--rdzv-id {RUN} "))
+
+
+def resumes(cl: TestbedCluster) -> int:
+    return sum(len(RESUMED.findall(p.read_text(errors="replace")))
+               for p in cl.state.glob(f"{RUN}-*.log"))
+
+
+def action(cl: TestbedCluster, name: str, **body) -> dict:
+    node = next(n for n in cl.bed.nodes if n.name == name)
+    return cl._call(f"{cl.agent_url(node)}/v1/runs/{RUN}/actions",
+                    {"action": "checkpoint-restart", "reason": "test", **body})
+
+
+def test_the_spare_outlives_a_graceful_restart_of_the_job(cl):
+    spare = standby(cl)
+    before = resumes(cl)
+    for name in cl.job_nodes(RUN):
+        action(cl, name)
+    wait_until(lambda: resumes(cl) > before, 120, "the job resumed")  # rank 0 says it
+    time.sleep(5)  # the spare's torchrun ended with the round; its launcher starts it again
+    assert launcher_alive(cl, spare)
+    assert "standing by" in (cl.state / f"{RUN}-{spare}.log").read_text(errors="replace")
+    assert standby(cl) == spare
+
+
+def test_an_evicted_node_is_replaced_by_the_spare_and_its_leave_completes(cl):
+    spare = standby(cl)
+    evicted = cl.job_nodes(RUN)[-1]  # not node0, which hosts the rendezvous
+    cmd = action(cl, evicted, leave_s=15, deadline_s=20)["id"]
+    wait_until(lambda: spare in cl.job_nodes(RUN) and evicted not in cl.job_nodes(RUN), 120,
+               f"{spare} in the job in {evicted}'s place")
+    node = next(n for n in cl.bed.nodes if n.name == evicted)
+    # after the sit-out the evicted node stands by in turn; its ranks do not come back,
+    # and the leave completes at its deadline instead of escalating
+    wait_until(lambda: cl.agent_command(node, cmd)["state"] not in ("pending", "delivered"),
+               120, f"command {cmd} settled")
+    status = cl.agent_command(node, cmd)
+    assert status["state"] == "completed" and "went on without it" in status["detail"], status
+    assert launcher_alive(cl, evicted) and standby(cl) == evicted
+
+
+def test_a_dead_node_is_replaced_and_its_return_restarts_nothing(cl):
+    spare = standby(cl)
+    victim = next(n for n in cl.bed.nodes[1:] if n.name in cl.job_nodes(RUN))
+    before = resumes(cl)
+    cl.kill_node(victim)
+    wait_until(lambda: spare in cl.job_nodes(RUN) and len(cl.job_nodes(RUN)) == 3, 120,
+               f"{spare} in the job in {victim.name}'s place")
+    wait_until(lambda: resumes(cl) > before, 120, "the job resumed on 3 nodes")
+    before = resumes(cl)
+    cl.start_agent(victim)
+    cl.start_node(cl.jobs[RUN], victim)
+    wait_until(lambda: launcher_alive(cl, victim.name), 60, f"{victim.name}'s launcher")
+    time.sleep(20)  # time enough for a membership restart, were there one
+    assert resumes(cl) == before, "the job restarted to take the returning node in"
+    assert standby(cl) == victim.name and launcher_alive(cl, victim.name)
