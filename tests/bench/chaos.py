@@ -325,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
                 TestbedCluster(bed, state, scrape_interval="1s",
                                policy=SPARES_POLICY if args.spares else None) as cl:
             names = [n.name for n in bed.nodes]
-            faults = draw_faults(rng, args.minutes, args.every, len(names))
+            # drawn over the job's size: the same faults for a seed with or without
+            # spares (a fault drawn for a standby moves to a node of the job)
+            faults = draw_faults(rng, args.minutes, args.every, args.nodes)
             if bed.sysctl_missing:
                 say(f"this kernel lacks the node tuning's {', '.join(bed.sysctl_missing)}: "
                     "partitions recover at TCP's uncapped backoff")
