@@ -15,8 +15,8 @@ or left for a checkpoint-restart while it was open) -> completed (as many of the
 ranks as were targeted are back on this node as new processes with a higher restart
 count that have each completed a step, whatever numbers the new rendezvous gave them;
 joining the process group or loading the checkpoint is not resuming; or, for a
-leave, no rank of the run back on this node by the deadline: the job went on without
-it, a hot spare in its place); or escalated (then completed or failed); or failed.
+leave, no process of the run left on this node by the deadline: the job went on
+without it, a hot spare in its place); or escalated (then completed or failed); or failed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from clusterpulse.agent import identity, protocol
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.identity import Sender
-from clusterpulse.agent.protocol import EXITED, RESTARTING
+from clusterpulse.agent.protocol import EXITED
 from clusterpulse.agent.ranks import RankRegistry
 
 KILL_GRACE_S = 5.0
@@ -270,10 +270,10 @@ class CommandBook:
             if cmd.kill_at is not None and now >= cmd.kill_at:
                 self._kill_survivors(cmd)
             if now >= cmd.deadline:
-                if cmd.leave_s and cmd.state == "delivered" and not any(
-                        r.run == cmd.run and r.phase not in (EXITED, RESTARTING)
-                        for r in ranks):
-                    # the ranks left and none came back: nothing to escalate against
+                if cmd.leave_s and cmd.state == "delivered" and \
+                        not self._ranks.live_of_run(cmd.run):
+                    # the ranks left, their processes are gone and none came back:
+                    # nothing to escalate against
                     self._finish(cmd, "completed", "the node sat out and the job went on "
                                  "without it (a standby node took its place, or the job "
                                  "runs smaller)")

@@ -27,17 +27,14 @@ What it adds to torchrun, and why:
   restarts, when the job cannot go on without the node: it is at `--nnodes`' minimum,
   the node hosts the rendezvous store, or the job has one node; this launcher tells
   them the first and last two (CANNOT_LEAVE_ENV, MIN_NODES_ENV).
-- Hot spares: an elastic job started on more nodes than its `--nnodes` maximum keeps
-  the extra nodes standing by (torch's rendezvous puts them on its redundancy list:
-  no restart while they wait) and one takes a lost or evicted node's place at the
-  next round, so the job goes on at full size. A graceful restart ends every
-  torchrun, and a standby's with an error (its rendezvous store went away with the
-  host's torchrun); this launcher starts it again, standing by for the new round, as
-  long as the rendezvous comes back within STANDBY_RETURN_S. A standby is a torchrun
-  that reached the rendezvous endpoint and never started a worker (torchrun's own
-  per-attempt log directories, here under the launcher's temporary directory, say
-  whether it did). When the rendezvous does not come back the job has ended and the
-  standby exits 0.
+- Hot spares (`--hot-spares`, on every node of a job started on more nodes than its
+  `--nnodes` maximum): torch's rendezvous keeps a node it cannot take on its
+  redundancy list (no restart while it waits) and lets it into the next round when
+  the job loses a node, so the job goes on at full size. A graceful restart ends every
+  torchrun, a standby's too (the rendezvous closes, or its store goes with the host's
+  torchrun); this launcher starts a standby's torchrun again (see `Standby`) instead
+  of ending with it, and a standby exits 0 when the job has ended. torchrun runs with
+  two rendezvous fixes for this (trainer/spares.py).
 - SIGTERM and SIGINT (Ctrl-C) reach torchrun as one SIGTERM each, from here (it runs
   in a process group of its own), and torchrun passes it to the ranks: they
   checkpoint at the next consensus step (a second one: at once); the launcher then
@@ -55,18 +52,19 @@ What it adds to torchrun, and why:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from clusterpulse.trainer import spares
 from clusterpulse.trainer.parallel import RELAUNCHES_ENV, SHARE_STORE_ENV
 from clusterpulse.trainer.restart import (
     CANNOT_LEAVE_ENV,
@@ -80,6 +78,14 @@ TRAINER_MAIN = Path(__file__).resolve().with_name("__main__.py")
 SCRIPT_RUNNER = Path(__file__).resolve().with_name("scriptrun.py")
 MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 STANDBY_RETURN_S = 60.0  # a graceful restart's host is back in seconds; a job's end is for good
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torchrun's @record writes its own error
+# torchrun's errors that say the rendezvous round ended under a node waiting in it: it
+# was closed (the job finished or restarted gracefully), or its store went away with
+# the host's torchrun. torch <= 2.13 ends a standby on a closed rendezvous with an
+# AttributeError (its agent returns None after RendezvousGracefulExitError).
+ROUND_ENDED = ("RendezvousClosedError", "RendezvousGracefulExitError",
+               "RendezvousConnectionError")
+GRACEFUL_EXIT_BUG = "'NoneType' object has no attribute 'is_failed'"
 RDZV_DEFAULTS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "5",
                  "last_call_timeout": "5"}
 
@@ -121,6 +127,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
                    help="extra c10d rendezvous settings, e.g. join_timeout=120 "
                    "(repeatable; torchrun's --rdzv-conf)")
+    p.add_argument("--hot-spares", action="store_true",
+                   help="the job was started on more nodes than --nnodes' maximum: a node "
+                   "the rendezvous leaves out stands by, across the job's graceful "
+                   "restarts, and takes the place of a node the job loses")
     p.add_argument("--monitor-interval", type=float, default=None,
                    help="seconds between torchrun's worker checks (torchrun's default)")
     p.add_argument("--script", default="",
@@ -142,6 +152,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             p.error(f"--rdzv-conf {kv!r}: expected KEY=VALUE (one per flag)")
         if key == "is_host":
             p.error("--rdzv-conf is_host=...: use --rdzv-host / --no-rdzv-host")
+    if a.hot_spares and not a.rdzv_endpoint:
+        p.error("--hot-spares needs --rdzv-endpoint: spares stand by for a multi-node job")
     if a.rdzv_conf and not a.rdzv_endpoint:
         p.error("--rdzv-conf needs --rdzv-endpoint (a single node runs --standalone)")
     if a.script and not Path(a.script).is_file():
@@ -160,8 +172,7 @@ def build_command(argv: list[str]) -> list[str]:
     return command(*parse(argv))
 
 
-def command(a: argparse.Namespace, trainer_args: list[str],
-            log_dir: Path | None = None) -> list[str]:
+def command(a: argparse.Namespace, trainer_args: list[str]) -> list[str]:
     nproc = a.nproc
     if nproc is None:
         import torch
@@ -173,8 +184,9 @@ def command(a: argparse.Namespace, trainer_args: list[str],
                *(f"{PRELOAD_OPTION}{m}" for m in a.preload)]
         if a.script:  # a module beside the script can be preloaded, as python S finds it
             cmd.append(f"{PRELOAD_PATH_OPTION}{Path(a.script).resolve().parent}")
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run"]
+    else:  # torchrun, or with hot spares torchrun with its rendezvous fixed
+        cmd = [sys.executable, "-m",
+               "clusterpulse.trainer.spares" if a.hot_spares else "torch.distributed.run"]
     cmd += [f"--nproc-per-node={nproc}", f"--max-restarts={a.max_restarts}"]
     if a.monitor_interval is not None:
         cmd.append(f"--monitor-interval={a.monitor_interval}")
@@ -191,8 +203,6 @@ def command(a: argparse.Namespace, trainer_args: list[str],
         cmd += ["--standalone"]
     if a.local_addr:
         cmd.append(f"--local-addr={a.local_addr}")
-    if log_dir is not None:  # where run() looks for the workers it started (standby)
-        cmd.append(f"--log-dir={log_dir}")
     if warm:
         target = ["--run-path", "--start-method=forkserver",
                   *([str(SCRIPT_RUNNER), a.script] if a.script else [str(TRAINER_MAIN)])]
@@ -201,20 +211,25 @@ def command(a: argparse.Namespace, trainer_args: list[str],
     return [*cmd, *target, *trainer_args]
 
 
+def hosts_rendezvous(a: argparse.Namespace) -> bool:
+    """Whether this node serves the rendezvous store: --rdzv-host, else torch's own
+    guess (its c10d rendezvous backend's, from the endpoint's host name)."""
+    if a.rdzv_host is not None:
+        return bool(a.rdzv_host)
+    from torch.distributed.elastic.rendezvous.utils import (
+        _matches_machine_hostname,
+        parse_rendezvous_endpoint,
+    )
+
+    return _matches_machine_hostname(parse_rendezvous_endpoint(a.rdzv_endpoint, 29400)[0])
+
+
 def leave_env(a: argparse.Namespace) -> dict[str, str]:
     """What the ranks need to know to refuse a leave this node cannot take
     (trainer.restart.leave_refusal): that it never can, or the job's minimum."""
     if not a.rdzv_endpoint:
         return {CANNOT_LEAVE_ENV: "single_node"}
-    host = a.rdzv_host
-    if host is None:  # torch's own guess (its c10d rendezvous backend's)
-        from torch.distributed.elastic.rendezvous.utils import (
-            _matches_machine_hostname,
-            parse_rendezvous_endpoint,
-        )
-
-        host = _matches_machine_hostname(parse_rendezvous_endpoint(a.rdzv_endpoint, 29400)[0])
-    if host:
+    if hosts_rendezvous(a):
         return {CANNOT_LEAVE_ENV: "rendezvous_host"}
     return {MIN_NODES_ENV: a.nnodes.split(":")[0]}
 
@@ -246,14 +261,34 @@ def _sit_out(request: str, longest_s: float, stop: list[int]) -> None:
         time.sleep(min(0.5, max(0.0, end - time.monotonic())))
 
 
-def rendezvous_address(a: argparse.Namespace) -> tuple[str, int] | None:
-    """The rendezvous store's (host, port) of a multi-node job, None on one node."""
-    if not a.rdzv_endpoint:
-        return None
-    host, sep, port = a.rdzv_endpoint.rpartition(":")
-    if not sep or not port.isdigit():
-        return a.rdzv_endpoint, 29400  # torch's default port
-    return host.strip("[]"), int(port)
+@dataclass(frozen=True)
+class Standby:
+    """How a node of a job with hot spares tells standing by from failing.
+
+    Its torchrun (trainer/spares.py) writes where it was: waiting in a rendezvous or
+    in the job's round. One that ended waiting, because the round it waited in ended
+    (its @record error file names the error: ROUND_ENDED), stood by: the job
+    restarted gracefully, or it is over. A node that serves the rendezvous store
+    starts again at once (the others need its store); when they do not come back
+    within the rendezvous join_timeout (its torchrun ends with RendezvousTimeoutError)
+    the job is over. Any other node starts again once the store answers again
+    (within `return_s`), or exits 0 when it does not. Everything else ends the
+    launcher with torchrun's code: a node in the job (its workers failed, or the
+    job's host died under it), a rendezvous never reached, a join timeout (the job
+    never had its minimum), a bad setting."""
+
+    rendezvous: tuple[str, int]
+    host: bool
+    return_s: float = STANDBY_RETURN_S
+
+    @classmethod
+    def of(cls, a: argparse.Namespace) -> Standby | None:
+        if not a.hot_spares:
+            return None
+        host, sep, port = a.rdzv_endpoint.rpartition(":")
+        address = (host.strip("[]"), int(port)) if sep and port.isdigit() else \
+            (a.rdzv_endpoint, 29400)  # torch's default port
+        return cls(address, hosts_rendezvous(a))
 
 
 def answers(address: tuple[str, int], timeout_s: float = 2.0) -> bool:
@@ -266,20 +301,19 @@ def answers(address: tuple[str, int], timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _wait(child: subprocess.Popen, rendezvous: tuple[str, int] | None) -> tuple[int, bool]:
-    """torchrun's exit code, and whether the rendezvous answered while it ran."""
-    reached = False
-    while True:
-        try:
-            return child.wait(timeout=None if reached or rendezvous is None else 2), reached
-        except subprocess.TimeoutExpired:
-            reached = answers(rendezvous)  # type: ignore[arg-type]
-
-
-def _started_workers(log_dir: Path) -> bool:
-    """torchrun makes an attempt_N directory under its log directory each time it
-    starts workers (torch.distributed.elastic.multiprocessing.DefaultLogsSpecs)."""
-    return any(log_dir.glob("*/attempt_*"))
+def round_outcome(error_file: Path) -> str | None:
+    """"ended" when torchrun's recorded error says the round it waited in ended,
+    "timeout" for a join timeout, else None (no error, or another one)."""
+    try:
+        message = json.loads(error_file.read_text()).get("message", "")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    name = str(message).partition(":")[0].strip()
+    if name in ROUND_ENDED or GRACEFUL_EXIT_BUG in str(message):
+        return "ended"
+    return "timeout" if name == "RendezvousTimeoutError" else None
 
 
 def _await_rendezvous(address: tuple[str, int], within_s: float, stop: list[int]) -> bool:
@@ -291,12 +325,15 @@ def _await_rendezvous(address: tuple[str, int], within_s: float, stop: list[int]
     return False
 
 
-def run(cmd_for: Callable[[Path], list[str]], env: dict[str, str] | None, longest_leave: float,
-        rendezvous: tuple[str, int] | None = None,
-        standby_return_s: float = STANDBY_RETURN_S) -> int:
-    """Run torchrun (`cmd_for(its log directory)`), relaunching it after each graceful
-    restart (after sitting out what a leave asks, at most `longest_leave` s) and, on a
-    standby node, after each round it stood by (see the module's doc); torchrun's exit
+def _say(text: str) -> None:
+    print(f"clusterpulse-train: {text}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
+        standby: Standby | None = None) -> int:
+    """Run torchrun, relaunching it after each graceful
+    restart (after sitting out what a leave asks, at most `longest_leave` s) and, with
+    hot spares, after each round this node stood by (`Standby`); torchrun's exit
     code."""
     env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1"}
     stop: list[int] = []
@@ -314,45 +351,58 @@ def run(cmd_for: Callable[[Path], list[str]], env: dict[str, str] | None, longes
         with tempfile.TemporaryDirectory(prefix="clusterpulse-train-") as tmp:
             marker = Path(tmp) / "relaunch"
             leave_file = Path(leave_path(marker))
-            log_dir = Path(tmp) / "torchrun-logs"
+            error_file = Path(tmp) / "torchrun-error.json"
+            rdzv_state = Path(tmp) / "rendezvous"
             relaunches = 0
             stood_by = False
-            while True:
+            while not stop:
                 marker.unlink(missing_ok=True)
                 leave_file.unlink(missing_ok=True)
-                shutil.rmtree(log_dir, ignore_errors=True)
+                error_file.unlink(missing_ok=True)
+                rdzv_state.unlink(missing_ok=True)
                 env.update({RELAUNCH_FILE_ENV: str(marker), RELAUNCHES_ENV: str(relaunches)})
+                if standby is not None:
+                    env.update({ERROR_FILE_ENV: str(error_file), spares.HOT_SPARES_ENV: "1",
+                                spares.RDZV_STATE_ENV: str(rdzv_state)})
                 # torchrun in a process group of its own: a signal to the launcher's
                 # group (Ctrl-C, `kill -- -PGID`) reaches it once, from here; twice, it
                 # stopped waiting for its ranks' SIGTERM checkpoints and left them
-                child = subprocess.Popen(cmd_for(log_dir), env=env, process_group=0)
-                rc, reached = _wait(child, rendezvous)
+                child = subprocess.Popen(cmd, env=env, process_group=0)
+                rc = child.wait()
                 if stop:
-                    return 128 + stop[0]
+                    break
                 if rc == 0 and marker.exists():
                     relaunches += 1
-                    print(f"clusterpulse-train: graceful restart {relaunches}: relaunching "
-                          "(the failure budget is untouched)", file=sys.stderr, flush=True)
+                    _say(f"graceful restart {relaunches}: relaunching (the failure budget "
+                         "is untouched)")
                     if leave_file.exists():
                         _sit_out(leave_file.read_text(), longest_leave, stop)
-                        if stop:
-                            return 128 + stop[0]
                     continue
-                if rendezvous is None or not reached or _started_workers(log_dir):
+                if standby is None:
                     return rc
-                # stood by and the round ended: the job restarted, or it is over
-                if _await_rendezvous(rendezvous, standby_return_s, stop):
-                    if not stood_by:
-                        print("clusterpulse-train: standing by: the job is at its node "
-                              "maximum; this node takes the place of one it loses",
-                              file=sys.stderr, flush=True)
-                    stood_by = True
-                    continue
-                if stop:
-                    return 128 + stop[0]
-                print("clusterpulse-train: the job's rendezvous is gone (the job ended) "
-                      "while this node stood by", file=sys.stderr, flush=True)
-                return 0
+                place, outcome = spares.place(rdzv_state), round_outcome(error_file)
+                if place == spares.WAITING and outcome == "timeout":
+                    if standby.host and stood_by:
+                        _say("the other nodes did not come back: the job ended while this "
+                             "node stood by")
+                        return 0
+                    return rc  # the job never had its minimum
+                # stood by: the round it waited in ended; or, after standing by, no store
+                # to wait at (relaunched as the job ended)
+                if not (place == spares.WAITING and outcome == "ended") and not (
+                        place is None and stood_by and not standby.host):
+                    return rc
+                if not standby.host and not _await_rendezvous(
+                        standby.rendezvous, standby.return_s, stop):
+                    if stop:
+                        break
+                    _say("the job's rendezvous is gone (the job ended) while this node "
+                         "stood by")
+                    return 0
+                stood_by = True
+                _say("standing by: the job is at its node maximum; this node takes the "
+                     "place of one it loses")
+            return 128 + stop[0]
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -360,8 +410,8 @@ def run(cmd_for: Callable[[Path], list[str]], env: dict[str, str] | None, longes
 
 def main(argv: list[str] | None = None) -> int:
     a, trainer_args = parse(sys.argv[1:] if argv is None else argv)
-    return run(lambda log_dir: command(a, trainer_args, log_dir),
-               {**os.environ, **leave_env(a)}, longest_leave_s(a), rendezvous_address(a))
+    return run(command(a, trainer_args), {**os.environ, **leave_env(a)}, longest_leave_s(a),
+               Standby.of(a))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ import os
 import sys
 from multiprocessing import forkserver
 
+from clusterpulse.trainer.spares import HOT_SPARES_ENV
+from clusterpulse.trainer.spares import install as install_spares_fixes
+
 SESSION = "clusterpulse.trainer.forkserver_session"  # first: see that module
 TRAINER = "clusterpulse.trainer.main"  # what the reference trainer's ranks import
 PRELOAD_OPTION = "--preload="
@@ -92,6 +95,8 @@ def main() -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     multiprocessing.set_forkserver_preload(modules)
     forkserver.ensure_running()  # starts importing now, while torchrun meets its peers
+    if os.environ.get(HOT_SPARES_ENV):
+        install_spares_fixes()
     from torch.distributed.run import main as torchrun
 
     torchrun()

@@ -61,6 +61,7 @@ class Job:
     args: list[str] = field(default_factory=list)
     ranks_per_node: int = 1
     max_restarts: int = 20
+    spares: int = 0
     env: dict = field(default_factory=dict)
     procs: dict[str, object] = field(default_factory=dict)
 
@@ -172,7 +173,7 @@ class TestbedCluster:
         rdzv = f"{host.ip}:{RDZV_PORT}"
         job = Job(run, nodes, rdzv, self.state / f"ckpt-{run}", nnodes=nnodes,
                   args=list(trainer_args), ranks_per_node=ranks_per_node,
-                  max_restarts=max_restarts, env=dict(env or {}))
+                  max_restarts=max_restarts, spares=spares, env=dict(env or {}))
         for node in nodes:
             self.start_node(job, node)
         self.jobs[run] = job
@@ -209,7 +210,7 @@ class TestbedCluster:
                "--rdzv-endpoint", job.rdzv, "--rdzv-id", job.run,
                f"--local-addr={node.ip}", "--monitor-interval=0.5",
                "--rdzv-host" if node is host else "--no-rdzv-host",
-               "--rdzv-conf", "join_timeout=120",
+               "--rdzv-conf", "join_timeout=120", *(["--hot-spares"] if job.spares else []),
                "--max-restarts", str(job.max_restarts), "--",
                "--run-id", job.run, "--ckpt-dir", str(job.ckpt_dir),
                "--agent", self.telemetry_address(node), *job.args]

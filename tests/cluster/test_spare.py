@@ -4,7 +4,9 @@ loses a node, instead of running smaller until the node returns and then restart
 to take it back.
 
 In order, on one job: the spare outlives a graceful restart of the job (a relaunch of
-every torchrun, which ends the spare's with an error: the store went away); a node
+every torchrun, which ends the spare's with an error: the store went away); a crash
+restarts the job once, not over and over (the node a full round leaves out waits
+without counting as waiting: trainer/spares.py); a node
 evicted through its agent (a leave) is replaced by the spare, and its command
 completes once the sit-out is over though its ranks never come back (the node stands
 by itself then); a node dies, the spare takes its place, and the dead node's return
@@ -64,13 +66,27 @@ def action(cl: TestbedCluster, name: str, **body) -> dict:
 def test_the_spare_outlives_a_graceful_restart_of_the_job(cl):
     spare = standby(cl)
     before = resumes(cl)
+    log = cl.state / f"{RUN}-{spare}.log"
+    assert "standing by" not in log.read_text(errors="replace")
     for name in cl.job_nodes(RUN):
         action(cl, name)
     wait_until(lambda: resumes(cl) > before, 120, "the job resumed")  # rank 0 says it
-    time.sleep(5)  # the spare's torchrun ended with the round; its launcher starts it again
-    assert launcher_alive(cl, spare)
-    assert "standing by" in (cl.state / f"{RUN}-{spare}.log").read_text(errors="replace")
-    assert standby(cl) == spare
+    # the spare's torchrun ended with the round; its launcher started it again
+    wait_until(lambda: "standing by" in log.read_text(errors="replace"), 60,
+               f"{spare} standing by again")
+    assert launcher_alive(cl, spare) and standby(cl) == spare
+
+
+def test_a_crash_restarts_the_job_once(cl):
+    """Every node passes through torch's wait list in a failure restart; the one the
+    full round leaves out used to make the members restart again, and again."""
+    before = resumes(cl)
+    node = next(n for n in cl.bed.nodes if n.name == cl.job_nodes(RUN)[-1])
+    cl.crash_rank(node, RUN)
+    wait_until(lambda: resumes(cl) > before, 120, "the job resumed after the crash")
+    time.sleep(30)  # a loop restarted every ~10 s
+    assert resumes(cl) == before + 1, "the job restarted again after resuming"
+    assert len(cl.job_nodes(RUN)) == 3 and len(set(cl.job_nodes(RUN))) == 3
 
 
 def test_an_evicted_node_is_replaced_by_the_spare_and_its_leave_completes(cl):

@@ -390,39 +390,40 @@ def test_a_leave_rides_on_the_graceful_command_and_its_deadline_restarts_once_le
 def test_a_leave_whose_node_stays_out_completes_without_escalating():
     """A node evicted from a job with a hot spare is replaced by it and, after its
     sit-out, stands by itself: its ranks never come back. That used to escalate at the
-    deadline (a hard restart of nothing) and then fail; the leave did what it was for."""
+    deadline (a hard restart of nothing) and then fail; the leave did what it was for.
+    A rank process still there at the deadline (it said it was leaving, then hung on
+    its way out) is escalated as before."""
     from clusterpulse.agent.audit import AuditLog
     from clusterpulse.agent.commands import CommandBook
+    from clusterpulse.agent.identity import Sender
+    from clusterpulse.agent.protocol import RESTARTING
     from clusterpulse.agent.ranks import RankRegistry
 
-    mono = [1000.0]
-    ranks = RankRegistry(clock=lambda: mono[0])
-    rank = {"v": 1, "run": "r1", "rank": 0, "local_rank": 0, "pid": 1, "gpu": 0}
-    ranks.update({**rank, "type": "step", "step": 5}, None)
+    mono, living = [1000.0], {1, 2}
+    ranks = RankRegistry(clock=lambda: mono[0], alive=lambda s: s.pid in living)
     book = CommandBook(ranks, AuditLog(None), "n", clock=lambda: mono[0])
-    cmd = book.submit("r1", "checkpoint-restart", "link", "op", deadline_s=10, leave_s=30)
-    ranks.update({**rank, "type": "step", "step": 6, "acks": [cmd.id]}, None)
+    commands = {}
+    for pid, run in [(1, "r1"), (2, "r2")]:
+        rank = {"v": 1, "run": run, "rank": 0, "local_rank": 0, "pid": pid, "gpu": 0}
+        sender = Sender(pid=pid, uid=0, start_time=pid, verified=True)
+        ranks.update({**rank, "type": "step", "step": 5}, None, sender)
+        cmd = book.submit(run, "checkpoint-restart", "link", "op", deadline_s=10, leave_s=30)
+        ranks.update({**rank, "type": "step", "step": 6, "acks": [cmd.id]}, None, sender)
+        ranks.update({**rank, "type": "event", "event": "exit",
+                      "outcome": "checkpoint-restart"}, None, sender)
+        commands[run] = cmd
     book.tick()
-    assert cmd.state == "delivered"
-    ranks.update({**rank, "type": "event", "event": "exit", "outcome": "checkpoint-restart"},
-                 None)
+    assert [c.state for c in commands.values()] == ["delivered", "delivered"]
+    assert ranks.of_run("r2")[0].phase == RESTARTING
+    living.discard(1)  # r1's rank exited; r2's said so but its process is still there
     mono[0] += 39  # the sit-out and the deadline again, less a second: still waiting
     book.tick()
-    assert cmd.state == "delivered"
+    assert [c.state for c in commands.values()] == ["delivered", "delivered"]
     mono[0] += 2
     book.tick()
-    assert cmd.state == "completed" and "went on without it" in cmd.detail
-    # a rank of the run still on the node at the deadline (it acknowledged, then hung
-    # on its way out): escalated as before
-    rank = {**rank, "run": "r2", "pid": 2}
-    ranks.update({**rank, "type": "step", "step": 5, "phase": "step"}, None)
-    cmd = book.submit("r2", "checkpoint-restart", "link", "op", deadline_s=10, leave_s=30)
-    ranks.update({**rank, "type": "step", "step": 6, "phase": "step", "acks": [cmd.id]}, None)
-    book.tick()
-    assert cmd.state == "delivered"
-    mono[0] += 41
-    book.tick()
-    assert cmd.state == "escalated"
+    assert commands["r1"].state == "completed", commands["r1"].detail
+    assert "went on without it" in commands["r1"].detail
+    assert commands["r2"].state == "escalated"
 
 
 def test_a_leave_whose_node_gave_way_fails_and_says_why(sim_agent):

@@ -561,7 +561,7 @@ def test_the_launcher_sits_a_leave_out_and_tells_its_ranks_when_it_cannot(tmp_pa
              "\n    raise SystemExit(code)\nprint('back', time.monotonic(), flush=True)\n"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-c", "import sys\nfrom clusterpulse.trainer.launch "
-                        "import run\nsys.exit(run(lambda _: sys.argv[1:], None, 60))", *child],
+                        "import run\nsys.exit(run(sys.argv[1:], None, 60))", *child],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     times = dict(line.split() for line in r.stdout.splitlines())
@@ -571,7 +571,7 @@ def test_the_launcher_sits_a_leave_out_and_tells_its_ranks_when_it_cannot(tmp_pa
     err = tmp_path / "err"
     with open(err, "w") as fh:
         p = subprocess.Popen([sys.executable, "-c", "import sys\nfrom clusterpulse.trainer."
-                              "launch import run\nsys.exit(run(lambda _: sys.argv[1:], None, 600))",
+                              "launch import run\nsys.exit(run(sys.argv[1:], None, 600))",
                               *(arg.replace("1.2", "600") for arg in child)],
                              env=env, stdout=subprocess.DEVNULL, stderr=fh)
     try:
@@ -599,48 +599,64 @@ def test_the_launcher_sits_a_leave_out_and_tells_its_ranks_when_it_cannot(tmp_pa
 
 
 STANDBY_CHILD = """\
-import os, socket, sys, time
-log_dir, count_file, plan = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+import json, os, socket, sys, time
+count_file, plan, port = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
 n = int(open(count_file).read()) if os.path.exists(count_file) else 0
 open(count_file, "w").write(str(n + 1))
-what = plan[min(n, len(plan) - 1)]
-if "host" in what:  # this torchrun is also the rendezvous: it goes when it ends
-    srv = socket.create_server(("127.0.0.1", int(sys.argv[4])))
-if "workers" in what:  # torchrun's per-attempt directory: it started workers
-    os.makedirs(os.path.join(log_dir, "job_x", "attempt_0"))
-if "wait" in what:
-    time.sleep(2.5)  # long enough for the launcher to see the rendezvous answer
-sys.exit(0 if "ok" in what else 1)
+place, error, rc = plan[min(n, len(plan) - 1)].split("|")
+if place.startswith("host"):  # it serves the rendezvous: it goes when this ends
+    srv = socket.create_server(("127.0.0.1", port))
+    place = place.removeprefix("host-")
+if place != "-":  # where the rendezvous left this node (trainer/spares.py)
+    open(os.environ["CLUSTERPULSE_RDZV_STATE_FILE"], "w").write(place)
+if error:  # torchrun's @record error file
+    message = error if ":" in error else error + ": as torchrun says it"
+    with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as fh:
+        json.dump({"message": {"message": message, "extraInfo": {}}}, fh)
+time.sleep(0.5)
+sys.exit(int(rc))
 """
+ENDED = "waiting|RendezvousClosedError|1"
+GRACEFUL_BUG = "waiting|AttributeError: 'NoneType' object has no attribute 'is_failed'|1"
 
 
-@pytest.mark.parametrize("plan,rendezvous_up,rc,runs,says", [
-    # a standby whose round ended (a graceful restart of the job) starts again, then is
-    # taken into the job, whose workers finish
-    ("wait,workers+ok", True, 0, 2, "standing by"),
+@pytest.mark.parametrize("host,plan,rendezvous_up,rc,runs,says", [
+    # a standby whose round ended (the job restarted gracefully; or its store went with
+    # the host's torchrun; or torch <= 2.13's closed-rendezvous exit) starts again, then
+    # is taken into the job, whose workers finish
+    (False, f"{ENDED},joined||0", True, 0, 2, "standing by"),
+    (False, "waiting|RendezvousConnectionError|1,joined||0", True, 0, 2, "standing by"),
+    (False, f"{GRACEFUL_BUG},joined||0", True, 0, 2, "standing by"),
     # a standby whose rendezvous does not come back: the job ended, nothing failed
-    ("host+wait", False, 0, 1, "rendezvous is gone"),
-    # a torchrun that started workers and failed: its failure, no relaunch
-    ("workers+wait", True, 1, 1, ""),
-    # a rendezvous never reached (wrong address, down): torchrun's failure as it is
-    ("wait", False, 1, 1, ""),
+    (False, f"host-{ENDED}", False, 0, 1, "rendezvous is gone"),
+    # a node in the job when the host's store went: the job's failure, no relaunch
+    (False, "joined|RendezvousConnectionError|1", True, 1, 1, ""),
+    # a join timeout (the job never had its minimum), a bad setting, a store never
+    # reached: torchrun's failure as it is
+    (False, "waiting|RendezvousTimeoutError|1", True, 1, 1, ""),
+    (False, "-|ValueError|1", True, 1, 1, ""),
+    (False, "-|RendezvousConnectionError|1", False, 1, 1, ""),
+    # the node serving the store stood by: at once again (the others need its store);
+    # when they do not come back the job is over
+    (True, f"{ENDED},waiting|RendezvousTimeoutError|1", False, 0, 2, "did not come back"),
+    (True, f"{ENDED},joined||0", False, 0, 2, "standing by"),
+    (True, "waiting|RendezvousTimeoutError|1", False, 1, 1, ""),
 ])
-def test_a_standby_node_outlives_the_rounds_it_stood_by(tmp_path, capsys, plan, rendezvous_up,
-                                                        rc, runs, says):
-    """Hot spares: a node beyond the job's --nnodes maximum waits on torch's redundancy
-    list; every graceful restart ends its torchrun with an error (the store goes with
-    the host's torchrun). It used to end the spare's launcher: the job lost its spare
-    at its first checkpoint-restart."""
-    from clusterpulse.trainer.launch import run
+def test_a_standby_node_outlives_the_rounds_it_stood_by(tmp_path, capsys, host, plan,
+                                                        rendezvous_up, rc, runs, says):
+    """Hot spares: a node beyond the job's --nnodes maximum waits in torch's
+    rendezvous; every graceful restart of the job ends its torchrun with an error. It
+    used to end the spare's launcher: the job lost its spare at its first
+    checkpoint-restart. A node in the job, a join timeout, a bad setting still end it."""
+    from clusterpulse.trainer.launch import Standby, run
 
     port = free_port()
     listening = socket.create_server(("127.0.0.1", port)) if rendezvous_up else None
     count = tmp_path / "count"
     try:
-        got = run(lambda log_dir: [sys.executable, "-c", STANDBY_CHILD, str(log_dir),
-                                   str(count), plan, str(port)],
-                  {**os.environ, "PYTHONPATH": str(REPO)}, 60, ("127.0.0.1", port),
-                  standby_return_s=1.5)
+        got = run([sys.executable, "-c", STANDBY_CHILD, str(count), plan, str(port)],
+                  {**os.environ, "PYTHONPATH": str(REPO)}, 60,
+                  Standby(("127.0.0.1", port), host=host, return_s=1.5))
     finally:
         if listening is not None:
             listening.close()
@@ -649,7 +665,6 @@ def test_a_standby_node_outlives_the_rounds_it_stood_by(tmp_path, capsys, plan, 
     assert says in err
     if not says:
         assert "standing by" not in err and "rendezvous is gone" not in err
-
 
 
 @pytest.mark.parametrize(("env", "unix", "refused"), [
@@ -722,3 +737,46 @@ def test_a_membership_change_is_told_only_from_ranks_that_left_for_a_sigterm(lef
     rs.pending_exit = left_as
     rs.begin_attempt("r", 1, 0, membership_change=True)
     assert rs.restarts[-1]["cause"] == cause
+
+
+def test_a_node_waiting_for_a_full_round_restarts_no_one(tmp_path):
+    """torch's c10d rendezvous, for real on a loopback store: after a restart the node
+    a full round left out stays on its wait list, and the members restarted again to
+    take it in, for ever (a restart every ~10 s on the testbed with a spare). With the
+    fix (trainer/spares.py) a full round counts nobody waiting; one below its maximum
+    still does. The node's place in the rendezvous is written for the launcher."""
+    import datetime
+
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        _NodeDesc,
+    )
+
+    from clusterpulse.trainer import spares
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
+                                       timeout=datetime.timedelta(seconds=10))
+    handler = DynamicRendezvousHandler.from_backend(
+        "spares", store, C10dRendezvousBackend(store, "spares"), min_nodes=1, max_nodes=1,
+        local_addr="127.0.0.1")
+    place = tmp_path / "place"
+    os.environ[spares.RDZV_STATE_ENV] = str(place)
+    try:
+        spares.install()
+        handler.next_rendezvous()  # the round is complete: one node, its maximum
+        assert spares.place(place) == spares.JOINED
+        holder = handler._state_holder
+        holder.state.wait_list.add(_NodeDesc("10.0.0.9", 4242, 0))  # left out, waiting
+        holder.mark_dirty()
+        holder.sync()
+        assert handler.num_nodes_waiting() == 0  # a full round takes no one
+        holder.state.participants.clear()  # the job lost its node: room again
+        holder.mark_dirty()
+        holder.sync()
+        assert handler.num_nodes_waiting() == 1
+    finally:
+        os.environ.pop(spares.RDZV_STATE_ENV, None)
+        handler.shutdown()
