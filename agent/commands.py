@@ -14,9 +14,9 @@ States: pending -> delivered (every targeted rank acknowledged: it heard the com
 or left for a checkpoint-restart while it was open) -> completed (as many of the run's
 ranks as were targeted are back on this node as new processes with a higher restart
 count that have each completed a step, whatever numbers the new rendezvous gave them;
-joining the process group or loading the checkpoint is not resuming; or, for a
-leave, no process of the run left on this node by the deadline: the job went on
-without it, a hot spare in its place); or escalated (then completed or failed); or failed.
+joining the process group or loading the checkpoint is not resuming); or escalated
+(then completed or failed); or failed (a leave whose ranks left and none came back
+fails at its deadline without escalating: nothing is left to signal).
 """
 
 from __future__ import annotations
@@ -273,10 +273,11 @@ class CommandBook:
                 if cmd.leave_s and cmd.state == "delivered" and \
                         not self._ranks.live_of_run(cmd.run):
                     # the ranks left, their processes are gone and none came back:
-                    # nothing to escalate against
-                    self._finish(cmd, "completed", "the node sat out and the job went on "
-                                 "without it (a standby node took its place, or the job "
-                                 "runs smaller)")
+                    # nothing to escalate against. Not "completed": nothing here can tell
+                    # a spare in the node's place from a launcher that never rejoined.
+                    self._finish(cmd, "failed", "the node sat out and its ranks did not "
+                                 "come back: the job went on without it (a hot spare in its "
+                                 "place, or this node's launcher did not rejoin)")
                     continue
                 if cmd.action == "checkpoint-restart" and cmd.state != "escalated":
                     self._terminate(cmd)

@@ -82,9 +82,8 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torchrun's @record writes it
 # torchrun's errors that say the rendezvous round ended under a node waiting in it: it
 # was closed (the job finished or restarted gracefully), or its store went away with
 # the host's torchrun. torch <= 2.13 ends a standby on a closed rendezvous with an
-# AttributeError (its agent returns None after RendezvousGracefulExitError).
-ROUND_ENDED = ("RendezvousClosedError", "RendezvousGracefulExitError",
-               "RendezvousConnectionError")
+# AttributeError (its agent swallows RendezvousGracefulExitError and returns None).
+ROUND_ENDED = ("RendezvousClosedError", "RendezvousConnectionError")
 GRACEFUL_EXIT_BUG = "'NoneType' object has no attribute 'is_failed'"
 RDZV_DEFAULTS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "5",
                  "last_call_timeout": "5"}
@@ -265,17 +264,19 @@ def _sit_out(request: str, longest_s: float, stop: list[int]) -> None:
 class Standby:
     """How a node of a job with hot spares tells standing by from failing.
 
-    Its torchrun (trainer/spares.py) writes where it was: waiting in a rendezvous or
-    in the job's round. One that ended waiting, because the round it waited in ended
-    (its @record error file names the error: ROUND_ENDED), stood by: the job
-    restarted gracefully, or it is over. A node that serves the rendezvous store
+    Its torchrun (trainer/spares.py) writes where it last was: on the redundancy list
+    (STANDBY), back in a rendezvous after being in the job (REJOINING), or in a round
+    (JOINED). One that ended on the redundancy list because the round ended (its
+    @record error file names the error: ROUND_ENDED) stood by: the job restarted
+    gracefully, or it is over. A node that serves the rendezvous store
     starts again at once (the others need its store); when they do not come back
     within the rendezvous join_timeout (its torchrun ends with RendezvousTimeoutError)
     the job is over. Any other node starts again once the store answers again
     (within `return_s`), or exits 0 when it does not. Everything else ends the
-    launcher with torchrun's code: a node in the job (its workers failed, or the
-    job's host died under it), a rendezvous never reached, a join timeout (the job
-    never had its minimum), a bad setting."""
+    launcher with torchrun's code: a node in the job or rejoining it (its workers
+    failed, the job's host died under it, another node closed the rendezvous), a
+    rendezvous never reached, a join timeout (the job never had its minimum), a bad
+    setting."""
 
     rendezvous: tuple[str, int]
     host: bool
@@ -368,7 +369,12 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                 # group (Ctrl-C, `kill -- -PGID`) reaches it once, from here; twice, it
                 # stopped waiting for its ranks' SIGTERM checkpoints and left them
                 child = subprocess.Popen(cmd, env=env, process_group=0)
+                if stop:  # a signal before torchrun existed to be told
+                    child.send_signal(signal.SIGTERM)
                 rc = child.wait()
+                place = spares.place(rdzv_state)
+                if place in (spares.JOINED, spares.REJOINING):
+                    stood_by = False  # in the job (again): what follows is the job's
                 if stop:
                     break
                 if rc == 0 and marker.exists():
@@ -380,17 +386,17 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                     continue
                 if standby is None:
                     return rc
-                place, outcome = spares.place(rdzv_state), round_outcome(error_file)
-                if place == spares.WAITING and outcome == "timeout":
-                    if standby.host and stood_by:
+                outcome = round_outcome(error_file)
+                if outcome == "timeout":
+                    if standby.host and stood_by and place is None:
                         _say("the other nodes did not come back: the job ended while this "
                              "node stood by")
                         return 0
                     return rc  # the job never had its minimum
-                # stood by: the round it waited in ended; or, after standing by, no store
-                # to wait at (relaunched as the job ended)
-                if not (place == spares.WAITING and outcome == "ended") and not (
-                        place is None and stood_by and not standby.host):
+                # stood by until the round ended (the job restarted gracefully, or it is
+                # over); or, after standing by, found no rendezvous to wait in
+                if outcome != "ended" or not (place == spares.STANDBY or (
+                        place is None and stood_by)):
                     return rc
                 if not standby.host and not _await_rendezvous(
                         standby.rendezvous, standby.return_s, stop):

@@ -62,6 +62,7 @@ class Job:
     ranks_per_node: int = 1
     max_restarts: int = 20
     spares: int = 0
+    join_timeout: int = 120
     env: dict = field(default_factory=dict)
     procs: dict[str, object] = field(default_factory=dict)
 
@@ -158,7 +159,8 @@ class TestbedCluster:
 
     def start_job(self, run: str, trainer_args: Sequence[str], nodes: Sequence[Node] | None = None,
                   ranks_per_node: int = 1, min_nodes: int | None = None,
-                  max_restarts: int = 20, env: dict | None = None, spares: int = 0) -> Job:
+                  max_restarts: int = 20, env: dict | None = None, spares: int = 0,
+                  join_timeout: int = 120) -> Job:
         """One torchrun per node; the first node hosts the c10d rendezvous. With
         `min_nodes` below the node count the job is elastic (`--nnodes MIN:MAX`): it
         restarts on the nodes that remain when one dies. With `spares`, MAX is that many
@@ -173,7 +175,8 @@ class TestbedCluster:
         rdzv = f"{host.ip}:{RDZV_PORT}"
         job = Job(run, nodes, rdzv, self.state / f"ckpt-{run}", nnodes=nnodes,
                   args=list(trainer_args), ranks_per_node=ranks_per_node,
-                  max_restarts=max_restarts, spares=spares, env=dict(env or {}))
+                  max_restarts=max_restarts, spares=spares, join_timeout=join_timeout,
+                  env=dict(env or {}))
         for node in nodes:
             self.start_node(job, node)
         self.jobs[run] = job
@@ -210,7 +213,8 @@ class TestbedCluster:
                "--rdzv-endpoint", job.rdzv, "--rdzv-id", job.run,
                f"--local-addr={node.ip}", "--monitor-interval=0.5",
                "--rdzv-host" if node is host else "--no-rdzv-host",
-               "--rdzv-conf", "join_timeout=120", *(["--hot-spares"] if job.spares else []),
+               "--rdzv-conf", f"join_timeout={job.join_timeout}",
+               *(["--hot-spares"] if job.spares else []),
                "--max-restarts", str(job.max_restarts), "--",
                "--run-id", job.run, "--ckpt-dir", str(job.ckpt_dir),
                "--agent", self.telemetry_address(node), *job.args]

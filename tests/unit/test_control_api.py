@@ -387,12 +387,13 @@ def test_a_leave_rides_on_the_graceful_command_and_its_deadline_restarts_once_le
         assert r.status_code == 400 and says in r.json()["error"], r.text
 
 
-def test_a_leave_whose_node_stays_out_completes_without_escalating():
+def test_a_leave_whose_ranks_stay_out_fails_at_its_deadline_without_escalating():
     """A node evicted from a job with a hot spare is replaced by it and, after its
     sit-out, stands by itself: its ranks never come back. That used to escalate at the
-    deadline (a hard restart of nothing) and then fail; the leave did what it was for.
-    A rank process still there at the deadline (it said it was leaving, then hung on
-    its way out) is escalated as before."""
+    deadline (a hard restart of nothing, audited as one) and fail a deadline later. It
+    fails at the deadline now, saying what may have happened (nothing here tells a
+    spare in its place from a launcher that never rejoined). A rank process still there
+    at the deadline (it said it was leaving, then hung on its way out) is escalated."""
     from clusterpulse.agent.audit import AuditLog
     from clusterpulse.agent.commands import CommandBook
     from clusterpulse.agent.identity import Sender
@@ -421,8 +422,8 @@ def test_a_leave_whose_node_stays_out_completes_without_escalating():
     assert [c.state for c in commands.values()] == ["delivered", "delivered"]
     mono[0] += 2
     book.tick()
-    assert commands["r1"].state == "completed", commands["r1"].detail
-    assert "went on without it" in commands["r1"].detail
+    assert commands["r1"].state == "failed", commands["r1"].detail
+    assert "went on without it (a hot spare in its place" in commands["r1"].detail
     assert commands["r2"].state == "escalated"
 
 

@@ -604,9 +604,9 @@ count_file, plan, port = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
 n = int(open(count_file).read()) if os.path.exists(count_file) else 0
 open(count_file, "w").write(str(n + 1))
 place, error, rc = plan[min(n, len(plan) - 1)].split("|")
-if place.startswith("host"):  # it serves the rendezvous: it goes when this ends
-    srv = socket.create_server(("127.0.0.1", port))
-    place = place.removeprefix("host-")
+if place.endswith("+graceful"):  # the ranks left for a graceful restart
+    open(os.environ["CLUSTERPULSE_RELAUNCH_FILE"], "w").write("")
+    place = place.removesuffix("+graceful")
 if place != "-":  # where the rendezvous left this node (trainer/spares.py)
     open(os.environ["CLUSTERPULSE_RDZV_STATE_FILE"], "w").write(place)
 if error:  # torchrun's @record error file
@@ -616,8 +616,8 @@ if error:  # torchrun's @record error file
 time.sleep(0.5)
 sys.exit(int(rc))
 """
-ENDED = "waiting|RendezvousClosedError|1"
-GRACEFUL_BUG = "waiting|AttributeError: 'NoneType' object has no attribute 'is_failed'|1"
+ENDED = "standby|RendezvousClosedError|1"
+GRACEFUL_BUG = "standby|AttributeError: 'NoneType' object has no attribute 'is_failed'|1"
 
 
 @pytest.mark.parametrize("host,plan,rendezvous_up,rc,runs,says", [
@@ -625,22 +625,28 @@ GRACEFUL_BUG = "waiting|AttributeError: 'NoneType' object has no attribute 'is_f
     # the host's torchrun; or torch <= 2.13's closed-rendezvous exit) starts again, then
     # is taken into the job, whose workers finish
     (False, f"{ENDED},joined||0", True, 0, 2, "standing by"),
-    (False, "waiting|RendezvousConnectionError|1,joined||0", True, 0, 2, "standing by"),
+    (False, "standby|RendezvousConnectionError|1,joined||0", True, 0, 2, "standing by"),
     (False, f"{GRACEFUL_BUG},joined||0", True, 0, 2, "standing by"),
     # a standby whose rendezvous does not come back: the job ended, nothing failed
-    (False, f"host-{ENDED}", False, 0, 1, "rendezvous is gone"),
-    # a node in the job when the host's store went: the job's failure, no relaunch
+    (False, ENDED, False, 0, 1, "rendezvous is gone"),
+    # a node in the job, or back in a rendezvous from it, when the host's store went or
+    # another node closed the rendezvous: the job's failure, no relaunch
     (False, "joined|RendezvousConnectionError|1", True, 1, 1, ""),
+    (False, "rejoining|RendezvousConnectionError|1", True, 1, 1, ""),
+    (False, "rejoining|RendezvousClosedError|1", True, 1, 1, ""),
     # a join timeout (the job never had its minimum), a bad setting, a store never
     # reached: torchrun's failure as it is
-    (False, "waiting|RendezvousTimeoutError|1", True, 1, 1, ""),
+    (False, "-|RendezvousTimeoutError|1", True, 1, 1, ""),
     (False, "-|ValueError|1", True, 1, 1, ""),
     (False, "-|RendezvousConnectionError|1", False, 1, 1, ""),
     # the node serving the store stood by: at once again (the others need its store);
     # when they do not come back the job is over
-    (True, f"{ENDED},waiting|RendezvousTimeoutError|1", False, 0, 2, "did not come back"),
+    (True, f"{ENDED},-|RendezvousTimeoutError|1", False, 0, 2, "did not come back"),
     (True, f"{ENDED},joined||0", False, 0, 2, "standing by"),
-    (True, "waiting|RendezvousTimeoutError|1", False, 1, 1, ""),
+    (True, "-|RendezvousTimeoutError|1", False, 1, 1, ""),
+    # ... but once back in the job, a later join timeout is the job's failure again
+    (True, f"{ENDED},joined+graceful||0,-|RendezvousTimeoutError|1", False, 1, 3,
+     "standing by"),
 ])
 def test_a_standby_node_outlives_the_rounds_it_stood_by(tmp_path, capsys, host, plan,
                                                         rendezvous_up, rc, runs, says):
@@ -739,44 +745,71 @@ def test_a_membership_change_is_told_only_from_ranks_that_left_for_a_sigterm(lef
     assert rs.restarts[-1]["cause"] == cause
 
 
-def test_a_node_waiting_for_a_full_round_restarts_no_one(tmp_path):
+def test_a_node_waiting_for_a_full_round_restarts_no_one(tmp_path, monkeypatch):
     """torch's c10d rendezvous, for real on a loopback store: after a restart the node
-    a full round left out stays on its wait list, and the members restarted again to
-    take it in, for ever (a restart every ~10 s on the testbed with a spare). With the
-    fix (trainer/spares.py) a full round counts nobody waiting; one below its maximum
-    still does. The node's place in the rendezvous is written for the launcher."""
+    a full round left out stayed on its wait list; the members restarted to take it in,
+    for ever (a restart every ~10 s on the testbed with a spare), and at its join
+    timeout it closed the rendezvous for the whole job. With the fixes
+    (trainer/spares.py) it moves to the redundancy list (no deadline there) and writes
+    that it stands by; until it has, a full round counts nobody waiting, while one
+    below its maximum still does."""
     import datetime
+    import threading
 
+    from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
         C10dRendezvousBackend,
     )
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
         DynamicRendezvousHandler,
-        _NodeDesc,
     )
 
     from clusterpulse.trainer import spares
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
                                        timeout=datetime.timedelta(seconds=10))
-    handler = DynamicRendezvousHandler.from_backend(
-        "spares", store, C10dRendezvousBackend(store, "spares"), min_nodes=1, max_nodes=1,
-        local_addr="127.0.0.1")
+
+    def handler(addr: str) -> DynamicRendezvousHandler:
+        return DynamicRendezvousHandler.from_backend(
+            "spares", store, C10dRendezvousBackend(store, "spares"), min_nodes=1,
+            max_nodes=1, local_addr=addr, keep_alive_interval=1)
+
     place = tmp_path / "place"
-    os.environ[spares.RDZV_STATE_ENV] = str(place)
-    try:
-        spares.install()
-        handler.next_rendezvous()  # the round is complete: one node, its maximum
-        assert spares.place(place) == spares.JOINED
-        holder = handler._state_holder
-        holder.state.wait_list.add(_NodeDesc("10.0.0.9", 4242, 0))  # left out, waiting
-        holder.mark_dirty()
+    monkeypatch.setenv(spares.RDZV_STATE_ENV, str(place))
+    spares.install()
+    member, spare = handler("127.0.0.1"), handler("127.0.0.2")
+    member.next_rendezvous()  # the round is complete: one node, its maximum
+    assert spares.place(place) == spares.JOINED
+    holder = member._state_holder
+    holder.state.wait_list.add(spare._this_node)  # left out of the round, waiting
+    holder.state.last_heartbeats[spare._this_node] = datetime.datetime.now(datetime.UTC)
+    holder.mark_dirty()
+    holder.sync()
+    assert member.num_nodes_waiting() == 0  # a full round takes no one
+    ended: list[BaseException] = []
+
+    def stand_by() -> None:
+        try:
+            spare.next_rendezvous()
+        except BaseException as err:
+            ended.append(err)
+
+    t = threading.Thread(target=stand_by, daemon=True)
+    t.start()
+    wait_until(lambda: spares.place(place) == spares.STANDBY, 30, "the spare standing by")
+
+    def on_the_redundancy_list() -> bool:
         holder.sync()
-        assert handler.num_nodes_waiting() == 0  # a full round takes no one
-        holder.state.participants.clear()  # the job lost its node: room again
-        holder.mark_dirty()
-        holder.sync()
-        assert handler.num_nodes_waiting() == 1
-    finally:
-        os.environ.pop(spares.RDZV_STATE_ENV, None)
-        handler.shutdown()
+        return spare._this_node in holder.state.redundancy_list
+
+    wait_until(on_the_redundancy_list, 30, "the spare on the redundancy list")
+    assert spare._this_node not in holder.state.wait_list
+    member.set_closed()  # the job ends: the standby's wait ends with it
+    t.join(timeout=30)
+    assert len(ended) == 1 and isinstance(ended[0], RendezvousGracefulExitError), ended
+    holder.sync()
+    holder.state.participants.clear()  # a round below its maximum: a node waits for room
+    holder.state.wait_list.add(spare._this_node)
+    holder.mark_dirty()
+    holder.sync()
+    assert member.num_nodes_waiting() == 1
