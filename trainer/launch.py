@@ -388,8 +388,8 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                     return rc
                 outcome = round_outcome(error_file)
                 if outcome == "timeout":
-                    if standby.host and stood_by and place is None:
-                        _say("the other nodes did not come back: the job ended while this "
+                    if stood_by and place is None:  # a new round the job's nodes never joined
+                        _say("the job's nodes did not come back: the job ended while this "
                              "node stood by")
                         return 0
                     return rc  # the job never had its minimum

@@ -18,12 +18,16 @@ either).
 2. The launcher must tell a standby's end from a failure: a graceful restart ends
    every torchrun, a standby's with the error of a closed or vanished rendezvous,
    as a member's does when the job's host dies. What tells them apart is where the
-   node was: STANDBY (on the redundancy list), REJOINING (a member gone back into a
-   rendezvous: its workers failed, or a node joined) or JOINED (in a round), written
-   to RDZV_STATE_ENV's file for clusterpulse-train to read.
+   node was: STANDBY (seen on the redundancy list, and in no round since), REJOINING
+   (a member gone back into a rendezvous: its workers failed, or a node joined) or
+   JOINED (in a round), written to RDZV_STATE_ENV's file for clusterpulse-train.
+3. torchrun shuts its rendezvous down on every way out, which closes it for every
+   node: a standby ending on a passing store error would close the running job's
+   rendezvous (its members fail at their next restart). A node outside the round
+   leaves without closing it.
 
-These wrap methods of torch's rendezvous classes, private ones included (checked for
-torch 2.13); on a torch without them the wrappers stand aside.
+These wrap methods of torch's rendezvous classes and read their private state
+(checked for torch 2.13); where those are missing the wrappers give torch's answer.
 """
 
 from __future__ import annotations
@@ -46,11 +50,15 @@ def install() -> None:
         return
     waiting = handler.num_nodes_waiting
     joining = handler.next_rendezvous
+    shutting = handler.shutdown
 
     def num_nodes_waiting(self: dr.DynamicRendezvousHandler) -> int:
         count = waiting(self)  # synced the state
-        return 0 if count and _full(self._state_holder.state, self._settings.max_nodes) \
-            else count
+        try:
+            full = _full(self._state_holder.state, self._settings.max_nodes)
+        except AttributeError:  # another torch: its answer
+            return count
+        return 0 if count and full else count
 
     def next_rendezvous(self: dr.DynamicRendezvousHandler):  # type: ignore[no-untyped-def]
         if getattr(self, "_clusterpulse_joined", False):
@@ -60,44 +68,60 @@ def install() -> None:
         mark(JOINED)
         return info
 
+    def shutdown(self: dr.DynamicRendezvousHandler) -> bool:
+        # torchrun shuts its rendezvous down on every way out, and that closes it for
+        # every node: a standby's torchrun ending on a passing store error would close
+        # the running job's rendezvous, and the members would fail at their next
+        # restart. A node not in the round leaves without closing it.
+        try:
+            outside = self._this_node not in self._state_holder.state.participants
+            if outside:
+                self._stop_heartbeats()
+                return True
+        except AttributeError:
+            pass
+        return shutting(self)
+
     handler.num_nodes_waiting = num_nodes_waiting  # type: ignore[method-assign]
     handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+    handler.shutdown = shutdown  # type: ignore[method-assign]
     handler._clusterpulse_spares = True  # type: ignore[attr-defined]
 
     join_op = getattr(dr, "_RendezvousJoinOp", None)
-    executor = getattr(dr, "_DistributedRendezvousOpExecutor", None)
     action = getattr(dr, "_Action", None)
-    if join_op is None or executor is None or \
-            not hasattr(action, "REMOVE_FROM_WAIT_LIST") or \
-            not hasattr(executor, "_add_to_redundancy_list"):
+    if join_op is None or not all(hasattr(action, a) for a in (
+            "REMOVE_FROM_WAIT_LIST", "ADD_TO_REDUNDANCY_LIST")):
         return
     decide = join_op.__call__
-    to_redundancy = executor._add_to_redundancy_list
 
     def join(self, ctx, deadline):  # type: ignore[no-untyped-def]
         state = ctx.state
-        if not state.closed and ctx.node in state.wait_list and \
-                ctx.node not in state.participants and \
+        if ctx.node in state.redundancy_list:  # synced: where torch has this node now
+            mark(STANDBY)
+        elif not state.closed and ctx.node not in state.participants and \
                 _full(state, ctx.settings.max_nodes):
-            return action.REMOVE_FROM_WAIT_LIST  # then torch's own: the redundancy list
+            # left out of a full round: to the redundancy list, which torch does only
+            # for a node on no list and only before its join deadline
+            if ctx.node in state.wait_list:
+                return action.REMOVE_FROM_WAIT_LIST
+            return action.ADD_TO_REDUNDANCY_LIST
         return decide(self, ctx, deadline)
 
-    def add_to_redundancy_list(self) -> None:  # type: ignore[no-untyped-def]
-        to_redundancy(self)
-        mark(STANDBY)
-
     join_op.__call__ = join
-    executor._add_to_redundancy_list = add_to_redundancy_list
 
 
 def _full(state, max_nodes: int) -> bool:  # type: ignore[no-untyped-def]
     return bool(state.complete and len(state.participants) >= max_nodes)
 
 
+_last_mark: dict[str, str] = {}
+
+
 def mark(place: str) -> None:
     path = os.environ.get(RDZV_STATE_ENV)
-    if not path:
-        return
+    if not path or _last_mark.get(path) == place:
+        return  # a standby re-reads its place every second: written when it changes
+    _last_mark[path] = place
     tmp = Path(f"{path}.tmp")
     with contextlib.suppress(OSError):  # the launcher then takes the node for failed
         tmp.write_text(place)

@@ -642,6 +642,8 @@ GRACEFUL_BUG = "standby|AttributeError: 'NoneType' object has no attribute 'is_f
     # the node serving the store stood by: at once again (the others need its store);
     # when they do not come back the job is over
     (True, f"{ENDED},-|RendezvousTimeoutError|1", False, 0, 2, "did not come back"),
+    # a standby that found the host's new store after the job ended: nobody came
+    (False, f"{ENDED},-|RendezvousTimeoutError|1", True, 0, 2, "did not come back"),
     (True, f"{ENDED},joined||0", False, 0, 2, "standing by"),
     (True, "-|RendezvousTimeoutError|1", False, 1, 1, ""),
     # ... but once back in the job, a later join timeout is the job's failure again
@@ -752,7 +754,8 @@ def test_a_node_waiting_for_a_full_round_restarts_no_one(tmp_path, monkeypatch):
     timeout it closed the rendezvous for the whole job. With the fixes
     (trainer/spares.py) it moves to the redundancy list (no deadline there) and writes
     that it stands by; until it has, a full round counts nobody waiting, while one
-    below its maximum still does."""
+    below its maximum still does. A torchrun outside the round that ends does not
+    close the rendezvous for the job."""
     import datetime
     import threading
 
@@ -786,6 +789,10 @@ def test_a_node_waiting_for_a_full_round_restarts_no_one(tmp_path, monkeypatch):
     holder.mark_dirty()
     holder.sync()
     assert member.num_nodes_waiting() == 0  # a full round takes no one
+    late = handler("127.0.0.3")
+    late.shutdown()  # a torchrun outside the round ending (a store error) closes nothing
+    holder.sync()
+    assert not holder.state.closed
     ended: list[BaseException] = []
 
     def stand_by() -> None:
