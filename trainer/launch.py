@@ -34,7 +34,7 @@ What it adds to torchrun, and why:
   torchrun, a standby's too (the rendezvous closes, or its store goes with the host's
   torchrun); this launcher starts a standby's torchrun again (see `Standby`) instead
   of ending with it, and a standby exits 0 when the job has ended. torchrun runs with
-  two rendezvous fixes for this (trainer/spares.py).
+  its rendezvous fixed for spares (trainer/spares.py).
 - SIGTERM and SIGINT (Ctrl-C) reach torchrun as one SIGTERM each, from here (it runs
   in a process group of its own), and torchrun passes it to the ranks: they
   checkpoint at the next consensus step (a second one: at once); the launcher then
@@ -268,11 +268,11 @@ class Standby:
     (STANDBY), back in a rendezvous after being in the job (REJOINING), or in a round
     (JOINED). One that ended on the redundancy list because the round ended (its
     @record error file names the error: ROUND_ENDED) stood by: the job restarted
-    gracefully, or it is over. A node that serves the rendezvous store
-    starts again at once (the others need its store); when they do not come back
-    within the rendezvous join_timeout (its torchrun ends with RendezvousTimeoutError)
-    the job is over. Any other node starts again once the store answers again
-    (within `return_s`), or exits 0 when it does not. Everything else ends the
+    gracefully, or it is over. A node that serves the rendezvous store starts again
+    at once (the others need its store); any other node once the store answers again
+    (within `return_s`), or exits 0 when it does not. A standby whose new round the
+    job's nodes never join within the rendezvous join_timeout (its torchrun ends with
+    RendezvousTimeoutError) exits 0: the job is over. Everything else ends the
     launcher with torchrun's code: a node in the job or rejoining it (its workers
     failed, the job's host died under it, another node closed the rendezvous), a
     rendezvous never reached, a join timeout (the job never had its minimum), a bad
@@ -332,10 +332,9 @@ def _say(text: str) -> None:
 
 def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
         standby: Standby | None = None) -> int:
-    """Run torchrun, relaunching it after each graceful
-    restart (after sitting out what a leave asks, at most `longest_leave` s) and, with
-    hot spares, after each round this node stood by (`Standby`); torchrun's exit
-    code."""
+    """Run torchrun, relaunching it after each graceful restart (after sitting out what
+    a leave asks, at most `longest_leave` s) and, with hot spares, after each round
+    this node stood by (`Standby`); torchrun's exit code."""
     env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1"}
     stop: list[int] = []
     child: subprocess.Popen | None = None
