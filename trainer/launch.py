@@ -250,11 +250,10 @@ def _sit_out(request: str, longest_s: float, stop: list[int]) -> None:
     try:
         seconds = min(float(request.split()[0]), longest_s)
     except (IndexError, ValueError):
-        print(f"clusterpulse-train: ignoring a malformed leave request {request!r}",
-              file=sys.stderr, flush=True)
+        _say(f"ignoring a malformed leave request {request!r}")
         return
-    print(f"clusterpulse-train: leaving the job for {seconds:.0f} s (the other nodes go "
-          "on without this one), then rejoining", file=sys.stderr, flush=True)
+    _say(f"leaving the job for {seconds:.0f} s (the other nodes go on without this one), "
+         "then rejoining")
     end = time.monotonic() + seconds
     while not stop and time.monotonic() < end:
         time.sleep(min(0.5, max(0.0, end - time.monotonic())))
@@ -286,10 +285,9 @@ class Standby:
     def of(cls, a: argparse.Namespace) -> Standby | None:
         if not a.hot_spares:
             return None
-        host, sep, port = a.rdzv_endpoint.rpartition(":")
-        address = (host.strip("[]"), int(port)) if sep and port.isdigit() else \
-            (a.rdzv_endpoint, 29400)  # torch's default port
-        return cls(address, hosts_rendezvous(a))
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        return cls(parse_rendezvous_endpoint(a.rdzv_endpoint, 29400), hosts_rendezvous(a))
 
 
 def answers(address: tuple[str, int], timeout_s: float = 2.0) -> bool:

@@ -145,9 +145,9 @@ def request_relaunch(leave_s: float = 0.0) -> int:
     if not path:
         return RESTART_EXIT_CODE
     if leave_s > 0:
-        _write_atomically(Path(leave_path(path)), f"{leave_s:g}\n")
+        write_atomically(Path(leave_path(path)), f"{leave_s:g}\n")
     # every rank of the node may write it: same content, atomic
-    _write_atomically(Path(path), "checkpoint-restart\n")
+    write_atomically(Path(path), "checkpoint-restart\n")
     return 0
 
 
@@ -166,7 +166,9 @@ def leave_path(relaunch_file: str | Path) -> str:
     return f"{relaunch_file}.leave"
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` whole or not at all: the launcher reads these files while ranks
+    (or torchrun) may be writing them."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)

@@ -36,6 +36,8 @@ import contextlib
 import os
 from pathlib import Path
 
+from clusterpulse.trainer.restart import write_atomically
+
 HOT_SPARES_ENV = "CLUSTERPULSE_HOT_SPARES"  # set (to 1) for torchrun by the launcher
 RDZV_STATE_ENV = "CLUSTERPULSE_RDZV_STATE_FILE"  # where this node's rendezvous place goes
 STANDBY, REJOINING, JOINED = "standby", "rejoining", "joined"
@@ -122,10 +124,8 @@ def mark(place: str) -> None:
     if not path or _last_mark.get(path) == place:
         return  # a standby re-reads its place every second: written when it changes
     _last_mark[path] = place
-    tmp = Path(f"{path}.tmp")
     with contextlib.suppress(OSError):  # the launcher then takes the node for failed
-        tmp.write_text(place)
-        tmp.replace(path)
+        write_atomically(Path(path), place)
 
 
 def place(path: Path) -> str | None:
