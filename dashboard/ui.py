@@ -4,6 +4,7 @@ the operator login (viewers are read-only)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import streamlit as st
 
@@ -31,13 +32,29 @@ def show_status(result: Result, what: str = "Prometheus") -> bool:
     return result.value is not None
 
 
-def choose(label: str, names: Result, empty: str) -> str:
-    """A selector over names from Prometheus; stops the page when there are none."""
-    show_status(names)
-    if not names.value:
-        st.info(empty)
+def choose(label: str, names: Callable[[], Result], empty: str) -> str:
+    """A selector over names from Prometheus (`names` reads them). While there are none
+    (nothing reports yet, or Prometheus is down or slow at the page's first read) the
+    page says so and reads again every refresh, reloading itself once there are: a
+    page stopped there waited for a manual reload forever."""
+    first = names()
+    if not first.value:
+        _until_any(names, empty)
         st.stop()
-    return st.selectbox(label, names.value, key=label.lower())
+    show_status(first)
+    return st.selectbox(label, first.value, key=label.lower())
+
+
+def _until_any(names: Callable[[], Result], empty: str) -> None:
+    @st.fragment(run_every=settings().refresh_s)
+    def waiting() -> None:
+        result = names()
+        if result.value:
+            st.rerun()  # from a fragment's own run, the whole page: now it can choose
+        show_status(result)
+        st.info(empty)
+
+    waiting()
 
 
 def time_range() -> int:

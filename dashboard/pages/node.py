@@ -11,7 +11,7 @@ s = ui.settings()
 st.title("Node")
 ui.operator()
 range_s = ui.time_range()
-node = ui.choose("Node", data.node_names(s.prometheus_url), "No node reports yet.")
+node = ui.choose("Node", lambda: data.node_names(s.prometheus_url), "No node reports yet.")
 
 
 @st.fragment(run_every=s.refresh_s)
@@ -37,10 +37,15 @@ def live() -> None:
     else:
         st.caption("No throttling in this range.")
     c1, c2 = st.columns(2)
-    c1.markdown("**XID errors (last 10 min)**")
-    c1.dataframe(d["xid"], hide_index=True) if not d["xid"].empty else c1.caption("none")
-    c2.markdown("**ECC error counters**")
-    c2.dataframe(d["ecc"], hide_index=True) if not d["ecc"].empty else c2.caption("none")
+    # statements, not `a if c else b` expressions: Streamlit's magic renders an
+    # expression's value, and that of st.dataframe/st.caption is st itself (its help)
+    for col, title, frame in ((c1, "XID errors (last 10 min)", d["xid"]),
+                              (c2, "ECC error counters", d["ecc"])):
+        col.markdown(f"**{title}**")
+        if frame.empty:
+            col.caption("none")
+        else:
+            col.dataframe(frame, hide_index=True)
     st.subheader("Links")
     st.markdown("**GPU interconnect** (PCIe as trained against its maximum, NVLinks)")
     links = d["gpu_links"]

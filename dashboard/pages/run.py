@@ -16,7 +16,7 @@ s = ui.settings()
 st.title("Run")
 who = ui.operator()
 range_s = ui.time_range()
-run = ui.choose("Run", data.run_names(s.prometheus_url), "No training run reports yet.")
+run = ui.choose("Run", lambda: data.run_names(s.prometheus_url), "No training run reports yet.")
 
 
 def straggler_table(d: dict) -> pd.DataFrame:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import pytest
 import requests
@@ -25,6 +26,26 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-sync"]
 
 
+def start_dashboard(stack: Stack, tmp) -> tuple[Proc, str]:
+    """A clusterpulse-dashboard process over `stack`, with one operator; its URL."""
+    ops = tmp / "operators.toml"
+    ops.write_text(f'[operators]\nops = "{hash_password(PASSWORD)}"\n')
+    port = free_port()
+    dash = Proc([sys.executable, "-m", "clusterpulse.dashboard.cli",
+                 "--prometheus", stack.prom.url,
+                 "--alertmanager", stack.am.url, "--port", str(port), "--token-file",
+                 str(tmp / "token"), "--operators-file", str(ops), "--audit-log",
+                 str(tmp / "audit.jsonl"), "--refresh", "2"], tmp / f"dashboard-{port}.log",
+                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: requests.get(url + "/_stcore/health", timeout=1).ok, 60, "dashboard")
+    except BaseException:
+        dash.stop()
+        raise
+    return dash, url
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("browser")
@@ -34,17 +55,7 @@ def env(tmp_path_factory):
         stack.start_job("web", steps=100000, trainer_args=[
             "--sim-compute-seconds", "0.1", "--ckpt-every", "20",
             "--inject", "slow:rank=3:step=1:factor=1.8"])
-        ops = tmp / "operators.toml"
-        ops.write_text(f'[operators]\nops = "{hash_password(PASSWORD)}"\n')
-        port = free_port()
-        dash = Proc([sys.executable, "-m", "clusterpulse.dashboard.cli",
-                     "--prometheus", stack.prom.url,
-                     "--alertmanager", stack.am.url, "--port", str(port), "--token-file",
-                     str(tmp / "token"), "--operators-file", str(ops), "--audit-log",
-                     str(tmp / "audit.jsonl"), "--refresh", "2"], tmp / "dashboard.log",
-                    cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-        url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: requests.get(url + "/_stcore/health", timeout=1).ok, 60, "dashboard")
+        dash, url = start_dashboard(stack, tmp)
         wait_until(lambda: len(stack.prom.query('clusterpulse_trainer_step{run="web"}')) == 4, 120,
                    "4 ranks of run web")
         from playwright.sync_api import sync_playwright
@@ -66,6 +77,35 @@ def page(env):
     return p
 
 
+def shows(p, text: str, timeout_ms: int = 60_000,
+          evidence: Callable[[], str] = lambda: "") -> None:
+    """Wait until the page shows `text`; else fail with what it showed instead (and
+    `evidence()`): a CI run keeps no screenshot, and "timeout" alone says nothing."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        p.get_by_text(text).first.wait_for(timeout=timeout_ms)
+    except PlaywrightTimeout:
+        body = p.locator("body").inner_text(timeout=10_000)
+        pytest.fail(f"{text!r} not shown within {timeout_ms / 1000:.0f} s.{evidence()}\n"
+                    f"The page showed:\n{body[:4000]}")
+
+
+def straggler_evidence(stack: Stack) -> str:
+    """What Prometheus holds on run web's ranks: the scorer's figures and the causes."""
+    lines = []
+    for metric in ("clusterpulse_trainer_straggler_score", "clusterpulse_trainer_straggler_flagged",
+                   "clusterpulse_trainer_step", "clusterpulse:rank_straggler_cause"):
+        try:
+            got = stack.prom.query(f'{metric}{{run="web"}}')
+        except Exception as err:  # the evidence must not hide the failure it explains
+            lines.append(f"{metric}: {err}")
+            continue
+        lines += [f"{metric}{{rank={s['metric'].get('rank')}, cause={s['metric'].get('cause')}}} "
+                  f"= {s['value'][1]}" for s in got]
+    return "\nPrometheus:\n" + "\n".join(lines)
+
+
 def test_cluster_page_shows_live_data(env):
     p = page(env)
     p.goto(env["url"])
@@ -79,7 +119,7 @@ def test_cluster_page_shows_live_data(env):
 def test_straggler_is_flagged_with_its_cause_and_viewers_cannot_act(env):
     p = page(env)
     p.goto(env["url"] + "/run")
-    p.get_by_text("cause: compute").wait_for(timeout=90_000)
+    shows(p, "cause: compute", 90_000, lambda: straggler_evidence(env["stack"]))
     p.get_by_text("STRAGGLER").first.wait_for()
     p.get_by_text("Viewers are read-only").wait_for()
     assert p.get_by_role("button", name="Request").count() == 0
@@ -97,7 +137,7 @@ def test_operator_checkpoint_restart_resumes_with_zero_steps_lost(env):
     p.get_by_label("Reason (audited)").fill("e2e: straggler on rank 3")
     p.get_by_text("I confirm: restart run web").click()
     p.get_by_role("button", name="Request").click()
-    p.get_by_text("All ranks resumed.").wait_for(timeout=180_000)
+    shows(p, "All ranks resumed.", 180_000)
     p.screenshot(path=ARTIFACTS / "run-restarted.png", full_page=True)
     state = json.loads((env["tmp"] / "web" / "run-state.json").read_text())
     restart = state["restarts"][-1]
@@ -120,3 +160,29 @@ def test_prometheus_outage_shows_a_banner_then_recovers(env):
     finally:
         prom.start()
     p.get_by_text("Prometheus is unavailable").first.wait_for(state="detached", timeout=60_000)
+
+
+def test_a_page_opened_while_prometheus_is_down_fills_in_when_it_is_back(env):
+    """A page whose first read fails (Prometheus down or slow) waited for a reload
+    forever: the Run page showed "No training run reports yet." on a live run."""
+    stack = env["stack"]
+    dash, url = start_dashboard(stack, env["tmp"])  # a new process: nothing read yet
+    try:
+        stack.prom.proc.stop()
+        try:
+            p = page(env)
+            p.goto(url + "/run")
+            shows(p, "No training run reports yet.")
+            shows(p, "Prometheus is unavailable")
+        finally:
+            stack.prom.start()
+        shows(p, "Ranks (straggler table)", 90_000)
+        p.get_by_text("Prometheus is unavailable").first.wait_for(state="detached",
+                                                                  timeout=60_000)
+        p.goto(url + "/node")  # the Node page chooses the same way
+        shows(p, "utilization %")
+        shows(p, "ECC error counters")
+        # magic renders a bare expression's value: st.caption's is st's whole help
+        assert p.get_by_text("Display text in small font").count() == 0
+    finally:
+        dash.stop()
