@@ -25,6 +25,15 @@ either).
    node: a standby ending on a passing store error would close the running job's
    rendezvous (its members fail at their next restart). A node outside the round
    leaves without closing it.
+4. A node the job went on without never learns it: cut off the network, its ranks
+   block in a collective; the others restart (a hard restart, or a peer error) and
+   torch's rendezvous drops the silent node as dead. Back on the network its
+   connections are idle (its ranks wait to receive, so nothing sends and nothing is
+   reset) and its torchrun, in a healthy worker group by its own account, keeps them
+   waiting until the collective timeout. A node that joined a round and is no longer
+   among the participants now counts as waiting itself: torchrun stops its workers and
+   joins again (a standby if the round is full, else the members take it in, as for
+   any returning node).
 
 These wrap methods of torch's rendezvous classes and read their private state
 (checked for torch 2.13); where those are missing the wrappers give torch's answer.
@@ -57,9 +66,14 @@ def install() -> None:
     def num_nodes_waiting(self: dr.DynamicRendezvousHandler) -> int:
         count = waiting(self)  # synced the state
         try:
-            full = _full(self._state_holder.state, self._settings.max_nodes)
+            state = self._state_holder.state
+            full = _full(state, self._settings.max_nodes)
+            dropped = getattr(self, "_clusterpulse_joined", False) and \
+                self._this_node not in state.participants
         except AttributeError:  # another torch: its answer
             return count
+        if dropped:  # the job went on without this node: rejoin (4.)
+            return max(count, 1)
         return 0 if count and full else count
 
     def next_rendezvous(self: dr.DynamicRendezvousHandler):  # type: ignore[no-untyped-def]

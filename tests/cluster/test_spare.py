@@ -10,7 +10,9 @@ without counting as waiting: trainer/spares.py); a node
 evicted through its agent (a leave) is replaced by the spare, and its command ends at
 its deadline without escalating though its ranks never come back (the node stands by
 itself then); a node dies, the spare takes its place, and the dead node's return
-costs the job no restart.
+costs the job no restart; a node is cut off the network, the job stalls, the policy
+(deploy/local/policy-spares.toml: JobStalled -> restart) restarts it on the nodes it
+can reach with the spare in the cut-off node's place, which stands by once it is back.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 
 from deploy.testbed import Testbed
 from deploy.testbed.cluster import TestbedCluster
-from tests.support.procs import wait_until
+from tests.support.procs import REPO, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -37,7 +39,9 @@ JOIN_TIMEOUT = 40  # s: a node left waiting past it failed, closing the rendezvo
 @pytest.fixture(scope="module")
 def cl(tmp_path_factory) -> Iterator[TestbedCluster]:
     state = tmp_path_factory.mktemp("spare")
-    with Testbed(nodes=4) as bed, TestbedCluster(bed, state, scrape_interval="1s") as c:
+    policy = REPO / "deploy" / "local" / "policy-spares.toml"
+    with Testbed(nodes=4) as bed, TestbedCluster(bed, state, scrape_interval="1s",
+                                                 policy=policy) as c:
         c.start_job(RUN, TRAINER, min_nodes=2, spares=1, join_timeout=JOIN_TIMEOUT)
         wait_until(lambda: len(c.job_nodes(RUN)) == 3, 300, "the job on 3 nodes")
         yield c
@@ -125,3 +129,28 @@ def test_a_dead_node_is_replaced_and_its_return_restarts_nothing(cl):
     time.sleep(20)  # time enough for a membership restart, were there one
     assert resumes(cl) == before, "the job restarted to take the returning node in"
     assert standby(cl) == victim.name and launcher_alive(cl, victim.name)
+
+
+def test_a_cut_off_node_is_replaced_by_the_spare_while_the_cut_lasts(cl):
+    """A partition used to hold the job for as long as it lasted (nothing acted on it):
+    no step, no error, the cut-off node's ranks out of Prometheus's sight."""
+    spare = standby(cl)
+    victim = next(n for n in cl.bed.nodes[1:] if n.name in cl.job_nodes(RUN))
+    before = resumes(cl)
+    cl.bed.partition(victim)
+    try:
+        wait_until(lambda: resumes(cl) > before, 90, "the job resumed while the cut lasts")
+        assert spare in cl.job_nodes(RUN), cl.job_nodes(RUN)
+        acted = [r for r in cl.audit() if r.get("source") == "remediation"
+                 and r.get("action") == "restart" and r.get("outcome") == "accepted"]
+        assert acted and acted[-1]["alert"]["alertname"] == "JobStalled", cl.audit()[-3:]
+        assert victim.name not in acted[-1]["nodes"], acted[-1]  # it could not be reached
+    finally:
+        cl.bed.heal(victim)
+    before = resumes(cl)
+    # back on the network, its rank finds its peers gone; the node stands by
+    wait_until(lambda: standby(cl) == victim.name and len(cl.job_nodes(RUN)) == 3, 120,
+               f"{victim.name} standing by")
+    time.sleep(20)  # time enough for a membership restart, were there one
+    assert resumes(cl) == before, "the job restarted to take the returning node in"
+    assert launcher_alive(cl, victim.name), f"{victim.name}'s launcher gave up"

@@ -146,6 +146,11 @@ def test_the_first_rule_whose_labels_fit_decides_and_a_hardware_straggler_is_not
     assert (spares.rule_for(link).action, spares.rule_for(link).sustained_s) == ("evict-node", 0)
     assert local.rule_for({"alertname": "TrainingStraggler", "run": "r"}) is None  # no cause
     assert local.rule_for({"alertname": "RankHung", "run": "r"}).action == "restart"
+    # a stall with no rank to blame (a node cut off): restarted where a spare stands by
+    stalled = {"alertname": "JobStalled", "run": "r", "severity": "critical"}
+    assert local.rule_for(stalled) is None
+    assert (spares.rule_for(stalled).action, spares.rule_for(stalled).sustained_s) == (
+        "restart", 0)
     # anchored: "compute" does not fit "computed", nor a part of a longer value
     path = tmp_path / "p.toml"
     path.write_text("[[rule]]\nalert = 'A'\nmatch = { cause = 'compute' }\naction = 'restart'\n"

@@ -755,7 +755,8 @@ def test_a_node_waiting_for_a_full_round_restarts_no_one(tmp_path, monkeypatch):
     (trainer/spares.py) it moves to the redundancy list (no deadline there) and writes
     that it stands by; until it has, a full round counts nobody waiting, while one
     below its maximum still does. A torchrun outside the round that ends does not
-    close the rendezvous for the job."""
+    close the rendezvous for the job. A member the round dropped counts itself as
+    waiting: it has to rejoin."""
     import datetime
     import threading
 
@@ -815,8 +816,19 @@ def test_a_node_waiting_for_a_full_round_restarts_no_one(tmp_path, monkeypatch):
     t.join(timeout=30)
     assert len(ended) == 1 and isinstance(ended[0], RendezvousGracefulExitError), ended
     holder.sync()
-    holder.state.participants.clear()  # a round below its maximum: a node waits for room
+    holder.state.complete = False  # a round not full: a node waits for room
     holder.state.wait_list.add(spare._this_node)
+    holder.mark_dirty()
+    holder.sync()
+    assert member.num_nodes_waiting() == 1
+    # the job went on without the member (cut off, dropped as dead by the others):
+    # nobody waits, yet it must rejoin, or its ranks wait in their collective for ever
+    holder.state.complete = True
+    holder.state.wait_list.clear()
+    holder.mark_dirty()
+    holder.sync()
+    assert member.num_nodes_waiting() == 0
+    del holder.state.participants[member._this_node]
     holder.mark_dirty()
     holder.sync()
     assert member.num_nodes_waiting() == 1
