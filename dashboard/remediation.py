@@ -462,7 +462,10 @@ class Remediator:
 
 # The labels that say what an alert is about (Prometheus's ALERTS series has them;
 # Alertmanager may add external labels that it does not).
-SUBJECT_LABELS = ("run", "rank", "node", "gpu", "local_rank", "cause", "device", "port")
+# severity too: TrainingLinkCongested fires as a warning and, on the same labels, as a
+# critical (the run's pace halved), and each keeps its own sustained_s clock.
+SUBJECT_LABELS = ("run", "rank", "node", "gpu", "local_rank", "cause", "device", "port",
+                  "severity")
 
 
 def _fingerprint(alert: dict) -> str:

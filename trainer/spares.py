@@ -30,10 +30,13 @@ either).
    torch's rendezvous drops the silent node as dead. Back on the network its
    connections are idle (its ranks wait to receive, so nothing sends and nothing is
    reset) and its torchrun, in a healthy worker group by its own account, keeps them
-   waiting until the collective timeout. A node that joined a round and is no longer
-   among the participants now counts as waiting itself: torchrun stops its workers and
-   joins again (a standby if the round is full, else the members take it in, as for
-   any returning node).
+   waiting until the collective timeout. A node whose round has ended (the state is
+   in a later round: every member left the old one) without it among the new round's
+   participants now counts as waiting itself: torchrun stops its workers and joins
+   again (a standby if the round is full, else the members take it in, as for any
+   returning node). Only a later round: torch also drops a member of the running
+   round whose keep-alive is a few seconds late (a starved torchrun), whose workers
+   still train; restarting for that would restart the whole job.
 
 These wrap methods of torch's rendezvous classes and read their private state
 (checked for torch 2.13); where those are missing the wrappers give torch's answer.
@@ -68,7 +71,8 @@ def install() -> None:
         try:
             state = self._state_holder.state
             full = _full(state, self._settings.max_nodes)
-            dropped = getattr(self, "_clusterpulse_joined", False) and \
+            joined_round = getattr(self, "_clusterpulse_round", None)
+            dropped = joined_round is not None and state.round > joined_round and \
                 self._this_node not in state.participants
         except AttributeError:  # another torch: its answer
             return count
@@ -81,6 +85,8 @@ def install() -> None:
             mark(REJOINING)
         info = joining(self)
         self._clusterpulse_joined = True
+        with contextlib.suppress(AttributeError):  # another torch: no round to compare
+            self._clusterpulse_round = self._state_holder.state.round
         mark(JOINED)
         return info
 

@@ -43,8 +43,8 @@ EXPECT: dict[str, tuple[str, ...]] = {
     "rank_crash": (),
     "agent_kill": ("NodeAgentDown",),
     "node_death": ("NodeAgentDown",),
-    # the job stalls while the cut lasts; a policy with hot spares restarts it on JobStalled
-    "partition": ("NodeAgentDown", "JobStalled"),
+    # the job stalls while the cut lasts; a policy with hot spares restarts it then
+    "partition": ("NodeAgentDown", "JobNodeUnreachable"),
     "slow_link": ("TrainingLinkCongested",),
 }
 ALERT_LABELS: dict[str, dict[str, str]] = {"gpu_overheat": {"cause": "thermal_throttling"}}

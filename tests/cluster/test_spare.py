@@ -11,7 +11,7 @@ evicted through its agent (a leave) is replaced by the spare, and its command en
 its deadline without escalating though its ranks never come back (the node stands by
 itself then); a node dies, the spare takes its place, and the dead node's return
 costs the job no restart; a node is cut off the network, the job stalls, the policy
-(deploy/local/policy-spares.toml: JobStalled -> restart) restarts it on the nodes it
+(deploy/local/policy-spares.toml: JobNodeUnreachable -> restart) restarts it on the nodes it
 can reach with the spare in the cut-off node's place, which stands by once it is back.
 """
 
@@ -143,7 +143,7 @@ def test_a_cut_off_node_is_replaced_by_the_spare_while_the_cut_lasts(cl):
         assert spare in cl.job_nodes(RUN), cl.job_nodes(RUN)
         acted = [r for r in cl.audit() if r.get("source") == "remediation"
                  and r.get("action") == "restart" and r.get("outcome") == "accepted"]
-        assert acted and acted[-1]["alert"]["alertname"] == "JobStalled", cl.audit()[-3:]
+        assert acted and acted[-1]["alert"]["alertname"] == "JobNodeUnreachable", cl.audit()[-3:]
         assert victim.name not in acted[-1]["nodes"], acted[-1]  # it could not be reached
     finally:
         cl.bed.heal(victim)

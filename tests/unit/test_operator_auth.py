@@ -89,3 +89,14 @@ def test_viewers_see_nothing_of_refused_sign_ins(tmp_path, monkeypatch):
     assert not at.exception
     shown = at.dataframe[0].value
     assert list(shown["action"]) == ["restart"]
+
+
+@pytest.mark.parametrize("refresh", ["0", "-2", "nan"])
+def test_dashboard_refuses_a_refresh_that_would_freeze_its_pages(refresh, capsys):
+    """--refresh 0 made every live view (and a page waiting for Prometheus) still."""
+    from clusterpulse.dashboard import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--refresh", refresh])
+    assert exit_.value.code == 2
+    assert "--refresh must be a number of seconds > 0" in capsys.readouterr().err

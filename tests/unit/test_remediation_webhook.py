@@ -146,11 +146,12 @@ def test_the_first_rule_whose_labels_fit_decides_and_a_hardware_straggler_is_not
     assert (spares.rule_for(link).action, spares.rule_for(link).sustained_s) == ("evict-node", 0)
     assert local.rule_for({"alertname": "TrainingStraggler", "run": "r"}) is None  # no cause
     assert local.rule_for({"alertname": "RankHung", "run": "r"}).action == "restart"
-    # a stall with no rank to blame (a node cut off): restarted where a spare stands by
-    stalled = {"alertname": "JobStalled", "run": "r", "severity": "critical"}
-    assert local.rule_for(stalled) is None
-    assert (spares.rule_for(stalled).action, spares.rule_for(stalled).sustained_s) == (
-        "restart", 0)
+    # a stall with a node of the run cut off: restarted where a spare stands by; a
+    # stall with every node reachable (a hang, the training network alone) is not
+    cut = {"alertname": "JobNodeUnreachable", "run": "r", "node": "n2", "severity": "critical"}
+    assert local.rule_for(cut) is None
+    assert (spares.rule_for(cut).action, spares.rule_for(cut).sustained_s) == ("restart", 0)
+    assert spares.rule_for({"alertname": "JobStalled", "run": "r"}) is None
     # anchored: "compute" does not fit "computed", nor a part of a longer value
     path = tmp_path / "p.toml"
     path.write_text("[[rule]]\nalert = 'A'\nmatch = { cause = 'compute' }\naction = 'restart'\n"
@@ -276,6 +277,32 @@ def test_one_rail_recovering_leaves_the_other_rails_wait_alone(tmp_path):
     now[0] += 61
     (d,) = rem.tick()  # still on its own clock: sustained now
     assert d["detail"] == "sustained, but Prometheus cannot confirm it still fires", d
+
+
+def test_a_link_alert_escalating_to_critical_keeps_the_warnings_clock(tmp_path):
+    """TrainingLinkCongested has two severities on the same labels (the critical one
+    when the run's pace halves). Without severity in the identity they were one alert:
+    the critical resolving (a run hovering at 2x its usual step) dropped the warning's
+    sustained_s clock, and the eviction could be put off for ever."""
+    now = [time.time()]
+    rem = Remediator(Policy([Rule("TrainingLinkCongested", "restart", 120)], dry_run=True),
+                     PrometheusClient("http://127.0.0.1:9"), None,
+                     AuditLog(tmp_path / "audit.jsonl"), clock=lambda: now[0])
+
+    def link(severity: str, status: str = "firing") -> dict:
+        return {"status": status, "labels": {"alertname": "TrainingLinkCongested",
+                                             "run": "r1", "node": "n3", "device": "eth0",
+                                             "severity": severity}}
+
+    rem.handle({"alerts": [link("warning")]})
+    now[0] += 100
+    (d,) = rem.handle({"alerts": [link("critical")]})
+    assert d["detail"] == "firing 0 s of the 120 s the policy requires", d
+    now[0] += 10
+    rem.handle({"alerts": [link("critical", "resolved")]})
+    now[0] += 11
+    (d,) = rem.handle({"alerts": [link("warning")]})  # 121 s on its own clock
+    assert d["outcome"] == "dry_run", d
 
 
 @pytest.mark.parametrize(("status", "body", "retried"), [

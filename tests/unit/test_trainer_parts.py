@@ -815,20 +815,29 @@ def test_a_node_waiting_for_a_full_round_restarts_no_one(tmp_path, monkeypatch):
     member.set_closed()  # the job ends: the standby's wait ends with it
     t.join(timeout=30)
     assert len(ended) == 1 and isinstance(ended[0], RendezvousGracefulExitError), ended
-    holder.sync()
-    holder.state.complete = False  # a round not full: a node waits for room
-    holder.state.wait_list.add(spare._this_node)
-    holder.mark_dirty()
-    holder.sync()
+    with member._heartbeat_lock:  # its keep-alive thread syncs the state too
+        holder.sync()
+        holder.state.complete = False  # a round not full: a node waits for room
+        holder.state.wait_list.add(spare._this_node)
+        holder.mark_dirty()
+        holder.sync()
     assert member.num_nodes_waiting() == 1
-    # the job went on without the member (cut off, dropped as dead by the others):
-    # nobody waits, yet it must rejoin, or its ranks wait in their collective for ever
-    holder.state.complete = True
-    holder.state.wait_list.clear()
-    holder.mark_dirty()
-    holder.sync()
+    with member._heartbeat_lock:
+        holder.state.complete = True
+        holder.state.wait_list.clear()
+        holder.mark_dirty()
+        holder.sync()
     assert member.num_nodes_waiting() == 0
-    del holder.state.participants[member._this_node]
-    holder.mark_dirty()
-    holder.sync()
+    # dropped from the running round (a late keep-alive): its workers still train
+    with member._heartbeat_lock:
+        del holder.state.participants[member._this_node]
+        holder.mark_dirty()
+        holder.sync()
+    assert member.num_nodes_waiting() == 0
+    # the job went on without the member (cut off, dropped as dead, the others in a
+    # new round): nobody waits, yet it must rejoin, or its ranks wait for ever
+    with member._heartbeat_lock:
+        holder.state.round += 1
+        holder.mark_dirty()
+        holder.sync()
     assert member.num_nodes_waiting() == 1
