@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--audit-log", type=Path, default=Path("clusterpulse-audit.jsonl"))
     p.add_argument("--refresh", type=float, default=5, help="seconds between refreshes")
     a = p.parse_args(argv)
-    if not a.refresh > 0:  # 0 would stop every live view, and a waiting page for good
+    if not (math.isfinite(a.refresh) and a.refresh > 0):  # 0 or inf: every view stands still
         p.error(f"--refresh must be a number of seconds > 0, not {a.refresh:g}")
     env = {"CLUSTERPULSE_PROMETHEUS_URL": a.prometheus,
            "CLUSTERPULSE_ALERTMANAGER_URL": a.alertmanager,

@@ -344,8 +344,10 @@ class Remediator:
         """Whether Prometheus has this alert firing now (its ALERTS series, on the
         labels that name what it is about); None when Prometheus cannot be asked."""
         labels = alert.get("labels", {})
+        # not on severity: alert relabelling may rewrite it on the way to Alertmanager
         sel = ",".join(f'{k}="{promql_string(str(labels[k]))}"'
-                       for k in ("alertname", *SUBJECT_LABELS) if k in labels)
+                       for k in ("alertname", *SUBJECT_LABELS) if k in labels
+                       and k != "severity")
         try:
             return bool(self.prom.query(f'ALERTS{{alertstate="firing",{sel}}}'))
         except PrometheusError as err:

@@ -91,7 +91,7 @@ def test_viewers_see_nothing_of_refused_sign_ins(tmp_path, monkeypatch):
     assert list(shown["action"]) == ["restart"]
 
 
-@pytest.mark.parametrize("refresh", ["0", "-2", "nan"])
+@pytest.mark.parametrize("refresh", ["0", "-2", "nan", "inf"])
 def test_dashboard_refuses_a_refresh_that_would_freeze_its_pages(refresh, capsys):
     """--refresh 0 made every live view (and a page waiting for Prometheus) still."""
     from clusterpulse.dashboard import cli
