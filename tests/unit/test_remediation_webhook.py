@@ -256,18 +256,29 @@ def test_a_decision_prometheus_could_not_support_is_retried_not_dropped(tmp_path
     assert records[0]["alert"] == gpu_down["labels"]  # the alert behind every record
 
 
+def link_remediator(tmp_path, now: list[float]) -> Remediator:
+    """A dry-run policy that restarts on TrainingLinkCongested sustained 120 s, on the
+    clock `now[0]`, with no Prometheus to ask."""
+    return Remediator(Policy([Rule("TrainingLinkCongested", "restart", 120)], dry_run=True),
+                      PrometheusClient("http://127.0.0.1:9"), None,
+                      AuditLog(tmp_path / "audit.jsonl"), clock=lambda: now[0])
+
+
+def link_alert(status: str, **labels: str) -> dict:
+    """A TrainingLinkCongested notification for run r1 on node n3."""
+    return {"status": status, "labels": {"alertname": "TrainingLinkCongested", "run": "r1",
+                                         "node": "n3", **labels}}
+
+
 def test_one_rail_recovering_leaves_the_other_rails_wait_alone(tmp_path):
     """Two congested rails of one node (device mlx5_0, mlx5_1) shared one wait: the
     alert's identity left out `device`, so the recovered rail's resolved notification
     dropped the still-congested rail's sustained_s clock."""
     now = [time.time()]
-    rem = Remediator(Policy([Rule("TrainingLinkCongested", "restart", 120)], dry_run=True),
-                     PrometheusClient("http://127.0.0.1:9"), None,
-                     AuditLog(tmp_path / "audit.jsonl"), clock=lambda: now[0])
+    rem = link_remediator(tmp_path, now)
 
     def rail(device: str, status: str = "firing") -> dict:
-        return {"status": status, "labels": {"alertname": "TrainingLinkCongested",
-                                             "run": "r1", "node": "n3", "device": device}}
+        return link_alert(status, device=device)
 
     rem.handle({"alerts": [rail("mlx5_0"), rail("mlx5_1")]})
     now[0] += 60
@@ -285,14 +296,10 @@ def test_a_link_alert_escalating_to_critical_keeps_the_warnings_clock(tmp_path):
     the critical resolving (a run hovering at 2x its usual step) dropped the warning's
     sustained_s clock, and the eviction could be put off for ever."""
     now = [time.time()]
-    rem = Remediator(Policy([Rule("TrainingLinkCongested", "restart", 120)], dry_run=True),
-                     PrometheusClient("http://127.0.0.1:9"), None,
-                     AuditLog(tmp_path / "audit.jsonl"), clock=lambda: now[0])
+    rem = link_remediator(tmp_path, now)
 
     def link(severity: str, status: str = "firing") -> dict:
-        return {"status": status, "labels": {"alertname": "TrainingLinkCongested",
-                                             "run": "r1", "node": "n3", "device": "eth0",
-                                             "severity": severity}}
+        return link_alert(status, device="eth0", severity=severity)
 
     rem.handle({"alerts": [link("warning")]})
     now[0] += 100
