@@ -21,9 +21,11 @@ What it adds to torchrun, and why:
   import would break every forked rank.
 - Leaving an elastic job for a while (the remediation's `evict-node`: a node whose
   link or GPU slows every rank): the ranks checkpoint as for any graceful restart and
-  this launcher waits the command's `leave_s` (at most half the rendezvous
-  `join_timeout`) before starting torchrun again, while the other nodes go on without
-  it and take it back when it returns. The ranks refuse the command, and nothing
+  this launcher waits the command's `leave_s`, and then until the job runs without the
+  node (its restart may take longer than the leave: the node would take its place in
+  the new round again), at most half the rendezvous `join_timeout` in all, before
+  starting torchrun again; the other nodes go on without it and take it back when it
+  returns. The ranks refuse the command, and nothing
   restarts, when the job cannot go on without the node: it is at `--nnodes`' minimum,
   the node hosts the rendezvous store, or the job has one node; this launcher tells
   them the first and last two (CANNOT_LEAVE_ENV, MIN_NODES_ENV).
@@ -215,12 +217,32 @@ def hosts_rendezvous(a: argparse.Namespace) -> bool:
     guess (its c10d rendezvous backend's, from the endpoint's host name)."""
     if a.rdzv_host is not None:
         return bool(a.rdzv_host)
-    from torch.distributed.elastic.rendezvous.utils import (
-        _matches_machine_hostname,
-        parse_rendezvous_endpoint,
-    )
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-    return _matches_machine_hostname(parse_rendezvous_endpoint(a.rdzv_endpoint, 29400)[0])
+    return _matches_machine_hostname(rendezvous_endpoint(a)[0])
+
+
+def rendezvous_endpoint(a: argparse.Namespace) -> tuple[str, int]:
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    return parse_rendezvous_endpoint(a.rdzv_endpoint, 29400)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """A multi-node job's rendezvous and the address this node joins it with: what a
+    node back from a leave reads to rejoin only once the job runs without it
+    (`_rejoin_when_running`)."""
+
+    endpoint: tuple[str, int]
+    run_id: str
+    addr: str  # torch's node address: --local-addr, else the FQDN
+
+    @classmethod
+    def of(cls, a: argparse.Namespace) -> Rendezvous | None:
+        if not a.rdzv_endpoint:
+            return None
+        return cls(rendezvous_endpoint(a), a.rdzv_id, a.local_addr or socket.getfqdn())
 
 
 def leave_env(a: argparse.Namespace) -> dict[str, str]:
@@ -245,15 +267,40 @@ def longest_leave_s(a: argparse.Namespace) -> float:
         return 300.0
 
 
-def _sit_out(request: str, longest_s: float, stop: list[int]) -> None:
-    """Wait what the ranks' leave file asks (seconds), at most `longest_s`."""
+def _sit_out(request: str, longest_s: float, stop: list[int]) -> float:
+    """Wait what the ranks' leave file asks (seconds), at most `longest_s`; the
+    seconds asked (0 for a malformed request, which is ignored)."""
     try:
         seconds = min(float(request.split()[0]), longest_s)
     except (IndexError, ValueError):
         _say(f"ignoring a malformed leave request {request!r}")
-        return
+        return 0.0
     _say(f"leaving the job for {seconds:.0f} s (the other nodes go on without this one), "
          "then rejoining")
+    _wait(seconds, stop)
+    return seconds
+
+
+def _rejoin_when_running(rdzv: Rendezvous, pid: int, within_s: float, stop: list[int]) -> None:
+    """After a leave: wait, at most `within_s`, until the job runs without this node
+    (`spares.running_without`: its last torchrun, `pid`, out of a complete round
+    nobody waits to get into). A sit-out shorter than the job's restart used to end
+    with the new round still forming, and the node took its place in it again."""
+    end = time.monotonic() + within_s
+    said = False
+    while not stop and time.monotonic() < end:
+        if spares.running_without(rdzv.endpoint, rdzv.run_id, (rdzv.addr, pid)):
+            return
+        if not said:
+            _say(f"the job has not restarted without this node yet: waiting for it (at most "
+                 f"{within_s:.0f} s) before rejoining")
+            said = True
+        _wait(min(1.0, end - time.monotonic()), stop)
+    if said and not stop:
+        _say("the job did not restart without this node in time: rejoining")
+
+
+def _wait(seconds: float, stop: list[int]) -> None:
     end = time.monotonic() + seconds
     while not stop and time.monotonic() < end:
         time.sleep(min(0.5, max(0.0, end - time.monotonic())))
@@ -285,9 +332,7 @@ class Standby:
     def of(cls, a: argparse.Namespace) -> Standby | None:
         if not a.hot_spares:
             return None
-        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-        return cls(parse_rendezvous_endpoint(a.rdzv_endpoint, 29400), hosts_rendezvous(a))
+        return cls(rendezvous_endpoint(a), hosts_rendezvous(a))
 
 
 def answers(address: tuple[str, int], timeout_s: float = 2.0) -> bool:
@@ -329,10 +374,11 @@ def _say(text: str) -> None:
 
 
 def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
-        standby: Standby | None = None) -> int:
+        standby: Standby | None = None, rdzv: Rendezvous | None = None) -> int:
     """Run torchrun, relaunching it after each graceful restart (after sitting out what
-    a leave asks, at most `longest_leave` s) and, with hot spares, after each round
-    this node stood by (`Standby`); torchrun's exit code."""
+    a leave asks and, in a multi-node job (`rdzv`), until the job runs without this
+    node: at most `longest_leave` s in all) and, with hot spares, after each round this
+    node stood by (`Standby`); torchrun's exit code."""
     env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1"}
     stop: list[int] = []
     child: subprocess.Popen | None = None
@@ -379,7 +425,9 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                     _say(f"graceful restart {relaunches}: relaunching (the failure budget "
                          "is untouched)")
                     if leave_file.exists():
-                        _sit_out(leave_file.read_text(), longest_leave, stop)
+                        sat_out = _sit_out(leave_file.read_text(), longest_leave, stop)
+                        if sat_out and rdzv is not None:
+                            _rejoin_when_running(rdzv, child.pid, longest_leave - sat_out, stop)
                     continue
                 if standby is None:
                     return rc
@@ -414,7 +462,7 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
 def main(argv: list[str] | None = None) -> int:
     a, trainer_args = parse(sys.argv[1:] if argv is None else argv)
     return run(command(a, trainer_args), {**os.environ, **leave_env(a)}, longest_leave_s(a),
-               Standby.of(a))
+               Standby.of(a), Rendezvous.of(a))
 
 
 if __name__ == "__main__":

@@ -40,12 +40,20 @@ either).
 
 These wrap methods of torch's rendezvous classes and read their private state
 (checked for torch 2.13); where those are missing the wrappers give torch's answer.
+
+`running_without` reads the same state from the launcher, for any multi-node job: a
+node back from a leave (the remediation's evict-node) rejoins only once the job runs
+without it (trainer/launch.py).
 """
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import os
+import pickle
+from base64 import b64decode
+from datetime import timedelta
 from pathlib import Path
 
 from clusterpulse.trainer.restart import write_atomically
@@ -155,6 +163,45 @@ def place(path: Path) -> str | None:
         return path.read_text().strip() or None
     except OSError:
         return None
+
+
+def running_without(endpoint: tuple[str, int], run_id: str, node: tuple[str, int]) -> bool:
+    """Whether the job's rendezvous at `endpoint` runs a round without `node` (the
+    address and torchrun pid it joined with): complete, nobody on its wait list, `node`
+    not among its participants; or closed (the job is over: nothing to wait for).
+
+    A node back from a leave shorter than the job's restart (its sit-out counts
+    from its own ranks' exit; a restart of many nodes, or of loaded ones, is slower)
+    found the new round still forming, joined it, and took its place again, ahead of
+    a spare whose torchrun starts only once the store's host is back. Nobody waiting:
+    a spare that missed the round's last call is on the wait list and gets in first.
+    The state is what every node's torchrun unpickles from the same store; a store
+    that does not answer, or has no round yet, reads as not running."""
+    from torch.distributed import TCPStore
+
+    key = f"torch.rendezvous.{run_id}"
+    try:
+        store = TCPStore(endpoint[0], endpoint[1], is_master=False,
+                         timeout=timedelta(seconds=2), wait_for_workers=False)
+        if not store.check([key]):
+            return False
+        raw = store.get(key)
+    except (RuntimeError, TimeoutError, OSError, ValueError):  # not answering (yet)
+        return False
+    if raw == _NO_STATE:
+        return False
+    try:
+        state = pickle.loads(b64decode(raw, validate=True))
+        if state.closed:
+            return True
+        return bool(state.complete and not state.wait_list and not any(
+            (p.addr, p.pid) == node for p in state.participants))
+    except (binascii.Error, ValueError, pickle.UnpicklingError, EOFError, AttributeError,
+            ImportError, TypeError):
+        return True  # a state this torch does not know: rejoin, as torchrun would
+
+
+_NO_STATE = b"Y2FuaW1hZGFt"  # torch's C10dRendezvousBackend's sentinel: no state yet
 
 
 def main() -> None:

@@ -97,9 +97,12 @@ def test_a_crash_restarts_the_job_once(cl):
 
 
 def test_an_evicted_node_is_replaced_by_the_spare(cl):
+    """The node sits out a second, less than the job takes to restart: it used to be
+    back in the rendezvous before the spare (whose torchrun starts again only once
+    the store's host is back) and took its old place again."""
     spare = standby(cl)
     evicted = cl.job_nodes(RUN)[-1]  # not node0, which hosts the rendezvous
-    cmd = action(cl, evicted, leave_s=15, deadline_s=20)["id"]
+    cmd = action(cl, evicted, leave_s=1, deadline_s=20)["id"]
     wait_until(lambda: spare in cl.job_nodes(RUN) and evicted not in cl.job_nodes(RUN), 120,
                f"{spare} in the job in {evicted}'s place")
     node = next(n for n in cl.bed.nodes if n.name == evicted)

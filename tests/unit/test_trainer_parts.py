@@ -841,3 +841,52 @@ def test_a_node_waiting_for_a_full_round_restarts_no_one(tmp_path, monkeypatch):
         holder.mark_dirty()
         holder.sync()
     assert member.num_nodes_waiting() == 1
+
+
+def test_a_node_back_from_a_leave_rejoins_only_once_the_job_runs_without_it():
+    """What the launcher reads after a leave (spares.running_without), from torch's
+    own rendezvous state on a real store: the round must be complete, without the
+    node's last torchrun, and nobody (a spare) on its wait list."""
+    import datetime
+    import socket
+
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+    )
+
+    from clusterpulse.trainer import spares
+
+    with socket.socket() as s:  # a port nothing listens on: the store's host is down
+        s.bind(("127.0.0.1", 0))
+        down = s.getsockname()
+    assert not spares.running_without(down, "back", ("127.0.0.2", 1))
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
+                                       timeout=datetime.timedelta(seconds=10))
+    endpoint = ("127.0.0.1", store.port)
+    assert not spares.running_without(endpoint, "back", ("127.0.0.2", 1))  # no state yet
+    member = DynamicRendezvousHandler.from_backend(
+        "back", store, C10dRendezvousBackend(store, "back"), min_nodes=1, max_nodes=2,
+        local_addr="127.0.0.1", keep_alive_interval=1)
+    assert not spares.running_without(endpoint, "back", ("127.0.0.2", 1))  # no round yet
+    holder = member._state_holder
+    with member._heartbeat_lock:
+        holder.sync()
+        holder.state.participants[member._this_node] = 0
+        holder.state.complete = True
+        holder.mark_dirty()
+        holder.sync()
+    me = member._this_node
+    assert not spares.running_without(endpoint, "back", (me.addr, me.pid))  # still in it
+    assert spares.running_without(endpoint, "back", ("127.0.0.2", me.pid))
+    with member._heartbeat_lock:  # a spare waits to get in: it goes first
+        holder.state.wait_list.add(type(me)("127.0.0.3", 7, 0))
+        holder.mark_dirty()
+        holder.sync()
+    assert not spares.running_without(endpoint, "back", ("127.0.0.2", me.pid))
+    member.set_closed()  # the job is over: nothing to wait for
+    assert spares.running_without(endpoint, "back", ("127.0.0.2", me.pid))
+    store.set("torch.rendezvous.back", "not a state")  # another torch's: rejoin as torch would
+    assert spares.running_without(endpoint, "back", ("127.0.0.2", me.pid))
