@@ -23,7 +23,8 @@ What it adds to torchrun, and why:
   link or GPU slows every rank): the ranks checkpoint as for any graceful restart and
   this launcher waits the command's `leave_s`, and then until the job runs without the
   node (its restart may take longer than the leave: the node would take its place in
-  the new round again), at most half the rendezvous `join_timeout` in all, before
+  the new round again; at most a minute or the leave again, and half the rendezvous
+  `join_timeout` in all), before
   starting torchrun again; the other nodes go on without it and take it back when it
   returns. The ranks refuse the command, and nothing
   restarts, when the job cannot go on without the node: it is at `--nnodes`' minimum,
@@ -87,6 +88,11 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torchrun's @record writes it
 # AttributeError (its agent swallows RendezvousGracefulExitError and returns None).
 ROUND_ENDED = ("RendezvousClosedError", "RendezvousConnectionError")
 GRACEFUL_EXIT_BUG = "'NoneType' object has no attribute 'is_failed'"
+# How long past its sit-out a node back from a leave waits for the job to restart
+# without it (or the sit-out's length, if longer): a restart takes seconds, a loaded or
+# large one up to a minute; a job not running by then is more likely waiting for this
+# node (another one lost, below its minimum), and it rejoins.
+RESTART_ALLOWANCE_S = 60.0
 RDZV_DEFAULTS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "5",
                  "last_call_timeout": "5"}
 
@@ -236,13 +242,13 @@ class Rendezvous:
 
     endpoint: tuple[str, int]
     run_id: str
-    addr: str  # torch's node address: --local-addr, else the FQDN
+    local_addr: str  # --local-addr; torch's node address is the FQDN without it
 
     @classmethod
     def of(cls, a: argparse.Namespace) -> Rendezvous | None:
         if not a.rdzv_endpoint:
             return None
-        return cls(rendezvous_endpoint(a), a.rdzv_id, a.local_addr or socket.getfqdn())
+        return cls(rendezvous_endpoint(a), a.rdzv_id, a.local_addr)
 
 
 def leave_env(a: argparse.Namespace) -> dict[str, str]:
@@ -286,10 +292,11 @@ def _rejoin_when_running(rdzv: Rendezvous, pid: int, within_s: float, stop: list
     (`spares.running_without`: its last torchrun, `pid`, out of a complete round
     nobody waits to get into). A sit-out shorter than the job's restart used to end
     with the new round still forming, and the node took its place in it again."""
+    node = (rdzv.local_addr or socket.getfqdn(), pid)
     end = time.monotonic() + within_s
     said = False
     while not stop and time.monotonic() < end:
-        if spares.running_without(rdzv.endpoint, rdzv.run_id, (rdzv.addr, pid)):
+        if spares.running_without(rdzv.endpoint, rdzv.run_id, node):
             return
         if not said:
             _say(f"the job has not restarted without this node yet: waiting for it (at most "
@@ -377,7 +384,8 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
         standby: Standby | None = None, rdzv: Rendezvous | None = None) -> int:
     """Run torchrun, relaunching it after each graceful restart (after sitting out what
     a leave asks and, in a multi-node job (`rdzv`), until the job runs without this
-    node: at most `longest_leave` s in all) and, with hot spares, after each round this
+    node: at most RESTART_ALLOWANCE_S or the sit-out again, and `longest_leave` s in
+    all) and, with hot spares, after each round this
     node stood by (`Standby`); torchrun's exit code."""
     env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1"}
     stop: list[int] = []
@@ -427,7 +435,9 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                     if leave_file.exists():
                         sat_out = _sit_out(leave_file.read_text(), longest_leave, stop)
                         if sat_out and rdzv is not None:
-                            _rejoin_when_running(rdzv, child.pid, longest_leave - sat_out, stop)
+                            _rejoin_when_running(rdzv, child.pid, min(
+                                longest_leave - sat_out, max(sat_out, RESTART_ALLOWANCE_S)),
+                                stop)
                     continue
                 if standby is None:
                     return rc

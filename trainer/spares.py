@@ -174,7 +174,8 @@ def running_without(endpoint: tuple[str, int], run_id: str, node: tuple[str, int
     from its own ranks' exit; a restart of many nodes, or of loaded ones, is slower)
     found the new round still forming, joined it, and took its place again, ahead of
     a spare whose torchrun starts only once the store's host is back. Nobody waiting:
-    a spare that missed the round's last call is on the wait list and gets in first.
+    a spare that missed the round's last call and has joined since is on the wait list
+    and gets in first (one still starting is not seen, and races this node).
     The state is what every node's torchrun unpickles from the same store; a store
     that does not answer, or has no round yet, reads as not running."""
     from torch.distributed import TCPStore
@@ -192,12 +193,14 @@ def running_without(endpoint: tuple[str, int], run_id: str, node: tuple[str, int
         return False
     try:
         state = pickle.loads(b64decode(raw, validate=True))
+        outside = not any((p.addr, p.pid) == node for p in state.participants)
+        # closed with the node in it: the round it left, closed by its own torchrun's
+        # exit, on a store whose host has not restarted yet (not the job's end)
         if state.closed:
-            return True
-        return bool(state.complete and not state.wait_list and not any(
-            (p.addr, p.pid) == node for p in state.participants))
+            return outside
+        return bool(state.complete and not state.wait_list and outside)
     except (binascii.Error, ValueError, pickle.UnpicklingError, EOFError, AttributeError,
-            ImportError, TypeError):
+            ImportError, TypeError, KeyError, IndexError):
         return True  # a state this torch does not know: rejoin, as torchrun would
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 
 import pytest
@@ -77,6 +78,22 @@ def page(env):
     return p
 
 
+def goto(p, url: str) -> None:
+    """Open `url`, again when Chromium aborts the navigation for a change of the host's
+    network interfaces (ERR_NETWORK_CHANGED): the multi-node tests, run beside these
+    as root, add and remove interfaces, and a user would reload too."""
+    from playwright.sync_api import Error as PlaywrightError
+
+    for attempt in range(3):
+        try:
+            p.goto(url)
+            return
+        except PlaywrightError as err:
+            if "ERR_NETWORK_CHANGED" not in str(err) or attempt == 2:
+                raise
+            time.sleep(1)
+
+
 def shows(p, text: str, timeout_ms: int = 60_000,
           evidence: Callable[[], str] = lambda: "") -> None:
     """Wait until the page shows `text`; else fail with what it showed instead (and
@@ -108,7 +125,7 @@ def straggler_evidence(stack: Stack) -> str:
 
 def test_cluster_page_shows_live_data(env):
     p = page(env)
-    p.goto(env["url"])
+    goto(p, env["url"])
     p.get_by_text("Nodes up").wait_for()
     p.get_by_text("2 / 2", exact=True).wait_for()
     p.get_by_text("8 / 8", exact=True).wait_for()
@@ -118,7 +135,7 @@ def test_cluster_page_shows_live_data(env):
 
 def test_straggler_is_flagged_with_its_cause_and_viewers_cannot_act(env):
     p = page(env)
-    p.goto(env["url"] + "/run")
+    goto(p, env["url"] + "/run")
     shows(p, "cause: compute", 90_000, lambda: straggler_evidence(env["stack"]))
     p.get_by_text("STRAGGLER").first.wait_for()
     p.get_by_text("Viewers are read-only").wait_for()
@@ -128,7 +145,7 @@ def test_straggler_is_flagged_with_its_cause_and_viewers_cannot_act(env):
 
 def test_operator_checkpoint_restart_resumes_with_zero_steps_lost(env):
     p = page(env)
-    p.goto(env["url"])
+    goto(p, env["url"])
     p.get_by_role("textbox", name="Operator").fill("ops")
     p.get_by_role("textbox", name="Password").fill(PASSWORD)
     p.get_by_role("button", name="Sign in").click()
@@ -150,7 +167,7 @@ def test_operator_checkpoint_restart_resumes_with_zero_steps_lost(env):
 def test_prometheus_outage_shows_a_banner_then_recovers(env):
     prom = env["stack"].prom
     p = page(env)
-    p.goto(env["url"])
+    goto(p, env["url"])
     p.get_by_text("2 / 2", exact=True).wait_for()
     prom.proc.stop()
     try:
@@ -171,7 +188,7 @@ def test_a_page_opened_while_prometheus_is_down_fills_in_when_it_is_back(env):
         stack.prom.proc.stop()
         try:
             p = page(env)
-            p.goto(url + "/run")
+            goto(p, url + "/run")
             shows(p, "No training run reports yet.")
             shows(p, "Prometheus is unavailable")
         finally:
@@ -179,7 +196,7 @@ def test_a_page_opened_while_prometheus_is_down_fills_in_when_it_is_back(env):
         shows(p, "Ranks (straggler table)", 90_000)
         p.get_by_text("Prometheus is unavailable").first.wait_for(state="detached",
                                                                   timeout=60_000)
-        p.goto(url + "/node")  # the Node page chooses the same way
+        goto(p, url + "/node")  # the Node page chooses the same way
         shows(p, "utilization %")
         shows(p, "ECC error counters")
         # magic renders a bare expression's value: st.caption's is st's whole help

@@ -888,5 +888,7 @@ def test_a_node_back_from_a_leave_rejoins_only_once_the_job_runs_without_it():
     assert not spares.running_without(endpoint, "back", ("127.0.0.2", me.pid))
     member.set_closed()  # the job is over: nothing to wait for
     assert spares.running_without(endpoint, "back", ("127.0.0.2", me.pid))
+    # closed with the node in it: the round it left, its own torchrun closed on exit
+    assert not spares.running_without(endpoint, "back", (me.addr, me.pid))
     store.set("torch.rendezvous.back", "not a state")  # another torch's: rejoin as torch would
     assert spares.running_without(endpoint, "back", ("127.0.0.2", me.pid))
