@@ -24,10 +24,9 @@ What it adds to torchrun, and why:
   this launcher waits the command's `leave_s`, and then until the job runs without the
   node (its restart may take longer than the leave: the node would take its place in
   the new round again; at most a minute or the leave again, and half the rendezvous
-  `join_timeout` in all), before
-  starting torchrun again; the other nodes go on without it and take it back when it
-  returns. The ranks refuse the command, and nothing
-  restarts, when the job cannot go on without the node: it is at `--nnodes`' minimum,
+  `join_timeout` in all), before starting torchrun again; the other nodes go on
+  without it and take it back when it returns. The ranks refuse the command, and
+  nothing restarts, when the job cannot go on without the node: it is at `--nnodes`' minimum,
   the node hosts the rendezvous store, or the job has one node; this launcher tells
   them the first and last two (CANNOT_LEAVE_ENV, MIN_NODES_ENV).
 - Hot spares (`--hot-spares`, on every node of a job started on more nodes than its
@@ -385,8 +384,8 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
     """Run torchrun, relaunching it after each graceful restart (after sitting out what
     a leave asks and, in a multi-node job (`rdzv`), until the job runs without this
     node: at most RESTART_ALLOWANCE_S or the sit-out again, and `longest_leave` s in
-    all) and, with hot spares, after each round this
-    node stood by (`Standby`); torchrun's exit code."""
+    all) and, with hot spares, after each round this node stood by (`Standby`);
+    torchrun's exit code."""
     env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1"}
     stop: list[int] = []
     child: subprocess.Popen | None = None
