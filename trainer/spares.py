@@ -1,7 +1,6 @@
 """torchrun for a job with hot spares: fixes to torch's c10d rendezvous, installed in
-the torchrun process (`python -m clusterpulse.trainer.spares <torchrun args>`, or by
-trainer/warmstart.py when HOT_SPARES_ENV is set; clusterpulse-train --hot-spares does
-either).
+the torchrun process when HOT_SPARES_ENV is set (trainer/torchrun.py, `prepare`, which
+trainer/warmstart.py calls too; clusterpulse-train --hot-spares sets it).
 
 1. A node left out of a full round stays on the wait list. torch keeps a node beyond
    `--nnodes`' maximum on a redundancy list, which does not count as waiting and has
@@ -205,14 +204,3 @@ def running_without(endpoint: tuple[str, int], run_id: str, node: tuple[str, int
 
 
 _NO_STATE = b"Y2FuaW1hZGFt"  # torch's C10dRendezvousBackend's sentinel: no state yet
-
-
-def main() -> None:
-    install()
-    from torch.distributed.run import main as torchrun
-
-    torchrun()
-
-
-if __name__ == "__main__":
-    main()

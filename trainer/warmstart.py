@@ -42,8 +42,7 @@ import os
 import sys
 from multiprocessing import forkserver
 
-from clusterpulse.trainer.spares import HOT_SPARES_ENV
-from clusterpulse.trainer.spares import install as install_spares_fixes
+from clusterpulse.trainer.torchrun import prepare as prepare_torchrun
 
 SESSION = "clusterpulse.trainer.forkserver_session"  # first: see that module
 TRAINER = "clusterpulse.trainer.main"  # what the reference trainer's ranks import
@@ -95,8 +94,7 @@ def main() -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     multiprocessing.set_forkserver_preload(modules)
     forkserver.ensure_running()  # starts importing now, while torchrun meets its peers
-    if os.environ.get(HOT_SPARES_ENV):
-        install_spares_fixes()
+    prepare_torchrun()  # the quicker restart's changes, and the spares' (trainer/torchrun.py)
     from torch.distributed.run import main as torchrun
 
     torchrun()

@@ -110,7 +110,9 @@ def _module(argv: list[bytes]) -> bytes | None:
     return next((b for a, b in itertools.pairwise(argv) if a == b"-m"), None)
 
 
-TORCHRUNS = {b"torch.distributed.run", b"clusterpulse.trainer.warmstart"}
+# torchrun itself, and as clusterpulse-train starts it (trainer/torchrun.py, warmstart.py)
+TORCHRUNS = {b"torch.distributed.run", b"clusterpulse.trainer.torchrun",
+             b"clusterpulse.trainer.warmstart"}
 
 
 def rank_pids(roots: list[int]) -> list[int]:

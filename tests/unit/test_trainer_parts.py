@@ -205,10 +205,12 @@ def test_launcher_builds_the_torchrun_command():
         ["--nproc-per-node=2"])
     cmd = build_command(["--nproc", "2", "--cold-start", "--max-restarts", "1", "--", "--steps",
                          "5"])
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
+    assert cmd[1:] == ["-m", "clusterpulse.trainer.torchrun", "--nproc-per-node=2",
+                       "--max-restarts=1",
                        "--standalone", "-m", "clusterpulse.trainer", "--steps", "5"]
     cmd = build_command(["--nproc", "2", "--script", "examples/ddp_tutorial.py", "--", "3"])
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]  # foreign code: torchrun's own way
+    # foreign code: new interpreters, torchrun's way (with its quicker restart)
+    assert cmd[1:3] == ["-m", "clusterpulse.trainer.torchrun"]
     assert cmd[-2:] == ["examples/ddp_tutorial.py", "3"]
     # ... unless the caller names what the server may import for it
     cmd = build_command(["--nproc", "2", "--max-restarts", "1", "--script",

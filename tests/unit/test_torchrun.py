@@ -1,0 +1,136 @@
+"""torchrun as clusterpulse-train runs it (trainer/torchrun.py): a failure's log line
+without torch's compiler imports, and the rendezvous polled as often as the job's size
+allows, on torch's own rendezvous and store."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+from clusterpulse.trainer import torchrun
+from clusterpulse.trainer.launch import parse, rendezvous_poll_env
+from tests.support.procs import REPO
+
+FAILURE_LOG = """\
+import sys
+from clusterpulse.trainer import torchrun
+import torch.distributed.run  # what the torchrun process has imported when a worker fails
+from torch.distributed.elastic.utils.logging import get_logger
+if sys.argv[1] == "fixed":
+    torchrun.prepare()
+log = get_logger("torch.distributed.elastic.multiprocessing.api")
+try:
+    raise RuntimeError("Connection closed by peer")
+except RuntimeError:
+    log.exception("failed (exitcode: 1) local_rank: 0")
+print("dynamo imported:", "torch._dynamo" in sys.modules)
+"""
+
+
+def _log_a_failure(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", FAILURE_LOG, mode], cwd=REPO, text=True,
+                          capture_output=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+
+
+def test_a_workers_failure_is_logged_with_its_traceback_without_importing_the_compiler():
+    """torch's log formatter imports torch._dynamo (sympy, ~1 s of CPU) the first time
+    it formats a traceback: every torchrun of a job paid it as the job went down."""
+    torchs = _log_a_failure("torch")
+    assert "dynamo imported: True" in torchs.stdout, torchs.stderr  # what is fixed
+    ours = _log_a_failure("fixed")
+    assert "dynamo imported: False" in ours.stdout, ours.stderr
+    for run in (torchs, ours):  # the same line: torch's prefix, message, traceback
+        lines = run.stderr.splitlines()
+        assert lines[0].startswith("E") and lines[0].endswith(
+            "failed (exitcode: 1) local_rank: 0"), run.stderr
+        assert "Traceback (most recent call last):" in run.stderr
+        assert "RuntimeError: Connection closed by peer" in run.stderr
+    assert len(ours.stderr.splitlines()) == len(torchs.stderr.splitlines())
+
+
+def test_the_rendezvous_poll_follows_the_jobs_size():
+    assert torchrun.rendezvous_poll_s(1) == torchrun.rendezvous_poll_s(51) == 0.2
+    assert torchrun.rendezvous_poll_s(128) == 0.5
+    assert torchrun.rendezvous_poll_s(256) == torchrun.rendezvous_poll_s(4096) == 1.0
+    # the launcher sets it from --nnodes' maximum, for a multi-node job only
+    assert rendezvous_poll_env(parse(["--nnodes", "3:4", "--rdzv-endpoint", "h:1"])[0]) == {
+        torchrun.RDZV_POLL_ENV: "0.2"}
+    assert rendezvous_poll_env(parse(["--nnodes", "2:128", "--rdzv-endpoint", "h:1"])[0]) == {
+        torchrun.RDZV_POLL_ENV: "0.5"}
+    assert rendezvous_poll_env(parse([])[0]) == {}
+
+
+@pytest.fixture
+def torch_rendezvous(monkeypatch):
+    """torch's rendezvous parts as they were, after the test."""
+    monkeypatch.setattr(dr, "_delay", dr._delay)
+    monkeypatch.setattr(dr._BackendRendezvousStateHolder, "__init__",
+                        dr._BackendRendezvousStateHolder.__init__)
+
+
+def test_a_waiting_node_reads_the_rendezvous_every_poll(torch_rendezvous, monkeypatch):
+    """A node waiting in torch's rendezvous re-read the state at most once a second
+    (a read within a second served the last one again): a restart's nodes each saw
+    the old round empty and the new one complete up to a second late."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
+                                       timeout=datetime.timedelta(seconds=10))
+
+    def two_nodes() -> tuple[dr.DynamicRendezvousHandler, dr.DynamicRendezvousHandler]:
+        run = f"poll-{time.monotonic_ns()}"
+        return tuple(dr.DynamicRendezvousHandler.from_backend(  # type: ignore[return-value]
+            run, store, C10dRendezvousBackend(store, run), min_nodes=2, max_nodes=2,
+            local_addr=f"127.0.0.{i}") for i in (1, 2))
+
+    def sees_the_other_within(seconds: float) -> bool:
+        waiting, other = two_nodes()
+        waiting._state_holder.sync()  # read: nobody in the round yet
+        other._state_holder.state.participants[other._this_node] = 0
+        other._state_holder.mark_dirty()
+        other._state_holder.sync()  # written to the store
+        time.sleep(seconds)
+        waiting._state_holder.sync()
+        return other._this_node in waiting._state_holder.state.participants
+
+    assert not sees_the_other_within(0.3)  # torch's: its own copy, for a second
+    torchrun.poll_rendezvous_every(0.2)
+    torchrun.poll_rendezvous_every(0.2)  # idempotent: wraps torch's, not its own wrapper
+    assert sees_the_other_within(0.3)
+
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    dr._delay(seconds=1)  # the poll's wait, as torch calls it
+    dr._delay(seconds=(0.0, 0.3))  # the first round's skew: left as it is
+    assert slept[0] == 0.2 and 0 <= slept[1] <= 0.3
+
+
+def test_nodes_still_meet_with_the_shorter_poll(torch_rendezvous):
+    """Two nodes on torch's own handler, its poll and cache replaced, form a round and
+    get one rank each (the replaced parts take what torch passes them)."""
+    torchrun.poll_rendezvous_every(0.2)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
+                                       timeout=datetime.timedelta(seconds=10))
+    handlers = [dr.DynamicRendezvousHandler.from_backend(
+        "meet", store, C10dRendezvousBackend(store, "meet"), min_nodes=2, max_nodes=2,
+        local_addr=f"127.0.0.{i}", keep_alive_interval=1) for i in (1, 2)]
+    ranks: dict[int, int] = {}
+
+    def join(i: int) -> None:
+        ranks[i] = handlers[i].next_rendezvous().rank
+
+    threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(ranks.values()) == [0, 1]
+    for h in handlers:
+        h.shutdown()

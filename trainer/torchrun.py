@@ -1,0 +1,129 @@
+"""torchrun as clusterpulse-train runs it: torch's launcher, with two changes that make a
+restart quicker, and torch's rendezvous fixed for hot spares when the job has them.
+
+    python -m clusterpulse.trainer.torchrun <torchrun args>   # cold ranks
+    python -m clusterpulse.trainer.warmstart <torchrun args>  # warm ranks (same changes)
+
+What a restart spent here before its ranks started again, on the 4-node testbed after a
+rank's crash (torchrun at INFO, 2026-12-03): 0.4 s until torchrun saw its worker fail,
+2.9 s formatting that failure's log line, 2.4 s in the rendezvous.
+
+1. A worker's failure is logged with its traceback, through torch's log formatter,
+   which imports `torch._dynamo` (and sympy) the first time it formats a traceback:
+   ~1 s of CPU in every torchrun, at the moment every torchrun of the job logs its
+   failure, and ~3 s on four nodes sharing two cores. Here the traceback is rendered
+   as `logging` does it before torch's formatter sees the record, which then has
+   nothing left to import for. The line reads the same.
+2. The c10d rendezvous polls its state every second while a node waits (for the old
+   round to empty, for the new one to fill), and a poll within a second of the last
+   read serves that read again, so each of a restart's waits costs up to a second on
+   every node, and a node sees the round complete up to a second after it is. Here
+   the poll is `RDZV_POLL_ENV` seconds (the launcher sets it from the job's size,
+   `rendezvous_poll_s`), never more often than keeps the store's load at what torch's
+   one-second poll puts on it at 256 nodes.
+
+Both change torch's private parts (checked for torch 2.13): `_delay` of the dynamic
+rendezvous, whose polling call passes one second, and its state holder's cache
+duration (one second); the formatter on torch's log handlers. Where those are not
+there, torch runs as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+from clusterpulse.trainer import spares
+
+RDZV_POLL_ENV = "CLUSTERPULSE_RDZV_POLL_S"  # the rendezvous' poll, set by the launcher
+TORCH_POLL_S = 1.0  # what torch's rendezvous passes to _delay when it polls
+NODES_AT_TORCH_POLL = 256  # the job size from which the poll is torch's own
+
+
+def rendezvous_poll_s(nodes: int) -> float:
+    """The rendezvous' poll for a job of `nodes` nodes: 0.2 s up to 51 nodes, then as
+    long as keeps the state reads per second at what torch's 1 s gives at 256 nodes
+    (each poll reads the whole state, which grows with the job), torch's 1 s from 256."""
+    return min(TORCH_POLL_S, max(0.2, nodes / NODES_AT_TORCH_POLL))
+
+
+def prepare() -> None:
+    """Apply this module's changes in the torchrun process, before torchrun runs."""
+    render_tracebacks_plainly()
+    poll = os.environ.get(RDZV_POLL_ENV, "")
+    try:
+        seconds = float(poll)
+    except ValueError:
+        seconds = 0.0
+    if 0 < seconds < TORCH_POLL_S:
+        poll_rendezvous_every(seconds)
+    if os.environ.get(spares.HOT_SPARES_ENV):
+        spares.install()
+
+
+class _PlainTraceback(logging.Formatter):
+    """Renders a record's traceback as `logging` does, then leaves the record to the
+    formatter it wraps (torch's), which appends the text it finds (see 1. above)."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info:
+            record = copy.copy(record)  # other handlers may still want exc_info
+            record.exc_text = record.exc_text or self.formatException(record.exc_info)
+            record.exc_info = None
+        return self.inner.format(record)
+
+
+def render_tracebacks_plainly() -> None:
+    """Wrap the formatter of every handler torch's logging set up (idempotent)."""
+    try:
+        from torch._logging._internal import TorchLogsFormatter
+    except ImportError:  # another torch: its formatter as it is
+        return
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name == "torch" or name.startswith("torch.")]
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        if isinstance(handler.formatter, TorchLogsFormatter):
+            handler.setFormatter(_PlainTraceback(handler.formatter))
+
+
+def poll_rendezvous_every(interval: float) -> None:
+    """Make the c10d rendezvous poll every `interval` seconds instead of every second
+    (2. above; idempotent, the last call wins): both its wait between polls and how
+    long a state it read stands for the store's (a poll within that time reads its own
+    copy, so shortening the wait alone changes nothing). Its other delays (the first
+    round's random skew) are left as they are."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    delay = getattr(dr, "_delay", None)
+    holder = getattr(dr, "_BackendRendezvousStateHolder", None)
+    if delay is None or holder is None:  # another torch
+        return
+    torch_delay = getattr(delay, "_clusterpulse_torch", delay)
+    torch_init = getattr(holder.__init__, "_clusterpulse_torch", holder.__init__)
+
+    def poll(seconds: float | tuple[float, float]) -> None:  # torch passes it by name
+        torch_delay(interval if seconds == TORCH_POLL_S else seconds)
+
+    def init(self, backend, settings, cache_duration=TORCH_POLL_S):  # type: ignore[no-untyped-def]
+        torch_init(self, backend, settings, min(cache_duration, interval))
+
+    poll._clusterpulse_torch = torch_delay  # type: ignore[attr-defined]
+    init._clusterpulse_torch = torch_init  # type: ignore[attr-defined]
+    dr._delay = poll
+    holder.__init__ = init  # type: ignore[method-assign]
+
+
+def main() -> None:
+    prepare()
+    from torch.distributed.run import main as torchrun
+
+    torchrun()
+
+
+if __name__ == "__main__":
+    main()
