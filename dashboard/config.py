@@ -3,9 +3,14 @@ cluster). Credentials never come from here: see dashboard/auth.py."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+
+class SettingsError(ValueError):
+    """A setting the dashboard cannot run with; the message names the variable."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,19 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         alertmanager_url=e.get("CLUSTERPULSE_ALERTMANAGER_URL", "http://127.0.0.1:9093"),
         agent_token_file=Path(token) if token else None,
         audit_log=Path(e.get("CLUSTERPULSE_AUDIT_LOG", "clusterpulse-audit.jsonl")),
-        refresh_s=float(e.get("CLUSTERPULSE_REFRESH_S", "5")),
+        refresh_s=_seconds(e, "CLUSTERPULSE_REFRESH_S", "5"),
         operators_file=Path(operators) if operators else None,
     )
+
+
+def _seconds(env: dict[str, str] | os._Environ[str], name: str, default: str) -> float:
+    """A positive, finite number of seconds: 0 or inf would stand every view still."""
+    text = env.get(name, default)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise SettingsError(f"{name}={text!r}: expected a number of seconds > 0 "
+                            f"(default {default})")
+    return value

@@ -16,7 +16,14 @@ RANGES = {"15 min": 900, "1 h": 3600, "6 h": 21600, "24 h": 86400}
 
 
 def settings() -> config.Settings:
-    return config.from_env()  # cheap; read per run so a changed environment takes effect
+    """Read per run (cheap), so a changed environment takes effect; a setting the
+    dashboard cannot run with stops the page with its name, not a traceback."""
+    try:
+        return config.from_env()
+    except config.SettingsError as err:
+        st.error(f"Dashboard setting: {err}", icon=":material/settings:")
+        st.stop()
+        raise  # not reached: st.stop() ends the run
 
 
 def audit_log() -> AuditLog:

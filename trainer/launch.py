@@ -37,10 +37,10 @@ What it adds to torchrun, and why:
   torchrun); this launcher starts a standby's torchrun again (see `Standby`) instead
   of ending with it, and a standby exits 0 when the job has ended. torchrun runs with
   its rendezvous fixed for spares (trainer/spares.py).
-- Quicker restarts (trainer/torchrun.py): torchrun's failure log no longer imports
-  torch's compiler stack (~1 s of CPU in every torchrun as the job goes down), and its
-  rendezvous polls every 0.2 s (up to 51 nodes; torch's 1 s from 256) instead of every
-  second while a restart's nodes wait for each other.
+- Quicker restarts (trainer/torchrun.py): a warm worker's failure log no longer
+  imports torch's compiler stack (~1 s of CPU in every torchrun as the job goes down),
+  and the rendezvous polls every 0.2 s (up to 51 nodes; torch's 1 s from 256) instead
+  of every second while a restart's nodes wait for each other.
 - SIGTERM and SIGINT (Ctrl-C) reach torchrun as one SIGTERM each, from here (it runs
   in a process group of its own), and torchrun passes it to the ranks: they
   checkpoint at the next consensus step (a second one: at once); the launcher then
@@ -158,7 +158,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if a.max_restarts < 0:
         p.error("--max-restarts must be >= 0")
     sizes = a.nnodes.split(":")
-    if len(sizes) > 2 or not all(n.isdigit() and int(n) > 0 for n in sizes) or \
+    if len(sizes) > 2 or not all(n.isascii() and n.isdigit() and int(n) > 0 for n in sizes) or \
             int(sizes[0]) > int(sizes[-1]):
         p.error(f"--nnodes {a.nnodes!r}: expected N or MIN:MAX nodes (1 <= MIN <= MAX)")
     for kv in a.rdzv_conf:

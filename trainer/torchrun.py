@@ -8,10 +8,12 @@ What a restart spent here before its ranks started again, on the 4-node testbed 
 rank's crash (torchrun at INFO, 2026-12-03): 0.4 s until torchrun saw its worker fail,
 2.9 s formatting that failure's log line, 2.4 s in the rendezvous.
 
-1. A worker's failure is logged with its traceback, through torch's log formatter,
-   which imports `torch._dynamo` (and sympy) the first time it formats a traceback:
-   ~1 s of CPU in every torchrun, at the moment every torchrun of the job logs its
-   failure, and ~3 s on four nodes sharing two cores. Here the traceback is rendered
+1. A warm-started worker's failure (trainer/warmstart.py: torchrun's multiprocessing
+   start) is logged with its traceback, through torch's log formatter, which imports
+   `torch._dynamo` (and sympy) the first time it formats a traceback: ~1 s of CPU in
+   every torchrun, at the moment every torchrun of the job logs its failure, and ~3 s
+   on four nodes sharing two cores (torchrun logs a cold worker's failure without
+   one). Here the traceback is rendered
    as `logging` does it before torch's formatter sees the record, which then has
    nothing left to import for. The line reads the same.
 2. The c10d rendezvous polls its state every second while a node waits (for the old
@@ -20,7 +22,10 @@ rank's crash (torchrun at INFO, 2026-12-03): 0.4 s until torchrun saw its worker
    every node, and a node sees the round complete up to a second after it is. Here
    the poll is `RDZV_POLL_ENV` seconds (the launcher sets it from the job's size,
    `rendezvous_poll_s`), never more often than keeps the store's load at what torch's
-   one-second poll puts on it at 256 nodes.
+   one-second poll puts on it at 256 nodes. The cache also serves torchrun's monitor
+   loop, which asks for waiting nodes every `--monitor-interval` all through the run:
+   each node reads the state up to 1/interval times a second (5 instead of 1), from
+   the rendezvous' own store (not the one the ranks use).
 
 Both change torch's private parts (checked for torch 2.13): `_delay` of the dynamic
 rendezvous, whose polling call passes one second, and its state holder's cache
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 
 from clusterpulse.trainer import spares
@@ -39,6 +45,7 @@ from clusterpulse.trainer import spares
 RDZV_POLL_ENV = "CLUSTERPULSE_RDZV_POLL_S"  # the rendezvous' poll, set by the launcher
 TORCH_POLL_S = 1.0  # what torch's rendezvous passes to _delay when it polls
 NODES_AT_TORCH_POLL = 256  # the job size from which the poll is torch's own
+MIN_POLL_S = 0.05
 
 
 def rendezvous_poll_s(nodes: int) -> float:
@@ -51,15 +58,23 @@ def rendezvous_poll_s(nodes: int) -> float:
 def prepare() -> None:
     """Apply this module's changes in the torchrun process, before torchrun runs."""
     render_tracebacks_plainly()
-    poll = os.environ.get(RDZV_POLL_ENV, "")
-    try:
-        seconds = float(poll)
-    except ValueError:
-        seconds = 0.0
-    if 0 < seconds < TORCH_POLL_S:
-        poll_rendezvous_every(seconds)
+    interval = poll_interval(os.environ.get(RDZV_POLL_ENV, ""))
+    if interval is not None:
+        poll_rendezvous_every(interval)
     if os.environ.get(spares.HOT_SPARES_ENV):
         spares.install()
+
+
+def poll_interval(text: str) -> float | None:
+    """RDZV_POLL_ENV's seconds, or None for torch's own poll (unset, not a number, 1 s).
+    At least MIN_POLL_S: torch skips a wait under 10 ms, and the poll would spin."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        return None
+    if not math.isfinite(seconds) or seconds <= 0 or seconds == TORCH_POLL_S:
+        return None
+    return max(seconds, MIN_POLL_S)
 
 
 class _PlainTraceback(logging.Formatter):
@@ -81,12 +96,10 @@ class _PlainTraceback(logging.Formatter):
 def render_tracebacks_plainly() -> None:
     """Wrap the formatter of every handler torch's logging set up (idempotent)."""
     try:
-        from torch._logging._internal import TorchLogsFormatter
+        from torch._logging._internal import TorchLogsFormatter, handlers
     except ImportError:  # another torch: its formatter as it is
         return
-    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
-               if name == "torch" or name.startswith("torch.")]
-    for handler in {h for lg in loggers for h in lg.handlers}:
+    for handler in list(handlers):  # the handlers torch's logging set up
         if isinstance(handler.formatter, TorchLogsFormatter):
             handler.setFormatter(_PlainTraceback(handler.formatter))
 
@@ -110,7 +123,8 @@ def poll_rendezvous_every(interval: float) -> None:
         torch_delay(interval if seconds == TORCH_POLL_S else seconds)
 
     def init(self, backend, settings, cache_duration=TORCH_POLL_S):  # type: ignore[no-untyped-def]
-        torch_init(self, backend, settings, min(cache_duration, interval))
+        torch_init(self, backend, settings,
+                   interval if cache_duration == TORCH_POLL_S else cache_duration)
 
     poll._clusterpulse_torch = torch_delay  # type: ignore[attr-defined]
     init._clusterpulse_torch = torch_init  # type: ignore[attr-defined]

@@ -43,7 +43,7 @@ KINDS = ["gpu_overheat", "gpu_lost", "rank_hang", "rank_crash", "agent_kill", "n
          "partition", "slow_link"]
 TRANSIENT = {"gpu_overheat": 120, "gpu_lost": 60, "partition": 30, "slow_link": 60,
              "agent_kill": 20, "node_death": 60}
-CKPT_EVERY = 10  # 1.8 MB, async, every ~1.2 s: a hard restart recomputes <= 10 steps
+CKPT_EVERY = 50
 STEP_S = 0.1  # simulated GPU time of a step with every node in
 RESUMED = re.compile(r"trainer: resumed from step-(\d+)")
 SPARES_POLICY = REPO / "deploy" / "local" / "policy-spares.toml"

@@ -109,6 +109,14 @@ def test_prometheus_down_shows_a_banner_not_a_traceback(monkeypatch, tmp_path):
     assert any("Prometheus is unavailable" in e.value for e in at.error)
 
 
+@pytest.mark.parametrize("refresh", ["soon", "0", "inf"])
+def test_a_bad_setting_is_named_on_the_page_not_a_traceback(refresh, monkeypatch, tmp_path):
+    monkeypatch.setenv("CLUSTERPULSE_REFRESH_S", refresh)
+    at = app(monkeypatch, f"http://127.0.0.1:{free_port()}", tmp_path)
+    assert not at.exception, at.exception
+    assert any(f"CLUSTERPULSE_REFRESH_S={refresh!r}" in e.value for e in at.error), at.error
+
+
 def test_operator_sign_in_uses_hashed_credentials(prom_with_data, monkeypatch, tmp_path):
     from clusterpulse.dashboard.auth import hash_password
 

@@ -45,7 +45,10 @@ def test_a_workers_failure_is_logged_with_its_traceback_without_importing_the_co
     """torch's log formatter imports torch._dynamo (sympy, ~1 s of CPU) the first time
     it formats a traceback: every torchrun of a job paid it as the job went down."""
     torchs = _log_a_failure("torch")
-    assert "dynamo imported: True" in torchs.stdout, torchs.stderr  # what is fixed
+    assert torchs.returncode == 0, torchs.stderr
+    if "dynamo imported: False" in torchs.stdout:
+        pytest.skip("this torch's log formatter no longer imports torch._dynamo: "
+                    "render_tracebacks_plainly has nothing left to fix")
     ours = _log_a_failure("fixed")
     assert "dynamo imported: False" in ours.stdout, ours.stderr
     for run in (torchs, ours):  # the same line: torch's prefix, message, traceback
@@ -55,6 +58,14 @@ def test_a_workers_failure_is_logged_with_its_traceback_without_importing_the_co
         assert "Traceback (most recent call last):" in run.stderr
         assert "RuntimeError: Connection closed by peer" in run.stderr
     assert len(ours.stderr.splitlines()) == len(torchs.stderr.splitlines())
+
+
+def test_the_poll_setting_is_read_with_care():
+    assert torchrun.poll_interval("0.2") == 0.2
+    assert torchrun.poll_interval("2") == 2.0  # slower than torch's, for a very large job
+    assert torchrun.poll_interval("0.001") == torchrun.MIN_POLL_S  # would spin
+    for torchs in ("", "soon", "0", "-1", "nan", "inf", "1"):
+        assert torchrun.poll_interval(torchs) is None
 
 
 def test_the_rendezvous_poll_follows_the_jobs_size():
@@ -101,15 +112,16 @@ def test_a_waiting_node_reads_the_rendezvous_every_poll(torch_rendezvous, monkey
         return other._this_node in waiting._state_holder.state.participants
 
     assert not sees_the_other_within(0.3)  # torch's: its own copy, for a second
-    torchrun.poll_rendezvous_every(0.2)
-    torchrun.poll_rendezvous_every(0.2)  # idempotent: wraps torch's, not its own wrapper
+    torchrun.poll_rendezvous_every(0.5)
+    torchrun.poll_rendezvous_every(0.2)  # the last call wins: it wraps torch's, not ours
     assert sees_the_other_within(0.3)
+    assert all(h._state_holder._cache_duration == 0.2 for h in two_nodes())
 
     slept: list[float] = []
     monkeypatch.setattr(time, "sleep", slept.append)
     dr._delay(seconds=1)  # the poll's wait, as torch calls it
-    dr._delay(seconds=(0.0, 0.3))  # the first round's skew: left as it is
-    assert slept[0] == 0.2 and 0 <= slept[1] <= 0.3
+    dr._delay(seconds=(0.05, 0.05))  # the first round's skew (a range): left as it is
+    assert slept == [0.2, 0.05]
 
 
 def test_nodes_still_meet_with_the_shorter_poll(torch_rendezvous):
@@ -132,5 +144,6 @@ def test_nodes_still_meet_with_the_shorter_poll(torch_rendezvous):
     for t in threads:
         t.join(timeout=60)
     assert sorted(ranks.values()) == [0, 1]
+    assert all(h._state_holder._cache_duration == 0.2 for h in handlers)
     for h in handlers:
         h.shutdown()
