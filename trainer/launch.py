@@ -37,6 +37,10 @@ What it adds to torchrun, and why:
   torchrun); this launcher starts a standby's torchrun again (see `Standby`) instead
   of ending with it, and a standby exits 0 when the job has ended. torchrun runs with
   its rendezvous fixed for spares (trainer/spares.py).
+- Graceful restarts without the imports (`--prewarm-after`): each torchrun that has
+  run 20 s has the next one started beside it, held until a relaunch needs it, its
+  torch and its forkserver's trainer imported (`Prewarmed`): a new torchrun no longer
+  pays them on the restart's critical path, on every node at once.
 - Quicker restarts (trainer/torchrun.py): a warm worker's failure log no longer
   imports torch's compiler stack (~1 s of CPU in every torchrun as the job goes down),
   and the rendezvous polls every 0.2 s (up to 51 nodes; torch's 1 s from 256) instead
@@ -58,7 +62,9 @@ What it adds to torchrun, and why:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -77,8 +83,10 @@ from clusterpulse.trainer.restart import (
     MIN_NODES_ENV,
     RELAUNCH_FILE_ENV,
     leave_path,
+    relaunch_count_path,
+    write_atomically,
 )
-from clusterpulse.trainer.torchrun import RDZV_POLL_ENV, rendezvous_poll_s
+from clusterpulse.trainer.torchrun import GO, HOLD_FD_ENV, RDZV_POLL_ENV, rendezvous_poll_s
 from clusterpulse.trainer.warmstart import PRELOAD_OPTION, PRELOAD_PATH_OPTION
 
 TRAINER_MAIN = Path(__file__).resolve().with_name("__main__.py")
@@ -97,6 +105,9 @@ GRACEFUL_EXIT_BUG = "'NoneType' object has no attribute 'is_failed'"
 # large one up to a minute; a job not running by then is more likely waiting for this
 # node (another one lost, below its minimum), and it rejoins.
 RESTART_ALLOWANCE_S = 60.0
+# How long a torchrun runs before the launcher starts the next one ahead of its turn
+# (Prewarmed): past its own start and its ranks', whose CPU it would compete for.
+PREWARM_AFTER_S = 20.0
 RDZV_DEFAULTS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "5",
                  "last_call_timeout": "5"}
 
@@ -149,6 +160,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--preload", action="append", default=[], metavar="MODULE",
                    help="with --script: start ranks forked from a server that imported "
                    "MODULE once (repeatable; e.g. torch): restarts skip those imports")
+    p.add_argument("--prewarm-after", type=float, default=PREWARM_AFTER_S, metavar="S",
+                   help="start the next torchrun (its imports, its forkserver's) S seconds "
+                   "into each one, held until a graceful restart needs it; 0 turns it off "
+                   f"(default: {PREWARM_AFTER_S:g}; costs a held torchrun's memory)")
     p.add_argument("--cold-start", action="store_true",
                    help="start each rank as a new interpreter (torchrun's way), not forked "
                    "from a server that has torch and the trainer imported")
@@ -157,6 +172,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error("--nproc must be >= 1")
     if a.max_restarts < 0:
         p.error("--max-restarts must be >= 0")
+    if not (math.isfinite(a.prewarm_after) and a.prewarm_after >= 0):
+        p.error("--prewarm-after must be a number of seconds >= 0 (0: off)")
     sizes = a.nnodes.split(":")
     if len(sizes) > 2 or not all(n.isascii() and n.isdigit() and int(n) > 0 for n in sizes) or \
             int(sizes[0]) > int(sizes[-1]):
@@ -396,16 +413,62 @@ def _say(text: str) -> None:
     print(f"clusterpulse-train: {text}", file=sys.stderr, flush=True)
 
 
+class Prewarmed:
+    """The next torchrun, started ahead of its turn: it imports torch, and its
+    forkserver the trainer, then waits on a pipe (trainer/torchrun.py,
+    held_until_its_turn). A graceful restart ends every torchrun of the job, and each
+    node's new one paid those imports again (~5 s of CPU a node, all nodes at once,
+    on the restart's critical path); the relaunch now starts one that has them done.
+    Closing the pipe (this launcher ending, even killed) ends it unused."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+        read, self._go = os.pipe()
+        try:
+            self.proc = subprocess.Popen(cmd, env={**env, HOLD_FD_ENV: str(read)},
+                                         pass_fds=(read,), process_group=0)
+        finally:
+            os.close(read)
+
+    def go(self) -> subprocess.Popen | None:
+        """Let it run; None if it is gone (then start a torchrun as before)."""
+        try:
+            if self.proc.poll() is None:
+                os.write(self._go, GO)
+                return self.proc
+            return None
+        except OSError:
+            return None
+        finally:
+            self._close_pipe()
+
+    def close(self) -> None:
+        self._close_pipe()  # it ends on its own, with its forkserver
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _close_pipe(self) -> None:
+        if self._go >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._go)
+            self._go = -1
+
+
 def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
-        standby: Standby | None = None, rdzv: Rendezvous | None = None) -> int:
+        standby: Standby | None = None, rdzv: Rendezvous | None = None,
+        prewarm_after: float = PREWARM_AFTER_S) -> int:
     """Run torchrun, relaunching it after each graceful restart (after sitting out what
     a leave asks and, in a multi-node job (`rdzv`), until the job runs without this
     node: at most RESTART_ALLOWANCE_S or the sit-out again, and `longest_leave` s in
     all) and, with hot spares, after each round this node stood by (`Standby`);
-    torchrun's exit code."""
+    torchrun's exit code. Each torchrun that runs `prewarm_after` s (0: never) has the
+    next one started, held (`Prewarmed`)."""
     env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1"}
     stop: list[int] = []
     child: subprocess.Popen | None = None
+    prewarmed: Prewarmed | None = None
 
     def forward(signum: int, frame: object) -> None:
         stop.append(signum)
@@ -429,16 +492,27 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                 error_file.unlink(missing_ok=True)
                 rdzv_state.unlink(missing_ok=True)
                 env.update({RELAUNCH_FILE_ENV: str(marker), RELAUNCHES_ENV: str(relaunches)})
+                write_atomically(Path(relaunch_count_path(marker)), str(relaunches))
                 if standby is not None:
                     env.update({ERROR_FILE_ENV: str(error_file), spares.HOT_SPARES_ENV: "1",
                                 spares.RDZV_STATE_ENV: str(rdzv_state)})
                 # torchrun in a process group of its own: a signal to the launcher's
                 # group (Ctrl-C, `kill -- -PGID`) reaches it once, from here; twice, it
                 # stopped waiting for its ranks' SIGTERM checkpoints and left them
-                child = subprocess.Popen(cmd, env=env, process_group=0)
+                child = prewarmed.go() if prewarmed is not None else None
+                prewarmed = None
+                if child is not None:
+                    _say("torchrun again: one started ahead, its imports done")
+                if child is None:
+                    child = subprocess.Popen(cmd, env=env, process_group=0)
                 if stop:  # a signal before torchrun existed to be told
                     child.send_signal(signal.SIGTERM)
-                rc = child.wait()
+                try:
+                    rc = child.wait(timeout=prewarm_after or None)
+                except subprocess.TimeoutExpired:
+                    if not stop:
+                        prewarmed = Prewarmed(cmd, env)
+                    rc = child.wait()
                 place = spares.place(rdzv_state)
                 if place in (spares.JOINED, spares.REJOINING):
                     stood_by = False  # in the job (again): what follows is the job's
@@ -481,6 +555,8 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                      "place of one it loses")
             return 128 + stop[0]
     finally:
+        if prewarmed is not None:
+            prewarmed.close()
         for s, h in old.items():
             signal.signal(s, h)
 
@@ -490,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     # the rendezvous' poll is the job's unless the environment names one
     env = {**rendezvous_poll_env(a), **os.environ, **leave_env(a)}
     return run(command(a, trainer_args), env, longest_leave_s(a), Standby.of(a),
-               Rendezvous.of(a))
+               Rendezvous.of(a), a.prewarm_after)
 
 
 if __name__ == "__main__":

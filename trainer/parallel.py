@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV
+from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV, relaunch_count_path
 
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 RELAUNCHES_ENV = "CLUSTERPULSE_RELAUNCHES"  # graceful relaunches so far (clusterpulse-train)
@@ -69,8 +69,19 @@ class DistInfo:
 def local_attempt() -> int:
     """This node's own count of (re)starts: graceful relaunches by clusterpulse-train
     plus torchrun's failure restarts. Only a proposal: ranks agree on rank 0's."""
-    return (int(os.environ.get(RELAUNCHES_ENV, 0) or 0)
-            + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0))
+    return relaunches() + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+
+
+def relaunches() -> int:
+    """Graceful relaunches of this node's torchrun so far: what clusterpulse-train wrote
+    beside its relaunch file before it started this torchrun (one started ahead of its
+    turn, its forkserver and so its warm ranks have an environment older than the
+    count: trainer/launch.py, Prewarmed), else RELAUNCHES_ENV."""
+    relaunch_file = os.environ.get(RELAUNCH_FILE_ENV)
+    if relaunch_file:
+        with contextlib.suppress(OSError, ValueError):
+            return int(Path(relaunch_count_path(relaunch_file)).read_text())
+    return int(os.environ.get(RELAUNCHES_ENV, 0) or 0)
 
 
 def restarted_for_membership() -> bool:
@@ -84,8 +95,7 @@ def restarted_for_membership() -> bool:
     if not relaunch_file or os.environ.get("LOCAL_RANK", "0") != "0":
         return False
     path = Path(f"{relaunch_file}.round")
-    counts = (f"{os.environ.get(RELAUNCHES_ENV, 0)}:"
-              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}\n")
+    counts = f"{relaunches()}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}\n"
     try:
         before = path.read_text()
     except OSError:

@@ -166,6 +166,13 @@ def leave_path(relaunch_file: str | Path) -> str:
     return f"{relaunch_file}.leave"
 
 
+def relaunch_count_path(relaunch_file: str | Path) -> str:
+    """Where clusterpulse-train writes how many graceful relaunches came before the
+    torchrun it starts (a file: a torchrun started ahead of its turn has an older
+    environment than the count)."""
+    return f"{relaunch_file}.count"
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Write `text` whole or not at all: the launcher reads these files while ranks
     (or torchrun) may be writing them."""

@@ -43,6 +43,8 @@ import os
 from clusterpulse.trainer import spares
 
 RDZV_POLL_ENV = "CLUSTERPULSE_RDZV_POLL_S"  # the rendezvous' poll, set by the launcher
+HOLD_FD_ENV = "CLUSTERPULSE_HOLD_FD"  # a torchrun started ahead of its turn waits on it
+GO = b"go\n"
 TORCH_POLL_S = 1.0  # what torch's rendezvous passes to _delay when it polls
 NODES_AT_TORCH_POLL = 256  # the job size from which the poll is torch's own
 MIN_POLL_S = 0.05
@@ -132,11 +134,24 @@ def poll_rendezvous_every(interval: float) -> None:
     holder.__init__ = init  # type: ignore[method-assign]
 
 
+def held_until_its_turn() -> bool:
+    """For a torchrun the launcher started ahead of its turn (trainer/launch.py,
+    Prewarmed), with its imports done: wait on the launcher's pipe. True to run now
+    (also for a torchrun not held), False when the launcher closed the pipe without
+    the word (it ended, or started none after all): exit quietly."""
+    fd = os.environ.pop(HOLD_FD_ENV, "")
+    if not fd.isdigit():
+        return True
+    with os.fdopen(int(fd), "rb") as pipe:  # closed after: no child inherits it
+        return pipe.readline() == GO
+
+
 def main() -> None:
     prepare()
     from torch.distributed.run import main as torchrun
 
-    torchrun()
+    if held_until_its_turn():
+        torchrun()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ import os
 import sys
 from multiprocessing import forkserver
 
+from clusterpulse.trainer.torchrun import held_until_its_turn
 from clusterpulse.trainer.torchrun import prepare as prepare_torchrun
 
 SESSION = "clusterpulse.trainer.forkserver_session"  # first: see that module
@@ -97,7 +98,8 @@ def main() -> None:
     prepare_torchrun()  # the quicker restart's changes, and the spares' (trainer/torchrun.py)
     from torch.distributed.run import main as torchrun
 
-    torchrun()
+    if held_until_its_turn():  # started ahead of its turn: imports and server ready
+        torchrun()
 
 
 def _importable(module: str) -> bool:

@@ -37,13 +37,15 @@ BASE = ["--preset", "tiny", "--steps", str(STEPS), "--ckpt-every", "10", "--agen
         "--collective-timeout", "120"]
 
 
-def _run(tmp_path, name: str, nnodes: int, extra: list[str], max_restarts: int) -> tuple:
+def _run(tmp_path, name: str, nnodes: int, extra: list[str], max_restarts: int,
+         prewarm_after: float | None = None) -> tuple:
     ckpt = tmp_path / name
     args = [*BASE, "--ckpt-dir", str(ckpt), "--summary-json", str(ckpt / "summary.json"),
             *extra]
     port = free_port()
     procs = [start_logged(launcher_cmd(4 // nnodes, max_restarts, args, nnodes=nnodes,
-                                       rdzv_port=port), tmp_path / f"{name}-{i}.log", tmp_path)
+                                       rdzv_port=port, prewarm_after=prewarm_after),
+                          tmp_path / f"{name}-{i}.log", tmp_path)
              for i in range(nnodes)]
     try:
         codes = [p.wait(timeout=900) for p in procs]
@@ -57,14 +59,19 @@ def _run(tmp_path, name: str, nnodes: int, extra: list[str], max_restarts: int) 
 
 
 def test_dead_rank_before_init_and_graceful_restarts_outside_the_failure_budget(tmp_path):
+    """Also the relaunches' torchruns started ahead (held with their imports done:
+    --prewarm-after) count the attempts as the ranks agree them: the injections below
+    fire in the attempt they name."""
     codes, logs, summary = _run(tmp_path, "faults", 2, [
         "--inject", "init_crash:rank=1",
         "--inject", "graceful:step=8",
         "--inject", "graceful:step=18:attempt=1",
         "--inject", "graceful:step=27:attempt=2",
         "--inject", "crash:rank=2:step=33:mode=sigkill:attempt=3",
-    ], max_restarts=2)
+    ], max_restarts=2, prewarm_after=0.5)
     assert codes == [0, 0], "\n\n".join(x[-4000:] for x in logs)
+    for launcher_log in logs:  # the relaunches took over torchruns started ahead
+        assert "torchrun again: one started ahead, its imports done" in launcher_log
     everything = "\n".join(logs)
     assert "injected: rank 1 exits before joining the process group" in everything
     for launcher_log in logs:  # each node's launcher relaunched its torchrun 3 times

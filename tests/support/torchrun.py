@@ -62,7 +62,8 @@ def start_trainer(ckpt: Path, log: Path, nproc: int = 2, steps: int = 40,
 def launcher_cmd(nproc: int, max_restarts: int, args: list[str], nnodes: int | str = 1,
                  rdzv_port: int | None = None, script: str | None = None,
                  cold_start: bool = False, preload: list[str] | None = None,
-                 monitor_interval: float = 0.2, rdzv_host: bool | None = None) -> list[str]:
+                 monitor_interval: float = 0.2, rdzv_host: bool | None = None,
+                 prewarm_after: float | None = None) -> list[str]:
     """clusterpulse-train (the launcher that relaunches graceful restarts) with the same
     fast worker monitoring as torchrun_cmd; `nnodes` > 1 (or "MIN:MAX"): one such
     command per "node", all on loopback with a c10d rendezvous at `rdzv_port` (every
@@ -80,6 +81,8 @@ def launcher_cmd(nproc: int, max_restarts: int, args: list[str], nnodes: int | s
         cmd += ["--preload", module]
     if cold_start:
         cmd.append("--cold-start")
+    if prewarm_after is not None:
+        cmd += ["--prewarm-after", str(prewarm_after)]
     return [*cmd, "--", *args]
 
 

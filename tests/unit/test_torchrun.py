@@ -16,7 +16,9 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
 from clusterpulse.trainer import torchrun
-from clusterpulse.trainer.launch import parse, rendezvous_poll_env
+from clusterpulse.trainer.launch import Prewarmed, parse, rendezvous_poll_env
+from clusterpulse.trainer.parallel import RELAUNCHES_ENV, relaunches
+from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV, relaunch_count_path
 from tests.support.procs import REPO
 
 FAILURE_LOG = """\
@@ -147,3 +149,43 @@ def test_nodes_still_meet_with_the_shorter_poll(torch_rendezvous):
     assert all(h._state_holder._cache_duration == 0.2 for h in handlers)
     for h in handlers:
         h.shutdown()
+
+
+def _held_torchrun(out) -> Prewarmed:
+    """`torchrun --help` started ahead, its output in `out` (through a shell's exec:
+    the pipe's descriptor goes with it)."""
+    cmd = ["/bin/sh", "-c", 'exec "$0" -m clusterpulse.trainer.torchrun --help > "$1" 2>&1',
+           sys.executable, str(out)]
+    return Prewarmed(cmd, {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+
+
+def test_a_torchrun_started_ahead_runs_only_when_told(tmp_path):
+    """Prewarmed (a graceful relaunch's next torchrun, started ahead with its imports
+    done): it runs torchrun when told, and ends without running it when the launcher
+    closes the pipe (the launcher ended, or needed no relaunch)."""
+    held = _held_torchrun(tmp_path / "held")
+    time.sleep(1)
+    assert held.proc.poll() is None  # held, not run
+    proc = held.go()
+    assert proc is held.proc and proc.wait(timeout=120) == 0
+    assert "usage:" in (tmp_path / "held").read_text()  # torchrun ran: its --help
+
+    unused = _held_torchrun(tmp_path / "unused")
+    unused.close()
+    assert unused.proc.returncode == 0
+    assert "usage:" not in (tmp_path / "unused").read_text()
+    assert unused.go() is None  # gone: the launcher starts a torchrun as before
+
+
+def test_the_relaunch_count_comes_from_the_launchers_file(tmp_path, monkeypatch):
+    """A torchrun started ahead (and its forkserver, and so its ranks) carries the
+    environment of its start, one relaunch behind: the count is read from the file
+    the launcher writes before each torchrun takes over."""
+    marker = tmp_path / "relaunch"
+    monkeypatch.setenv(RELAUNCH_FILE_ENV, str(marker))
+    monkeypatch.setenv(RELAUNCHES_ENV, "1")
+    assert relaunches() == 1  # no file (an older launcher): the environment
+    (tmp_path / relaunch_count_path(marker)).write_text("2")
+    assert relaunches() == 2
+    monkeypatch.delenv(RELAUNCH_FILE_ENV)
+    assert relaunches() == 1
