@@ -426,8 +426,21 @@ class Prewarmed:
         try:
             self.proc = subprocess.Popen(cmd, env={**env, HOLD_FD_ENV: str(read)},
                                          pass_fds=(read,), process_group=0)
+        except BaseException:
+            self._close_pipe()
+            raise
         finally:
             os.close(read)
+
+    @classmethod
+    def start(cls, cmd: list[str], env: dict[str, str]) -> Prewarmed | None:
+        """One started ahead, or None (said) where the system cannot start one now:
+        the running torchrun goes on, and the relaunch starts a torchrun as before."""
+        try:
+            return cls(cmd, env)
+        except OSError as err:
+            _say(f"not starting the next torchrun ahead: {err}")
+            return None
 
     def go(self) -> subprocess.Popen | None:
         """Let it run; None if it is gone (then start a torchrun as before)."""
@@ -442,12 +455,12 @@ class Prewarmed:
             self._close_pipe()
 
     def close(self) -> None:
-        self._close_pipe()  # it ends on its own, with its forkserver
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
+        """End it unused, at once: it holds nothing worth keeping (its forkserver, in
+        a session of its own, ends when it does)."""
+        self._close_pipe()
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+        self.proc.wait()
 
     def _close_pipe(self) -> None:
         if self._go >= 0:
@@ -499,6 +512,8 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                 # torchrun in a process group of its own: a signal to the launcher's
                 # group (Ctrl-C, `kill -- -PGID`) reaches it once, from here; twice, it
                 # stopped waiting for its ranks' SIGTERM checkpoints and left them
+                if stop:  # a signal since the loop's test: start nothing more
+                    break
                 child = prewarmed.go() if prewarmed is not None else None
                 prewarmed = None
                 if child is not None:
@@ -511,7 +526,7 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                     rc = child.wait(timeout=prewarm_after or None)
                 except subprocess.TimeoutExpired:
                     if not stop:
-                        prewarmed = Prewarmed(cmd, env)
+                        prewarmed = Prewarmed.start(cmd, env)
                     rc = child.wait()
                 place = spares.place(rdzv_state)
                 if place in (spares.JOINED, spares.REJOINING):

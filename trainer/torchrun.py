@@ -134,23 +134,31 @@ def poll_rendezvous_every(interval: float) -> None:
     holder.__init__ = init  # type: ignore[method-assign]
 
 
-def held_until_its_turn() -> bool:
-    """For a torchrun the launcher started ahead of its turn (trainer/launch.py,
-    Prewarmed), with its imports done: wait on the launcher's pipe. True to run now
-    (also for a torchrun not held), False when the launcher closed the pipe without
-    the word (it ended, or started none after all): exit quietly."""
+def take_hold() -> int | None:
+    """The pipe a torchrun started ahead of its turn waits on (trainer/launch.py,
+    Prewarmed), taken out of the environment before anything is started from this
+    process (a forkserver, ranks: a nested clusterpulse-train would read a stranger's
+    descriptor)."""
     fd = os.environ.pop(HOLD_FD_ENV, "")
-    if not fd.isdigit():
+    return int(fd) if fd.isascii() and fd.isdigit() else None
+
+
+def held_until_its_turn(hold: int | None) -> bool:
+    """With its imports done, wait on the launcher's pipe: True to run now (also for a
+    torchrun not held), False when the launcher closed the pipe without the word (it
+    ended, or started none after all): exit quietly."""
+    if hold is None:
         return True
-    with os.fdopen(int(fd), "rb") as pipe:  # closed after: no child inherits it
+    with os.fdopen(hold, "rb") as pipe:  # closed after: no child inherits it
         return pipe.readline() == GO
 
 
 def main() -> None:
+    hold = take_hold()
     prepare()
     from torch.distributed.run import main as torchrun
 
-    if held_until_its_turn():
+    if held_until_its_turn(hold):
         torchrun()
 
 

@@ -42,7 +42,7 @@ import os
 import sys
 from multiprocessing import forkserver
 
-from clusterpulse.trainer.torchrun import held_until_its_turn
+from clusterpulse.trainer.torchrun import held_until_its_turn, take_hold
 from clusterpulse.trainer.torchrun import prepare as prepare_torchrun
 
 SESSION = "clusterpulse.trainer.forkserver_session"  # first: see that module
@@ -75,6 +75,7 @@ def preload(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
 
 
 def main() -> None:
+    hold = take_hold()  # before the forkserver starts: it must not inherit it
     modules, paths, sys.argv[1:] = preload(sys.argv[1:])
     # The forkserver ignores the sys.path it is given (Python < 3.13): its session
     # module adds these on its own. Here, for the check below. Appended, not first as
@@ -98,7 +99,7 @@ def main() -> None:
     prepare_torchrun()  # the quicker restart's changes, and the spares' (trainer/torchrun.py)
     from torch.distributed.run import main as torchrun
 
-    if held_until_its_turn():  # started ahead of its turn: imports and server ready
+    if held_until_its_turn(hold):  # started ahead of its turn: imports and server ready
         torchrun()
 
 

@@ -170,9 +170,15 @@ def test_a_torchrun_started_ahead_runs_only_when_told(tmp_path):
     assert proc is held.proc and proc.wait(timeout=120) == 0
     assert "usage:" in (tmp_path / "held").read_text()  # torchrun ran: its --help
 
+    told_nothing = _held_torchrun(tmp_path / "told-nothing")
+    time.sleep(1)
+    told_nothing._close_pipe()  # the launcher gone (even killed): the pipe closes
+    assert told_nothing.proc.wait(timeout=120) == 0  # it ends quietly, torchrun not run
+    assert "usage:" not in (tmp_path / "told-nothing").read_text()
+
     unused = _held_torchrun(tmp_path / "unused")
-    unused.close()
-    assert unused.proc.returncode == 0
+    unused.close()  # ended at once, whether still importing or held
+    assert unused.proc.returncode is not None
     assert "usage:" not in (tmp_path / "unused").read_text()
     assert unused.go() is None  # gone: the launcher starts a torchrun as before
 
