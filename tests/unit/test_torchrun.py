@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -124,31 +123,6 @@ def test_a_waiting_node_reads_the_rendezvous_every_poll(torch_rendezvous, monkey
     dr._delay(seconds=1)  # the poll's wait, as torch calls it
     dr._delay(seconds=(0.05, 0.05))  # the first round's skew (a range): left as it is
     assert slept == [0.2, 0.05]
-
-
-def test_nodes_still_meet_with_the_shorter_poll(torch_rendezvous):
-    """Two nodes on torch's own handler, its poll and cache replaced, form a round and
-    get one rank each (the replaced parts take what torch passes them)."""
-    torchrun.poll_rendezvous_every(0.2)
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
-                                       timeout=datetime.timedelta(seconds=10))
-    handlers = [dr.DynamicRendezvousHandler.from_backend(
-        "meet", store, C10dRendezvousBackend(store, "meet"), min_nodes=2, max_nodes=2,
-        local_addr=f"127.0.0.{i}", keep_alive_interval=1) for i in (1, 2)]
-    ranks: dict[int, int] = {}
-
-    def join(i: int) -> None:
-        ranks[i] = handlers[i].next_rendezvous().rank
-
-    threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert sorted(ranks.values()) == [0, 1]
-    assert all(h._state_holder._cache_duration == 0.2 for h in handlers)
-    for h in handlers:
-        h.shutdown()
 
 
 def _held_torchrun(out) -> Prewarmed:
