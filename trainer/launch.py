@@ -105,6 +105,10 @@ GRACEFUL_EXIT_BUG = "'NoneType' object has no attribute 'is_failed'"
 # large one up to a minute; a job not running by then is more likely waiting for this
 # node (another one lost, below its minimum), and it rejoins.
 RESTART_ALLOWANCE_S = 60.0
+# How close to the end of a new round's last call a standby whose round ended joins it
+# (spares.room_for_a_standby): the job's own nodes get their places back first, and a
+# place left free (an evicted node's) is still taken in this round, not the next.
+STANDBY_JOIN_MARGIN_S = 2.0
 # How long a torchrun runs before the launcher starts the next one ahead of its turn
 # (Prewarmed): past its own start and its ranks', whose CPU it would compete for.
 PREWARM_AFTER_S = 20.0
@@ -340,6 +344,28 @@ def _rejoin_when_running(rdzv: Rendezvous, pid: int, within_s: float, stop: list
         _say("the job did not restart without this node in time: rejoining")
 
 
+def _join_when_room(rdzv: Rendezvous, within_s: float, gone_after_s: float,
+                    stop: list[int]) -> bool:
+    """A standby whose round ended: wait, at most `within_s`, until the new round has
+    room for it (`spares.room_for_a_standby`); longer, the job is more likely short of
+    its minimum without this node (one lost in the restart), and it joins. False when
+    the job's store has not answered for `gone_after_s`: the job is over."""
+    end = time.monotonic() + within_s
+    answered = time.monotonic()
+    while not stop and time.monotonic() < end:
+        room = spares.room_for_a_standby(rdzv.endpoint, rdzv.run_id, STANDBY_JOIN_MARGIN_S)
+        if room:
+            return True
+        if room is not None:
+            answered = time.monotonic()
+        elif time.monotonic() - answered > gone_after_s:
+            return False
+        _wait(min(0.2, end - time.monotonic()), stop)
+    if not stop:
+        _say(f"the job's new round did not form in {within_s:.0f} s: joining it")
+    return True
+
+
 def _wait(seconds: float, stop: list[int]) -> None:
     end = time.monotonic() + seconds
     while not stop and time.monotonic() < end:
@@ -499,6 +525,7 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
             rdzv_state = Path(tmp) / "rendezvous"
             relaunches = 0
             stood_by = False
+            join_when_room = False  # a standby whose round ended, with the job's store back
             while not stop:
                 marker.unlink(missing_ok=True)
                 leave_file.unlink(missing_ok=True)
@@ -514,6 +541,18 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                 # stopped waiting for its ranks' SIGTERM checkpoints and left them
                 if stop:  # a signal since the loop's test: start nothing more
                     break
+                if join_when_room and standby is not None and rdzv is not None:
+                    # its torchrun held ready while the job's own nodes rejoin
+                    prewarmed = prewarmed or Prewarmed.start(cmd, env)
+                    joining = _join_when_room(rdzv, RESTART_ALLOWANCE_S,
+                                              standby.return_s, stop)
+                    if stop:
+                        break
+                    if not joining:
+                        _say("the job's rendezvous is gone (the job ended) while this "
+                             "node stood by")
+                        return 0
+                join_when_room = False
                 child = prewarmed.go() if prewarmed is not None else None
                 prewarmed = None
                 if child is not None:
@@ -566,6 +605,7 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                          "stood by")
                     return 0
                 stood_by = True
+                join_when_room = not standby.host  # the host's store is what they wait for
                 _say("standing by: the job is at its node maximum; this node takes the "
                      "place of one it loses")
             return 128 + stop[0]

@@ -42,7 +42,8 @@ These wrap methods of torch's rendezvous classes and read their private state
 
 `running_without` reads the same state from the launcher, for any multi-node job: a
 node back from a leave (the remediation's evict-node) rejoins only once the job runs
-without it (trainer/launch.py).
+without it (trainer/launch.py); `room_for_a_standby` tells a standby whose round ended
+when the job's own nodes have had their places back.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ import contextlib
 import os
 import pickle
 from base64 import b64decode
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from clusterpulse.trainer.restart import write_atomically
 
@@ -175,8 +177,58 @@ def running_without(endpoint: tuple[str, int], run_id: str, node: tuple[str, int
     a spare whose torchrun starts only once the store's host is back. Nobody waiting:
     a spare that missed the round's last call and has joined since is on the wait list
     and gets in first (one still starting is not seen, and races this node).
-    The state is what every node's torchrun unpickles from the same store; a store
-    that does not answer, or has no round yet, reads as not running."""
+    A store that does not answer, or has no round yet, reads as not running."""
+    state = _rendezvous_state(endpoint, run_id)
+    if state is None or state is _NO_ANSWER or state is _UNREADABLE:
+        return state is _UNREADABLE  # a state this torch does not know: rejoin, as torchrun would
+    try:
+        outside = not any((p.addr, p.pid) == node for p in state.participants)
+        # closed with the node in it: the round it left, closed by its own torchrun's
+        # exit, on a store whose host has not restarted yet (not the job's end)
+        if state.closed:
+            return outside
+        return bool(state.complete and not state.wait_list and outside)
+    except (AttributeError, TypeError):
+        return True
+
+
+def room_for_a_standby(endpoint: tuple[str, int], run_id: str,
+                       margin_s: float) -> bool | None:
+    """Whether a standby whose round ended (the job restarted gracefully) joins the new
+    round now: it is complete (full: the standby stands by again; short of the maximum:
+    the job takes it in, as any late node), or it has the job's minimum and its last
+    call ends within `margin_s` (a place the job's own nodes left, e.g. an evicted
+    node's). Until then the job's own nodes get their places back first: with every
+    torchrun started ahead of its turn (trainer/launch.py, Prewarmed) the standby was
+    as quick as they were, took a place, and a job node became the standby, on
+    torch's first come, first served. A closed round is the one that ended (its store's
+    host has not restarted yet); no state: not yet; None: the store does not answer
+    (its host restarting, or the job over)."""
+    state = _rendezvous_state(endpoint, run_id)
+    if state is _NO_ANSWER:
+        return None
+    if state is None or state is _UNREADABLE:
+        return state is _UNREADABLE  # join, as torchrun would
+    try:
+        if state.closed:
+            return False
+        if state.complete:
+            return True
+        deadline = state.deadline
+        return deadline is not None and (
+            deadline - datetime.now(UTC)).total_seconds() <= margin_s
+    except (AttributeError, TypeError):
+        return True
+
+
+_UNREADABLE = object()  # a rendezvous state this torch version does not know
+_NO_ANSWER = object()  # the store did not answer
+
+
+def _rendezvous_state(endpoint: tuple[str, int], run_id: str) -> Any:
+    """torch's rendezvous state for `run_id` as every torchrun unpickles it from the
+    store at `endpoint`; _NO_ANSWER when the store does not answer, None when it holds
+    none yet, _UNREADABLE when it cannot be read."""
     from torch.distributed import TCPStore
 
     key = f"torch.rendezvous.{run_id}"
@@ -184,23 +236,17 @@ def running_without(endpoint: tuple[str, int], run_id: str, node: tuple[str, int
         store = TCPStore(endpoint[0], endpoint[1], is_master=False,
                          timeout=timedelta(seconds=2), wait_for_workers=False)
         if not store.check([key]):
-            return False
+            return None
         raw = store.get(key)
     except (RuntimeError, TimeoutError, OSError, ValueError):  # not answering (yet)
-        return False
+        return _NO_ANSWER
     if raw == _NO_STATE:
-        return False
+        return None
     try:
-        state = pickle.loads(b64decode(raw, validate=True))
-        outside = not any((p.addr, p.pid) == node for p in state.participants)
-        # closed with the node in it: the round it left, closed by its own torchrun's
-        # exit, on a store whose host has not restarted yet (not the job's end)
-        if state.closed:
-            return outside
-        return bool(state.complete and not state.wait_list and outside)
+        return pickle.loads(b64decode(raw, validate=True))
     except (binascii.Error, ValueError, pickle.UnpicklingError, EOFError, AttributeError,
             ImportError, TypeError, KeyError, IndexError):
-        return True  # a state this torch does not know: rejoin, as torchrun would
+        return _UNREADABLE
 
 
 _NO_STATE = b"Y2FuaW1hZGFt"  # torch's C10dRendezvousBackend's sentinel: no state yet

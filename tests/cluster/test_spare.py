@@ -68,11 +68,21 @@ def action(cl: TestbedCluster, name: str, **body) -> dict:
                     {"action": "checkpoint-restart", "reason": "test", **body})
 
 
+def started_ahead(cl: TestbedCluster, name: str) -> bool:
+    """Whether the node's launcher holds its next torchrun, started ahead (--prewarm-after)."""
+    node = next(n for n in cl.bed.nodes if n.name == name)
+    return len(cl.bed.find(node, "-m clusterpulse.trainer.warmstart", f"--rdzv-id={RUN} ")) == 2
+
+
 def test_the_spare_outlives_a_graceful_restart_of_the_job(cl):
+    """With every node's next torchrun started ahead, the spare was as quick to the new
+    round as the job's nodes and took a place: a job node became the standby."""
     spare = standby(cl)
     before = resumes(cl)
     log = cl.state / f"{RUN}-{spare}.log"
     assert "standing by" not in log.read_text(errors="replace")
+    wait_until(lambda: all(started_ahead(cl, n.name) for n in cl.bed.nodes), 120,
+               "every node's next torchrun started ahead")
     for name in cl.job_nodes(RUN):
         action(cl, name)
     wait_until(lambda: resumes(cl) > before, 120, "the job resumed")  # rank 0 says it

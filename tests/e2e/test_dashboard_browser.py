@@ -123,10 +123,17 @@ def straggler_evidence(stack: Stack) -> str:
     return "\nPrometheus:\n" + "\n".join(lines)
 
 
+def dashboard_log(env) -> str:
+    """The end of the dashboard server's log: what it said while a page did not come."""
+    logs = sorted(env["tmp"].glob("dashboard-*.log"), key=lambda f: f.stat().st_mtime)
+    tail = logs[-1].read_text(errors="replace")[-3000:] if logs else "(no log)"
+    return f"\nThe dashboard's log ends:\n{tail}"
+
+
 def test_cluster_page_shows_live_data(env):
     p = page(env)
     goto(p, env["url"])
-    p.get_by_text("Nodes up").wait_for()
+    shows(p, "Nodes up", evidence=lambda: dashboard_log(env))
     p.get_by_text("2 / 2", exact=True).wait_for()
     p.get_by_text("8 / 8", exact=True).wait_for()
     p.get_by_text("Utilization (%) by node x GPU").wait_for()

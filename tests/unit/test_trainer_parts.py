@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -894,3 +895,146 @@ def test_a_node_back_from_a_leave_rejoins_only_once_the_job_runs_without_it():
     assert not spares.running_without(endpoint, "back", (me.addr, me.pid))
     store.set("torch.rendezvous.back", "not a state")  # another torch's: rejoin as torch would
     assert spares.running_without(endpoint, "back", ("127.0.0.2", me.pid))
+
+
+def _rendezvous_member(run_id: str, port: int = 0, min_nodes: int = 2, max_nodes: int = 3):
+    """A real store (this process's, or a client of the one at `port`) and a torch
+    rendezvous handler on it, whose state a test writes."""
+    import datetime
+
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+    )
+
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=not port,
+                                       timeout=datetime.timedelta(seconds=10))
+    member = DynamicRendezvousHandler.from_backend(
+        run_id, store, C10dRendezvousBackend(store, run_id), min_nodes=min_nodes,
+        max_nodes=max_nodes, local_addr="127.0.0.1", keep_alive_interval=1)
+    return store, member
+
+
+def _write_state(member, change: Callable[[object], None]) -> None:
+    holder = member._state_holder
+    with member._heartbeat_lock:
+        holder.sync()
+        change(holder.state)
+        holder.mark_dirty()
+        holder.sync()
+
+
+def test_a_standby_joins_a_new_round_once_the_jobs_own_nodes_had_their_places():
+    """What a standby whose round ended reads (spares.room_for_a_standby), from torch's
+    rendezvous state on a real store: a full or complete round takes it (to stand by
+    again, or as a late node); a round at its minimum only near its last call's end,
+    when the job's own nodes have had the time to come back; a closed round is the old
+    one. It used to join at once and, as quick as the job's nodes, took one's place."""
+    from datetime import UTC, datetime, timedelta
+
+    from clusterpulse.trainer import spares
+
+    with socket.socket() as s:  # a port nothing listens on: the store's host restarts
+        s.bind(("127.0.0.1", 0))
+        down = s.getsockname()
+    assert spares.room_for_a_standby(down, "room", 2.0) is None
+    store, member = _rendezvous_member("room")
+    endpoint = ("127.0.0.1", store.port)
+    assert spares.room_for_a_standby(endpoint, "room", 2.0) is False  # no state yet
+    node = type(member._this_node)
+
+    def join(addr: str):
+        return lambda state: state.participants.__setitem__(node(addr, 1, 0), 0)
+
+    _write_state(member, join("10.0.0.1"))  # one node back, below the minimum
+    assert spares.room_for_a_standby(endpoint, "room", 2.0) is False
+    _write_state(member, join("10.0.0.2"))
+    _write_state(member, lambda s: setattr(s, "deadline", datetime.now(UTC) + timedelta(seconds=5)))
+    assert spares.room_for_a_standby(endpoint, "room", 2.0) is False  # the third may come
+    _write_state(member, lambda s: setattr(s, "deadline", datetime.now(UTC) + timedelta(seconds=1)))
+    assert spares.room_for_a_standby(endpoint, "room", 2.0) is True  # a place left free
+    _write_state(member, lambda s: setattr(s, "deadline", None))
+    _write_state(member, lambda s: setattr(s, "complete", True))
+    assert spares.room_for_a_standby(endpoint, "room", 2.0) is True
+    member.set_closed()  # the round that ended, its host not restarted yet
+    assert spares.room_for_a_standby(endpoint, "room", 2.0) is False
+    store.set("torch.rendezvous.room", "not a state")  # another torch's: join, as torch would
+    assert spares.room_for_a_standby(endpoint, "room", 2.0) is True
+
+
+HELD_STANDBY_CHILD = """\
+import os, sys
+from clusterpulse.trainer.torchrun import held_until_its_turn, take_hold
+if not held_until_its_turn(take_hold()):
+    sys.exit(0)
+count_file, plan = sys.argv[1], sys.argv[2].split(",")
+n = int(open(count_file).read()) if os.path.exists(count_file) else 0
+open(count_file, "w").write(str(n + 1))
+place, error, rc = plan[min(n, len(plan) - 1)].split("|")
+open(os.environ["CLUSTERPULSE_RDZV_STATE_FILE"], "w").write(place)
+if error:
+    with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as fh:
+        fh.write('{"message": {"message": "%s: as torchrun says it"}}' % error)
+sys.exit(int(rc))
+"""
+
+
+STORE_HOST = """\
+import datetime, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True,
+                      timeout=datetime.timedelta(seconds=30))
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("store_back", [True, False])
+def test_a_standby_whose_round_ended_waits_held_for_the_jobs_nodes(tmp_path, capsys,
+                                                                   store_back):
+    """After a graceful restart of the job, the standby's next torchrun is started and
+    held (its imports done) until the new round has room for it; then it is let go.
+    A store that stops answering for good: the job ended, the launcher exits 0 and the
+    held torchrun ends unused."""
+    from clusterpulse.trainer.launch import Rendezvous, Standby, run
+
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "up"
+        _store, member = _rendezvous_member("held", port)
+        endpoint = ("127.0.0.1", port)
+        count = tmp_path / "count"
+        seen: list[str] = []
+
+        def the_job_restarts() -> None:
+            wait_until(lambda: count.exists(), 30, "the standby's first torchrun")
+            time.sleep(1.5)  # the launcher waits: nothing started
+            seen.append(count.read_text())
+            if store_back:
+                _write_state(member, lambda s: setattr(s, "complete", True))
+            else:
+                host.kill()  # the job ended: its store's host is gone for good
+
+        job = threading.Thread(target=the_job_restarts)
+        job.start()
+        try:
+            got = run([sys.executable, "-c", HELD_STANDBY_CHILD, str(count),
+                       "standby|RendezvousClosedError|1,joined||0"],
+                      {**os.environ, "PYTHONPATH": str(REPO)}, 60,
+                      Standby(endpoint, host=False, return_s=3.0),
+                      Rendezvous(endpoint, "held", "127.0.0.1"))
+        finally:
+            job.join()
+    finally:
+        host.kill()
+        host.wait()
+    err = capsys.readouterr().err
+    assert got == 0 and seen == ["1"]
+    if store_back:
+        assert count.read_text() == "2" and "standing by" in err
+    else:
+        assert count.read_text() == "1" and "rendezvous is gone" in err
