@@ -76,6 +76,10 @@ TAKEN = {"accepted", "partial", "acted", "already_drained"}
 # Faults that slow the job while it keeps stepping: recovered once their alerts have
 # resolved (the job runs at its pace again), not at its first step after the fault.
 SLOWDOWNS = {"gpu_overheat", "slow_link"}
+# Faults the job can get past before the policy's action: torch's rendezvous drops a
+# node silent past its keep-alive, and with a hot spare the job goes on without it
+# (the action's alert, JobNodeUnreachable, then never fires: nothing to restart).
+SELF_HEALING = {"partition"}
 # How old a scraped step can be: the testbed's 1 s scrape plus its agents' 0.5 s
 # interval, rounded up (Observer(sample_lag_s=...) for other intervals).
 SAMPLE_LAG_S = 2.0
@@ -262,11 +266,13 @@ class Observer:
 
     def _recovery(self, o: Outcome, node_name: str) -> None:
         """Recovered once the run steps again since the fault, and after the action if
-        one is expected. The lowest step since the fault is where it resumed from; the
+        one is expected (a fault in SELF_HEALING may be got past without it: then the
+        new processes stepping tell). The lowest step since the fault (since the
+        action, if one came) is where it resumed from; the
         steps it had made until the fault was handled (the action, else detection, else
         the fault) and lost are the recomputed ones."""
         action = self.action_for(o.fault)
-        if action and o.acted_at is None:
+        if action and o.acted_at is None and o.fault.kind not in SELF_HEALING:
             return
         if o.fault.kind in RESTARTS or action in RESTART_ACTIONS:
             now_pids = self.pids()  # new processes must be the ones stepping
@@ -278,8 +284,11 @@ class Observer:
         ref = o.acted_at or o.detected_at or o.fault.at
         # A scraped step is up to a scrape and an agent interval old: read from just
         # after the fault, the steps made before it look like progress since (a
-        # partition "recovered" in 0.01 s).
-        since = o.fault.at + self.sample_lag_s
+        # partition "recovered" in 0.01 s). After an action, from the action: a job
+        # slowed by the fault steps on until it (an eviction's graceful restart), and
+        # the lowest step since the fault was its first one after it, not where it
+        # resumed (an overheating GPU's eviction read as 108 steps recomputed).
+        since = max(o.fault.at, o.acted_at or 0.0) + self.sample_lag_s
         if time.time() < since + 1:
             return
         span = f"{int(time.time() - since)}s"
