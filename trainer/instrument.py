@@ -42,9 +42,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import statistics
+import sys
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
@@ -59,6 +62,8 @@ from clusterpulse.trainer.collectives import CollectiveLog, ring_allreduce_bytes
 from clusterpulse.trainer.consensus import Consensus
 from clusterpulse.trainer.restart import (
     PEER_SIGTERM_WAIT_S,
+    STUCK_AFTER_SIGTERM_FLOOR_S,
+    STUCK_AFTER_SIGTERM_STEPS,
     SigtermCatcher,
     clear_relaunch_request,
     leave_refusal,
@@ -210,6 +215,7 @@ class Pulse:
         self._probes: list[tuple[Any, Any]] = []
         self._fetch_wait = 0.0
         self.last: dict[str, float] = {}  # the last step's figures (also sent to the agent)
+        self._recent_steps: deque[float] = deque(maxlen=20)  # wall seconds, for stuck
         self.extra: dict[str, float] = {}  # fields added to every message (e.g. checkpoint)
         self.straggler_scores: list[float] | None = None
         self.checkpoint_agreed = False
@@ -462,6 +468,7 @@ class Pulse:
             loss = ctx.loss
             if isinstance(loss, torch.Tensor):
                 loss = float(loss.detach().float().item())  # CPU or completed pinned copy
+            self._recent_steps.append(wall)
             self.last = {"step_seconds": wall, "compute_seconds": compute,
                          "sync_wait_seconds": sync_wait, "data_wait_seconds": data}
             if comm and comm_bytes:
@@ -504,6 +511,45 @@ class Pulse:
         """
         while not self._closed.wait(HEARTBEAT_EVERY_S):
             self._send_heartbeat()
+            self._give_up_if_stuck()
+
+    def stuck_after_sigterm(self) -> str | None:
+        """Why this rank should leave now rather than at the step boundary, or None.
+
+        SIGTERM asks for a checkpoint at the next boundary. A rank blocked in a
+        collective whose peer is cut off never gets there: torchrun restarting the job
+        around the lost node (its keep-alive lapsed, a spare took its place) waited its
+        30 s close timeout, and on the testbed the job stood until the link came back.
+        Stuck: in one phase, since SIGTERM, longer than the steady hang threshold
+        (STUCK_AFTER_SIGTERM_*: 5 s, or 10 usual steps), with Python's handler never
+        run (the main thread is inside native code: a collective, a device sync) or
+        in one of our collectives (phase sync: the boundary's agreement). Never while
+        saving a checkpoint or starting (their own timeouts), nor in Python code of the
+        caller's between steps (an evaluation): that reaches the boundary."""
+        arrived = self.sigterm.arrived_at
+        phase, since = self.phase, self._phase_since
+        if arrived is None or phase in protocol.OWN_TIMEOUT_PHASES or self._closed.is_set():
+            return None
+        if self.sigterm.received and phase != "sync":
+            return None
+        usual = statistics.median(self._recent_steps) if self._recent_steps else 0.0
+        allowed = max(STUCK_AFTER_SIGTERM_FLOOR_S, STUCK_AFTER_SIGTERM_STEPS * usual)
+        stuck = time.monotonic() - max(arrived, since)
+        if stuck <= allowed:
+            return None
+        return (f"in phase {phase} for {stuck:.0f} s since SIGTERM ({allowed:.0f} s "
+                f"allowed): a peer gone from a collective?")
+
+    def _give_up_if_stuck(self) -> None:
+        why = self.stuck_after_sigterm()
+        if why is None:
+            return
+        self.sigterm.run_on_first()  # the caller's bookkeeping (how far the run got)
+        print(f"clusterpulse: rank {self.rank} leaves without a checkpoint, exit code "
+              f"{PREEMPTED_EXIT_CODE}: {why}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            self.event("exit", outcome="preempted")
+        os._exit(PREEMPTED_EXIT_CODE)  # the main thread cannot be reached: the process
 
     def _with_acks(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Every message after an acknowledgement repeats it: datagrams can be lost, and

@@ -25,7 +25,9 @@ restart (`nodes_that_leave`): as many leave as the job can lose.
 SIGTERM (Slurm `--signal=TERM@N`, Kubernetes preemption, torchrun stopping its
 workers) is caught and becomes a request: at the next consensus step every rank
 checkpoints and exits with PREEMPTED_EXIT_CODE (143, i.e. "terminated") so that a
-requeued job resumes there. A second SIGTERM exits at once.
+requeued job resumes there. A second SIGTERM exits at once. A rank that SIGTERM finds
+blocked in a collective (a peer cut off) leaves without the checkpoint once it has been
+stuck past the steady hang threshold (instrument.Pulse.stuck_after_sigterm).
 
 A rank that agreed to leave for a *peer's* SIGTERM waits a little for its own
 (`SigtermCatcher.wait`) before it exits. When a node (re)joins an elastic job, every node's
@@ -38,6 +40,7 @@ gets the signal anyway, within milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -57,27 +60,77 @@ MIN_NODES_ENV = "CLUSTERPULSE_MIN_NODES"  # the launcher's --nnodes minimum
 
 
 class SigtermCatcher:
-    """Turns the first SIGTERM into a flag read at the step boundary."""
+    """Turns the first SIGTERM into a flag read at the step boundary.
+
+    Python runs a signal's handler in the main thread between bytecodes: a rank blocked
+    in a collective (a peer cut off the network) does not run it until the collective
+    returns. `arrived_at` is set at once all the same, by a thread woken through
+    Python's signal wake-up descriptor (written from the C-level handler), so that the
+    rank's heartbeat thread can tell a SIGTERM waiting on a stuck collective
+    (Pulse._give_up_if_stuck)."""
 
     def __init__(self) -> None:
         self.received = False
+        self.arrived_at: float | None = None  # monotonic, from the wake-up thread
         self._previous: object = None
+        self._previous_wakeup = -1
+        self._wakeup_write = -1
         self.installed = False
-        # Run at the first SIGTERM, inside the handler: a rank blocked in a collective
-        # with a hung peer never reaches the step boundary and is SIGKILLed after the
-        # grace period, so what must survive (how far the run got) is written here.
+        # Run at the first SIGTERM, inside the handler (or before a stuck rank gives
+        # up): a rank blocked in a collective with a hung peer never reaches the step
+        # boundary, so what must survive (how far the run got) is written here.
         self.on_first: Callable[[], None] | None = None
+        self._first_done = threading.Lock()
 
     def install(self) -> None:
         if self.installed or threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         self._previous = signal.signal(signal.SIGTERM, self._handle)
         self.installed = True
+        read, write = os.pipe()
+        os.set_blocking(write, False)  # the C handler must never block on it
+        try:
+            self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except (ValueError, OSError) as err:  # SIGTERM still works; only stuck ranks wait
+            log.warning("no signal wake-up descriptor: %s", err)
+            os.close(read)
+            os.close(write)
+            return
+        self._wakeup_write = write
+        threading.Thread(target=self._watch, args=(read, self._previous_wakeup),
+                         name="sigterm-watch", daemon=True).start()
 
     def uninstall(self) -> None:
         if self.installed:
             signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
             self.installed = False
+        if self._wakeup_write >= 0:
+            with contextlib.suppress(ValueError):  # not the main thread: left in place
+                signal.set_wakeup_fd(self._previous_wakeup)
+                os.close(self._wakeup_write)  # the watcher reads the end and stops
+                self._wakeup_write = -1
+
+    def _watch(self, read: int, forward: int) -> None:
+        """Note SIGTERM's arrival; pass every signal number on to the descriptor that
+        was there before (an event loop's), which would otherwise miss them."""
+        with contextlib.suppress(OSError):
+            while data := os.read(read, 64):
+                if forward >= 0:
+                    with contextlib.suppress(OSError):
+                        os.write(forward, data)
+                if signal.SIGTERM in data and self.arrived_at is None:
+                    self.arrived_at = time.monotonic()
+        os.close(read)
+
+    def run_on_first(self) -> None:
+        """`on_first`, once, whichever comes first: the handler, or a stuck rank
+        giving up from another thread."""
+        if not self._first_done.acquire(blocking=False) or self.on_first is None:
+            return
+        try:
+            self.on_first()
+        except Exception as err:  # never let bookkeeping turn SIGTERM into a crash
+            log.warning("on SIGTERM: %s", err)
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the SIGTERM; True if it came. Only where the
@@ -91,14 +144,17 @@ class SigtermCatcher:
         if self.received:  # asked twice: no more waiting for a step boundary
             raise SystemExit(128 + signum)
         self.received = True
-        if self.on_first is not None:
-            try:
-                self.on_first()
-            except Exception as err:  # never let bookkeeping turn SIGTERM into a crash
-                log.warning("on SIGTERM: %s", err)
+        if self.arrived_at is None:
+            self.arrived_at = time.monotonic()
+        self.run_on_first()
 
 
 PEER_SIGTERM_WAIT_S = 10.0  # torchrun notices a waiting node within --monitor-interval
+# How long after SIGTERM a rank may stay in one phase of a step (not a checkpoint, not
+# its start) before it leaves without reaching the step boundary: the steady hang
+# threshold's rule (the alert rules' config_hang_floor_seconds, 10 steps' time).
+STUCK_AFTER_SIGTERM_FLOOR_S = 5.0
+STUCK_AFTER_SIGTERM_STEPS = 10
 
 
 def leave_refusal(over_unix_socket: bool) -> str | None:

@@ -432,6 +432,93 @@ def test_sigterm_becomes_a_checkpoint_then_exit_143():
     assert signal.getsignal(signal.SIGTERM) is not pulse.sigterm._handle
 
 
+def test_a_sigterm_leaves_a_stuck_rank_only_where_waiting_cannot_help(monkeypatch):
+    """Stuck (Pulse.stuck_after_sigterm): in one phase since SIGTERM past the steady
+    hang threshold (5 s, or 10 usual steps), with the handler never run (native code)
+    or in our own collective; never while saving or starting, nor in the caller's
+    Python code between steps."""
+    pulse = Pulse(run="unit", agent=None, world_size=1)
+    try:
+        now = time.monotonic()
+        pulse.phase, pulse._phase_since = "step", now - 60
+        assert pulse.stuck_after_sigterm() is None  # no SIGTERM
+        pulse.sigterm.arrived_at = now - 6
+        assert "phase step for 6 s" in (pulse.stuck_after_sigterm() or "")
+        pulse.sigterm.arrived_at = now - 4
+        assert pulse.stuck_after_sigterm() is None  # within the 5 s floor
+        pulse.sigterm.arrived_at = now - 6
+        pulse._phase_since = now - 1  # the phase changed since: it moves
+        assert pulse.stuck_after_sigterm() is None
+        pulse._phase_since = now - 60
+        pulse._recent_steps.extend([1.0] * 5)  # 1 s steps: 10 s allowed
+        assert pulse.stuck_after_sigterm() is None
+        pulse.sigterm.arrived_at = now - 11
+        assert "(10 s allowed)" in (pulse.stuck_after_sigterm() or "")
+        for phase in ("checkpoint", "start"):
+            pulse.phase = phase
+            assert pulse.stuck_after_sigterm() is None
+        pulse.sigterm.received = True  # the handler ran: the main thread runs Python
+        pulse.phase = "between"
+        assert pulse.stuck_after_sigterm() is None
+        pulse.phase = "sync"  # ... but waits in the boundary's agreement
+        assert pulse.stuck_after_sigterm() is not None
+    finally:
+        pulse.sigterm.received = False
+        pulse.close()
+
+
+STUCK_RANK = """\
+import sys
+import torch
+import torch.distributed as dist
+from clusterpulse.trainer.instrument import Pulse
+dist.init_process_group("gloo")
+pulse = Pulse(run="stuck", agent=None, consensus_every=5)
+t = torch.ones(1000)
+step = 0
+while True:
+    step += 1
+    with pulse.step(step):
+        dist.all_reduce(t)
+    pulse.boundary(step, save=lambda s: print(f"saved {s}", flush=True))
+    if step == 20:
+        print("stepping", flush=True)
+"""
+
+
+def test_a_rank_blocked_on_a_peer_leaves_on_sigterm_without_the_boundary(tmp_path):
+    """A peer stopped (as one cut off the network: its sockets stay open) blocks the
+    other rank in the step's all-reduce; torchrun restarting the job around it sends
+    SIGTERM, which the rank used to keep for a checkpoint at a boundary it never
+    reached (the job waited out torchrun's 30 s close timeout, or the cut). Now it
+    leaves, 143, saying why."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen([sys.executable, "-c", STUCK_RANK],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": "0"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        assert ranks[0].stdout.readline().strip() == "stepping"
+        ranks[1].send_signal(signal.SIGSTOP)
+        time.sleep(1)  # rank 0 is in the next all-reduce, waiting for rank 1
+        ranks[0].send_signal(signal.SIGTERM)
+        try:
+            code = ranks[0].wait(timeout=60)  # ~5-6 s expected; blocked for good before
+        except subprocess.TimeoutExpired:
+            pytest.fail("rank 0 stayed blocked in the all-reduce after SIGTERM")
+        err = ranks[0].stderr.read()
+        assert code == 143, err
+        assert "leaves without a checkpoint" in err and "phase step" in err, err
+        assert "saved" not in ranks[0].stdout.read()
+    finally:
+        for r in ranks:
+            r.send_signal(signal.SIGCONT)
+            r.kill()
+            r.wait()
+
+
 def test_attach_ddp_adds_no_python_comm_hook(tmp_path):
     """Regression guard for the exit-time abort: a Python DDP comm hook runs Python
     callbacks on gloo's threads; attach_ddp must time buckets without one."""
