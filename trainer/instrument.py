@@ -520,19 +520,21 @@ class Pulse:
         collective whose peer is cut off never gets there: torchrun restarting the job
         around the lost node (its keep-alive lapsed, a spare took its place) waited its
         30 s close timeout, and on the testbed the job stood until the link came back.
-        Stuck: in one phase, since SIGTERM, longer than the steady hang threshold
-        (STUCK_AFTER_SIGTERM_*: 5 s, or 10 usual steps), with Python's handler never
-        run (the main thread is inside native code: a collective, a device sync) or
-        in one of our collectives (phase sync: the boundary's agreement). Never while
-        saving a checkpoint or starting (their own timeouts), nor in Python code of the
-        caller's between steps (an evaluation): that reaches the boundary."""
+        Stuck: in a step, or in the boundary's agreement (phase sync), since SIGTERM
+        for longer than the steady hang threshold (STUCK_AFTER_SIGTERM_*: 5 s, or 10
+        usual steps), in a step with Python's handler never run (the main thread is in
+        native code: the gradient all-reduce, a device sync). Never before a first step
+        (no usual step time: a first step may set up communicators), while saving or
+        starting (their own timeouts), or between steps (the caller's evaluation, or
+        its peers waiting for it in a barrier) or reading input."""
         arrived = self.sigterm.arrived_at
         phase, since = self.phase, self._phase_since
-        if arrived is None or phase in protocol.OWN_TIMEOUT_PHASES or self._closed.is_set():
+        if (arrived is None or phase not in ("step", "sync") or not self._recent_steps
+                or self._closed.is_set() or not self.sigterm.is_current()):
             return None
-        if self.sigterm.received and phase != "sync":
-            return None
-        usual = statistics.median(self._recent_steps) if self._recent_steps else 0.0
+        if phase == "step" and self.sigterm.received:
+            return None  # the handler ran: this rank is in Python, and gets there
+        usual = statistics.median(self._recent_steps)
         allowed = max(STUCK_AFTER_SIGTERM_FLOOR_S, STUCK_AFTER_SIGTERM_STEPS * usual)
         stuck = time.monotonic() - max(arrived, since)
         if stuck <= allowed:
@@ -541,14 +543,18 @@ class Pulse:
                 f"allowed): a peer gone from a collective?")
 
     def _give_up_if_stuck(self) -> None:
-        why = self.stuck_after_sigterm()
-        if why is None:
+        if self.stuck_after_sigterm() is None:
             return
         self.sigterm.run_on_first()  # the caller's bookkeeping (how far the run got)
+        why = self.stuck_after_sigterm()  # still: the collective may have returned since
+        if why is None:
+            return
         print(f"clusterpulse: rank {self.rank} leaves without a checkpoint, exit code "
               f"{PREEMPTED_EXIT_CODE}: {why}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             self.event("exit", outcome="preempted")
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()  # block-buffered under torchrun; os._exit drops it
         os._exit(PREEMPTED_EXIT_CODE)  # the main thread cannot be reached: the process
 
     def _with_acks(self, msg: dict[str, Any]) -> dict[str, Any]:

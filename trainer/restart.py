@@ -67,7 +67,9 @@ class SigtermCatcher:
     returns. `arrived_at` is set at once all the same, by a thread woken through
     Python's signal wake-up descriptor (written from the C-level handler), so that the
     rank's heartbeat thread can tell a SIGTERM waiting on a stuck collective
-    (Pulse._give_up_if_stuck)."""
+    (Pulse.stuck_after_sigterm). Only while this catcher's handler is the one installed
+    (a catcher replaced by a newer one, never uninstalled, ignores what it hears); a
+    forked child gets no wake-up descriptor (its signals are its own)."""
 
     def __init__(self) -> None:
         self.received = False
@@ -76,61 +78,87 @@ class SigtermCatcher:
         self._previous_wakeup = -1
         self._wakeup_write = -1
         self.installed = False
-        # Run at the first SIGTERM, inside the handler (or before a stuck rank gives
-        # up): a rank blocked in a collective with a hung peer never reaches the step
-        # boundary, so what must survive (how far the run got) is written here.
+        # Run at the first SIGTERM, inside the handler, or from the heartbeat thread
+        # before a stuck rank leaves (so not always on the main thread): a rank blocked
+        # in a collective with a hung peer never reaches the step boundary, so what
+        # must survive (how far the run got) is written here.
         self.on_first: Callable[[], None] | None = None
-        self._first_done = threading.Lock()
+        self._first_lock = threading.Lock()
+        self._first_ran = False
 
     def install(self) -> None:
         if self.installed or threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         self._previous = signal.signal(signal.SIGTERM, self._handle)
         self.installed = True
+        _reset_wakeup_in_forked_children()
         read, write = os.pipe()
         os.set_blocking(write, False)  # the C handler must never block on it
         try:
-            self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            # a copy to forward to: the owner (an event loop) may close its own
+            forward = os.dup(previous) if previous >= 0 else -1
         except (ValueError, OSError) as err:  # SIGTERM still works; only stuck ranks wait
             log.warning("no signal wake-up descriptor: %s", err)
             os.close(read)
             os.close(write)
             return
-        self._wakeup_write = write
-        threading.Thread(target=self._watch, args=(read, self._previous_wakeup),
+        self._previous_wakeup, self._wakeup_write = previous, write
+        threading.Thread(target=self._watch, args=(read, forward),
                          name="sigterm-watch", daemon=True).start()
 
     def uninstall(self) -> None:
         if self.installed:
             signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
             self.installed = False
-        if self._wakeup_write >= 0:
-            with contextlib.suppress(ValueError):  # not the main thread: left in place
-                signal.set_wakeup_fd(self._previous_wakeup)
-                os.close(self._wakeup_write)  # the watcher reads the end and stops
-                self._wakeup_write = -1
+        if self._wakeup_write < 0:
+            return
+        try:
+            current = signal.set_wakeup_fd(-1)
+        except ValueError:  # not the main thread: left in place
+            return
+        if current == self._wakeup_write:
+            with contextlib.suppress(ValueError, OSError):  # the previous one is gone
+                signal.set_wakeup_fd(self._previous_wakeup, warn_on_full_buffer=False)
+        else:  # set by someone after this catcher: theirs stays
+            with contextlib.suppress(ValueError, OSError):
+                signal.set_wakeup_fd(current)
+        os.close(self._wakeup_write)  # the watcher reads the end and stops
+        self._wakeup_write = -1
+
+    def is_current(self) -> bool:
+        """Whether SIGTERM is handled by this catcher now."""
+        return self.installed and signal.getsignal(signal.SIGTERM) == self._handle
 
     def _watch(self, read: int, forward: int) -> None:
-        """Note SIGTERM's arrival; pass every signal number on to the descriptor that
-        was there before (an event loop's), which would otherwise miss them."""
+        """Note SIGTERM's arrival; pass every signal number on to (a copy of) the
+        descriptor that was there before (an event loop's), which would miss them."""
         with contextlib.suppress(OSError):
             while data := os.read(read, 64):
                 if forward >= 0:
                     with contextlib.suppress(OSError):
                         os.write(forward, data)
-                if signal.SIGTERM in data and self.arrived_at is None:
+                if signal.SIGTERM in data and self.arrived_at is None and self.is_current():
                     self.arrived_at = time.monotonic()
         os.close(read)
+        if forward >= 0:
+            os.close(forward)
 
-    def run_on_first(self) -> None:
+    def run_on_first(self, wait_s: float = 5.0) -> None:
         """`on_first`, once, whichever comes first: the handler, or a stuck rank
-        giving up from another thread."""
-        if not self._first_done.acquire(blocking=False) or self.on_first is None:
+        giving up from another thread (which waits, at most `wait_s`, for one the
+        handler is running to finish)."""
+        if not self._first_lock.acquire(timeout=wait_s):
             return
         try:
+            if self._first_ran or self.on_first is None:
+                return
+            self._first_ran = True
             self.on_first()
         except Exception as err:  # never let bookkeeping turn SIGTERM into a crash
             log.warning("on SIGTERM: %s", err)
+        finally:
+            self._first_lock.release()
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the SIGTERM; True if it came. Only where the
@@ -155,6 +183,22 @@ PEER_SIGTERM_WAIT_S = 10.0  # torchrun notices a waiting node within --monitor-i
 # threshold's rule (the alert rules' config_hang_floor_seconds, 10 steps' time).
 STUCK_AFTER_SIGTERM_FLOOR_S = 5.0
 STUCK_AFTER_SIGTERM_STEPS = 10
+
+
+_fork_hook: list[bool] = []
+
+
+def _reset_wakeup_in_forked_children() -> None:
+    """A forked child (a data loader's worker) inherits the wake-up descriptor: its own
+    SIGTERM would reach the parent's watcher as the parent's."""
+    if not _fork_hook:
+        _fork_hook.append(True)
+        os.register_at_fork(after_in_child=_no_wakeup)
+
+
+def _no_wakeup() -> None:
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
 
 
 def leave_refusal(over_unix_socket: bool) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -433,16 +434,21 @@ def test_sigterm_becomes_a_checkpoint_then_exit_143():
 
 
 def test_a_sigterm_leaves_a_stuck_rank_only_where_waiting_cannot_help(monkeypatch):
-    """Stuck (Pulse.stuck_after_sigterm): in one phase since SIGTERM past the steady
-    hang threshold (5 s, or 10 usual steps), with the handler never run (native code)
-    or in our own collective; never while saving or starting, nor in the caller's
-    Python code between steps."""
+    """Stuck (Pulse.stuck_after_sigterm): in a step (the handler never run: native
+    code) or in the boundary's agreement since SIGTERM, past the steady hang threshold
+    (5 s, or 10 usual steps); never before a first step, while saving or starting,
+    between steps or reading input, nor for a catcher another one replaced."""
+    from clusterpulse.trainer.restart import SigtermCatcher
+
+    monkeypatch.setattr(Pulse, "_give_up_if_stuck", lambda self: None)  # not this process
     pulse = Pulse(run="unit", agent=None, world_size=1)
     try:
         now = time.monotonic()
         pulse.phase, pulse._phase_since = "step", now - 60
         assert pulse.stuck_after_sigterm() is None  # no SIGTERM
         pulse.sigterm.arrived_at = now - 6
+        assert pulse.stuck_after_sigterm() is None  # no step yet: no usual step time
+        pulse._recent_steps.extend([0.1] * 5)
         assert "phase step for 6 s" in (pulse.stuck_after_sigterm() or "")
         pulse.sigterm.arrived_at = now - 4
         assert pulse.stuck_after_sigterm() is None  # within the 5 s floor
@@ -450,21 +456,68 @@ def test_a_sigterm_leaves_a_stuck_rank_only_where_waiting_cannot_help(monkeypatc
         pulse._phase_since = now - 1  # the phase changed since: it moves
         assert pulse.stuck_after_sigterm() is None
         pulse._phase_since = now - 60
-        pulse._recent_steps.extend([1.0] * 5)  # 1 s steps: 10 s allowed
+        pulse._recent_steps.extend([1.0] * 20)  # 1 s steps: 10 s allowed
         assert pulse.stuck_after_sigterm() is None
         pulse.sigterm.arrived_at = now - 11
         assert "(10 s allowed)" in (pulse.stuck_after_sigterm() or "")
-        for phase in ("checkpoint", "start"):
+        for phase in ("checkpoint", "start", "between", "data"):
             pulse.phase = phase
-            assert pulse.stuck_after_sigterm() is None
+            assert pulse.stuck_after_sigterm() is None, phase
         pulse.sigterm.received = True  # the handler ran: the main thread runs Python
-        pulse.phase = "between"
+        pulse.phase = "step"
         assert pulse.stuck_after_sigterm() is None
         pulse.phase = "sync"  # ... but waits in the boundary's agreement
+        assert pulse.stuck_after_sigterm() is not None
+        newer = SigtermCatcher()  # a newer catcher took SIGTERM over: not this one's
+        newer.install()
+        try:
+            assert pulse.stuck_after_sigterm() is None
+        finally:
+            newer.uninstall()
         assert pulse.stuck_after_sigterm() is not None
     finally:
         pulse.sigterm.received = False
         pulse.close()
+
+
+def test_the_sigterm_watcher_hears_only_its_own_process_and_restores_the_wakeup_fd():
+    """The wake-up descriptor is process-wide: a catcher forwards to the one before it
+    (an event loop's) and puts it back; a catcher replaced by a newer one, or a forked
+    child's SIGTERM, does not count as this process's SIGTERM."""
+    import signal as sig
+
+    from clusterpulse.trainer.restart import SigtermCatcher
+
+    loop_read, loop_write = os.pipe()  # an event loop's descriptor
+    os.set_blocking(loop_write, False)
+    os.set_blocking(loop_read, False)
+    sig.set_wakeup_fd(loop_write)
+    older, newer = SigtermCatcher(), SigtermCatcher()
+    try:
+        older.install()
+        newer.install()
+        os.kill(os.getpid(), sig.SIGTERM)
+        wait_until(lambda: newer.received and newer.arrived_at is not None, 10, "SIGTERM")
+        time.sleep(0.3)
+        assert older.arrived_at is None and not older.received
+        assert os.read(loop_read, 64) == bytes([sig.SIGTERM])  # forwarded, once
+        newer.arrived_at, newer.received = None, False
+        child = os.fork()
+        if child == 0:  # the child's SIGTERM is its own
+            os.kill(os.getpid(), sig.SIGTERM)
+            os._exit(0)
+        os.waitpid(child, 0)
+        time.sleep(0.3)
+        assert newer.arrived_at is None
+        newer.uninstall()
+        older.uninstall()
+        assert sig.set_wakeup_fd(-1) == loop_write  # put back as it was
+    finally:
+        newer.uninstall()
+        older.uninstall()
+        sig.set_wakeup_fd(-1)
+        os.close(loop_read)
+        os.close(loop_write)
 
 
 STUCK_RANK = """\
@@ -510,7 +563,9 @@ def test_a_rank_blocked_on_a_peer_leaves_on_sigterm_without_the_boundary(tmp_pat
             pytest.fail("rank 0 stayed blocked in the all-reduce after SIGTERM")
         err = ranks[0].stderr.read()
         assert code == 143, err
-        assert "leaves without a checkpoint" in err and "phase step" in err, err
+        # in the step's all-reduce, or in the agreement if stopped between the two
+        assert "leaves without a checkpoint" in err, err
+        assert re.search(r"in phase (step|sync) for \d+ s since SIGTERM", err), err
         assert "saved" not in ranks[0].stdout.read()
     finally:
         for r in ranks:
