@@ -33,7 +33,13 @@ from clusterpulse.trainer.data import SyntheticTokens
 from clusterpulse.trainer.faults import Faults
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.model import PRESETS, build_model
-from clusterpulse.trainer.parallel import DistInfo, init_distributed, local_attempt, wrap
+from clusterpulse.trainer.parallel import (
+    DistInfo,
+    init_distributed,
+    local_attempt,
+    process_groups_to_outlive_the_model,
+    wrap,
+)
 from clusterpulse.trainer.runstate import ProgressMark, RunState, progress_path
 from clusterpulse.trainer.state import TrainState, parameter_digest
 from clusterpulse.trainer.warmstart import take_torchrun_thread_count
@@ -440,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
+    groups = process_groups_to_outlive_the_model()  # dropped after the model: see there
     outcome = "failed"
     try:
         rc = trainer.run()
@@ -453,7 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     # Free the model, its DDP reducer and the process group it holds now, while Python
     # is whole: left to interpreter finalization, their C++ destructors (gloo's worker
     # threads) ran while Python was half torn down, and a rank that had finished
-    # could abort there ("terminate called without an active exception").
+    # could abort there ("terminate called without an active exception"). The model
+    # first, the group last: freed by the reducer, it could hang the rank at exit.
     del trainer
     gc.collect()
+    del groups
     return rc

@@ -157,6 +157,21 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
     return DistInfo(rank, world, local_rank, device, backend, agreed, bool(membership))
 
 
+def process_groups_to_outlive_the_model() -> list[dist.ProcessGroup]:
+    """The default process group, for the caller to hold until the model wrapped around
+    it is freed, and to drop after that.
+
+    DDP's reducer (a C++ object) holds the group too. Freed last by the reducer, the
+    group is destroyed with the GIL held, and gloo's destructor waits for its worker
+    threads. A worker thread still releasing the work of the last barrier needs the GIL
+    to free that work's tensors (an all_gather_object's): the rank hung at exit, alive,
+    so torchrun never saw it finish and the other nodes' torchruns waited in their exit
+    barrier (seen on a loaded machine, in 2 of 10 runs of a 2-node job's graceful
+    restarts). Dropped from Python, torch's binding releases the GIL while the group
+    shuts down (torch issue 56297)."""
+    return [dist.group.WORLD] if dist.is_initialized() else []
+
+
 def wrap(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:
     model = model.to(info.device)
     if info.world == 1:

@@ -75,7 +75,12 @@ def test_cluster_page_shows_the_fleet(prom_with_data, monkeypatch, tmp_path):
 
 def test_run_page_flags_the_straggler_with_its_evidence(prom_with_data, monkeypatch, tmp_path):
     prom, report = prom_with_data
-    report()
+
+    def cause_recorded() -> bool:  # the last rule of its group: evaluated after run_step
+        report()
+        return any(s["metric"].get("rank") == "3" for s in prom.query(
+            'clusterpulse:rank_straggler_cause{run="llm"}'))
+    wait_until(cause_recorded, 60, "the straggler's cause recorded")
     at = app(monkeypatch, prom.url, tmp_path)
     at.switch_page("pages/run.py").run()
     assert not at.exception, at.exception

@@ -574,6 +574,57 @@ def test_a_rank_blocked_on_a_peer_leaves_on_sigterm_without_the_boundary(tmp_pat
             r.wait()
 
 
+RANK_TEARING_DOWN = """\
+import datetime, gc, os, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from clusterpulse.trainer.parallel import process_groups_to_outlive_the_model
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+torch.set_num_threads(1)
+store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world,
+                      is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+for start in range(int(sys.argv[1])):  # main()'s teardown after a graceful leave, again
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"start-{start}", store),
+                            rank=rank, world_size=world)
+    groups = process_groups_to_outlive_the_model()
+    model = nn.parallel.DistributedDataParallel(nn.Linear(64, 64))
+    model(torch.randn(4, 64)).sum().backward()
+    every = [None] * world
+    dist.all_gather_object(every, (rank, ["command"] * 8))  # as agree_on_commands
+    dist.barrier()  # as Pulse.boundary before it leaves
+    dist.destroy_process_group()
+    del model
+    gc.collect()
+    del groups
+print("left", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_leaving_after_the_barrier_frees_ddp_without_hanging():
+    """Four gloo ranks, each tearing down DDP right after the barrier they leave on, 40
+    times. With the reducer dropping the process group last, a rank hung in gloo's
+    destructor within the first few (every run tried); it hung a 2-node job's graceful
+    restart in CI (parallel.process_groups_to_outlive_the_model)."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(port),
+           "WORLD_SIZE": "4", "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_TEARING_DOWN, "40"],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(4)]
+    try:
+        outputs = [r.communicate(timeout=180)[0] for r in ranks]
+    except subprocess.TimeoutExpired:
+        pytest.fail("a rank hung tearing its process group down")
+    finally:
+        for r in ranks:
+            r.kill()
+            r.wait()
+    assert [r.returncode for r in ranks] == [0] * 4, outputs
+    assert all(out.strip().endswith("left") for out in outputs), outputs
+
+
 def test_attach_ddp_adds_no_python_comm_hook(tmp_path):
     """Regression guard for the exit-time abort: a Python DDP comm hook runs Python
     callbacks on gloo's threads; attach_ddp must time buckets without one."""
