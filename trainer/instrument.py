@@ -81,6 +81,9 @@ DEFAULT_AGENT = protocol.DEFAULT_TELEMETRY
 # Section names are heartbeat phases; the agent drops phases it does not know, so a
 # loop may only use the protocol's own (minus the ones Pulse sets itself).
 SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between"})
+# Where a rank waits for its peers inside a step (a collective, a device sync); "step"
+# is a step outside any section. Not "data" (input) nor "checkpoint" (its own timeout).
+IN_STEP_PHASES = frozenset({"step", "forward_backward", "optimizer"})
 
 
 def _local_attempt() -> int:
@@ -520,7 +523,8 @@ class Pulse:
         collective whose peer is cut off never gets there: torchrun restarting the job
         around the lost node (its keep-alive lapsed, a spare took its place) waited its
         30 s close timeout, and on the testbed the job stood until the link came back.
-        Stuck: in a step, or in the boundary's agreement (phase sync), since SIGTERM
+        Stuck: in a step (IN_STEP_PHASES: the reference trainer's ranks wait in
+        forward_backward), or in the boundary's agreement (phase sync), since SIGTERM
         for longer than the steady hang threshold (STUCK_AFTER_SIGTERM_*: 5 s, or 10
         usual steps), in a step with Python's handler never run (the main thread is in
         native code: the gradient all-reduce, a device sync). Never before a first step
@@ -529,10 +533,11 @@ class Pulse:
         its peers waiting for it in a barrier) or reading input."""
         arrived = self.sigterm.arrived_at
         phase, since = self.phase, self._phase_since
-        if (arrived is None or phase not in ("step", "sync") or not self._recent_steps
-                or self._closed.is_set() or not self.sigterm.is_current()):
+        if (arrived is None or phase not in IN_STEP_PHASES | {"sync"}
+                or not self._recent_steps or self._closed.is_set()
+                or not self.sigterm.is_current()):
             return None
-        if phase == "step" and self.sigterm.received:
+        if phase != "sync" and self.sigterm.received:
             return None  # the handler ran: this rank is in Python, and gets there
         usual = statistics.median(self._recent_steps)
         allowed = max(STUCK_AFTER_SIGTERM_FLOOR_S, STUCK_AFTER_SIGTERM_STEPS * usual)

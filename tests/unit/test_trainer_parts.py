@@ -460,12 +460,16 @@ def test_a_sigterm_leaves_a_stuck_rank_only_where_waiting_cannot_help(monkeypatc
         assert pulse.stuck_after_sigterm() is None
         pulse.sigterm.arrived_at = now - 11
         assert "(10 s allowed)" in (pulse.stuck_after_sigterm() or "")
+        for phase in ("forward_backward", "optimizer"):  # a step's sections
+            pulse.phase = phase
+            assert pulse.stuck_after_sigterm() is not None, phase
         for phase in ("checkpoint", "start", "between", "data"):
             pulse.phase = phase
             assert pulse.stuck_after_sigterm() is None, phase
         pulse.sigterm.received = True  # the handler ran: the main thread runs Python
-        pulse.phase = "step"
-        assert pulse.stuck_after_sigterm() is None
+        for phase in ("step", "forward_backward"):
+            pulse.phase = phase
+            assert pulse.stuck_after_sigterm() is None, phase
         pulse.phase = "sync"  # ... but waits in the boundary's agreement
         assert pulse.stuck_after_sigterm() is not None
         newer = SigtermCatcher()  # a newer catcher took SIGTERM over: not this one's
@@ -531,7 +535,7 @@ t = torch.ones(1000)
 step = 0
 while True:
     step += 1
-    with pulse.step(step):
+    with pulse.step(step) as ctx, ctx.section("forward_backward"):  # as the trainer's
         dist.all_reduce(t)
     pulse.boundary(step, save=lambda s: print(f"saved {s}", flush=True))
     if step == 20:
@@ -565,7 +569,7 @@ def test_a_rank_blocked_on_a_peer_leaves_on_sigterm_without_the_boundary(tmp_pat
         assert code == 143, err
         # in the step's all-reduce, or in the agreement if stopped between the two
         assert "leaves without a checkpoint" in err, err
-        assert re.search(r"in phase (step|sync) for \d+ s since SIGTERM", err), err
+        assert re.search(r"in phase (forward_backward|sync) for \d+ s since SIGTERM", err), err
         assert "saved" not in ranks[0].stdout.read()
     finally:
         for r in ranks:
