@@ -60,6 +60,7 @@ from clusterpulse.agent import protocol
 from clusterpulse.trainer import PREEMPTED_EXIT_CODE
 from clusterpulse.trainer.collectives import CollectiveLog, ring_allreduce_bytes
 from clusterpulse.trainer.consensus import Consensus
+from clusterpulse.trainer.parallel import hold_process_groups_until_exit
 from clusterpulse.trainer.restart import (
     PEER_SIGTERM_WAIT_S,
     STUCK_AFTER_SIGTERM_FLOOR_S,
@@ -759,11 +760,14 @@ class Pulse:
     def close(self, outcome: str = "finished") -> None:
         """Stop the heartbeat thread (joined: no thread outlives the loop) and tell the
         agent how the rank ended: finished, failed, checkpoint-restart or preempted.
-        Idempotent."""
+        The process group is held until Python's exit handlers (the loop's DDP model,
+        freed after this, must not be its last owner: parallel.hold_process_groups_
+        until_exit). Idempotent."""
         if self._closed.is_set():
             return
         self.outcome = outcome
         self._closed.set()
+        hold_process_groups_until_exit()
         if self._beat.is_alive() and self._beat is not threading.current_thread():
             self._beat.join(timeout=5)
         for hook in self._hooks:

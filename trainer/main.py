@@ -37,7 +37,6 @@ from clusterpulse.trainer.parallel import (
     DistInfo,
     init_distributed,
     local_attempt,
-    process_groups_to_outlive_the_model,
     wrap,
 )
 from clusterpulse.trainer.runstate import ProgressMark, RunState, progress_path
@@ -446,7 +445,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
-    groups = process_groups_to_outlive_the_model()  # dropped after the model: see there
     outcome = "failed"
     try:
         rc = trainer.run()
@@ -457,12 +455,11 @@ def main(argv: list[str] | None = None) -> int:
         trainer.pulse.close(outcome)  # no-op if a restart already closed it
         if dist.is_initialized():
             dist.destroy_process_group()
-    # Free the model, its DDP reducer and the process group it holds now, while Python
+    # Free the model and its DDP reducer now, while Python
     # is whole: left to interpreter finalization, their C++ destructors (gloo's worker
     # threads) ran while Python was half torn down, and a rank that had finished
-    # could abort there ("terminate called without an active exception"). The model
-    # first, the group last: freed by the reducer, it could hang the rank at exit.
+    # could abort there ("terminate called without an active exception"). The process
+    # group itself outlives them (Pulse.close: hold_process_groups_until_exit).
     del trainer
     gc.collect()
-    del groups
     return rc

@@ -27,6 +27,7 @@ when it happens: both are a SIGTERM.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -157,9 +158,12 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
     return DistInfo(rank, world, local_rank, device, backend, agreed, bool(membership))
 
 
-def process_groups_to_outlive_the_model() -> list[dist.ProcessGroup]:
-    """The default process group, for the caller to hold until the model wrapped around
-    it is freed, and to drop after that.
+_HELD_UNTIL_EXIT: list[dist.ProcessGroup] = []
+
+
+def hold_process_groups_until_exit() -> None:
+    """Hold the default process group until Python's exit handlers run (Pulse.close
+    calls this), so that the model wrapped around it is freed first.
 
     DDP's reducer (a C++ object) holds the group too. Freed last by the reducer, the
     group is destroyed with the GIL held, and gloo's destructor waits for its worker
@@ -167,9 +171,18 @@ def process_groups_to_outlive_the_model() -> list[dist.ProcessGroup]:
     to free that work's tensors (an all_gather_object's): the rank hung at exit, alive,
     so torchrun never saw it finish and the other nodes' torchruns waited in their exit
     barrier (seen on a loaded machine, in 2 of 10 runs of a 2-node job's graceful
-    restarts). Dropped from Python, torch's binding releases the GIL while the group
-    shuts down (torch issue 56297)."""
-    return [dist.group.WORLD] if dist.is_initialized() else []
+    restarts). A loop's model is freed after its Pulse closed: the reference trainer's
+    in main(), a foreign loop's as Pulse.boundary's SystemExit unwinds its frames.
+    Dropped from Python at exit, torch's binding releases the GIL while the group shuts
+    down (torch issue 56297). A rank forked warm leaves with os._exit and never frees
+    it; a process that makes process groups again keeps each one until it exits."""
+    if not dist.is_initialized():
+        return
+    group = dist.group.WORLD
+    if not _HELD_UNTIL_EXIT:
+        atexit.register(_HELD_UNTIL_EXIT.clear)
+    if all(group is not held for held in _HELD_UNTIL_EXIT):
+        _HELD_UNTIL_EXIT.append(group)
 
 
 def wrap(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:

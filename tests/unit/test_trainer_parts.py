@@ -583,34 +583,35 @@ import datetime, gc, os, sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from clusterpulse.trainer.parallel import process_groups_to_outlive_the_model
+from clusterpulse.trainer.instrument import Pulse
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.set_num_threads(1)
 store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world,
                       is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
-for start in range(int(sys.argv[1])):  # main()'s teardown after a graceful leave, again
+for start in range(int(sys.argv[1])):  # a loop's graceful leave, as Pulse.boundary's
     dist.init_process_group("gloo", store=dist.PrefixStore(f"start-{start}", store),
                             rank=rank, world_size=world)
-    groups = process_groups_to_outlive_the_model()
+    pulse = Pulse(run="teardown", agent=None)
     model = nn.parallel.DistributedDataParallel(nn.Linear(64, 64))
     model(torch.randn(4, 64)).sum().backward()
     every = [None] * world
     dist.all_gather_object(every, (rank, ["command"] * 8))  # as agree_on_commands
-    dist.barrier()  # as Pulse.boundary before it leaves
+    dist.barrier()
+    pulse.close("checkpoint-restart")
     dist.destroy_process_group()
-    del model
+    del model  # the caller's frames, unwinding from the SystemExit
     gc.collect()
-    del groups
 print("left", flush=True)
 """
 
 
 @pytest.mark.slow
 def test_a_rank_leaving_after_the_barrier_frees_ddp_without_hanging():
-    """Four gloo ranks, each tearing down DDP right after the barrier they leave on, 40
-    times. With the reducer dropping the process group last, a rank hung in gloo's
-    destructor within the first few (every run tried); it hung a 2-node job's graceful
-    restart in CI (parallel.process_groups_to_outlive_the_model)."""
+    """Four gloo ranks, each leaving as Pulse.boundary leaves (barrier, close, destroy)
+    and then freeing its DDP model, 40 times. With the reducer dropping the process
+    group last, a rank hung in gloo's destructor within the first few (every run
+    tried); it hung a 2-node job's graceful restart in CI
+    (parallel.hold_process_groups_until_exit)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(port),
            "WORLD_SIZE": "4", "OMP_NUM_THREADS": "1"}
