@@ -33,12 +33,7 @@ from clusterpulse.trainer.data import SyntheticTokens
 from clusterpulse.trainer.faults import Faults
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.model import PRESETS, build_model
-from clusterpulse.trainer.parallel import (
-    DistInfo,
-    init_distributed,
-    local_attempt,
-    wrap,
-)
+from clusterpulse.trainer.parallel import DistInfo, init_distributed, local_attempt, wrap
 from clusterpulse.trainer.runstate import ProgressMark, RunState, progress_path
 from clusterpulse.trainer.state import TrainState, parameter_digest
 from clusterpulse.trainer.warmstart import take_torchrun_thread_count
@@ -455,11 +450,11 @@ def main(argv: list[str] | None = None) -> int:
         trainer.pulse.close(outcome)  # no-op if a restart already closed it
         if dist.is_initialized():
             dist.destroy_process_group()
-    # Free the model and its DDP reducer now, while Python
-    # is whole: left to interpreter finalization, their C++ destructors (gloo's worker
-    # threads) ran while Python was half torn down, and a rank that had finished
-    # could abort there ("terminate called without an active exception"). The process
-    # group itself outlives them (Pulse.close: hold_process_groups_until_exit).
+    # Free the model and its DDP reducer now, while Python is whole: left to interpreter
+    # finalization, their C++ destructors (gloo's worker threads) ran while Python was
+    # half torn down, and a rank that had finished could abort there ("terminate called
+    # without an active exception"). The process group itself outlives them
+    # (Pulse.close: hold_process_groups_until_exit).
     del trainer
     gc.collect()
     return rc
