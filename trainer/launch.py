@@ -105,10 +105,6 @@ GRACEFUL_EXIT_BUG = "'NoneType' object has no attribute 'is_failed'"
 # large one up to a minute; a job not running by then is more likely waiting for this
 # node (another one lost, below its minimum), and it rejoins.
 RESTART_ALLOWANCE_S = 60.0
-# How close to the end of a new round's last call a standby whose round ended joins it
-# (spares.room_for_a_standby): the job's own nodes get their places back first, and a
-# place left free (an evicted node's) is still taken in this round, not the next.
-STANDBY_JOIN_MARGIN_S = 2.0
 # How long a torchrun runs before the launcher starts the next one ahead of its turn
 # (Prewarmed): past its own start and its ranks', whose CPU it would compete for.
 PREWARM_AFTER_S = 20.0
@@ -353,7 +349,7 @@ def _join_when_room(rdzv: Rendezvous, within_s: float, gone_after_s: float,
     end = time.monotonic() + within_s
     answered = time.monotonic()
     while not stop and time.monotonic() < end:
-        room = spares.room_for_a_standby(rdzv.endpoint, rdzv.run_id, STANDBY_JOIN_MARGIN_S)
+        room = spares.room_for_a_standby(rdzv.endpoint, rdzv.run_id)
         if room:
             return True
         if room is not None:
@@ -523,6 +519,7 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
             leave_file = Path(leave_path(marker))
             error_file = Path(tmp) / "torchrun-error.json"
             rdzv_state = Path(tmp) / "rendezvous"
+            join_when_room_file = Path(tmp) / "join-when-room"
             relaunches = 0
             stood_by = False
             join_when_room = False  # a standby whose round ended, with the job's store back
@@ -533,15 +530,22 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                 rdzv_state.unlink(missing_ok=True)
                 env.update({RELAUNCH_FILE_ENV: str(marker), RELAUNCHES_ENV: str(relaunches)})
                 write_atomically(Path(relaunch_count_path(marker)), str(relaunches))
+                join_when_room_file.unlink(missing_ok=True)
                 if standby is not None:
                     env.update({ERROR_FILE_ENV: str(error_file), spares.HOT_SPARES_ENV: "1",
-                                spares.RDZV_STATE_ENV: str(rdzv_state)})
+                                spares.RDZV_STATE_ENV: str(rdzv_state),
+                                spares.JOIN_WHEN_ROOM_ENV: str(join_when_room_file)})
+                    if join_when_room and standby.host:
+                        # its torchrun must start now (the others need its store) and
+                        # holds its first join instead (trainer/spares.py, 5.)
+                        write_atomically(join_when_room_file, str(RESTART_ALLOWANCE_S))
                 # torchrun in a process group of its own: a signal to the launcher's
                 # group (Ctrl-C, `kill -- -PGID`) reaches it once, from here; twice, it
                 # stopped waiting for its ranks' SIGTERM checkpoints and left them
                 if stop:  # a signal since the loop's test: start nothing more
                     break
-                if join_when_room and standby is not None and rdzv is not None:
+                if join_when_room and standby is not None and not standby.host and \
+                        rdzv is not None:
                     # its torchrun held ready while the job's own nodes rejoin
                     prewarmed = prewarmed or Prewarmed.start(cmd, env)
                     joining = _join_when_room(rdzv, RESTART_ALLOWANCE_S,
@@ -605,7 +609,7 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                          "stood by")
                     return 0
                 stood_by = True
-                join_when_room = not standby.host  # the host's store is what they wait for
+                join_when_room = True  # the host in its torchrun, the others here first
                 _say("standing by: the job is at its node maximum; this node takes the "
                      "place of one it loses")
             return 128 + stop[0]

@@ -37,6 +37,13 @@ trainer/warmstart.py calls too; clusterpulse-train --hot-spares sets it).
    round whose keep-alive is a few seconds late (a starved torchrun), whose workers
    still train; restarting for that would restart the whole job.
 
+5. A standby that serves the rendezvous store, whose round ended (a graceful
+   restart), must start its torchrun at once: the others need its store. It was
+   first into the new round and took a job node's place. Its launcher writes how
+   long to hold back in JOIN_WHEN_ROOM_ENV's file; the first join waits, reading the
+   state from its own store, until the new round has room (`room_in`), as a standby
+   that does not host the store waits in its launcher (`room_for_a_standby`).
+
 These wrap methods of torch's rendezvous classes and read their private state
 (checked for torch 2.13); where those are missing the wrappers give torch's answer.
 
@@ -52,6 +59,8 @@ import binascii
 import contextlib
 import os
 import pickle
+import sys
+import time
 from base64 import b64decode
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -62,6 +71,13 @@ from clusterpulse.trainer.restart import write_atomically
 HOT_SPARES_ENV = "CLUSTERPULSE_HOT_SPARES"  # set (to 1) for torchrun by the launcher
 RDZV_STATE_ENV = "CLUSTERPULSE_RDZV_STATE_FILE"  # where this node's rendezvous place goes
 STANDBY, REJOINING, JOINED = "standby", "rejoining", "joined"
+# A file whose seconds tell a torchrun's first join to wait for room in the new round
+# (5.); read once and removed: a later rejoin of the same torchrun does not wait.
+JOIN_WHEN_ROOM_ENV = "CLUSTERPULSE_JOIN_WHEN_ROOM_FILE"
+# How close to the end of a new round's last call a standby whose round ended joins it
+# (`room_in`): the job's own nodes get their places back first, and a place left free
+# (an evicted node's) is still taken in this round, not the next.
+STANDBY_JOIN_MARGIN_S = 2.0
 
 
 def install() -> None:
@@ -92,6 +108,8 @@ def install() -> None:
     def next_rendezvous(self: dr.DynamicRendezvousHandler):  # type: ignore[no-untyped-def]
         if getattr(self, "_clusterpulse_joined", False):
             mark(REJOINING)
+        else:
+            _wait_for_room(self, _join_when_room_s())
         info = joining(self)
         self._clusterpulse_joined = True
         with contextlib.suppress(AttributeError):  # another torch: no round to compare
@@ -139,6 +157,38 @@ def install() -> None:
         return decide(self, ctx, deadline)
 
     join_op.__call__ = join
+
+
+def _join_when_room_s() -> float | None:
+    """JOIN_WHEN_ROOM_ENV's seconds, taken (the file removed); None when not asked."""
+    path = os.environ.get(JOIN_WHEN_ROOM_ENV)
+    if not path:
+        return None
+    try:
+        text = Path(path).read_text()
+        Path(path).unlink()
+        return float(text)
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_for_room(handler, within_s: float | None) -> None:  # type: ignore[no-untyped-def]
+    """Hold this torchrun's first join, at most `within_s`, until the new round has
+    room for a standby (5.); longer, the job is more likely short of its minimum
+    without this node, and it joins."""
+    if within_s is None:
+        return
+    end = time.monotonic() + within_s
+    try:
+        while time.monotonic() < end:
+            handler._state_holder.sync()
+            if room_in(handler._state_holder.state, STANDBY_JOIN_MARGIN_S):
+                return
+            time.sleep(0.2)
+    except AttributeError:  # another torch: join, as torchrun would
+        return
+    print(f"clusterpulse: the job's new round did not form in {within_s:.0f} s: joining it",
+          file=sys.stderr, flush=True)
 
 
 def _full(state, max_nodes: int) -> bool:  # type: ignore[no-untyped-def]
@@ -193,22 +243,27 @@ def running_without(endpoint: tuple[str, int], run_id: str, node: tuple[str, int
 
 
 def room_for_a_standby(endpoint: tuple[str, int], run_id: str,
-                       margin_s: float) -> bool | None:
+                       margin_s: float = STANDBY_JOIN_MARGIN_S) -> bool | None:
     """Whether a standby whose round ended (the job restarted gracefully) joins the new
-    round now: it is complete (full: the standby stands by again; short of the maximum:
-    the job takes it in, as any late node), or it has the job's minimum and its last
-    call ends within `margin_s` (a place the job's own nodes left, e.g. an evicted
-    node's). Until then the job's own nodes get their places back first: with every
-    torchrun started ahead of its turn (trainer/launch.py, Prewarmed) the standby was
-    as quick as they were, took a place, and a job node became the standby, on
-    torch's first come, first served. A closed round is the one that ended (its store's
-    host has not restarted yet); no state: not yet; None: the store does not answer
-    (its host restarting, or the job over)."""
+    round now (`room_in`), read from the store at `endpoint`: None when it does not
+    answer (its host restarting, or the job over); no state yet: not yet."""
     state = _rendezvous_state(endpoint, run_id)
     if state is _NO_ANSWER:
         return None
     if state is None or state is _UNREADABLE:
         return state is _UNREADABLE  # join, as torchrun would
+    return room_in(state, margin_s)
+
+
+def room_in(state, margin_s: float) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the new round `state` has room for a standby: it is complete (full: the
+    standby stands by again; short of the maximum: the job takes it in, as any late
+    node), or it has the job's minimum and its last call ends within `margin_s` (a
+    place the job's own nodes left, e.g. an evicted node's). Until then the job's own
+    nodes get their places back first: with every torchrun started ahead of its turn
+    (trainer/launch.py, Prewarmed) the standby was as quick as they were, took a place,
+    and a job node became the standby, on torch's first come, first served. A closed
+    round is the one that ended (its store's host has not restarted yet)."""
     try:
         if state.closed:
             return False

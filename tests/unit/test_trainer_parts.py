@@ -804,6 +804,8 @@ import json, os, socket, sys, time
 count_file, plan, port = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
 n = int(open(count_file).read()) if os.path.exists(count_file) else 0
 open(count_file, "w").write(str(n + 1))
+with open(count_file + ".told", "a") as fh:  # told to hold its first join (spares, 5.)
+    fh.write("1" if os.path.exists(os.environ["CLUSTERPULSE_JOIN_WHEN_ROOM_FILE"]) else "0")
 place, error, rc = plan[min(n, len(plan) - 1)].split("|")
 if place.endswith("+graceful"):  # the ranks left for a graceful restart
     open(os.environ["CLUSTERPULSE_RELAUNCH_FILE"], "w").write("")
@@ -870,6 +872,12 @@ def test_a_standby_node_outlives_the_rounds_it_stood_by(tmp_path, capsys, host, 
         if listening is not None:
             listening.close()
     assert (got, int(count.read_text())) == (rc, runs)
+    # the host's torchrun after a round it stood by holds its own first join; any other
+    # node's waits in the launcher, started only once there is room
+    steps = plan.split(",")
+    assert (tmp_path / "count.told").read_text() == "".join(
+        "1" if host and i and steps[i - 1].startswith("standby|") else "0"
+        for i in range(runs))
     err = capsys.readouterr().err
     assert says in err
     if not says:
@@ -1160,6 +1168,56 @@ def test_a_standby_joins_a_new_round_once_the_jobs_own_nodes_had_their_places():
     assert spares.room_for_a_standby(endpoint, "room", 2.0) is False
     store.set("torch.rendezvous.room", "not a state")  # another torch's: join, as torch would
     assert spares.room_for_a_standby(endpoint, "room", 2.0) is True
+
+
+
+def test_a_standby_hosting_the_store_holds_its_first_join_until_the_round_has_room(
+        tmp_path, monkeypatch):
+    """The standby that serves the rendezvous store starts its torchrun at once after a
+    graceful restart (the others need its store), and was first into the new round: it
+    took a job node's place (CI). Told by its launcher (spares.JOIN_WHEN_ROOM_ENV's
+    file), its first join waits until the job's nodes have the round, then stands by."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
+
+    from clusterpulse.trainer import spares
+
+    monkeypatch.setenv(spares.RDZV_STATE_ENV, str(tmp_path / "place"))
+    told = tmp_path / "join-when-room"
+    told.write_text("60")
+    monkeypatch.setenv(spares.JOIN_WHEN_ROOM_ENV, str(told))
+    spares.install()
+    store, host = _rendezvous_member("held", min_nodes=2, max_nodes=3)
+    members = [_rendezvous_member("held", port=store.port)[1] for _ in range(3)]
+    ended: dict[object, BaseException | None] = {}
+
+    def join(handler) -> None:  # type: ignore[no-untyped-def]
+        try:
+            handler.next_rendezvous()
+            ended[handler] = None
+        except BaseException as err:
+            ended[handler] = err
+
+    threads = [threading.Thread(target=join, args=(host,), daemon=True)]
+    threads[0].start()
+    wait_until(lambda: not told.exists(), 30, "the standby took its launcher's word")
+    time.sleep(1)  # it would be first into the round, on torch's first come, first served
+    assert host._this_node not in host._state_holder.state.participants
+    threads += [threading.Thread(target=join, args=(m,), daemon=True) for m in members]
+    for t in threads[1:]:
+        t.start()
+    wait_until(lambda: all(m in ended for m in members), 60, "the job's nodes in the round")
+    assert all(ended[m] is None for m in members), ended
+
+    def standing_by() -> bool:
+        members[0]._state_holder.sync()
+        return host._this_node in members[0]._state_holder.state.redundancy_list
+
+    wait_until(standing_by, 30, "the standby on the redundancy list")
+    state = members[0]._state_holder.state
+    assert set(state.participants) == {m._this_node for m in members}
+    members[0].set_closed()  # the job ends: the standby's wait ends with it
+    threads[0].join(timeout=30)
+    assert isinstance(ended.get(host), RendezvousGracefulExitError), ended
 
 
 HELD_STANDBY_CHILD = """\
