@@ -523,6 +523,9 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
             relaunches = 0
             stood_by = False
             join_when_room = False  # a standby whose round ended, with the job's store back
+            # how long it holds back: under the join timeout (`longest_leave` is half of
+            # it), or a job short of its minimum without it timed out first and ended
+            hold_s = min(RESTART_ALLOWANCE_S, longest_leave)
             while not stop:
                 marker.unlink(missing_ok=True)
                 leave_file.unlink(missing_ok=True)
@@ -538,7 +541,7 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                     if join_when_room and standby.host:
                         # its torchrun must start now (the others need its store) and
                         # holds its first join instead (trainer/spares.py, 5.)
-                        write_atomically(join_when_room_file, str(RESTART_ALLOWANCE_S))
+                        write_atomically(join_when_room_file, str(hold_s))
                 # torchrun in a process group of its own: a signal to the launcher's
                 # group (Ctrl-C, `kill -- -PGID`) reaches it once, from here; twice, it
                 # stopped waiting for its ranks' SIGTERM checkpoints and left them
@@ -548,8 +551,7 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                         rdzv is not None:
                     # its torchrun held ready while the job's own nodes rejoin
                     prewarmed = prewarmed or Prewarmed.start(cmd, env)
-                    joining = _join_when_room(rdzv, RESTART_ALLOWANCE_S,
-                                              standby.return_s, stop)
+                    joining = _join_when_room(rdzv, hold_s, standby.return_s, stop)
                     if stop:
                         break
                     if not joining:

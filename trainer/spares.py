@@ -182,13 +182,16 @@ def _wait_for_room(handler, within_s: float | None) -> None:  # type: ignore[no-
     try:
         while time.monotonic() < end:
             handler._state_holder.sync()
-            if room_in(handler._state_holder.state, STANDBY_JOIN_MARGIN_S):
+            state = handler._state_holder.state
+            # closed on this node's own new store: the job's nodes closed it (the job is
+            # over), not the old round's store (`room_in`); torch's join says so
+            if state.closed or room_in(state, STANDBY_JOIN_MARGIN_S):
                 return
             time.sleep(0.2)
     except AttributeError:  # another torch: join, as torchrun would
         return
-    print(f"clusterpulse: the job's new round did not form in {within_s:.0f} s: joining it",
-          file=sys.stderr, flush=True)
+    print(f"clusterpulse: the job's new round did not form in {within_s:.0f} s (a job node "
+          "lost in the restart, or the job over): joining it", file=sys.stderr, flush=True)
 
 
 def _full(state, max_nodes: int) -> bool:  # type: ignore[no-untyped-def]

@@ -1209,8 +1209,9 @@ def test_a_standby_hosting_the_store_holds_its_first_join_until_the_round_has_ro
     assert all(ended[m] is None for m in members), ended
 
     def standing_by() -> bool:
-        members[0]._state_holder.sync()
-        return host._this_node in members[0]._state_holder.state.redundancy_list
+        with members[0]._heartbeat_lock:  # its keep-alive thread syncs the state too
+            members[0]._state_holder.sync()
+            return host._this_node in members[0]._state_holder.state.redundancy_list
 
     wait_until(standing_by, 30, "the standby on the redundancy list")
     state = members[0]._state_holder.state
