@@ -48,6 +48,11 @@ def cl(tmp_path_factory) -> Iterator[TestbedCluster]:
                                                  policy=policy) as c:
         c.start_job(RUN, TRAINER, min_nodes=2, spares=1, join_timeout=JOIN_TIMEOUT)
         wait_until(lambda: len(c.job_nodes(RUN)) == 3, 300, "the job on 3 nodes")
+        # each test tells a recovery by the job's "resumed from" line: a restart before
+        # the first checkpoint starts from step 0 and prints none (a test run alone cut
+        # a node off in the first seconds; the job went on without it, unseen)
+        wait_until(lambda: any((c.state / f"ckpt-{RUN}").glob("step-*")), 300,
+                   "the job's first checkpoint")
         yield c
 
 
