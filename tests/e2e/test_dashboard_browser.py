@@ -72,6 +72,17 @@ def env(tmp_path_factory):
         stack.stop()
 
 
+@pytest.fixture(autouse=True)
+def close_pages(request):
+    """Close the pages a test opened, as a user closes a tab: an open page's session
+    keeps refreshing on the one dashboard server (every 2 s, its queries included), and
+    the module's later pages came up slower behind its earlier ones."""
+    yield
+    if "env" in request.fixturenames:
+        for context in request.getfixturevalue("env")["browser"].contexts:
+            context.close()  # new_page opens each page in a context of its own
+
+
 def page(env):
     p = env["browser"].new_page(viewport={"width": 1400, "height": 1100})
     p.set_default_timeout(60_000)
@@ -95,13 +106,13 @@ def goto(p, url: str) -> None:
 
 
 def shows(p, text: str, timeout_ms: int = 60_000,
-          evidence: Callable[[], str] = lambda: "") -> None:
+          evidence: Callable[[], str] = lambda: "", exact: bool = False) -> None:
     """Wait until the page shows `text`; else fail with what it showed instead (and
     `evidence()`): a CI run keeps no screenshot, and "timeout" alone says nothing."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     try:
-        p.get_by_text(text).first.wait_for(timeout=timeout_ms)
+        p.get_by_text(text, exact=exact).first.wait_for(timeout=timeout_ms)
     except PlaywrightTimeout:
         body = p.locator("body").inner_text(timeout=10_000)
         pytest.fail(f"{text!r} not shown within {timeout_ms / 1000:.0f} s.{evidence()}\n"
@@ -134,7 +145,7 @@ def test_cluster_page_shows_live_data(env):
     p = page(env)
     goto(p, env["url"])
     shows(p, "Nodes up", evidence=lambda: dashboard_log(env))
-    p.get_by_text("2 / 2", exact=True).wait_for()
+    shows(p, "2 / 2", exact=True, evidence=lambda: dashboard_log(env))
     p.get_by_text("8 / 8", exact=True).wait_for()
     p.get_by_text("Utilization (%) by node x GPU").wait_for()
     p.screenshot(path=ARTIFACTS / "cluster.png", full_page=True)
@@ -175,7 +186,7 @@ def test_prometheus_outage_shows_a_banner_then_recovers(env):
     prom = env["stack"].prom
     p = page(env)
     goto(p, env["url"])
-    p.get_by_text("2 / 2", exact=True).wait_for()
+    shows(p, "2 / 2", exact=True, evidence=lambda: dashboard_log(env))  # nodes up
     prom.proc.stop()
     try:
         p.get_by_text("Prometheus is unavailable").first.wait_for(timeout=60_000)
