@@ -531,9 +531,9 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                 leave_file.unlink(missing_ok=True)
                 error_file.unlink(missing_ok=True)
                 rdzv_state.unlink(missing_ok=True)
+                join_when_room_file.unlink(missing_ok=True)
                 env.update({RELAUNCH_FILE_ENV: str(marker), RELAUNCHES_ENV: str(relaunches)})
                 write_atomically(Path(relaunch_count_path(marker)), str(relaunches))
-                join_when_room_file.unlink(missing_ok=True)
                 if standby is not None:
                     env.update({ERROR_FILE_ENV: str(error_file), spares.HOT_SPARES_ENV: "1",
                                 spares.RDZV_STATE_ENV: str(rdzv_state),
