@@ -10,6 +10,8 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+from weakref import WeakKeyDictionary
 
 import pytest
 import requests
@@ -18,6 +20,9 @@ from clusterpulse.dashboard.auth import hash_password
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Proc, wait_until
 from tests.support.stack import Stack
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Locator
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ARTIFACTS = REPO / "artifacts"
@@ -83,9 +88,17 @@ def close_pages(request):
             context.close()  # new_page opens each page in a context of its own
 
 
+# Per page: the requests Chromium aborted with ERR_NETWORK_CHANGED since its last load.
+NETWORK_ABORTS: WeakKeyDictionary = WeakKeyDictionary()
+
+
 def page(env):
     p = env["browser"].new_page(viewport={"width": 1400, "height": 1100})
     p.set_default_timeout(60_000)
+    aborts: list[str] = []
+    p.on("requestfailed", lambda r: aborts.append(r.url)
+         if "ERR_NETWORK_CHANGED" in (r.failure or "") else None)
+    NETWORK_ABORTS[p] = aborts
     return p
 
 
@@ -96,6 +109,7 @@ def goto(p, url: str) -> None:
     from playwright.sync_api import Error as PlaywrightError
 
     for attempt in range(3):
+        NETWORK_ABORTS[p].clear()
         try:
             p.goto(url)
             return
@@ -105,18 +119,43 @@ def goto(p, url: str) -> None:
             time.sleep(1)
 
 
-def shows(p, text: str, timeout_ms: int = 60_000,
-          evidence: Callable[[], str] = lambda: "", exact: bool = False) -> None:
-    """Wait until the page shows `text`; else fail with what it showed instead (and
-    `evidence()`): a CI run keeps no screenshot, and "timeout" alone says nothing."""
+def shows(p, what: str | Locator, timeout_ms: int = 60_000,
+          evidence: Callable[[], str] = lambda: "", exact: bool = False,
+          may_reload: bool = True) -> None:
+    """Wait until the page shows `what` (a text, or an element); else fail with what it
+    showed instead (and `evidence()`): a CI run keeps no screenshot, and "timeout" alone
+    says nothing.
+
+    A page that lost a request to ERR_NETWORK_CHANGED is reloaded (at most 3 times),
+    as a user would: Streamlit loads each element's script when the element first
+    appears, and a script Chromium aborts for a change of the host's interfaces (the
+    testbed's, beside these tests) leaves the page blank for good; CI showed an empty
+    page for 60 s. `may_reload=False` where a reload would lose what the test did."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    try:
-        p.get_by_text(text, exact=exact).first.wait_for(timeout=timeout_ms)
-    except PlaywrightTimeout:
-        body = p.locator("body").inner_text(timeout=10_000)
-        pytest.fail(f"{text!r} not shown within {timeout_ms / 1000:.0f} s.{evidence()}\n"
-                    f"The page showed:\n{body[:4000]}")
+    deadline = time.monotonic() + timeout_ms / 1000
+    target = p.get_by_text(what, exact=exact).first if isinstance(what, str) else what
+    reloads: list[str] = []
+    while True:
+        left_ms = (deadline - time.monotonic()) * 1000
+        try:
+            target.wait_for(timeout=max(1.0, min(5_000.0, left_ms)))
+            return
+        except PlaywrightTimeout:
+            if time.monotonic() >= deadline:
+                break
+            aborted = NETWORK_ABORTS[p]
+            if aborted and may_reload and len(reloads) < 3:
+                reloads.append(aborted[0])
+                goto(p, p.url)
+    body = p.locator("body").inner_text(timeout=10_000)
+    aborted = NETWORK_ABORTS[p]
+    network = (f"\nReloaded for ERR_NETWORK_CHANGED {len(reloads)} time(s) (first lost: "
+               f"{', '.join(reloads)})." if reloads else "")
+    if aborted:
+        network += f"\nRequests lost to ERR_NETWORK_CHANGED since the last load: {aborted[:5]}"
+    pytest.fail(f"{what!r} not shown within {timeout_ms / 1000:.0f} s.{evidence()}{network}\n"
+                f"The page showed:\n{body[:4000]}")
 
 
 def straggler_evidence(stack: Stack) -> str:
@@ -164,15 +203,17 @@ def test_straggler_is_flagged_with_its_cause_and_viewers_cannot_act(env):
 def test_operator_checkpoint_restart_resumes_with_zero_steps_lost(env):
     p = page(env)
     goto(p, env["url"])
+    shows(p, p.get_by_role("textbox", name="Password"))  # the sign-in form, rendered
     p.get_by_role("textbox", name="Operator").fill("ops")
     p.get_by_role("textbox", name="Password").fill(PASSWORD)
     p.get_by_role("button", name="Sign in").click()
-    p.get_by_text("Operator: ops").wait_for()
+    shows(p, "Operator: ops", may_reload=False)  # a reload signs out
     p.get_by_role("link", name="Run").click()
+    shows(p, p.get_by_label("Reason (audited)"), may_reload=False)
     p.get_by_label("Reason (audited)").fill("e2e: straggler on rank 3")
     p.get_by_text("I confirm: restart run web").click()
     p.get_by_role("button", name="Request").click()
-    shows(p, "All ranks resumed.", 180_000)
+    shows(p, "All ranks resumed.", 180_000, may_reload=False)
     p.screenshot(path=ARTIFACTS / "run-restarted.png", full_page=True)
     state = json.loads((env["tmp"] / "web" / "run-state.json").read_text())
     restart = state["restarts"][-1]
@@ -189,7 +230,7 @@ def test_prometheus_outage_shows_a_banner_then_recovers(env):
     shows(p, "2 / 2", exact=True, evidence=lambda: dashboard_log(env))  # nodes up
     prom.proc.stop()
     try:
-        p.get_by_text("Prometheus is unavailable").first.wait_for(timeout=60_000)
+        shows(p, "Prometheus is unavailable", may_reload=False)
         p.get_by_text("2 / 2", exact=True).wait_for()  # the last data, marked stale
         p.screenshot(path=ARTIFACTS / "prometheus-down.png", full_page=True)
     finally:
