@@ -220,8 +220,10 @@ class Trainer:
             return 0
         self.ckpt.committed_step = self.state.step
         if info.rank == 0:
+            # the world size tells an elastic job's rounds apart: one that went on
+            # smaller, and the one that took its lost node's place back
             print(f"trainer: resumed from {found.path.name} (step {self.state.step}, "
-                  f"attempt {self.attempt})", flush=True)
+                  f"attempt {self.attempt}, {info.world} ranks)", flush=True)
         return self.state.step
 
     def save(self, step: int, raise_errors: bool = False) -> None:

@@ -91,6 +91,24 @@ def test_every_alert_has_severity_summary_description_and_runbook():
             assert anchor == rule["alert"].lower()
 
 
+def test_the_hang_margin_reads_the_age_no_earlier_than_the_threshold():
+    """Each rule of a group is its own query at the evaluation's timestamp: a scrape
+    committed between two rules is seen by the later one only, a race promtool never
+    plays (it evaluates against finished data). The margin read the age from a record
+    made before the threshold's rule read the phase: in CI, the age of a 12 s checkpoint
+    met the 5 s threshold of the step that followed it, and RankHung paged for one
+    evaluation. Read in the margin's own query, after the threshold, the age is from the
+    same scrape or a later one, and leaving a long-threshold phase restarts the age."""
+    (group,) = [g for g in yaml.safe_load((PROM / "clusterpulse.rules.yml").read_text())
+                ["groups"] if g["name"] == "clusterpulse-recording"]
+    order = [r.get("record") for r in group["rules"]]
+    margin = group["rules"][order.index("clusterpulse:rank_hang_margin_seconds")]["expr"]
+    assert "clusterpulse_trainer_heartbeat_age_seconds" in margin, margin
+    assert "clusterpulse:rank_heartbeat_age_seconds" not in margin, margin
+    assert (order.index("clusterpulse:rank_hang_threshold_seconds")
+            < order.index("clusterpulse:rank_hang_margin_seconds"))
+
+
 def test_alertmanager_config_and_examples_are_valid():
     r = run("amtool", "check-config", str(AM / "alertmanager.yml"),
             str(AM / "examples" / "email-slack.yml"))
