@@ -78,6 +78,13 @@ def resumes(cl: TestbedCluster, ranks: int | None = None) -> int:
     return sum(1 for r in resumed(cl) if ranks is None or r[2] == ranks)
 
 
+def restarted_since(cl: TestbedCluster, before: list, actions: int) -> str:
+    """What restarted the job since `before` (its resumes) and `actions` (the policy's)."""
+    return ("the job restarted to take the returning node in: resumed (step, attempt, "
+            f"ranks) {resumed(cl)[len(before):]}, the policy's restarts "
+            f"{restarts_accepted(cl)[actions:]}")
+
+
 def restarts_accepted(cl: TestbedCluster) -> list[dict]:
     """The policy's restarts the agents accepted, oldest first."""
     return [r for r in cl.audit() if r.get("source") == "remediation"
@@ -165,9 +172,7 @@ def test_a_dead_node_is_replaced_and_its_return_restarts_nothing(cl):
     cl.start_node(cl.jobs[RUN], victim)
     wait_until(lambda: launcher_alive(cl, victim.name), 60, f"{victim.name}'s launcher")
     time.sleep(20)  # time enough for a membership restart, were there one
-    assert resumed(cl) == before, (
-        "the job restarted to take the returning node in: resumed (step, attempt, ranks) "
-        f"{resumed(cl)[len(before):]}, the policy's restarts {restarts_accepted(cl)[actions:]}")
+    assert resumed(cl) == before, restarted_since(cl, before, actions)
     assert standby(cl) == victim.name and launcher_alive(cl, victim.name)
 
 
@@ -201,7 +206,5 @@ def test_a_cut_off_node_is_replaced_by_the_spare_while_the_cut_lasts(cl):
     wait_until(lambda: standby(cl) == victim.name and len(cl.job_nodes(RUN)) == 3, 120,
                f"{victim.name} standing by")
     time.sleep(20)  # time enough for a membership restart, were there one
-    assert resumed(cl) == before, (
-        "the job restarted to take the returning node in: resumed (step, attempt, ranks) "
-        f"{resumed(cl)[len(before):]}, the policy's restarts {restarts_accepted(cl)[actions:]}")
+    assert resumed(cl) == before, restarted_since(cl, before, actions)
     assert launcher_alive(cl, victim.name), f"{victim.name}'s launcher gave up"
