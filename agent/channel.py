@@ -1,6 +1,19 @@
-"""The agent's end of the Unix datagram telemetry socket.
+"""The agent's end of the Unix telemetry socket: a listening SOCK_SEQPACKET socket.
 
-The socket file is created with mode 0666 so that ranks of any user can send (the
+Connections, not datagrams, for two reasons a shared node forced on us:
+- Fairness. A Unix datagram socket has one receive queue of `net.unix.max_dgram_qlen`
+  (10 by default) messages for every sender together: one user's flood kept it full and
+  another user's ranks lost 83 % of their telemetry. Each connection has its own
+  queue, so a flood fills only the flooder's, and the receiver (agent.receiver) serves
+  every sending user in turn.
+- Identity fixed when it is sent. A datagram's sender was looked up when the agent
+  read it; a sender that had exited by then left its pid free for another process,
+  which the agent then took for the rank. The kernel records a connection's peer at
+  `connect()`, and the agent pins that very process with a pidfd as it accepts
+  (`SO_PEERPIDFD`, Linux >= 6.5; before that `pidfd_open` of the `SO_PEERCRED` pid,
+  checked against the still-open connection; see docs/security.md).
+
+The socket file is created with mode 0666 so that ranks of any user can connect (the
 agent takes their identity from the kernel, not from the file's permissions), in a
 directory that must not be writable by others: whoever can write the directory can
 replace the socket and impersonate the agent to the ranks (see docs/security.md).
@@ -9,16 +22,19 @@ replace the socket and impersonate the agent to the ranks (see docs/security.md)
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import select
 import socket
 import stat
 import struct
 from pathlib import Path
 
-from clusterpulse.agent import protocol
-from clusterpulse.agent.identity import Sender, from_credentials
+from clusterpulse.agent.identity import Sender, start_time
 
 _UCRED = struct.Struct("iII")  # struct ucred: pid_t pid; uid_t uid; gid_t gid
+SO_PEERPIDFD = 77  # Linux >= 6.5 (Python 3.11's socket module has no name for it)
+BACKLOG = 512
 
 
 class ChannelError(OSError):
@@ -26,6 +42,7 @@ class ChannelError(OSError):
 
 
 def bind_unix(path: str) -> socket.socket:
+    """The listening socket at `path`, non-blocking (the receiver polls it)."""
     p = Path(path)
     try:
         p.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -39,38 +56,99 @@ def bind_unix(path: str) -> socket.socket:
                            "only the agent's user can write (e.g. /run/clusterpulse)")
     if p.is_socket():
         # A stale socket from an agent that died: nobody answers on it any more.
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            p.unlink()
-        else:
+        if _someone_listens(path):
             raise ChannelError(f"another agent is listening on {path}")
-        finally:
-            probe.close()
+        p.unlink()
     elif p.exists():
         raise ChannelError(f"{path} exists and is not a socket")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.bind(path)
         os.chmod(path, 0o666)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        sock.listen(BACKLOG)
+        sock.setblocking(False)
     except OSError:
         sock.close()
         raise
     return sock
 
 
-def receive_unix(sock: socket.socket) -> tuple[bytes, object, Sender]:
-    """One datagram, the address to reply to, and who the kernel says sent it."""
-    data, ancdata, _flags, addr = sock.recvmsg(protocol.MAX_DATAGRAM_BYTES + 1,
-                                                socket.CMSG_SPACE(_UCRED.size))
-    sender = Sender()
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS \
-                and len(payload) >= _UCRED.size:
-            sender = from_credentials(*_UCRED.unpack(payload[:_UCRED.size]))
-    return data, addr, sender
+def _someone_listens(path: str) -> bool:
+    """Whether a live socket of either kind answers at `path` (an older agent used a
+    datagram socket there)."""
+    for kind in (socket.SOCK_SEQPACKET, socket.SOCK_DGRAM):
+        probe = socket.socket(socket.AF_UNIX, kind)
+        try:
+            probe.connect(path)
+            return True
+        except OSError:  # refused: stale; EPROTOTYPE: the other kind
+            continue
+        finally:
+            probe.close()
+    return False
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process that connected, as the kernel recorded them at
+    `connect()`, in the agent's PID namespace (pid 0: a namespace it cannot see)."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return _UCRED.unpack(raw)
+
+
+def _peer_pidfd(conn: socket.socket, pid: int) -> int | None:
+    """A pidfd for the connected process: the kernel's own (SO_PEERPIDFD, the very
+    process that connected), else one opened by pid (which may since have been reused:
+    the caller checks the connection still has a peer). None: nothing can be pinned."""
+    try:
+        fd = conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+        if fd >= 0:
+            return fd
+    except OSError as err:
+        if err.errno == errno.ESRCH:  # the process that connected is gone
+            return None
+        # ENOPROTOOPT: a kernel before 6.5; fall back to the pid
+    if pid <= 0:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def _exited(pidfd: int) -> bool:
+    """A pidfd polls readable once its process has exited."""
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
+
+
+def _peer_gone(conn: socket.socket) -> bool:
+    p = select.poll()
+    p.register(conn, select.POLLHUP | select.POLLRDHUP)
+    return any(ev & (select.POLLHUP | select.POLLRDHUP) for _, ev in p.poll(0))
+
+
+def identify(conn: socket.socket) -> Sender:
+    """Who connected: a verified Sender when the kernel named a process that is still
+    the one that connected, pinned by its start time; otherwise unverified (evidence,
+    never a target or a witness of anything).
+
+    The start time is read while the pidfd pins the process and checked alive after:
+    if the process had exited, its pid may belong to another by then, and the start
+    time read would be the other's.
+    """
+    pid, uid, gid = peer_credentials(conn)
+    unverified = Sender(pid=pid, uid=uid, gid=gid)
+    pidfd = _peer_pidfd(conn, pid)
+    if pidfd is None:
+        return unverified
+    try:
+        started = start_time(pid)
+        if started is None or _exited(pidfd) or _peer_gone(conn):
+            return unverified
+        return Sender(pid=pid, uid=uid, gid=gid, start_time=started, verified=True)
+    finally:
+        os.close(pidfd)
 
 
 def unlink_quietly(path: str) -> None:

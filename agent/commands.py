@@ -96,7 +96,11 @@ class CommandBook:
                deadline_s: float, on_behalf_of: str | None = None,
                leave_s: float = 0.0) -> Command:
         now, now_unix = self._clock(), self._wall_clock()
-        ranks = self._ranks.live_of_run(run)  # not the departed: none of them comes back
+        # Not the departed (none of them comes back), and only ranks whose live process
+        # and uid the kernel vouched for: a process the agent could not verify may have
+        # reported any run's rank numbers, and is evidence, never a target.
+        known = self._ranks.live_of_run(run)
+        ranks = [r for r in known if r.sender.verified]
         cmd = Command(
             # wall time in the id: unique across agent restarts (the counter restarts)
             id=f"{self._node}-{int(now_unix)}-{next(self._ids)}", run=run, action=action,
@@ -113,7 +117,11 @@ class CommandBook:
                     del self._commands[cid]
             self._commands[cmd.id] = cmd
         if not ranks:  # one record for this outcome, written by _finish
-            self._finish(cmd, "failed", f"no ranks of run {run!r} are known on this node")
+            why = (f"no ranks of run {run!r} are known on this node" if not known else
+                   f"no rank of run {run!r} on this node comes from a process the kernel "
+                   "verified (over UDP, from a PID namespace the agent cannot see, or "
+                   "gone): nothing is acted on for what an unverified sender reported")
+            self._finish(cmd, "failed", why)
             return cmd
         if action == "restart":
             self._terminate(cmd)
@@ -245,12 +253,15 @@ class CommandBook:
             # numbers nodes afresh, and ranks 0-1 here may come back as ranks 2-3.
             base = min(cmd.targets.values(), default=0)
             owners = set(cmd.owners.values())
+            owner_uids = {o.uid for o in owners}
             for r in ranks:
-                if r.run != cmd.run:
-                    continue
+                if r.run != cmd.run or not r.sender.verified:
+                    continue  # an unverified sender is never a witness
                 if r.rank in cmd.targets and cmd.id in r.acks:
                     cmd.acked.add(r.rank)
-                new_process = r.sender not in owners or not r.sender.verified
+                # resumed: a new process of the user whose ranks were restarted; another
+                # user reporting the run's rank numbers is not the job coming back
+                new_process = r.sender not in owners and r.sender.uid in owner_uids
                 stepped = r.process_steps > 0 or r.phase == EXITED  # or had none left
                 if r.restarts > base and stepped and new_process:
                     cmd.resumed.add(r.rank)

@@ -1,14 +1,16 @@
 """The agent: a collection loop, a telemetry receiver, and the state they publish.
 
 Two threads, each on its own schedule. The collection thread reads the backend every
-`interval_s` and swaps in a new immutable snapshot; the receiver thread folds rank
-datagrams into the rank registry and answers each with the rank's pending commands
-and (simulated) GPU slowdown. HTTP handlers only read.
+`interval_s` and swaps in a new immutable snapshot; the receiver thread
+(agent.receiver) folds rank messages into the rank registry and answers each with the
+rank's pending commands and (simulated) GPU slowdown, never waiting on a sender. HTTP
+handlers only read.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import socket
 import threading
@@ -23,6 +25,7 @@ from clusterpulse.agent.backends.sim import SimBackend
 from clusterpulse.agent.commands import CommandBook
 from clusterpulse.agent.identity import Sender
 from clusterpulse.agent.ranks import RankRegistry, Refused
+from clusterpulse.agent.receiver import TelemetryReceiver
 from clusterpulse.agent.sample import GpuSample
 
 log = logging.getLogger(__name__)
@@ -67,9 +70,12 @@ class Agent:
         elif telemetry_addr is not None:
             self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self._sock.bind(telemetry_addr)
-        if self._sock is not None:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-            self._sock.settimeout(0.2)
+        self.receiver: TelemetryReceiver | None = None
+        if self._sock is not None:
+            self.receiver = TelemetryReceiver(self._sock, self.handle_datagram,
+                                              self.telemetry_counts,
+                                              unix=self._unix_path is not None)
 
     def stopped_threads(self) -> list[str]:
         """The agent's threads that ended while it runs (/healthz reports them): a dead
@@ -106,8 +112,8 @@ class Agent:
     def start(self) -> None:
         self.collect_once()
         targets = [("collect", self._collect_loop), ("follow-up", self._follow_up_loop)]
-        if self._sock is not None:
-            targets.append(("telemetry", self._receive_loop))
+        if self.receiver is not None:
+            targets.append(("telemetry", functools.partial(self.receiver.run, self._stop)))
         for name, fn in targets:
             t = threading.Thread(target=fn, name=f"agent-{name}", daemon=True)
             t.start()
@@ -118,6 +124,8 @@ class Agent:
         for t in self._threads:
             t.join(timeout=5)
         self.audit.flush()  # records a full disk held back, if it takes them now
+        if self.receiver is not None:
+            self.receiver.close()
         if self._sock is not None:
             self._sock.close()
         if self._unix_path is not None:
@@ -218,32 +226,3 @@ class Agent:
         if pending:
             reply["commands"] = pending
         return protocol.encode(reply)
-
-    def _receive_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stop.is_set():
-            try:
-                self._receive_one()
-            except Exception:  # a bug here must not end telemetry for the node
-                self.telemetry_counts["internal_error"] += 1
-                log.exception("telemetry datagram handling failed")
-
-    def _receive_one(self) -> None:
-        assert self._sock is not None
-        try:
-            if self._unix_path is not None:
-                data, addr, sender = channel.receive_unix(self._sock)
-            else:
-                data, addr = self._sock.recvfrom(protocol.MAX_DATAGRAM_BYTES + 1)
-                sender = Sender()  # UDP: nobody vouches for the sender
-        except TimeoutError:
-            return
-        except OSError:
-            return
-        reply = self.handle_datagram(data, addr, sender)
-        if reply is not None and addr:
-            try:
-                # never wait on a sender that does not read its replies
-                self._sock.sendto(reply, socket.MSG_DONTWAIT, addr)
-            except OSError:
-                self.telemetry_counts["reply_failed"] += 1

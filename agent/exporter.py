@@ -149,11 +149,25 @@ class AgentCollector(Collector):
             c.add_metric([a.node, kind], n)
         yield c
         c = CounterMetricFamily(PREFIX + "agent_telemetry_messages",
-                                "Telemetry datagrams by result (accepted or why dropped).",
+                                "Telemetry messages by result (accepted or why dropped).",
                                 labels=["node", "result"])
         for result, n in sorted(a.telemetry_counts.items()):
             c.add_metric([a.node, result], n)
         yield c
+        if a.receiver is not None:
+            g = GaugeMetricFamily(
+                PREFIX + "agent_telemetry_receive_lag_seconds",
+                "Seconds since the telemetry receive loop last finished a round, computed "
+                "at scrape time (<= 0.2 when healthy): while it grows every rank on the "
+                "node goes silent, whatever the ranks do.", labels=["node"])
+            g.add_metric([a.node], round(a.receiver.lag_seconds(), 3))
+            yield g
+            g = GaugeMetricFamily(PREFIX + "agent_telemetry_connections",
+                                  "Open rank connections by sending user (kernel uid, or "
+                                  "unverified).", labels=["node", "sender"])
+            for sender, n in sorted(a.receiver.connections().items()):
+                g.add_metric([a.node, sender], n)
+            yield g
 
     def _gpu_series(self) -> Iterable:
         a, node = self.agent, self.agent.node

@@ -1,10 +1,11 @@
 """Who sent a datagram, as the kernel says, and whether that process is still the same.
 
 The agent may signal processes, so a rank's identity is never a number from a
-payload: over the Unix socket the kernel attaches SCM_CREDENTIALS (pid, uid, gid in
-the agent's own PID namespace) to each datagram. A pid alone can be reused after the
-process exits, so a sender is pinned by (pid, start time from /proc/PID/stat), and
-signals go through a pidfd opened and then re-checked against that start time.
+payload: over the Unix socket the kernel records the connecting process (pid, uid,
+gid in the agent's own PID namespace) at `connect()`, and agent.channel.identify pins
+it as it accepts. A pid alone can be reused after the process exits, so a sender is
+pinned by (pid, start time from /proc/PID/stat), and signals go through a pidfd
+opened and then re-checked against that start time.
 """
 
 from __future__ import annotations
@@ -43,19 +44,6 @@ def start_time(pid: int, proc: str = "/proc") -> int | None:
         return int(stat[stat.rindex(b")") + 2:].split()[19])
     except (ValueError, IndexError):
         return None
-
-
-def from_credentials(pid: int, uid: int, gid: int) -> Sender:
-    """A verified sender, or an unverified one when the kernel could not name the pid
-    (0: the sender lives in a PID namespace the agent cannot see) or the process is
-    gone (exited between send and receive: the pid is the kernel's, kept so that a
-    rank's own last datagrams are still its own, see RankRegistry.update)."""
-    if pid <= 0:
-        return Sender(uid=uid, gid=gid)
-    st = start_time(pid)
-    if st is None:
-        return Sender(pid=pid, uid=uid, gid=gid)
-    return Sender(pid=pid, uid=uid, gid=gid, start_time=st, verified=True)
 
 
 def still_running(sender: Sender) -> bool:

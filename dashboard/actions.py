@@ -78,34 +78,44 @@ def agents_for_run(prom: PrometheusClient, run: str, lookback: str = "") -> dict
             if "instance" in s.labels and "node" in s.labels}
 
 
-def rank_owners(agents: dict[str, str], run: str, token: str) -> dict[int, set[str]]:
+def rank_owners(agents: dict[str, str], run: str, token: str) -> dict[int | None, set[str]]:
     """uid -> the nodes where a process of that user reports a rank of `run`, from each
-    agent's own list (kernel credentials; ranks over UDP, or in a PID namespace the
-    agent cannot see, have none, nor do agents older than this check). An alert's run
-    label, and Prometheus's, are only what ranks reported: another user's process could
-    report a rank of someone else's run and have the policy restart it. The agents are
-    asked at once; one that does not answer is left out (it cannot be acted on either)."""
+    agent's own list (kernel credentials). An alert's run label, and Prometheus's, are
+    only what ranks reported: another user's process could report a rank of someone
+    else's run and have the policy restart it. The key None gathers the ranks whose
+    process the agent could not verify (UDP, a PID namespace it cannot see, exited):
+    unknown, which the policy never acts for. The agents are asked at once; one that
+    does not answer fails the whole check (ActionError): what it holds is unknown too."""
 
-    def ask(node: str, url: str) -> list:
+    def ask(node: str, url: str) -> list | str:
         node_token = token_for(token, node)
         if node_token is None:
-            return []
+            return "no token for this node"
         try:
             r = requests.get(f"{url}/v1/ranks", timeout=3, verify=agent_tls(),
                              headers={"Authorization": f"Bearer {node_token}"})
-            ranks = r.json().get("ranks", []) if r.status_code == 200 else []
-        except (requests.RequestException, ValueError, AttributeError):
-            return []
-        return ranks if isinstance(ranks, list) else []
+            if r.status_code != 200:
+                return f"HTTP {r.status_code}"
+            ranks = r.json().get("ranks")
+        except (requests.RequestException, ValueError, AttributeError) as err:
+            return f"unreachable: {type(err).__name__}"
+        return ranks if isinstance(ranks, list) else "no rank list in its answer"
 
-    owners: dict[int, set[str]] = {}
+    owners: dict[int | None, set[str]] = {}
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(agents)))) as pool:
         answers = {node: pool.submit(ask, node, url) for node, url in agents.items()}
+    silent = {node: a.result() for node, a in answers.items() if isinstance(a.result(), str)}
+    if silent:
+        raise ActionError(
+            f"cannot tell who runs {run!r}: "
+            + "; ".join(f"the agent on {node} did not answer ({why})"
+                        for node, why in sorted(silent.items()))
+            + "; nothing is done while a node's ranks are unknown")
     for node, answer in answers.items():
         for rank in answer.result():
-            if (isinstance(rank, dict) and rank.get("run") == run
-                    and isinstance(rank.get("uid"), int)):
-                owners.setdefault(rank["uid"], set()).add(node)
+            if isinstance(rank, dict) and rank.get("run") == run:
+                uid = rank.get("uid")
+                owners.setdefault(uid if isinstance(uid, int) else None, set()).add(node)
     return owners
 
 
@@ -130,9 +140,14 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
     if not agents:
         raise ActionError(f"no agent reports ranks of run {run!r}")
     owners = rank_owners(agents, run, token) if one_owner else {}
+    if None in owners:
+        raise ActionError(
+            f"run {run!r} has ranks whose process the agent could not verify (on "
+            f"{', '.join(sorted(owners[None]))}): nothing is done for what an unknown "
+            "sender reported; find it with GET /v1/ranks (uid null) on those agents")
     if len(owners) > 1:
         where = "; ".join(f"uid {uid} on {', '.join(sorted(on))}"
-                          for uid, on in sorted(owners.items()))
+                          for uid, on in sorted(owners.items(), key=lambda kv: kv[0] or 0))
         raise ActionError(
             f"run {run!r} is reported by processes of more than one user ({where}): a run "
             "id is a name any process on a node can report under, so nothing is done; "

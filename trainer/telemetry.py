@@ -1,14 +1,18 @@
-"""The rank side of the telemetry channel: fire-and-forget datagrams to the node agent.
+"""The rank side of the telemetry channel: fire-and-forget messages to the node agent.
 
 Never blocks and never raises into the training loop: the socket is non-blocking and
 every OS error is counted and swallowed.
 
-Over a Unix socket (`unix:/run/clusterpulse/telemetry.sock`, the default) the rank's
-socket is bound to an autobound abstract name, so the agent can answer, and
-*connected* to the agent's path: the kernel then delivers to it only datagrams sent
-by the agent's own socket (anyone else gets EPERM), so a forged "restart" reply from
-another local process never reaches `poll()`. When the agent restarts the old socket
-is gone: sends fail with ECONNREFUSED and the link reconnects to the new one.
+Over a Unix socket (`unix:/run/clusterpulse/telemetry.sock`, the default) the rank
+holds one SOCK_SEQPACKET connection to the agent: message boundaries as with
+datagrams, but a queue of its own, so another user's flood cannot crowd it out, and
+an identity the kernel fixes at `connect()` (agent.channel). Replies come back on the
+connection, which nobody but the agent's end can write to, so a forged "restart" from
+another local process never reaches `poll()`. A send that finds the connection's
+queue full drops the sample (the agent is busy); when the agent restarts the
+connection breaks and the link connects to the new one on a later send. An agent of
+an older release listens on a datagram socket: the link falls back to one (the
+kernel then accepts datagrams to it only from the agent's socket).
 
 Over UDP (`HOST:PORT`, kept for setups without a shared socket file) the socket is
 also connected, so replies from other ports are dropped by the kernel, but UDP
@@ -25,6 +29,7 @@ import json
 import os
 import select
 import socket
+import threading
 import time
 from typing import Any
 
@@ -32,7 +37,9 @@ from clusterpulse.agent import protocol
 
 AgentAddr = str | tuple[str, int]
 DEFAULT_SOCKET_PATH = protocol.DEFAULT_SOCKET_PATH
-_RECONNECT = {errno.ECONNREFUSED, errno.ENOENT, errno.ENOTCONN, errno.EDESTADDRREQ}
+_RECONNECT = {errno.ECONNREFUSED, errno.ENOENT, errno.ENOTCONN, errno.EDESTADDRREQ,
+              errno.EPIPE, errno.ECONNRESET}
+_SEND_FLAGS = socket.MSG_NOSIGNAL  # a broken connection is an error to count, not SIGPIPE
 
 
 class AgentLink:
@@ -42,32 +49,49 @@ class AgentLink:
         self.failed = 0
         self._sock: socket.socket | None = None
         self._connected = False
+        self._kind = socket.SOCK_SEQPACKET
+        self._lock = threading.Lock()
         if local_rank is None:
             env = os.environ.get("LOCAL_RANK", "0")
             local_rank = int(env) if env.isdigit() else 0
         self.gpu_uuids = rank_gpu_uuids(local_rank)
         if addr is None:
             return
-        if isinstance(addr, str):
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._sock.bind("")  # autobind: an abstract name the agent can reply to
+        self._open()
+        self._connect()
+
+    def _open(self) -> None:
+        if isinstance(self.addr, str):
+            self._sock = socket.socket(socket.AF_UNIX, self._kind)
+            if self._kind == socket.SOCK_DGRAM:
+                self._sock.bind("")  # autobind: an abstract name the agent can reply to
         else:
             self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
-        self._connect()
 
     def _connect(self) -> None:
         assert self._sock is not None
         try:
             self._sock.connect(self.addr)
             self._connected = True
-        except OSError:  # agent not there yet: try again on a later send
+        except OSError as err:  # agent not there yet: try again on a later send
             self._connected = False
+            if err.errno == errno.EPROTOTYPE and self._kind == socket.SOCK_SEQPACKET:
+                self._kind = socket.SOCK_DGRAM  # an older agent's datagram socket
+                self._reopen()
+                self._connect()
+            elif isinstance(self.addr, str) and self._kind == socket.SOCK_SEQPACKET:
+                # a failed connect leaves a connection socket unusable: a new one next time
+                self._reopen()
+
+    def _reopen(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        self._open()
 
     def send(self, msg: dict[str, Any], wait_s: float = 0.0) -> None:
-        """Send one datagram. With `wait_s`, a full agent queue (EAGAIN) is waited on
-        for at most that long (a Unix datagram socket turns writable when its peer's
-        queue has room); samples use 0 and are dropped instead."""
+        """Send one message. With `wait_s`, a full queue (EAGAIN: the agent is busy) is
+        waited on for at most that long; samples use 0 and are dropped instead."""
         if self._sock is None:
             return
         if self.gpu_uuids and "gpu_uuids" not in msg:
@@ -75,46 +99,65 @@ class AgentLink:
         data = protocol.encode(msg)
         deadline = time.monotonic() + wait_s
         while True:
-            try:
-                if not self._connected:
-                    self._connect()
-                self._sock.send(data)
+            with self._lock:  # the training loop and the heartbeat thread both send
+                outcome = self._try_send(data)
+            if outcome == "sent":
                 self.sent += 1
                 return
-            except BlockingIOError:
-                left = deadline - time.monotonic()
-                if left > 0 and self._connected:
-                    # poll, not select: a training process may hold > 1024 descriptors
-                    waiter = select.poll()
-                    waiter.register(self._sock, select.POLLOUT)
-                    waiter.poll(left * 1000)
-                    continue
-                self.failed += 1
-                return
-            except OSError as err:  # agent gone, ...: drop the message, never the step
-                if err.errno in _RECONNECT:  # the agent restarted: a new socket at the path
-                    self._connected = False
-                self.failed += 1
-                return
+            left = deadline - time.monotonic()
+            if outcome == "full" and left > 0 and self._sock is not None:
+                # poll, not select: a training process may hold > 1024 descriptors
+                waiter = select.poll()
+                waiter.register(self._sock, select.POLLOUT)
+                waiter.poll(left * 1000)
+                continue
+            self.failed += 1
+            return
+
+    def _try_send(self, data: bytes) -> str:
+        assert self._sock is not None
+        try:
+            if not self._connected:
+                self._connect()
+                if not self._connected:
+                    return "no_agent"
+            self._sock.send(data, _SEND_FLAGS)
+            return "sent"
+        except BlockingIOError:
+            return "full"
+        except OSError as err:  # agent gone, ...: drop the message, never the step
+            if err.errno in _RECONNECT:
+                self._disconnected()
+            return "error"
+
+    def _disconnected(self) -> None:
+        """The agent went away (it stopped or restarted): connect afresh next time."""
+        self._connected = False
+        if isinstance(self.addr, str) and self._kind == socket.SOCK_SEQPACKET:
+            self._reopen()  # a connection socket cannot connect twice
 
     def poll(self) -> list[dict[str, Any]]:
         """Replies from the agent that arrived since the last poll (non-blocking)."""
         out: list[dict[str, Any]] = []
-        if self._sock is None or not self._connected:
-            return out
-        for _ in range(64):
-            try:
-                data = self._sock.recv(protocol.MAX_DATAGRAM_BYTES)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                break
-            try:
-                msg = json.loads(data)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(msg, dict) and msg.get("type") == "agent":
-                out.append(msg)
+        with self._lock:
+            if self._sock is None or not self._connected:
+                return out
+            for _ in range(64):
+                try:
+                    data = self._sock.recv(protocol.MAX_DATAGRAM_BYTES)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    break
+                if not data and self._kind == socket.SOCK_SEQPACKET:
+                    self._disconnected()  # end of the connection: the agent closed it
+                    break
+                try:
+                    msg = json.loads(data)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(msg, dict) and msg.get("type") == "agent":
+                    out.append(msg)
         return out
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ from tests.bench.table import Row
 from tests.conftest import socket_path
 from tests.fakes.fake_pynvml import FakeNvml
 from tests.support.ports import free_port
-from tests.support.ranksock import connect
+from tests.support.ranksock import SYSTEM_PYTHON, connect
 
 GPUS = RANKS = 8
 
@@ -199,14 +199,16 @@ def bench_cpu_share(seconds: float = 15.0) -> list[Row]:
 
 
 def _receive_cpu_per_datagram(unix: bool, batches: int = 500, per: int = 8) -> float:
-    """CPU the receiver spends on one valid datagram: recv, kernel credentials (Unix:
-    SCM_CREDENTIALS plus a /proc/PID/stat read), decode, registry, reply. Batches of 8:
-    a Unix datagram queue holds net.unix.max_dgram_qlen (often 10) datagrams."""
+    """CPU the receiver spends on one valid message: recv, decode, registry, reply (the
+    sender's identity is taken once, when its connection is accepted, not per message)."""
     ranks = RankRegistry()
     agent = Agent(SimBackend(gpus=GPUS, activity=ranks.activity), "bench", ranks,
                   AuditLog(None), telemetry_addr=socket_path("rx") if unix else ("127.0.0.1", 0))
+    assert agent.receiver is not None
     if unix:
         tx = connect(agent.telemetry_address.removeprefix("unix:"))
+        tx.setblocking(False)  # the reply drain below must not wait for more
+        agent.receiver.round(timeout=1)  # accept the connection
     else:
         tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         tx.connect(("127.0.0.1", agent.telemetry_port))
@@ -218,8 +220,7 @@ def _receive_cpu_per_datagram(unix: bool, batches: int = 500, per: int = 8) -> f
             for _ in range(per):
                 tx.send(msg)
             t0 = time.process_time()
-            for _ in range(per):
-                agent._receive_one()
+            agent.receiver.round(timeout=1)  # one round reads a user's whole batch
             spent += time.process_time() - t0
             while True:  # drain the replies
                 try:
@@ -235,9 +236,101 @@ def _receive_cpu_per_datagram(unix: bool, batches: int = 500, per: int = 8) -> f
 def bench_telemetry_receive() -> list[Row]:
     unix = _receive_cpu_per_datagram(True)
     udp = _receive_cpu_per_datagram(False)
-    return [Row("telemetry receive per datagram, Unix socket + kernel credentials (CPU)",
+    return [Row("telemetry receive per message, Unix connection, kernel-verified (CPU)",
                 unix * 1e6, "us", baseline=udp * 1e6,
                 baseline_name="UDP, no sender identity")]
+
+
+_HOSTILE = r"""
+import json, socket, sys, time
+path, seconds = sys.argv[1], float(sys.argv[2])
+def conn():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(path)
+    s.setblocking(False)
+    return s
+hung = [conn() for _ in range(8)]     # a hung job: heartbeats, replies never read
+flood = [conn() for _ in range(4)]    # a user flooding junk and valid messages
+junk = [b"junk" * 50] + [json.dumps({"v": 1, "type": "heartbeat", "run": "flood",
+                                     "rank": i}).encode() for i in range(8)]
+beat = [json.dumps({"v": 1, "type": "heartbeat", "run": "hung", "rank": i,
+                    "phase": "sync"}).encode() for i in range(8)]
+print("ready", flush=True)
+end, next_beat, sent = time.monotonic() + seconds, 0.0, 0
+while time.monotonic() < end:
+    if time.monotonic() >= next_beat:
+        for s, m in zip(hung, beat):
+            try:
+                s.send(m)
+            except BlockingIOError:
+                pass
+        next_beat = time.monotonic() + 0.1
+    for s in flood:
+        for m in junk:
+            try:
+                s.send(m)
+                sent += 1
+            except BlockingIOError:
+                pass
+        try:
+            while s.recv(8192):
+                pass
+        except BlockingIOError:
+            pass
+print(sent, flush=True)
+"""
+
+
+def _victim_under(hostile: bool, seconds: float = 10.0, rate_hz: float = 20.0) -> dict:
+    """A healthy job's rank on a node that also holds (hostile=True) a hung 8-rank job
+    that never reads its replies and another user flooding: the rank's loss, its worst
+    heartbeat age (what RankHung reads), and the messages the agent got through."""
+    from clusterpulse.trainer.telemetry import AgentLink
+
+    ranks = RankRegistry()
+    agent = Agent(SimBackend(gpus=GPUS, activity=ranks.activity), "bench", ranks,
+                  AuditLog(None), telemetry_addr=socket_path("shared"))
+    agent.start()
+    path = agent.telemetry_address.removeprefix("unix:")
+    other = None
+    if hostile:  # another uid where we can switch to one (root), else the same user
+        other = subprocess.Popen([SYSTEM_PYTHON, "-c", _HOSTILE, path, str(seconds + 2)],
+                                 stdout=subprocess.PIPE, text=True,
+                                 user=65534 if os.geteuid() == 0 else None)
+        assert other.stdout is not None and other.stdout.readline().strip() == "ready"
+    link = AgentLink(path, local_rank=0)
+    worst_age, n = 0.0, int(seconds * rate_hz)
+    handled0 = sum(agent.telemetry_counts.values())
+    t0 = time.monotonic()
+    try:
+        for step in range(1, n + 1):
+            link.send({"type": "step", "run": "victim", "rank": 0, "step": step})
+            for r in ranks.of_run("victim"):
+                worst_age = max(worst_age, ranks.age(r))
+            time.sleep(max(0.0, t0 + step / rate_hz - time.monotonic()))
+        time.sleep(0.5)
+        got = sum(r.steps_total for r in ranks.of_run("victim"))
+        rate = (sum(agent.telemetry_counts.values()) - handled0) / (time.monotonic() - t0)
+    finally:
+        link.close()
+        if other is not None:
+            other.kill()
+            other.wait()
+        agent.stop()
+    return {"loss": 100.0 * (n - got) / n, "age": worst_age, "rate": rate}
+
+
+def bench_shared_node() -> list[Row]:
+    quiet, busy = _victim_under(False), _victim_under(True)
+    who = "another uid" if os.geteuid() == 0 else "the same uid (not root)"
+    return [
+        Row(f"victim's lost messages: hung 8-rank job + flood from {who}", busy["loss"],
+            "%", baseline=quiet["loss"], baseline_name="quiet node", budget="< 1 %"),
+        Row("victim's worst heartbeat age at 20 steps/s, same node", busy["age"], "s",
+            baseline=quiet["age"], baseline_name="quiet node", budget="< 3 s"),
+        Row("messages/s the agent handled with the flood on", busy["rate"], "msg/s",
+            baseline=quiet["rate"], baseline_name="quiet node (the victim alone)"),
+    ]
 
 
 def bench_memory(cycles: int = 10_000) -> list[Row]:
@@ -263,5 +356,5 @@ def bench_memory(cycles: int = 10_000) -> list[Row]:
 
 
 def run() -> list[Row]:
-    return (bench_collection() + bench_telemetry_receive() + bench_scrape_latency()
-            + bench_cpu_share() + bench_memory())
+    return (bench_collection() + bench_telemetry_receive() + bench_shared_node()
+            + bench_scrape_latency() + bench_cpu_share() + bench_memory())

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,11 +16,11 @@ import requests
 
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.tokens import Tokens
-from clusterpulse.dashboard.actions import ActionError, request_action
+from clusterpulse.dashboard.actions import ActionError, rank_owners, request_action
 from clusterpulse.dashboard.promclient import PrometheusClient
 from clusterpulse.dashboard.remediation import Policy, PolicyError, Remediator, Rule, serve
 from tests.support.procs import REPO, Prometheus, start_agent_cli, wait_until
-from tests.support.ranksock import RankProcess
+from tests.support.ranksock import SYSTEM_PYTHON, RankProcess
 
 pytestmark = pytest.mark.integration
 TOKEN = "remediation-token-0123456789"
@@ -193,6 +195,56 @@ def test_a_run_reported_by_another_users_process_is_not_restarted(cluster):
         assert victim.poll() is None and intruder.p.poll() is None  # nobody signalled
     (record,) = [r for r in audit.read() if r["who"] == "policy"]
     assert record["outcome"] == "failed" and record["alert"]["rank"] == "7"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sending as another uid needs root")
+def test_a_rank_no_process_vouches_for_is_never_acted_for(cluster):
+    """Finding: a datagram from a process that exited at once was recorded with uid
+    null, which the policy ignored: one fake straggler datagram made it restart another
+    user's run, and the agent SIGTERMed the victim's ranks. Here the agent is paused
+    while another user's process reports rank 7 of the victim's run and exits: nobody
+    can vouch for it, and the policy refuses to act for the run."""
+    prom, port, _, victim, tmp, telemetry = cluster
+    audit = AuditLog(tmp / "audit.jsonl")
+    agent_pid = _agent_pid(port)
+    os.kill(agent_pid, signal.SIGSTOP)
+    try:
+        ghost = subprocess.run([SYSTEM_PYTHON, "-c", (
+            "import json, socket, sys; s = socket.socket(socket.AF_UNIX, "
+            "socket.SOCK_SEQPACKET); s.connect(sys.argv[1]); s.send(json.dumps({'v': 1, "
+            "'type': 'step', 'run': 'job', 'rank': 7, 'step': 1, 'straggler_score': 9}"
+            ").encode())"), telemetry[len("unix:"):]], user=65534, timeout=30)
+        assert ghost.returncode == 0
+    finally:
+        os.kill(agent_pid, signal.SIGCONT)
+    ranks = {}
+    wait_until(lambda: ranks.update({r["rank"]: r for r in requests.get(
+        f"http://127.0.0.1:{port}/v1/ranks", timeout=5,
+        headers={"Authorization": f"Bearer {TOKEN}"}).json()["ranks"]}) or 7 in ranks, 30,
+               "the ghost rank")
+    assert ranks[7]["uid"] is None and ranks[0]["uid"] == os.getuid()
+    rem = Remediator(Policy([Rule("RankHung", "restart")]), PrometheusClient(prom.url),
+                     TOKEN, audit)
+    (d,) = rem.handle({"alerts": [firing("RankHung", run="job", rank="7", node="node-r")]})
+    assert d["outcome"] == "failed" and "could not verify" in d["detail"], d
+    assert victim.poll() is None  # nobody signalled
+
+
+def test_an_agent_that_cannot_say_who_runs_the_job_stops_the_action(cluster):
+    """Finding: when an agent answered 503 or timed out on the ownership query, the
+    action was still sent to the other agents. What it holds is unknown: fail closed."""
+    _prom, port, _, _victim, _tmp, _telemetry = cluster
+    agents = {"node-r": f"http://127.0.0.1:{port}", "node-gone": "http://127.0.0.1:9"}
+    with pytest.raises(ActionError, match="the agent on node-gone did not answer"):
+        rank_owners(agents, "job", TOKEN)
+    assert rank_owners({"node-r": agents["node-r"]}, "job", TOKEN) == {os.getuid(): {"node-r"}}
+
+
+def _agent_pid(port: int) -> int:
+    """The agent process listening on `port` (its /healthz does not say)."""
+    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True,
+                         text=True, check=True).stdout
+    return int(out.split("pid=", 1)[1].split(",", 1)[0])
 
 
 def test_webhook_endpoint(cluster):

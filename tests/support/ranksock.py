@@ -1,5 +1,5 @@
-"""Send telemetry as a rank would: over the agent's Unix socket, from this process or
-from a separate live process (its own pid, optionally another uid)."""
+"""Send telemetry as a rank would: over a connection to the agent's Unix socket, from
+this process or from a separate live process (its own pid, optionally another uid)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
 _SENDER = r"""
 import json, socket, sys, time
 path, msgs = sys.argv[1], json.loads(sys.stdin.readline())
-s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-s.bind("")
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(path)
 s.settimeout(5)
 for m in msgs:
@@ -35,8 +34,7 @@ time.sleep(120)
 
 
 def connect(path: str) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    s.bind("")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(path)
     s.settimeout(2)
     return s

@@ -278,7 +278,8 @@ def test_udp_ranks_are_never_signalled(tmp_path):
                  ("127.0.0.1", agent.telemetry_port))
         s.recv(4096)
         cmd = agent.commands.submit("r1", "restart", "x", "token", 60)
-        assert cmd.killed_pids == [] and "never signalled" in cmd.not_signalled[0]
+        assert cmd.killed_pids == [] and cmd.state == "failed"
+        assert "comes from a process the kernel verified (over UDP" in cmd.detail
         assert victim.poll() is None
     finally:
         victim.kill()
@@ -328,12 +329,14 @@ def test_deadlines_follow_the_monotonic_clock_not_wall_clock_steps():
     follow-up run on the monotonic clock; `created_unix` still reports wall time."""
     from clusterpulse.agent.audit import AuditLog
     from clusterpulse.agent.commands import CommandBook
+    from clusterpulse.agent.identity import Sender
     from clusterpulse.agent.ranks import RankRegistry
 
     mono, wall = [1000.0], [1_700_000_000.0]
-    ranks = RankRegistry(clock=lambda: mono[0])
+    ranks = RankRegistry(clock=lambda: mono[0], alive=lambda s: True)
     ranks.update({"v": 1, "type": "step", "run": "r1", "rank": 0, "local_rank": 0,
-                  "pid": 1, "gpu": 0, "step": 5}, None)
+                  "gpu": 0, "step": 5}, None,
+                 Sender(pid=1, uid=0, start_time=1, verified=True))
     book = CommandBook(ranks, AuditLog(None), "n", clock=lambda: mono[0],
                        wall_clock=lambda: wall[0])
     cmd = book.submit("r1", "checkpoint-restart", "hung", "op", deadline_s=120)

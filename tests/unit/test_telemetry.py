@@ -306,22 +306,46 @@ def test_another_user_cannot_fill_the_registry(sim_agent):
         assert [r.rank for r in sim_agent.agent.ranks.of_run("real")] == [0]
 
 
-def test_ranks_accept_replies_only_from_their_agent(sim_agent):
-    """Finding: a forged `checkpoint-restart` from any local socket reached poll()."""
+def test_ranks_accept_replies_only_from_their_agent(sim_agent, tmp_path):
+    """Finding: a forged `checkpoint-restart` from any local socket reached poll().
+
+    Replies come back on the rank's own connection, whose socket has no name another
+    process could send to; with an older agent's datagram socket the link is connected
+    to the agent's path, and the kernel refuses datagrams from anyone else."""
     link = AgentLink(sim_agent.telemetry[len("unix:"):], local_rank=0)
     link.send({"type": "heartbeat", "run": "r1", "rank": 0})
-    forger = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    forged = protocol.encode({"type": "agent", "slowdown": 20,
-                              "commands": [{"id": "x", "action": "checkpoint-restart"}]})
-    with pytest.raises(PermissionError):
-        forger.sendto(forged, link._sock.getsockname())
+    assert link._sock is not None and link._sock.type == socket.SOCK_SEQPACKET
+    assert link._sock.getsockname() in ("", b"")  # unnamed: nobody can address it
     deadline = time.time() + 5
     got: list[dict] = []
     while not got and time.time() < deadline:
         got = link.poll()
         time.sleep(0.02)
-    assert got and all(m.get("slowdown") != 20 for m in got)
+    assert got and got[0]["type"] == "agent"
     link.close()
+
+    old_agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # an older release's
+    old_agent.bind(str(tmp_path / "old.sock"))
+    link = AgentLink(str(tmp_path / "old.sock"), local_rank=0)
+    link.send({"type": "heartbeat", "run": "r1", "rank": 0})
+    assert link._sock is not None and link._sock.type == socket.SOCK_DGRAM
+    data, rank_addr = old_agent.recvfrom(8192)
+    assert json.loads(data)["run"] == "r1"
+    forger = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    forged = protocol.encode({"type": "agent", "slowdown": 20,
+                              "commands": [{"id": "x", "action": "checkpoint-restart"}]})
+    with pytest.raises(PermissionError):
+        forger.sendto(forged, rank_addr)
+    old_agent.sendto(protocol.encode({"type": "agent", "slowdown": 1}), rank_addr)
+    deadline = time.time() + 5
+    got = []
+    while not got and time.time() < deadline:
+        got = link.poll()
+        time.sleep(0.02)
+    assert got == [{"v": 1, "type": "agent", "slowdown": 1}]
+    link.close()
+    old_agent.close()
+    forger.close()
 
 
 def test_events_wait_briefly_for_a_full_agent_queue_samples_do_not(tmp_path):
@@ -451,17 +475,25 @@ def test_a_new_process_on_a_rank_inherits_nothing_of_the_old_ones_judgement():
     assert (r.values["checkpoint_step"], r.values["checkpoint_timestamp_seconds"]) == (100, 1e9)
 
 
-def test_a_ranks_last_datagrams_read_after_it_exited_still_count():
-    """The kernel names a datagram's sender; its start time is read when the agent
-    reads the datagram. A rank that sent `exit` and exited before the agent got to it
-    became an unverified sender, refused as not the owner: the rank stayed in its
-    training phase, and JobStalled paged a run that had finished cleanly."""
-    from clusterpulse.agent.identity import from_credentials
+def test_a_ranks_last_datagrams_read_after_it_exited_still_count(tmp_path):
+    """A rank that connected, sent `exit` and exited before the agent accepted its
+    connection is named by the kernel (pid and uid recorded at connect) but cannot be
+    pinned any more: an unverified sender. Refused as not the owner, the rank stayed
+    in its training phase, and JobStalled paged a run that had finished cleanly."""
+    from clusterpulse.agent import channel
 
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    listener = channel.bind_unix(str(tmp_path / "t.sock"))
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys; s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); "
+        "s.connect(sys.argv[1]); s.send(b'exit')"), str(tmp_path / "t.sock")])
     child.wait()
-    gone = from_credentials(child.pid, os.getuid(), os.getgid())
+    conn, _ = listener.accept()
+    gone = channel.identify(conn)
+    assert conn.recv(100) == b"exit"
+    conn.close()
+    listener.close()
     assert not gone.verified and gone.pid == child.pid  # kernel-named, now gone
+    assert gone.uid == os.getuid()
     reg = RankRegistry(alive=lambda s: False)
     owner = Sender(pid=child.pid, uid=os.getuid(), gid=os.getgid(), start_time=7,
                    verified=True)

@@ -1,0 +1,245 @@
+"""A shared node's receive path: senders that never read, a user who floods, a sender
+whose pid is taken over, and who may witness or be the target of an action.
+
+Each case was reproduced on the datagram receiver this replaced (issue: a production
+GPU node): 8 non-reading sockets capped the agent at ~5 messages/s and the policy
+hard-restarted a healthy job; a junk flood dropped 83 % of another user's telemetry;
+a root process placed on a sender's freed pid was killed by a hard restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from clusterpulse.agent import protocol
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.backends.sim import SimBackend
+from clusterpulse.agent.commands import CommandBook
+from clusterpulse.agent.core import Agent
+from clusterpulse.agent.identity import Sender
+from clusterpulse.agent.ranks import RankRegistry
+from clusterpulse.trainer.telemetry import AgentLink
+from tests.conftest import socket_path
+from tests.support.ranksock import SYSTEM_PYTHON, connect
+
+ROOT = os.geteuid() == 0
+
+
+def wait_for(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def steps_of(agent: Agent, run: str) -> int:
+    return sum(r.steps_total for r in agent.ranks.of_run(run))
+
+
+def send_steps(link: AgentLink, run: str, n: int, every_s: float) -> None:
+    for step in range(1, n + 1):
+        link.send({"type": "step", "run": run, "rank": 0, "step": step,
+                   "step_seconds": every_s})
+        time.sleep(every_s)
+
+
+def test_senders_that_never_read_their_replies_cost_the_others_nothing(sim_agent):
+    """A hung job's ranks keep sending heartbeats (their heartbeat thread lives) and
+    never read the replies (their main thread is stuck): each reply waited 0.2 s for
+    room, and a healthy job's heartbeat age reached 25 s."""
+    stalled = [connect(sim_agent.socket_path) for _ in range(8)]
+    stop = threading.Event()
+
+    def hung_job() -> None:
+        while not stop.is_set():
+            for i, s in enumerate(stalled):
+                with contextlib.suppress(BlockingIOError):  # its own queue full: its loss
+                    s.send(protocol.encode({"type": "heartbeat", "run": "hung", "rank": i,
+                                            "phase": "sync"}), socket.MSG_DONTWAIT)
+            time.sleep(0.01)
+
+    noise = threading.Thread(target=hung_job)
+    noise.start()
+    counts = sim_agent.agent.telemetry_counts
+    try:
+        wait_for(lambda: counts["reply_dropped"] >= 100, "the hung job's replies to pile up")
+        link = AgentLink(sim_agent.socket_path, local_rank=0)
+        send_steps(link, "healthy", 200, every_s=0.005)
+        wait_for(lambda: steps_of(sim_agent.agent, "healthy") == 200, "the healthy steps")
+        assert link.failed == 0
+        link.close()
+    finally:
+        stop.set()
+        noise.join()
+        for s in stalled:
+            s.close()
+    assert counts["reply_dropped"] >= 100  # the hung job lost its replies, nobody else
+
+
+_FLOODER = r"""
+import json, socket, sys, time
+path, seconds = sys.argv[1], float(sys.argv[2])
+conns = []
+for _ in range(4):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(path)
+    s.setblocking(False)
+    conns.append(s)
+msgs = [b"junk" * 50] + [json.dumps({"v": 1, "type": "heartbeat", "run": "flood",
+                                     "rank": i}).encode() for i in range(8)]
+print("flooding", flush=True)
+end, sent = time.monotonic() + seconds, 0
+while time.monotonic() < end:
+    for s in conns:
+        for m in msgs:
+            try:
+                s.send(m)
+                sent += 1
+            except BlockingIOError:
+                pass
+            try:
+                while s.recv(8192):
+                    pass
+            except BlockingIOError:
+                pass
+print(sent, flush=True)
+"""
+
+
+@pytest.mark.skipif(not ROOT, reason="a second user's flood needs root to run as uid 65534")
+def test_one_users_flood_costs_another_user_nothing(sim_agent):
+    """Finding: a junk flood from one user dropped 83 % of another user's datagrams
+    (one shared queue of 10). Each connection has its own queue now, and every user
+    gets the same share of each round."""
+    flooder = subprocess.Popen([SYSTEM_PYTHON, "-c", _FLOODER, sim_agent.socket_path, "8"],
+                               stdout=subprocess.PIPE, text=True, user=65534)
+    try:
+        assert flooder.stdout is not None
+        assert flooder.stdout.readline().strip() == "flooding"
+        link = AgentLink(sim_agent.socket_path, local_rank=0)
+        send_steps(link, "victim", 300, every_s=0.01)
+        wait_for(lambda: steps_of(sim_agent.agent, "victim") == 300, "the victim's steps")
+        assert link.failed == 0, f"{link.failed} of 300 of the victim's messages were lost"
+        link.close()
+        counts = sim_agent.agent.telemetry_counts
+        assert counts["malformed_not_json"] > 1000  # the flood was real, and was read
+    finally:
+        flooder.kill()
+        flooder.wait()
+
+
+def _on_pid(pid: int, argv: list[str]) -> subprocess.Popen:
+    """A process on exactly `pid` (freed by another), as a pid cycle would place one."""
+    for _ in range(200):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        p = subprocess.Popen(argv)
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    raise AssertionError(f"could not start a process on pid {pid} (others kept forking)")
+
+
+@pytest.mark.skipif(not ROOT, reason="placing a process on a chosen pid (ns_last_pid) "
+                                     "and sending as another uid need root")
+def test_a_sender_that_exited_is_never_taken_for_the_process_now_on_its_pid(tmp_path):
+    """Finding: the sender was looked up when the agent read the datagram. With the
+    agent paused, another user sent a rank of run "victim" and exited; a root process
+    took the freed pid; the agent read the datagram, took root's process for the rank,
+    and a hard restart killed it. The kernel names a connection's process when it
+    connects; the agent pins it as it accepts, and one gone by then is unverified."""
+    ranks, path = RankRegistry(), socket_path("pid")
+    agent = Agent(SimBackend(gpus=2, node="p"), "p", ranks, AuditLog(tmp_path / "a.jsonl"),
+                  telemetry_addr=path)
+    assert agent.receiver is not None
+    sleeper = None
+    try:  # the agent is not started: busy, or paused, while this happens
+        sender = subprocess.Popen([SYSTEM_PYTHON, "-c", (
+            "import json, socket, sys; s = socket.socket(socket.AF_UNIX, "
+            "socket.SOCK_SEQPACKET); s.connect(sys.argv[1]); s.send(json.dumps({'v': 1, "
+            "'type': 'step', 'run': 'victim', 'rank': 0, 'step': 1}).encode())"),
+            path], user=65534)
+        assert sender.wait() == 0
+        sleeper = _on_pid(sender.pid, ["sleep", "60"])
+        for _ in range(5):
+            agent.receiver.round(timeout=0.2)
+        (r,) = ranks.of_run("victim")
+        assert not r.sender.verified and r.pid == 0
+        cmd = agent.commands.submit("victim", "restart", "hung", "token", 60)
+        assert cmd.state == "failed" and "verified" in cmd.detail, cmd.detail
+        assert cmd.killed_pids == [] and sleeper.poll() is None
+    finally:
+        if sleeper is not None:
+            sleeper.kill()
+            sleeper.wait()
+        agent.stop()
+
+
+def test_another_users_ranks_never_witness_that_a_run_resumed():
+    """Finding: another user reporting new rank numbers of a victim's run with
+    `restarts` 1 made an operator's graceful restart of a hung run show `completed: all
+    ranks resumed`; it never escalated. Only new processes of the restarted ranks' own
+    user are the run coming back; an unverified sender is never a witness."""
+    alive = {1, 2, 3, 4}
+    ranks = RankRegistry(alive=lambda s: s.pid in alive)
+    book = CommandBook(ranks, AuditLog(None), "n")
+    victim = Sender(pid=1, uid=1000, start_time=1, verified=True)
+    base = {"v": 1, "run": "job", "local_rank": 0, "gpu": 0}
+    ranks.update({**base, "type": "step", "rank": 0, "step": 5}, None, victim)
+    cmd = book.submit("job", "checkpoint-restart", "hung", "op", deadline_s=60)
+    assert cmd.targets == {0: 0}
+    intruder = Sender(pid=2, uid=2000, start_time=2, verified=True)
+    ranks.update({**base, "type": "step", "rank": 1, "step": 6, "restarts": 1}, None, intruder)
+    ranks.update({**base, "type": "step", "rank": 2, "step": 6, "restarts": 1}, None,
+                 Sender(pid=3, uid=1000))  # the victim's uid, but nobody vouches for it
+    book.tick()
+    assert cmd.state == "pending" and cmd.resumed == set(), cmd.to_json()
+    alive.discard(1)  # the victim's rank restarted for real: a new process of its user
+    ranks.update({**base, "type": "step", "rank": 0, "step": 6, "restarts": 1}, None,
+                 Sender(pid=4, uid=1000, start_time=4, verified=True))
+    book.tick()
+    assert cmd.state == "completed" and cmd.resumed == {0}
+
+
+def test_an_unverified_sender_is_never_a_target():
+    """A rank that only an unverified sender reports is evidence: a command for its run
+    targets nothing and says why, instead of escalating against a process nobody
+    named."""
+    ranks = RankRegistry()
+    book = CommandBook(ranks, AuditLog(None), "n")
+    ranks.update({"v": 1, "type": "step", "run": "ghost", "rank": 0, "step": 1}, None,
+                 Sender(pid=9, uid=0))
+    cmd = book.submit("ghost", "checkpoint-restart", "straggler", "op", deadline_s=60)
+    assert cmd.state == "failed" and cmd.targets == {}
+    assert "verified" in cmd.detail
+
+
+def test_the_receive_loops_lag_is_exported(sim_agent):
+    """A stalled loop silences every rank of the node at once: the agent says so itself
+    (AgentTelemetryStalled inhibits the node's RankHung), so nobody restarts a job for
+    the agent's deafness."""
+    s = connect(sim_agent.socket_path)
+    s.send(protocol.encode({"type": "heartbeat", "run": "r", "rank": 0}))
+    s.recv(8192)
+    want = ('clusterpulse_agent_telemetry_connections{node="node-a",'
+            f'sender="uid:{os.getuid()}"}} 1.0')
+    text = ""
+
+    def scraped() -> bool:  # /metrics may answer from a cache of the last second
+        nonlocal text
+        text = sim_agent.get("/metrics", token=None).text
+        return want in text.splitlines()
+
+    wait_for(scraped, "the connection in /metrics", timeout=10)
+    (line,) = [ln for ln in text.splitlines()
+               if ln.startswith("clusterpulse_agent_telemetry_receive_lag_seconds{")]
+    assert float(line.rsplit(" ", 1)[1]) < 3.0
+    s.close()
