@@ -356,10 +356,9 @@ class Pulse:
         def forward_done(_module: Any, _args: Any, output: Any) -> None:
             if not torch.is_grad_enabled():
                 return
-            for t in tree_leaves(output):
+            for t in tree_leaves(output):  # each: the loss may use any of them
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(backward_starts)
-                    return
 
         self._n_params = len(params)
         self._hooks += [ddp_model.register_forward_pre_hook(forward_called),

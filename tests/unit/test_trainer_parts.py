@@ -725,6 +725,20 @@ def test_attach_ddp_costs_the_same_python_calls_whatever_the_parameter_count(tmp
                 model(torch.ones(2, 8), first).sum().backward()
             assert len(pulse._bucket_marks) == 1, step  # the syncing pass, once
             assert pulse._first_grad is not None
+
+        class TwoHeads(nn.Module):  # the loss uses the second output alone
+            def __init__(self) -> None:
+                super().__init__()
+                self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+            def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.a(x), self.b(x)
+
+        model = nn.parallel.DistributedDataParallel(TwoHeads(), find_unused_parameters=True)
+        pulse.attach_ddp(model)
+        with pulse.step(5) as s, s.section("forward_backward"):
+            model(torch.ones(2, 8))[1].sum().backward()
+        assert len(pulse._bucket_marks) == 1
     finally:
         pulse.close()
         dist.destroy_process_group()
