@@ -218,7 +218,6 @@ class Pulse:
         self._has_hook = False
         self._hooks: list[Any] = []  # removed at close: the model outlives no Pulse
         self._allreduce_bytes = 0.0  # bytes each rank moves per step in DDP's all-reduce
-        self._n_params = 0  # parameters DDP reduces (attach_ddp)
         self._comm_marks: list[tuple[Any, Any, float]] = []  # FSDP: (start, end, bytes)
         self._pending: list[tuple[StepContext, Any, Any, Any, Any, float, Any, list,
                                   list]] = []
@@ -360,7 +359,6 @@ class Pulse:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(backward_starts)
 
-        self._n_params = len(params)
         self._hooks += [ddp_model.register_forward_pre_hook(forward_called),
                         ddp_model.module.register_forward_pre_hook(ddp_work_done),
                         ddp_model.register_forward_hook(forward_done)]
