@@ -6,6 +6,7 @@ crash and a slow-data rank (tests/integration/test_ddp_tutorial.py).
 
     clusterpulse-train --nproc 4 --script examples/ddp_tutorial.py --preload torch -- 50 5
     torchrun --standalone --nproc-per-node 4 examples/ddp_tutorial.py 50 5
+    torchrun --standalone --nproc-per-node 1 examples/ddp_tutorial.py 20 5   # one GPU
 """
 
 import argparse
@@ -52,7 +53,7 @@ class Trainer:
             self._load_snapshot(snapshot_path)
         self.model = DDP(self.model, device_ids=[self.device] if self.device.type == "cuda"
                          else None)
-        pulse.attach_ddp(self.model)  # per-rank compute vs sync wait from DDP buckets
+        pulse.attach_ddp(self.model)  # per-rank compute vs sync wait (DDP's collectives)
 
     def _load_snapshot(self, snapshot_path):
         snapshot = torch.load(snapshot_path, map_location=self.device)

@@ -18,14 +18,16 @@ per-rank compute versus sync-wait, input stalls, and the restart protocol.
 complete, tested example is examples/ddp_tutorial.py.
 
 Why the split matters: in synchronous training every rank's step takes as long as the
-slowest rank's, so step time cannot name the straggler. With DDP a gradient hook
-stamps the moment each gradient bucket is ready (the rank's own work is done
-up to there; measured as the last gradient ready) while DDP runs its normal C++
-all-reduce; the time from there to the end of backward is waiting for peers. From the
-first gradient ready to the end of backward DDP's all-reduces run: the gradient bytes
-each rank moves over that window is the step's achieved bus bandwidth (a lower bound:
-the window also holds backward compute the all-reduces overlap), the figure that
-falls for every rank together when a link on the ring is slow. Without DDP (e.g. FSDP)
+slowest rank's, so step time cannot name the straggler. With DDP an autograd callback
+stamps the moment every gradient is computed (the rank's own work is done; DDP has
+launched its last bucket's all-reduce) while DDP runs its normal C++ all-reduce; the
+time from there to the end of backward is waiting for peers, and so is the time in
+DDP's broadcast of the model's buffers before each forward (a late peer is waited for
+there too). From the start of backward to its end DDP's all-reduces run: the gradient
+bytes each rank moves over that window is the step's achieved bus bandwidth (a lower
+bound: the window also holds backward compute the all-reduces overlap), the figure that
+falls for every rank together when a link on the ring is slow. A few Python calls per
+step, whatever the model's size. Without DDP (e.g. FSDP)
 `sync_probe()` times a one-element all-reduce at a chosen point: the straggler
 arrives last and waits ~0, the others wait for it. With FSDP2, `attach_fsdp` times
 each all-gather and reduce-scatter (FSDP's own, through its custom-collective hook)
@@ -55,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.utils._pytree import tree_leaves
 
 from clusterpulse.agent import protocol
 from clusterpulse.trainer import PREEMPTED_EXIT_CODE
@@ -206,13 +209,15 @@ class Pulse:
         self._clock: _HostClock | _CudaClock = (
             _CudaClock() if torch.cuda.is_available() and torch.cuda.is_initialized()
             else _HostClock())
-        self._bucket_marks: list[Any] = []
-        self._grads_ready = 0
-        self._first_grad: Any = None  # this step's first gradient ready (the window's start)
+        self._bucket_marks: list[Any] = []  # the rank's own backward work done (DDP)
+        self._first_grad: Any = None  # this step's syncing backward began (window's start)
+        self._backward_start: Any = None
+        self._backward_open = False  # a syncing backward is running, its callback queued
+        self._fwd_start: Any = None  # DDP's forward entered, its pre-forward not yet done
+        self._fwd_waits: list[tuple[Any, Any]] = []  # DDP's pre-forward (collectives)
         self._has_hook = False
         self._hooks: list[Any] = []  # removed at close: the model outlives no Pulse
         self._allreduce_bytes = 0.0  # bytes each rank moves per step in DDP's all-reduce
-        self._n_params = 0  # gradients DDP reduces (attach_ddp)
         self._comm_marks: list[tuple[Any, Any, float]] = []  # FSDP: (start, end, bytes)
         self._pending: list[tuple[StepContext, Any, Any, Any, Any, float, Any, list,
                                   list]] = []
@@ -277,54 +282,86 @@ class Pulse:
 
     # -- compute / sync split ------------------------------------------------------------
     def attach_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Stamp the moment each gradient is ready; DDP's own C++ all-reduce is kept.
+        """Mark when the rank's own backward work is done, and time DDP's collectives
+        in the forward; DDP's own C++ all-reduce is kept. A constant number of Python
+        calls per step, whatever the model's size.
 
-        The last gradient ready is when the rank's own backward work is done (DDP
-        launches the last bucket's all-reduce right then); from there to the end of
-        forward_backward the rank waits for its peers. A post-accumulate-grad hook
-        per parameter gives that mark without a Python DDP comm hook: a Python comm
-        hook's futures run Python callbacks on gloo's threads, which can abort the
-        process at interpreter exit ("terminate called without an active exception").
+        Backward: the model's output gets a gradient hook (the first node of the
+        backward) that queues an autograd engine callback. The engine runs its
+        callbacks once every gradient is computed, in the order queued: this one before
+        DDP's own, which DDP queues when its last bucket is ready and which waits for
+        the all-reduces. So the callback marks the rank's own work done (DDP has
+        launched every bucket's all-reduce); from there to the end of forward_backward
+        the rank waits for its peers. The output hook opens the all-reduce window
+        (buckets launch as their gradients become ready, from then on); with the bytes
+        DDP reduces, a ring all-reduce over DDP's group moves `ring_allreduce_bytes` of
+        them per rank in it. A hook per parameter gave the same marks at one Python
+        call per parameter per backward (thousands at 7B); these hold whatever the
+        gradient order, unused parameters included. Backward passes under `no_sync()`
+        (gradient accumulation) reduce nothing and are not marked: the window is the
+        syncing pass's. No Python DDP comm hook: its futures run Python callbacks on
+        gloo's threads, which can abort the process at interpreter exit ("terminate
+        called without an active exception").
 
-        The first gradient ready opens the all-reduce window (DDP launches a bucket
-        as soon as its gradients are all ready); with the bytes DDP reduces, a ring
-        all-reduce over DDP's own group moves `ring_allreduce_bytes` of them per rank
-        in that window. Backward passes under `no_sync()` (gradient accumulation)
-        reduce nothing and are not marked: the window is the syncing pass's.
+        Forward: DDP broadcasts the model's buffers from rank 0 before every forward
+        (broadcast_buffers=True, its default: a causal mask, BatchNorm statistics, a
+        rotary cache are buffers), and may rebuild its buckets there (a collective
+        too). A rank whose peer is late waits there, inside forward_backward: counted
+        as compute, it paged the waiting rank as the straggler. A pre-hook on DDP and
+        one on the wrapped module bracket that pre-forward: it is sync wait.
         """
         params = [p for p in ddp_model.parameters() if p.requires_grad]
-        on_host = isinstance(self._clock, _HostClock)
         group = getattr(ddp_model, "process_group", None)
         self._allreduce_bytes = ring_allreduce_bytes(
             sum(p.numel() * p.element_size() for p in params),
             group.size() if group is not None else self.world_size)
-        # The hook lives on each parameter, which the model holds: a strong reference
-        # back to the model (or its parameters) is a cycle through tensors that the
-        # garbage collector cannot free, so the DDP model, its reducer and process
-        # group lived until interpreter finalization, where their C++ destructors
-        # (gloo's threads) run while Python is half torn down.
-        model_ref, n_params = weakref.ref(ddp_model), len(params)
+        # The hooks live on the model: a strong reference back to the model (or its
+        # parameters) is a cycle through tensors that the garbage collector cannot
+        # free, so the DDP model, its reducer and process group lived until interpreter
+        # finalization, where their C++ destructors (gloo's threads) run while Python
+        # is half torn down.
+        model_ref = weakref.ref(ddp_model)
+        engine = torch.autograd.Variable._execution_engine
 
-        def ready(param: torch.Tensor) -> None:
+        def own_work_done() -> None:
+            self._backward_open = False
+            mark = self._clock.mark()
+            self._bucket_marks.append(mark)
+            self._first_grad = self._backward_start
+            # DDP has launched every bucket: this rank has entered the gradient
+            # all-reduce; it completes when the step ends (backward has returned)
+            self._ddp_seq = self.collectives.enter("all_reduce")
+
+        def backward_starts(_grad: torch.Tensor) -> None:
             model = model_ref()
-            if model is not None and not getattr(model, "require_backward_grad_sync", True):
+            if model is None or not getattr(model, "require_backward_grad_sync", True):
                 return  # inside no_sync(): no all-reduce follows this backward
-            self._grads_ready += 1
-            first, last = self._grads_ready == 1, self._grads_ready == n_params
-            # a float per gradient on the host; on CUDA an event at the first and the last
-            if on_host or first or last:
-                mark = self._clock.mark()
-                if first:
-                    self._first_grad = mark
-                if on_host or last:
-                    self._bucket_marks.append(mark)
-            if last:
-                # DDP launches its last bucket now: this rank has entered the gradient
-                # all-reduce; it completes when the step ends (backward has returned)
-                self._ddp_seq = self.collectives.enter("all_reduce")
+            if self._backward_open:
+                return  # a second output of the same forward: one mark per backward
+            self._backward_open = True
+            self._backward_start = self._clock.mark()
+            engine.queue_callback(own_work_done)
 
-        self._n_params = n_params
-        self._hooks += [p.register_post_accumulate_grad_hook(ready) for p in params]
+        def forward_called(module: Any, _args: Any) -> None:
+            # only where DDP broadcasts: its other pre-forward work is the rank's own
+            sync = getattr(module, "will_sync_module_buffers", None)
+            self._fwd_start = self._clock.mark() if sync is None or sync() else None
+
+        def ddp_work_done(_module: Any, _args: Any) -> None:
+            if self._fwd_start is not None:  # not the inner module called on its own
+                self._fwd_waits.append((self._fwd_start, self._clock.mark()))
+                self._fwd_start = None
+
+        def forward_done(_module: Any, _args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            for t in tree_leaves(output):  # each: the loss may use any of them
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(backward_starts)
+
+        self._hooks += [ddp_model.register_forward_pre_hook(forward_called),
+                        ddp_model.module.register_forward_pre_hook(ddp_work_done),
+                        ddp_model.register_forward_hook(forward_done)]
         self._has_hook = True
 
     def sync_probe(self, group: dist.ProcessGroup | None = None) -> None:
@@ -405,8 +442,9 @@ class Pulse:
             ctx.sections["data"] = fetch
         self._enter("step")
         self._bucket_marks = []
-        self._grads_ready = 0
         self._first_grad = None
+        self._backward_open = False
+        self._fwd_waits = []
         self._probes = []
         self._comm_marks = []
         t0 = time.perf_counter()
@@ -424,10 +462,10 @@ class Pulse:
         end_mark = self._clock.mark()
         wall = time.perf_counter() - t0 + fetch
         last_bucket = self._bucket_marks[-1] if self._bucket_marks else None
-        # a window only where every gradient was ready: DDP then reduced them all
-        first_bucket = self._first_grad if self._grads_ready >= self._n_params else None
+        # a window only where the syncing backward completed: DDP then reduced them all
+        first_bucket = self._first_grad if last_bucket is not None else None
         self._pending.append((ctx, start_mark, first_bucket, last_bucket, end_mark, wall,
-                              ctx.fb_end, self._probes, self._comm_marks))
+                              ctx.fb_end, self._probes + self._fwd_waits, self._comm_marks))
         self._comm_marks = []
         self._step = step
         self._enter("between")
@@ -444,6 +482,7 @@ class Pulse:
                 return
             data = ctx.sections.get("data", 0.0)
             ckpt = ctx.sections.get("checkpoint", 0.0)
+            # sync probes and DDP's pre-forward collectives: waits outside the backward
             probe_wait = sum(clock.elapsed(a, b) or 0.0 for a, b in probes)
             comm, comm_bytes = None, self._allreduce_bytes
             if comm_marks:  # FSDP's timed collectives, each on its own stream (CUDA)
@@ -458,9 +497,11 @@ class Pulse:
                 ref = fb_end if fb_end is not None else end
                 # no section: the tail also holds the optimizer
                 tail = 0.0 if fb_end is not None else ctx.sections.get("optimizer", 0.0)
-                sync_wait = max(0.0, (clock.elapsed(last_bucket, ref) or 0.0) - tail)
+                sync_wait = max(0.0, (clock.elapsed(last_bucket, ref) or 0.0) - tail) \
+                    + probe_wait
                 if first_bucket is not None:
                     comm = max(0.0, (clock.elapsed(first_bucket, ref) or 0.0) - tail)
+                    comm += probe_wait  # DDP's buffer broadcast: a collective too
             else:
                 sync_wait = probe_wait
             self._pending.pop(0)

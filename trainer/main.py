@@ -124,7 +124,7 @@ class Trainer:
             after_publish=self._after_publish)
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             self.pulse.attach_ddp(self.model)
-        elif cfg.parallel == "fsdp" and info.world > 1:
+        elif cfg.parallel == "fsdp":
             self.pulse.attach_fsdp(self.model)
         self.last_ckpt_time = time.monotonic()
         self.sync_bytes = 0.0

@@ -136,18 +136,25 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
 
     `attempt` is this rank's proposal (default: `local_attempt()`); every rank gets
     rank 0's. Safe to call when the process group already exists.
+
+    A world of one gets a process group too (of size one): code written for torchrun
+    (DistributedSampler, DDP, DCP, `dist.get_rank()`) needs one, and the recipe tried
+    on a one-GPU workstation failed in DistributedSampler without it. Run without a
+    launcher (no MASTER_ADDR), that group's store is in this process.
     """
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device, backend = _device_and_backend(local_rank)
     proposal = local_attempt() if attempt is None else attempt
-    if world > 1 and not dist.is_initialized():
+    if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         kwargs: dict = {"timeout": timeout, "device_id": device if backend == "nccl" else None}
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             kwargs.update(store=_shared_store_prefixed(world, rank, timeout), rank=rank,
                           world_size=world)
+        elif world == 1 and "MASTER_ADDR" not in os.environ:  # plain `python script.py`
+            kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend, **kwargs)  # env:// : this round's own store
     agreed, membership = proposal, restarted_for_membership()
     if world > 1:  # rank 0's proposal (the others give 0), and whether any node rejoined
@@ -186,9 +193,9 @@ def hold_process_groups_until_exit() -> None:
 
 
 def wrap(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:
+    """DDP or FSDP2 over the default group, at any world size: one rank runs the same
+    code (and the same instrumentation) as many."""
     model = model.to(info.device)
-    if info.world == 1:
-        return model
     if parallel == "ddp":
         return nn.parallel.DistributedDataParallel(
             model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)

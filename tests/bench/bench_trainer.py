@@ -183,6 +183,60 @@ def bench_verify() -> list[Row]:
     return rows
 
 
+def _step_times(model, pulse, steps: int) -> list[float]:
+    """Host seconds per step (forward, backward, with Pulse's step when given)."""
+    import contextlib
+
+    import torch
+
+    x, out = torch.ones(1, 4), []
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        with pulse.step(step) if pulse else contextlib.nullcontext():
+            model(x).sum().backward()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def bench_hook_host_cost() -> list[Row]:
+    """attach_ddp's host time per step against the parameter count (issue #26: a hook
+    per parameter cost one Python call per parameter per backward). One process, a
+    world of one on gloo, models of many tiny parameters so that the hooks, not the
+    arithmetic, are what grows; blocks alternate so that noise hits both alike."""
+    import statistics
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from clusterpulse.trainer.instrument import Pulse
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
+                                world_size=1)
+        try:
+            for n_params in (10, 2000):
+                def build(n: int = n_params) -> nn.Module:
+                    return nn.parallel.DistributedDataParallel(
+                        nn.Sequential(*(nn.Linear(4, 4) for _ in range(n // 2))))
+                bare, hooked = build(), build()
+                pulse = Pulse(run="bench", agent=None, world_size=1, catch_sigterm=False)
+                pulse.attach_ddp(hooked)
+                times: dict[str, list[float]] = {"bare": [], "hooked": []}
+                for _ in range(5):
+                    times["bare"] += _step_times(bare, None, 40)[5:]
+                    times["hooked"] += _step_times(hooked, pulse, 40)[5:]
+                pulse.close()
+                rows.append(Row(f"host time per step, attach_ddp + Pulse ({n_params} params)",
+                                statistics.median(times["hooked"]) * 1e3, "ms",
+                                baseline=statistics.median(times["bare"]) * 1e3,
+                                baseline_name="same DDP model, no Pulse",
+                                budget="+0.2 ms at any size"))
+        finally:
+            dist.destroy_process_group()
+    return rows
+
+
 def run() -> list[Row]:
-    return (bench_overhead_and_checkpoints() + bench_recovery() + bench_script_recovery()
-            + bench_verify())
+    return (bench_overhead_and_checkpoints() + bench_hook_host_cost() + bench_recovery()
+            + bench_script_recovery() + bench_verify())

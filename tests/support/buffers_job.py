@@ -1,0 +1,94 @@
+"""A training loop whose model has buffers, under DDP's default settings, for the
+attribution tests (run by a real torchrun: tests/integration/test_attribution.py).
+
+minGPT registers its causal mask as a buffer and most real models hold BatchNorm
+statistics: DDP then broadcasts the buffers from rank 0 at the start of every forward
+(broadcast_buffers=True), a collective inside the rank's own forward. One rank is made
+a straggler, in compute (a slower GPU: longer before backward and in the optimizer,
+whose lateness its peers then wait for in the next forward's broadcast) or in data
+loading (its input takes longer to arrive), and every rank writes its
+figures per step as JSON lines to OUT_DIR/rank<r>.jsonl: `{"step": s, ...Pulse.last,
+"straggler_score": ...}`.
+
+    torchrun --nproc-per-node 3 tests/support/buffers_job.py compute 2 30 OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from clusterpulse.trainer.instrument import Pulse
+from clusterpulse.trainer.parallel import init_distributed
+
+WORK_S = 0.04  # every rank's simulated device work per step
+DELAY_S = 0.04  # the straggler's extra time per step (compute or data)
+SEQ, DIM = 16, 32
+
+
+class CausalBlock(nn.Module):
+    """minGPT's attention: the causal mask is a registered buffer, then BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(SEQ, SEQ)).view(1, SEQ, SEQ))
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.norm = nn.BatchNorm1d(DIM)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(DIM, dim=2)
+        att = (q @ k.transpose(1, 2)) / DIM ** 0.5
+        att = att.masked_fill(self.mask[:, :SEQ, :SEQ] == 0, float("-inf")).softmax(-1)
+        y = self.norm((att @ v).transpose(1, 2)).transpose(1, 2)
+        return self.head(y).mean(dim=1)
+
+
+def batches(rank: int, slow_data: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        if slow_data:
+            time.sleep(DELAY_S)  # a starved input pipeline
+        yield torch.rand(8, SEQ, DIM, generator=g), torch.rand(8, 1, generator=g)
+
+
+def main(mode: str, slow_rank: int, steps: int, out_dir: Path) -> None:
+    info = init_distributed(timeout_s=120)
+    out = (out_dir / f"rank{info.rank}.jsonl").open("w")
+    torch.manual_seed(0)
+    model = DDP(CausalBlock())  # broadcast_buffers=True: DDP's default
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Pulse(run="buffers", agent=None, catch_sigterm=False) as pulse:
+        pulse.attach_ddp(model)
+        data = batches(info.rank, mode == "data" and info.rank == slow_rank)
+        for step, (x, y) in enumerate(pulse.data(data), start=1):
+            with pulse.step(step) as s:
+                extra = DELAY_S / 2 if mode == "compute" and info.rank == slow_rank else 0.0
+                with s.section("forward_backward"):
+                    loss = F.mse_loss(model(x), y)
+                    time.sleep(WORK_S + extra)
+                    loss.backward()
+                with s.section("optimizer"):
+                    time.sleep(extra)
+                    opt.step()
+                    opt.zero_grad()
+                s.loss = loss.detach()
+            pulse.boundary(step)
+            out.write(json.dumps({"step": step, **pulse.last,
+                                  "straggler_score": pulse.extra.get("straggler_score")}) + "\n")
+            if step == steps:
+                break
+    out.close()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
