@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "at zero, so an XID just after an agent restart can be missed)")
     p.add_argument("--sysfs", type=Path, default=Path("/sys"),
                    help="sysfs root for NIC port health (InfiniBand/RoCE counters, Ethernet "
-                   "statistics); 'none' to turn it off (default: /sys)")
+                   "statistics); it also tells device-backed NICs from virtual ones. "
+                   "'none' to turn it off: then only the --nic interfaces' queues are read "
+                   "(default: /sys)")
     p.add_argument("--nic", action="append", default=[], metavar="IFACE",
                    help="network interface to read (counters and queue) besides the NICs "
                    "backed by a device and the RDMA ports, which are always read; a name or "
