@@ -106,8 +106,10 @@ def test_flags_in_unit_and_default_file_exist_in_the_cli(unit: Path):
 # nvidia-caps take dynamic majors). Older drivers named major 195 "nvidia-frontend".
 _COMMON = "  1 mem\n  4 /dev/vc/0\n  4 tty\n  5 /dev/tty\n  5 /dev/ptmx\n 10 misc\n 13 input\n"
 PROC_DEVICES = {
-    "R580 open (H200)": _COMMON + "195 nvidia\n195 nvidiactl\n226 drm\n234 nvidia-nvlink\n"
-                        "505 nvidia-caps-imex-channels\n506 nvidia-caps\n507 nvidia-uvm\n",
+    # captured on an H200 node, driver 580.159.04, open kernel module
+    "R580 open (H200)": _COMMON + "195 nvidia\n195 nvidiactl\n238 nvidia-uvm\n"
+                        "239 nvidia-nvswitch\n240 nvidia-nvlink\n241 nvidia-caps\n"
+                        "242 nvidia-caps-imex-channels\n",
     "R550 open": _COMMON + "195 nvidia\n195 nvidiactl\n226 drm\n508 nvidia-caps-imex-channels\n"
                  "509 nvidia-uvm\n511 nvidia-caps\n",
     "R535 closed": _COMMON + "195 nvidia\n195 nvidiactl\n226 drm\n236 nvidia-nvswitch\n"
