@@ -21,7 +21,7 @@ once, and under Slurm with the agent run as a job step idle nodes have none. Tak
 nodes out for it (NPD + draino cordon on 1, NHC-style --drain drains) would empty the
 GPU pool for a monitoring problem, so only evidence about the GPUs or the node is a
 problem (1), and on unknown Slurm is left untouched (no drain, no resume). A missing
-agent is caught by Prometheus instead (AgentDown).
+agent is caught by Prometheus instead (NodeAgentDown).
 """
 
 from __future__ import annotations
