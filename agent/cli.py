@@ -37,6 +37,9 @@ examples:
   clusterpulse-agent --backend nvml --listen 0.0.0.0:9477 --token-file /etc/clusterpulse/tokens \
       --tls-cert /etc/clusterpulse/agent.crt --tls-key /etc/clusterpulse/agent.key
 
+  # a node whose fabric link is a veth or macvlan (read besides device-backed NICs)
+  clusterpulse-agent --backend nvml --nic eth0 --nic 'ib*'
+
   # simulated node with a timed fault scenario (TOML, see deploy/local/scenario.toml)
   clusterpulse-agent --backend sim --node sim-a --scenario deploy/local/scenario.toml
 """
@@ -100,10 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "at zero, so an XID just after an agent restart can be missed)")
     p.add_argument("--sysfs", type=Path, default=Path("/sys"),
                    help="sysfs root for NIC port health (InfiniBand/RoCE counters, Ethernet "
-                   "statistics); 'none' to turn it off (default: /sys)")
-    p.add_argument("--nic", action="append", metavar="IFACE",
-                   help="network interface whose queue (root qdisc) to export; repeat for "
-                   "several (default: every interface that has a queue)")
+                   "statistics); it also tells device-backed NICs from virtual ones. "
+                   "'none' to turn it off: then only the --nic interfaces' queues are read "
+                   "(default: /sys)")
+    p.add_argument("--nic", action="append", default=[], metavar="IFACE",
+                   help="network interface to read (counters and queue) besides the NICs "
+                   "backed by a device and the RDMA ports, which are always read; a name or "
+                   "a glob ('ens*'), repeat for several. veths, bridges, tun/tap, docker, "
+                   "cni, calico and flannel devices are read only when named here")
     p.add_argument("--no-queues", action="store_true",
                    help="do not read the NICs' queue statistics (they need `tc`, iproute2)")
     p.add_argument("--rank-grace", type=float, default=300.0,
@@ -189,12 +196,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"cannot listen: {err.strerror or err} ({args.listen} / {args.telemetry})"
         ) from None
-    from clusterpulse.agent.links import NicCounters, QueueCounters
+    from clusterpulse.agent.links import NicCounters, NicSelection, QueueCounters
 
-    if str(args.sysfs) != "none":
-        agent.links.append(NicCounters(args.sysfs))
+    sysfs = None if str(args.sysfs) == "none" else args.sysfs
+    nics = NicSelection(tuple(args.nic), sysfs)
+    if sysfs is not None:
+        agent.links.append(NicCounters(sysfs, nics))
     if not args.no_queues:
-        agent.links.append(QueueCounters(args.nic))
+        agent.links.append(QueueCounters(nics))
     agent.start()
     serve_in_thread(server)
     done = threading.Event()

@@ -4,7 +4,7 @@ schedulers already consume.
 It reads the local agent's /metrics (so it sees exactly what Prometheus sees) and
 fails the node for what an operator would take it out of service for: a GPU that
 stopped answering (fell off the bus), a critical XID, uncorrectable ECC errors or a
-failed row remap, an agent that is unreachable or no longer collecting.
+failed row remap, an agent that answers but no longer collects (GPU reads that hang).
 
 The output follows two protocols at once, because they agree:
 - LBNL NHC / Slurm `HealthCheckProgram`: exit status 0 = healthy, non-zero = not, and
@@ -14,14 +14,20 @@ The output follows two protocols at once, because they agree:
 - Kubernetes Node Problem Detector custom plugins: exit 0 = OK, 1 = problem (the
   condition is set), 2 = unknown; stdout is the condition's message.
 
-Unknown (2) means the check could not decide (the agent answered something that is
-not its metrics); an agent that does not answer at all is a problem (1), since then
-nothing watches the node's GPUs.
+Unknown (2) means the check could not decide: the agent did not answer (refused, timed
+out, not running yet), or answered something that is not its metrics. That is a
+monitoring hiccup, not a fault of the node: an agent rollout restarts every agent at
+once, and under Slurm with the agent run as a job step idle nodes have none. Taking
+nodes out for it (NPD + draino cordon on 1, NHC-style --drain drains) would empty the
+GPU pool for a monitoring problem, so only evidence about the GPUs or the node is a
+problem (1), and on unknown Slurm is left untouched (no drain, no resume). A missing
+agent is caught by Prometheus instead (NodeAgentDown).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import shutil
 import socket
@@ -107,9 +113,12 @@ def check(url: str, timeout: float, max_age_s: float, xids: frozenset[int],
         text = fetch_metrics(url, timeout)
     except urllib.error.HTTPError as err:
         return Verdict(UNKNOWN, [f"agent at {url} answered HTTP {err.code}"])
-    except (urllib.error.URLError, OSError) as err:
-        why = getattr(err, "reason", err)
-        return Verdict(PROBLEM, [f"agent unreachable at {url}: {why}"])
+    except (urllib.error.URLError, OSError) as err:  # refused, timed out, reset
+        why = getattr(err, "reason", err) or type(err).__name__
+        return Verdict(UNKNOWN, [f"agent unreachable at {url}: {why}"])
+    except http.client.HTTPException as err:  # not HTTP, or the connection cut mid-answer
+        return Verdict(UNKNOWN, [f"agent at {url} gave a bad answer: "
+                                 f"{type(err).__name__} {err}".rstrip()])
     return evaluate(text, time.time(), max_age_s, xids, ecc_max)
 
 
@@ -141,7 +150,10 @@ def node_state(node: str) -> tuple[str, str]:
 
 
 def apply_to_slurm(node: str, verdict: Verdict) -> str:
-    """Drain on a problem; resume a node that this check drained once it is healthy."""
+    """Drain on a problem; resume a node that this check drained once it is healthy.
+    Unknown touches nothing: not even `scontrol show`, whose failure would count."""
+    if verdict.status == UNKNOWN:
+        return ""
     state, reason = node_state(node)
     if verdict.status == PROBLEM:
         want = f"{REASON_PREFIX} {verdict.message}"[:200]
@@ -156,7 +168,9 @@ def apply_to_slurm(node: str, verdict: Verdict) -> str:
 
 
 EXAMPLES = """\
-exit status: 0 healthy, 1 problem (the node should not run jobs), 2 unknown.
+exit status: 0 healthy, 1 problem (the node should not run jobs), 2 unknown (the agent
+did not answer or answered something else: never a reason to drain; --drain leaves
+Slurm untouched then).
 
 examples:
   # ask the local agent; print OK or the reasons
@@ -225,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.timeout <= 0 or a.max_age <= 0:
         p.error("--timeout and --max-age must be positive")
+    if not a.agent.startswith(("http://", "https://")):
+        p.error(f"--agent must be an http:// or https:// URL, got {a.agent!r}")
     url = a.agent.rstrip("/") + "/metrics"
     verdict = check(url, a.timeout, a.max_age, CRITICAL_XIDS | frozenset(a.xid), a.ecc_max)
     print(verdict.message if verdict.status == OK else

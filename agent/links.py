@@ -17,15 +17,24 @@ packets back in the interface's queueing discipline, and the kernel counts that
 (`overlimits`, `backlog`, `drops` of the root qdisc). `QueueCounters` reads them with
 `tc -s -j qdisc show` (netlink, so it sees the agent's own network namespace). For
 InfiniBand the equivalent evidence is `port_xmit_wait` above.
+
+Which interfaces are the job's (`NicSelection`): a Kubernetes node has hundreds of
+veths (cali*, cni0, flannel.1), a Slurm node docker0 and bridges, and a demo or
+testbed on the same host adds its own, some shaped with tbf. Their counters and
+queues say nothing about the training fabric, and one congested veth made
+TrainingLinkCongested page for a node whose real link was idle. So by default only
+interfaces backed by a device (sysfs `device` link) and the RDMA ports are read;
+`--nic` names (or globs) more, e.g. a testbed node whose only link is a veth.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,7 +61,37 @@ NET_COUNTERS: dict[str, tuple[str, str]] = {
     "tx_bytes": ("nic_transmit_bytes", "Bytes sent."),
     "rx_bytes": ("nic_receive_bytes", "Bytes received."),
 }
-SKIP_NET = ("lo",)
+# Interface names that are never a node's fabric link unless named with --nic: loopback,
+# veth pairs, bridges, tunnels, and the CNI/container-runtime devices that sit on them.
+VIRTUAL_NAMES = ("lo", "veth*", "br-*", "virbr*", "docker*", "cni*", "cali*", "flannel*",
+                 "tun*", "tap*", "vxlan*", "weave*", "kube-*", "cilium*", "lxc*")
+
+
+@dataclass(frozen=True)
+class NicSelection:
+    """Which network interfaces are the node's own links (see the module docstring).
+
+    `named`: --nic names or globs, always read. `sysfs`: the tree that tells a
+    device-backed NIC from a virtual one; None (e.g. `--sysfs none`) selects only the
+    named ones, since nothing else can be told apart.
+    """
+
+    named: tuple[str, ...] = ()
+    sysfs: Path | None = Path("/sys")
+
+    def is_named(self, iface: str) -> bool:
+        return any(fnmatch.fnmatchcase(iface, pat) for pat in self.named)
+
+    def wanted(self, iface: str) -> bool:
+        if self.is_named(iface):
+            return True
+        if self.sysfs is None or any(fnmatch.fnmatchcase(iface, p) for p in VIRTUAL_NAMES):
+            return False
+        dev = self.sysfs / "class" / "net" / iface
+        # Kernel semantics: only a NIC on a bus has `device`; a bridge has `bridge/`
+        # and a tun/tap `tun_flags` (checked too, for odd drivers that link a parent).
+        return ((dev / "device").exists() and not (dev / "bridge").exists()
+                and not (dev / "tun_flags").exists())
 
 
 @dataclass
@@ -80,9 +119,12 @@ def _number(text: str | None) -> float | None:
 
 
 class NicCounters:
-    def __init__(self, root: Path = Path("/sys"), skip_virtual: bool = True) -> None:
+    """RDMA ports and the selected Ethernet interfaces (`select`; default: those
+    backed by a device in `root`)."""
+
+    def __init__(self, root: Path = Path("/sys"), select: NicSelection | None = None) -> None:
         self.root = root
-        self.skip_virtual = skip_virtual
+        self.select = select or NicSelection(sysfs=root)
 
     def ports(self) -> list[Port]:
         out = []
@@ -100,8 +142,8 @@ class NicCounters:
                 out.append(p)
         net = self.root / "class" / "net"
         for dev in sorted(net.glob("*")) if net.is_dir() else []:
-            if dev.name in SKIP_NET or (self.skip_virtual and not (dev / "device").exists()):
-                continue  # bridges, veths, tunnels: no physical link to watch
+            if not self.select.wanted(dev.name):
+                continue  # bridges, veths, tunnels, CNI devices: not the node's link
             p = Port(dev.name, "1", "ethernet")
             carrier = _number(_read(dev / "carrier"))
             p.up = None if carrier is None else float(carrier >= 1)
@@ -171,15 +213,16 @@ def read_qdiscs(tc: str) -> dict[str, QueueStats]:
 class QueueCounters:
     """Root-qdisc statistics of the node's network interfaces, read at scrape time.
 
-    `devices`: the interfaces to export (default: every one with a queue). `read` is
+    `select`: the interfaces to export (default: those backed by a device in /sys);
+    every other queue (a veth shaped by another setup on the host) is ignored. `read` is
     `read_qdiscs` with the `tc` found on PATH; a failure (no tc, a timeout, odd output)
     is logged once and the scrape goes on without these series.
     """
 
-    def __init__(self, devices: Sequence[str] | None = None,
+    def __init__(self, select: NicSelection | None = None,
                  read: Callable[[], dict[str, QueueStats]] | None = None) -> None:
         tc = shutil.which("tc")
-        self.devices = set(devices) if devices else None
+        self.select = select or NicSelection()
         self.read = read or (lambda: read_qdiscs(tc) if tc else {})
         self._warned = tc is None and read is None
         if self._warned:
@@ -193,7 +236,7 @@ class QueueCounters:
                 log.warning("cannot read queueing statistics: %s", err)
                 self._warned = True
             return {}
-        return {d: q for d, q in found.items() if self.devices is None or d in self.devices}
+        return {d: q for d, q in found.items() if self.select.wanted(d)}
 
     def families(self, node: str) -> Iterator:
         labels = ["node", "device", "qdisc"]

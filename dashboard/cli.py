@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.operators_file:
         env["CLUSTERPULSE_OPERATORS_FILE"] = str(a.operators_file.resolve())
     os.environ.update(env)
+    if importlib.util.find_spec("streamlit") is None:  # before exec: clusterpulse.entry
+        raise ModuleNotFoundError("No module named 'streamlit'", name="streamlit")
     app = Path(__file__).with_name("app.py")
     args = [sys.executable, "-m", "streamlit", "run", str(app),
             f"--server.address={a.address}", f"--server.port={a.port}",

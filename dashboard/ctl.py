@@ -14,6 +14,7 @@ import os
 import pwd
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from clusterpulse.agent import protocol
@@ -23,6 +24,8 @@ from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
 EXAMPLES = """\
 examples:
+  export CLUSTERPULSE_PROMETHEUS_URL=http://127.0.0.1:9090   # or --prometheus URL
+  export CLUSTERPULSE_AGENT_TOKEN_FILE=/etc/clusterpulse/token   # or --token-file FILE
   clusterpulse-ctl restart --run llama-7b --graceful --reason "straggler on node-7" --wait
   clusterpulse-ctl restart --run llama-7b --hard --reason "rank 12 hung"
   clusterpulse-ctl evict --run llama-7b --node node-7 --for 600 --reason "NIC trained down"
@@ -58,16 +61,20 @@ def default_audit_log() -> Path:
     return base / "clusterpulse" / "audit.jsonl"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
+    """The parser; `env` gives the defaults of the shared settings (the dashboard's
+    variables), so that the README's examples run as written after its exports."""
     p = argparse.ArgumentParser(prog="clusterpulse-ctl", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prometheus", default=os.environ.get("CLUSTERPULSE_PROMETHEUS_URL",
-                                                          "http://127.0.0.1:9090"))
-    p.add_argument("--token-file", type=Path,
-                   default=os.environ.get("CLUSTERPULSE_AGENT_TOKEN_FILE"))
+    p.add_argument("--prometheus", default=env.get("CLUSTERPULSE_PROMETHEUS_URL",
+                                                   "http://127.0.0.1:9090"),
+                   help="Prometheus API URL, to find the run's agents (default: "
+                   "$CLUSTERPULSE_PROMETHEUS_URL, else http://127.0.0.1:9090)")
+    p.add_argument("--token-file", type=Path, default=env.get("CLUSTERPULSE_AGENT_TOKEN_FILE"),
+                   help="the agents' control API token file, needed by restart and evict "
+                   "(default: $CLUSTERPULSE_AGENT_TOKEN_FILE)")
     p.add_argument("--audit-log", type=Path,
-                   default=Path(os.environ.get("CLUSTERPULSE_AUDIT_LOG")
-                                or default_audit_log()),
+                   default=Path(env.get("CLUSTERPULSE_AUDIT_LOG") or default_audit_log()),
                    help="JSON-lines audit log (default: $CLUSTERPULSE_AUDIT_LOG, else "
                    "$XDG_STATE_HOME/clusterpulse/audit.jsonl, i.e. "
                    "~/.local/state/clusterpulse/audit.jsonl; with no home directory, "
@@ -91,9 +98,24 @@ def main(argv: list[str] | None = None) -> int:
     a_ = sub.add_parser("agents", help="list the agents serving a run")
     a_.add_argument("--run", required=True)
     sub.add_parser("hash-password", help="print a password hash for the operators file")
+    return p
+
+
+def parse(argv: list[str] | None, env: Mapping[str, str] = os.environ) -> argparse.Namespace:
+    """Arguments checked for what each command needs: a one-line usage error (exit 2)
+    here, not a failure once Prometheus and the agents have been asked."""
+    p = build_parser(env)
     a = p.parse_args(argv)
     if a.cmd == "evict" and not 1 <= a.leave_s <= protocol.MAX_LEAVE_S:
         p.error(f"evict --for: seconds in 1..{protocol.MAX_LEAVE_S} (longer: drain the node)")
+    if a.cmd in ("restart", "evict") and a.token_file is None:
+        p.error(f"{a.cmd} needs the agents' token: --token-file FILE or "
+                "CLUSTERPULSE_AGENT_TOKEN_FILE")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
     if a.cmd == "hash-password":
         pw = getpass.getpass("Password: ")
         if len(pw) < 8 or pw != getpass.getpass("Again: "):

@@ -1,4 +1,4 @@
-"""Imported first by the warm-start forkserver (trainer/warmstart.py, SESSION): puts
+"""Imported first by the warm-start forkserver (trainer/warmstart/, SESSION): puts
 the server, and so every rank forked from it, in a session of its own.
 
 torchrun starts ranks as new interpreters each in a session of its own, so a signal

@@ -2,7 +2,7 @@
 per-rank compute versus sync-wait, input stalls, and the restart protocol.
 
     info = init_distributed()                    # restart-safe (trainer.parallel)
-    with Pulse(run="my-run") as pulse:           # agent: $CLUSTERPULSE_AGENT or :9401
+    with Pulse(run="my-run") as pulse:           # agent: $CLUSTERPULSE_AGENT or its default
         pulse.attach_ddp(ddp_model)              # compute/sync split from DDP buckets
         for x, y in pulse.data(loader):          # time waiting for input is measured
             step += 1

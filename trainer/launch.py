@@ -12,7 +12,7 @@ What it adds to torchrun, and why:
   Here a rank leaving for a graceful restart writes this launcher's relaunch file
   and exits 0; torchrun ends cleanly and the launcher starts it again (a new
   rendezvous on every node). `--max-restarts` is left whole for real failures.
-- Warm restarts (trainer/warmstart.py): the reference trainer's ranks are forked from
+- Warm restarts (trainer/warmstart/): the reference trainer's ranks are forked from
   a server that imported torch and the trainer once, so a restart does not pay every
   rank's ~3.5 s of imports again. `--cold-start` starts each rank as a new
   interpreter, as torchrun does. A `--script` starts cold unless `--preload` names
@@ -205,11 +205,7 @@ def build_command(argv: list[str]) -> list[str]:
 
 
 def command(a: argparse.Namespace, trainer_args: list[str]) -> list[str]:
-    nproc = a.nproc
-    if nproc is None:
-        import torch
-
-        nproc = torch.cuda.device_count() or 2
+    nproc = ranks_per_node(a)
     warm = not a.cold_start and (not a.script or bool(a.preload))
     if warm:
         cmd = [sys.executable, "-m", "clusterpulse.trainer.warmstart",
@@ -273,6 +269,22 @@ class Rendezvous:
         if not a.rdzv_endpoint:
             return None
         return cls(rendezvous_endpoint(a), a.rdzv_id, a.local_addr)
+
+
+def ranks_per_node(a: argparse.Namespace) -> int:
+    """--nproc, else one rank per GPU (2 on a CPU machine)."""
+    if a.nproc is not None:
+        return a.nproc
+    import torch
+
+    return torch.cuda.device_count() or 2
+
+
+def threads_env(nproc: int) -> dict[str, str]:
+    """OMP_NUM_THREADS=1 for several ranks on a node, unless the environment names a
+    count: torchrun's own default, set here so that it does not print its four-line
+    warning banner on every start (a clean start prints no warnings)."""
+    return {"OMP_NUM_THREADS": "1"} if nproc > 1 else {}
 
 
 def rendezvous_poll_env(a: argparse.Namespace) -> dict[str, str]:
@@ -624,8 +636,10 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
 
 def main(argv: list[str] | None = None) -> int:
     a, trainer_args = parse(sys.argv[1:] if argv is None else argv)
-    # the rendezvous' poll is the job's unless the environment names one
-    env = {**rendezvous_poll_env(a), **os.environ, **leave_env(a)}
+    a.nproc = ranks_per_node(a)  # once: torch's GPU count is not asked twice
+    # the rendezvous' poll and the thread count are the job's unless the environment
+    # names them
+    env = {**rendezvous_poll_env(a), **threads_env(a.nproc), **os.environ, **leave_env(a)}
     return run(command(a, trainer_args), env, longest_leave_s(a), Standby.of(a),
                Rendezvous.of(a), a.prewarm_after)
 

@@ -1,4 +1,4 @@
-"""A user's training script in a warm rank (trainer/warmstart.py), run the way
+"""A user's training script in a warm rank (trainer/warmstart/), run the way
 `python SCRIPT ARGS...` runs it, where torchrun's own `--run-path` differs:
 
 - the script's directory comes first on `sys.path`, so that its sibling modules import

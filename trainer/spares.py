@@ -1,6 +1,6 @@
 """torchrun for a job with hot spares: fixes to torch's c10d rendezvous, installed in
 the torchrun process when HOT_SPARES_ENV is set (trainer/torchrun.py, `prepare`, which
-trainer/warmstart.py calls too; clusterpulse-train --hot-spares sets it).
+trainer/warmstart/ calls too; clusterpulse-train --hot-spares sets it).
 
 1. A node left out of a full round stays on the wait list. torch keeps a node beyond
    `--nnodes`' maximum on a redundancy list, which does not count as waiting and has

@@ -8,7 +8,7 @@ What a restart spent here before its ranks started again, on the 4-node testbed 
 rank's crash (torchrun at INFO, 2026-12-03): 0.4 s until torchrun saw its worker fail,
 2.9 s formatting that failure's log line, 2.4 s in the rendezvous.
 
-1. A warm-started worker's failure (trainer/warmstart.py: torchrun's multiprocessing
+1. A warm-started worker's failure (trainer/warmstart/: torchrun's multiprocessing
    start) is logged with its traceback, through torch's log formatter, which imports
    `torch._dynamo` (and sympy) the first time it formats a traceback: ~1 s of CPU in
    every torchrun, at the moment every torchrun of the job logs its failure, and ~3 s

@@ -208,6 +208,8 @@ def start_loopback(args: argparse.Namespace, stack: Stack, state: Path, token_fi
                "--telemetry", telemetry_socket(state, f"node-{i}"),
                "--token-file", str(token_file),
                "--audit-log", str(state / "audit.jsonl")]
+        if args.backend == "sim":  # simulated nodes on loopback have no NIC of their own:
+            cmd += ["--sysfs", "none", "--no-queues"]  # the host's is not theirs
         stack.start(f"agent-{node}", cmd, watch=False)  # a fault may kill it
         names.append(node)
         ports.append(http)

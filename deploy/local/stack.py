@@ -110,14 +110,14 @@ def _module(argv: list[bytes]) -> bytes | None:
     return next((b for a, b in itertools.pairwise(argv) if a == b"-m"), None)
 
 
-# torchrun itself, and as clusterpulse-train starts it (trainer/torchrun.py, warmstart.py)
+# torchrun itself, and as clusterpulse-train starts it (trainer/torchrun.py, warmstart/)
 TORCHRUNS = {b"torch.distributed.run", b"clusterpulse.trainer.torchrun",
              b"clusterpulse.trainer.warmstart"}
 
 
 def rank_pids(roots: list[int]) -> list[int]:
     """The training ranks at or under `roots` (launchers, torchruns): the children of
-    each torchrun, or, where ranks start warm (trainer/warmstart.py), the children of
+    each torchrun, or, where ranks start warm (trainer/warmstart/), the children of
     its forkserver, whose command line they carry; not the other helpers
     multiprocessing starts for torchrun (the resource tracker)."""
     children = _children()

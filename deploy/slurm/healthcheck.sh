@@ -11,8 +11,11 @@
 #     SLURM_CONF=/etc/slurm/slurm.conf
 # Like LBNL NHC it drains the node itself with a reason (`scontrol update ...
 # State=DRAIN Reason="clusterpulse: GPU 3 down (gpu_is_lost)"`) and resumes it once
-# healthy, but only if its own reason is the one set. Needs a running agent (the
-# systemd unit in deploy/systemd/): an unreachable agent is a problem.
+# healthy, but only if its own reason is the one set. It reads a running agent (the
+# systemd unit in deploy/systemd/); an agent that does not answer (not started yet,
+# restarting, or run only as a job step, so absent on idle nodes) is "unknown" (exit
+# 2), and on unknown the node is neither drained nor resumed: a monitoring hiccup
+# never takes a node out of service.
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
 envfile=${CLUSTERPULSE_HEALTHCHECK_ENV:-/etc/default/clusterpulse-healthcheck}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -55,6 +56,22 @@ def test_config_write_copies_every_shipped_file(tmp_path: Path, capsys):
     assert configcli.main(["write", str(tmp_path)]) == 2
     assert "--force" in capsys.readouterr().err
     assert configcli.main(["write", str(tmp_path), "--force", "--only", "policy"]) == 0
+
+
+def test_written_config_passes_promtool_and_amtool_as_written(tmp_path: Path, capsys):
+    # Exactly what an operator gets: `clusterpulse-config write DIR`, then each tool on
+    # the files where they landed (the example config finds its rules beside it).
+    assert configcli.main(["write", str(tmp_path)]) == 0
+    checks = [["promtool", "check", "config", str(tmp_path / "prometheus/prometheus.example.yml")]
+              ] + [["amtool", "check-config", str(tmp_path / rel)]
+                   for _, rel, _ in configcli.shipped() if rel.startswith("alertmanager/")]
+    assert len(checks) == 3
+    for cmd in checks:
+        assert shutil.which(cmd[0]), f"{cmd[0]} is not installed (the test set-up installs it)"
+        r = subprocess.run(cmd, cwd=tmp_path.parent, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, f"{' '.join(cmd)}: {r.stdout}{r.stderr}"
+    assert "SUCCESS" in r.stdout
 
 
 def test_config_show_unknown_file_is_a_clear_error(capsys):

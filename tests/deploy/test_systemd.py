@@ -3,6 +3,7 @@ their user and directories, and pass flags the CLIs accept."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import shlex
 import shutil
@@ -97,3 +98,49 @@ def test_flags_in_unit_and_default_file_exist_in_the_cli(unit: Path):
     assert out.returncode == 0, out.stderr
     missing = sorted(f for f in flags if f not in out.stdout)
     assert not missing, f"{program} does not know {missing}"
+
+
+# /proc/devices of GPU nodes (character devices; the block section is irrelevant here).
+# Open and closed kernel modules share the kernel interface layer that registers these
+# names (nv.c: "nvidia" for minors 0..N, "nvidiactl" for 255; nvidia-uvm and
+# nvidia-caps take dynamic majors). Older drivers named major 195 "nvidia-frontend".
+_COMMON = "  1 mem\n  4 /dev/vc/0\n  4 tty\n  5 /dev/tty\n  5 /dev/ptmx\n 10 misc\n 13 input\n"
+PROC_DEVICES = {
+    # captured on an H200 node, driver 580.159.04, open kernel module
+    "R580 open (H200)": _COMMON + "195 nvidia\n195 nvidiactl\n238 nvidia-uvm\n"
+                        "239 nvidia-nvswitch\n240 nvidia-nvlink\n241 nvidia-caps\n"
+                        "242 nvidia-caps-imex-channels\n",
+    "R550 open": _COMMON + "195 nvidia\n195 nvidiactl\n226 drm\n508 nvidia-caps-imex-channels\n"
+                 "509 nvidia-uvm\n511 nvidia-caps\n",
+    "R535 closed": _COMMON + "195 nvidia\n195 nvidiactl\n226 drm\n236 nvidia-nvswitch\n"
+                   "237 nvidia-nvlink\n510 nvidia-uvm\n511 nvidia-caps\n",
+    "R470 closed": _COMMON + "195 nvidia-frontend\n226 drm\n238 nvidia-uvm\n239 nvidia-caps\n",
+}
+
+
+def _allowed_majors(unit_text: str, proc_devices: str) -> set[int]:
+    """The character majors a unit's DeviceAllow=char-GROUP lines resolve to, as
+    systemd resolves them at start (systemd.resource-control(5)): GROUP is matched
+    against /proc/devices' names with shell globbing; unresolvable groups are dropped."""
+    groups = re.findall(r"^DeviceAllow=char-(\S+)\s+\S*r\S*w", unit_text, re.M)
+    majors = set()
+    for line in proc_devices.splitlines():
+        major, _, name = line.strip().partition(" ")
+        if any(fnmatch.fnmatchcase(name, g) for g in groups):
+            majors.add(int(major))
+    return majors
+
+
+@pytest.mark.parametrize("driver", sorted(PROC_DEVICES))
+def test_agent_unit_allows_the_gpu_devices_of_every_driver(driver: str):
+    proc = PROC_DEVICES[driver]
+    unit = (UNITS / "clusterpulse-agent.service").read_text()
+    assert re.search(r"^DevicePolicy=closed$", unit, re.M)
+    majors = _allowed_majors(unit, proc)
+    names = {ln.split()[1]: int(ln.split()[0]) for ln in proc.splitlines()}
+    # /dev/nvidia0..N and /dev/nvidiactl (195), MIG's /dev/nvidia-caps/*, UVM
+    needed = {195, names["nvidia-caps"], names["nvidia-uvm"]}
+    assert needed <= majors, f"{driver}: majors {sorted(needed - majors)} would be denied"
+    # and nothing beyond the driver's own groups (no NVSwitch, NVLink, DRM, IMEX)
+    assert majors <= {n for name, n in names.items() if name in (
+        "nvidia", "nvidiactl", "nvidia-frontend", "nvidia-caps", "nvidia-uvm")}

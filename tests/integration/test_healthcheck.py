@@ -6,6 +6,7 @@ exit 0 healthy, 1 problem (with the reason on stdout), 2 unknown."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -75,9 +76,34 @@ def test_application_xid_is_not_a_node_problem_unless_asked(agent):
     assert "GPU 0 XID 13" in healthcheck(agent, "--xid", "13").stdout
 
 
-def test_unreachable_agent_is_a_problem_and_non_agent_is_unknown(tmp_path):
+def test_unreachable_or_non_agent_is_unknown_never_a_problem(tmp_path):
+    # Refused (no agent yet, an agent rollout): unknown, so nothing drains the node.
     r = healthcheck(f"http://127.0.0.1:{free_port()}")
-    assert r.returncode == PROBLEM and "agent unreachable" in r.stdout
+    assert r.returncode == UNKNOWN and "agent unreachable" in r.stdout, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+
+    # Accepts the connection and never answers: a timeout, unknown too.
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        r = healthcheck(f"http://127.0.0.1:{silent.getsockname()[1]}", "--timeout", "1")
+    finally:
+        silent.close()
+    assert r.returncode == UNKNOWN and "agent unreachable" in r.stdout, r.stdout + r.stderr
+
+    # Answers something that is not HTTP: a bad answer, unknown, one line.
+    def garbage(server: socket.socket) -> None:
+        conn, _ = server.accept()
+        conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+        conn.close()
+
+    liar = socket.create_server(("127.0.0.1", 0))
+    Thread(target=garbage, args=(liar,), daemon=True).start()
+    try:
+        r = healthcheck(f"http://127.0.0.1:{liar.getsockname()[1]}")
+    finally:
+        liar.close()
+    assert r.returncode == UNKNOWN and "bad answer" in r.stdout, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
 
     class NotAnAgent(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -103,4 +129,8 @@ def test_bad_arguments_are_one_line_errors():
     r = subprocess.run([sys.executable, "-m", "clusterpulse.agent.healthcheck", "--xid", "abc"],
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and "XID must be a number" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "clusterpulse.agent.healthcheck", "--agent",
+                        "127.0.0.1:9477"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "--agent must be an http:// or https:// URL" in r.stderr
     assert "Traceback" not in r.stderr

@@ -1,5 +1,6 @@
-"""A sysfs tree in the kernel's own file format: two InfiniBand ports (one ACTIVE with
-counters, one DOWN), a physical Ethernet NIC and a veth, for the NIC collector."""
+"""Sysfs trees in the kernel's own file format for the NIC collector: two InfiniBand
+ports (one ACTIVE with counters, one DOWN), a physical Ethernet NIC and a veth; and a
+crowded node's network interfaces."""
 
 from __future__ import annotations
 
@@ -28,3 +29,23 @@ def make_sysfs(root: Path) -> None:
     veth = root / "class" / "net" / "veth0"  # virtual: no device link
     (veth / "statistics").mkdir(parents=True)
     (veth / "carrier").write_text("1\n")
+
+
+def make_crowded_net(root: Path, veths: int = 200) -> list[str]:
+    """/sys/class/net of a busy node, as the kernel lays it out: `veths` veth pairs'
+    host ends and Calico's cali* (no `device` link), bridges with `bridge/` (docker0,
+    cni0, br-*), a tun with `tun_flags`, flannel's vxlan, loopback, and one NIC on a
+    bus (`device`): ens1f0. Every interface has statistics. Returns every name."""
+    net = root / "class" / "net"
+    names = [f"veth{i:04x}" for i in range(veths)] + [f"cali{i:08x}" for i in range(20)]
+    bridges = ["docker0", "cni0", "br-3f2a1b", "virbr0"]
+    names += [*bridges, "tun0", "flannel.1", "lo", "ens1f0"]
+    for name in names:
+        (net / name / "statistics").mkdir(parents=True)
+        (net / name / "carrier").write_text("1\n")
+        (net / name / "statistics" / "tx_bytes").write_text("1000\n")
+    for name in bridges:
+        (net / name / "bridge").mkdir()
+    (net / "tun0" / "tun_flags").write_text("0x1002\n")
+    (net / "ens1f0" / "device").mkdir()
+    return names

@@ -3,6 +3,7 @@ with clean metric names; virtual interfaces are skipped."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,12 +13,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clusterpulse.agent.links import (
     NicCounters,
+    NicSelection,
     QueueCounters,
     QueueStats,
     parse_qdiscs,
     read_qdiscs,
 )
-from tests.support.sysfs import make_sysfs
+from tests.support.sysfs import make_crowded_net, make_sysfs
 
 
 def scrape(root: Path) -> str:
@@ -87,7 +89,8 @@ def test_queue_counters_export_the_named_interfaces():
 
     class Collector:
         def collect(self):
-            yield from QueueCounters(["veth1"], read=lambda: parse_qdiscs(TC_JSON)).families("n1")
+            yield from QueueCounters(NicSelection(("veth1",), None),
+                                     read=lambda: parse_qdiscs(TC_JSON)).families("n1")
 
     reg.register(Collector())
     samples = {(s.name, s.labels["device"]): s.value
@@ -113,3 +116,31 @@ def test_real_tc_reads_this_namespace():
     found = read_qdiscs(tc)
     assert "lo" not in found  # loopback has no queue
     assert all(isinstance(s, QueueStats) and s.overlimits >= 0 for s in found.values())
+
+
+def crowded_tc(names: list[str]) -> str:
+    """`tc -s -j qdisc show` where every interface has a root queue holding packets
+    back (a veth shaped by another setup looks exactly like this)."""
+    return json.dumps([{"kind": "tbf", "dev": n, "root": True, "drops": 1,
+                        "overlimits": 50, "backlog": 100} for n in names])
+
+
+def test_only_device_backed_nics_and_rdma_ports_are_read_on_a_crowded_node(tmp_path):
+    names = make_crowded_net(tmp_path)
+    make_sysfs(tmp_path)  # adds mlx5_0/1 (RDMA), eth0 (device) and veth0
+    ports = {p.device for p in NicCounters(tmp_path).ports()}
+    assert ports == {"mlx5_0", "mlx5_1", "eth0", "ens1f0"}
+    queues = QueueCounters(NicSelection(sysfs=tmp_path),
+                           read=lambda: parse_qdiscs(crowded_tc([*names, "eth0"])))
+    assert set(queues.queues()) == {"ens1f0", "eth0"}
+
+
+def test_nic_names_and_globs_add_interfaces_the_default_leaves_out(tmp_path):
+    names = make_crowded_net(tmp_path, veths=3)
+    select = NicSelection(("veth0001", "cali*"), tmp_path)
+    ports = {p.device for p in NicCounters(tmp_path, select).ports()}
+    assert ports == {"ens1f0", "veth0001"} | {n for n in names if n.startswith("cali")}
+    # without sysfs (--sysfs none, e.g. a testbed node) only the named ones are read
+    queues = QueueCounters(NicSelection(("eth0",), None),
+                           read=lambda: parse_qdiscs(crowded_tc([*names, "eth0"])))
+    assert set(queues.queues()) == {"eth0"}

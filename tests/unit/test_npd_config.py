@@ -53,6 +53,26 @@ def test_rules_run_the_installed_health_check_with_valid_arguments(config):
         assert args.timeout < float(rule["timeout"].rstrip("s"))
 
 
+def test_rule_path_is_where_the_agent_image_installs_the_check(config):
+    # The NPD image is built FROM the agent image (npd-daemonset.yaml): its venv's bin.
+    containerfile = (REPO / "deploy/images/agent.Containerfile").read_text()
+    venv = re.search(r"python3 -m venv (\S+)", containerfile)
+    assert venv, "agent.Containerfile no longer creates its venv with python3 -m venv"
+    for rule in config["rules"]:
+        assert rule["path"] == f"{venv.group(1)}/bin/clusterpulse-healthcheck"
+
+
+def test_unknown_never_cordons(config):
+    # NPD: a permanent rule's exit 2 makes the condition Unknown; a temporary rule turns
+    # every exit >= 1 (unknown too) into an event named by the rule's reason.
+    assert [r["type"] for r in config["rules"]] == ["permanent"]
+    draino = yaml.safe_load((NPD / "draino.yaml").read_text())
+    cmd = draino["spec"]["template"]["spec"]["containers"][0]["command"]
+    conditions = [a for a in cmd[1:] if not a.startswith("-")]
+    assert conditions and all(a.partition("=")[2] in ("", "True") for a in conditions), \
+        "draino must act on True only (its default), never on Unknown"
+
+
 def test_exit_codes_are_npd_plugin_protocol():
     # NPD custom plugin protocol (pkg/custompluginmonitor/types): OK=0, NonOK=1, Unknown=2.
     assert (healthcheck.OK, healthcheck.PROBLEM, healthcheck.UNKNOWN) == (0, 1, 2)

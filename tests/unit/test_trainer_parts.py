@@ -187,12 +187,13 @@ def test_agent_address_parsing():
 
 
 def test_launcher_builds_the_torchrun_command():
+    from clusterpulse import trainer
     from clusterpulse.trainer import warmstart
     from clusterpulse.trainer.launch import build_command
 
     # the reference trainer starts warm: ranks forked from a server with the imports done
     cmd = build_command(["--nproc", "2", "--max-restarts", "1", "--", "--steps", "5"])
-    main_py = str(Path(warmstart.__file__).resolve().with_name("__main__.py"))
+    main_py = str(Path(trainer.__file__).resolve().with_name("__main__.py"))  # the trainer's
     assert cmd[1:] == ["-m", "clusterpulse.trainer.warmstart", "--nproc-per-node=2",
                        "--max-restarts=1", "--standalone", "--run-path",
                        "--start-method=forkserver", main_py, "--steps", "5"]
@@ -217,7 +218,7 @@ def test_launcher_builds_the_torchrun_command():
     # ... unless the caller names what the server may import for it
     cmd = build_command(["--nproc", "2", "--max-restarts", "1", "--script",
                          "examples/ddp_tutorial.py", "--preload", "torch", "--", "3"])
-    runner = str(Path(warmstart.__file__).resolve().with_name("scriptrun.py"))
+    runner = str(Path(trainer.__file__).resolve().with_name("scriptrun.py"))
     assert cmd[1:] == ["-m", "clusterpulse.trainer.warmstart", "--preload=torch",
                        f"--preload-path={Path('examples').resolve()}", "--nproc-per-node=2",
                        "--max-restarts=1", "--standalone", "--run-path",

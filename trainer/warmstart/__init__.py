@@ -24,6 +24,7 @@ A rank started this way carries the server's command line, not the trainer's:
         --start-method forkserver .../clusterpulse/trainer/__main__.py <trainer options>
 
 (`clusterpulse-train` builds that command; `--cold-start` there is plain torchrun.)
+The command runs this package's `__main__`, not a module: see warmstart/__main__.py.
 
 A foreign script (`clusterpulse-train --script S --preload torch ...`) starts warm the
 same way, through trainer/scriptrun.py, with the server importing the modules named by
@@ -108,7 +109,3 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent package that is not there, a bad name
         return False
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,96 @@
+"""What the docs say about defaults is what the code does: the telemetry address is
+stated once (docs/agent.md#telemetry-address) and equals agent.protocol's default and
+both --help texts; the README's clusterpulse-ctl examples parse as written, with the
+settings its block exports, and carry what each command needs."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+
+from clusterpulse.agent import cli as agent_cli
+from clusterpulse.agent import protocol
+from clusterpulse.dashboard import ctl
+from clusterpulse.trainer import config as trainer_config
+from clusterpulse.trainer import instrument
+from tests.support.procs import REPO
+
+AGENT_DOC = REPO / "docs/agent.md"
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+        REPO / "deploy/kubernetes/README.md"]
+# a telemetry address: a unix: socket path (not a placeholder such as unix:/PATH), or
+# the UDP port the docs used to call the default
+ADDRESS = re.compile(r"unix:/[a-z$][\w./$-]*|:9401\b")
+
+
+def chunks(text: str) -> list[str]:
+    """Paragraphs, with each table row and list item on its own: one claim each."""
+    out = []
+    for para in re.split(r"\n\s*\n", text):
+        out += re.split(r"\n(?=\s*[|-] )", para)
+    return out
+
+
+def test_docs_agent_md_states_the_default_once_and_it_is_the_code_default():
+    text = AGENT_DOC.read_text()
+    section = text.split("## Telemetry address", 1)[1].split("\n## ", 1)[0]
+    assert f"**default: `{protocol.DEFAULT_TELEMETRY}`**" in section
+    assert instrument.DEFAULT_AGENT == protocol.DEFAULT_TELEMETRY
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_no_other_doc_states_a_telemetry_default(doc):
+    if doc == AGENT_DOC:
+        others = AGENT_DOC.read_text().split("## Telemetry address", 1)[0]
+    else:
+        others = doc.read_text()
+    claims = [c for c in chunks(others) if re.search(r"\bdefault", c, re.I)
+              and ADDRESS.search(c) and "telemetry" in c.lower()]
+    assert not claims, ("a telemetry default outside docs/agent.md#telemetry-address "
+                        f"(link there instead): {claims[0]!r}")
+    if doc != AGENT_DOC:
+        assert ":9401" not in others, "9401 is no default; say UDP in docs/agent.md only"
+
+
+def test_help_texts_name_the_code_default():
+    assert f"(default: {protocol.DEFAULT_TELEMETRY})" in " ".join(
+        agent_cli.build_parser().format_help().split())
+    assert f"$CLUSTERPULSE_AGENT or {protocol.DEFAULT_TELEMETRY})" in " ".join(
+        trainer_config.build_parser().format_help().split())
+    assert ":9401" not in (instrument.__doc__ or "")
+
+
+def readme_ctl_block() -> tuple[dict[str, str], list[list[str]]]:
+    """The README's block with clusterpulse-ctl: its exports and its ctl commands."""
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    (block,) = [b for b in blocks if "clusterpulse-ctl " in b]
+    env, cmds = {}, []
+    for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["export"]:
+            name, _, value = words[1].partition("=")
+            env[name] = value
+        elif words[:1] == ["clusterpulse-ctl"]:
+            cmds.append(words[1:])
+    return env, cmds
+
+
+def test_readme_ctl_examples_parse_as_written_and_have_what_they_need():
+    env, cmds = readme_ctl_block()
+    assert {c[0] for c in cmds} >= {"agents", "restart", "evict", "hash-password"}
+    for argv in cmds:
+        a = ctl.parse(argv, env)
+        assert a.prometheus == env["CLUSTERPULSE_PROMETHEUS_URL"]
+        if a.cmd in ("restart", "evict"):
+            assert str(a.token_file) == env["CLUSTERPULSE_AGENT_TOKEN_FILE"]
+
+
+def test_ctl_restart_without_a_token_is_a_one_line_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        ctl.parse(["restart", "--run", "r", "--hard", "--reason", "x"], {})
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "clusterpulse-ctl: error: restart needs the agents' token: --token-file FILE or "
+        "CLUSTERPULSE_AGENT_TOKEN_FILE")
