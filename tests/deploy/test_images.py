@@ -67,19 +67,39 @@ def test_agent_image_runs_non_root_and_serves_metrics(container, tmp_path: Path)
     cfg = _config(image)
     assert cfg["User"] == "65534:65534"
     assert cfg["Entrypoint"] == ["clusterpulse-agent"]
+    labels = cfg.get("Labels") or {}
+    assert labels.get("org.opencontainers.image.title") == "clusterpulse-agent", labels
+    assert labels.get("org.opencontainers.image.version") and \
+        labels.get("org.opencontainers.image.licenses") == "Apache-2.0", labels
+    # Its own CMD, as its own user: only the GPU backend (no GPU here) and the port (one
+    # free on this host) differ. The default telemetry socket and state directory are
+    # used as shipped: at its defaults the image exited 2, unable to create
+    # /run/clusterpulse, and the test passed a UDP port and never saw it.
+    cmd = list(cfg["Cmd"])
+    assert cmd[:2] == ["--backend", "nvml"] and "--state-dir" in cmd, cmd
+    port = free_port()
+    cmd[1] = "sim"
+    cmd[cmd.index("--listen") + 1] = f"127.0.0.1:{port}"
     ctr = container(image)
-    port, tport = free_port(), free_port(2)
     log = (tmp_path / "agent.log").open("wb")
     proc = subprocess.Popen(
         ["buildah", "run", "--isolation", "chroot", ctr, "--", "clusterpulse-agent",
-         "--backend", "sim", "--gpus", "2", "--node", "image", "--listen",
-         f"127.0.0.1:{port}", "--telemetry", f"127.0.0.1:{tport}"],
+         *cmd, "--gpus", "2", "--node", "image"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         text = wait_until(lambda: requests.get(f"http://127.0.0.1:{port}/metrics",
                                                timeout=2).text, 60, "the image's /metrics")
         assert 'clusterpulse_gpu_up{gpu="1",node="image"' in text
         assert 'clusterpulse_agent_build_info{backend="sim",node="image"' in text
+        # a rank in the container reaches the default socket and is answered
+        out = subprocess.run(
+            ["buildah", "run", "--isolation", "chroot", ctr, "--", "python3", "-c",
+             "import json, socket; s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET);"
+             " s.connect('/run/clusterpulse/telemetry.sock'); s.settimeout(10);"
+             " s.send(json.dumps({'v': 1, 'type': 'step', 'run': 'r', 'rank': 0}).encode());"
+             " print(json.loads(s.recv(8192))['type'])"],
+            capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == "agent", out.stdout + out.stderr
         log.flush()
         # its NICs' queues are read with tc, which the image carries
         assert "tc (iproute2) not found" not in (tmp_path / "agent.log").read_text()
