@@ -30,7 +30,7 @@ import stat
 import struct
 from pathlib import Path
 
-from clusterpulse.agent.identity import Sender, start_time
+from clusterpulse.agent.identity import Sender, SubordinateIds, real_uid, start_time
 
 _UCRED = struct.Struct("iII")  # struct ucred: pid_t pid; uid_t uid; gid_t gid
 SO_PEERPIDFD = 77  # Linux >= 6.5 (Python 3.11's socket module has no name for it)
@@ -128,14 +128,19 @@ def _peer_gone(conn: socket.socket) -> bool:
     return any(ev & (select.POLLHUP | select.POLLRDHUP) for _, ev in p.poll(0))
 
 
-def identify(conn: socket.socket) -> Sender:
+def identify(conn: socket.socket, subids: SubordinateIds | None = None) -> Sender:
     """Who connected: a verified Sender when the kernel named a process that is still
     the one that connected, pinned by its start time; otherwise unverified (evidence,
     never a target or a witness of anything).
 
     The start time is read while the pidfd pins the process and checked alive after:
     if the process had exited, its pid may belong to another by then, and the start
-    time read would be the other's.
+    time read would be the other's. Without SO_PEERPIDFD (Linux < 6.5) the pidfd is
+    opened by pid, which may already be another process's: the peer end must still be
+    open and the process must run as the uid that connected. A pid reused by a process
+    of the same user is the one window left, and it gives that user nothing: the agent
+    would signal a process the user could signal itself (a root process on a pid the
+    user freed, the attack, is refused).
     """
     pid, uid, gid = peer_credentials(conn)
     unverified = Sender(pid=pid, uid=uid, gid=gid)
@@ -144,9 +149,11 @@ def identify(conn: socket.socket) -> Sender:
         return unverified
     try:
         started = start_time(pid)
-        if started is None or _exited(pidfd) or _peer_gone(conn):
+        if (started is None or real_uid(pid) != uid or _exited(pidfd)
+                or _peer_gone(conn)):
             return unverified
-        return Sender(pid=pid, uid=uid, gid=gid, start_time=started, verified=True)
+        return Sender(pid=pid, uid=uid, gid=gid, start_time=started, verified=True,
+                      account=subids.account(uid) if subids is not None else -1)
     finally:
         os.close(pidfd)
 

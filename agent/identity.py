@@ -12,24 +12,92 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import signal
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Sender:
-    """A datagram's origin. `verified` only when the kernel named the process."""
+    """A message's origin. `verified` only when the kernel named the process."""
 
     pid: int = 0
     uid: int = -1
     gid: int = -1
     start_time: int = 0  # clock ticks after boot, field 22 of /proc/PID/stat
     verified: bool = False
+    # The user accountable for `uid`: itself, or the owner of the subordinate uid range
+    # it falls in (/etc/subuid: rootless containers give a user 65,536 uids, and per-uid
+    # quotas and fair shares would count each of them as another user). -1: `uid`.
+    account: int = -1
 
     @property
     def owner_key(self) -> str:
-        """The bucket a per-user quota counts against."""
-        return f"uid:{self.uid}" if self.verified else "unverified"
+        """The bucket a per-user quota and a fair share count against."""
+        if not self.verified:
+            return "unverified"
+        return f"uid:{self.account if self.account >= 0 else self.uid}"
+
+
+class SubordinateIds:
+    """uid -> the user whose subordinate range (/etc/subuid) holds it, re-read when the
+    file changes. Lines are `USER:FIRST:COUNT`, USER a name or a number."""
+
+    def __init__(self, path: str = "/etc/subuid") -> None:
+        self._path = path
+        self._mtime: float | None = None
+        self._ranges: list[tuple[int, int, int]] = []  # (first, last + 1, owner uid)
+
+    def account(self, uid: int) -> int:
+        self._reload()
+        for first, end, owner in self._ranges:
+            if first <= uid < end:
+                return owner
+        return uid
+
+    def _reload(self) -> None:
+        try:
+            mtime = os.stat(self._path).st_mtime
+        except OSError:
+            self._ranges, self._mtime = [], None
+            return
+        if mtime == self._mtime:
+            return
+        ranges = []
+        try:
+            with open(self._path, encoding="utf-8", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            lines = []
+        for line in lines:
+            parts = line.strip().split(":")
+            if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+                continue
+            owner = _uid_of(parts[0])
+            if owner is not None:
+                ranges.append((int(parts[1]), int(parts[1]) + int(parts[2]), owner))
+        self._ranges, self._mtime = ranges, mtime
+
+
+def _uid_of(user: str) -> int | None:
+    if user.isdigit():
+        return int(user)
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return None
+
+
+def real_uid(pid: int, proc: str = "/proc") -> int | None:
+    """The process's real uid (/proc/PID/status), or None if it is gone."""
+    try:
+        with open(f"{proc}/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def start_time(pid: int, proc: str = "/proc") -> int | None:

@@ -1,10 +1,14 @@
 """The telemetry receive loop: every sending user served in turn, nothing waited on.
 
 One thread multiplexes the listening socket and every rank's connection (agent.channel)
-with epoll. Each round it reads at most `PER_OWNER_BUDGET` messages per sending user
-(uid, as the kernel says; every unverified sender shares one bucket), spread over that
-user's ready connections, so a user who floods gets the same share as one who sends a
-heartbeat a second, and the flood waits in the flooder's own connection queue.
+with epoll. Each round it reads the same share of messages from every sending user
+with messages waiting (the uid the kernel names, or the owner of the subordinate uid
+range it falls in; every unverified sender shares one bucket), spread over that
+user's ready connections: at most `PER_OWNER_BUDGET`, and fewer when many users wait
+so that a round stays within `ROUND_BUDGET` messages (one each at the least). A user
+who floods gets the same share as one who sends a heartbeat a second, the flood waits
+in the flooder's own connection queues, and a round stays short however many users
+(or subordinate uids) send.
 
 Replies (pending commands, the simulated GPU slowdown) are sent without waiting: a
 sender that does not read its replies loses them (counted as `reply_dropped`), and
@@ -28,21 +32,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from clusterpulse.agent import channel, protocol
-from clusterpulse.agent.identity import Sender
+from clusterpulse.agent.identity import Sender, SubordinateIds
 
 log = logging.getLogger(__name__)
 
-PER_OWNER_BUDGET = 32  # messages per sending user per round
+PER_OWNER_BUDGET = 32  # messages per sending user per round, at most
+ROUND_BUDGET = 1024  # messages per round, unless more users than that wait (one each)
 SELECT_TIMEOUT_S = 0.2
-ACCEPTS_PER_ROUND = 64
+ACCEPTS_PER_ROUND = 1024  # the backlog drained each round: a churn must not starve ranks
 MAX_CONNECTIONS = 4096
 # A rank holds one connection; a user's ranks are capped by the registry
 # (RankRegistry.max_per_owner), so more connections than that buy nothing but descriptors.
 MAX_CONNECTIONS_PER_OWNER = 300
+CONNECTION_SERIES = 10  # users named in the connections gauge; the rest are "other"
 _SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 
 # (data, reply address or None, sender) -> the reply to send back, if any
 Handler = Callable[[bytes, object, Sender], "bytes | None"]
+
+
+class _OverQuota(Exception):
+    pass
 
 
 @dataclass
@@ -62,7 +72,9 @@ class TelemetryReceiver:
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}
         self._per_owner: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()  # guards the last round's time for readers
+        self._subids = SubordinateIds()
+        self._rotation = 0
+        self._lock = threading.Lock()  # guards what the exporter reads
         self._last_round = time.monotonic()
         sock.setblocking(False)
         self._sel.register(sock, selectors.EVENT_READ, None)
@@ -78,8 +90,14 @@ class TelemetryReceiver:
             return max(0.0, time.monotonic() - self._last_round)
 
     def connections(self) -> dict[str, int]:
-        """Open rank connections by sending user ("uid:N" or "unverified")."""
-        return {k: v for k, v in self._per_owner.items() if v}
+        """Open rank connections by sending user ("uid:N" or "unverified"): the users
+        with the most, and "other" for the rest (one series per user would be
+        unbounded: a user may hold many subordinate uids)."""
+        with self._lock:
+            counts = collections.Counter(self._per_owner)
+        top = dict(counts.most_common(CONNECTION_SERIES))
+        rest = sum(counts.values()) - sum(top.values())
+        return {**top, **({"other": rest} if rest else {})}
 
     # -- the loop -----------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -101,13 +119,20 @@ class TelemetryReceiver:
                     ready["unverified"].append(None)
             else:
                 ready[key.data.owner].append(key.data)
-        for conns in ready.values():
-            self._serve_owner(conns)
+        owners = list(ready)
+        if owners:  # who goes first changes each round
+            self._rotation = (self._rotation + 1) % len(owners)
+            owners = owners[self._rotation:] + owners[:self._rotation]
+        share = max(1, min(PER_OWNER_BUDGET, ROUND_BUDGET // max(1, len(owners))))
+        for owner in owners:
+            self._serve_owner(ready[owner], share)
         with self._lock:
             self._last_round = time.monotonic()
 
-    def _serve_owner(self, conns: list[_Conn | None]) -> None:
-        budget = PER_OWNER_BUDGET
+    def _serve_owner(self, conns: list[_Conn | None], budget: int) -> None:
+        if len(conns) > budget:  # which of a user's connections go first rotates too
+            k = self._rotation % len(conns)
+            conns[:] = conns[k:] + conns[:k]
         while budget > 0 and conns:
             for c in list(conns):
                 if not self._serve_one(c):
@@ -161,26 +186,52 @@ class TelemetryReceiver:
                 log.warning("cannot accept a telemetry connection: %s", err.strerror)
                 return
             try:
-                sender = channel.identify(conn)
-            except OSError:
+                # the quota first, from the kernel's record alone: a user over it costs
+                # no pidfd and no /proc read
+                _, uid, _ = channel.peer_credentials(conn)
+                if self._per_owner[f"uid:{self._subids.account(uid)}"] >= \
+                        MAX_CONNECTIONS_PER_OWNER:
+                    raise _OverQuota
+                sender = channel.identify(conn, self._subids)
+                owner = sender.owner_key
+                if self._per_owner[owner] >= MAX_CONNECTIONS_PER_OWNER or \
+                        not self._room_for(owner):
+                    raise _OverQuota
+            except _OverQuota:
+                self._counts["connection_refused_quota"] += 1
                 conn.close()
                 continue
-            owner = sender.owner_key
-            if (len(self._conns) >= MAX_CONNECTIONS
-                    or self._per_owner[owner] >= MAX_CONNECTIONS_PER_OWNER):
-                self._counts["connection_refused_quota"] += 1
+            except OSError:
                 conn.close()
                 continue
             conn.setblocking(False)
             c = _Conn(conn, sender, owner)
             self._conns[conn.fileno()] = c
-            self._per_owner[owner] += 1
+            with self._lock:
+                self._per_owner[owner] += 1
             self._sel.register(conn, selectors.EVENT_READ, c)
+
+    def _room_for(self, owner: str) -> bool:
+        """Below the total cap; at it, a connection of the user holding the most makes
+        room for a user holding fewer (else a few users' full quotas lock every other
+        user's new ranks out)."""
+        if len(self._conns) < MAX_CONNECTIONS:
+            return True
+        biggest, most = max(self._per_owner.items(), key=lambda kv: kv[1])
+        if biggest == owner or most <= self._per_owner[owner] + 1:
+            return False
+        victim = next(c for c in reversed(self._conns.values()) if c.owner == biggest)
+        self._counts["connection_evicted_for_fairness"] += 1
+        self._close(victim)
+        return True
 
     def _close(self, c: _Conn) -> None:
         if self._conns.pop(c.sock.fileno(), None) is None:
             return
-        self._per_owner[c.owner] -= 1
+        with self._lock:
+            self._per_owner[c.owner] -= 1
+            if self._per_owner[c.owner] <= 0:
+                del self._per_owner[c.owner]
         with contextlib.suppress(KeyError, ValueError, OSError):
             self._sel.unregister(c.sock)
         c.sock.close()

@@ -76,11 +76,17 @@ class AgentLink:
             self._connected = True
         except OSError as err:  # agent not there yet: try again on a later send
             self._connected = False
+            if not isinstance(self.addr, str):
+                return
             if err.errno == errno.EPROTOTYPE and self._kind == socket.SOCK_SEQPACKET:
                 self._kind = socket.SOCK_DGRAM  # an older agent's datagram socket
                 self._reopen()
                 self._connect()
-            elif isinstance(self.addr, str) and self._kind == socket.SOCK_SEQPACKET:
+            elif self._kind == socket.SOCK_DGRAM:
+                # the older agent is gone (maybe upgraded): a connection next time
+                self._kind = socket.SOCK_SEQPACKET
+                self._reopen()
+            else:
                 # a failed connect leaves a connection socket unusable: a new one next time
                 self._reopen()
 
@@ -105,17 +111,22 @@ class AgentLink:
                 self.sent += 1
                 return
             left = deadline - time.monotonic()
-            if outcome == "full" and left > 0 and self._sock is not None:
+            sock = self._sock
+            if outcome == "full" and left > 0 and sock is not None:
                 # poll, not select: a training process may hold > 1024 descriptors
                 waiter = select.poll()
-                waiter.register(self._sock, select.POLLOUT)
-                waiter.poll(left * 1000)
+                try:
+                    waiter.register(sock, select.POLLOUT)
+                    waiter.poll(left * 1000)
+                except (OSError, ValueError):  # closed or replaced meanwhile
+                    pass
                 continue
             self.failed += 1
             return
 
     def _try_send(self, data: bytes) -> str:
-        assert self._sock is not None
+        if self._sock is None:  # closed meanwhile
+            return "closed"
         try:
             if not self._connected:
                 self._connect()
@@ -131,9 +142,11 @@ class AgentLink:
             return "error"
 
     def _disconnected(self) -> None:
-        """The agent went away (it stopped or restarted): connect afresh next time."""
+        """The agent went away (it stopped, restarted, or was upgraded from a datagram
+        socket): connect afresh next time, trying a connection first."""
         self._connected = False
-        if isinstance(self.addr, str) and self._kind == socket.SOCK_SEQPACKET:
+        if isinstance(self.addr, str):
+            self._kind = socket.SOCK_SEQPACKET
             self._reopen()  # a connection socket cannot connect twice
 
     def poll(self) -> list[dict[str, Any]]:
@@ -161,9 +174,11 @@ class AgentLink:
         return out
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            self._connected = False
 
 
 def parse_agent_addr(text: str | None) -> AgentAddr | None:

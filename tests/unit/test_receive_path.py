@@ -243,3 +243,125 @@ def test_the_receive_loops_lag_is_exported(sim_agent):
                if ln.startswith("clusterpulse_agent_telemetry_receive_lag_seconds{")]
     assert float(line.rsplit(" ", 1)[1]) < 3.0
     s.close()
+
+
+@pytest.mark.skipif(not ROOT, reason="placing a process on a chosen pid (ns_last_pid) "
+                                     "and sending as another uid need root")
+def test_before_linux_6_5_a_pid_reused_by_another_user_is_never_taken_for_the_rank(
+        tmp_path, monkeypatch):
+    """Review finding: without SO_PEERPIDFD the agent opens a pidfd by the pid the
+    kernel recorded at connect, and checked only that the peer end was still open. A
+    user's child connected and exited, the parent kept the inherited socket, a root
+    process took the child's pid: the agent took root's process for the user's rank,
+    and a hard restart killed it. The process on the pid must run as the uid that
+    connected."""
+    from clusterpulse.agent import channel
+
+    monkeypatch.setattr(channel, "SO_PEERPIDFD", 9999)  # ENOPROTOOPT: a kernel < 6.5
+    ranks, path = RankRegistry(), socket_path("old")
+    agent = Agent(SimBackend(gpus=2, node="o"), "o", ranks, AuditLog(tmp_path / "a.jsonl"),
+                  telemetry_addr=path)
+    assert agent.receiver is not None
+    sleeper = None
+    parent = subprocess.Popen([SYSTEM_PYTHON, "-c", (
+        "import json, os, socket, sys, time\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    s.connect(sys.argv[1])\n"
+        "    s.send(json.dumps({'v': 1, 'type': 'step', 'run': 'victim', 'rank': 0,"
+        " 'step': 1}).encode())\n"
+        "    os._exit(0)\n"
+        "os.waitpid(child, 0)\n"
+        "print(child, flush=True)\n"
+        "time.sleep(60)\n"), path], stdout=subprocess.PIPE, text=True, user=65534)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        sleeper = _on_pid(child, ["sleep", "60"])
+        for _ in range(5):
+            agent.receiver.round(timeout=0.2)
+        (r,) = ranks.of_run("victim")
+        assert not r.sender.verified, r.sender
+        cmd = agent.commands.submit("victim", "restart", "hung", "token", 60)
+        assert cmd.killed_pids == [] and sleeper.poll() is None
+    finally:
+        for p in (sleeper, parent):
+            if p is not None:
+                p.kill()
+                p.wait()
+        agent.stop()
+
+
+@pytest.mark.skipif(not ROOT, reason="sending as many uids needs root")
+def test_a_user_with_many_subordinate_uids_is_one_user(sim_agent, tmp_path):
+    """Review finding: rootless containers give a user 65,536 subordinate uids, and
+    the kernel names each as its own user: 14 of them reached the total connection cap
+    and a new healthy rank could not connect; 1,000 made a round last 4.5 s. Senders
+    whose uid falls in a user's /etc/subuid range count as that user."""
+    from clusterpulse.agent.identity import SubordinateIds
+
+    subuid = tmp_path / "subuid"
+    subuid.write_text("nobody:200000:65536\n")
+    assert sim_agent.agent.receiver is not None
+    sim_agent.agent.receiver._subids = SubordinateIds(str(subuid))
+    children = []
+    for i in range(40):  # 40 uids of one user, 2 connections each, flooding
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                os.setresgid(200000 + i, 200000 + i, 200000 + i)
+                os.setresuid(200000 + i, 200000 + i, 200000 + i)
+                conns = [connect(sim_agent.socket_path) for _ in range(2)]
+                for s in conns:
+                    s.setblocking(False)
+                end = time.monotonic() + 6
+                while time.monotonic() < end:
+                    for s in conns:
+                        with contextlib.suppress(OSError):
+                            s.send(b"junk" * 20)
+                        with contextlib.suppress(OSError):
+                            s.recv(8192)
+            finally:
+                os._exit(0)
+        children.append(pid)
+    try:
+        want = {"uid:65534": 80}
+        wait_for(lambda: sim_agent.agent.receiver.connections() == want,
+                 f"{want} (got {sim_agent.agent.receiver.connections()})")
+        link = AgentLink(sim_agent.socket_path, local_rank=0)
+        send_steps(link, "victim", 200, every_s=0.01)
+        wait_for(lambda: steps_of(sim_agent.agent, "victim") == 200, "the victim's steps")
+        assert link.failed == 0
+        link.close()
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+            os.waitpid(pid, 0)
+
+
+def test_a_rank_that_fell_back_to_datagrams_reconnects_to_an_upgraded_agent(tmp_path):
+    """Review finding: a rank that met an agent of an older release (a datagram socket)
+    stayed on datagrams for good; once the agent was upgraded every send failed, and
+    the job went silent until it restarted."""
+    path = socket_path("up")
+    old = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    old.bind(path)
+    link = AgentLink(path, local_rank=0)
+    link.send({"type": "heartbeat", "run": "r1", "rank": 0})
+    assert link._sock is not None and link._sock.type == socket.SOCK_DGRAM
+    assert b"r1" in old.recv(8192)
+    old.close()
+    os.unlink(path)  # the agent is upgraded: a connection socket at the same path
+    agent = Agent(SimBackend(gpus=2, node="u"), "u", RankRegistry(),
+                  AuditLog(tmp_path / "a.jsonl"), telemetry_addr=path)
+    agent.start()
+    try:
+        for step in range(1, 6):
+            link.send({"type": "step", "run": "r1", "rank": 0, "step": step})
+        wait_for(lambda: steps_of(agent, "r1") >= 2, "the rank's steps at the new agent")
+        assert link._sock is not None and link._sock.type == socket.SOCK_SEQPACKET
+    finally:
+        link.close()
+        agent.stop()
