@@ -239,6 +239,7 @@ class Trainer:
                              else "checkpoint_started", step=step,
                              checkpoint_blocking_seconds=self.ckpt.last_blocking_seconds)
         except CheckpointError:
+            self.pulse.extra["checkpoint_failures_total"] = self.ckpt.failures
             self.pulse.event("checkpoint_failed", step=step)
             if raise_errors:
                 raise
@@ -285,7 +286,9 @@ class Trainer:
         self.sync_bytes += ring_allreduce_bytes(self.param_bytes, info.world)
         self.host_bytes += x.numel() * 8
         pulse.extra.update(sync_bytes_total=self.sync_bytes, host_bytes_total=self.host_bytes,
-                           memory_bytes=float(self.param_bytes * 4))
+                           memory_bytes=float(self.param_bytes * 4),
+                           # async writes fail in DCP's thread: counted at the next step
+                           checkpoint_failures_total=self.ckpt.failures)
         if self.ckpt.committed_step is not None:
             pulse.extra.update(checkpoint_step=self.ckpt.committed_step,
                                checkpoint_timestamp_seconds=self.ckpt.committed_unix or 0.0,
