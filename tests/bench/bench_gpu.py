@@ -206,8 +206,12 @@ def measure_checkpoint_blocking(preset: str, opts: Options, root: Path
     blocked: dict[str, float] = {}
     try:
         for mode, saves in (("sync", 1), ("async", 2)):
+            # as the trainer does: async saves on a gloo group of their own (DCP refuses an
+            # NCCL-only group for them; trainer/main.py)
+            group = (dist.new_group(backend="gloo")
+                     if mode == "async" and dist.is_initialized() else None)
             mgr = CheckpointManager(root / f"{preset}-{mode}", rank=0, keep=1,
-                                    async_save=mode == "async")
+                                    async_save=mode == "async", group=group)
             for i in range(saves):
                 _sync(opts.device)
                 blocked[mode] = mgr.save(i + 1, {"app": state})
