@@ -31,16 +31,6 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def flops_per_token(c: ModelConfig) -> float:
-    """Training FLOPs per token (forward and backward) by the PaLM paper's count, which
-    MFU figures are usually quoted with: 6 per weight of every matrix product (the
-    blocks' 12 d^2 and the output head's d x vocab; the embedding is a lookup), plus
-    12 L d T for attention's scores and weighted sum over the whole sequence (causal
-    masking is not subtracted)."""
-    matmul_weights = c.layers * 12 * c.dim * c.dim + c.dim * c.vocab
-    return 6.0 * matmul_weights + 12.0 * c.layers * c.dim * c.seq_len
-
-
 class Block(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()

@@ -6,7 +6,8 @@
   tiny, small and 125m presets, eager and under torch.compile;
 - async against sync checkpoint blocking at 125m and 1b (what the loop waits for);
 - NVML collection time per GPU (the agent's NVML backend);
-- tokens/s and MFU of the instrumented 125m step.
+- tokens/s and MFU of the instrumented steps, and of the reference trainer itself
+  (torchrun, one rank, 125m, bf16: its run summary).
 
 Bare and instrumented run in alternating blocks (ABBA order) of CUDA-synchronized steps,
 so that clock and thermal drift hit both alike; each pair of neighbouring blocks gives
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -42,19 +44,13 @@ import torch.nn.functional as F
 
 from clusterpulse.trainer.checkpoint import CheckpointManager
 from clusterpulse.trainer.data import SyntheticTokens
+from clusterpulse.trainer.flops import mfu, peak_bf16
 from clusterpulse.trainer.instrument import Pulse
-from clusterpulse.trainer.model import PRESETS, build_model, flops_per_token
+from clusterpulse.trainer.model import PRESETS, build_model
 from clusterpulse.trainer.state import TrainState
 from clusterpulse.trainer.telemetry import parse_agent_addr
 from tests.bench.table import Row, render
 from tests.support.procs import REPO
-
-# Dense bf16 peak by the vendor's datasheet (SXM parts), for MFU; matched on the name.
-PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12}
-
-
-def peak_bf16(name: str) -> float | None:
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
 @dataclass
@@ -338,6 +334,9 @@ def collect(opts: Options) -> list[Row]:
                 if compile_ is False and opts.ckpt_presets:  # before the slow compiles
                     _guard(rows, f"checkpoint blocking {opts.ckpt_presets[0]}", budget, 20,
                            lambda: _ckpt_rows(opts.ckpt_presets[0], opts, ckpt_root))
+            if cuda:
+                _guard(rows, "reference trainer CLI", budget, 30,
+                       lambda: _trainer_cli_rows(opts, tmp))
             for preset in opts.ckpt_presets[1:]:
                 _guard(rows, f"checkpoint blocking {preset}", budget, 60,
                        lambda p=preset: _ckpt_rows(p, opts, ckpt_root))
@@ -358,11 +357,10 @@ def _overhead_rows(preset: str, tag: str, opts: Options, agent: str | None, ddp:
                 statistics.median(diffs) * 1e3, "ms", budget=f"{rel:+.2f} % of bare")]
     tokens_s = o.tokens_per_step / o.instrumented_s
     rows.append(Row(f"tokens/s, instrumented ({tag})", tokens_s, "tokens/s"))
-    peak = peak_bf16(name) if cuda else None
-    if peak:
-        mfu = tokens_s * flops_per_token(PRESETS[preset]) / peak
+    share = mfu(tokens_s, PRESETS[preset], 1, name) if cuda else None
+    if share is not None:
         rows.append(Row(f"MFU, instrumented ({tag}; PaLM FLOPs count, bf16 peak "
-                        f"{peak / 1e12:.0f} TFLOP/s)", mfu * 100, "%"))
+                        f"{(peak_bf16(name) or 0) / 1e12:.0f} TFLOP/s)", share * 100, "%"))
     else:
         rows.append(_skip(f"MFU ({tag})", "no bf16 peak known for " + name))
     return rows
@@ -373,6 +371,28 @@ def _ckpt_rows(preset: str, opts: Options, root: Path) -> list[Row]:
     return [Row(f"checkpoint blocking, async ({preset}, {nbytes / 2**30:.2f} GiB model+optim)",
                 async_s * 1e3, "ms", baseline=sync_s * 1e3, baseline_name="synchronous save",
                 budget="ratio <= 0.10")]
+
+
+def _trainer_cli_rows(opts: Options, tmp: Path, preset: str = "125m") -> list[Row]:
+    """The reference trainer itself (torchrun, one rank, bf16): its run summary's
+    tokens/s and MFU, timed from the end of its first step."""
+    ckpt = tmp / "trainer-cli"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           "-m", "clusterpulse.trainer", "--preset", preset, "--dtype", "bf16", "--steps", "40",
+           "--global-batch", str(opts.batch), "--agent", "none", "--ckpt-dir", str(ckpt),
+           "--summary-json", str(ckpt / "summary.json")]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    if p.returncode != 0:
+        raise RuntimeError(f"trainer exit {p.returncode}: {(p.stderr or p.stdout)[-300:]}")
+    s = json.loads((ckpt / "summary.json").read_text())
+    tag = f"reference trainer CLI, {preset}, bf16, eager, batch {opts.batch}, 1 rank"
+    rows = [Row(f"tokens/s ({tag})", s["tokens_per_second"], "tokens/s")]
+    if s["mfu"] is not None:
+        rows.append(Row(f"MFU ({tag}; PaLM FLOPs count)", s["mfu"] * 100, "%"))
+    else:
+        rows.append(_skip(f"MFU ({tag})", "no bf16 peak known for this GPU"))
+    return rows
 
 
 def run() -> list[Row]:

@@ -39,8 +39,3 @@ def test_a_part_past_the_time_budget_is_a_row_saying_so():
         device=torch.device("cpu"), presets=["tiny"], ckpt_presets=[], compile=False,
         blocks=2, steps=1, batch=2, budget_s=0))
     assert any("overhead tiny, eager: skipped (time budget" in r.what for r in rows), rows
-
-
-def test_mfu_uses_the_datasheet_peak_of_the_named_gpu():
-    assert bench_gpu.peak_bf16("NVIDIA H200") == 989.4e12
-    assert bench_gpu.peak_bf16("Some Future GPU") is None
