@@ -49,7 +49,7 @@ from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.model import PRESETS, build_model
 from clusterpulse.trainer.state import TrainState
 from clusterpulse.trainer.telemetry import parse_agent_addr
-from tests.bench.table import Row, render
+from tests.bench.table import Row, fmt, render
 from tests.support.procs import REPO
 
 
@@ -293,12 +293,16 @@ def _guard(rows: list[Row], what: str, budget: Budget, need_s: float,
     if budget.left() < need_s:
         rows.append(_skip(what, f"time budget: {budget.left():.0f} s left, needs ~{need_s:.0f}"))
         return
-    t0 = time.monotonic()
+    t0, before = time.monotonic(), len(rows)
     try:
         rows += fn()
     except Exception as err:  # one failed part must not hide the others
         rows.append(Row(f"{what}: FAILED ({type(err).__name__}: {err})"[:200], math.nan, ""))
     print(f"  {what}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    for r in rows[before:]:  # as they come: a run stopped from outside keeps its figures
+        print(f"    {r.what}: {fmt(r.ours)} {r.unit}"
+              + (f" (baseline {fmt(r.baseline)})" if r.baseline else ""),
+              file=sys.stderr, flush=True)
 
 
 def collect(opts: Options) -> list[Row]:
@@ -323,23 +327,22 @@ def collect(opts: Options) -> list[Row]:
             sent = "telemetry to an agent process" if agent else "no agent: telemetry dropped"
             rows.append(Row(f"overhead set-up: {how}; bf16 autocast; fused AdamW; {sent}; "
                             f"batch {opts.batch}", math.nan, ""))
-            variants = [False, True] if opts.compile else [False]
-            for compile_ in variants:
-                for preset in opts.presets:
-                    tag = f"{preset}, {'torch.compile' if compile_ else 'eager'}"
-                    need = 60 if compile_ else 10
-                    _guard(rows, f"overhead {tag}", budget, need,
-                           lambda p=preset, c=compile_, t=tag: _overhead_rows(
-                               p, t, opts, agent, ddp, c, cuda, name))
-                if compile_ is False and opts.ckpt_presets:  # before the slow compiles
-                    _guard(rows, f"checkpoint blocking {opts.ckpt_presets[0]}", budget, 20,
-                           lambda: _ckpt_rows(opts.ckpt_presets[0], opts, ckpt_root))
+            # eager first, then the checkpoints and the trainer itself, the compiles last:
+            # what is skipped when time runs short is what takes longest to measure
+            for preset in opts.presets:
+                _guard(rows, f"overhead {preset}, eager", budget, 10,
+                       lambda p=preset: _overhead_rows(p, f"{p}, eager", opts, agent, ddp,
+                                                       False, cuda, name))
+            for i, preset in enumerate(opts.ckpt_presets):
+                _guard(rows, f"checkpoint blocking {preset}", budget, 20 if i == 0 else 90,
+                       lambda p=preset: _ckpt_rows(p, opts, ckpt_root))
             if cuda:
                 _guard(rows, "reference trainer CLI", budget, 30,
                        lambda: _trainer_cli_rows(opts, tmp))
-            for preset in opts.ckpt_presets[1:]:
-                _guard(rows, f"checkpoint blocking {preset}", budget, 60,
-                       lambda p=preset: _ckpt_rows(p, opts, ckpt_root))
+            for preset in opts.presets if opts.compile else []:
+                _guard(rows, f"overhead {preset}, torch.compile", budget, 45,
+                       lambda p=preset: _overhead_rows(p, f"{p}, torch.compile", opts, agent,
+                                                       ddp, True, cuda, name))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows

@@ -48,7 +48,7 @@ print(\"nvidia-ml-py\", getattr(pynvml, \"__version__\", \"?\"))'"
 part "pytest tests/gpu" 200 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
 part "async checkpoints on this torch" 100 \
     "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_async_checkpoint.py
-part "bench_gpu" 300 "$PY" -m tests.bench.bench_gpu --budget-s 240
+part "bench_gpu" 330 "$PY" -m tests.bench.bench_gpu --budget-s 260
 echo
 echo "device_check: $failed part(s) failed; log in $OUT/device.log"
 exit "$failed"
