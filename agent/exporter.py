@@ -92,6 +92,8 @@ RANK_SERIES: list[tuple[str, str, str, bool]] = [
      "Time the last checkpoint blocked the training loop.", False),
     ("checkpoint_in_progress", "trainer_checkpoint_in_progress",
      "1 while the rank is writing a checkpoint.", False),
+    ("checkpoint_failures_total", "trainer_checkpoint_failures",
+     "Checkpoint saves that failed in the rank's process (staging, write or publish).", True),
     ("phase_seconds", "trainer_phase_seconds", "Seconds the rank has been in its phase.", False),
     ("goodput_ratio", "trainer_goodput_ratio",
      "Productive step time over wall time since the run first started (rank 0).", False),

@@ -73,6 +73,8 @@ NUMBER_FIELDS = frozenset({
     "host_bytes_total", "checkpoint_step", "checkpoint_timestamp_seconds",
     "checkpoint_blocking_seconds", "checkpoint_in_progress", "phase_seconds", "goodput_ratio",
     "ts",
+    # Checkpoint saves that failed in this process (CheckpointsFailing pages on repeats).
+    "checkpoint_failures_total",
     # Collectives entered / completed since the process started (a sequence number, as
     # NCCL's flight recorder keeps): in a hang the rank that entered fewer is the root.
     "collectives_entered_total", "collectives_completed_total",

@@ -11,15 +11,18 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import requests
 
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.backends.sim import SimBackend
 from clusterpulse.agent.core import Agent
 from clusterpulse.agent.ranks import RankRegistry
 from clusterpulse.agent.server import make_server, serve_in_thread
+
+if TYPE_CHECKING:  # imported where used: the GPU machine's python has no requests
+    import requests
 
 TOKEN = "test-token-0123456789abcdef"
 
@@ -57,10 +60,14 @@ class RunningAgent:
 
     def get(self, path: str, token: str | None = TOKEN, **kw) -> requests.Response:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        import requests
+
         return requests.get(self.url + path, headers=headers, timeout=5, **kw)
 
     def post(self, path: str, body: dict, token: str | None = TOKEN) -> requests.Response:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        import requests
+
         return requests.post(self.url + path, json=body, headers=headers, timeout=5)
 
 

@@ -24,11 +24,16 @@ One that verifies but does not load (`dcp.load` raises on some rank) is skipped 
 Async saves (`async_save`) stage the state to host memory (the only part that blocks
 training), then write in DCP's background thread, on a separate gloo group so that
 checkpoint collectives never interleave with training collectives.
+
+Every failed save, sync or async, is logged once with its exception type, message and
+traceback, and counted (`CheckpointManager.failures`, sent to the agent as
+`checkpoint_failures_total`): the CheckpointsFailing alert pages on consecutive ones.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -47,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 log = logging.getLogger("clusterpulse.trainer.checkpoint")
 MANIFEST = "manifest.json"
@@ -176,6 +182,32 @@ def set_aside(found: Found) -> Path | None:
     return target
 
 
+@functools.cache
+def stager_survives_reuse() -> bool:
+    """Whether one torch `DefaultStager` can stage more than one checkpoint.
+
+    torch 2.11's `DefaultStager` closes its `StateDictStager` at the end of every stage
+    (pytorch#170431, against a reference cycle), which empties the stager's copy dispatch
+    table. The next stage then deep-copies the state dict by its pickling rules, reaches
+    the class `dict` itself in `dict.__reduce_ex__`'s arguments and fails with
+    `KeyError: <class 'type'>`: every async save after the first failed (fixed in
+    pytorch#183424). Probed on a one-element dict rather than read from the version
+    number, since that behaviour is what the manager depends on.
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+    return True
+
+
 def find_latest_valid(root: Path) -> Found | None:
     """The newest checkpoint that verifies (one process checks every file)."""
     return next(iter_valid(root), None)
@@ -201,16 +233,22 @@ class CheckpointManager:
         self.publish_timeout_s = 300.0
         self._pending: tuple[int, threading.Event] | None = None
         # The save plan and the staging buffers are the same every time: cache them, so an
-        # async save blocks training only for the copy into host memory.
+        # async save blocks training only for the copy into host memory. Where torch's
+        # stager cannot be reused (stager_survives_reuse), each save gets a fresh one:
+        # that torch drops its buffers after every stage anyway.
         self._planner = dcp.DefaultSavePlanner(enable_plan_caching=True)
-        self._stager = None
+        self._stager: DefaultStager | None = None
+        cuda = torch.cuda.is_available()
+        self._stager_options = StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+            use_non_blocking_copy=cuda)
         if async_save:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                use_non_blocking_copy=cuda))
+            if stager_survives_reuse():
+                self._stager = DefaultStager(self._stager_options)
+            else:
+                log.info("torch %s's DefaultStager closes itself after one stage "
+                         "(pytorch#183413): a fresh stager per async checkpoint",
+                         torch.__version__)
         self._lock = threading.Lock()
         root.mkdir(parents=True, exist_ok=True)
 
@@ -233,14 +271,23 @@ class CheckpointManager:
             if fail:
                 raise CheckpointError("injected checkpoint write failure")
             if self.async_save:
-                result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
-                                        planner=self._planner, async_stager=self._stager)
+                stager = self._stager or DefaultStager(self._stager_options)
+                own = None if stager is self._stager else stager  # this save's: close after
+                try:
+                    result = dcp.async_save(state, checkpoint_id=str(tmp),
+                                            process_group=self.group, planner=self._planner,
+                                            async_stager=stager)
+                except BaseException:
+                    if own is not None:
+                        own.close()
+                    raise
                 fut = getattr(result, "upload_completion", result)
                 if kill_midway:  # the process dies while the background write runs
                     os.kill(os.getpid(), signal.SIGKILL)
                 done = threading.Event()
                 self._pending = (step, done)
-                fut.add_done_callback(lambda f, s=step, p=tmp: self._finish_async(f, s, p, done))
+                fut.add_done_callback(
+                    lambda f, s=step, p=tmp: self._finish_async(f, s, p, done, own))
             else:
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
                 if kill_midway:  # the data is written but not yet published
@@ -251,8 +298,7 @@ class CheckpointManager:
                 else:
                     self._set_committed(step)
         except (Exception, CheckpointException) as err:  # storage errors: training goes on
-            self.failures += 1
-            log.error("checkpoint at step %d failed: %s", step, err)
+            self._failed(f"checkpoint at step {step}", err)
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             blocked = time.perf_counter() - t0
@@ -264,8 +310,17 @@ class CheckpointManager:
         self.blocking_seconds_total += blocked
         return blocked
 
-    def _finish_async(self, fut: Future, step: int, tmp: Path, done: threading.Event) -> None:
-        """Runs in DCP's writer thread once this rank's write is over."""
+    def _failed(self, what: str, err: BaseException) -> None:
+        """Count a failed save and log it once, whole: its type, message and traceback.
+        (The message alone was `<class 'type'>` for torch 2.11's stager KeyError.)"""
+        self.failures += 1
+        log.error("%s failed: %s: %s", what, type(err).__name__, err,
+                  exc_info=(type(err), err, err.__traceback__))
+
+    def _finish_async(self, fut: Future, step: int, tmp: Path, done: threading.Event,
+                      stager: DefaultStager | None = None) -> None:
+        """Runs in DCP's writer thread once this rank's write is over; closes `stager`,
+        the save's own, once the write no longer needs its buffers."""
         try:
             fut.result()
             self._write_own_sums(tmp)
@@ -274,11 +329,12 @@ class CheckpointManager:
             else:
                 self._set_committed(step)
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
-            self.failures += 1
-            log.error("async checkpoint at step %d failed: %s", step, err)
+            self._failed(f"async checkpoint at step {step}", err)
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
         finally:
+            if stager is not None:
+                stager.close()
             done.set()
 
     def _set_committed(self, step: int) -> None:

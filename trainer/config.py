@@ -19,6 +19,8 @@ examples:
       --steps 60 --ckpt-every 10 --ckpt-dir CKPT --summary-json SUMMARY.json \\
       --inject crash:rank=1:step=35
   torchrun --standalone --nproc-per-node 4 -m clusterpulse.trainer --parallel fsdp --async-ckpt ...
+  torchrun --standalone --nproc-per-node 8 -m clusterpulse.trainer --preset 125m --dtype bf16 \
+      --compile --global-batch 64 --steps 500 --summary-json SUMMARY.json   # tokens/s and MFU
   clusterpulse-train --nproc 2 -- --preset tiny --steps 20 --ckpt-dir /tmp/ckpt
 """
 
@@ -36,6 +38,8 @@ class TrainConfig:
     warmup_steps: int = 10
     seed: int = 1234
     parallel: str = "ddp"
+    dtype: str = "fp32"
+    compile: bool = False
     ckpt_dir: Path = Path("checkpoints")
     ckpt_every: int = 0
     ckpt_every_seconds: float = 0.0
@@ -74,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: autocast the forward and the loss to bfloat16 (weights and "
+                   "optimizer stay fp32), as GPU runs train (default: fp32)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (the first steps are slower while it compiles)")
     p.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints"))
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: off)")
     p.add_argument("--ckpt-every-seconds", type=float, default=0.0,
@@ -127,7 +136,8 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         raise ConfigError("--sim-compute-seconds and --sim-sample-seconds must be >= 0")
     return TrainConfig(
         preset=a.preset, steps=a.steps, global_batch=a.global_batch, lr=a.lr,
-        warmup_steps=a.warmup_steps, seed=a.seed, parallel=a.parallel,
+        warmup_steps=a.warmup_steps, seed=a.seed, parallel=a.parallel, dtype=a.dtype,
+        compile=a.compile,
         ckpt_dir=a.ckpt_dir.resolve(), ckpt_every=a.ckpt_every,
         ckpt_every_seconds=a.ckpt_every_seconds, keep=a.keep, async_ckpt=a.async_ckpt,
         summary_json=a.summary_json, run_id=run_id,

@@ -31,6 +31,7 @@ from clusterpulse.trainer.collectives import ring_allreduce_bytes
 from clusterpulse.trainer.config import ConfigError, TrainConfig, parse_config
 from clusterpulse.trainer.data import SyntheticTokens
 from clusterpulse.trainer.faults import Faults
+from clusterpulse.trainer.flops import mfu
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.model import PRESETS, build_model
 from clusterpulse.trainer.parallel import DistInfo, init_distributed, local_attempt, wrap
@@ -126,6 +127,9 @@ class Trainer:
             self.pulse.attach_ddp(self.model)
         elif cfg.parallel == "fsdp":
             self.pulse.attach_fsdp(self.model)
+        # Steps run the compiled module; checkpoints, digests and hooks keep the model.
+        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        self._steady: tuple[int, float] | None = None  # (step, time) after the first step
         self.last_ckpt_time = time.monotonic()
         self.sync_bytes = 0.0
         self.host_bytes = 0.0
@@ -239,6 +243,7 @@ class Trainer:
                              else "checkpoint_started", step=step,
                              checkpoint_blocking_seconds=self.ckpt.last_blocking_seconds)
         except CheckpointError:
+            self.pulse.extra["checkpoint_failures_total"] = self.ckpt.failures
             self.pulse.event("checkpoint_failed", step=step)
             if raise_errors:
                 raise
@@ -261,8 +266,11 @@ class Trainer:
                     time.sleep(delay)
             with s.section("forward_backward"):
                 t0 = time.perf_counter()
-                logits = self.model(x)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                with torch.autocast(info.device.type, dtype=torch.bfloat16,
+                                    enabled=cfg.dtype == "bf16"):
+                    logits = self.forward(x)
+                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           y.reshape(-1))
                 own = (time.perf_counter() - t0) * 3  # forward + backward ~ 3x forward
                 # Simulated GPU work and slowdowns stretch the rank's own compute, before
                 # backward so that DDP's bucket timing sees it as compute, not waiting.
@@ -285,7 +293,9 @@ class Trainer:
         self.sync_bytes += ring_allreduce_bytes(self.param_bytes, info.world)
         self.host_bytes += x.numel() * 8
         pulse.extra.update(sync_bytes_total=self.sync_bytes, host_bytes_total=self.host_bytes,
-                           memory_bytes=float(self.param_bytes * 4))
+                           memory_bytes=float(self.param_bytes * 4),
+                           # async writes fail in DCP's thread: counted at the next step
+                           checkpoint_failures_total=self.ckpt.failures)
         if self.ckpt.committed_step is not None:
             pulse.extra.update(checkpoint_step=self.ckpt.committed_step,
                                checkpoint_timestamp_seconds=self.ckpt.committed_unix or 0.0,
@@ -335,6 +345,9 @@ class Trainer:
         loss = torch.tensor(float("nan"))
         for step in range(start + 1, cfg.steps + 1):
             loss = self.train_step(step)
+            if first:  # throughput is timed from here: the first step compiles, warms up
+                self._sync_device()
+                self._steady = (step, time.perf_counter())
             wall = self.pulse.last.get("step_seconds", 0.0)
             if mark is not None:
                 if first:  # the restart's downtime, kept whatever ends this attempt
@@ -357,8 +370,24 @@ class Trainer:
                                 before_exit=self._before_exit)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or self.pulse.checkpoint_agreed:
                 self.save(step)
+        tokens_per_s = self._tokens_per_second(cfg.steps)
         self.ckpt.wait()
-        return self._finish(loss, time.time() - t_run)
+        return self._finish(loss, time.time() - t_run, tokens_per_s)
+
+    def _sync_device(self) -> None:
+        if self.info.device.type == "cuda":
+            torch.cuda.synchronize(self.info.device)
+
+    def _tokens_per_second(self, last_step: int) -> float | None:
+        """Tokens all ranks trained per second in this attempt, from the end of its first
+        step (compilation and warm-up) to the end of `last_step`, checkpoints and
+        step-boundary exchanges included; None when there is no such span."""
+        if self._steady is None or last_step <= self._steady[0]:
+            return None
+        self._sync_device()
+        first, t0 = self._steady
+        tokens = (last_step - first) * self.cfg.global_batch * PRESETS[self.cfg.preset].seq_len
+        return tokens / max(time.perf_counter() - t0, 1e-9)
 
     def _save_to_leave(self, step: int) -> None:
         """The checkpoint a restart leaves with: raises unless it is committed."""
@@ -376,7 +405,17 @@ class Trainer:
             self.runstate.pending_command = ",".join(command_ids)
             self.runstate.save(self.runstate_path)
 
-    def _finish(self, loss: torch.Tensor, wall: float) -> int:
+    def _mfu(self, tokens_per_s: float | None) -> float | None:
+        """Model FLOPs utilisation (trainer.flops) of a bf16 run on a GPU whose peak is
+        known; None otherwise (the peaks are bf16 ones)."""
+        if tokens_per_s is None or self.cfg.dtype != "bf16" or self.info.device.type != "cuda":
+            return None
+        share = mfu(tokens_per_s, PRESETS[self.cfg.preset], self.info.world,
+                    torch.cuda.get_device_name(self.info.device))
+        return None if share is None else round(share, 4)
+
+    def _finish(self, loss: torch.Tensor, wall: float,
+                tokens_per_s: float | None = None) -> int:
         info = self.info
         final_loss = torch.tensor([float(loss)], dtype=torch.float64, device=info.device
                                   if info.backend == "nccl" else "cpu")
@@ -403,6 +442,9 @@ class Trainer:
                 "wall_seconds": round(total_wall, 3),
                 "consensus_seconds": round(self.pulse.consensus.seconds, 4),
                 "consensus_exchanges": self.pulse.consensus.exchanges,
+                "dtype": self.cfg.dtype, "compile": self.cfg.compile,
+                "tokens_per_second": None if tokens_per_s is None else round(tokens_per_s, 1),
+                "mfu": self._mfu(tokens_per_s),
             }
             if self.cfg.summary_json:
                 try:

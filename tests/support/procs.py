@@ -8,8 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-import requests
+from types import ModuleType
 
 from tests.support.ports import free_port
 
@@ -17,6 +16,14 @@ REPO = Path(__file__).resolve().parents[2]
 # The project's Prometheus rules, as every real Prometheus in the tests loads them.
 RULE_FILES = (REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml",
               REPO / "deploy" / "prometheus" / "alerts.rules.yml")
+
+
+def _http() -> ModuleType:
+    """requests, imported when a process is first queried: tests/gpu import REPO from
+    here on the GPU machine, whose python has torch and pytest but no requests."""
+    import requests
+
+    return requests
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str, interval: float = 0.2):
@@ -69,7 +76,7 @@ def start_agent_cli(tmp: Path, node: str, gpus: int = 4, token_file: Path | None
     if token_file:
         args += ["--token-file", str(token_file)]
     proc = Proc(args + (extra or []), tmp / f"agent-{node}.log", cwd=REPO)
-    wait_until(lambda: requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).ok,
+    wait_until(lambda: _http().get(f"http://127.0.0.1:{port}/healthz", timeout=1).ok,
                20, f"agent {node} healthz")
     return proc, port, telemetry
 
@@ -103,13 +110,13 @@ class Prometheus:
     def start(self) -> None:
         """(Re)start on the same port and data: an outage the dashboard must survive."""
         self.proc = Proc(self.args, self.dir / "prometheus.log")
-        wait_until(lambda: requests.get(self.url + "/-/ready", timeout=1).ok, 30,
+        wait_until(lambda: _http().get(self.url + "/-/ready", timeout=1).ok, 30,
                    "prometheus ready")
 
     def query(self, promql: str, at: float | None = None) -> list[dict]:
         """An instant query, now or at unix time `at`."""
         params = {"query": promql} if at is None else {"query": promql, "time": at}
-        r = requests.get(self.url + "/api/v1/query", params=params, timeout=5)
+        r = _http().get(self.url + "/api/v1/query", params=params, timeout=5)
         r.raise_for_status()
         return r.json()["data"]["result"]
 
@@ -142,11 +149,11 @@ class Alertmanager:
                           f"--storage.path={self.dir / 'data'}",
                           f"--web.listen-address=127.0.0.1:{self.port}",
                           "--cluster.listen-address="], self.dir / "alertmanager.log")
-        wait_until(lambda: requests.get(self.url + "/-/ready", timeout=1).ok, 30,
+        wait_until(lambda: _http().get(self.url + "/-/ready", timeout=1).ok, 30,
                    "alertmanager ready")
 
     def alerts(self) -> list[dict]:
-        r = requests.get(self.url + "/api/v2/alerts", timeout=5)
+        r = _http().get(self.url + "/api/v2/alerts", timeout=5)
         r.raise_for_status()
         return r.json()
 

@@ -279,6 +279,26 @@ def test_agent_replies_with_gpu_slowdown_and_exports_rank_series(sim_agent):
     assert f"clusterpulse_trainer_process_alive{labels} 1.0" in text
 
 
+def test_checkpoint_failures_are_exported_as_a_counter_promtool_accepts(sim_agent):
+    """CheckpointsFailing reads this counter; a failed save was only an event before."""
+    import re
+    import shutil
+
+    s = connect(sim_agent.socket_path)
+    exchange(s, type="step", run="r1", rank=0, local_rank=0, gpu=0, pid=1, step=7,
+             step_seconds=0.2, checkpoint_failures_total=2)
+    text = sim_agent.get("/metrics", token=None).text
+    labels = '{local_rank="0",node="node-a",rank="0",run="r1"}'
+    assert f"clusterpulse_trainer_checkpoint_failures_total{labels} 2.0" in text
+    assert re.search(r"^# TYPE clusterpulse_trainer_checkpoint_failures(_total)? counter$",
+                     text, re.M)
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is not installed (the test command installs prometheus)"
+    r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r
+
+
 def test_the_pid_is_the_kernels_not_the_payloads(sim_agent):
     """Finding: the agent recorded whatever pid telemetry claimed."""
     with RankProcess(sim_agent.socket_path,
