@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import streamlit as st
 
-from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.audit import AuditLog, verify
 from clusterpulse.dashboard import auth, config
 from clusterpulse.dashboard.data import Result
 
@@ -28,6 +28,27 @@ def settings() -> config.Settings:
 
 def audit_log() -> AuditLog:
     return AuditLog(settings().audit_log)
+
+
+def audit_chain_status() -> None:
+    """The audit chain's head, shown outside the file: an operator who notes it (or a
+    screenshot) can later prove that records were cut from the end or rewritten
+    (`clusterpulse-audit verify FILE --head SEQ:HASH`); breaks are named by line."""
+    path = settings().audit_log
+    if not path.exists():
+        return
+    try:
+        verdict = verify(path)
+    except OSError as err:
+        st.warning(f"Audit log {path}: cannot read it ({err.strerror or err}).")
+        return
+    head = f"head `{verdict.head.seq}:{verdict.head.digest[:16]}`"
+    if verdict.intact:
+        st.caption(f"Hash chain intact: {verdict.records} records, {head}.")
+    else:
+        where = ", ".join(f"line {n} ({why})" for n, why in verdict.breaks[:5])
+        st.error(f"Audit hash chain broken at {len(verdict.breaks)} place(s): {where}; "
+                 f"{head}.", icon=":material/gpp_bad:")
 
 
 def show_status(result: Result, what: str = "Prometheus") -> bool:
