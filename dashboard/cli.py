@@ -13,6 +13,7 @@ examples:
   clusterpulse-dashboard --prometheus http://127.0.0.1:9090 --alertmanager http://127.0.0.1:9093
   clusterpulse-dashboard --port 8501 --operators-file /etc/clusterpulse/operators.toml \\
       --token-file /etc/clusterpulse/token --audit-log /var/log/clusterpulse/audit.jsonl
+  clusterpulse-dashboard --address 127.0.0.1 --trusted-proxy 127.0.0.1   # behind nginx
 """
 
 
@@ -29,13 +30,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--operators-file", type=Path, help="TOML [operators] name = hash")
     p.add_argument("--audit-log", type=Path, default=Path("clusterpulse-audit.jsonl"))
     p.add_argument("--refresh", type=float, default=5, help="seconds between refreshes")
+    p.add_argument("--trusted-proxy", default="", metavar="ADDR[,ADDR]",
+                   help="reverse proxies whose X-Forwarded-For names the client (sign-in "
+                   "throttling is per client address); default: none, not even loopback, "
+                   "so a local user cannot pose as many clients")
     a = p.parse_args(argv)
     if not (math.isfinite(a.refresh) and a.refresh > 0):  # 0 or inf: every view stands still
         p.error(f"--refresh must be a number of seconds > 0, not {a.refresh:g}")
     env = {"CLUSTERPULSE_PROMETHEUS_URL": a.prometheus,
            "CLUSTERPULSE_ALERTMANAGER_URL": a.alertmanager,
            "CLUSTERPULSE_AUDIT_LOG": str(a.audit_log.resolve()),
-           "CLUSTERPULSE_REFRESH_S": str(a.refresh)}
+           "CLUSTERPULSE_REFRESH_S": str(a.refresh),
+           # uvicorn (Streamlit's server) trusts X-Forwarded-For from loopback unless told
+           "FORWARDED_ALLOW_IPS": a.trusted_proxy}
     if a.token_file:
         env["CLUSTERPULSE_AGENT_TOKEN_FILE"] = str(a.token_file.resolve())
     if a.operators_file:

@@ -97,6 +97,14 @@ def _secrets_section(name: str) -> dict | None:
         return None
 
 
+def client_address() -> str:
+    """Who is signing in, as the connection says: Streamlit's `st.context.ip_address`
+    is the WebSocket's TCP peer (None on loopback). Behind a reverse proxy every user
+    shares the proxy's address (docs/security.md)."""
+    ip = st.context.ip_address
+    return ip if isinstance(ip, str) and ip else "localhost"
+
+
 def operator() -> str | None:
     """The signed-in operator's name, or None for a viewer. Renders the sign-in box."""
     box = st.sidebar.container(border=True)
@@ -127,16 +135,20 @@ def operator() -> str | None:
         password = st.text_input("Password", type="password", key="login_password")
         if st.form_submit_button("Sign in"):
             ops = auth.load_operators(settings().operators_file, _secrets_section("operators"))
-            result = auth.authenticate(name, password, ops)
+            client = client_address()
+            result = auth.authenticate(name, password, ops, client=client)
             if result.ok:
                 st.session_state["operator"] = name
                 st.session_state["operator_since"] = time.time()
-                audit_log().write(name, "sign-in", "dashboard", "ok", source="dashboard")
+                audit_log().write(name, "sign-in", "dashboard", "ok", source="dashboard",
+                                  client=client)
                 st.rerun()
             else:
-                # the typed name only if it is an operator's (it may be a mistyped password)
-                audit_log().write(name if name in ops else "unknown", "sign-in", "dashboard",
-                                  "refused", source="dashboard", detail=result.message)
+                # the typed name only if it is an operator's (it may be a mistyped
+                # password); one line per client per minute, however many tries
+                auth.REFUSALS.refused(audit_log(), client, name if name in ops else "unknown",
+                                      "sign-in", "dashboard", source="dashboard",
+                                      detail=result.message)
                 st.error(result.message)
     return None
 
