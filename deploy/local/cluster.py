@@ -34,6 +34,7 @@ REPO = HERE.parents[1]
 if str(REPO) not in sys.path:  # run as a script: deploy.* imports from the repository root
     sys.path.insert(0, str(REPO))
 
+from clusterpulse.agent.tokens import write_secret  # noqa: E402
 from clusterpulse.dashboard.remediation import Policy, PolicyError  # noqa: E402
 from deploy.local.stack import (  # noqa: E402
     Stack,
@@ -64,8 +65,7 @@ def operator_password(state: Path) -> str:
 
     password = secrets.token_urlsafe(12)
     path = state / "operators.toml"
-    path.write_text(f'[operators]\nadmin = "{hash_password(password)}"\n')
-    path.chmod(0o600)
+    write_secret(path, f'[operators]\nadmin = "{hash_password(password)}"\n')
     return password
 
 

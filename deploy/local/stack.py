@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from clusterpulse.agent.tokens import write_secret
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
@@ -176,10 +178,8 @@ class Central:
 
 
 def secret_file(path: Path) -> Path:
-    """`path`, holding a fresh random token (0600) unless it exists already."""
-    if not path.exists():
-        path.write_text(secrets.token_hex(32))
-        path.chmod(0o600)
+    """`path`, holding a fresh random token (created 0600) unless it exists already."""
+    write_secret(path, secrets.token_hex(32), replace=False)
     return path
 
 
