@@ -103,6 +103,15 @@ def _head_of(fd: int) -> tuple[Head, bool]:
     return Head(seq, _digest(last)), complete
 
 
+def open_private(path: Path) -> int:
+    """An fd appending to `path`, created 0600 by this open (never readable by others
+    in between), and tightened if an older file was wider."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+        os.fchmod(fd, 0o600)
+    return fd
+
+
 class AuditLog:
     def __init__(self, path: Path | None) -> None:
         self.path = path
@@ -115,10 +124,7 @@ class AuditLog:
 
     def _open(self) -> int:
         assert self.path is not None
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
-        if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
-            os.fchmod(fd, 0o600)
-        return fd
+        return open_private(self.path)
 
     def write(self, who: str, action: str, why: str, outcome: str, **detail: Any) -> dict:
         """Append a record. Never raises: a full or read-only disk must not stop what
