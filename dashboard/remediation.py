@@ -295,8 +295,9 @@ class Remediator:
         if rule is None:
             return False
         if rule.action in NODE_ACTIONS:  # acts on the node, not on a run (drain.py)
-            decisions.append(self._decide_node(rule, alert))
-            return False
+            d = self._decide_node(rule, alert)
+            decisions.append(d)
+            return d.pop("retry", False)
         try:
             runs = self._runs(alert["labels"])
         except PrometheusError as err:
@@ -325,6 +326,10 @@ class Remediator:
         waiting = self._still_waiting(rule, ("node", node), alert, recheck)
         if waiting is not None:
             return {"node": node, "alert": rule.alert, "action": rule.action, **waiting}
+        if not self.policy.dry_run:
+            refused = self._unconfirmed(rule, alert, "")
+            if refused is not None:
+                return {"node": node, "alert": rule.alert, "action": rule.action, **refused}
         return Drainer(self.policy.drain, self.audit, self.policy.dry_run).decide(alert)
 
     def _still_waiting(self, rule: Rule, subject: tuple[str, str], alert: dict,
@@ -368,14 +373,36 @@ class Remediator:
                 return {"outcome": "decided", "detail": "decided already"}
         return None
 
-    def _firing_now(self, alert: dict) -> bool | None:
+    def _unconfirmed(self, rule: Rule, alert: dict, run: str) -> dict | None:
+        """None when Prometheus has this alert firing, so the policy may act; else the
+        decision, audited. A notification is only a claim: anyone who can reach an
+        Alertmanager's API can post one (a forged RankHung killed a victim's ranks 2 s
+        later), so every automatic action first asks Prometheus, and does nothing
+        when Prometheus cannot answer (the notification comes again: retry)."""
+        firing = self._firing_now(alert, rule)
+        if firing:
+            return None
+        if firing is None:
+            return {**self._failed(rule, alert, run, "Prometheus cannot confirm the alert "
+                                   "fires: not acting blind"), "retry": True}
+        detail = ("Prometheus has no such alert firing (ALERTS): a forged or stale "
+                  "notification")
+        self.audit.write("policy", rule.action, f"policy: {rule.alert} -> {rule.action}",
+                         "refused", **({"run": run} if run else {}), source="remediation",
+                         detail=detail, alert=alert.get("labels", {}))
+        return {"outcome": "refused", "detail": detail}
+
+    def _firing_now(self, alert: dict, rule: Rule | None = None) -> bool | None:
         """Whether Prometheus has this alert firing now (its ALERTS series, on the
-        labels that name what it is about); None when Prometheus cannot be asked."""
+        labels that name what it is about and those the rule matched it on); None when
+        Prometheus cannot be asked."""
         labels = alert.get("labels", {})
-        # not on severity: alert relabelling may rewrite it on the way to Alertmanager
+        matched = {name for name, _ in rule.match} if rule else set()
+        # not on severity unless the rule chose by it: alert relabelling may rewrite it
+        # on the way to Alertmanager
+        keys = dict.fromkeys(("alertname", *SUBJECT_LABELS, *sorted(matched)))
         sel = ",".join(f'{k}="{promql_string(str(labels[k]))}"'
-                       for k in ("alertname", *SUBJECT_LABELS) if k in labels
-                       and k != "severity")
+                       for k in keys if k in labels and (k != "severity" or k in matched))
         try:
             return bool(self.prom.query(f'ALERTS{{alertstate="firing",{sel}}}'))
         except PrometheusError as err:
@@ -409,6 +436,10 @@ class Remediator:
         waiting = self._still_waiting(rule, ("run", run), alert, recheck)
         if waiting is not None:
             return {**base, **waiting}
+        if not self.policy.dry_run:
+            refused = self._unconfirmed(rule, alert, run)
+            if refused is not None:
+                return {**base, **refused}
         now = self.clock()
         # the same alert in a resent notification (Alertmanager retries after a 503, or
         # two Alertmanagers of an HA pair both send): carried out once

@@ -408,3 +408,38 @@ def test_a_bug_deciding_one_alert_is_answered_and_spares_the_others(tmp_path, mo
                                        alert()]})
     assert [d["outcome"] for d in decisions] == ["failed", "dry_run"]
     assert decisions[0]["detail"] == "internal error: KeyError"
+
+
+def test_the_policy_acts_only_on_alerts_prometheus_has_firing(tmp_path):
+    """Found in review: any local user POSTed an alert to the shipped Alertmanager's
+    open API, and the policy killed the victim's ranks 2 s later. Now every automatic
+    action first asks Prometheus for ALERTS{alertname, alertstate="firing", the
+    alert's labels}: a notification Prometheus does not back is refused and audited,
+    and when Prometheus cannot answer nothing is done (503: Alertmanager retries)."""
+    from tests.support.promstub import AlertsPrometheus
+
+    prom = AlertsPrometheus(lambda q: 'run="real"' in q and 'rank="3"' in q)
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    rem = Remediator(Policy([Rule("RankHung", "restart"), Rule("GpuDown", "drain-node")]),
+                     PrometheusClient(prom.url), "agent-token-0123456789", audit)
+    try:
+        forged = [alert(labels={"alertname": "RankHung", "run": "victim", "rank": "0"}),
+                  alert(labels={"alertname": "RankHung", "run": "real", "rank": "0"}),
+                  alert(labels={"alertname": "GpuDown", "node": "victim-node", "gpu": "0"})]
+        decisions = rem.handle({"alerts": forged})
+    finally:
+        prom.close()
+    assert [d["outcome"] for d in decisions] == ["refused"] * 3, decisions
+    assert all("no such alert firing" in d["detail"] for d in decisions)
+    asked = [q for q in prom.queries if q.startswith("ALERTS{")]
+    assert 'ALERTS{alertstate="firing",alertname="RankHung",run="victim",rank="0"}' in asked
+    assert [r["outcome"] for r in audit.read()] == ["refused"] * 3
+    # Prometheus unreachable: fail closed
+    rem.prom = PrometheusClient("http://127.0.0.1:9")
+    from clusterpulse.dashboard.remediation import RetryLater
+
+    with pytest.raises(RetryLater) as err:
+        rem.handle({"alerts": [alert(labels={"alertname": "GpuDown", "node": "n1",
+                                             "gpu": "0"})]})
+    (d,) = err.value.decisions
+    assert d["outcome"] == "failed" and "cannot confirm" in d["detail"]
