@@ -47,6 +47,14 @@ def hash_password(password: str, salt: bytes | None = None) -> str:
     return f"scrypt${SCRYPT_N}${SCRYPT_R}${SCRYPT_P}${salt.hex()}${digest.hex()}"
 
 
+def bcrypt_hash(password: str) -> str:
+    """A bcrypt hash for Alertmanager's web config (`basic_auth_users`: Alertmanager
+    accepts bcrypt only). Cost 10, Prometheus' own example; checked per API request."""
+    import bcrypt  # the dashboard extra; only this and the local stack need it
+
+    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(10)).decode()
+
+
 def _check(password: str, stored: str) -> tuple[bool, bool]:
     """(matches, meets the policy). Raises ValueError on a malformed entry."""
     parts = stored.split("$")

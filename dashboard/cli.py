@@ -24,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prometheus", default="http://127.0.0.1:9090",
                    help="Prometheus-compatible API URL")
     p.add_argument("--alertmanager", default="http://127.0.0.1:9093")
+    p.add_argument("--alertmanager-password-file", type=Path,
+                   help="password for Alertmanager's basic auth (its web config), as user "
+                   "--alertmanager-user")
+    p.add_argument("--alertmanager-user", default="clusterpulse")
     p.add_argument("--address", default="127.0.0.1", help="listen address (default: localhost)")
     p.add_argument("--port", type=int, default=8501)
     p.add_argument("--token-file", type=Path, help="agents' control API token (for actions)")
@@ -47,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         env["CLUSTERPULSE_AGENT_TOKEN_FILE"] = str(a.token_file.resolve())
     if a.operators_file:
         env["CLUSTERPULSE_OPERATORS_FILE"] = str(a.operators_file.resolve())
+    if a.alertmanager_password_file:
+        env["CLUSTERPULSE_ALERTMANAGER_PASSWORD_FILE"] = str(
+            a.alertmanager_password_file.resolve())
+        env["CLUSTERPULSE_ALERTMANAGER_USER"] = a.alertmanager_user
     os.environ.update(env)
     app = Path(__file__).with_name("app.py")
     args = [sys.executable, "-m", "streamlit", "run", str(app),

@@ -119,7 +119,7 @@ class TestbedCluster:
                 raise TestbedError(f"agent on {node.name} did not come up; see "
                                    f"{self.state / ('agent-' + node.name)}.log")
         for name, url in self.central.urls().items():
-            if not wait_http(url + "/-/ready", 60):
+            if not wait_http(url + "/-/ready", 60, self.central.auth(name)):
                 raise TestbedError(f"{name} did not come up; see {self.state}/{name}.log")
         return self
 
