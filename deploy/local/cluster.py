@@ -334,9 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "a network namespace per node)"))
         for name, url in urls.items():
             print(f"  {name:12s} {url}")
-        if "alertmanager" in urls:
-            print(f"  {'':12s} (basic auth: user '{AM_USER}', password in "
-                  f"{state / 'alertmanager-password'})")
+            if name == "alertmanager":
+                print(f"  {'':12s} (basic auth: user '{AM_USER}', password in "
+                      f"{state / 'alertmanager-password'})")
         if password:
             print(f"  operator     name 'admin', password '{password}' (hash in "
                   f"{state / 'operators.toml'})")
