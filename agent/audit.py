@@ -1,18 +1,27 @@
 """Append-only audit log: who did what, when, why, and how it ended.
 
 JSON lines, flushed and fsynced per record, so a crash loses no decided action.
-Shared by the agent (control API) and the dashboard/remediation policy.
+Shared by the agent (control API), the dashboard, `clusterpulse-ctl` and the
+remediation receiver, which may all append to the same file: each append takes an
+exclusive `flock` and reads the file's own last record under it, so two processes
+never chain onto the same predecessor (each used to remember only its own last
+record, and a live file shared by the dashboard and the receiver read as tampered).
 
 The file is created 0600 (and tightened if it was wider): it names operators and
-clients. Each record carries `prev`, the SHA-256 of the line before it, so deleting
-or editing a record breaks the chain from there on (`verify_chain`); this is tamper
-*evidence* against someone who can write the file but not the last hash shipped
-elsewhere (ship the log off the node for more, see docs/security.md).
+clients. Each record carries `seq` (1, 2, 3...) and `prev`, the SHA-256 of the line
+before it (the first record's `prev` is all zeros: it anchors the chain). A record
+without either is a break, so deleting, reordering, editing or inserting a line (even
+a bare `[]`) shows in `verify`, down to the line. Someone who can write the file can
+still rewrite every record after the one they change; the head (`head`: the last
+sequence number and hash) is therefore published outside the file, as a metric and
+on the dashboard, and `clusterpulse-audit verify FILE --head SEQ:HASH` checks the
+file against a head seen earlier. Ship the log off the node for more (docs/security.md).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -20,50 +29,102 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 GENESIS = "0" * 64
 MAX_WAITING = 10_000  # records kept in memory while the file cannot be written
+_TAIL_CHUNK = 65536
 log = logging.getLogger(__name__)
 
 
-def _digest(line: str) -> str:
-    return hashlib.sha256(line.rstrip("\n").encode()).hexdigest()
+def _digest(line: str | bytes) -> str:
+    data = line if isinstance(line, bytes) else line.encode()
+    return hashlib.sha256(data.rstrip(b"\n")).hexdigest()
 
 
-def _last_line(path: Path) -> str | None:
+@dataclass(frozen=True)
+class Head:
+    """Where a chain ends: the last record's sequence number and SHA-256."""
+
+    seq: int = 0
+    digest: str = GENESIS
+
+    def __str__(self) -> str:
+        return f"{self.seq}:{self.digest}"
+
+
+def _tail(fd: int) -> tuple[bytes | None, bool]:
+    """(the last line without its newline, or None for an empty file; whether the file
+    ends with a newline). Reads backwards from the end, a chunk at a time."""
+    end = os.lseek(fd, 0, os.SEEK_END)
+    if end == 0:
+        return None, True
+    last = os.pread(fd, 1, end - 1)
+    complete = last == b"\n"
+    stop = end - 1 if complete else end
+    buf = b""
+    pos = stop
+    while pos > 0:
+        start = max(0, pos - _TAIL_CHUNK)
+        buf = os.pread(fd, pos - start, start) + buf
+        pos = start
+        cut = buf.rfind(b"\n")
+        if cut >= 0:
+            return buf[cut + 1:], complete
+    return buf, complete
+
+
+def _count_lines(fd: int) -> int:
+    n, pos = 0, 0
+    while chunk := os.pread(fd, 1 << 20, pos):
+        n += chunk.count(b"\n")
+        pos += len(chunk)
+    return n
+
+
+def _head_of(fd: int) -> tuple[Head, bool]:
+    """The chain's head as the file says (read under the lock), and whether the file
+    ends with a newline (a torn last line from a crash elsewhere)."""
+    last, complete = _tail(fd)
+    if last is None:
+        return Head(), True
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 65536))
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    return lines[-1].decode(errors="replace") if lines else None
+        rec = json.loads(last)
+        seq = rec["seq"] if isinstance(rec, dict) else None
+    except ValueError:
+        seq = None
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+        # a line from before sequence numbers, or garbage: count on from its position
+        # (the verifier names that line; the records after it still chain)
+        seq = _count_lines(fd) + (0 if complete else 1)
+    return Head(seq, _digest(last)), complete
+
+
+def open_private(path: Path) -> int:
+    """An fd appending to `path`, created 0600 by this open (never readable by others
+    in between), and tightened if an older file was wider."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+        os.fchmod(fd, 0o600)
+    return fd
 
 
 class AuditLog:
-    def __init__(self, path: Path | None, chain: bool = True) -> None:
+    def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.chain = chain
         self._lock = threading.Lock()
-        self._prev = GENESIS
         self._waiting: list[dict] = []  # records not yet written (the file refused them)
         self.failed_writes = 0
+        self.head = Head()  # the last record this process wrote (published as a metric)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            last = _last_line(path)
-            if last:
-                self._prev = _digest(last)
 
     def _open(self) -> int:
         assert self.path is not None
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
-            os.fchmod(fd, 0o600)
-        return fd
+        return open_private(self.path)
 
     def write(self, who: str, action: str, why: str, outcome: str, **detail: Any) -> dict:
         """Append a record. Never raises: a full or read-only disk must not stop what
@@ -102,12 +163,15 @@ class AuditLog:
     def _write_waiting(self) -> None:
         fd = self._open()
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # one writer at a time, across processes
+            head, complete = _head_of(fd)
             while self._waiting:
                 record = self._waiting[0]
-                if self.chain:
-                    record["prev"] = self._prev
+                record["seq"], record["prev"] = head.seq + 1, head.digest
                 line = json.dumps(record, sort_keys=True, default=str)
                 data = (line + "\n").encode()
+                if not complete:  # another writer's torn line: keep it a line of its own
+                    data = b"\n" + data
                 end = os.lseek(fd, 0, os.SEEK_END)
                 try:
                     # a nearly full disk (or a file size limit) can take part of it
@@ -118,10 +182,12 @@ class AuditLog:
                 except OSError:
                     os.ftruncate(fd, end)  # no torn line to break the chain
                     raise
-                self._prev = _digest(line)
+                complete = True
+                head = Head(record["seq"], _digest(line))
+                self.head = head
                 self._waiting.pop(0)
         finally:
-            os.close(fd)
+            os.close(fd)  # releases the lock
 
     def read(self, limit: int = 1000) -> list[dict]:
         """The newest `limit` records; unreadable lines are skipped, not fatal."""
@@ -131,25 +197,114 @@ class AuditLog:
         with open(self.path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
-                    out.append(json.loads(line))
+                    rec = json.loads(line)
                 except ValueError:
                     continue
+                if isinstance(rec, dict):
+                    out.append(rec)
         return out[-limit:]
 
 
+@dataclass
+class Verdict:
+    """What `verify` found: the breaks (line number, reason) and the head it reached."""
+
+    records: int = 0
+    head: Head = field(default_factory=Head)
+    breaks: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def intact(self) -> bool:
+        return not self.breaks
+
+
+def _lines(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        yield from f
+
+
+def verify(path: Path, expect: Head | None = None) -> Verdict:
+    """Check every record against the one before it: `seq` one more, `prev` its hash;
+    the first record must anchor (seq 1, prev all zeros). After a break the check goes
+    on from the breaking line, so each break is named once. `expect`, a head published
+    earlier, must still be in the file (a record with that seq and hash, of which a
+    prefix will do): records cut from the end show only that way. Raises OSError when
+    the file cannot be read."""
+    v = Verdict()
+    prev, seq = GENESIS, 0
+    seen_expected = expect is None or expect.seq == 0
+    for n, raw in enumerate(_lines(path), 1):
+        digest = _digest(raw)
+        v.records = n
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict):
+            v.breaks.append((n, "not a JSON object (a forged or damaged line)"))
+            prev, seq = digest, seq + 1
+            continue
+        got_seq, got_prev = rec.get("seq"), rec.get("prev")
+        if not isinstance(got_seq, int) or isinstance(got_seq, bool):
+            v.breaks.append((n, "no sequence number"))
+            got_seq = seq + 1
+        elif got_seq != seq + 1:
+            what = "records missing before it" if got_seq > seq + 1 else "out of order"
+            v.breaks.append((n, f"seq {got_seq} after {seq}: {what}"))
+        elif not isinstance(got_prev, str):
+            v.breaks.append((n, "no 'prev' hash"))
+        elif got_prev != prev:
+            v.breaks.append((n, "'prev' is not the hash of the line before: a record "
+                                "before it was changed, removed or inserted"))
+        if expect is not None and got_seq == expect.seq:
+            if digest.startswith(expect.digest):
+                seen_expected = True
+            else:
+                v.breaks.append((n, f"record {expect.seq} differs from the published head"))
+                seen_expected = True
+        prev, seq = digest, got_seq
+    v.head = Head(seq, prev)
+    if not seen_expected:
+        v.breaks.append((v.records + 1, f"the published head {expect} is gone: records "
+                                        "were removed from the end"))
+    return v
+
+
 def verify_chain(path: Path) -> list[int]:
-    """1-based numbers of the lines whose `prev` does not match the line before."""
-    broken = []
-    prev = GENESIS
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                broken.append(n)
-                prev = _digest(line)
-                continue
-            if isinstance(rec, dict) and "prev" in rec and rec["prev"] != prev:
-                broken.append(n)
-            prev = _digest(line)
-    return broken
+    """1-based numbers of the lines where the chain breaks (see `verify`)."""
+    return [n for n, _ in verify(path).breaks]
+
+
+class RefusalSummary:
+    """Refusals (failed sign-ins, wrong tokens) audited at a bounded rate: at most one
+    line per client per `period_s`, carrying `refusals`, how many there were since that
+    client's last line. A client that keeps failing costs one line a minute, not one
+    per try (a flood wrote 400 lines in 223 s); a client's first refusal is written at
+    once, so a single mistake is on record. Process-wide: shared by every session."""
+
+    def __init__(self, period_s: float = 60.0, max_clients: int = 10_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.period_s = period_s
+        self.max_clients = max_clients
+        self.clock = clock
+        self._seen: dict[str, tuple[float, int]] = {}  # client -> (last line, since then)
+        self._lock = threading.Lock()
+
+    def refused(self, audit: AuditLog, client: str, who: str, action: str, why: str,
+                **detail: Any) -> bool:
+        """Count a refusal; True when a line was written for it."""
+        now = self.clock()
+        with self._lock:
+            last, count = self._seen.get(client, (None, 0))
+            count += 1
+            if last is not None and now - last < self.period_s:
+                self._seen[client] = (last, count)
+                return False
+            if client not in self._seen and len(self._seen) >= self.max_clients:
+                self._seen = {c: v for c, v in self._seen.items()
+                              if now - v[0] < self.period_s}
+                if len(self._seen) >= self.max_clients:  # bounded whatever clients come
+                    self._seen.pop(next(iter(self._seen)))
+            self._seen[client] = (now, 0)
+        audit.write(who, action, why, "refused", client=client, refusals=count, **detail)
+        return True

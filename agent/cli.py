@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEM certificate: serve /metrics and /v1/ over HTTPS (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--max-connections", type=int, default=64,
-                   help="concurrent HTTP connections; more get 503 (default: 64)")
+                   help="HTTP requests served at once (connections still sending their "
+                   "request wait apart and hold none); more get 503 (default: 64)")
     p.add_argument("--audit-log", type=Path, help="JSON-lines audit log of control actions")
     p.add_argument("--state-dir", type=Path,
                    help="directory for state that must survive agent restarts (XID counts, "

@@ -150,6 +150,20 @@ class AgentCollector(Collector):
         for kind, n in sorted(a.collection_errors().items()):
             c.add_metric([a.node, kind], n)
         yield c
+        # the audit chain's head, outside the file: a record cut from the end, or a
+        # rewritten tail, no longer matches what Prometheus stored (docs/security.md)
+        head = a.audit.head
+        g = GaugeMetricFamily(PREFIX + "audit_head_sequence",
+                              "Sequence number of the last audit record this agent wrote.",
+                              labels=["node"])
+        g.add_metric([a.node], head.seq)
+        yield g
+        g = GaugeMetricFamily(PREFIX + "audit_head_hash_prefix",
+                              "First 48 bits of that record's SHA-256, as an integer "
+                              "(printf '%012x' to compare with `clusterpulse-audit verify "
+                              "--head`).", labels=["node"])
+        g.add_metric([a.node], int(head.digest[:12], 16))
+        yield g
         c = CounterMetricFamily(PREFIX + "agent_telemetry_messages",
                                 "Telemetry messages by result (accepted or why dropped).",
                                 labels=["node", "result"])

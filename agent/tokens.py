@@ -14,7 +14,9 @@ does not open every door and the audit log says who acted.
 from __future__ import annotations
 
 import hmac
+import os
 import re
+import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,3 +78,33 @@ class Tokens:
         except OSError as err:
             raise TokenError(f"cannot read token file {path}: {err.strerror}") from None
         return cls.parse(text, str(path)), bool(mode & (stat.S_IRGRP | stat.S_IROTH))
+
+
+def write_secret(path: Path, text: str, replace: bool = True) -> bool:
+    """Write a secret file that no other user can ever read: created 0600 by the
+    `open` that makes it (O_EXCL, whatever the umask), never widened and tightened
+    afterwards (`write_text` then `chmod` left a window in which another user read 5
+    tokens of 5). `replace`: write a private temporary file beside it and rename it
+    over the old one (readers see the old or the new secret, whole); else keep an
+    existing file. True when it was written."""
+    if not replace:
+        target, final = path, None
+    else:
+        target, final = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"), path
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        if final is None:
+            return False
+        raise
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if final is not None:
+            os.replace(target, final)
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
+    return True

@@ -22,6 +22,8 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("prometheus", "prometheus/prometheus.example.yml", "example scrape config"),
     ("alertmanager", "alertmanager/alertmanager.yml", "routing and inhibition"),
     ("alertmanager", "alertmanager/examples/email-slack.yml", "email/Slack receivers"),
+    ("alertmanager", "alertmanager/web.yml",
+     "web config: basic auth on Alertmanager's API (--web.config.file)"),
     ("policy", "local/policy.toml", "remediation policy for clusterpulse-remediate"),
     ("grafana", "grafana/clusterpulse-fleet.json", "Grafana dashboard: fleet"),
     ("grafana", "grafana/clusterpulse-node.json", "Grafana dashboard: node"),

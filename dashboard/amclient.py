@@ -27,13 +27,19 @@ class Alert:
 
 
 class AlertmanagerClient:
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+    """`auth`: (user, password) for an Alertmanager whose API needs basic auth (the
+    project ships it so: docs/security.md)."""
+
+    def __init__(self, url: str, timeout_s: float = 5.0,
+                 auth: tuple[str, str] | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.auth = auth
 
     def alerts(self) -> list[Alert]:
         try:
-            r = requests.get(self.url + "/api/v2/alerts", timeout=self.timeout_s)
+            r = requests.get(self.url + "/api/v2/alerts", timeout=self.timeout_s,
+                             auth=self.auth)
             r.raise_for_status()
             raw = r.json()
         except (requests.RequestException, ValueError) as err:

@@ -11,8 +11,8 @@ Hash policy: scrypt (N=2^14, r=8, p=5: OWASP's 2023 equivalents of N=2^17/p=1, a
 iterations or more (OWASP); the parameters stored in a hash are checked against this
 policy before they are used, so a weaker stored hash (e.g. 1 iteration) never
 verifies: the operator is told, once they give the right password, to have it
-re-created. Failed sign-ins are throttled per operator name and overall, and a
-signed-in session expires (see `SESSION_TTL_S`).
+re-created. Sign-ins are throttled per client address, never per account (see
+`Throttle`), and a signed-in session expires (see `SESSION_TTL_S`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from clusterpulse.agent.audit import RefusalSummary
 
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 5
 PBKDF2_MIN_ITERATIONS = 600_000
@@ -43,6 +45,14 @@ def hash_password(password: str, salt: bytes | None = None) -> str:
     digest = hashlib.scrypt(password.encode(), salt=salt, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P,
                             maxmem=_MAXMEM, dklen=32)
     return f"scrypt${SCRYPT_N}${SCRYPT_R}${SCRYPT_P}${salt.hex()}${digest.hex()}"
+
+
+def bcrypt_hash(password: str) -> str:
+    """A bcrypt hash for Alertmanager's web config (`basic_auth_users`: Alertmanager
+    accepts bcrypt only). Cost 10, Prometheus' own example; checked per API request."""
+    import bcrypt  # the dashboard extra; only this and the local stack need it
+
+    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(10)).decode()
 
 
 def _check(password: str, stored: str) -> tuple[bool, bool]:
@@ -120,45 +130,51 @@ def load_operators(file: Path | None, secrets_section: dict | None) -> dict[str,
 
 @dataclass
 class Throttle:
-    """Failed sign-ins: after `per_name` failures for one name within `window_s` that
-    name is locked for the rest of the window; after `overall` failures (any names)
-    every sign-in is. Shared by every session of the dashboard process."""
+    """Sign-in attempts per client (the connection's address): at most `per_client`
+    failed or in-flight attempts within `window_s`, then that client waits. Accounts
+    are never locked: a name that others guess at still signs in from elsewhere (5
+    anonymous wrong passwords used to lock out the real admin, 50 every operator).
+    An attempt is counted when it starts, under the lock, before the slow password
+    check: concurrent tries cannot slip past the cap (7 did). Shared by every session
+    of the dashboard process."""
 
-    per_name: int = 5
-    overall: int = 50
+    per_client: int = 5
     window_s: float = 900.0
+    max_clients: int = 10_000
     clock: Callable[[], float] = time.monotonic
-    _fails: dict[str, list[float]] = field(default_factory=dict)
+    _tries: dict[str, list[float]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def _recent(self, key: str, now: float) -> list[float]:
-        kept = [t for t in self._fails.get(key, []) if now - t < self.window_s]
+    def _recent(self, client: str, now: float) -> list[float]:
+        kept = [t for t in self._tries.get(client, []) if now - t < self.window_s]
         if kept:
-            self._fails[key] = kept
+            self._tries[client] = kept
         else:
-            self._fails.pop(key, None)
+            self._tries.pop(client, None)
         return kept
 
-    def retry_after(self, name: str) -> float:
-        """Seconds until `name` may try again (0: now)."""
+    def begin(self, client: str) -> tuple[float, float]:
+        """(seconds the client must wait first, 0 when it may try now; the attempt's
+        mark, to `release` if it succeeds)."""
         now = self.clock()
         with self._lock:
-            waits = [t + self.window_s - now for key, limit in ((f"n:{name}", self.per_name),
-                                                                 ("*", self.overall))
-                     if len(fails := self._recent(key, now)) >= limit for t in fails[:1]]
-        return max(waits, default=0.0)
+            recent = self._recent(client, now)
+            if len(recent) >= self.per_client:
+                return recent[0] + self.window_s - now, now
+            if client not in self._tries and len(self._tries) >= self.max_clients:
+                for other in list(self._tries):  # bounded whatever addresses come
+                    self._recent(other, now)
+                if len(self._tries) >= self.max_clients:
+                    self._tries.pop(next(iter(self._tries)))
+            self._tries.setdefault(client, []).append(now)
+            return 0.0, now
 
-    def failed(self, name: str) -> None:
-        now = self.clock()
+    def release(self, client: str, mark: float) -> None:
+        """A successful attempt does not count against its client."""
         with self._lock:
-            if len(self._fails) > 10000:  # bounded whatever names are tried
-                self._fails = {k: v for k, v in self._fails.items() if k == "*"}
-            for key in (f"n:{name}", "*"):
-                self._fails.setdefault(key, []).append(now)
-
-    def succeeded(self, name: str) -> None:
-        with self._lock:
-            self._fails.pop(f"n:{name}", None)
+            tries = self._tries.get(client, [])
+            if mark in tries:
+                tries.remove(mark)
 
 
 @dataclass(frozen=True)
@@ -168,15 +184,19 @@ class SignIn:
 
 
 THROTTLE = Throttle()
+# refused sign-ins: one audit line per client per minute (docs/security.md)
+REFUSALS = RefusalSummary()
 
 
 def authenticate(name: str, password: str, operators: dict[str, str],
-                 throttle: Throttle | None = None) -> SignIn:
-    """Check a sign-in; the message is safe to show (no user enumeration)."""
+                 throttle: Throttle | None = None, client: str = "localhost") -> SignIn:
+    """Check a sign-in from `client` (the connection's address); the message is safe
+    to show (no user enumeration)."""
     throttle = throttle or THROTTLE
-    wait = throttle.retry_after(name)
+    wait, mark = throttle.begin(client)
     if wait > 0:
-        return SignIn(False, f"Too many failed sign-ins; try again in {wait / 60:.0f} min.")
+        return SignIn(False, "Too many failed sign-ins from your address; try again in "
+                             f"{max(1, round(wait / 60))} min.")
     stored = operators.get(name)
     try:
         if stored is None:
@@ -185,11 +205,11 @@ def authenticate(name: str, password: str, operators: dict[str, str],
         else:
             ok = verify_password(password, stored)
     except WeakHash as err:
+        throttle.release(client, mark)  # the right password: not a guess
         return SignIn(False, str(err))
     if not ok:
-        throttle.failed(name)
         return SignIn(False, "Wrong operator name or password.")
-    throttle.succeeded(name)
+    throttle.release(client, mark)
     return SignIn(True)
 
 

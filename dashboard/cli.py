@@ -14,6 +14,7 @@ examples:
   clusterpulse-dashboard --prometheus http://127.0.0.1:9090 --alertmanager http://127.0.0.1:9093
   clusterpulse-dashboard --port 8501 --operators-file /etc/clusterpulse/operators.toml \\
       --token-file /etc/clusterpulse/token --audit-log /var/log/clusterpulse/audit.jsonl
+  clusterpulse-dashboard --address 127.0.0.1 --trusted-proxy 127.0.0.1   # behind nginx
 """
 
 
@@ -24,23 +25,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prometheus", default="http://127.0.0.1:9090",
                    help="Prometheus-compatible API URL")
     p.add_argument("--alertmanager", default="http://127.0.0.1:9093")
+    p.add_argument("--alertmanager-password-file", type=Path,
+                   help="password for Alertmanager's basic auth (its web config), as user "
+                   "--alertmanager-user")
+    p.add_argument("--alertmanager-user", default="clusterpulse")
     p.add_argument("--address", default="127.0.0.1", help="listen address (default: localhost)")
     p.add_argument("--port", type=int, default=8501)
     p.add_argument("--token-file", type=Path, help="agents' control API token (for actions)")
     p.add_argument("--operators-file", type=Path, help="TOML [operators] name = hash")
     p.add_argument("--audit-log", type=Path, default=Path("clusterpulse-audit.jsonl"))
     p.add_argument("--refresh", type=float, default=5, help="seconds between refreshes")
+    p.add_argument("--trusted-proxy", default="", metavar="ADDR[,ADDR]",
+                   help="reverse proxies whose X-Forwarded-For names the client (sign-in "
+                   "throttling is per client address); default: none, not even loopback, "
+                   "so a local user cannot pose as many clients")
     a = p.parse_args(argv)
     if not (math.isfinite(a.refresh) and a.refresh > 0):  # 0 or inf: every view stands still
         p.error(f"--refresh must be a number of seconds > 0, not {a.refresh:g}")
     env = {"CLUSTERPULSE_PROMETHEUS_URL": a.prometheus,
            "CLUSTERPULSE_ALERTMANAGER_URL": a.alertmanager,
            "CLUSTERPULSE_AUDIT_LOG": str(a.audit_log.resolve()),
-           "CLUSTERPULSE_REFRESH_S": str(a.refresh)}
+           "CLUSTERPULSE_REFRESH_S": str(a.refresh),
+           # uvicorn (Streamlit's server) trusts X-Forwarded-For from loopback unless told
+           "FORWARDED_ALLOW_IPS": a.trusted_proxy}
     if a.token_file:
         env["CLUSTERPULSE_AGENT_TOKEN_FILE"] = str(a.token_file.resolve())
     if a.operators_file:
         env["CLUSTERPULSE_OPERATORS_FILE"] = str(a.operators_file.resolve())
+    if a.alertmanager_password_file:
+        env["CLUSTERPULSE_ALERTMANAGER_PASSWORD_FILE"] = str(
+            a.alertmanager_password_file.resolve())
+        env["CLUSTERPULSE_ALERTMANAGER_USER"] = a.alertmanager_user
     os.environ.update(env)
     if importlib.util.find_spec("streamlit") is None:  # before exec: clusterpulse.entry
         raise ModuleNotFoundError("No module named 'streamlit'", name="streamlit")

@@ -21,6 +21,19 @@ class Settings:
     audit_log: Path
     refresh_s: float
     operators_file: Path | None
+    alertmanager_user: str = "clusterpulse"
+    alertmanager_password_file: Path | None = None
+
+    def alertmanager_auth(self) -> tuple[str, str] | None:
+        """Basic-auth credentials for Alertmanager's API, read per use (rotation needs
+        no restart); None without a password file, or when it cannot be read."""
+        if self.alertmanager_password_file is None:
+            return None
+        try:
+            password = self.alertmanager_password_file.read_text().strip()
+        except OSError:
+            return None
+        return (self.alertmanager_user, password) if password else None
 
     def agent_token(self) -> str | None:
         if self.agent_token_file is None:
@@ -35,6 +48,7 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
     e = os.environ if env is None else env
     token = e.get("CLUSTERPULSE_AGENT_TOKEN_FILE")
     operators = e.get("CLUSTERPULSE_OPERATORS_FILE")
+    am_password = e.get("CLUSTERPULSE_ALERTMANAGER_PASSWORD_FILE")
     return Settings(
         prometheus_url=e.get("CLUSTERPULSE_PROMETHEUS_URL", "http://127.0.0.1:9090"),
         alertmanager_url=e.get("CLUSTERPULSE_ALERTMANAGER_URL", "http://127.0.0.1:9093"),
@@ -42,6 +56,8 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         audit_log=Path(e.get("CLUSTERPULSE_AUDIT_LOG", "clusterpulse-audit.jsonl")),
         refresh_s=_seconds(e, "CLUSTERPULSE_REFRESH_S", "5"),
         operators_file=Path(operators) if operators else None,
+        alertmanager_user=e.get("CLUSTERPULSE_ALERTMANAGER_USER", "clusterpulse"),
+        alertmanager_password_file=Path(am_password) if am_password else None,
     )
 
 

@@ -31,6 +31,7 @@ examples:
   clusterpulse-ctl evict --run llama-7b --node node-7 --for 600 --reason "NIC trained down"
   clusterpulse-ctl agents --run llama-7b
   clusterpulse-ctl hash-password            # for the dashboard's operators file
+  clusterpulse-ctl hash-password --bcrypt < alertmanager-password   # Alertmanager web.yml
 environment: CLUSTERPULSE_PROMETHEUS_URL, CLUSTERPULSE_AGENT_TOKEN_FILE, CLUSTERPULSE_AUDIT_LOG
 """
 
@@ -97,7 +98,11 @@ def build_parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser
     e.add_argument("--reason", required=True)
     a_ = sub.add_parser("agents", help="list the agents serving a run")
     a_.add_argument("--run", required=True)
-    sub.add_parser("hash-password", help="print a password hash for the operators file")
+    h = sub.add_parser("hash-password", help="print a password hash for the operators file "
+                       "(or, with --bcrypt, for Alertmanager's web config)")
+    h.add_argument("--bcrypt", action="store_true",
+                   help="a bcrypt hash for basic_auth_users in Alertmanager's web.yml; the "
+                   "password is read from standard input when it is not a terminal")
     return p
 
 
@@ -116,12 +121,20 @@ def parse(argv: list[str] | None, env: Mapping[str, str] = os.environ) -> argpar
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    if a.cmd == "hash-password" and a.bcrypt and not sys.stdin.isatty():
+        pw = sys.stdin.readline().strip()
+        if len(pw) < 8:
+            print("clusterpulse-ctl: the password on standard input is shorter than 8",
+                  file=sys.stderr)
+            return 2
+        print(auth.bcrypt_hash(pw))
+        return 0
     if a.cmd == "hash-password":
         pw = getpass.getpass("Password: ")
         if len(pw) < 8 or pw != getpass.getpass("Again: "):
             print("clusterpulse-ctl: passwords differ or are shorter than 8", file=sys.stderr)
             return 2
-        print(auth.hash_password(pw))
+        print(auth.bcrypt_hash(pw) if a.bcrypt else auth.hash_password(pw))
         return 0
     prom = PrometheusClient(a.prometheus)
     try:

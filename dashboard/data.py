@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
+from clusterpulse.dashboard import config
 from clusterpulse.dashboard.amclient import AlertmanagerClient, AlertmanagerUnavailable
 from clusterpulse.dashboard.config import Settings
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
@@ -118,7 +119,7 @@ def cluster(prom_url: str, am_url: str, metric: str) -> Result:
         goodput = _frame(prom.query("max by (run) (clusterpulse_trainer_goodput_ratio)"),
                          "goodput")
         try:
-            alerts = AlertmanagerClient(am_url).alerts()
+            alerts = _alertmanager(am_url).alerts()
             am_error = ""
         except AlertmanagerUnavailable as err:
             alerts, am_error = [], str(err)
@@ -345,7 +346,7 @@ def run_incidents(prom_url: str, name: str, range_s: int, audit_path: str) -> Re
 @st.cache_data(ttl=5, show_spinner=False)
 def alerts(prom_url: str, am_url: str, range_s: int) -> Result:
     def fetch() -> dict:
-        active = AlertmanagerClient(am_url).alerts()
+        active = _alertmanager(am_url).alerts()
         end = time.time()
         hist = PrometheusClient(prom_url).query_range(
             'ALERTS{alertstate="firing"}', end - range_s, end, max(5.0, range_s / 200))
@@ -358,6 +359,12 @@ def alerts(prom_url: str, am_url: str, range_s: int) -> Result:
         return {"active": active, "history": pd.DataFrame(history)}
 
     return _guard(f"alerts:{prom_url}:{range_s}", fetch)
+
+
+def _alertmanager(am_url: str) -> AlertmanagerClient:
+    """A client with the configured credentials (read from their file at each use, so
+    they never become part of a cache key)."""
+    return AlertmanagerClient(am_url, auth=config.from_env().alertmanager_auth())
 
 
 def settings_key(s: Settings) -> tuple[str, str]:

@@ -56,6 +56,7 @@ import contextlib
 import datetime
 import json
 import logging
+import os
 import re
 import sys
 import threading
@@ -64,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterpulse.agent import protocol
-from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.audit import AuditLog, open_private
 from clusterpulse.agent.httpsafe import (
     HttpError,
     SafeHandler,
@@ -245,42 +246,70 @@ class Remediator:
         """One Alertmanager notification -> the decisions taken (also audited).
 
         Raises PayloadError when the payload does not have Alertmanager's shape."""
-        validate_payload(payload)
+        alerts, refused = split_payload(payload)
         if self.history_path is not None:
-            with open(self.history_path, "a") as f:
-                f.write(json.dumps({"received": self.clock(), **payload}) + "\n")
-        decisions: list[dict] = []
+            self._keep(payload)
+        decisions: list[dict] = [{"outcome": "refused", "detail": why} for why in refused]
+        for why in refused:
+            log.warning("alert refused: %s", why)
         retry = False
-        for alert in payload.get("alerts", []):
-            if alert.get("status") != "firing":
-                ident = _identity(alert)
-                with self._lock:  # over: a new firing is a new alert, whatever startsAt says
-                    self._done = {k: t for k, t in self._done.items()
-                                  if k[1] != _fingerprint(alert)}
-                    for key in [k for k in self._first_seen if k[1:] == ident]:
-                        self._waiting.pop(key, None)
-                        del self._first_seen[key]
-                continue
-            rule = self.policy.rule_for(alert.get("labels", {}))
-            if rule is None:
-                continue
-            if rule.action in NODE_ACTIONS:  # acts on the node, not on a run (drain.py)
-                decisions.append(self._decide_node(rule, alert))
-                continue
+        for alert in alerts:
             try:
-                runs = self._runs(alert["labels"])
-            except PrometheusError as err:
-                decisions.append(self._failed(rule, alert, "", "cannot find the runs the "
-                                              f"alert is about: Prometheus: {err}"))
-                retry |= err.transient
-                continue
-            for run in runs:
-                d = self._decide(rule, run, alert)
-                retry |= d.pop("retry", False)
-                decisions.append(d)
+                retry |= self._handle_alert(alert, decisions)
+            except Exception as err:  # one alert's bug never costs the others their turn
+                log.exception("deciding on %s failed", alert.get("labels"))
+                decisions.append({"alert": alert["labels"]["alertname"], "outcome": "failed",
+                                  "detail": f"internal error: {type(err).__name__}"})
         if retry:
             raise RetryLater(decisions)
         return decisions
+
+    def _keep(self, payload: dict) -> None:
+        """The notification in the history file (created 0600: alerts name jobs and
+        nodes); a history that cannot be written never stops a decision."""
+        assert self.history_path is not None
+        line = json.dumps({"received": self.clock(), **payload}) + "\n"
+        try:
+            fd = open_private(self.history_path)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError as err:
+            log.error("alert history %s: cannot write: %s", self.history_path,
+                      err.strerror or err)
+
+    def _handle_alert(self, alert: dict, decisions: list[dict]) -> bool:
+        """Decide on one alert (decisions appended); True when Prometheus could not be
+        asked and the notification must come again."""
+        if alert.get("status") != "firing":
+            ident = _identity(alert)
+            with self._lock:  # over: a new firing is a new alert, whatever startsAt says
+                self._done = {k: t for k, t in self._done.items()
+                              if k[1] != _fingerprint(alert)}
+                for key in [k for k in self._first_seen if k[1:] == ident]:
+                    self._waiting.pop(key, None)
+                    del self._first_seen[key]
+            return False
+        rule = self.policy.rule_for(alert.get("labels", {}))
+        if rule is None:
+            return False
+        if rule.action in NODE_ACTIONS:  # acts on the node, not on a run (drain.py)
+            d = self._decide_node(rule, alert)
+            decisions.append(d)
+            return d.pop("retry", False)
+        try:
+            runs = self._runs(alert["labels"])
+        except PrometheusError as err:
+            decisions.append(self._failed(rule, alert, "", "cannot find the runs the "
+                                          f"alert is about: Prometheus: {err}"))
+            return err.transient
+        retry = False
+        for run in runs:
+            d = self._decide(rule, run, alert)
+            retry |= d.pop("retry", False)
+            decisions.append(d)
+        return retry
 
     def _failed(self, rule: Rule, alert: dict, run: str, detail: str) -> dict:
         """An audited failure; the alert's labels name what it was about."""
@@ -297,6 +326,10 @@ class Remediator:
         waiting = self._still_waiting(rule, ("node", node), alert, recheck)
         if waiting is not None:
             return {"node": node, "alert": rule.alert, "action": rule.action, **waiting}
+        if not self.policy.dry_run:
+            refused = self._unconfirmed(rule, alert, "")
+            if refused is not None:
+                return {"node": node, "alert": rule.alert, "action": rule.action, **refused}
         return Drainer(self.policy.drain, self.audit, self.policy.dry_run).decide(alert)
 
     def _still_waiting(self, rule: Rule, subject: tuple[str, str], alert: dict,
@@ -340,14 +373,36 @@ class Remediator:
                 return {"outcome": "decided", "detail": "decided already"}
         return None
 
-    def _firing_now(self, alert: dict) -> bool | None:
+    def _unconfirmed(self, rule: Rule, alert: dict, run: str) -> dict | None:
+        """None when Prometheus has this alert firing, so the policy may act; else the
+        decision, audited. A notification is only a claim: anyone who can reach an
+        Alertmanager's API can post one (a forged RankHung killed a victim's ranks 2 s
+        later), so every automatic action first asks Prometheus, and does nothing
+        when Prometheus cannot answer (the notification comes again: retry)."""
+        firing = self._firing_now(alert, rule)
+        if firing:
+            return None
+        if firing is None:
+            return {**self._failed(rule, alert, run, "Prometheus cannot confirm the alert "
+                                   "fires: not acting blind"), "retry": True}
+        detail = ("Prometheus has no such alert firing (ALERTS): a forged or stale "
+                  "notification")
+        self.audit.write("policy", rule.action, f"policy: {rule.alert} -> {rule.action}",
+                         "refused", **({"run": run} if run else {}), source="remediation",
+                         detail=detail, alert=alert.get("labels", {}))
+        return {"outcome": "refused", "detail": detail}
+
+    def _firing_now(self, alert: dict, rule: Rule | None = None) -> bool | None:
         """Whether Prometheus has this alert firing now (its ALERTS series, on the
-        labels that name what it is about); None when Prometheus cannot be asked."""
+        labels that name what it is about and those the rule matched it on); None when
+        Prometheus cannot be asked."""
         labels = alert.get("labels", {})
-        # not on severity: alert relabelling may rewrite it on the way to Alertmanager
+        matched = {name for name, _ in rule.match} if rule else set()
+        # not on severity unless the rule chose by it: alert relabelling may rewrite it
+        # on the way to Alertmanager
+        keys = dict.fromkeys(("alertname", *SUBJECT_LABELS, *sorted(matched)))
         sel = ",".join(f'{k}="{promql_string(str(labels[k]))}"'
-                       for k in ("alertname", *SUBJECT_LABELS) if k in labels
-                       and k != "severity")
+                       for k in keys if k in labels and (k != "severity" or k in matched))
         try:
             return bool(self.prom.query(f'ALERTS{{alertstate="firing",{sel}}}'))
         except PrometheusError as err:
@@ -381,6 +436,10 @@ class Remediator:
         waiting = self._still_waiting(rule, ("run", run), alert, recheck)
         if waiting is not None:
             return {**base, **waiting}
+        if not self.policy.dry_run:
+            refused = self._unconfirmed(rule, alert, run)
+            if refused is not None:
+                return {**base, **refused}
         now = self.clock()
         # the same alert in a resent notification (Alertmanager retries after a 503, or
         # two Alertmanagers of an HA pair both send): carried out once
@@ -514,8 +573,10 @@ class RetryLater(Exception):
         self.decisions = decisions
 
 
-def validate_payload(payload: object) -> None:
-    """Alertmanager's webhook schema, as far as the policy reads it, with bounds."""
+def split_payload(payload: object) -> tuple[list[dict], list[str]]:
+    """(the alerts fit to decide on, why each other one was refused). A notification
+    that is not Alertmanager's shape at all raises PayloadError; one bad alert in it
+    costs only itself (a label with a lone surrogate killed the whole request)."""
     if not isinstance(payload, dict):
         raise PayloadError("payload must be a JSON object")
     alerts = payload.get("alerts", [])
@@ -523,23 +584,57 @@ def validate_payload(payload: object) -> None:
         raise PayloadError("'alerts' must be a list")
     if len(alerts) > MAX_ALERTS:
         raise PayloadError(f"more than {MAX_ALERTS} alerts in one notification")
+    good, refused = [], []
     for i, alert in enumerate(alerts):
-        where = f"alerts[{i}]"
-        if not isinstance(alert, dict):
-            raise PayloadError(f"{where} must be an object")
-        if alert.get("status") not in ("firing", "resolved"):
-            raise PayloadError(f"{where}.status must be 'firing' or 'resolved'")
-        labels = alert.get("labels")
-        if not isinstance(labels, dict) or not isinstance(labels.get("alertname"), str):
-            raise PayloadError(f"{where}.labels must be an object with an 'alertname'")
-        if len(labels) > MAX_LABELS:
-            raise PayloadError(f"{where}.labels has more than {MAX_LABELS} labels")
-        for k, v in labels.items():
-            if not isinstance(v, str) or len(v) > MAX_LABEL_VALUE or len(k) > 128:
-                raise PayloadError(f"{where}.labels.{k[:64]} must be a string of at most "
-                                   f"{MAX_LABEL_VALUE} characters")
-        if "startsAt" in alert and not isinstance(alert["startsAt"], str):
-            raise PayloadError(f"{where}.startsAt must be an RFC 3339 time string")
+        try:
+            validate_alert(alert, f"alerts[{i}]")
+        except PayloadError as err:
+            refused.append(str(err))
+        else:
+            good.append(alert)
+    return good, refused
+
+
+def validate_payload(payload: object) -> None:
+    """Alertmanager's webhook schema, as far as the policy reads it, with bounds;
+    raises PayloadError naming the first problem, in any alert."""
+    _, refused = split_payload(payload)
+    if refused:
+        raise PayloadError(refused[0])
+
+
+def _text(value: str) -> bool:
+    """Encodable as UTF-8: JSON's \\ud800 escapes decode to lone surrogates, which every
+    encoder after this (PromQL query, log, reply) would refuse."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def validate_alert(alert: object, where: str) -> None:
+    """One alert of a notification; PayloadError naming the field."""
+    if not isinstance(alert, dict):
+        raise PayloadError(f"{where} must be an object")
+    if alert.get("status") not in ("firing", "resolved"):
+        raise PayloadError(f"{where}.status must be 'firing' or 'resolved'")
+    labels = alert.get("labels")
+    if not isinstance(labels, dict) or not isinstance(labels.get("alertname"), str):
+        raise PayloadError(f"{where}.labels must be an object with an 'alertname'")
+    if len(labels) > MAX_LABELS:
+        raise PayloadError(f"{where}.labels has more than {MAX_LABELS} labels")
+    for k, v in labels.items():
+        name = k[:64].encode("ascii", "backslashreplace").decode()  # printable, whatever k
+        if not isinstance(v, str) or len(v) > MAX_LABEL_VALUE or len(k) > 128:
+            raise PayloadError(f"{where}.labels.{name} must be a string of at most "
+                               f"{MAX_LABEL_VALUE} characters")
+        if not (_text(k) and _text(v)):
+            raise PayloadError(f"{where}.labels.{name} is not valid Unicode "
+                               "(a lone surrogate)")
+    if "startsAt" in alert and not (isinstance(alert["startsAt"], str)
+                                    and _text(alert["startsAt"])):
+        raise PayloadError(f"{where}.startsAt must be an RFC 3339 time string")
 
 
 def promql_string(value: str) -> str:
@@ -597,6 +692,10 @@ def serve(remediator: Remediator, host: str, port: int, tokens: Tokens,
                 return
             except TimeoutError:
                 self.refuse(HttpError(408, "timed out reading the request body"))
+                return
+            except Exception as err:  # answered, whatever went wrong: never a dead socket
+                log.exception("notification from %s failed", self.client_address[0])
+                self.send_json(500, {"error": f"internal error: {type(err).__name__}"})
                 return
             self.send_json(200, {"decisions": decisions})
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import streamlit as st
 
-from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.audit import AuditLog, verify
 from clusterpulse.dashboard import auth, config
 from clusterpulse.dashboard.data import Result
 
@@ -28,6 +28,27 @@ def settings() -> config.Settings:
 
 def audit_log() -> AuditLog:
     return AuditLog(settings().audit_log)
+
+
+def audit_chain_status() -> None:
+    """The audit chain's head, shown outside the file: an operator who notes it (or a
+    screenshot) can later prove that records were cut from the end or rewritten
+    (`clusterpulse-audit verify FILE --head SEQ:HASH`); breaks are named by line."""
+    path = settings().audit_log
+    if not path.exists():
+        return
+    try:
+        verdict = verify(path)
+    except OSError as err:
+        st.warning(f"Audit log {path}: cannot read it ({err.strerror or err}).")
+        return
+    head = f"head `{verdict.head.seq}:{verdict.head.digest[:16]}`"
+    if verdict.intact:
+        st.caption(f"Hash chain intact: {verdict.records} records, {head}.")
+    else:
+        where = ", ".join(f"line {n} ({why})" for n, why in verdict.breaks[:5])
+        st.error(f"Audit hash chain broken at {len(verdict.breaks)} place(s): {where}; "
+                 f"{head}.", icon=":material/gpp_bad:")
 
 
 def show_status(result: Result, what: str = "Prometheus") -> bool:
@@ -76,6 +97,14 @@ def _secrets_section(name: str) -> dict | None:
         return None
 
 
+def client_address() -> str:
+    """Who is signing in, as the connection says: Streamlit's `st.context.ip_address`
+    is the WebSocket's TCP peer (None on loopback). Behind a reverse proxy every user
+    shares the proxy's address (docs/security.md)."""
+    ip = st.context.ip_address
+    return ip if isinstance(ip, str) and ip else "localhost"
+
+
 def operator() -> str | None:
     """The signed-in operator's name, or None for a viewer. Renders the sign-in box."""
     box = st.sidebar.container(border=True)
@@ -106,16 +135,20 @@ def operator() -> str | None:
         password = st.text_input("Password", type="password", key="login_password")
         if st.form_submit_button("Sign in"):
             ops = auth.load_operators(settings().operators_file, _secrets_section("operators"))
-            result = auth.authenticate(name, password, ops)
+            client = client_address()
+            result = auth.authenticate(name, password, ops, client=client)
             if result.ok:
                 st.session_state["operator"] = name
                 st.session_state["operator_since"] = time.time()
-                audit_log().write(name, "sign-in", "dashboard", "ok", source="dashboard")
+                audit_log().write(name, "sign-in", "dashboard", "ok", source="dashboard",
+                                  client=client)
                 st.rerun()
             else:
-                # the typed name only if it is an operator's (it may be a mistyped password)
-                audit_log().write(name if name in ops else "unknown", "sign-in", "dashboard",
-                                  "refused", source="dashboard", detail=result.message)
+                # the typed name only if it is an operator's (it may be a mistyped
+                # password); one line per client per minute, however many tries
+                auth.REFUSALS.refused(audit_log(), client, name if name in ops else "unknown",
+                                      "sign-in", "dashboard", source="dashboard",
+                                      detail=result.message)
                 st.error(result.message)
     return None
 

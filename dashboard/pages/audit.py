@@ -10,6 +10,7 @@ from clusterpulse.dashboard import ui
 st.title("Audit")
 operator = ui.operator()
 records = ui.audit_log().read(limit=2000)
+ui.audit_chain_status()
 if operator is None:  # viewers: nothing about refused sign-ins or authentication
     records = [r for r in records
                if not (r.get("outcome") == "refused" and r.get("action") in (

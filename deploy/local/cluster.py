@@ -34,8 +34,10 @@ REPO = HERE.parents[1]
 if str(REPO) not in sys.path:  # run as a script: deploy.* imports from the repository root
     sys.path.insert(0, str(REPO))
 
+from clusterpulse.agent.tokens import write_secret  # noqa: E402
 from clusterpulse.dashboard.remediation import Policy, PolicyError  # noqa: E402
 from deploy.local.stack import (  # noqa: E402
+    AM_USER,
     Stack,
     duration_s,
     rank_pids,
@@ -64,8 +66,7 @@ def operator_password(state: Path) -> str:
 
     password = secrets.token_urlsafe(12)
     path = state / "operators.toml"
-    path.write_text(f'[operators]\nadmin = "{hash_password(password)}"\n')
-    path.chmod(0o600)
+    write_secret(path, f'[operators]\nadmin = "{hash_password(password)}"\n')
     return password
 
 
@@ -318,12 +319,15 @@ def main(argv: list[str] | None = None) -> int:
                 sys.executable, "-m", "clusterpulse.dashboard.cli", "--prometheus", prometheus,
                 "--alertmanager", f"http://127.0.0.1:{port + 93}", "--port", str(port + 80),
                 "--token-file", str(token_path), "--operators-file",
-                str(state / "operators.toml"), "--audit-log", str(state / "audit.jsonl")])
+                str(state / "operators.toml"), "--audit-log", str(state / "audit.jsonl"),
+                "--alertmanager-password-file", str(state / "alertmanager-password")])
             urls["dashboard"] = f"http://127.0.0.1:{port + 80}"
         for name, url in urls.items():
             probe = {"dashboard": url + "/_stcore/health"}.get(
                 name, url.replace("/metrics", "/healthz") if "agent" in name else url + "/-/ready")
-            if not wait_http(probe, 90):
+            auth = ((AM_USER, (state / "alertmanager-password").read_text().strip())
+                    if name == "alertmanager" else None)
+            if not wait_http(probe, 90, auth):
                 print(f"demo: {name} did not come up; see logs in {state}", file=sys.stderr)
                 return 1
         print("ClusterPulse local cluster is up:")
@@ -332,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "a network namespace per node)"))
         for name, url in urls.items():
             print(f"  {name:12s} {url}")
+            if name == "alertmanager":
+                print(f"  {'':12s} (basic auth: user '{AM_USER}', password in "
+                      f"{state / 'alertmanager-password'})")
         if password:
             print(f"  operator     name 'admin', password '{password}' (hash in "
                   f"{state / 'operators.toml'})")

@@ -6,6 +6,7 @@ project's routing, and the remediation policy receiver.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
 import json
@@ -22,6 +23,8 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from clusterpulse.agent.tokens import write_secret
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -148,11 +151,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout: float) -> bool:
+def wait_http(url: str, timeout: float, auth: tuple[str, str] | None = None) -> bool:
     deadline = time.time() + timeout
+    request = urllib.request.Request(url)
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(
+            f"{auth[0]}:{auth[1]}".encode()).decode())
     while time.time() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=1) as r:
+            with urllib.request.urlopen(request, timeout=1) as r:
                 if r.status == 200:
                     return True
         except OSError:
@@ -167,6 +174,13 @@ class Central:
     prometheus: str
     alertmanager: str | None
     remediation: str
+    alertmanager_password: Path | None = None  # basic auth, user AM_USER
+
+    def auth(self, name: str) -> tuple[str, str] | None:
+        """The credentials a probe of `name` (a key of `urls`) needs."""
+        if name == "alertmanager" and self.alertmanager_password:
+            return AM_USER, self.alertmanager_password.read_text().strip()
+        return None
 
     def urls(self) -> dict[str, str]:
         out = {"prometheus": self.prometheus}
@@ -176,11 +190,27 @@ class Central:
 
 
 def secret_file(path: Path) -> Path:
-    """`path`, holding a fresh random token (0600) unless it exists already."""
-    if not path.exists():
-        path.write_text(secrets.token_hex(32))
-        path.chmod(0o600)
+    """`path`, holding a fresh random token (created 0600) unless it exists already."""
+    write_secret(path, secrets.token_hex(32), replace=False)
     return path
+
+
+AM_USER = "clusterpulse"
+
+
+def alertmanager_auth(state: Path) -> tuple[Path, Path]:
+    """(Alertmanager's web config, the password file): basic auth on its API, so that
+    no local user can post an alert the policy acts on. The password is random per
+    state directory (0600); the web config holds only its bcrypt hash, from the shipped
+    deploy/alertmanager/web.yml."""
+    from clusterpulse.dashboard.auth import bcrypt_hash
+
+    password_file = secret_file(state / "alertmanager-password")
+    web = state / "alertmanager-web.yml"
+    shipped = (REPO / "deploy" / "alertmanager" / "web.yml").read_text()
+    hashed = bcrypt_hash(password_file.read_text().strip())
+    web.write_text(shipped.replace("REPLACE-WITH-A-BCRYPT-HASH", f'"{hashed}"'))
+    return web, password_file
 
 
 def telemetry_socket(state: Path, node: str) -> str:
@@ -211,10 +241,12 @@ def start_central(stack: Stack, state: Path, agents: list[str], token_file: Path
     for src in sorted((REPO / "deploy" / "prometheus").glob("*rules.yml")):
         rules.append(state / src.name)
         rules[-1].write_text(re.sub(r"(?m)^    interval: \S+\n", "", src.read_text()))
+    am_web, am_password = alertmanager_auth(state)
     config = (HERE / "prometheus.yml.tmpl").read_text().format(
         scrape_interval=scrape_interval,
         rule_files="\n".join(f"  - {r}" for r in rules) or "  []",
         alertmanager=f"127.0.0.1:{am_port}",
+        am_user=AM_USER, am_password_file=am_password,
         agents=json.dumps(agents),
     )
     (state / "prometheus.yml").write_text(config)
@@ -230,6 +262,7 @@ def start_central(stack: Stack, state: Path, agents: list[str], token_file: Path
         stack.start("alertmanager", [am_bin, f"--config.file={am_config}",
                                      f"--storage.path={state / 'alertmanager-data'}",
                                      f"--web.listen-address=127.0.0.1:{am_port}",
+                                     f"--web.config.file={am_web}",
                                      "--cluster.listen-address="])
     prometheus = f"http://127.0.0.1:{prom_port}"
     stack.start("remediation", [
@@ -239,4 +272,4 @@ def start_central(stack: Stack, state: Path, agents: list[str], token_file: Path
         "--webhook-token-file", str(hook_token_file),
         "--history", str(state / "alert-history.jsonl")])
     return Central(prometheus, f"http://127.0.0.1:{am_port}" if am_bin else None,
-                   f"http://127.0.0.1:{remediation_port}")
+                   f"http://127.0.0.1:{remediation_port}", am_password)

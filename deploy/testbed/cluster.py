@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clusterpulse.agent.tokens import write_secret
 from deploy.local.stack import (
     REPO,
     Central,
@@ -105,8 +106,7 @@ class TestbedCluster:
     def start(self, prom_port: int = 0, am_port: int = 0,
               remediation_port: int = 0) -> TestbedCluster:
         self.state.mkdir(parents=True, exist_ok=True)
-        self.token_file.write_text(self.token)
-        self.token_file.chmod(0o600)
+        write_secret(self.token_file, self.token)
         for node in self.bed.nodes:
             self.start_agent(node)
         self.central = start_central(
@@ -119,7 +119,7 @@ class TestbedCluster:
                 raise TestbedError(f"agent on {node.name} did not come up; see "
                                    f"{self.state / ('agent-' + node.name)}.log")
         for name, url in self.central.urls().items():
-            if not wait_http(url + "/-/ready", 60):
+            if not wait_http(url + "/-/ready", 60, self.central.auth(name)):
                 raise TestbedError(f"{name} did not come up; see {self.state}/{name}.log")
         return self
 

@@ -159,6 +159,52 @@ def bench_scrape_latency() -> list[Row]:
     ]
 
 
+def bench_slowloris(slow: int = 1000, probes: int = 50) -> list[Row]:
+    """/metrics while `slow` connections hold the server (half silent, half stopped in
+    their head), from the same address: the latency of a scrape and of a POST with a
+    token, against the same probes on an idle server (issue #29)."""
+    proc, url = _serve("ours")
+    port = int(url.split(":")[2].split("/")[0])
+    try:
+        def probe() -> tuple[list[float], int]:
+            times, failed = [], 0
+            for _ in range(probes):
+                t0 = time.perf_counter()
+                try:
+                    ok = requests.get(url, timeout=10).status_code == 200
+                except requests.RequestException:
+                    ok = False
+                times.append(time.perf_counter() - t0)
+                failed += not ok
+            return times, failed
+
+        idle, _ = probe()
+        held = []
+        for i in range(slow):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            if i % 2:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: ")
+            held.append(s)
+        try:
+            loaded, failed = probe()
+        finally:
+            for s in held:
+                s.close()
+    finally:
+        proc.stdin.close()
+        proc.wait()
+    q = lambda xs, n: statistics.quantiles(xs, n=100)[n - 1] * 1e3  # noqa: E731
+    return [
+        Row(f"/metrics p50 latency, {slow} slow connections open", q(loaded, 50), "ms",
+            baseline=q(idle, 50), baseline_name="no slow connection", budget="< 1000 ms"),
+        Row(f"/metrics max latency, {slow} slow connections open", max(loaded) * 1e3, "ms",
+            baseline=max(idle) * 1e3, baseline_name="no slow connection",
+            budget="< 1000 ms"),
+        Row(f"/metrics probes failed, {slow} slow connections open", failed, "of "
+            f"{probes}", budget="0"),
+    ]
+
+
 def _proc_cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -357,4 +403,4 @@ def bench_memory(cycles: int = 10_000) -> list[Row]:
 
 def run() -> list[Row]:
     return (bench_collection() + bench_telemetry_receive() + bench_shared_node()
-            + bench_scrape_latency() + bench_cpu_share() + bench_memory())
+            + bench_scrape_latency() + bench_slowloris() + bench_cpu_share() + bench_memory())

@@ -57,7 +57,11 @@ def test_local_cluster_starts_healthy_and_stops_clean(tmp_path):
         assert set(urls) == {"agent 0", "agent 1", "prometheus", "alertmanager", "dashboard"}
         assert requests.get(urls["agent 0"], timeout=5).text.count("clusterpulse_gpu_up{") == 4
         assert requests.get(urls["prometheus"] + "/-/ready", timeout=5).ok
-        assert requests.get(urls["alertmanager"] + "/-/ready", timeout=5).ok
+        # Alertmanager's API asks for basic auth: nobody else can post an alert
+        assert requests.get(urls["alertmanager"] + "/-/ready", timeout=5).status_code == 401
+        am_password = (state / "alertmanager-password").read_text().strip()
+        assert requests.get(urls["alertmanager"] + "/-/ready", timeout=5,
+                            auth=("clusterpulse", am_password)).ok
         assert requests.get(urls["dashboard"] + "/_stcore/health", timeout=5).ok
         assert re.search(r"operator\s+name 'admin', password '\S+'", out)
         prom = urls["prometheus"]

@@ -32,12 +32,19 @@ def cluster(tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
     agent, port, telemetry = start_agent_cli(tmp_path, "node-r", gpus=2, token_file=token)
-    # Rank 0 of run "job" straggles while it reports (a stand-in for the project's rule,
-    # evaluated by the real Prometheus: the receiver checks ALERTS before it acts).
-    rules = tmp_path / "straggler.rules.yml"
+    # Rank 0 of run "job" straggles while it reports, every rank of it hangs, and the
+    # node's eth0 is congested (stand-ins for the project's rules, evaluated by the real
+    # Prometheus: the receiver checks ALERTS before every action).
+    rules = tmp_path / "standin.rules.yml"
     rules.write_text("groups:\n- name: t\n  rules:\n  - alert: TrainingStraggler\n"
                      "    expr: max by (run, rank) (clusterpulse_trainer_step{run=\"job\","
-                     "rank=\"0\"}) >= 0\n")
+                     "rank=\"0\"}) >= 0\n"
+                     "  - alert: RankHung\n"
+                     "    expr: max by (run, rank, node) (clusterpulse_trainer_step{run=\"job\"})"
+                     " >= 0\n"
+                     "  - alert: TrainingLinkCongested\n"
+                     "    expr: label_replace(max by (node) (clusterpulse_agent_build_info), "
+                     "\"device\", \"eth0\", \"\", \"\")\n")
     prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"], rule_files=[rules])
     # the rank: a live process the agent knows from the kernel's credentials
     rank = RankProcess(telemetry[len("unix:"):], [{
@@ -49,6 +56,12 @@ def cluster(tmp_path):
     rank.stop()
     prom.stop()
     agent.stop()
+
+
+def fires(prom: Prometheus, selector: str) -> None:
+    """Wait until Prometheus has the alert firing: the policy acts on no other."""
+    wait_until(lambda: prom.query(f'ALERTS{{alertstate="firing",{selector}}}'), 30,
+               f"{selector} firing in Prometheus")
 
 
 def firing(name: str, started: float | None = None, **labels) -> dict:
@@ -63,6 +76,7 @@ def test_policy_acts_rate_limits_and_audits(cluster):
                                                           "checkpoint-restart", 60)],
                     max_actions_per_run=1, window_s=600)
     rem = Remediator(policy, PrometheusClient(prom.url), TOKEN, audit, tmp / "history.jsonl")
+    fires(prom, 'alertname="RankHung",run="job",rank="0"')
     (d,) = rem.handle({"alerts": [firing("RankHung", run="job", rank="0")]})
     assert d["outcome"] == "acted" and d["nodes"]["node-r"].startswith("node-r-")
     assert victim.wait(timeout=10) == -15  # the agent terminated the hung rank
@@ -86,6 +100,7 @@ def test_a_resent_notification_is_not_acted_on_twice(cluster):
     rem = Remediator(Policy([Rule("RankHung", "restart")], max_actions_per_run=5),
                      PrometheusClient(prom.url), TOKEN, audit)
     hung = {**firing("RankHung", run="job", rank="0"), "fingerprint": "a1b2c3"}
+    fires(prom, 'alertname="RankHung",run="job",rank="0"')
     # the same notification twice at once (a retry while the first is still being
     # handled, or both Alertmanagers of an HA pair): one action
     import threading
@@ -188,6 +203,7 @@ def test_a_run_reported_by_another_users_process_is_not_restarted(cluster):
                      user=65534) as intruder:
         rem = Remediator(Policy([Rule("RankHung", "restart")]), PrometheusClient(prom.url),
                          TOKEN, audit)
+        fires(prom, 'alertname="RankHung",run="job",rank="7"')
         (d,) = rem.handle({"alerts": [firing("RankHung", run="job", rank="7",
                                              node="node-r")]})
         assert d["outcome"] == "failed", d
@@ -299,6 +315,7 @@ def test_evict_node_asks_the_alerts_node_alone_to_sit_the_restart_out(cluster):
                            "[evict]\nleave_s = 45\n")
     audit = AuditLog(tmp / "audit.jsonl")
     rem = Remediator(Policy.load(policy_file), PrometheusClient(prom.url), TOKEN, audit)
+    fires(prom, 'alertname="TrainingLinkCongested",node="node-r",device="eth0"')
     (d,) = rem.handle({"alerts": [firing("TrainingLinkCongested", node="node-r",
                                          device="eth0")]})
     assert d["outcome"] == "acted" and d["action"] == "evict-node", d

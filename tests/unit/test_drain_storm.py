@@ -17,6 +17,7 @@ from clusterpulse.agent.tokens import Tokens
 from clusterpulse.dashboard.promclient import PrometheusClient
 from clusterpulse.dashboard.remediation import Policy, Remediator, serve
 from tests.support.procs import REPO
+from tests.support.promstub import AlertsPrometheus
 
 HOOK = "alertmanager-hook-token-0123456789"
 
@@ -58,7 +59,8 @@ def test_concurrent_notifications_drain_at_most_max_drained(tmp_path, monkeypatc
     policy = Policy.load(REPO / "deploy/slurm/policy.toml")
     assert policy.drain.max_drained == 2
     audit = AuditLog(tmp_path / "audit.jsonl")
-    rem = Remediator(policy, PrometheusClient("http://127.0.0.1:9"), None, audit)
+    prom = AlertsPrometheus(lambda query: True)  # every GpuDown is firing in Prometheus
+    rem = Remediator(policy, PrometheusClient(prom.url), None, audit)
     server = serve(rem, "127.0.0.1", 0, Tokens.single(HOOK, "alertmanager"))
     url = f"http://127.0.0.1:{server.server_port}/alertmanager"
     nodes = [f"node-{i}" for i in range(1, 7)]
@@ -81,6 +83,7 @@ def test_concurrent_notifications_drain_at_most_max_drained(tmp_path, monkeypatc
             t.join(timeout=60)
     finally:
         server.shutdown()
+        prom.close()
     drained = [line.split()[0] for line in state.read_text().splitlines()]
     acted = sorted(n for n, d in outcomes.items() if d["outcome"] == "acted")
     refused = sorted(n for n, d in outcomes.items() if d["outcome"] == "rate_limited")

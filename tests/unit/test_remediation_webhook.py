@@ -355,3 +355,91 @@ def test_a_prometheus_error_that_will_not_pass_is_answered_not_retried(tmp_path,
     finally:
         prom.shutdown()
     assert [r["outcome"] for r in audit.read()] == ["failed"]
+
+
+def test_one_bad_alert_never_costs_the_others(tmp_path):
+    """Found in review: a label holding a lone surrogate ("\\ud800" in JSON) killed the
+    webhook request unanswered (the PromQL query could not be encoded), and the other
+    alerts of the notification were never decided. Now that alert is refused by name,
+    the others are decided, and the history file is created 0600."""
+    import os
+    import stat
+
+    old = os.umask(0)
+    try:
+        rem = Remediator(Policy([Rule("RankHung", "restart")], dry_run=True),
+                         PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789",
+                         AuditLog(tmp_path / "audit.jsonl"), tmp_path / "history.jsonl")
+        server = serve(rem, "127.0.0.1", 0, Tokens.single(HOOK, "alertmanager"))
+        try:
+            body = ('{"alerts": [{"status": "firing", "labels": {"alertname": "RankHung", '
+                    '"node": "n\\ud800"}}, {"status": "firing", "labels": {"alertname": '
+                    '"RankHung", "run": "demo"}}]}')
+            r = requests.post(f"http://127.0.0.1:{server.server_port}/alertmanager",
+                              data=body, timeout=10,
+                              headers={"Authorization": f"Bearer {HOOK}",
+                                       "Content-Type": "application/json"})
+        finally:
+            server.shutdown()
+    finally:
+        os.umask(old)
+    assert r.status_code == 200, r.text
+    decisions = r.json()["decisions"]
+    assert decisions[0]["outcome"] == "refused"
+    assert "alerts[0].labels.node is not valid Unicode" in decisions[0]["detail"]
+    assert decisions[1]["run"] == "demo" and decisions[1]["outcome"] == "dry_run"
+    assert stat.S_IMODE((tmp_path / "history.jsonl").stat().st_mode) == 0o600
+    assert len((tmp_path / "history.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_bug_deciding_one_alert_is_answered_and_spares_the_others(tmp_path, monkeypatch):
+    rem = Remediator(Policy([Rule("RankHung", "restart")], dry_run=True),
+                     PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789",
+                     AuditLog(tmp_path / "audit.jsonl"))
+    real = rem._decide
+
+    def flaky(rule, run, alert, recheck=False):
+        if run == "bad":
+            raise KeyError("a bug")
+        return real(rule, run, alert, recheck)
+
+    monkeypatch.setattr(rem, "_decide", flaky)
+    decisions = rem.handle({"alerts": [alert(labels={"alertname": "RankHung", "run": "bad"}),
+                                       alert()]})
+    assert [d["outcome"] for d in decisions] == ["failed", "dry_run"]
+    assert decisions[0]["detail"] == "internal error: KeyError"
+
+
+def test_the_policy_acts_only_on_alerts_prometheus_has_firing(tmp_path):
+    """Found in review: any local user POSTed an alert to the shipped Alertmanager's
+    open API, and the policy killed the victim's ranks 2 s later. Now every automatic
+    action first asks Prometheus for ALERTS{alertname, alertstate="firing", the
+    alert's labels}: a notification Prometheus does not back is refused and audited,
+    and when Prometheus cannot answer nothing is done (503: Alertmanager retries)."""
+    from tests.support.promstub import AlertsPrometheus
+
+    prom = AlertsPrometheus(lambda q: 'run="real"' in q and 'rank="3"' in q)
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    rem = Remediator(Policy([Rule("RankHung", "restart"), Rule("GpuDown", "drain-node")]),
+                     PrometheusClient(prom.url), "agent-token-0123456789", audit)
+    try:
+        forged = [alert(labels={"alertname": "RankHung", "run": "victim", "rank": "0"}),
+                  alert(labels={"alertname": "RankHung", "run": "real", "rank": "0"}),
+                  alert(labels={"alertname": "GpuDown", "node": "victim-node", "gpu": "0"})]
+        decisions = rem.handle({"alerts": forged})
+    finally:
+        prom.close()
+    assert [d["outcome"] for d in decisions] == ["refused"] * 3, decisions
+    assert all("no such alert firing" in d["detail"] for d in decisions)
+    asked = [q for q in prom.queries if q.startswith("ALERTS{")]
+    assert 'ALERTS{alertstate="firing",alertname="RankHung",run="victim",rank="0"}' in asked
+    assert [r["outcome"] for r in audit.read()] == ["refused"] * 3
+    # Prometheus unreachable: fail closed
+    rem.prom = PrometheusClient("http://127.0.0.1:9")
+    from clusterpulse.dashboard.remediation import RetryLater
+
+    with pytest.raises(RetryLater) as err:
+        rem.handle({"alerts": [alert(labels={"alertname": "GpuDown", "node": "n1",
+                                             "gpu": "0"})]})
+    (d,) = err.value.decisions
+    assert d["outcome"] == "failed" and "cannot confirm" in d["detail"]

@@ -1,0 +1,162 @@
+"""The audit log's hash chain (issue #29): every deletion, reordering or forged line
+is named by line, several processes appending to one file keep one chain, and the
+head is published outside the file (a metric) and checked by `clusterpulse-audit`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from clusterpulse.agent import auditcli
+from clusterpulse.agent.audit import AuditLog, verify, verify_chain
+
+
+def _log(path: Path, n: int) -> AuditLog:
+    log = AuditLog(path)
+    for i in range(n):
+        log.write("ops", "restart", f"r{i}", "delivered", run=f"run{i}")
+    return log
+
+
+def _rewrite(path: Path, lines: list[str]) -> None:
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+def test_deleting_a_record_and_dropping_prev_after_it_is_a_break(tmp_path):
+    """Found in review: delete a record, then drop `prev` from every line after it:
+    verify_chain found nothing."""
+    path = tmp_path / "audit.jsonl"
+    _log(path, 5)
+    lines = path.read_text().splitlines()
+    del lines[2]
+    kept = lines[:2]
+    for line in lines[2:]:
+        rec = json.loads(line)
+        del rec["prev"]
+        kept.append(json.dumps(rec, sort_keys=True))
+    _rewrite(path, kept)
+    assert verify_chain(path) and verify_chain(path)[0] == 3
+
+
+def test_a_forged_line_is_a_break(tmp_path):
+    """Found in review: a line `[]` inserted in the middle passed."""
+    path = tmp_path / "audit.jsonl"
+    _log(path, 3)
+    lines = path.read_text().splitlines()
+    _rewrite(path, [*lines[:2], "[]", lines[2]])
+    assert verify_chain(path) == [3, 4]
+
+
+def test_reordering_and_a_rewritten_anchor_are_breaks(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    _log(path, 4)
+    lines = path.read_text().splitlines()
+    _rewrite(path, [lines[0], lines[2], lines[1], lines[3]])
+    assert 2 in verify_chain(path)
+    _rewrite(path, lines[1:])  # the first records removed: the chain has no anchor
+    assert verify_chain(path)[:1] == [1]
+
+
+def test_records_cut_from_the_end_show_against_the_published_head(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = _log(path, 4)
+    head = log.head
+    assert head.seq == 4 and verify(path, head).intact
+    _rewrite(path, path.read_text().splitlines()[:3])
+    verdict = verify(path, head)
+    assert not verdict.intact and "removed from the end" in verdict.breaks[0][1]
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from clusterpulse.agent.audit import AuditLog
+log = AuditLog(Path(sys.argv[1]))
+for i in range(int(sys.argv[3])):
+    AuditLog(Path(sys.argv[1])).write(sys.argv[2], "sign-in", "dashboard", "ok")
+    log.write(sys.argv[2], "restart", "policy", "delivered", n=i)
+"""
+
+
+def test_processes_sharing_one_file_keep_one_chain(tmp_path):
+    """Found in review: the dashboard and the remediation receiver write the same file
+    (demo, systemd, Kubernetes), each chaining onto the last record *it* wrote; an
+    untouched live file had 7 lines flagged as tampered. Three processes, each with a
+    long-lived log and a fresh one per record (as the dashboard does)."""
+    path = tmp_path / "audit.jsonl"
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), who, "60"])
+             for who in ("dashboard", "policy", "cli")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    assert verify_chain(path) == []
+    verdict = verify(path)
+    assert verdict.records == 360 and verdict.head.seq == 360
+
+
+def test_a_torn_line_from_another_writer_stays_a_line_of_its_own(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    _log(path, 2)
+    with open(path, "a") as f:
+        f.write('{"ts": 1, "who": "crashed mid-wri')
+    _log(path, 1)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[3])["seq"] == 4
+    assert verify_chain(path) == [3]
+
+
+def test_cli_says_where_the_chain_breaks(tmp_path, capsys):
+    path = tmp_path / "audit.jsonl"
+    log = _log(path, 3)
+    assert auditcli.main(["verify", str(path)]) == 0
+    assert "3 records, chain intact" in capsys.readouterr().out
+    lines = path.read_text().splitlines()
+    _rewrite(path, [lines[0], lines[2]])
+    assert auditcli.main(["verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert f"{path}:2: seq 3 after 1: records missing before it" in out
+    _rewrite(path, lines[:2])
+    assert auditcli.main(["verify", str(path), "--head", f"3:{log.head.digest[:12]}"]) == 1
+    assert "removed from the end" in capsys.readouterr().out
+
+
+def test_cli_bad_input_is_one_line(tmp_path, capsys):
+    assert auditcli.main(["verify", str(tmp_path / "missing.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No such file" in err
+    try:
+        auditcli.main(["verify", str(tmp_path), "--head", "12"])
+    except SystemExit as exit_:
+        assert exit_.code == 2
+    assert "expected SEQ:HASH" in capsys.readouterr().err
+
+
+def test_the_agent_publishes_the_head(sim_agent):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sim_agent.get("/v1/ranks", token="wrong-token-xxxxxxxxxxxx")  # an audited refusal
+    head = sim_agent.agent.audit.head
+    assert head.seq >= 1
+    values = {s.name: s.value for f in text_string_to_metric_families(
+        sim_agent.get("/metrics", token=None).text) for s in f.samples}
+    assert values["clusterpulse_audit_head_sequence"] == head.seq
+    assert values["clusterpulse_audit_head_hash_prefix"] == int(head.digest[:12], 16)
+
+
+def test_the_audit_page_shows_the_head_and_names_breaks(tmp_path, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    path = tmp_path / "audit.jsonl"
+    log = _log(path, 3)
+    monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(path))
+    page = str(Path(__file__).resolve().parents[2] / "dashboard" / "pages" / "audit.py")
+    at = AppTest.from_file(page, default_timeout=60)
+    at.run()
+    assert not at.exception
+    assert any(f"3:{log.head.digest[:16]}" in c.value and "intact" in c.value
+               for c in at.caption)
+    lines = path.read_text().splitlines()
+    _rewrite(path, [lines[0], lines[2]])
+    at = AppTest.from_file(page, default_timeout=60)
+    at.run()
+    assert any("broken" in e.value and "line 2" in e.value for e in at.error)

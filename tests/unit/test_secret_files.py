@@ -1,0 +1,66 @@
+"""Secret files are private from the open that creates them (issue #29): another user
+read 5 of 5 tokens made as the README said (`openssl rand > token; chmod 600 token`)
+and 3 of the demo's 7 secret files, in the window before the chmod. Each check runs
+with umask 000 and with chmod made to do nothing: a file is then 0600 only if it was
+created so."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def no_chmod(monkeypatch):
+    """umask 000, and every chmod a no-op: only the mode given at creation counts."""
+    old = os.umask(0)
+    monkeypatch.setattr(os, "chmod", lambda *a, **k: None)
+    monkeypatch.setattr(os, "fchmod", lambda *a, **k: None)
+    monkeypatch.setattr(Path, "chmod", lambda *a, **k: None)
+    yield
+    os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_write_secret_creates_0600_and_replaces_atomically(tmp_path, no_chmod):
+    from clusterpulse.agent.tokens import write_secret
+
+    path = tmp_path / "token"
+    assert write_secret(path, "first")
+    assert mode(path) == 0o600 and path.read_text() == "first"
+    assert write_secret(path, "second") and path.read_text() == "second"
+    assert mode(path) == 0o600
+    assert not write_secret(path, "third", replace=False)  # kept as it is
+    assert path.read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["token"]  # no temporary left
+
+
+def test_the_demos_secret_files_are_created_private(tmp_path, no_chmod):
+    from deploy.local.cluster import operator_password
+    from deploy.local.stack import secret_file
+
+    assert mode(secret_file(tmp_path / "agent-token")) == 0o600
+    assert mode(secret_file(tmp_path / "webhook-token")) == 0o600
+    operator_password(tmp_path)
+    assert mode(tmp_path / "operators.toml") == 0o600
+
+
+def test_the_readmes_token_command_creates_it_private(tmp_path):
+    """Run the README's own command, as a shell would, with chmod doing nothing."""
+    text = (REPO / "README.md").read_text()
+    command = re.search(r"`(\(umask 077; openssl rand -hex 32 > token\))`", text)
+    assert command, "the README's token command changed: update this test"
+    subprocess.run(["bash", "-c", f"umask 000; chmod() {{ :; }}; {command.group(1)}"],
+                   cwd=tmp_path, check=True)
+    assert mode(tmp_path / "token") == 0o600
+    assert len((tmp_path / "token").read_text().strip()) == 64
