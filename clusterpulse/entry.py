@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 # Import names of the optional dependencies ([project.optional-dependencies] trainer
 # and dashboard in pyproject.toml; a unit test keeps the two in step).
-OPTIONAL = frozenset({"numpy", "pandas", "requests", "streamlit", "torch"})
+OPTIONAL = frozenset({"bcrypt", "numpy", "pandas", "requests", "streamlit", "torch"})
 
 
 def run(prog: str, target: str, extra: str) -> int:

@@ -20,7 +20,8 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
 # What each command needs beyond the agent's dependencies (None: nothing).
 EXTRA = {"clusterpulse-agent": None, "clusterpulse-config": None,
-         "clusterpulse-healthcheck": None, "clusterpulse-train": "trainer",
+         "clusterpulse-healthcheck": None, "clusterpulse-audit": None,
+         "clusterpulse-train": "trainer",
          "clusterpulse-dashboard": "dashboard", "clusterpulse-ctl": "dashboard",
          "clusterpulse-remediate": "dashboard", "clusterpulse-detect": "dashboard"}
 AGENT_ONLY = """
