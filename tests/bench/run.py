@@ -17,8 +17,10 @@ SUITES = ["bench_agent", "bench_trainer", "bench_detection", "bench_dashboard"]
 # Run only when named (`make bench-fleet`): 16,384 GPUs in Prometheus and VictoriaMetrics
 # (and an hour of their history for the event records) take minutes and GBs of memory;
 # the testbed needs root (`make bench-testbed`); the
-# incidents run real jobs for ~15 min (`make bench-incidents`, root for its link trials).
-ON_REQUEST = ["bench_fleet", "bench_event_rules", "bench_testbed_recovery", "bench_incidents"]
+# incidents run real jobs for ~15 min (`make bench-incidents`, root for its link trials);
+# the straggler scenarios take ~2 min (`make bench-detection`).
+ON_REQUEST = ["bench_detection_scenarios", "bench_fleet", "bench_event_rules",
+              "bench_testbed_recovery", "bench_incidents"]
 
 
 def main() -> int:
