@@ -1,5 +1,5 @@
 # Convenience targets; the README's two commands are scripts/demo.sh and scripts/test.sh.
-.PHONY: setup test demo bench bench-fleet bench-testbed bench-incidents lint chaos
+.PHONY: setup test demo bench bench-detection bench-fleet bench-testbed bench-incidents lint chaos
 setup:
 	scripts/setup.sh
 test:
@@ -10,6 +10,8 @@ lint:
 	.venv/bin/ruff check .
 bench: setup
 	.venv/bin/python -m tests.bench.run
+bench-detection: setup  # straggler scenarios: ours, the previous scorer, NVRx's rule (~2 min)
+	.venv/bin/python -m tests.bench.bench_detection_scenarios
 bench-fleet: setup
 	.venv/bin/python -m tests.bench.run --only bench_fleet --only bench_event_rules
 bench-testbed: setup  # recovery on a 4-node testbed (root: network namespaces)

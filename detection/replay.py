@@ -116,7 +116,7 @@ def replay(rows: Iterable[dict[str, str]], config: ScoringConfig | None = None,
         was = np.zeros(len(ranks), dtype=bool)
         for step in sorted(steps):
             by_rank = steps[step]
-            history = [*history, by_rank][-config.window:]
+            history = [*history, by_rank][-config.cost_window:]
             own = np.full(len(ranks), math.nan)
             for r, rec in by_rank.items():
                 own[col[r]] = rec["own_seconds"]
@@ -131,13 +131,17 @@ def replay(rows: Iterable[dict[str, str]], config: ScoringConfig | None = None,
 
 
 def _cause(history: list[dict[int, dict]], rank: int) -> str:
+    """The cause over the cost window, from means, not medians: a rank that waits 2 s
+    for input every 10th step has a typical step like its peers' (the median said
+    `compute`), but its input stalls are what it adds to the job's time."""
     keys = ("own_seconds", "data_seconds", *OPTIONAL)
+    times = {"own_seconds", "data_seconds", "comm_seconds", "comm_bytes"}
 
-    def med(values: list[float]) -> float:
+    def summary(key: str, values: list[float]) -> float:  # states (0/1, clocks): median
         v = [x for x in values if not math.isnan(x)]
-        return float(np.median(v)) if v else math.nan
+        return float((np.mean if key in times else np.median)(v)) if v else math.nan
 
-    mine = {k: med([h[rank][k] for h in history if rank in h]) for k in keys}
-    peers = {k: med([rec[k] for h in history for r, rec in h.items() if r != rank])
+    mine = {k: summary(k, [h[rank][k] for h in history if rank in h]) for k in keys}
+    peers = {k: summary(k, [rec[k] for h in history for r, rec in h.items() if r != rank])
              for k in keys}
     return attribute(mine, peers)

@@ -22,6 +22,28 @@ against its own history alone a job-wide slowdown is. Here:
 - a rank slower than its peer group by `gross_threshold` (1.3) is flagged whatever its
   history: no healthy GPU of a model is that much slower than its siblings.
 
+Three gaps that per-step scoring left (issue #27), closed here:
+
+- **Cost, not typical step.** The window above winsorises single steps, so a rank 2x
+  slow every third step scored ~1.05 while the job ran 1.33x slower. A second, longer
+  window (`cost_window`, 50 steps) scores what the rank adds to the job's time: the
+  mean of its per-step time relative to its peers, each step capped at `cost_cap` and
+  the two worst steps of the window dropped (a page fault or a checkpoint write must
+  not count; slowness that recurs does, however it is spread over steps). This cost
+  score has its own baseline (learnt slowly: a creeping degradation is not absorbed)
+  and the same self/noise test.
+- **Peers from step 1.** A rank whose cost is `peer_outlier` (1.12x) above its peer
+  group's median *and* `peer_z` robust standard deviations out (the group's MAD: a
+  group of unequal pipeline stages has a wide spread and never triggers this) is a
+  straggler whatever its history (after `peer_confirm` evaluations in a row): a job
+  that starts on a bad GPU is the common case.
+  With `keys` (one hardware identity per rank, host and GPU UUID) the baselines are
+  saved with `state()` and read back with `load_state()` after a restart: it is the
+  hardware that is slow, and a relearnt baseline would call it normal.
+- **Stable evidence.** A flag turns on after `confirm` consecutive evaluations (counted
+  in steps, not seconds: one evaluation of a job with 30 s steps is 150 s) and off only
+  after `release` evaluations without even half the evidence: one incident, one flag.
+
 Input per step is the rank's own time: its step time minus the time it waited for
 peers (compute + data loading + its own communication). Using total own time rather
 than compute alone means a data-starved rank is detected; the cause is named apart
@@ -68,6 +90,25 @@ class ScoringConfig:
     z: float = 5.5  # noise standard deviations a slowdown must exceed
     noise_floor: float = 0.005  # log units: below this, noise estimates are not trusted
     baseline_alpha: float = 0.05  # per evaluation, for the baseline and the noise
+    # The cost score: what the rank adds to the job's time over `cost_window` steps.
+    cost_window: int = 50
+    cost_cap: float = 3.0  # one step counts at most 3x a peer's time (2 steps of cost)
+    # The worst steps of the window not counted: with 1, three random 3x pauses in 50
+    # steps (GC, page faults; unaligned) flagged a healthy rank in the benchmark.
+    cost_drop: int = 2
+    # The cost baseline learns 10x slower than the short one: a ramp from 1.0 to 1.3 over
+    # 2,000 steps lagged it by ~1 % only, and was never flagged before ~1.25x.
+    cost_alpha: float = 0.005
+    # Cost above the group median, whatever the history. 1.12: GPUs 5-9 % slower for
+    # life (a hardware lottery) were flagged at 1.1; the issue asks for 1.15 from step 1.
+    peer_outlier: float = 1.12
+    peer_z: float = 6.0  # ... and this many robust (MAD) standard deviations of the group
+    peer_floor: float = 0.018  # log units: the least spread a group is assumed to have
+    # Evaluations in a row the peer evidence must hold before it counts (then `confirm`):
+    # a GPU 8 % slower for life crossed 1.12x on noise for two evaluations once.
+    peer_confirm: int = 3
+    confirm: int = 2  # consecutive evaluations before a flag turns on
+    release: int = 6  # consecutive evaluations without half the evidence to turn it off
 
     def validate(self) -> None:
         if self.window < 2 or self.every < 1 or self.warmup_steps < self.window:
@@ -76,6 +117,12 @@ class ScoringConfig:
                 or self.gross_threshold <= self.peer_threshold:
             raise ValueError("self_threshold > 1, peer_threshold >= 1, z > 0 and "
                              "gross_threshold > peer_threshold required")
+        if self.cost_drop < 0 or self.cost_window < 3 + self.cost_drop or self.cost_cap <= 1 \
+                or self.peer_outlier <= 1 or self.peer_z <= 0 or self.confirm < 1 \
+                or self.release < 1 or self.peer_confirm < 1:
+            raise ValueError("cost_drop >= 0, cost_window >= 3 + cost_drop, cost_cap > 1, "
+                             "peer_outlier > 1, peer_z > 0, confirm, release and "
+                             "peer_confirm >= 1 required")
 
 
 @dataclass
@@ -86,6 +133,55 @@ class Scores:
     peer: np.ndarray  # exp(m): time relative to the typical peer now
     self_: np.ndarray  # exp(m - b): relative to the rank's own usual peer score
     flagged: np.ndarray  # bool
+    # What the rank adds to the job's time over the cost window, relative to a typical
+    # peer (1.33: the job would be 1.33x faster at this rank's peers' pace); NaN until
+    # the cost window is full.
+    cost: np.ndarray | None = None
+
+
+@dataclass
+class _Track:
+    """A score's own baseline and noise, per rank: learnt over the warm-up (median and
+    variance), then a moving average that stops while the rank looks abnormal."""
+
+    alpha: float
+    floor: float
+    warm: list[np.ndarray] = field(default_factory=list)
+    base: np.ndarray | None = None
+    var: np.ndarray | None = None
+
+    def learn_warm(self, x: np.ndarray, done: bool) -> None:
+        self.warm.append(x)
+        if done:
+            w = np.stack(self.warm)
+            self.base = np.median(w, axis=0)
+            self.var = np.maximum(w.var(axis=0), self.floor ** 2)
+            self.warm = []
+
+    def excess(self, x: np.ndarray, z: float, threshold: float,
+               pooled: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """(x - baseline, the limit it must exceed): log(threshold) or z noise sds,
+        the noise per rank, pooled across ranks and `pooled` (a current spread)."""
+        assert self.base is not None and self.var is not None
+        sigma = np.sqrt(np.maximum(self.var, max(float(np.median(self.var)), pooled ** 2)))
+        return x - self.base, np.maximum(math.log(threshold), z * sigma)
+
+    def update(self, x: np.ndarray, calm: np.ndarray) -> None:
+        assert self.base is not None and self.var is not None
+        a, d = self.alpha, x - self.base
+        self.base = np.where(calm, (1 - a) * self.base + a * x, self.base)
+        self.var = np.where(calm, (1 - a) * self.var + a * np.maximum(d * d, self.floor ** 2),
+                            self.var)
+
+
+def _group_stats(x: np.ndarray, groups: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, its group's median and robust standard deviation (1.4826 MAD)."""
+    med, sd = np.zeros_like(x), np.zeros_like(x)
+    for idx in groups:
+        v = x[idx]
+        m = np.median(v)
+        med[idx], sd[idx] = m, 1.4826 * np.median(np.abs(v - m))
+    return med, sd
 
 
 @dataclass
@@ -93,24 +189,71 @@ class StragglerScorer:
     ranks: int
     groups: Sequence[int] | None = None  # peer group of each rank (pipeline stage)
     config: ScoringConfig = field(default_factory=ScoringConfig)
+    # One hardware identity per rank (e.g. "host/GPU-UUID"): keys of state()/load_state()
+    keys: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         self.config.validate()
+        c = self.config
         g = np.zeros(self.ranks, dtype=int) if self.groups is None else np.asarray(self.groups)
         if g.shape != (self.ranks,):
             raise ValueError(f"groups must give one group per rank ({self.ranks})")
+        if self.keys is not None and len(self.keys) != self.ranks:
+            raise ValueError(f"keys must give one identity per rank ({self.ranks})")
         self._groups = [np.nonzero(g == k)[0] for k in np.unique(g)]
-        self._rows: collections.deque[np.ndarray] = collections.deque(maxlen=self.config.window)
+        self._rows: collections.deque[np.ndarray] = collections.deque(maxlen=c.window)
+        self._ratios: collections.deque[np.ndarray] = collections.deque(maxlen=c.cost_window)
         self.steps = 0
         self._since_eval = 0
-        self._warm: list[np.ndarray] = []
-        self.baseline: np.ndarray | None = None
-        self._var: np.ndarray | None = None
+        self._short = _Track(c.baseline_alpha, c.noise_floor)
+        self._cost = _Track(c.cost_alpha, c.noise_floor)
+        self._known: dict[str, dict[str, float]] = {}
+        self._on = np.zeros(self.ranks, dtype=int)  # consecutive evaluations with evidence
+        self._peer_on = np.zeros(self.ranks, dtype=int)  # ... with the peer evidence
+        self._off = np.zeros(self.ranks, dtype=int)  # ... without half of it
         self.flagged = np.zeros(self.ranks, dtype=bool)
 
+    @property
+    def baseline(self) -> np.ndarray | None:
+        return self._short.base
+
     def reset(self) -> None:
-        """A (re)started job: ranks may sit on other GPUs now; learn again."""
+        """A (re)started job: ranks may sit on other GPUs now; learn again (what
+        load_state() gave is kept: it belongs to the hardware, not to the job)."""
+        known = self._known
         self.__post_init__()
+        self._known = known
+
+    def state(self) -> dict[str, dict[str, float]]:
+        """Each identity's learnt baselines (JSON-ready), merged with what was loaded:
+        a GPU not in this job keeps its history."""
+        out = dict(self._known)
+        if self.keys is None or self._short.base is None or self._cost.base is None:
+            return out
+        assert self._short.var is not None and self._cost.var is not None
+        for i, key in enumerate(self.keys):
+            out[key] = {"b": float(self._short.base[i]), "v": float(self._short.var[i]),
+                        "bc": float(self._cost.base[i]), "vc": float(self._cost.var[i])}
+        return out
+
+    def load_state(self, state: dict[str, dict[str, float]]) -> None:
+        """Baselines saved by state() in an earlier start of the job: ranks whose
+        identity is known take them at the end of the warm-up instead of relearning."""
+        for key, entry in state.items():
+            try:
+                self._known[str(key)] = {k: float(entry[k]) for k in ("b", "v", "bc", "vc")}
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"straggler state: entry {key!r} needs numbers b, v, bc, vc") \
+                    from None
+
+    def _apply_known(self) -> None:
+        if self.keys is None or not self._known:
+            return
+        for track, b, v in ((self._short, "b", "v"), (self._cost, "bc", "vc")):
+            assert track.base is not None and track.var is not None
+            for i, key in enumerate(self.keys):
+                if key in self._known:
+                    track.base[i], track.var[i] = self._known[key][b], self._known[key][v]
 
     def _relative(self, block: np.ndarray) -> np.ndarray:
         """log(own time / median of the rank's peer group), step by step (rows)."""
@@ -131,12 +274,24 @@ class StragglerScorer:
         out = None
         for rel in self._relative(block):
             self._rows.append(rel)
+            self._ratios.append(np.minimum(np.exp(rel), self.config.cost_cap))
             self.steps += 1
             self._since_eval += 1
             if self._since_eval >= self.config.every and len(self._rows) == self.config.window:
                 self._since_eval = 0
                 out = self._evaluate()
         return out
+
+    def _cost_score(self) -> np.ndarray:
+        """log of the mean per-step time relative to peers over the cost window, each
+        step capped, the worst `cost_drop` steps dropped; NaN until the window is full."""
+        c = self.config
+        if len(self._ratios) < c.cost_window:
+            return np.full(self.ranks, np.nan)
+        r = np.stack(self._ratios)
+        worst = np.partition(r, len(r) - c.cost_drop - 1, axis=0)[len(r) - c.cost_drop:] \
+            if c.cost_drop else np.zeros((0, self.ranks))
+        return np.log((r.sum(axis=0) - worst.sum(axis=0)) / (len(r) - c.cost_drop))
 
     def _evaluate(self) -> Scores:
         c = self.config
@@ -147,24 +302,49 @@ class StragglerScorer:
         dev = window - level
         spread = np.median(np.abs(dev)) * 1.4826 + 1e-6  # pooled over ranks and steps
         m = level + np.clip(dev, -4 * spread, 4 * spread).mean(axis=0)
-        peer = np.exp(m)
-        if self.steps < c.warmup_steps or self.baseline is None:
-            self._warm.append(m)
-            if self.steps >= c.warmup_steps:
-                warm = np.stack(self._warm)
-                self.baseline = np.median(warm, axis=0)
-                self._var = np.maximum(warm.var(axis=0), c.noise_floor ** 2)
-            return Scores(self.steps, peer, np.ones(self.ranks), np.zeros(self.ranks, bool))
-        assert self._var is not None
-        d = m - self.baseline
-        sigma = np.sqrt(np.maximum(self._var, np.median(self._var)))
-        limit = np.maximum(math.log(c.self_threshold), c.z * sigma)
-        self.flagged = (((d > limit) & (m > math.log(c.peer_threshold)))
-                        | (m > math.log(c.gross_threshold)))
-        # Learn only from ranks that look normal: a straggler must not become the norm.
-        calm = ~self.flagged & (d < limit / 2)
-        a = c.baseline_alpha
-        self.baseline = np.where(calm, (1 - a) * self.baseline + a * m, self.baseline)
-        self._var = np.where(calm, (1 - a) * self._var + a * np.maximum(d * d, c.noise_floor ** 2),
-                             self._var)
-        return Scores(self.steps, peer, np.exp(d), self.flagged.copy())
+        cost = self._cost_score()
+        full = bool(np.isfinite(cost[0]))
+        on = m > math.log(c.gross_threshold)
+        hold = m > math.log(c.gross_threshold) / 2
+        d = np.zeros(self.ranks)
+        if full:  # against the peers now, whatever the history
+            med, sd = _group_stats(cost, self._groups)
+            p_lim = np.maximum(math.log(c.peer_outlier), c.peer_z * np.maximum(sd, c.peer_floor))
+            self._peer_on = np.where(cost - med > p_lim, self._peer_on + 1, 0)
+            on |= self._peer_on >= c.peer_confirm
+            hold |= cost - med > p_lim / 2
+        warm = self.steps < c.warmup_steps or self._short.base is None
+        if warm:
+            self._short.learn_warm(m, self.steps >= c.warmup_steps)
+            if full:
+                self._cost.learn_warm(cost, self.steps >= c.warmup_steps)
+            if self._short.base is not None:
+                if self._cost.base is None:  # the warm-up ended before the cost window
+                    self._cost.base, self._cost.var = np.zeros(self.ranks), self._short.var.copy()
+                self._apply_known()
+        else:
+            d, lim = self._short.excess(m, c.z, c.self_threshold)
+            slower = m > math.log(c.peer_threshold)
+            on |= (d > lim) & slower
+            hold |= (d > lim / 2) & (m > 0)
+            calm = d < lim / 2
+            if full:
+                # The noise of the cost score is also read across ranks now: a slow
+                # score over overlapping windows learns too little of it in a warm-up.
+                assert self._cost.base is not None
+                shift = cost - self._cost.base
+                spread = 1.4826 * float(np.median(np.abs(shift - np.median(shift))))
+                dc, lim_c = self._cost.excess(cost, c.z, c.self_threshold, pooled=spread)
+                on |= (dc > lim_c) & (cost > math.log(c.peer_threshold))
+                hold |= dc > lim_c / 2
+                calm &= dc < lim_c / 2
+        self._on = np.where(on, self._on + 1, 0)
+        self._off = np.where(hold, 0, self._off + 1)
+        self.flagged = np.where(self.flagged, self._off < c.release, self._on >= c.confirm)
+        if not warm:
+            # Learn only from ranks that look normal: a straggler must not become the norm.
+            calm &= ~self.flagged
+            self._short.update(m, calm)
+            if full:
+                self._cost.update(cost, calm)
+        return Scores(self.steps, np.exp(m), np.exp(d), self.flagged.copy(), np.exp(cost))

@@ -11,20 +11,39 @@ every rank
   code that `clusterpulse-detect replay` runs on a recorded trace. Each rank is scored
   against its peers step by step (job-wide slowdowns cancel) and against its own
   history (a GPU that is always a few percent slower, or rank 0's extra work, is not
-  a straggler); see that module for the method.
+  a straggler); see that module for the method. With `state_path`, the scorer's
+  baselines are kept per hardware identity (host/GPU UUID, gathered once) in a file
+  read at start and written by rank 0 every `save_every` exchanges
+  (detection.state): a restart does not make a slow GPU normal.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from clusterpulse.detection import state as straggler_state
 from clusterpulse.detection.scoring import Scores, ScoringConfig, StragglerScorer
+
+log = logging.getLogger(__name__)
+
+
+def hardware_identity(device: int) -> str:
+    """host/GPU UUID (host/local<N> without CUDA): what a straggler baseline belongs to."""
+    host = socket.gethostname()
+    if torch.cuda.is_available() and device < torch.cuda.device_count():
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+        if uuid is not None:
+            return f"{host}/GPU-{uuid}"
+    return f"{host}/local{device}"
 
 
 @dataclass
@@ -38,6 +57,9 @@ class Consensus:
     seconds: float = 0.0  # total time spent in the exchange (its cost, for benchmarks)
     scorer: StragglerScorer | None = None
     last: Scores | None = None  # the latest evaluation (peer and self scores, flags)
+    state_path: Path | None = None  # straggler baselines per GPU, kept across restarts
+    identity: str = ""  # this rank's hardware (hardware_identity)
+    save_every: int = 20  # exchanges between writes of state_path (by rank 0)
 
     def record(self, compute_seconds: float) -> None:
         self._window.append(compute_seconds)
@@ -76,13 +98,42 @@ class Consensus:
         preempt = any(f & 4 for f in flags_all)
         times = np.array([r[1:] for r in rows], dtype=np.float64).T  # steps x ranks
         if self.scorer is None or self.scorer.ranks != len(rows):
-            self.scorer = StragglerScorer(len(rows), config=ScoringConfig(every=self.every))
+            self.scorer = self._new_scorer(len(rows))
         scores = self.scorer.observe(times)
+        if self.state_path is not None and self.exchanges % self.save_every == 0 \
+                and (not dist.is_initialized() or dist.get_rank() == 0):
+            try:
+                straggler_state.save(self.state_path, self.scorer.state())
+            except OSError as err:
+                log.warning("straggler state not saved to %s: %s", self.state_path, err)
         self.seconds += time.perf_counter() - t0
         if scores is None or self._windows_seen <= self.warmup_windows:
             return restart, checkpoint, None, preempt
         self.last = scores
-        return restart, checkpoint, [round(float(v), 4) for v in scores.peer], preempt
+        # The exported score: the larger of how slow the rank is now (10 steps) and what it
+        # costs the job (50 steps), so an intermittent straggler's alert says 1.33x, not
+        # the 1.05x of its typical step.
+        shown = scores.peer if scores.cost is None else np.fmax(scores.peer, scores.cost)
+        return restart, checkpoint, [round(float(v), 4) for v in shown], preempt
+
+
+    def _new_scorer(self, world: int) -> StragglerScorer:
+        """Collective when keeping state (every rank makes its scorer at the same
+        exchange): each rank's hardware identity, gathered once."""
+        config = ScoringConfig(every=self.every)
+        if self.state_path is None:
+            return StragglerScorer(world, config=config)
+        keys: list[str] = [self.identity]
+        if dist.is_initialized() and world > 1:
+            gathered: list[object] = [None] * world
+            dist.all_gather_object(gathered, self.identity, group=self.group)
+            keys = [str(k) for k in gathered]
+        scorer = StragglerScorer(world, config=config, keys=keys)
+        try:
+            scorer.load_state(straggler_state.load(self.state_path))
+        except ValueError as err:
+            log.warning("%s: %s; learning afresh", self.state_path, err)
+        return scorer
 
 
 def straggler_scores(medians: list[float]) -> list[float] | None:

@@ -51,6 +51,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -62,7 +63,7 @@ from torch.utils._pytree import tree_leaves
 from clusterpulse.agent import protocol
 from clusterpulse.trainer import PREEMPTED_EXIT_CODE
 from clusterpulse.trainer.collectives import CollectiveLog, ring_allreduce_bytes
-from clusterpulse.trainer.consensus import Consensus
+from clusterpulse.trainer.consensus import Consensus, hardware_identity
 from clusterpulse.trainer.parallel import hold_process_groups_until_exit
 from clusterpulse.trainer.restart import (
     PEER_SIGTERM_WAIT_S,
@@ -183,7 +184,8 @@ class Pulse:
                  world_size: int | None = None, gpu: int | None = None,
                  restarts: int | None = None, consensus_every: int = 5,
                  group: dist.ProcessGroup | None = None, catch_sigterm: bool = True,
-                 before_process_group: bool = False) -> None:
+                 before_process_group: bool = False,
+                 straggler_state: str | os.PathLike[str] | None = None) -> None:
         env = os.environ
         self.run = check_run_id(run)
         if consensus_every < 1:
@@ -231,6 +233,9 @@ class Pulse:
         self.preempt_agreed = False
         self.consensus = Consensus(every=consensus_every, group=group if group is not None
                                    or not self._joined else _cpu_group())
+        if straggler_state is not None:  # a GPU's straggler history outlives the job's starts
+            self.consensus.state_path = Path(straggler_state)
+            self.consensus.identity = hardware_identity(self.gpu)
         self.sigterm = SigtermCatcher()
         if catch_sigterm and self._joined:
             self.sigterm.install()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
 
 from clusterpulse.agent.logsetup import setup_logging
+from clusterpulse.detection.state import STATE_FILE
 from clusterpulse.trainer.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -85,7 +86,8 @@ class Trainer:
         # Telemetry first: a rank stuck from here to its first step (process group,
         # model wrap, loading a checkpoint) is then seen in phase start, not missing.
         self.pulse = Pulse(run=cfg.run_id, agent=cfg.agent, consensus_every=cfg.consensus_every,
-                           before_process_group=True)
+                           before_process_group=True,
+                           straggler_state=cfg.ckpt_dir / STATE_FILE)
         if early.init_hang():
             print(f"trainer: injected: rank {rank} never joins the process group",
                   file=sys.stderr, flush=True)

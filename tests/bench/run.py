@@ -18,9 +18,10 @@ SUITES = ["bench_agent", "bench_trainer", "bench_detection", "bench_dashboard"]
 # (and an hour of their history for the event records) take minutes and GBs of memory;
 # the testbed needs root (`make bench-testbed`); the
 # incidents run real jobs for ~15 min (`make bench-incidents`, root for its link trials);
-# the GPU figures need a GPU (`python -m tests.bench.bench_gpu`, ~5 min on an H200).
-ON_REQUEST = ["bench_fleet", "bench_event_rules", "bench_testbed_recovery", "bench_incidents",
-              "bench_gpu"]
+# the GPU figures need a GPU (`python -m tests.bench.bench_gpu`, ~5 min on an H200);
+# the straggler scenarios take ~2 min (`make bench-detection`).
+ON_REQUEST = ["bench_detection_scenarios", "bench_fleet", "bench_event_rules",
+              "bench_testbed_recovery", "bench_incidents", "bench_gpu"]
 
 
 def main() -> int:

@@ -1380,3 +1380,28 @@ def test_a_standby_whose_round_ended_waits_held_for_the_jobs_nodes(tmp_path, cap
         assert count.read_text() == "2" and "standing by" in err
     else:
         assert count.read_text() == "1" and "rendezvous is gone" in err
+
+
+def test_straggler_baselines_are_kept_per_gpu_across_starts(tmp_path):
+    """A restart (also the policy's own, for a slow GPU) relearnt every baseline, and
+    the slow GPU became normal: the baselines are saved per hardware identity and the
+    next start reads them (unreadable state: learn afresh, never fail)."""
+    path = tmp_path / "straggler-state.json"
+    first = Consensus(every=5, state_path=path, identity="host-a/GPU-1", save_every=2)
+    for _ in range(40):  # 200 steps: past the scorer's warm-up
+        for _ in range(5):
+            first.record(0.1)
+        first.exchange(False, 1)
+    saved = json.loads(path.read_text())["gpus"]
+    assert list(saved) == ["host-a/GPU-1"] and set(saved["host-a/GPU-1"]) == {"b", "v", "bc", "vc"}
+    second = Consensus(every=5, state_path=path, identity="host-a/GPU-1")
+    for _ in range(5):
+        second.record(0.1)
+    second.exchange(False, 1)
+    assert second.scorer is not None and second.scorer.keys == ["host-a/GPU-1"]
+    assert second.scorer.state()["host-a/GPU-1"] == saved["host-a/GPU-1"]  # not yet relearnt
+    path.write_text("{not json")
+    third = Consensus(every=5, state_path=path, identity="host-a/GPU-1")
+    third.record(0.1)
+    third.exchange(False, 1)  # a warning, and a fresh scorer
+    assert third.scorer is not None and third.scorer.state() == {}
