@@ -319,24 +319,17 @@ def run(prom_url: str, name: str, range_s: int) -> Result:
 
 @st.cache_data(ttl=5, show_spinner=False)
 def run_incidents(prom_url: str, name: str, range_s: int, audit_path: str) -> Result:
-    """The run's incident timeline (dashboard/timeline.py): ALERTS and the run's step
-    over the page's range, plus the audit log's actions."""
+    """The run's incidents over the page's range (clusterpulse/incident.py)."""
+    from clusterpulse import incident
     from clusterpulse.agent.audit import AuditLog
-    from clusterpulse.dashboard import timeline
 
     def fetch() -> list:
         prom = PrometheusClient(prom_url)
         end = time.time()
-        step = max(1.0, range_s / 400)
-        alerts = prom.query_range('ALERTS{alertstate="firing"}', end - range_s, end, step)
-        steps = prom.query_range(f'max(clusterpulse_trainer_step{{run="{name}"}})',
-                                 end - range_s, end, step)
-        nodes = {s.labels.get("node", "") for s in prom.query(
-            f'max by (node) (max_over_time(clusterpulse_trainer_rank_info{{run="{name}"}}'
-            f'[{int(range_s)}s]))')}
+        nodes, episodes, resumes = incident.inputs(prom, name, end - range_s, end,
+                                                   max(1.0, range_s / 400))
         audit = AuditLog(Path(audit_path)).read(5000) if audit_path else []
-        return timeline.incidents(name, nodes, [(a.labels, a.points) for a in alerts],
-                                  steps[0].points if steps else [], audit, step)
+        return incident.build(name, nodes, episodes, audit, resumes)
 
     return _guard(f"incidents:{prom_url}:{name}:{range_s}", fetch)
 

@@ -95,9 +95,10 @@ live()
 
 
 def incident_timeline() -> None:
-    """Fault -> detection -> action -> first resumed step, with the steps lost: from
-    Prometheus's ALERTS and step series and the audit log (dashboard/timeline.py)."""
-    from clusterpulse.dashboard import timeline
+    """One row per fault (its alerts grouped, the root named), the action from the
+    audit log, and where the trainer says it resumed from: clusterpulse/incident.py,
+    the same objects the demo prints."""
+    from clusterpulse import incident
 
     st.subheader("Incident timeline")
     result = data.run_incidents(s.prometheus_url, run, range_s,
@@ -108,12 +109,10 @@ def incident_timeline() -> None:
     if not items:
         st.caption("No incident in this time range.")
         return
-    table = pd.DataFrame(timeline.rows(items))
-    table["fault (last progress)"] = pd.to_datetime(
-        table["fault (last progress)"], unit="s").dt.strftime("%H:%M:%S")
+    table = pd.DataFrame([i.row() for i in items])
+    table["detected"] = pd.to_datetime(table["detected"], unit="s").dt.strftime("%H:%M:%S")
     st.dataframe(table, hide_index=True, width="stretch")
-    st.caption(f"{len(items)} incident(s), {sum(i.lost_steps for i in items)} steps lost in "
-               "all (steps made since the checkpoint the run resumed from).")
+    st.caption(incident.summary(items))
 
 
 incident_timeline()
