@@ -43,9 +43,10 @@ NODE_ALERTS = frozenset({"NodeAgentDown", "AgentCollectionStale", "AgentTelemetr
 # Audit outcomes of an action that was taken (a run's restart accepted by all or some
 # of its agents; a node's drain done, or found done already).
 TAKEN = frozenset({"accepted", "partial", "acted", "already_drained"})
-# Alerts of one fault start close together; a later alert joins an incident while it
-# is still firing, or within this many seconds of its end.
-JOIN_GAP_S = 15.0
+# A later alert joins an incident only while one of its alerts still fires (their
+# last firing sample, which a coarse query step can only make earlier): a gap would
+# join the next fault, played seconds after the last one resolved, to it.
+JOIN_GAP_S = 0.0
 # The trainer series of the resume record (agent/exporter.py RANK_SERIES).
 RESUME_SERIES = {"step": "clusterpulse_trainer_resume_step",
                  "recomputed": "clusterpulse_trainer_resume_steps_recomputed",
@@ -142,9 +143,9 @@ def concerns(run: str, nodes: set[str], labels: dict) -> bool:
 
 def group(episodes: Iterable[AlertEpisode], gap_s: float = JOIN_GAP_S,
           ) -> list[list[AlertEpisode]]:
-    """Alerts of one fault together: an episode joins the open group when it starts
-    while the group fires (or within `gap_s` of its end) and is on the same node, or
-    one of the two names no node (a job-level alert such as JobStalled)."""
+    """Alerts of one fault together: an episode joins a group when it starts while the
+    group fires (or within `gap_s` of its end) and is on the same node, or one of the
+    two names no node (a job-level alert such as JobStalled)."""
     groups: list[list[AlertEpisode]] = []
     for ep in sorted(episodes, key=lambda e: (e.active_at, _rank(e.name))):
         for g in reversed(groups):
@@ -253,3 +254,13 @@ def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: f
     episodes = episodes_from(ranged("ALERTS_FOR_STATE"), ranged('ALERTS{alertstate="firing"}'))
     resumes = resumes_from(*(one(f'max({m}{{run="{run}"}})') for m in RESUME_SERIES.values()))
     return nodes, episodes, resumes
+
+
+def latest_resume(prom: PrometheusClient, run: str) -> Resume | None:
+    """The run's resume record now (its current rank 0 process's), or None before any
+    restart: the Run page's action progress says where the run resumed from."""
+    got = {k: prom.query(f'max({m}{{run="{run}"}})') for k, m in RESUME_SERIES.items()}
+    if not all(got.values()):
+        return None
+    return Resume(int(got["step"][0].value), int(got["recomputed"][0].value),
+                  got["at"][0].value)
