@@ -18,15 +18,18 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
+from clusterpulse.dashboard import explain
 from clusterpulse.dashboard.amclient import AlertmanagerClient, AlertmanagerUnavailable
 from clusterpulse.dashboard.config import Settings
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
 # metric -> (PromQL per GPU, unit, whether high is good). `{sel}` stands for the label
 # matchers of every selector: empty for the whole fleet, the heatmap's nodes after.
+# The first is the page's default: temperature shows a GPU in trouble (an overheating,
+# throttled GPU kept its utilization high and looked like the best cell).
 HEATMAP_METRICS = {
-    "utilization": ("clusterpulse_gpu_utilization_ratio{sel} * 100", "%", True),
     "temperature": ("clusterpulse_gpu_temperature_celsius{sel}", "°C", False),
+    "utilization": ("clusterpulse_gpu_utilization_ratio{sel} * 100", "%", True),
     "power": ("clusterpulse_gpu_power_watts{sel}", "W", False),
     "memory": ("100 * clusterpulse_gpu_memory_used_bytes{sel}"
                " / clusterpulse_gpu_memory_total_bytes{sel}", "% used", False),
@@ -194,28 +197,44 @@ def _parts(prom: PrometheusClient, parts: dict[str, str], node: str, keys: list[
     return wide.reindex(columns=[*keys, *parts])
 
 
-def gpu_link_health(wide: pd.DataFrame) -> pd.DataFrame:
-    """Per GPU: PCIe as trained vs its maximum, NVLinks up, errors; and what is wrong."""
+def _num(v: Any, fmt: str = ".0f") -> str | None:
+    return None if v is None or pd.isna(v) else format(v, fmt)
+
+
+def gpu_link_health(wide: pd.DataFrame, down: dict[str, str] | None = None) -> pd.DataFrame:
+    """Per GPU: PCIe as trained vs its maximum, NVLinks up, errors; and what is wrong.
+    `down`: gpu -> why it is down (clusterpulse_gpu_down_reason). A down GPU reports no
+    link series: it read `Gennan xnan`, NVLinks 0 / 0, health ok."""
+    down = down or {}
     out = []
-    for _, r in wide.iterrows():
+    rows = {str(r["gpu"]): r for _, r in wide.iterrows()}
+    for gpu in sorted(set(rows) | set(down), key=lambda g: (len(g), g)):
+        r = rows.get(gpu, pd.Series(dtype=float))
+        if gpu in down:
+            out.append({"gpu": gpu, "PCIe": "-", "NVLinks up": "-",
+                        "NVLink errors (10 min)": None, "PCIe replays (10 min)": None,
+                        "health": f"DOWN: {explain.down_reason(down[gpu])}"})
+            continue
         problems = []
-        if r["pcie_width"] < r["pcie_width_max"]:
-            problems.append(f"PCIe x{r['pcie_width']:.0f} of x{r['pcie_width_max']:.0f}")
-        links = 0 if pd.isna(r["nvlinks"]) else int(r["nvlinks"])
-        up = 0 if pd.isna(r["nvlinks_up"]) else int(r["nvlinks_up"])
+        gen, width = _num(r.get("pcie_gen")), _num(r.get("pcie_width"))
+        gen_max, width_max = _num(r.get("pcie_gen_max")), _num(r.get("pcie_width_max"))
+        if width and width_max and float(width) < float(width_max):
+            problems.append(f"PCIe x{width} of x{width_max}")
+        links = 0 if pd.isna(r.get("nvlinks")) else int(r["nvlinks"])
+        up = 0 if pd.isna(r.get("nvlinks_up")) else int(r["nvlinks_up"])
         if up < links:
             problems.append(f"{links - up} NVLink(s) down")
         for part, what in (("nvlink_errors_10m", "NVLink errors"),
                            ("pcie_replays_10m", "PCIe replays")):
-            if r[part] > 0:
+            if (_num(r.get(part)) or "0") != "0":
                 problems.append(f"{r[part]:.0f} {what}")
+        pcie = (f"Gen{gen} x{width} (max Gen{gen_max or '?'} x{width_max or '?'})"
+                if gen and width else "not reported")
         out.append({
-            "gpu": r["gpu"],
-            "PCIe": f"Gen{r['pcie_gen']:.0f} x{r['pcie_width']:.0f}"
-                    f" (max Gen{r['pcie_gen_max']:.0f} x{r['pcie_width_max']:.0f})",
-            "NVLinks up": f"{up} / {links}",
-            "NVLink errors (10 min)": r["nvlink_errors_10m"],
-            "PCIe replays (10 min)": r["pcie_replays_10m"],
+            "gpu": gpu, "PCIe": pcie,
+            "NVLinks up": f"{up} / {links}" if links else "none",
+            "NVLink errors (10 min)": r.get("nvlink_errors_10m"),
+            "PCIe replays (10 min)": r.get("pcie_replays_10m"),
             "health": "; ".join(problems) or "ok",
         })
     return pd.DataFrame(out)
@@ -238,10 +257,14 @@ def node(prom_url: str, name: str, range_s: int) -> Result:
             f'sum by (gpu, xid) (clusterpulse:gpu_xid_recent{{node={sel}}})'), "count")
         ecc = _frame(prom.query(
             f'max by (gpu, kind) (clusterpulse_gpu_ecc_errors_total{{node={sel}}})'), "count")
-        gpu_links = gpu_link_health(_parts(prom, GPU_LINK_PARTS, name, ["gpu"]))
+        down = {s.labels.get("gpu", ""): s.labels.get("reason", "unknown") for s in prom.query(
+            f"max by (gpu, reason) (clusterpulse_gpu_down_reason{{node={sel}}})")}
+        gpu_links = gpu_link_health(_parts(prom, GPU_LINK_PARTS, name, ["gpu"]), down)
+        if not events.empty:  # what each XID means, next to its code
+            events["meaning"] = events["xid"].map(explain.xid)
         nics = _parts(prom, NIC_LINK_PARTS, name, ["device", "port", "kind"])
         return {"series": series, "throttle": [(r.labels, r.points) for r in throttle],
-                "xid": events, "ecc": ecc, "gpu_links": gpu_links, "nics": nics,
+                "down": down, "xid": events, "ecc": ecc, "gpu_links": gpu_links, "nics": nics,
                 "queries": prom.queries}
 
     return _guard(f"node:{prom_url}:{name}:{range_s}", fetch)
@@ -332,6 +355,15 @@ def run_incidents(prom_url: str, name: str, range_s: int, audit_path: str) -> Re
         return incident.build(name, nodes, episodes, audit, resumes)
 
     return _guard(f"incidents:{prom_url}:{name}:{range_s}", fetch)
+
+
+@st.cache_data(ttl=2, show_spinner=False)
+def run_resume(prom_url: str, name: str) -> Result:
+    """Where the run's current processes resumed from (clusterpulse/incident.py)."""
+    from clusterpulse import incident
+
+    return _guard(f"resume:{prom_url}:{name}",
+                  lambda: incident.latest_resume(PrometheusClient(prom_url), name))
 
 
 # -- alerts ---------------------------------------------------------------------------
