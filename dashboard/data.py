@@ -106,6 +106,35 @@ def cluster_gpu_data(prom: PrometheusClient, metric: str) -> tuple[dict[str, int
     return counts, (prom.query(heatmap_query(metric, nodes)) if nodes else [])
 
 
+# The Jobs table in one query: each run's step, whether a rank of it is restarting
+# (leaving for a checkpoint-restart, or a new process still loading: phase start at
+# step 0), and its last checkpoint. A restarted rank reports step 0 until it has
+# loaded its checkpoint: the table said "step 0" during every restart.
+_RANK = "on (run, rank, node, local_rank) group_left ()"
+JOBS = ('label_replace(clusterpulse:run_step, "part", "step", "", "") or label_replace('
+        'max by (run) (clusterpulse_trainer_phase{phase="restarting"} or '
+        f'clusterpulse_trainer_phase{{phase="start"}} * {_RANK} '
+        '(clusterpulse_trainer_step == 0)), "part", "restarting", "", "") or label_replace('
+        'max by (run) (clusterpulse_trainer_checkpoint_last_step), "part", "checkpoint", "", "")')
+
+
+def jobs(samples: list) -> pd.DataFrame:
+    """run, step, state: one row per run that reports a step; during a restart its step
+    is blank and its state says which checkpoint it restarts from."""
+    parts: dict[str, dict[str, float]] = {}
+    for x in samples:
+        parts.setdefault(x.labels.get("part", ""), {})[x.labels.get("run", "")] = x.value
+    rows = []
+    for run, step in sorted(parts.get("step", {}).items()):
+        ckpt = parts.get("checkpoint", {}).get(run)
+        if run in parts.get("restarting", {}):
+            rows.append({"run": run, "step": None, "state": "starting" if ckpt is None
+                         else f"restarting from checkpoint {ckpt:.0f}"})
+        else:
+            rows.append({"run": run, "step": step, "state": "training"})
+    return pd.DataFrame(rows, columns=["run", "step", "state"])
+
+
 @st.cache_data(ttl=5, show_spinner=False)
 def cluster(prom_url: str, am_url: str, metric: str) -> Result:
     def fetch() -> dict:
@@ -117,7 +146,7 @@ def cluster(prom_url: str, am_url: str, metric: str) -> Result:
         counts, heat_rows = cluster_gpu_data(prom, metric)
         heat = _frame(heat_rows)
         down = _frame(prom.query("max by (node, gpu, reason) (clusterpulse_gpu_down_reason)"))
-        runs = _frame(prom.query("clusterpulse:run_step"), "step")
+        runs = jobs(prom.query(JOBS))
         goodput = _frame(prom.query("max by (run) (clusterpulse_trainer_goodput_ratio)"),
                          "goodput")
         try:

@@ -64,8 +64,8 @@ def live() -> None:
         st.success("All nodes and GPUs healthy.")
     if not runs.empty:
         st.subheader("Jobs")
-        jobs = runs[["run", "step"]].merge(d["goodput"], on="run", how="left") \
-            if not d["goodput"].empty else runs[["run", "step"]]
+        jobs = runs.merge(d["goodput"], on="run", how="left") \
+            if not d["goodput"].empty else runs
         st.dataframe(jobs, hide_index=True, width="stretch")
     st.caption(f"{d['queries']} PromQL queries per refresh, shared by all viewers · "
                f"refresh every {s.refresh_s:.0f} s")

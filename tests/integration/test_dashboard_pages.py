@@ -75,6 +75,8 @@ def test_cluster_page_shows_the_fleet(prom_with_data, monkeypatch, tmp_path):
     m = metrics(at)
     assert m["Nodes up"] == "2 / 2" and m["Healthy GPUs"] == "7 / 8"  # node-b GPU 3 lost
     assert m["Running jobs"] == "1"
+    (job,) = next(d.value for d in at.dataframe if "state" in d.value.columns).itertuples()
+    assert (job.run, job.step, job.state) == ("llm", 42, "training")
     # Alertmanager is down in this test: said plainly, the page still renders.
     assert any("Alertmanager" in w.value for w in at.warning)
     assert any("PromQL queries per refresh" in c.value for c in at.caption)

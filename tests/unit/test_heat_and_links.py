@@ -52,3 +52,17 @@ def test_a_lost_gpu_is_down_with_its_reason_not_nan_and_ok():
     # a GPU that reports no link series and is not known down: said so, not 'Gennan'
     alone = gpu_link_health(wide.iloc[[1]]).iloc[0]
     assert alone["PCIe"] == "not reported" and "nan" not in alone["NVLinks up"]
+
+
+def test_a_restarting_job_says_so_instead_of_step_0():
+    from clusterpulse.dashboard.data import jobs
+    from clusterpulse.dashboard.promclient import Sample
+
+    got = jobs([Sample({"run": "a", "part": "step"}, 0.0),
+                Sample({"run": "a", "part": "restarting"}, 1.0),
+                Sample({"run": "a", "part": "checkpoint"}, 150.0),
+                Sample({"run": "b", "part": "step"}, 812.0),
+                Sample({"run": "b", "part": "checkpoint"}, 800.0)]).set_index("run")
+    assert got.loc["a", "state"] == "restarting from checkpoint 150"
+    assert pd.isna(got.loc["a", "step"])  # not "step 0": a restarted rank's step before loading
+    assert (got.loc["b", "step"], got.loc["b", "state"]) == (812.0, "training")
