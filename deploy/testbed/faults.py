@@ -323,7 +323,9 @@ class Observer:
         nodes, episodes, resumes = incident.inputs(PrometheusClient(self.prometheus),
                                                    self.run, since, now, 1.0)
         found = incident.build(self.run, nodes, episodes, self.audit(0), resumes)
-        return next((i for i in found if i.detected_at >= since), None)
+        # its own, else one it joined (alerts of an earlier fault still firing on the node)
+        return next((i for i in found if i.detected_at >= since),
+                    next((i for i in found if i.ended_at >= since), None))
 
     def last_action(self) -> float:
         """When the remediation last acted on the run (its rate limit counts from there)."""
