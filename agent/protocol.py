@@ -82,6 +82,10 @@ NUMBER_FIELDS = frozenset({
     "straggler_self_score", "straggler_flagged",
     # The last step's gradient all-reduce: its window and the bytes each rank moved.
     "comm_seconds", "comm_bytes",
+    # The resume record (rank 0, after a restart): the step it resumed from, the steps
+    # it had made past that and does again, when it resumed (trainer/runstate.py).
+    # One record per process; the incident timeline reads it (clusterpulse/incident.py).
+    "resume_step", "resume_steps_recomputed", "resume_timestamp_seconds",
 })
 # What a rank blocked in a collective waits in ("" when it is not blocked).
 COLLECTIVES = {"", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",

@@ -18,16 +18,18 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from clusterpulse.dashboard import config
+from clusterpulse.dashboard import config, explain
 from clusterpulse.dashboard.amclient import AlertmanagerClient, AlertmanagerUnavailable
 from clusterpulse.dashboard.config import Settings
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
 # metric -> (PromQL per GPU, unit, whether high is good). `{sel}` stands for the label
 # matchers of every selector: empty for the whole fleet, the heatmap's nodes after.
+# The first is the page's default: temperature shows a GPU in trouble (an overheating,
+# throttled GPU kept its utilization high and looked like the best cell).
 HEATMAP_METRICS = {
-    "utilization": ("clusterpulse_gpu_utilization_ratio{sel} * 100", "%", True),
     "temperature": ("clusterpulse_gpu_temperature_celsius{sel}", "°C", False),
+    "utilization": ("clusterpulse_gpu_utilization_ratio{sel} * 100", "%", True),
     "power": ("clusterpulse_gpu_power_watts{sel}", "W", False),
     "memory": ("100 * clusterpulse_gpu_memory_used_bytes{sel}"
                " / clusterpulse_gpu_memory_total_bytes{sel}", "% used", False),
@@ -104,6 +106,35 @@ def cluster_gpu_data(prom: PrometheusClient, metric: str) -> tuple[dict[str, int
     return counts, (prom.query(heatmap_query(metric, nodes)) if nodes else [])
 
 
+# The Jobs table in one query: each run's step, whether a rank of it is restarting
+# (leaving for a checkpoint-restart, or a new process still loading: phase start at
+# step 0), and its last checkpoint. A restarted rank reports step 0 until it has
+# loaded its checkpoint: the table said "step 0" during every restart.
+_RANK = "on (run, rank, node, local_rank) group_left ()"
+JOBS = ('label_replace(clusterpulse:run_step, "part", "step", "", "") or label_replace('
+        'max by (run) (clusterpulse_trainer_phase{phase="restarting"} or '
+        f'clusterpulse_trainer_phase{{phase="start"}} * {_RANK} '
+        '(clusterpulse_trainer_step == 0)), "part", "restarting", "", "") or label_replace('
+        'max by (run) (clusterpulse_trainer_checkpoint_last_step), "part", "checkpoint", "", "")')
+
+
+def jobs(samples: list) -> pd.DataFrame:
+    """run, step, state: one row per run that reports a step; during a restart its step
+    is blank and its state says which checkpoint it restarts from."""
+    parts: dict[str, dict[str, float]] = {}
+    for x in samples:
+        parts.setdefault(x.labels.get("part", ""), {})[x.labels.get("run", "")] = x.value
+    rows = []
+    for run, step in sorted(parts.get("step", {}).items()):
+        ckpt = parts.get("checkpoint", {}).get(run)
+        if run in parts.get("restarting", {}):
+            rows.append({"run": run, "step": None, "state": "starting" if ckpt is None
+                         else f"restarting from checkpoint {ckpt:.0f}"})
+        else:
+            rows.append({"run": run, "step": step, "state": "training"})
+    return pd.DataFrame(rows, columns=["run", "step", "state"])
+
+
 @st.cache_data(ttl=5, show_spinner=False)
 def cluster(prom_url: str, am_url: str, metric: str) -> Result:
     def fetch() -> dict:
@@ -115,7 +146,7 @@ def cluster(prom_url: str, am_url: str, metric: str) -> Result:
         counts, heat_rows = cluster_gpu_data(prom, metric)
         heat = _frame(heat_rows)
         down = _frame(prom.query("max by (node, gpu, reason) (clusterpulse_gpu_down_reason)"))
-        runs = _frame(prom.query("clusterpulse:run_step"), "step")
+        runs = jobs(prom.query(JOBS))
         goodput = _frame(prom.query("max by (run) (clusterpulse_trainer_goodput_ratio)"),
                          "goodput")
         try:
@@ -195,28 +226,44 @@ def _parts(prom: PrometheusClient, parts: dict[str, str], node: str, keys: list[
     return wide.reindex(columns=[*keys, *parts])
 
 
-def gpu_link_health(wide: pd.DataFrame) -> pd.DataFrame:
-    """Per GPU: PCIe as trained vs its maximum, NVLinks up, errors; and what is wrong."""
+def _num(v: Any, fmt: str = ".0f") -> str | None:
+    return None if v is None or pd.isna(v) else format(v, fmt)
+
+
+def gpu_link_health(wide: pd.DataFrame, down: dict[str, str] | None = None) -> pd.DataFrame:
+    """Per GPU: PCIe as trained vs its maximum, NVLinks up, errors; and what is wrong.
+    `down`: gpu -> why it is down (clusterpulse_gpu_down_reason). A down GPU reports no
+    link series: it read `Gennan xnan`, NVLinks 0 / 0, health ok."""
+    down = down or {}
     out = []
-    for _, r in wide.iterrows():
+    rows = {str(r["gpu"]): r for _, r in wide.iterrows()}
+    for gpu in sorted(set(rows) | set(down), key=lambda g: (len(g), g)):
+        r = rows.get(gpu, pd.Series(dtype=float))
+        if gpu in down:
+            out.append({"gpu": gpu, "PCIe": "-", "NVLinks up": "-",
+                        "NVLink errors (10 min)": None, "PCIe replays (10 min)": None,
+                        "health": f"DOWN: {explain.down_reason(down[gpu])}"})
+            continue
         problems = []
-        if r["pcie_width"] < r["pcie_width_max"]:
-            problems.append(f"PCIe x{r['pcie_width']:.0f} of x{r['pcie_width_max']:.0f}")
-        links = 0 if pd.isna(r["nvlinks"]) else int(r["nvlinks"])
-        up = 0 if pd.isna(r["nvlinks_up"]) else int(r["nvlinks_up"])
+        gen, width = _num(r.get("pcie_gen")), _num(r.get("pcie_width"))
+        gen_max, width_max = _num(r.get("pcie_gen_max")), _num(r.get("pcie_width_max"))
+        if width and width_max and float(width) < float(width_max):
+            problems.append(f"PCIe x{width} of x{width_max}")
+        links = 0 if pd.isna(r.get("nvlinks")) else int(r["nvlinks"])
+        up = 0 if pd.isna(r.get("nvlinks_up")) else int(r["nvlinks_up"])
         if up < links:
             problems.append(f"{links - up} NVLink(s) down")
         for part, what in (("nvlink_errors_10m", "NVLink errors"),
                            ("pcie_replays_10m", "PCIe replays")):
-            if r[part] > 0:
+            if (_num(r.get(part)) or "0") != "0":
                 problems.append(f"{r[part]:.0f} {what}")
+        pcie = (f"Gen{gen} x{width} (max Gen{gen_max or '?'} x{width_max or '?'})"
+                if gen and width else "not reported")
         out.append({
-            "gpu": r["gpu"],
-            "PCIe": f"Gen{r['pcie_gen']:.0f} x{r['pcie_width']:.0f}"
-                    f" (max Gen{r['pcie_gen_max']:.0f} x{r['pcie_width_max']:.0f})",
-            "NVLinks up": f"{up} / {links}",
-            "NVLink errors (10 min)": r["nvlink_errors_10m"],
-            "PCIe replays (10 min)": r["pcie_replays_10m"],
+            "gpu": gpu, "PCIe": pcie,
+            "NVLinks up": f"{up} / {links}" if links else "none",
+            "NVLink errors (10 min)": r.get("nvlink_errors_10m"),
+            "PCIe replays (10 min)": r.get("pcie_replays_10m"),
             "health": "; ".join(problems) or "ok",
         })
     return pd.DataFrame(out)
@@ -239,10 +286,14 @@ def node(prom_url: str, name: str, range_s: int) -> Result:
             f'sum by (gpu, xid) (clusterpulse:gpu_xid_recent{{node={sel}}})'), "count")
         ecc = _frame(prom.query(
             f'max by (gpu, kind) (clusterpulse_gpu_ecc_errors_total{{node={sel}}})'), "count")
-        gpu_links = gpu_link_health(_parts(prom, GPU_LINK_PARTS, name, ["gpu"]))
+        down = {s.labels.get("gpu", ""): s.labels.get("reason", "unknown") for s in prom.query(
+            f"max by (gpu, reason) (clusterpulse_gpu_down_reason{{node={sel}}})")}
+        gpu_links = gpu_link_health(_parts(prom, GPU_LINK_PARTS, name, ["gpu"]), down)
+        if not events.empty:  # what each XID means, next to its code
+            events["meaning"] = events["xid"].map(explain.xid)
         nics = _parts(prom, NIC_LINK_PARTS, name, ["device", "port", "kind"])
         return {"series": series, "throttle": [(r.labels, r.points) for r in throttle],
-                "xid": events, "ecc": ecc, "gpu_links": gpu_links, "nics": nics,
+                "down": down, "xid": events, "ecc": ecc, "gpu_links": gpu_links, "nics": nics,
                 "queries": prom.queries}
 
     return _guard(f"node:{prom_url}:{name}:{range_s}", fetch)
@@ -320,26 +371,28 @@ def run(prom_url: str, name: str, range_s: int) -> Result:
 
 @st.cache_data(ttl=5, show_spinner=False)
 def run_incidents(prom_url: str, name: str, range_s: int, audit_path: str) -> Result:
-    """The run's incident timeline (dashboard/timeline.py): ALERTS and the run's step
-    over the page's range, plus the audit log's actions."""
+    """The run's incidents over the page's range (clusterpulse/incident.py)."""
+    from clusterpulse import incident
     from clusterpulse.agent.audit import AuditLog
-    from clusterpulse.dashboard import timeline
 
     def fetch() -> list:
         prom = PrometheusClient(prom_url)
         end = time.time()
-        step = max(1.0, range_s / 400)
-        alerts = prom.query_range('ALERTS{alertstate="firing"}', end - range_s, end, step)
-        steps = prom.query_range(f'max(clusterpulse_trainer_step{{run="{name}"}})',
-                                 end - range_s, end, step)
-        nodes = {s.labels.get("node", "") for s in prom.query(
-            f'max by (node) (max_over_time(clusterpulse_trainer_rank_info{{run="{name}"}}'
-            f'[{int(range_s)}s]))')}
+        nodes, episodes, resumes = incident.inputs(prom, name, end - range_s, end,
+                                                   max(1.0, range_s / 400))
         audit = AuditLog(Path(audit_path)).read(5000) if audit_path else []
-        return timeline.incidents(name, nodes, [(a.labels, a.points) for a in alerts],
-                                  steps[0].points if steps else [], audit, step)
+        return incident.build(name, nodes, episodes, audit, resumes)
 
     return _guard(f"incidents:{prom_url}:{name}:{range_s}", fetch)
+
+
+@st.cache_data(ttl=2, show_spinner=False)
+def run_resume(prom_url: str, name: str) -> Result:
+    """Where the run's current processes resumed from (clusterpulse/incident.py)."""
+    from clusterpulse import incident
+
+    return _guard(f"resume:{prom_url}:{name}",
+                  lambda: incident.latest_resume(PrometheusClient(prom_url), name))
 
 
 # -- alerts ---------------------------------------------------------------------------

@@ -153,18 +153,31 @@ def operator() -> str | None:
     return None
 
 
-def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = "redyellowgreen",
-            reverse: bool = True, height: int | None = None) -> None:
-    """A node x GPU (or rank x time) heatmap with Altair, which Streamlit ships."""
+# Colour-blind safe (perceptually uniform, readable in grey); down cells are not on it.
+SCALE = "viridis"
+DOWN_FILL = "#d9d9d9"
+
+
+def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
+            reverse: bool = False, height: int | None = None) -> None:
+    """A node x GPU (or rank x time) heatmap with Altair, which Streamlit ships. With a
+    `state` column, cells whose state is not "ok" are drawn grey, marked DOWN and
+    named in the tooltip: a down GPU reports no value and was a blank cell."""
     import altair as alt
 
-    chart = alt.Chart(frame).mark_rect().encode(
-        x=alt.X(f"{x}:O", sort=None, title=x),
-        y=alt.Y(f"{y}:O", sort=None, title=y),
-        color=alt.Color(f"{value}:Q", title=title,
-                        scale=alt.Scale(scheme=scheme, reverse=reverse)),
-        tooltip=[x, y, alt.Tooltip(f"{value}:Q", format=".2f")],
-    )
+    has_state = "state" in frame.columns
+    base = alt.Chart(frame).encode(x=alt.X(f"{x}:O", sort=None, title=x),
+                                   y=alt.Y(f"{y}:O", sort=None, title=y))
+    tooltip = [x, y, alt.Tooltip(f"{value}:Q", format=".2f"), *(["state"] if has_state else [])]
+    values = base.mark_rect().encode(
+        color=alt.Color(f"{value}:Q", title=title, scale=alt.Scale(scheme=scheme, reverse=reverse)),
+        tooltip=tooltip)
+    chart = values
+    if has_state:
+        values = values.transform_filter(alt.datum.state == "ok")
+        down = base.transform_filter(alt.datum.state != "ok")
+        chart = alt.layer(values, down.mark_rect(color=DOWN_FILL, stroke="black").encode(
+            tooltip=tooltip), down.mark_text(text="DOWN", fontWeight="bold", color="black"))
     if height:
         chart = chart.properties(height=height)
     st.altair_chart(chart, width="stretch")

@@ -325,6 +325,14 @@ class Trainer:
             self.runstate.begin_attempt(cfg.run_id, self.attempt, start,
                                         membership_change=info.membership_change)
             self.runstate.save(self.runstate_path)
+            last = self.runstate.restarts[-1] if self.runstate.restarts else None
+            if self.attempt > 0 and last and last["attempt"] == self.attempt:
+                # the resume record, sent with every message of this process: incidents
+                # read where the run resumed from here, not from sampled step series
+                self.pulse.extra.update(
+                    resume_step=last["resume_step"],
+                    resume_steps_recomputed=last["steps_recomputed"],
+                    resume_timestamp_seconds=round(last["restart_unix"], 3))
             self.pulse.sigterm.on_first = lambda: self.runstate.save(self.runstate_path)
         # SIGTERM (preemption, torchrun stopping the workers) is caught by Pulse and
         # handled at the next consensus step; if peers are gone, that collective fails

@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from clusterpulse.dashboard import data, ui
+from clusterpulse.dashboard import heat as hmap
 
 s = ui.settings()
 st.title("Cluster")
@@ -33,19 +34,20 @@ def live() -> None:
         st.warning(d["am_error"])
     heat = d["heat"]
     st.subheader(f"{metric.capitalize()} ({d['unit']}) by node x GPU")
-    if heat.empty:
+    if heat.empty and d["down"].empty:
         st.info("No GPU data yet.")
     else:
-        heat = heat.assign(gpu=heat["gpu"].astype(int)).sort_values(["node", "gpu"])
+        cells = hmap.cells(heat, d["down"], nodes)
         good_high = d["good_high"]
-        shown = heat["node"].nunique()
+        shown = cells["node"].nunique()
         if shown < len(nodes):
             st.caption(f"The {shown} of {len(nodes)} nodes with the "
                        f"{'lowest' if good_high else 'highest'} {metric} "
-                       f"(at most {d['heat_nodes']} are drawn).")
-        ui.heatmap(heat, "gpu", "node", "value", d["unit"],
-                   scheme="blues" if good_high else "redyellowgreen", reverse=not good_high,
-                   height=max(120, 22 * heat["node"].nunique()))
+                       f"(at most {d['heat_nodes']} are drawn), and every node or GPU down.")
+        ui.heatmap(cells, "gpu", "node", "value", d["unit"], reverse=good_high,
+                   height=max(120, 22 * shown))
+        # the same picture in words, for screen readers (and a glance)
+        st.caption(hmap.summary(cells, metric, d["unit"], good_high))
     st.subheader("Unhealthy GPUs and nodes")
     rows = []
     for _, r in d["down"].iterrows() if not d["down"].empty else []:
@@ -62,8 +64,8 @@ def live() -> None:
         st.success("All nodes and GPUs healthy.")
     if not runs.empty:
         st.subheader("Jobs")
-        jobs = runs[["run", "step"]].merge(d["goodput"], on="run", how="left") \
-            if not d["goodput"].empty else runs[["run", "step"]]
+        jobs = runs.merge(d["goodput"], on="run", how="left") \
+            if not d["goodput"].empty else runs
         st.dataframe(jobs, hide_index=True, width="stretch")
     st.caption(f"{d['queries']} PromQL queries per refresh, shared by all viewers · "
                f"refresh every {s.refresh_s:.0f} s")

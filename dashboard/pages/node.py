@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from clusterpulse.dashboard import data, ui
+from clusterpulse.dashboard import data, explain, ui
 
 s = ui.settings()
 st.title("Node")
@@ -20,6 +20,9 @@ def live() -> None:
     if not ui.show_status(result):
         return
     d = result.value
+    for gpu, reason in sorted(d["down"].items()):  # first: the rest of the page lacks it
+        st.error(f"GPU {gpu} is DOWN — {explain.down_reason(reason)}. It reports nothing "
+                 "else, so it is missing from the charts below.")
     cols = st.columns(2)
     for i, (title, frame) in enumerate(d["series"].items()):
         with cols[i % 2]:

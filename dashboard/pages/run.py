@@ -78,8 +78,8 @@ def live() -> None:
             long = comp.tail(40).reset_index(names="time").melt(
                 id_vars="time", var_name="rank", value_name="seconds").dropna()
             long["time"] = long["time"].dt.strftime("%H:%M:%S")
-            ui.heatmap(long, "time", "rank", "seconds", "compute s", scheme="yelloworangered",
-                       reverse=False, height=60 + 22 * long["rank"].nunique())
+            ui.heatmap(long, "time", "rank", "seconds", "compute s",
+                       height=60 + 22 * long["rank"].nunique())
     with right:
         st.markdown("**Loss**")
         if not d["loss"].empty:
@@ -95,9 +95,10 @@ live()
 
 
 def incident_timeline() -> None:
-    """Fault -> detection -> action -> first resumed step, with the steps lost: from
-    Prometheus's ALERTS and step series and the audit log (dashboard/timeline.py)."""
-    from clusterpulse.dashboard import timeline
+    """One row per fault (its alerts grouped, the root named), the action from the
+    audit log, and where the trainer says it resumed from: clusterpulse/incident.py,
+    the same objects the demo prints."""
+    from clusterpulse import incident
 
     st.subheader("Incident timeline")
     result = data.run_incidents(s.prometheus_url, run, range_s,
@@ -108,38 +109,50 @@ def incident_timeline() -> None:
     if not items:
         st.caption("No incident in this time range.")
         return
-    table = pd.DataFrame(timeline.rows(items))
-    table["fault (last progress)"] = pd.to_datetime(
-        table["fault (last progress)"], unit="s").dt.strftime("%H:%M:%S")
+    table = pd.DataFrame([i.row() for i in items])
+    table["detected"] = pd.to_datetime(table["detected"], unit="s").dt.strftime("%H:%M:%S")
     st.dataframe(table, hide_index=True, width="stretch")
-    st.caption(f"{len(items)} incident(s), {sum(i.lost_steps for i in items)} steps lost in "
-               "all (steps made since the checkpoint the run resumed from).")
+    st.caption(incident.summary(items))
 
 
 incident_timeline()
 
 st.subheader("Actions")
+
+
+def request(who: str) -> None:
+    """The form's submit callback: it runs before the page does, so it can clear the
+    form it read. The reason and the ticked confirmation used to stay after a request,
+    and one more click restarted the run again without anyone confirming it."""
+    ss = st.session_state
+    confirmed, ss["confirm"] = ss.get("confirm", False), False  # confirm each request
+    if not confirmed:
+        ss["action_message"] = ("error", "Tick the confirmation first.")
+        return
+    action, reason, sent = ss["kind"].split(" ")[0], ss.get("reason", ""), time.time()
+    try:
+        results = actions.request_action(PrometheusClient(s.prometheus_url), run, action,
+                                         reason, who, s.agent_token(), ui.audit_log())
+    except (actions.ActionError, PrometheusError) as err:
+        ss["action_message"] = ("error", f"Not sent: {err}")
+        return
+    ss["reason"] = ""
+    ss["last_action"] = {"run": run, "results": results, "at": sent, "action": action,
+                         "reason": reason}
+
+
 if who is None:
     st.info("Viewers are read-only: sign in as an operator (sidebar) to restart this run.")
 else:
     with st.form("action"):
-        kind = st.radio("Action", ["checkpoint-restart (graceful, no step lost)",
-                                   "restart (hard, from the last checkpoint)"], key="kind")
-        reason = st.text_input("Reason (audited)", key="reason")
-        confirm = st.checkbox(f"I confirm: restart run {run}", key="confirm")
-        go = st.form_submit_button("Request", type="primary")
-    if go:
-        if not confirm:
-            st.error("Tick the confirmation first.")
-        else:
-            action = kind.split(" ")[0]
-            try:
-                results = actions.request_action(PrometheusClient(s.prometheus_url), run, action,
-                                                 reason, who, s.agent_token(), ui.audit_log())
-                st.session_state["last_action"] = {"run": run, "results": results,
-                                                   "at": time.time()}
-            except (actions.ActionError, PrometheusError) as err:
-                st.error(f"Not sent: {err}")
+        st.radio("Action", ["checkpoint-restart (graceful, no step lost)",
+                            "restart (hard, from the last checkpoint)"], key="kind")
+        st.text_input("Reason (audited)", key="reason")
+        st.checkbox(f"I confirm: restart run {run}", key="confirm")
+        st.form_submit_button("Request", type="primary", on_click=request, args=(who,))
+    kind, text = st.session_state.pop("action_message", (None, ""))
+    if kind == "error":
+        st.error(text)
 
 last = st.session_state.get("last_action")
 if last and last["run"] == run:
@@ -152,6 +165,15 @@ if last and last["run"] == run:
                                     "state": r.state if r.ok else "not sent",
                                     "detail": r.error} for r in results]),
                      hide_index=True, width="stretch")
+        st.caption(f"{last['action']} requested at "
+                   f"{time.strftime('%H:%M:%S', time.localtime(last['at']))} "
+                   f"because: {last['reason']}")
+        resumed = data.run_resume(s.prometheus_url, run).value
+        if resumed is not None and resumed.at < last["at"]:
+            resumed = None  # the record of an earlier restart
+        if resumed is not None:  # the trainer's own record (rank 0's run state)
+            st.success(f"Resumed from step {resumed.step} ({resumed.recomputed} steps "
+                       "recomputed).")
         if done and all(r.ok and r.state == "completed" for r in results):
             st.success("All ranks resumed.")
         elif done:

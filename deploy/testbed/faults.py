@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from clusterpulse.dashboard.remediation import Policy
+    from clusterpulse.incident import Incident
 
 # What each fault should raise. Whether the remediation acts on it, and how, is the
 # policy's call (`expected_action`): ALERT_LABELS are the labels of those alerts that a
@@ -309,6 +310,22 @@ class Observer:
             restarted = bool(self.pids() - (o.pids_at_fault or set()))
             o.resumed_from = min(lowest, o.step_at_fault) if restarted else o.step_at_fault
             o.recovered_at = time.time()
+
+    def incident(self, o: Outcome) -> Incident | None:
+        """The fault's incident, as the dashboard's timeline shows it (one object,
+        clusterpulse/incident.py): its alerts grouped, the audit log's action, and
+        where the trainer's own record says the run resumed from."""
+        from clusterpulse import incident
+        from clusterpulse.dashboard.promclient import PrometheusClient
+
+        now = time.time()
+        since = o.fault.at - 2  # activeAt is whole seconds
+        nodes, episodes, resumes = incident.inputs(PrometheusClient(self.prometheus),
+                                                   self.run, since, now, 1.0)
+        found = incident.build(self.run, nodes, episodes, self.audit(0), resumes)
+        # its own, else one it joined (alerts of an earlier fault still firing on the node)
+        return next((i for i in found if i.detected_at >= since),
+                    next((i for i in found if i.ended_at >= since), None))
 
     def last_action(self) -> float:
         """When the remediation last acted on the run (its rate limit counts from there)."""

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from clusterpulse.agent.validate import read_toml
+from clusterpulse.dashboard.promclient import PrometheusError
+from clusterpulse.incident import Incident
 from deploy.testbed.faults import EXPECT, TESTBED_ONLY, Fault, Observer, Outcome, Target, play, undo
 
 
@@ -85,6 +87,7 @@ class Driver(threading.Thread):
                 self.outcomes.append(o)
                 self._follow(o)
                 self._settle(o)
+                self._incident(o)
         except Exception as err:  # a driver failure must not take the demo down
             self.say(f"fault driver stopped: {type(err).__name__}: {err}")
 
@@ -100,6 +103,20 @@ class Driver(threading.Thread):
             except OSError:
                 pass
             self.stop_event.wait(2)
+
+    def _incident(self, o: Outcome) -> None:
+        """The fault's incident, once its alerts are over: the line the dashboard's
+        timeline shows for it (clusterpulse/incident.py)."""
+        inc = self._read_incident(o)
+        if inc is not None:
+            self.say(f"  incident: {inc.line()}")
+
+    def _read_incident(self, o: Outcome) -> Incident | None:
+        try:
+            return self.obs.incident(o)
+        except (OSError, PrometheusError) as err:
+            self.say(f"  incident: cannot read it ({err})")
+            return None
 
     def _wait_for_progress(self) -> None:
         while not self.stop_event.is_set():
@@ -135,8 +152,13 @@ class Driver(threading.Thread):
                          f"{o.acted_at - o.fault.at:.0f} s")
             if o.recovered_at and "r" not in said:
                 said.add("r")
+                inc = self._read_incident(o)
+                # the trainer's own resume record when it restarted (the timeline's
+                # numbers); else what the observer saw in the step series
+                redo = (f"resumed from step {inc.resume.step}, {inc.resume.recomputed}"
+                        if inc is not None and inc.resume is not None else f"{o.recomputed}")
                 self.say(f"  recovered: step {self.obs.step()} after {o.recover_s:.0f} s "
-                         f"({o.recomputed} steps recomputed)")
+                         f"({redo} steps recomputed)")
             done = (not alerts or o.detected_at) and (not action or o.acted_at) \
                 and o.recovered_at
             if done and (undone or o.fault.kind not in ("partition", "slow_link",

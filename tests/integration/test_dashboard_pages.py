@@ -18,16 +18,22 @@ APP = str(REPO / "dashboard" / "app.py")
 @pytest.fixture(scope="module")
 def prom_with_data(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dash")
-    agents = [start_agent_cli(tmp, f"node-{c}", gpus=4) for c in "ab"]
+    # node-b's GPU 3 falls off the bus from the start (it carries no rank)
+    lost = tmp / "lost.toml"
+    lost.write_text('[[fault]]\nkind = "gpu_lost"\ngpu = 3\nat_s = 0\n')
+    agents = [start_agent_cli(tmp, f"node-{c}", gpus=4,
+                              extra=["--scenario", str(lost)] if c == "b" else None)
+              for c in "ab"]
     rules = list(RULE_FILES)
     prom = Prometheus(tmp, [f"127.0.0.1:{port}" for _, port, _ in agents], rule_files=rules)
     socks = [connect(telemetry[len("unix:"):]) for _, _, telemetry in agents]
 
-    def report():
+    def report(**rank0):
+        """One step of every rank; `rank0`: more fields for rank 0 (a resume record)."""
         for i, sock in enumerate(socks):
             for local in (0, 1):
                 rank = 2 * i + local
-                sock.send(protocol.encode({
+                sock.send(protocol.encode({**(rank0 if rank == 0 else {}),
                     "type": "step", "run": "llm", "rank": rank, "local_rank": local,
                     "gpu": local, "pid": 1, "world_size": 4, "step": 42, "loss": 2.5,
                     "step_seconds": 0.2, "compute_seconds": 0.3 if rank == 3 else 0.15,
@@ -40,7 +46,8 @@ def prom_with_data(tmp_path_factory):
     def ready():
         report()
         return len(prom.query("clusterpulse:run_step")) == 1 and len(
-            prom.query("clusterpulse_gpu_up")) == 8
+            prom.query("clusterpulse_gpu_up")) == 8 and prom.query(
+            "clusterpulse_gpu_down_reason")
     wait_until(ready, 60, "agents scraped and a run recorded")
     yield prom, report
     prom.stop()
@@ -66,8 +73,10 @@ def test_cluster_page_shows_the_fleet(prom_with_data, monkeypatch, tmp_path):
     at = app(monkeypatch, prom.url, tmp_path)
     assert not at.exception, at.exception
     m = metrics(at)
-    assert m["Nodes up"] == "2 / 2" and m["Healthy GPUs"] == "8 / 8"
+    assert m["Nodes up"] == "2 / 2" and m["Healthy GPUs"] == "7 / 8"  # node-b GPU 3 lost
     assert m["Running jobs"] == "1"
+    (job,) = next(d.value for d in at.dataframe if "state" in d.value.columns).itertuples()
+    assert (job.run, job.step, job.state) == ("llm", 42, "training")
     # Alertmanager is down in this test: said plainly, the page still renders.
     assert any("Alertmanager" in w.value for w in at.warning)
     assert any("PromQL queries per refresh" in c.value for c in at.caption)
@@ -108,6 +117,33 @@ def test_node_page_shows_per_gpu_series(prom_with_data, monkeypatch, tmp_path):
     assert at.selectbox(key="node").options == ["node-a", "node-b"]
 
 
+def test_a_lost_gpu_is_down_on_the_heatmap_and_the_node_page(prom_with_data, monkeypatch,
+                                                              tmp_path):
+    """It was a blank heatmap cell under a default (utilization) scale that made the
+    overheating GPU look best, and on the Node page `Gennan xnan`, NVLinks 0 / 0,
+    health ok, with `gpu_is_lost` and XID 79 unexplained."""
+    prom, _ = prom_with_data
+    wait_until(lambda: prom.query('clusterpulse:gpu_xid_recent{node="node-b",gpu="3"} > 0'),
+               30, "the lost GPU's XID 79 recorded by the rules")
+    at = app(monkeypatch, prom.url, tmp_path)
+    assert not at.exception, at.exception
+    assert at.selectbox(key="heat_metric").value == "temperature"
+    spec = next(e.proto.spec for e in at.get("vega_lite_chart"))
+    assert '"DOWN"' in spec and "viridis" in spec
+    words = [c.value for c in at.caption if c.value.startswith("Temperature (°C) of 7 GPU")]
+    assert words and "1 GPU(s) DOWN: node-b GPU 3 (gpu_is_lost)" in words[0], at.caption
+    at.switch_page("pages/node.py").run()
+    at.selectbox(key="node").select("node-b").run()
+    assert not at.exception, at.exception
+    assert any(e.value.startswith("GPU 3 is DOWN — gpu_is_lost: fell off the bus")
+               for e in at.error), at.error
+    links = next(d.value for d in at.dataframe if "PCIe" in d.value.columns).set_index("gpu")
+    assert links.loc["3", "health"].startswith("DOWN: gpu_is_lost")
+    assert "nan" not in " ".join(links["PCIe"]) + " ".join(links["NVLinks up"])
+    xid = next(d.value for d in at.dataframe if "xid" in d.value.columns)
+    assert "fallen off the bus" in xid.set_index("xid").loc["79", "meaning"]
+
+
 def test_prometheus_down_shows_a_banner_not_a_traceback(monkeypatch, tmp_path):
     at = app(monkeypatch, f"http://127.0.0.1:{free_port()}", tmp_path)
     assert not at.exception
@@ -140,3 +176,61 @@ def test_operator_sign_in_uses_hashed_credentials(prom_with_data, monkeypatch, t
     assert at.session_state["operator"] == "alice"
     audit = (tmp_path / "audit.jsonl").read_text()
     assert '"outcome": "refused"' in audit and '"outcome": "ok"' in audit
+
+
+def sign_in(monkeypatch, prom_url: str, tmp_path) -> AppTest:
+    from clusterpulse.dashboard.auth import hash_password
+
+    ops = tmp_path / "operators.toml"
+    ops.write_text(f'[operators]\nalice = "{hash_password("correct horse")}"\n')
+    monkeypatch.setenv("CLUSTERPULSE_OPERATORS_FILE", str(ops))
+    at = app(monkeypatch, prom_url, tmp_path)
+    at.text_input(key="login_name").input("alice")
+    at.text_input(key="login_password").input("correct horse")
+    at.sidebar.button[0].click().run()
+    assert at.session_state["operator"] == "alice"
+    return at
+
+
+def test_a_request_clears_the_form_and_its_progress_names_the_step_resumed_from(
+        prom_with_data, monkeypatch, tmp_path):
+    """After a restart was requested the form kept the reason and the ticked
+    confirmation: one more click restarted the run again without confirming. The step
+    the run resumed from was never shown. (These agents run without a control token,
+    so the request fails at each agent: audited, nothing restarts.)"""
+    import json
+    import time
+
+    prom, _ = prom_with_data
+    token = tmp_path / "agent-token"
+    token.write_text("not-the-agents-token\n")
+    monkeypatch.setenv("CLUSTERPULSE_AGENT_TOKEN_FILE", str(token))
+    at = sign_in(monkeypatch, prom.url, tmp_path)
+    at.switch_page("pages/run.py").run()
+    assert not at.exception, at.exception
+    at.text_input(key="reason").input("rank 3 is slow")
+    at.checkbox(key="confirm").check()
+    at.button(key="FormSubmitter:action-Request").click().run()
+    assert not at.exception, at.exception
+
+    def requests_audited() -> list[dict]:
+        return [r for r in map(json.loads, (tmp_path / "audit.jsonl").read_text().splitlines())
+                if r["action"] == "checkpoint-restart"]
+    assert [(r["run"], r["outcome"]) for r in requests_audited()] == [("llm", "failed")]
+    assert at.checkbox(key="confirm").value is False and at.text_input(key="reason").value == ""
+    assert any("checkpoint-restart requested at" in c.value and "rank 3 is slow" in c.value
+               for c in at.caption), at.caption
+    at.button(key="FormSubmitter:action-Request").click().run()  # the accidental click
+    assert any("Tick the confirmation first" in e.value for e in at.error), at.error
+    assert len(requests_audited()) == 1
+    # the trainer's resume record, newer than the request, is shown with the progress
+    _, report = prom_with_data
+    resumed = {"resume_step": 40, "resume_steps_recomputed": 2,
+               "resume_timestamp_seconds": time.time()}
+
+    def shown() -> bool:
+        report(**resumed)
+        at.run()
+        return any("Resumed from step 40 (2 steps recomputed)" in x.value for x in at.success)
+    wait_until(shown, 60, "the resume record on the Run page")
+    assert not at.exception, at.exception

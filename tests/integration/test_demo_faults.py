@@ -17,9 +17,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
+from clusterpulse import incident
+from clusterpulse.dashboard.promclient import PrometheusClient
 from clusterpulse.dashboard.remediation import Policy
 from deploy.testbed.faults import EXPECT, TAKEN, expected_action
 from tests.support.procs import REPO
@@ -53,6 +56,18 @@ SHIPPED_POLICY = REPO / "deploy" / "local" / "policy.toml"
 COMPRESSED = {"window_s = 120": "window_s = 20", "sustained_s = 60": "sustained_s = 10"}
 
 
+def _audit(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in
+            (tmp_path / "state" / "audit.jsonl").read_text().splitlines()]
+
+
+def _page_inputs(base: int, end: float) -> tuple[set[str], list, list]:
+    """What the Run page reads at the 1 h range (its query step: 9 s)."""
+    nodes, episodes, resumes = incident.inputs(PrometheusClient(f"http://127.0.0.1:{base + 90}"),
+                                               "demo", end - 3600, end, 3600 / 400)
+    return nodes, episodes, resumes
+
+
 def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
     (tmp_path / "scenario.toml").write_text(SCENARIO)
     text = SHIPPED_POLICY.read_text()
@@ -75,14 +90,19 @@ def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
         for line in p.stdout:
             lines.append(line.rstrip("\n"))
             if "NOT SEEN" in line or "driver stopped" in line or (
-                    line.startswith("  recovered:") and
+                    line.startswith("  incident:") and
                     sum(x.startswith("fault ") for x in lines) == 3):
                 done.set()
         done.set()
 
     threading.Thread(target=read, daemon=True).start()
+    page: list[incident.Incident] = []
     try:
         done.wait(timeout=1500)
+        # the Run page's incidents (dashboard/data.py run_incidents), over the last hour
+        end = time.time()
+        nodes, episodes, resumes = _page_inputs(base, end)
+        page = incident.build("demo", nodes, episodes, _audit(tmp_path), resumes)
     finally:
         p.send_signal(signal.SIGINT)
         p.wait(timeout=90)
@@ -101,12 +121,24 @@ def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
         if action:
             assert f"action:   {action} (remediation)" in block, block
         assert "recovered: step" in block, block
+        (printed,) = [x.split("incident: ", 1)[1] for x in block.splitlines()
+                      if x.startswith("  incident:")]
+        assert printed == page[n].line(), (printed, page[n].line())
+    assert len(page) == 3, [i.line() for i in page]  # one incident per fault
+    # where the trainer's log says it resumed from, after each restart, is the page's
+    # (rank 0 prints it; which node holds rank 0 may change with each attempt)
+    log = "\n".join(f.read_text() for f in (tmp_path / "state").glob("trainer-node-*.log"))
+    resumed = {int(a or b) for a, b in re.findall(
+        r"trainer: resumed from \S+ \(step (\d+), attempt|found no valid checkpoint: "
+        r"starting from step (0)", log)}
+    assert page[0].resume and page[1].resume, [i.line() for i in page]
+    assert {page[0].resume.step, page[1].resume.step} <= resumed, (resumed, out)
+    assert page[2].resume is None
     assert [expected_action(k, policy) for k in kinds] == ["restart", "restart", None]
     assert "NOT SEEN" not in out
     # What the remediation did, from its audit log: the two restarts, and nothing for
     # the overheated GPU (the driver prints only the actions it expects).
-    audit = [json.loads(line) for line in
-             (tmp_path / "state" / "audit.jsonl").read_text().splitlines()]
+    audit = _audit(tmp_path)
     taken = [r["action"] for r in audit if r.get("source") == "remediation"
              and r.get("outcome") in TAKEN]
     assert taken == ["restart", "restart"], audit

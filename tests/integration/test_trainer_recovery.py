@@ -233,6 +233,11 @@ def test_graceful_checkpoint_restart_command_loses_no_step(tmp_path, clean_diges
         assert f"clusterpulse_trainer_restarts_total{labels} 1.0" in metrics
         assert "clusterpulse_trainer_checkpoint_last_step{" in metrics
         assert "clusterpulse_trainer_sync_wait_seconds{" in metrics
+        # the resume record the incident timeline reads: the trainer's own numbers
+        rank0 = '{local_rank="0",node="node-a",rank="0",run="ckpt"}'
+        assert (f"clusterpulse_trainer_resume_step{rank0} {float(restart['resume_step'])}"
+                in metrics), metrics
+        assert f"clusterpulse_trainer_resume_steps_recomputed{rank0} 0.0" in metrics
     finally:
         server.shutdown()
         running.agent.stop()

@@ -527,3 +527,24 @@ def test_a_ranks_last_datagrams_read_after_it_exited_still_count(tmp_path):
         with pytest.raises(Refused, match="owned_by_other_process"):
             reg.update(msg(run="r2", type="event", event="exit", outcome="finished"), None,
                        other)
+
+
+def test_the_resume_record_is_exported_and_belongs_to_its_process(sim_agent):
+    """Where the run resumed from, in the trainer's own words (rank 0's run state): the
+    incident timeline read it from the lowest scraped step instead, and showed "first
+    resumed step 0" (a restarted rank reports 0 until it has loaded its checkpoint)."""
+    s = connect(sim_agent.socket_path)
+    exchange(s, type="step", run="r2", rank=0, local_rank=0, gpu=0, pid=1, step=151,
+             restarts=1, resume_step=150, resume_steps_recomputed=9,
+             resume_timestamp_seconds=1.7e9)
+    text = sim_agent.get("/metrics", token=None).text
+    labels = '{local_rank="0",node="node-a",rank="0",run="r2"}'
+    assert f"clusterpulse_trainer_resume_step{labels} 150.0" in text
+    assert f"clusterpulse_trainer_resume_steps_recomputed{labels} 9.0" in text
+    assert f"clusterpulse_trainer_resume_timestamp_seconds{labels} 1.7e+09" in text
+    reg = RankRegistry(alive=lambda s: s.pid == 2)
+    old = Sender(pid=1, uid=0, start_time=5, verified=True)
+    reg.update(msg(restarts=1, resume_step=150, resume_steps_recomputed=9), None, old)
+    r = reg.update(msg(restarts=2, step=160), None, Sender(pid=2, uid=0, start_time=9,
+                                                            verified=True))
+    assert "resume_step" not in r.values  # the next restart's record is its own

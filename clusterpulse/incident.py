@@ -1,0 +1,266 @@
+"""Incidents: one object per fault, built once, shown the same way everywhere.
+
+A fault raises several alerts (a hung rank: RankHung and JobStalled; a lost GPU:
+GpuDown and GpuCriticalXid; an overheating GPU: GpuThermalSlowdown and the
+TrainingStraggler it causes). Listing each alert as an incident told an on-call
+engineer of six faults where three happened, and rebuilding the numbers from
+sampled step series made them change with the time range and every refresh. Here an
+incident is built from inputs that do not depend on the sampling:
+
+- alert episodes with Prometheus's own `activeAt` (the value of ALERTS_FOR_STATE),
+  grouped by run, node and time, the root named by the order the Alertmanager
+  inhibition rules imply (the GPU that is down explains its XIDs and its rank's hang);
+- the audit log's actions (their own timestamps);
+- the trainer's own resume record (`clusterpulse_trainer_resume_*`: the step it
+  resumed from and the steps it recomputed, from rank 0's run state).
+
+The dashboard's timeline, the demo's printout (deploy/testbed/scenario.py) and tests
+all call `build` and print `Incident.line`/`Incident.row`. It lives at the package
+root, not in the dashboard or the deploy tooling: it is a contract between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from clusterpulse.dashboard.promclient import PrometheusClient
+
+# Root first: an alert earlier in this list explains the later ones of the same fault
+# (deploy/alertmanager/alertmanager.yml's inhibit_rules, plus a GPU's heat explaining
+# the straggler it makes). Unlisted alerts come after all of these.
+ROOT_ORDER = ("NodeAgentDown", "AgentCollectionStale", "AgentTelemetryStalled", "GpuDown",
+              "JobNodeUnreachable", "RankHung", "GpuCriticalXid", "GpuEccUncorrectable",
+              "GpuThermalSlowdown", "GpuPowerBrake", "GpuTemperatureHigh",
+              "TrainingLinkCongested", "TrainingStraggler", "JobStalled")
+# Alerts without a run label that concern the runs on their node.
+NODE_ALERTS = frozenset({"NodeAgentDown", "AgentCollectionStale", "AgentTelemetryStalled",
+                         "GpuDown", "GpuCriticalXid", "GpuEccUncorrectable",
+                         "GpuThermalSlowdown", "GpuPowerBrake", "GpuTemperatureHigh",
+                         "TrainingLinkCongested"})
+# Audit outcomes of an action that was taken (a run's restart accepted by all or some
+# of its agents; a node's drain done, or found done already).
+TAKEN = frozenset({"accepted", "partial", "acted", "already_drained"})
+# A later alert joins an incident only while one of its alerts still fires (their
+# last firing sample, which a coarse query step can only make earlier): a gap would
+# join the next fault, played seconds after the last one resolved, to it.
+JOIN_GAP_S = 0.0
+# The trainer series of the resume record (agent/exporter.py RANK_SERIES).
+RESUME_SERIES = {"step": "clusterpulse_trainer_resume_step",
+                 "recomputed": "clusterpulse_trainer_resume_steps_recomputed",
+                 "at": "clusterpulse_trainer_resume_timestamp_seconds"}
+
+
+@dataclass(frozen=True)
+class AlertEpisode:
+    """One firing of one alert: `active_at` is Prometheus's activeAt (when its
+    condition first held), `last_seen` its last firing sample."""
+
+    name: str
+    labels: dict = field(hash=False, compare=False)
+    active_at: float
+    last_seen: float
+
+    @property
+    def node(self) -> str:
+        return self.labels.get("node", "")
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The trainer's own record of one restart: rank 0 resumed from `step`, redoing
+    `recomputed` steps it had made before (trainer/runstate.py), at unix time `at`."""
+
+    step: int
+    recomputed: int
+    at: float
+
+
+@dataclass
+class Incident:
+    run: str
+    cause: str  # the root alert
+    where: str  # its node, and rank or GPU
+    alerts: list[str]  # every alert of the fault, root first
+    detected_at: float  # the earliest activeAt of its alerts
+    ended_at: float  # the last firing sample of any of them
+    action: str | None = None
+    acted_at: float | None = None
+    actor: str = ""
+    resume: Resume | None = None
+
+    @property
+    def recomputed(self) -> int:
+        return self.resume.recomputed if self.resume else 0
+
+    def line(self) -> str:
+        """One line for the demo's printout and the page's summary."""
+        act = (f"; {self.action} by {self.actor or '?'} +{self.acted_at - self.detected_at:.0f} s"
+               if self.action and self.acted_at is not None else "; no action")
+        res = (f"; resumed from step {self.resume.step} ({self.resume.recomputed} steps "
+               "recomputed)" if self.resume else "")
+        also = [a for a in self.alerts if a != self.cause]
+        return (f"{self.cause} on {self.where}" + (f" (with {', '.join(also)})" if also else "")
+                + act + res)
+
+    def row(self) -> dict:
+        """The timeline's table row: clock times, and offsets from detection that are
+        the same for any time range and refresh (both ends are recorded timestamps)."""
+        def rel(t: float | None) -> str:
+            return "-" if t is None else f"+{t - self.detected_at:.0f} s"
+
+        return {"incident": self.cause, "where": self.where,
+                "alerts": ", ".join(self.alerts), "detected": self.detected_at,
+                "action": f"{self.action} {rel(self.acted_at)}" if self.action else "-",
+                "by": self.actor or "-",
+                "resumed from step": "-" if self.resume is None else self.resume.step,
+                "resumed": "-" if self.resume is None else rel(self.resume.at),
+                "steps recomputed": self.recomputed}
+
+
+def _rank(name: str) -> int:
+    return ROOT_ORDER.index(name) if name in ROOT_ORDER else len(ROOT_ORDER)
+
+
+def _where(labels: dict) -> str:
+    out = labels.get("node", "") or "(job)"
+    if "rank" in labels:
+        out += f" rank {labels['rank']}"
+    elif "gpu" in labels:
+        out += f" GPU {labels['gpu']}"
+    return out
+
+
+def concerns(run: str, nodes: set[str], labels: dict) -> bool:
+    """Whether an alert is about `run`: its own run label, or a node alert on a node
+    where the run has ranks."""
+    if labels.get("run"):
+        return labels["run"] == run
+    return labels.get("alertname") in NODE_ALERTS and labels.get("node") in nodes
+
+
+def group(episodes: Iterable[AlertEpisode], gap_s: float = JOIN_GAP_S,
+          ) -> list[list[AlertEpisode]]:
+    """Alerts of one fault together: an episode joins a group when it starts while the
+    group fires (or within `gap_s` of its end) and is on the same node, or one of the
+    two names no node (a job-level alert such as JobStalled)."""
+    groups: list[list[AlertEpisode]] = []
+    for ep in sorted(episodes, key=lambda e: (e.active_at, _rank(e.name))):
+        for g in reversed(groups):
+            end = max(e.last_seen for e in g)
+            nodes = {e.node for e in g} - {""}
+            if ep.active_at <= end + gap_s and (not ep.node or not nodes or ep.node in nodes):
+                g.append(ep)
+                break
+        else:
+            groups.append([ep])
+    return groups
+
+
+def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Sequence[dict],
+          resumes: Sequence[Resume], sources: set[str] | None = None,
+          gap_s: float = JOIN_GAP_S) -> list[Incident]:
+    """The run's incidents, oldest first. An incident takes the first action taken on
+    the run (audit outcome in TAKEN; from `sources` only, if given) and the first
+    trainer resume record at or after its detection and before the next incident."""
+    mine = [e for e in episodes if concerns(run, nodes, {"alertname": e.name, **e.labels})]
+    out = []
+    for g in group(mine, gap_s):
+        g.sort(key=lambda e: (_rank(e.name), e.active_at))
+        names = list(dict.fromkeys(e.name for e in g))
+        out.append(Incident(run, g[0].name, _where(g[0].labels), names,
+                            min(e.active_at for e in g), max(e.last_seen for e in g)))
+    out.sort(key=lambda i: i.detected_at)
+    acts = sorted((r for r in audit if r.get("run") == run and r.get("outcome") in TAKEN
+                   and (sources is None or r.get("source") in sources)),
+                  key=lambda r: r.get("ts", 0.0))
+    for i, inc in enumerate(out):
+        until = out[i + 1].detected_at if i + 1 < len(out) else float("inf")
+        act = next((r for r in acts if inc.detected_at <= r.get("ts", 0.0) < until), None)
+        if act is not None:
+            inc.action, inc.acted_at, inc.actor = act.get("action"), act["ts"], act.get("who", "")
+        inc.resume = next((r for r in sorted(resumes, key=lambda r: r.at)
+                           if inc.detected_at <= r.at < until), None)
+    return out
+
+
+def summary(items: Sequence[Incident]) -> str:
+    """The timeline's caption: incidents and the steps the trainer says it redid."""
+    return (f"{len(items)} incident(s), {sum(i.recomputed for i in items)} steps recomputed in "
+            "all (as the trainer recorded each resume)")
+
+
+# -- from Prometheus's answers (plain data: labels and points) ------------------------
+Series = Sequence[tuple[dict, Sequence[tuple[float, float]]]]
+
+
+def episodes_from(for_state: Series, firing: Series) -> list[AlertEpisode]:
+    """Episodes from range queries of ALERTS_FOR_STATE (value: activeAt, one value per
+    episode whatever the step) and ALERTS{alertstate="firing"}: an episode counts once
+    one of its samples fired (a pending alert that never fired is no incident)."""
+    def key(labels: dict) -> tuple:
+        return tuple(sorted((k, v) for k, v in labels.items()
+                            if k not in ("__name__", "alertstate")))
+
+    fired: dict[tuple, list[float]] = {}
+    for labels, points in firing:
+        fired.setdefault(key(labels), []).extend(t for t, _ in points)
+    out = []
+    for labels, points in for_state:
+        times = sorted(fired.get(key(labels), []))
+        by_active: dict[float, list[float]] = {}
+        for t, v in points:
+            by_active.setdefault(float(v), []).append(t)
+        for active, ts in sorted(by_active.items()):
+            seen = [t for t in times if active <= t]
+            nxt = min((a for a in by_active if a > active), default=float("inf"))
+            seen = [t for t in seen if t < nxt]
+            if seen:
+                clean = {k: v for k, v in labels.items() if k != "__name__"}
+                out.append(AlertEpisode(clean.get("alertname", ""), clean, active,
+                                        max(max(seen), max(ts))))
+    return out
+
+
+def resumes_from(step: Sequence[tuple[float, float]], recomputed: Sequence[tuple[float, float]],
+                 at: Sequence[tuple[float, float]]) -> list[Resume]:
+    """Resume records from range queries of the three RESUME_SERIES (max over the
+    run): one per distinct resume timestamp, whatever the step of the query."""
+    steps, redo = dict(step), dict(recomputed)
+    out: dict[float, Resume] = {}
+    for t, when in at:
+        if when not in out and t in steps:
+            out[when] = Resume(int(steps[t]), int(redo.get(t, 0)), float(when))
+    return sorted(out.values(), key=lambda r: r.at)
+
+
+def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: float,
+           ) -> tuple[set[str], list[AlertEpisode], list[Resume]]:
+    """What `build` needs from Prometheus over [start, end]: the run's nodes, its alert
+    episodes and the trainer's resume records. The Run page and the demo's printout
+    both read them here, so both show the same incidents."""
+    def ranged(expr: str) -> list:
+        return [(r.labels, r.points) for r in prom.query_range(expr, start, end, step_s)]
+
+    def one(expr: str) -> list:
+        rows = ranged(expr)
+        return list(rows[0][1]) if rows else []
+
+    nodes = {s.labels.get("node", "") for s in prom.query(
+        f'max by (node) (max_over_time(clusterpulse_trainer_rank_info{{run="{run}"}}'
+        f'[{max(1, int(end - start))}s]))', at=end)}
+    episodes = episodes_from(ranged("ALERTS_FOR_STATE"), ranged('ALERTS{alertstate="firing"}'))
+    resumes = resumes_from(*(one(f'max({m}{{run="{run}"}})') for m in RESUME_SERIES.values()))
+    return nodes, episodes, resumes
+
+
+def latest_resume(prom: PrometheusClient, run: str) -> Resume | None:
+    """The run's resume record now (its current rank 0 process's), or None before any
+    restart: the Run page's action progress says where the run resumed from."""
+    got = {k: prom.query(f'max({m}{{run="{run}"}})') for k, m in RESUME_SERIES.items()}
+    if not all(got.values()):
+        return None
+    return Resume(int(got["step"][0].value), int(got["recomputed"][0].value),
+                  got["at"][0].value)

@@ -1,0 +1,68 @@
+"""Down is visible: the Cluster heatmap's cells and words, the Node page's link rows.
+
+A lost GPU was a blank heatmap cell and, on the Node page, `Gennan xnan (max Gennan
+xnan)`, NVLinks `0 / 0`, health ok; a node whose agent is unreachable had no row."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from clusterpulse.dashboard import heat
+from clusterpulse.dashboard.data import HEATMAP_METRICS, gpu_link_health
+
+
+def frames():
+    hot = pd.DataFrame({"node": ["a", "a", "b"], "gpu": ["0", "1", "1"],
+                        "value": [91.0, 55.0, 60.0]})
+    down = pd.DataFrame({"node": ["b"], "gpu": ["0"], "reason": ["gpu_is_lost"]})
+    nodes = pd.DataFrame({"node": ["a", "b", "c"], "up": [1, 1, 0]})
+    return hot, down, nodes
+
+
+def test_down_gpus_and_nodes_have_cells_of_their_own():
+    c = heat.cells(*frames())
+    states = {(r.node, r.gpu): r.state for r in c.itertuples()}
+    assert states[("a", 0)] == "ok"
+    assert states[("b", 0)].startswith("GPU down: gpu_is_lost: fell off the bus")
+    assert states[("c", 0)] == states[("c", 1)] == heat.NODE_DOWN
+
+
+def test_the_summary_says_in_words_what_the_colours_say():
+    text = heat.summary(heat.cells(*frames()), "temperature", "°C", good_high=False)
+    assert "worst: a GPU 0 at 91 °C" in text and "best: a GPU 1 at 55 °C" in text
+    assert "1 GPU(s) DOWN: b GPU 0 (gpu_is_lost)" in text
+    assert "1 node(s) DOWN (agent unreachable): c" in text
+
+
+def test_the_default_metric_shows_a_gpu_in_trouble():
+    assert next(iter(HEATMAP_METRICS)) == "temperature"
+
+
+def test_a_lost_gpu_is_down_with_its_reason_not_nan_and_ok():
+    wide = pd.DataFrame({"gpu": ["0", "1"], "pcie_gen": [5.0, float("nan")],
+                         "pcie_gen_max": [5.0, float("nan")], "pcie_width": [16.0, float("nan")],
+                         "pcie_width_max": [16.0, float("nan")],
+                         "pcie_replays_10m": [0.0, float("nan")], "nvlinks": [18.0, float("nan")],
+                         "nvlinks_up": [18.0, float("nan")],
+                         "nvlink_errors_10m": [0.0, float("nan")]})
+    rows = gpu_link_health(wide, {"1": "gpu_is_lost"}).set_index("gpu")
+    assert rows.loc["0", "PCIe"] == "Gen5 x16 (max Gen5 x16)" and rows.loc["0", "health"] == "ok"
+    assert rows.loc["1", "health"].startswith("DOWN: gpu_is_lost: fell off the bus")
+    assert "nan" not in rows.loc["1", "PCIe"] + rows.loc["1", "NVLinks up"]
+    # a GPU that reports no link series and is not known down: said so, not 'Gennan'
+    alone = gpu_link_health(wide.iloc[[1]]).iloc[0]
+    assert alone["PCIe"] == "not reported" and "nan" not in alone["NVLinks up"]
+
+
+def test_a_restarting_job_says_so_instead_of_step_0():
+    from clusterpulse.dashboard.data import jobs
+    from clusterpulse.dashboard.promclient import Sample
+
+    got = jobs([Sample({"run": "a", "part": "step"}, 0.0),
+                Sample({"run": "a", "part": "restarting"}, 1.0),
+                Sample({"run": "a", "part": "checkpoint"}, 150.0),
+                Sample({"run": "b", "part": "step"}, 812.0),
+                Sample({"run": "b", "part": "checkpoint"}, 800.0)]).set_index("run")
+    assert got.loc["a", "state"] == "restarting from checkpoint 150"
+    assert pd.isna(got.loc["a", "step"])  # not "step 0": a restarted rank's step before loading
+    assert (got.loc["b", "step"], got.loc["b", "state"]) == (812.0, "training")

@@ -1,0 +1,132 @@
+"""Incidents (clusterpulse/incident.py) from a recording of the demo's three faults.
+
+The recording is what Prometheus and the audit log held when the issue was filed: a
+hung rank (RankHung + JobStalled), a GPU off the bus (GpuDown + GpuCriticalXid), an
+overheating GPU (GpuThermalSlowdown + the TrainingStraggler it makes). The timeline
+listed 6 incidents, "first resumed step 0" where the trainer resumed from 150 and 735,
+"1776 steps lost" where 9, 0 and 0 were recomputed, and the hang's action at +8 s,
++135 s, +8 s on refreshes and at other ranges. Each is asserted here on the Prometheus
+answers sampled at several steps and ranges, as the Run page and the demo read them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from clusterpulse import incident
+from clusterpulse.incident import AlertEpisode, Resume, build, episodes_from, resumes_from
+
+RUN = "demo"
+NODES = {"sim-node-0", "sim-node-1"}
+T0 = 1_700_000_000.0
+# (labels, activeAt, first firing, last firing) relative to T0
+ALERTS = [
+    ({"alertname": "RankHung", "run": RUN, "node": "sim-node-1", "rank": "2"}, 40, 48, 130),
+    ({"alertname": "JobStalled", "run": RUN}, 44, 56, 128),
+    ({"alertname": "GpuDown", "node": "sim-node-1", "gpu": "0"}, 300, 300, 362),
+    ({"alertname": "GpuCriticalXid", "node": "sim-node-1", "gpu": "0", "xid": "79"},
+     302, 302, 420),
+    ({"alertname": "GpuThermalSlowdown", "node": "sim-node-0", "gpu": "0"}, 600, 610, 760),
+    ({"alertname": "TrainingStraggler", "run": RUN, "node": "sim-node-0", "rank": "0",
+      "cause": "thermal_throttling"}, 625, 655, 750),
+    # another run's hang, and a GPU alert on a node the run does not use
+    ({"alertname": "RankHung", "run": "other", "node": "sim-node-1", "rank": "0"}, 50, 60, 90),
+    ({"alertname": "GpuDown", "node": "sim-node-9", "gpu": "3"}, 500, 500, 540),
+]
+AUDIT = [
+    {"ts": T0 + 92.4, "who": "remediation", "action": "restart", "outcome": "accepted",
+     "run": RUN, "source": "remediation"},
+    {"ts": T0 + 93.0, "who": "remediation", "action": "restart", "outcome": "rate_limited",
+     "run": RUN, "source": "remediation"},
+    {"ts": T0 + 331.7, "who": "remediation", "action": "restart", "outcome": "accepted",
+     "run": RUN, "source": "remediation"},
+    {"ts": T0 + 500.0, "who": "bob", "action": "restart", "outcome": "accepted",
+     "run": "other", "source": "dashboard"},
+]
+# The trainer's resume records: (resumed from, recomputed, resumed at, process ends)
+RESUMES = [(150, 9, 97.3, 336.0), (735, 0, 337.9, 900.0)]
+
+
+def prometheus_answers(start: float, end: float, step: float):
+    """ALERTS_FOR_STATE, ALERTS{alertstate="firing"} and the resume series as a range
+    query from `start` to `end` (relative to T0) at `step` answers them."""
+    times = [T0 + start + i * step for i in range(int((end - start) / step) + 1)]
+    for_state, firing = [], []
+    for labels, active, fired, last in ALERTS:
+        pts = [(t, T0 + active) for t in times if T0 + active <= t <= T0 + last]
+        if pts:
+            for_state.append(({"__name__": "ALERTS_FOR_STATE", **labels}, pts))
+        fpts = [(t, 1.0) for t in times if T0 + fired <= t <= T0 + last]
+        if fpts:
+            firing.append(({"__name__": "ALERTS", "alertstate": "firing", **labels}, fpts))
+    series = {"step": [], "recomputed": [], "at": []}
+    for step_, redo, at, ends in RESUMES:
+        for t in times:
+            if T0 + at <= t < T0 + ends:
+                series["step"].append((t, float(step_)))
+                series["recomputed"].append((t, float(redo)))
+                series["at"].append((t, T0 + at))
+    return for_state, firing, series
+
+
+def incidents_at(start: float, end: float, step: float) -> list[incident.Incident]:
+    for_state, firing, s = prometheus_answers(start, end, step)
+    return build(RUN, NODES, episodes_from(for_state, firing), AUDIT,
+                 resumes_from(s["step"], s["recomputed"], s["at"]))
+
+
+def test_three_faults_are_three_incidents_named_by_their_root():
+    items = incidents_at(0, 900, 1.0)
+    assert [(i.cause, i.where) for i in items] == [
+        ("RankHung", "sim-node-1 rank 2"), ("GpuDown", "sim-node-1 GPU 0"),
+        ("GpuThermalSlowdown", "sim-node-0 GPU 0")]
+    assert [i.alerts for i in items] == [["RankHung", "JobStalled"],
+                                         ["GpuDown", "GpuCriticalXid"],
+                                         ["GpuThermalSlowdown", "TrainingStraggler"]]
+
+
+def test_resumed_step_and_recomputed_steps_are_the_trainers_own():
+    items = incidents_at(0, 900, 1.0)
+    assert [(i.resume.step, i.recomputed) if i.resume else None for i in items] == [
+        (150, 9), (735, 0), None]
+    assert incident.summary(items) == ("3 incident(s), 9 steps recomputed in all (as the "
+                                       "trainer recorded each resume)")
+    # every fault that restarted has its action, from the audit log, taken ones only
+    assert [(i.action, i.acted_at) for i in items] == [
+        ("restart", T0 + 92.4), ("restart", T0 + 331.7), (None, None)]
+
+
+@pytest.mark.parametrize("start,end,step", [(0, 900, 1.0), (0, 900, 9.0), (-2700, 900, 18.0),
+                                            (3.5, 897.5, 4.5), (30, 900, 7.0),
+                                            (100, 900, 9.0)])
+def test_the_same_rows_for_any_range_step_and_refresh(start, end, step):
+    """The page's range sets the query step (1 h: 9 s); each refresh moves the window."""
+    rows = [i.row() for i in incidents_at(start, end, step)]
+    assert rows == [i.row() for i in incidents_at(0, 900, 1.0)]
+    assert rows[0]["action"] == "restart +52 s" and rows[0]["resumed from step"] == 150
+    assert rows[1]["action"] == "restart +32 s" and rows[1]["resumed from step"] == 735
+
+
+def test_alerts_of_other_runs_and_of_nodes_the_run_does_not_use_are_left_out():
+    items = incidents_at(0, 900, 1.0)
+    assert all("sim-node-9" not in i.where for i in items)
+    assert all(i.run == RUN for i in items) and len(items) == 3
+
+
+def test_one_line_for_the_demo_and_the_page():
+    first = incidents_at(0, 900, 1.0)[0]
+    assert first.line() == ("RankHung on sim-node-1 rank 2 (with JobStalled); restart by "
+                            "remediation +52 s; resumed from step 150 (9 steps recomputed)")
+
+
+def test_a_pending_alert_that_never_fired_is_no_incident():
+    ep = episodes_from([({"alertname": "RankHung", "run": RUN, "node": "n"}, [(1.0, 1.0)])], [])
+    assert ep == []
+
+
+def test_faults_on_two_nodes_at_once_stay_two_incidents():
+    a = AlertEpisode("GpuDown", {"node": "sim-node-0", "gpu": "1"}, 10.0, 50.0)
+    b = AlertEpisode("GpuDown", {"node": "sim-node-1", "gpu": "1"}, 12.0, 50.0)
+    items = build(RUN, NODES, [a, b], [], [Resume(40, 2, 60.0)])
+    assert [i.where for i in items] == ["sim-node-0 GPU 1", "sim-node-1 GPU 1"]
+    assert [i.resume for i in items] == [None, Resume(40, 2, 60.0)]
