@@ -1,13 +1,12 @@
 """ClusterPulse for a Hugging Face `transformers.Trainer` job: one TrainerCallback.
 
-    from transformers.trainer_utils import get_last_checkpoint
     from clusterpulse.integrations.hf import ClusterPulseCallback
     from clusterpulse.trainer.parallel import init_distributed
 
     init_distributed()                    # restart-safe process group, before the Trainer
     trainer = Trainer(model=model, args=args, train_dataset=ds)
-    ClusterPulseCallback.attach(trainer, run="my-run")
-    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
+    pulse = ClusterPulseCallback.attach(trainer, run="my-run")
+    trainer.train(resume_from_checkpoint=pulse.resume_from())
 
 What it maps, and why there: a step is one optimizer step, from `on_step_begin` (its
 batch is here) to `on_step_end`; forward_backward ends at `on_pre_optimizer_step`, so
@@ -24,11 +23,13 @@ every rank has saved (`on_save`) `Pulse.boundary` finishes the protocol at that 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
 from transformers import TrainingArguments as Args
+from transformers.trainer_utils import get_last_checkpoint
 
 from clusterpulse.trainer.instrument import Pulse, StepContext
 from clusterpulse.trainer.parallel import init_distributed
@@ -55,6 +56,12 @@ class ClusterPulseCallback(TrainerCallback):
         callback = cls(trainer, run, agent, consensus_every)
         trainer.add_callback(callback)
         return callback
+
+    def resume_from(self) -> str | None:
+        """The checkpoint to pass as `train(resume_from_checkpoint=...)`: the newest in
+        the Trainer's output_dir, or None on a first start."""
+        out = self.trainer.args.output_dir
+        return get_last_checkpoint(out) if out and os.path.isdir(out) else None
 
     # -- set-up and end ---------------------------------------------------------------
     def on_train_begin(self, args: Args, state: TrainerState, control: TrainerControl,

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
 from clusterpulse.integrations.hf import ClusterPulseCallback
 from clusterpulse.trainer.parallel import init_distributed
@@ -44,7 +43,7 @@ class Tiny(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.lm = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64,
-                                             n_positions=8))
+                                             n_positions=8, tie_word_embeddings=False))
         self.slow, self.fast, self.pace, self.rank = (
             control / f"slow_compute_{rank}", control / "fast", pace, rank)
 
@@ -78,12 +77,12 @@ def main() -> None:
                              num_train_epochs=1, save_strategy="no", logging_strategy="no",
                              report_to="none", use_cpu=True, disable_tqdm=True,
                              ddp_backend="gloo", dataloader_num_workers=0,
-                             remove_unused_columns=False)
+                             remove_unused_columns=False, ddp_find_unused_parameters=False)
     data = Tokens(a.batches * a.batch_size * info.world, control, info.rank)
     trainer = Trainer(model=Tiny(control, info.rank, a.step_seconds), args=args,
                       train_dataset=data, callbacks=[StepNumber()])
-    ClusterPulseCallback.attach(trainer, run=a.run_id)
-    resume = get_last_checkpoint(a.output_dir)
+    pulse = ClusterPulseCallback.attach(trainer, run=a.run_id)
+    resume = pulse.resume_from()
     if resume and info.rank == 0:
         print(f"resuming from {resume}", flush=True)
     trainer.train(resume_from_checkpoint=resume)
