@@ -31,7 +31,8 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
 from transformers import TrainingArguments as Args
 from transformers.trainer_utils import get_last_checkpoint
 
-from clusterpulse.trainer.instrument import Pulse, StepContext
+from clusterpulse.integrations.steps import OpenStep
+from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.parallel import init_distributed
 
 
@@ -44,9 +45,7 @@ class ClusterPulseCallback(TrainerCallback):
         self.trainer, self.run, self.agent = trainer, run, agent
         self.consensus_every = consensus_every
         self.pulse: Pulse | None = None
-        self._step: Any = None  # the step's context manager, entered
-        self._ctx: StepContext | None = None
-        self._section: Any = None
+        self._step = OpenStep()
         self._restart_at: int | None = None  # agreed: leave once this step is saved
 
     @classmethod
@@ -77,7 +76,7 @@ class ClusterPulseCallback(TrainerCallback):
 
     def on_train_end(self, args: Args, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        self._end_step()
+        self._step.end()
         if self.pulse is not None:
             self.pulse.close("finished")
 
@@ -86,19 +85,16 @@ class ClusterPulseCallback(TrainerCallback):
                       **kwargs: Any) -> None:
         pulse = self._pulse()
         pulse.input_arrived()
-        self._step = pulse.step(state.global_step + 1)
-        self._ctx = self._step.__enter__()
-        self._ctx.samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        self._enter("forward_backward")
+        self._step.begin(pulse, state.global_step + 1,
+                         args.per_device_train_batch_size * args.gradient_accumulation_steps)
 
     def on_pre_optimizer_step(self, args: Args, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
-        if self._ctx is not None:
-            self._enter("optimizer")
+        self._step.section("optimizer")
 
     def on_step_end(self, args: Args, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        self._end_step()
+        self._step.end()  # the loss: no callback event carries it
         pulse = self._pulse()
         if pulse.restart_requested(state.global_step):
             # the Trainer saves right after this event; on_save then leaves
@@ -121,21 +117,6 @@ class ClusterPulseCallback(TrainerCallback):
         pulse.awaiting_input()
 
     # -- helpers --------------------------------------------------------------------------
-    def _enter(self, section: str) -> None:
-        if self._section is not None:
-            self._section.__exit__(None, None, None)
-        assert self._ctx is not None
-        self._section = self._ctx.section(section)
-        self._section.__enter__()
-
-    def _end_step(self) -> None:
-        if self._section is not None:
-            self._section.__exit__(None, None, None)
-            self._section = None
-        if self._step is not None:
-            self._step.__exit__(None, None, None)
-            self._step, self._ctx = None, None
-
     def _pulse(self) -> Pulse:
         if self.pulse is None:
             raise RuntimeError("ClusterPulseCallback: the Trainer has not begun training "

@@ -22,7 +22,6 @@ Assumes one optimizer step per batch (no gradient accumulation).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import lightning.pytorch as pl
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
+from clusterpulse.integrations.steps import OpenStep
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.parallel import init_distributed
 
@@ -58,8 +58,7 @@ class ClusterPulseCallback(pl.Callback):
         self.run, self.agent, self.consensus_every = run, agent, consensus_every
         self.checkpoint = Path(checkpoint)
         self.pulse: Pulse | None = None
-        self._step = contextlib.ExitStack()
-        self._ctx: Any = None
+        self._step = OpenStep()
 
     def resume_from(self) -> str | None:
         """The checkpoint to pass as `fit(ckpt_path=...)`: the last graceful (or
@@ -92,26 +91,15 @@ class ClusterPulseCallback(pl.Callback):
                              batch: Any, batch_idx: int) -> None:
         pulse = self._pulse()
         pulse.input_arrived()
-        self._ctx = self._step.enter_context(pulse.step(trainer.global_step + 1))
-        self._ctx.samples = batch_size(batch)
-        self._step.enter_context(self._ctx.section("forward_backward"))
+        self._step.begin(pulse, trainer.global_step + 1, batch_size(batch))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
-        if self._ctx is None:
-            return
-        self._step.close()  # forward_backward ends; the step goes on
-        self._step = contextlib.ExitStack()
-        self._step.enter_context(self._ctx.section("optimizer"))
+        self._step.section("optimizer")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._ctx is None:
-            return
-        loss = loss_of(outputs)
-        self._ctx.loss = loss.detach() if hasattr(loss, "detach") else loss
-        self._step.close()
-        self._step, self._ctx = contextlib.ExitStack(), None
+        self._step.end(loss_of(outputs))
         pulse = self._pulse()
         pulse.boundary(trainer.global_step, save=lambda step: self._save(trainer, step))
         pulse.awaiting_input()
@@ -133,6 +121,6 @@ class ClusterPulseCallback(pl.Callback):
         return self.pulse
 
     def _close(self, outcome: str) -> None:
-        self._step.close()
+        self._step.end()
         if self.pulse is not None:
             self.pulse.close(outcome)

@@ -8,6 +8,7 @@ import time
 import torch
 
 from clusterpulse.integrations.lightning import batch_size, loss_of
+from clusterpulse.integrations.steps import OpenStep
 from clusterpulse.trainer.instrument import Pulse
 
 
@@ -34,3 +35,20 @@ def test_batch_size_and_loss_in_the_forms_lightning_hands_them():
     assert batch_size("no tensors") == 0
     loss = torch.tensor(0.5)
     assert loss_of({"loss": loss, "log": 1}) is loss and loss_of(loss) is loss
+
+
+def test_a_step_opened_and_closed_from_separate_events_reports_its_sections():
+    with Pulse(run="cb", agent="none", restarts=0, catch_sigterm=False) as pulse:
+        open_step = OpenStep()
+        open_step.section("optimizer")  # outside a step: nothing to do
+        open_step.begin(pulse, 1, samples=8)
+        assert pulse.phase == "forward_backward"
+        time.sleep(0.02)
+        open_step.section("optimizer")
+        assert pulse.phase == "optimizer"
+        ctx = open_step.ctx
+        open_step.end(torch.tensor(0.25))
+        assert open_step.ctx is None and pulse.phase == "between"
+        assert ctx.sections["forward_backward"] >= 0.02 and "optimizer" in ctx.sections
+        assert pulse.last["step_seconds"] >= 0.02 and pulse.last["loss"] == 0.25
+        open_step.end()  # twice (an exception after the step): nothing
