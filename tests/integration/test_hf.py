@@ -4,7 +4,8 @@ clusterpulse-train with a real agent, its ranks started warm (`--preload
 transformers.trainer`): a compute straggler and a data straggler flagged on the right
 rank, a graceful checkpoint-restart through the Trainer's own checkpoint, and a crash;
 every resume starts at the step after its checkpoint, trains the batches the first
-attempt trained at those steps, and the epoch ends having trained every sample once."""
+attempt trained at those steps without loading the skipped ones, and the epoch ends
+having trained every sample once."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.framework_faults import run_through_faults
+from tests.support.framework_faults import (
+    assert_last_resume_loaded_only_its_batches,
+    run_through_faults,
+)
 from tests.support.procs import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -42,3 +46,4 @@ def test_hf_trainer_job_through_stragglers_graceful_restart_and_crash(tmp_path: 
     for m in re.finditer(r"resuming from \S+checkpoint-(\d+)", text):  # rank 0's next step
         first = re.search(r"trained rank=0 step=(\d+)", text[m.end():])
         assert first and int(first[1]) == int(m[1]) + 1, (m[0], first and first[0])
+    assert_last_resume_loaded_only_its_batches(text, int(m[1]), BATCHES, BATCH_SIZE)

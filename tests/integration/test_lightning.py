@@ -3,7 +3,8 @@ lightning_job.py: a tiny model built in code, 2 ranks, gloo) under clusterpulse-
 with a real agent, its ranks started warm (`--preload lightning.pytorch`): a compute
 straggler and a data straggler flagged on the right rank with the right figures, a
 graceful checkpoint-restart, and a crash; after each resume every rank trains exactly
-the batches an uninterrupted run trains at that step (none replayed, none lost)."""
+the batches an uninterrupted run trains at that step (none replayed, none lost),
+loading none of the batches it skips."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DistributedSampler
 
-from tests.support.framework_faults import run_through_faults
+from tests.support.framework_faults import (
+    assert_last_resume_loaded_only_its_batches,
+    run_through_faults,
+)
 from tests.support.procs import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -52,6 +56,7 @@ def test_lightning_job_through_stragglers_graceful_restart_and_crash(tmp_path: P
     for m in re.finditer(r"resuming from \S+ at step (\d+)", text):  # rank 0's next step
         first = re.search(r"trained rank=0 step=(\d+)", text[m.end():])
         assert first and int(first[1]) == int(m[1]) + 1, (m[0], first and first[0])
+    assert_last_resume_loaded_only_its_batches(text, int(m[1]), BATCHES, BATCH_SIZE)
     last = {}
     for r, s, _ in trained:
         last[r] = s

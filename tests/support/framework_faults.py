@@ -6,6 +6,7 @@ data straggler, a graceful checkpoint-restart and a crash."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -72,3 +73,14 @@ def run_through_faults(tmp_path: Path, job: Path, args: list[str], preload: str,
     text = log.read_text()
     assert "graceful restart 1: relaunching" in text
     return text
+
+
+def assert_last_resume_loaded_only_its_batches(text: str, resumed_at: int, batches: int,
+                                               batch_size: int) -> None:
+    """The attempt that finished, resumed after step `resumed_at`, loaded the samples of
+    the steps it trained (one batch of slack for a prefetch), not the skipped ones: a
+    resume that read its way to the position loads the whole epoch's."""
+    reads = {int(r): int(n) for r, n in re.findall(r"reads rank=(\d) samples=(\d+)", text)}
+    assert sorted(reads) == [0, 1], text[-3000:]
+    allowed = (batches - resumed_at + 1) * batch_size
+    assert all(n <= allowed for n in reads.values()), (reads, allowed)

@@ -4,7 +4,8 @@ tests under clusterpulse-train on gloo.
 
 The test steers it from outside through files in --control DIR, as lightning_job.py:
 `slow_compute_RANK`, `slow_data_RANK`, and `fast` (until then each step takes
---step-seconds). Each rank prints the sample indices of every batch it trains.
+--step-seconds). Each rank prints the sample indices of every batch it trains, and at
+the end how many samples it loaded (a resume must not load the batches it skips).
 """
 
 import argparse
@@ -26,11 +27,13 @@ class Tokens(Dataset):
         g = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, 64, (size, 8), generator=g)
         self.slow = control / f"slow_data_{rank}"
+        self.reads = 0  # samples loaded by this process (num_workers=0: all of them)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict:
+        self.reads += 1
         if self.slow.exists():
             time.sleep(0.03)
         return {"input_ids": self.ids[i], "labels": self.ids[i], "idx": torch.tensor(i)}
@@ -86,6 +89,7 @@ def main() -> None:
     if resume and info.rank == 0:
         print(f"resuming from {resume}", flush=True)
     trainer.train(resume_from_checkpoint=resume)
+    print(f"reads rank={info.rank} samples={data.reads}", flush=True)
     if info.rank == 0:
         print(f"done: {trainer.state.global_step} steps", flush=True)
 

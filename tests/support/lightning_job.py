@@ -5,7 +5,8 @@ The test steers it from outside through files in --control DIR: `slow_compute_RA
 (that rank's training_step sleeps) and `slow_data_RANK` (that rank's samples load
 slowly); every step takes --step-seconds until `fast` appears there. Each rank
 prints the first sample index of every batch it trains, so a test can check that a
-resumed run trains exactly the batches an uninterrupted one would.
+resumed run trains exactly the batches an uninterrupted one would, and at the end how
+many samples it loaded (a resume must not load the batches it skips).
 """
 
 import argparse
@@ -27,11 +28,13 @@ class Samples(Dataset):
         g = torch.Generator().manual_seed(0)
         self.x, self.y = torch.rand(size, 8, generator=g), torch.rand(size, 1, generator=g)
         self.slow = control / f"slow_data_{rank}"
+        self.reads = 0  # samples loaded by this process (num_workers=0: all of them)
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int):
+        self.reads += 1
         if self.slow.exists():
             time.sleep(0.03)
         return self.x[i], self.y[i], i
@@ -85,6 +88,7 @@ def main() -> None:
         print(f"resuming from {resume} at step {step}", flush=True)
     model = Tiny(control, info.rank, a.step_seconds)
     trainer.fit(model, ResumableDataLoader(data, batch_size=a.batch_size), ckpt_path=resume)
+    print(f"reads rank={info.rank} samples={data.reads}", flush=True)
     if info.rank == 0:
         print(f"done: {trainer.global_step} steps", flush=True)
 
