@@ -11,15 +11,15 @@ crash and a slow-data rank (tests/integration/test_ddp_tutorial.py).
 
 import argparse
 import hashlib
-import itertools
 import os
 
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+from clusterpulse.integrations.data import ResumableDataLoader
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.parallel import init_distributed
 
@@ -80,8 +80,8 @@ class Trainer:
         self.train_data.sampler.set_epoch(epoch)
         steps_per_epoch = len(self.train_data)
         done_in_epoch = self.global_step - epoch * steps_per_epoch  # > 0 after a mid-epoch restart
-        batches = itertools.islice(self.train_data, done_in_epoch, None)  # skip what was done
-        for source, targets in self.pulse.data(batches):  # input stalls are measured
+        self.train_data.skip_next(done_in_epoch)  # skip what was done, without loading it
+        for source, targets in self.pulse.data(self.train_data):  # input stalls are measured
             self._run_batch(source.to(self.device), targets.to(self.device))
             # The whole graceful protocol: agree, save, ack, barrier, exit for a restart.
             self.pulse.boundary(self.global_step, save=lambda step: self._save_snapshot(epoch))
@@ -112,8 +112,8 @@ def load_train_objs():
 
 
 def prepare_dataloader(dataset, batch_size):
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=1,
-                      sampler=DistributedSampler(dataset))
+    return ResumableDataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=1,
+                               sampler=DistributedSampler(dataset))
 
 
 def main(save_every, total_epochs, batch_size, snapshot_path, run):

@@ -225,6 +225,7 @@ class Pulse:
                                   list]] = []
         self._probes: list[tuple[Any, Any]] = []
         self._fetch_wait = 0.0
+        self._input_since: float | None = None  # awaiting_input() began, not yet arrived
         self.last: dict[str, float] = {}  # the last step's figures (also sent to the agent)
         self._recent_steps: deque[float] = deque(maxlen=20)  # wall seconds, for stuck
         self.extra: dict[str, float] = {}  # fields added to every message (e.g. checkpoint)
@@ -427,16 +428,31 @@ class Pulse:
         wait (a slow input pipeline shows as data-loading, not as compute)."""
         it = iter(iterable)
         while True:
-            self._enter("data")
-            t0 = time.perf_counter()
+            self.awaiting_input()
             try:
                 item = next(it)
             except StopIteration:
+                self._input_since = None
                 self._enter("between")
                 return
-            self._fetch_wait += time.perf_counter() - t0
-            self._enter("between")
+            self.input_arrived()
             yield item
+
+    def awaiting_input(self) -> None:
+        """The rank waits for its next batch from now on (phase data) until
+        `input_arrived()`. For loops a framework drives (clusterpulse.integrations),
+        where a callback sees a batch arrive but cannot wrap the loader in `data()`."""
+        self._enter("data")
+        self._input_since = time.perf_counter()
+
+    def input_arrived(self) -> None:
+        """The batch awaited since `awaiting_input()` is here: that wait is the next
+        step's data wait. Without a wait begun, nothing is counted."""
+        if self._input_since is None:
+            return
+        self._fetch_wait += time.perf_counter() - self._input_since
+        self._input_since = None
+        self._enter("between")
 
     # -- steps ---------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -13,7 +13,7 @@ import time
 
 from tests.bench.table import Row, render
 
-SUITES = ["bench_agent", "bench_trainer", "bench_detection", "bench_dashboard"]
+SUITES = ["bench_agent", "bench_trainer", "bench_detection", "bench_dashboard", "bench_resume"]
 # Run only when named (`make bench-fleet`): 16,384 GPUs in Prometheus and VictoriaMetrics
 # (and an hour of their history for the event records) take minutes and GBs of memory;
 # the testbed needs root (`make bench-testbed`); the

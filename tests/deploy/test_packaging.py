@@ -42,7 +42,7 @@ def test_pyproject_keeps_heavy_dependencies_in_extras():
     base = " ".join(meta["dependencies"]).lower()
     assert not [m for m in HEAVY if m in base], base
     extras = meta["optional-dependencies"]
-    assert {"agent", "trainer", "dashboard", "all", "dev"} <= set(extras)
+    assert {"agent", "trainer", "dashboard", "lightning", "hf", "all", "dev"} <= set(extras)
     assert meta["license"] == "Apache-2.0"
     assert "Apache License" in (REPO / "LICENSE").read_text()[:200]
 
@@ -95,8 +95,9 @@ def test_wheel_contains_config_and_license(tmp_path: Path):
     # (a top-level agent/ or trainer/ would clash with users' modules of those names).
     assert {n.split("/")[0] for n in names} == {"clusterpulse", "clusterpulse-0.1.0.dist-info"}
     assert {"clusterpulse/agent/cli.py", "clusterpulse/trainer/instrument.py",
-            "clusterpulse/dashboard/pages/cluster.py", "clusterpulse/detection/scoring.py"
-            } <= names
+            "clusterpulse/dashboard/pages/cluster.py", "clusterpulse/detection/scoring.py",
+            "clusterpulse/integrations/lightning.py", "clusterpulse/integrations/hf.py",
+            "clusterpulse/integrations/data.py"} <= names
     meta = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in meta

@@ -1,0 +1,124 @@
+"""ClusterPulse for a Hugging Face `transformers.Trainer` job: one TrainerCallback.
+
+    from clusterpulse.integrations.hf import ClusterPulseCallback
+    from clusterpulse.trainer.parallel import init_distributed
+
+    init_distributed()                    # restart-safe process group, before the Trainer
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
+    pulse = ClusterPulseCallback.attach(trainer, run="my-run")
+    trainer.train(resume_from_checkpoint=pulse.resume_from())
+
+What it maps, and why there: a step is one optimizer step, from `on_step_begin` (its
+batch is here) to `on_step_end`; forward_backward ends at `on_pre_optimizer_step`, so
+DDP's wait for peers (`attach_ddp` on the Trainer's DDP model, the reason `attach`
+takes the Trainer: no callback event carries it) falls in it as in the plain recipe.
+From one step's end to the next one's begin the Trainer fetches input: the data wait.
+
+A graceful restart saves through the Trainer's own checkpoint (the one
+`resume_from_checkpoint` reads, where it positions the data by skipping batch
+indices, never reading the skipped samples): when the ranks agree to restart at a
+step's end the callback asks the Trainer to save (`control.should_save`), and once
+every rank has saved (`on_save`) `Pulse.boundary` finishes the protocol at that step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
+from transformers import TrainingArguments as Args
+from transformers.trainer_utils import get_last_checkpoint
+
+from clusterpulse.integrations.steps import OpenStep
+from clusterpulse.trainer.instrument import Pulse
+from clusterpulse.trainer.parallel import init_distributed
+
+
+class ClusterPulseCallback(TrainerCallback):
+    """Telemetry, input stalls, compute versus sync wait, and graceful restarts for a
+    Trainer; `agent` and `consensus_every` as for `Pulse`. Use `attach`."""
+
+    def __init__(self, trainer: Trainer, run: str, agent: str | None = "env",
+                 consensus_every: int = 5) -> None:
+        self.trainer, self.run, self.agent = trainer, run, agent
+        self.consensus_every = consensus_every
+        self.pulse: Pulse | None = None
+        self._step = OpenStep()
+        self._restart_at: int | None = None  # agreed: leave once this step is saved
+
+    @classmethod
+    def attach(cls, trainer: Trainer, run: str, agent: str | None = "env",
+               consensus_every: int = 5) -> ClusterPulseCallback:
+        """Make one for `trainer` and add it to the Trainer's callbacks."""
+        callback = cls(trainer, run, agent, consensus_every)
+        trainer.add_callback(callback)
+        return callback
+
+    def resume_from(self) -> str | None:
+        """The checkpoint to pass as `train(resume_from_checkpoint=...)`: the newest in
+        the Trainer's output_dir, or None on a first start."""
+        out = self.trainer.args.output_dir
+        return get_last_checkpoint(out) if out and os.path.isdir(out) else None
+
+    # -- set-up and end ---------------------------------------------------------------
+    def on_train_begin(self, args: Args, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        if self.pulse is None:
+            info = init_distributed()  # the Trainer's group (or ours); the agreed attempt
+            self.pulse = Pulse(run=self.run, agent=self.agent, restarts=info.attempt,
+                               consensus_every=self.consensus_every)
+            wrapped = self.trainer.model_wrapped
+            if isinstance(wrapped, DistributedDataParallel):
+                self.pulse.attach_ddp(wrapped)
+        self.pulse.awaiting_input()
+
+    def on_train_end(self, args: Args, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        self._step.end()
+        if self.pulse is not None:
+            self.pulse.close("finished")
+
+    # -- a step ---------------------------------------------------------------------------
+    def on_step_begin(self, args: Args, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        pulse = self._pulse()
+        pulse.input_arrived()
+        self._step.begin(pulse, state.global_step + 1,
+                         args.per_device_train_batch_size * args.gradient_accumulation_steps)
+
+    def on_pre_optimizer_step(self, args: Args, state: TrainerState, control: TrainerControl,
+                              **kwargs: Any) -> None:
+        self._step.section("optimizer")
+
+    def on_step_end(self, args: Args, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        self._step.end()  # the loss: no callback event carries it
+        pulse = self._pulse()
+        if pulse.restart_requested(state.global_step):
+            # the Trainer saves right after this event; on_save then leaves
+            self._restart_at = state.global_step
+            control.should_save = True
+        else:
+            pulse.awaiting_input()
+
+    def on_save(self, args: Args, state: TrainerState, control: TrainerControl,
+                **kwargs: Any) -> None:
+        pulse = self._pulse()
+        if state.is_world_process_zero:
+            pulse.checkpoint_committed(state.global_step)
+        if self._restart_at is None:
+            return
+        # Every rank saved (the Trainer's save is collective): agree again at the same
+        # step (the command or SIGTERM still stands), acknowledge, barrier, exit.
+        pulse.boundary(self._restart_at, save=lambda step: None)
+        self._restart_at = None  # the agreement did not hold (a checkpoint failed)
+        pulse.awaiting_input()
+
+    # -- helpers --------------------------------------------------------------------------
+    def _pulse(self) -> Pulse:
+        if self.pulse is None:
+            raise RuntimeError("ClusterPulseCallback: the Trainer has not begun training "
+                               "(add it with ClusterPulseCallback.attach(trainer, ...))")
+        return self.pulse

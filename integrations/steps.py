@@ -1,0 +1,46 @@
+"""A Pulse step opened and closed from separate framework events.
+
+`Pulse.step` and `StepContext.section` are context managers, written for a loop that
+holds the step in one `with` block; a framework calls back at the step's start, at
+the optimizer and at its end instead. This holds them open in between, the same way
+for every integration."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from clusterpulse.trainer.instrument import Pulse, StepContext
+
+
+class OpenStep:
+    """At most one step open at a time, with at most one section open in it."""
+
+    def __init__(self) -> None:
+        self._step = contextlib.ExitStack()
+        self._section = contextlib.ExitStack()
+        self.ctx: StepContext | None = None
+
+    def begin(self, pulse: Pulse, step: int, samples: int) -> None:
+        """The step's batch is here: the step starts, in forward_backward."""
+        self.end()
+        self.ctx = self._step.enter_context(pulse.step(step))
+        self.ctx.samples = samples
+        self.section("forward_backward")
+
+    def section(self, name: str) -> None:
+        """The open section (if any) ends and `name` begins; outside a step, nothing."""
+        if self.ctx is None:
+            return
+        self._section.close()
+        self._section.enter_context(self.ctx.section(name))
+
+    def end(self, loss: Any = None) -> None:
+        """The step ends (reported to the agent); outside a step, nothing."""
+        if self.ctx is None:
+            return
+        if loss is not None:
+            self.ctx.loss = loss.detach() if hasattr(loss, "detach") else loss
+        self._section.close()
+        self._step.close()
+        self.ctx = None

@@ -1,0 +1,98 @@
+"""A tiny Hugging Face Trainer job (a 1-layer GPT-2 built from a config in code, no
+download) instrumented with clusterpulse.integrations.hf as the README shows, for
+tests under clusterpulse-train on gloo.
+
+The test steers it from outside through files in --control DIR, as lightning_job.py:
+`slow_compute_RANK`, `slow_data_RANK`, and `fast` (until then each step takes
+--step-seconds). Each rank prints the sample indices of every batch it trains, and at
+the end how many samples it loaded (a resume must not load the batches it skips).
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from clusterpulse.integrations.hf import ClusterPulseCallback
+from clusterpulse.trainer.parallel import init_distributed
+
+STEP = [0]  # the step being trained (set by StepNumber), for the printout
+
+
+class Tokens(Dataset):
+    def __init__(self, size: int, control: Path, rank: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 64, (size, 8), generator=g)
+        self.slow = control / f"slow_data_{rank}"
+        self.reads = 0  # samples loaded by this process (num_workers=0: all of them)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        self.reads += 1
+        if self.slow.exists():
+            time.sleep(0.03)
+        return {"input_ids": self.ids[i], "labels": self.ids[i], "idx": torch.tensor(i)}
+
+
+class Tiny(torch.nn.Module):
+    """GPT-2 that reports which samples it trains on, and can be made slow."""
+
+    def __init__(self, control: Path, rank: int, pace: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lm = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64,
+                                             n_positions=8, tie_word_embeddings=False))
+        self.slow, self.fast, self.pace, self.rank = (
+            control / f"slow_compute_{rank}", control / "fast", pace, rank)
+
+    def forward(self, input_ids, labels, idx):
+        if self.slow.exists():
+            time.sleep(0.2)
+        if not self.fast.exists():
+            time.sleep(self.pace)
+        print(f"trained rank={self.rank} step={STEP[0]} idx={','.join(map(str, idx.tolist()))}",
+              flush=True)
+        return {"loss": self.lm(input_ids=input_ids, labels=labels).loss}
+
+
+class StepNumber(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        STEP[0] = state.global_step + 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", type=int, default=40, help="batches per rank (one epoch)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--control", required=True)
+    p.add_argument("--run-id", default="hf")
+    p.add_argument("--step-seconds", type=float, default=0.0)
+    a = p.parse_args()
+    info = init_distributed()
+    control = Path(a.control)
+    args = TrainingArguments(output_dir=a.output_dir, per_device_train_batch_size=a.batch_size,
+                             num_train_epochs=1, save_strategy="no", logging_strategy="no",
+                             report_to="none", use_cpu=True, disable_tqdm=True,
+                             ddp_backend="gloo", dataloader_num_workers=0,
+                             remove_unused_columns=False, ddp_find_unused_parameters=False)
+    data = Tokens(a.batches * a.batch_size * info.world, control, info.rank)
+    trainer = Trainer(model=Tiny(control, info.rank, a.step_seconds), args=args,
+                      train_dataset=data, callbacks=[StepNumber()])
+    pulse = ClusterPulseCallback.attach(trainer, run=a.run_id)
+    resume = pulse.resume_from()
+    if resume and info.rank == 0:
+        print(f"resuming from {resume}", flush=True)
+    trainer.train(resume_from_checkpoint=resume)
+    print(f"reads rank={info.rank} samples={data.reads}", flush=True)
+    if info.rank == 0:
+        print(f"done: {trainer.state.global_step} steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The pieces of the framework callbacks that need no framework loop: the data wait a
+callback measures between batches, and reading a batch's size and a step's loss."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from clusterpulse.integrations.lightning import batch_size, loss_of
+from clusterpulse.integrations.steps import OpenStep
+from clusterpulse.trainer.instrument import Pulse
+
+
+def test_the_wait_between_a_batch_end_and_the_next_arrival_is_the_steps_data_wait():
+    with Pulse(run="cb", agent="none", restarts=0, catch_sigterm=False) as pulse:
+        pulse.awaiting_input()
+        assert pulse.phase == "data"  # a rank hung in its input pipeline shows as such
+        time.sleep(0.05)
+        pulse.input_arrived()
+        assert pulse.phase == "between"
+        with pulse.step(1):
+            pass
+        assert pulse.last["data_wait_seconds"] >= 0.05
+        pulse.input_arrived()  # no wait begun (a first batch): nothing counted
+        with pulse.step(2):
+            pass
+        assert pulse.last["data_wait_seconds"] == 0.0
+
+
+def test_batch_size_and_loss_in_the_forms_lightning_hands_them():
+    assert batch_size((torch.zeros(7, 3), torch.zeros(7))) == 7
+    assert batch_size({"x": torch.zeros(5, 2)}) == 5
+    assert batch_size([torch.tensor(1.0), torch.zeros(4)]) == 4  # a scalar has no batch
+    assert batch_size("no tensors") == 0
+    loss = torch.tensor(0.5)
+    assert loss_of({"loss": loss, "log": 1}) is loss and loss_of(loss) is loss
+
+
+def test_a_step_opened_and_closed_from_separate_events_reports_its_sections():
+    with Pulse(run="cb", agent="none", restarts=0, catch_sigterm=False) as pulse:
+        open_step = OpenStep()
+        open_step.section("optimizer")  # outside a step: nothing to do
+        open_step.begin(pulse, 1, samples=8)
+        assert pulse.phase == "forward_backward"
+        time.sleep(0.02)
+        open_step.section("optimizer")
+        assert pulse.phase == "optimizer"
+        ctx = open_step.ctx
+        open_step.end(torch.tensor(0.25))
+        assert open_step.ctx is None and pulse.phase == "between"
+        assert ctx.sections["forward_backward"] >= 0.02 and "optimizer" in ctx.sections
+        assert pulse.last["step_seconds"] >= 0.02 and pulse.last["loss"] == 0.25
+        open_step.end()  # twice (an exception after the step): nothing
