@@ -7,8 +7,11 @@ The driver's process list comes from the fake pynvml (no GPU here); the processe
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
+import re
+import shutil
 import subprocess
 import sys
 
@@ -26,6 +29,7 @@ from clusterpulse.agent.exporter import AgentCollector
 from clusterpulse.agent.identity import Sender, start_time
 from clusterpulse.agent.ranks import RankRegistry
 from tests.fakes.fake_pynvml import FakeNvml
+from tests.support.procs import REPO
 
 # /proc/PID/cgroup of a task in a job step, as slurmstepd leaves it.
 CGROUP_V1 = """\
@@ -140,3 +144,58 @@ def test_pod_resources_flag_refuses_a_non_unix_target(capsys):
     assert err.startswith("clusterpulse-agent: error: --pod-resources: must be unix:///PATH")
     assert "\n" not in err
 
+
+
+def doc_queries() -> dict[str, str]:
+    """docs/agent.md's PromQL joins, by their comment line."""
+    text = (REPO / "docs" / "agent.md").read_text()
+    block = re.search(r"### Who uses each GPU.*?```promql\n(.*?)```", text, re.S)
+    assert block, "docs/agent.md lost its PromQL examples"
+    return {c.partition("\n")[0].lstrip("# "): c.partition("\n")[2]
+            for c in block.group(1).strip().split("\n\n")}
+
+
+def test_documented_joins_give_what_they_say_on_the_agents_series(tmp_path):
+    """The PromQL in docs/agent.md, evaluated by promtool on series this agent
+    exported: a rank in a Slurm job on GPU 1, a notebook on GPU 0 held by a pod."""
+    proc = tmp_path / "proc"
+    for pid, cgroup in ((4321, CGROUP_V2), (4322, CGROUP_NOTEBOOK)):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cgroup").write_text(cgroup)
+        (proc / str(pid) / "status").write_text("Uid:\t0\t0\t0\t0\n")
+    fake = FakeNvml(gpus=2)
+    fake.gpus[0].compute_pids, fake.gpus[1].compute_pids = [4322], [4321]
+    ranks = RankRegistry(alive=lambda s: True)
+    ranks.update({"v": 1, "type": "step", "run": "r1", "rank": 0, "local_rank": 1, "gpu": 1,
+                  "step": 1}, None, Sender(pid=4321, uid=0, start_time=1, verified=True))
+    agent = Agent(NvmlBackend(nvml=fake), "n1", ranks, AuditLog(None))
+    agent.links.append(GpuAttribution(lambda: agent.snapshot.gpus, proc=proc))
+    agent.collect_once()
+    wanted = ("clusterpulse_gpu_utilization_ratio", "clusterpulse_gpu_process_info",
+              "clusterpulse_trainer_rank_info")
+    series = [{"series": s.name + "{" + ",".join(f'{k}="{v}"' for k, v in s.labels.items())
+               + "}", "values": f"{s.value}x3"}
+              for f in _families(agent).values() for s in f.samples if s.name in wanted]
+    series.append({"series": 'clusterpulse_gpu_owner_info{node="n1",gpu="0",uuid="GPU-fake-0",'
+                             'pod="nb",namespace="research",container="jupyter",'
+                             'device_id="GPU-fake-0"}', "values": "1x3"})
+    q = doc_queries()
+    expect = {
+        "GPU utilization by pod": [{"labels": '{node="n1",gpu="0",uuid="GPU-fake-0",pod="nb",'
+                                              'namespace="research"}', "value": 0.5}],
+        "GPUs in use by each Slurm job and user": [
+            {"labels": '{slurm_job="987654",user="root"}', "value": 1}],
+        "GPUs busy with a process that is no rank of a training run (a notebook, a stray job)":
+            [{"labels": '{node="n1",gpu="0",pid="4322",user="root"}', "value": 1}],
+    }
+    assert set(q) == set(expect), set(q)
+    tests = {"rule_files": [], "tests": [{"interval": "15s", "input_series": series,
+             "promql_expr_test": [{"expr": q[k], "eval_time": "30s", "exp_samples": v}
+                                  for k, v in expect.items()]}]}
+    path = tmp_path / "joins.test.yml"
+    path.write_text(json.dumps(tests))  # JSON is YAML
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is not installed (the test command installs it)"
+    r = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
