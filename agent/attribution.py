@@ -124,6 +124,6 @@ class GpuAttribution:
             "Failed PodResources List calls by gRPC status (unavailable: no kubelet "
             "socket; deadline_exceeded: the kubelet did not answer in time).",
             labels=["node", "kind"])
-        for kind, n in sorted(self.pods.errors.items()):
+        for kind, n in sorted(dict(self.pods.errors).items()):  # a copy: it may grow now
             err.add_metric([node, kind], n)
         yield err

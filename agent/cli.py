@@ -222,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(err)) from None
     if args.max_connections < 1:
         raise UsageError("--max-connections must be >= 1")
+    if not (args.proc / "self").is_dir():
+        raise UsageError(f"--proc {args.proc} is not a procfs (no {args.proc}/self)")
     ranks = RankRegistry(max_ranks=args.max_ranks, grace_s=args.rank_grace)
     pods = make_pod_resources(args.pod_resources)
     backend = make_backend(args, ranks)

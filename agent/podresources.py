@@ -81,8 +81,12 @@ class PodResources:
         self.refresh_s = refresh_s
         self._grpc = grpc
         self._request = api_pb2.ListPodResourcesRequest()
-        self._channel = grpc.insecure_channel(
-            self.target, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        # gRPC waits up to 2 min between reconnects by default: a restarted kubelet
+        # would stay unseen that long. Try again at each refresh instead.
+        self._channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.initial_reconnect_backoff_ms", 1000),
+            ("grpc.max_reconnect_backoff_ms", int(refresh_s * 1000))])
         self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)
         self._owners: dict[str, list[Owner]] = {}
         self.last_success = 0.0  # Unix time of the last answer (0: none yet)

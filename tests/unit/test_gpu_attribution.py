@@ -199,3 +199,10 @@ def test_documented_joins_give_what_they_say_on_the_agents_series(tmp_path):
     r = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_proc_flag_refuses_a_directory_that_is_no_procfs(tmp_path, capsys):
+    assert main(["--backend", "sim", "--proc", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"clusterpulse-agent: error: --proc {tmp_path} is not a procfs (no " \
+                  f"{tmp_path}/self)"
