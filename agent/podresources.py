@@ -8,8 +8,9 @@ collection.
 
 Device ids, as the NVIDIA device plugin hands them out: the GPU's UUID
 ("GPU-..."), a MIG device ("MIG-GPU-<uuid>/<gi>/<ci>" with old drivers, "MIG-<uuid>"
-with new ones: only the first names its parent GPU), or the GPU's index with the
-plugin's `index` device-id strategy.
+with new ones: only the first names its parent GPU), a time-slicing replica
+("<uuid>::<n>": several containers share the GPU, each is an owner), or the GPU's index
+with the plugin's `index` device-id strategy.
 """
 
 from __future__ import annotations
@@ -57,8 +58,10 @@ def parse_target(text: str) -> str:
 
 
 def gpu_of(device_id: str) -> str:
-    """The GPU a device id names: its UUID, the parent UUID of an old-style MIG id, or
-    the id unchanged (a new-style MIG UUID or an index, matched as such)."""
+    """The GPU a device id names: its UUID, the parent UUID of an old-style MIG id, the
+    GPU of a time-slicing replica ("<uuid>::<n>"), or the id unchanged (a new-style MIG
+    UUID or an index, matched as such)."""
+    device_id = device_id.split("::", 1)[0]
     if device_id.startswith("MIG-GPU-"):
         return device_id.removeprefix("MIG-").split("/", 1)[0]
     return device_id

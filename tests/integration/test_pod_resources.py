@@ -134,3 +134,4 @@ def test_device_ids_name_their_gpu():
     assert gpu_of("MIG-GPU-abc/1/0") == "GPU-abc"  # R470 and older: names the parent
     assert gpu_of("MIG-4f2e") == "MIG-4f2e"  # R470+: its own UUID
     assert gpu_of("3") == "3"  # the device plugin's index strategy
+    assert gpu_of("GPU-abc::2") == "GPU-abc"  # a time-slicing replica of the GPU
