@@ -42,6 +42,9 @@ def pods() -> api_pb2.ListPodResourcesResponse:
             api_pb2.ContainerResources(name="jupyter", devices=[
                 dev(resource_name="nvidia.com/mig-1g.10gb",
                     device_ids=[f"MIG-{sim_uuid(NODE, 0)}/7/0"])])]),
+        api_pb2.PodResources(name="infer-1", namespace="serving", containers=[
+            api_pb2.ContainerResources(name="server", devices=[  # time-slicing replica
+                dev(resource_name="nvidia.com/gpu", device_ids=[f"{sim_uuid(NODE, 1)}::3"])])]),
         api_pb2.PodResources(name="web", namespace="default"),
     ])
 
@@ -89,6 +92,7 @@ def test_agent_exports_the_pod_namespace_and_container_holding_each_gpu(kubelet,
     g0, g1 = sim_uuid(NODE, 0), sim_uuid(NODE, 1)
     assert owners(text) == {
         ("1", g1, "train-0", "ml", "trainer", g1),
+        ("1", g1, "infer-1", "serving", "server", f"{g1}::3"),  # sharing the GPU
         ("0", g0, "notebook", "research", "jupyter", f"MIG-{g0}/7/0"),  # MIG: its parent
     }  # the fpga is not a GPU
     (age,) = [s.value for f in text_string_to_metric_families(text) for s in f.samples
