@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -10,15 +11,21 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from clusterpulse.agent import __version__, protocol
+from clusterpulse.agent.attribution import GpuAttribution
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.backends import Backend, BackendError
 from clusterpulse.agent.faults import FaultError, load_scenario
 from clusterpulse.agent.httpsafe import tls_context
+from clusterpulse.agent.identity import still_running
 from clusterpulse.agent.logsetup import setup_logging
 from clusterpulse.agent.ranks import RankRegistry
 from clusterpulse.agent.tokens import TokenError, Tokens
+
+if TYPE_CHECKING:
+    from clusterpulse.agent.podresources import PodResources
 
 log = logging.getLogger("clusterpulse.agent")
 
@@ -39,6 +46,10 @@ examples:
 
   # a node whose fabric link is a veth or macvlan (read besides device-backed NICs)
   clusterpulse-agent --backend nvml --nic eth0 --nic 'ib*'
+
+  # Kubernetes: label each GPU with the pod holding it (needs clusterpulse[kubernetes])
+  clusterpulse-agent --backend nvml \
+      --pod-resources unix:///var/lib/kubelet/pod-resources/kubelet.sock
 
   # simulated node with a timed fault scenario (TOML, see deploy/local/scenario.toml)
   clusterpulse-agent --backend sim --node sim-a --scenario deploy/local/scenario.toml
@@ -114,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "cni, calico and flannel devices are read only when named here")
     p.add_argument("--no-queues", action="store_true",
                    help="do not read the NICs' queue statistics (they need `tc`, iproute2)")
+    p.add_argument("--pod-resources", metavar="unix:///PATH",
+                   help="the kubelet's PodResources socket: export which pod, namespace and "
+                   "container holds each GPU (clusterpulse_gpu_owner_info), e.g. "
+                   "unix:///var/lib/kubelet/pod-resources/kubelet.sock. Needs the "
+                   "'kubernetes' extra. Default: off")
+    p.add_argument("--proc", type=Path, default=Path("/proc"),
+                   help="procfs of the GPU processes' pid namespace, read for their user "
+                   "and Slurm job (in a container: the host's, with hostPID; default: /proc)")
     p.add_argument("--rank-grace", type=float, default=300.0,
                    help="seconds before a silent rank is forgotten (default: 300)")
     p.add_argument("--max-ranks", type=int, default=1024,
@@ -148,9 +167,28 @@ def make_backend(args: argparse.Namespace, ranks: RankRegistry) -> Backend:
             raise UsageError(str(err)) from None
     try:
         return SimBackend(gpus=args.gpus, model=args.gpu_model, node=args.node,
-                          activity=ranks.activity, scenario=scenario)
+                          activity=ranks.activity, scenario=scenario,
+                          processes=functools.partial(rank_processes, ranks))
     except ValueError as err:
         raise UsageError(str(err)) from None
+
+
+def rank_processes(ranks: RankRegistry, gpu: int) -> tuple[int, ...]:
+    """What a driver would list on a simulated GPU: the live rank processes bound to it,
+    by the pid the kernel named (a UDP sender's is unknown, and it is left out)."""
+    return tuple(sorted({r.pid for r in ranks.snapshot()
+                         if r.gpu == gpu and r.pid > 0 and still_running(r.sender)}))
+
+
+def make_pod_resources(target: str | None) -> PodResources | None:
+    if target is None:
+        return None
+    from clusterpulse.agent.podresources import PodResources, PodResourcesUnavailable
+
+    try:
+        return PodResources(target)
+    except (ValueError, PodResourcesUnavailable) as err:
+        raise UsageError(f"--pod-resources: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,7 +223,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(err)) from None
     if args.max_connections < 1:
         raise UsageError("--max-connections must be >= 1")
+    if not (args.proc / "self").is_dir():
+        raise UsageError(f"--proc {args.proc} is not a procfs (no {args.proc}/self)")
     ranks = RankRegistry(max_ranks=args.max_ranks, grace_s=args.rank_grace)
+    pods = make_pod_resources(args.pod_resources)
     backend = make_backend(args, ranks)
     try:
         agent = Agent(backend, args.node, ranks, AuditLog(args.audit_log),
@@ -194,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
                              max_connections=args.max_connections)
     except OSError as err:
         backend.close()
+        if pods is not None:
+            pods.close()
         raise UsageError(
             f"cannot listen: {err.strerror or err} ({args.listen} / {args.telemetry})"
         ) from None
@@ -205,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
         agent.links.append(NicCounters(sysfs, nics))
     if not args.no_queues:
         agent.links.append(QueueCounters(nics))
+    agent.links.append(GpuAttribution(lambda: agent.snapshot.gpus, args.proc, pods))
+    if pods is not None:
+        pods.start()  # a first answer before serving; never blocks past its timeout
     agent.start()
     serve_in_thread(server)
     done = threading.Event()
@@ -218,4 +264,6 @@ def run(args: argparse.Namespace) -> int:
     done.wait()
     server.shutdown()
     agent.stop()
+    if pods is not None:
+        pods.close()
     return 0

@@ -121,7 +121,9 @@ class AgentCollector(Collector):
         yield from self._agent_series()
         yield from self._gpu_series()
         yield from self._rank_series()
-        for links in self.agent.links:  # NIC port health and queues, when configured
+        # Collectors of other subsystems (node_exporter style): NIC port health and
+        # queues, who uses each GPU (agent.attribution), as the CLI configured them.
+        for links in self.agent.links:
             yield from links.families(self.agent.node)
 
     def _agent_series(self) -> Iterable:

@@ -77,3 +77,6 @@ class GpuSample:
     nvlinks: dict[int, NvLinkSample] = field(default_factory=dict)
     # Why the GPU is down (an NVML error kind such as "gpu_is_lost"); "" when up.
     down_reason: str = ""
+    # Host pids of the processes holding a context on the GPU (compute and graphics),
+    # instrumented or not: what attributes the GPU to a job, a user or a notebook.
+    processes: tuple[int, ...] = ()

@@ -373,7 +373,18 @@ class NvmlBackend:
         s.clock_events = None if mask is None else decode_clock_events(int(mask))
         self._read_fields(dev, s)
         self._read_links(dev, s)
+        s.processes = self._read_processes(dev)
         return s
+
+    def _read_processes(self, dev: _Device) -> tuple[int, ...]:
+        """Every process with a context on the GPU, from the driver: the ranks that
+        report telemetry and the ones that never will (a notebook, a stray job)."""
+        pids: set[int] = set()
+        for metric, fn in (("processes", "nvmlDeviceGetComputeRunningProcesses"),
+                           ("graphics_processes", "nvmlDeviceGetGraphicsRunningProcesses")):
+            for p in self._optional(dev, metric, fn, dev.handle) or ():
+                pids.add(int(p.pid))
+        return tuple(sorted(pids))
 
     def _read_links(self, dev: _Device, s: GpuSample) -> None:
         n, h = self._nvml, dev.handle

@@ -84,6 +84,7 @@ class _GpuState:
 
 
 NO_ACTIVITY: Callable[[int], Activity] = lambda _gpu: Activity()  # noqa: E731
+NO_PROCESSES: Callable[[int], tuple[int, ...]] = lambda _gpu: ()  # noqa: E731
 
 
 class SimBackend:
@@ -97,13 +98,17 @@ class SimBackend:
         activity: Callable[[int], Activity] = NO_ACTIVITY,
         scenario: list[ScheduledFault] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        processes: Callable[[int], tuple[int, ...]] = NO_PROCESSES,
     ) -> None:
+        """`processes(gpu)`: the pids a real driver would list on the GPU; the agent
+        passes the live rank processes bound to it (no process is simulated)."""
         if model not in MODELS:
             raise ValueError(f"unknown GPU model {model!r}; known: {', '.join(MODELS)}")
         if not 1 <= gpus <= 64:
             raise ValueError(f"simulated GPUs must be 1..64, got {gpus}")
         self.model = MODELS[model]
         self.activity = activity
+        self.processes = processes
         self._clock = clock
         self._start = self._last = clock()
         self._lock = threading.Lock()
@@ -237,6 +242,11 @@ class SimBackend:
         g.pcie_tx += (act.host_bytes_per_s * 0.02 + act.sync_bytes_per_s) * dt
         if g.nvlink_errors:  # about one replay per MiB over a bad link
             g.nvlink_replays += act.sync_bytes_per_s * dt / 2**20
+        try:
+            pids = tuple(self.processes(g.index))
+        except Exception:  # like the activity: telemetry must never stop the GPUs
+            self._errors["processes"] += 1
+            pids = ()
         return GpuSample(
             index=g.index, uuid=g.uuid, up=True, name=m.name,
             pci_bus_id=f"00000000:{0x18 + g.index * 0x10:02X}:00.0", driver_version="sim",
@@ -263,6 +273,7 @@ class SimBackend:
                 errors={"crc": 0.0, "recovery": 0.0,
                         "replay": round(g.nvlink_replays) if link == 0 else 0.0})
                 for link in range(4)},
+            processes=pids,
         )
 
     def unsupported(self) -> dict[tuple[int, str], str]:

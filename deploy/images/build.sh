@@ -61,6 +61,8 @@ base_image
 ctx=$(mktemp -d)
 trap 'rm -rf "$ctx"' EXIT
 src=$PWD
+# The agent's image can ask the kubelet which pod holds each GPU (--pod-resources, gRPC).
+[ "$what" = agent ] && src="$PWD[kubernetes]"
 [ "$what" = dashboard ] && src="$PWD[dashboard]"
 say "building wheels for $src and its dependencies"
 "$PYTHON" -m pip wheel -q -w "$ctx/wheels" "$src" 2> >(grep -v "is ignored: it is neither" >&2)

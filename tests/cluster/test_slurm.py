@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.dashboard.promclient import PrometheusClient
@@ -102,6 +103,20 @@ def resumed_step(slurm: SlurmCluster, job: str, out: Path) -> int:
         raise AssertionError(f"{err}\n{out.read_text(errors='replace')[-3000:]}") from None
 
 
+def _samples(ip: str, port: int, name: str) -> list[dict[str, str]]:
+    text = requests.get(f"http://{ip}:{port}/metrics", timeout=2).text
+    return [s.labels for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name]
+
+
+def gpu_processes(ip: str, port: int) -> list[dict[str, str]]:
+    return _samples(ip, port, "clusterpulse_gpu_process_info")
+
+
+def rank_pids(ip: str, port: int) -> set[str]:
+    return {r["pid"] for r in _samples(ip, port, "clusterpulse_trainer_rank_info")}
+
+
 def port_open(ip: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1)
@@ -120,6 +135,17 @@ def test_sbatch_runs_agent_step_and_torchrun_on_every_node(slurm, bed):
         wait_until(lambda name=name: f'run="basic-{job}"' in requests.get(
             f"http://{nodes[name].ip}:9410/metrics", timeout=2).text, 120,
             f"rank of the job reported by the agent step on {name}")
+        # Every process on a GPU is attributed to its user and Slurm job, read from the
+        # kernel (/proc/PID/status, /proc/PID/cgroup): the simulator lists the rank's
+        # process as a driver would, the cgroup slurmstepd put it in is real.
+        procs = wait_until(lambda name=name: gpu_processes(nodes[name].ip, 9410), 60,
+                           f"the rank's process on a GPU of {name}")
+        ranks = rank_pids(nodes[name].ip, 9410)
+        assert {p["pid"] for p in procs} == ranks, (procs, ranks)
+        # proctrack/linuxproc (no writable cgroups on the machine) puts no job in a cgroup
+        in_job = job if slurm.proctrack == "cgroup" else ""
+        assert all(p["slurm_job"] == in_job and p["uid"] == "0" and p["user"] == "root"
+                   for p in procs), procs
     info = wait_state(slurm, job, DONE, 240, out)
     text = out.read_text()
     assert info["JobState"] == "COMPLETED", text[-3000:]

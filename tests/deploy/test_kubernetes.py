@@ -167,3 +167,15 @@ def test_prometheus_rule_carries_every_source_rule_with_an_interval():
         for g in yaml.safe_load((REPO / "deploy" / "prometheus" / src).read_text())["groups"]:
             assert got[g["name"]] == g.get("interval", "5s"), g["name"]
     assert got["clusterpulse-training"] == got["clusterpulse-availability"] == "5s"
+
+
+def test_agent_asks_the_kubelet_which_pod_holds_each_gpu_through_a_read_only_mount():
+    ds = next(o for o in _base_objects() if o["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    (agent,) = pod["containers"]
+    sock = agent["args"][agent["args"].index("--pod-resources") + 1].removeprefix("unix://")
+    (mount,) = [m for m in agent["volumeMounts"] if sock.startswith(m["mountPath"] + "/")]
+    assert mount["readOnly"] is True
+    (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert vol["hostPath"]["path"] == mount["mountPath"]
+    assert pod["hostPID"] is True  # /proc/PID of every process on a GPU: its user and job

@@ -40,6 +40,8 @@ class FakeGpu:
     pcie_width_max: int = 16
     nvlink_up: list[bool] = field(default_factory=lambda: [True] * 4)  # [] = no NVLink
     nvlink_errors: dict[tuple[int, int], int] = field(default_factory=dict)  # (link, kind)
+    compute_pids: list[int] = field(default_factory=list)  # processes with a CUDA context
+    graphics_pids: list[int] = field(default_factory=list)
 
 
 class FakeNvml:
@@ -187,6 +189,14 @@ class FakeNvml:
                                            value=SimpleNamespace(ullVal=int(g.fields[fid]))))
         return out
 
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list:
+        g = self._fn("nvmlDeviceGetComputeRunningProcesses", h)
+        return [_process(pid) for pid in g.compute_pids]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h: int) -> list:
+        g = self._fn("nvmlDeviceGetGraphicsRunningProcesses", h)
+        return [_process(pid) for pid in g.graphics_pids]
+
     def nvmlEventSetCreate(self) -> str:
         return "event-set"
 
@@ -202,3 +212,10 @@ class FakeNvml:
 
     def nvmlEventSetFree(self, _set: Any) -> None:
         pass
+
+
+def _process(pid: int) -> Any:
+    """A c_nvmlProcessInfo_t as pynvml returns it (memory in bytes; the MIG instance ids
+    are 0xFFFFFFFF on a GPU without MIG)."""
+    return SimpleNamespace(pid=pid, usedGpuMemory=2**30, gpuInstanceId=0xFFFFFFFF,
+                           computeInstanceId=0xFFFFFFFF)
