@@ -165,3 +165,33 @@ def test_objects_match_the_kustomize_base_where_both_say_the_same(default):
                 (b["securityContext"], b["resources"], b["args"]), c["name"]
             assert {m["mountPath"] for m in c["volumeMounts"]} == \
                 {m["mountPath"] for m in b["volumeMounts"]}, c["name"]
+
+
+def test_optional_parts_can_be_left_out_and_what_remains_is_valid():
+    """No prometheus-operator CRDs, no receiver, no policies: the rest still installs, and
+    nothing left refers to what was left out (the policy ConfigMap, the webhook port)."""
+    objects = render({"podMonitor": {"enabled": False}, "prometheusRule": {"enabled": False},
+                      "remediation": {"enabled": False},
+                      "networkPolicy": {"enabled": False},
+                      "dashboard": {"podDisruptionBudget": {"enabled": False}}},
+                     release="gpu")
+    assert {o["kind"] for o in objects} == {
+        "ServiceAccount", "DaemonSet", "PersistentVolumeClaim", "Deployment", "Service"}
+    _validate_all(objects)
+    (dash,) = by_kind(objects, "Deployment")
+    assert dash["metadata"]["name"] == "gpu-clusterpulse-dashboard"
+    assert [c["name"] for c in dash["spec"]["template"]["spec"]["containers"]] == ["dashboard"]
+    assert "19495" not in yaml.safe_dump(objects)
+
+
+def test_a_policy_given_as_a_value_replaces_the_shipped_one():
+    policy = 'dry_run = true\n\n[[rule]]\nalert = "RankHung"\naction = "restart"\n'
+    (cm,) = by_kind(render({"remediation": {"policy": policy}}), "ConfigMap")
+    assert cm["data"]["policy.toml"].rstrip("\n") == policy.rstrip("\n")
+
+
+def test_the_rendered_policy_is_one_the_receiver_loads(default, tmp_path):
+    from clusterpulse.dashboard.remediation import Policy
+    (cm,) = by_kind(default, "ConfigMap")
+    (tmp_path / "policy.toml").write_text(cm["data"]["policy.toml"])
+    assert Policy.load(tmp_path / "policy.toml").rules
