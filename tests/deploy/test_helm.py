@@ -6,6 +6,8 @@ every container, the NetworkPolicies, image digests, the values reaching the pod
 from __future__ import annotations
 
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,27 @@ def test_the_rendered_policy_is_one_the_receiver_loads(default, tmp_path):
     (cm,) = by_kind(default, "ConfigMap")
     (tmp_path / "policy.toml").write_text(cm["data"]["policy.toml"])
     assert Policy.load(tmp_path / "policy.toml").rules
+
+
+def test_every_flag_in_the_pods_is_one_the_program_knows(default):
+    """A renamed flag puts a pod in a crash loop that no render or schema check sees: every
+    --flag in the containers' args must be in the program's --help. The example's
+    Alertmanager basic auth is left out here: the dashboard's --alertmanager-user and
+    --alertmanager-password-file come with issue #29's dashboard change."""
+    values = yaml.safe_load(EXAMPLE.read_text())
+    values["alertmanager"]["basicAuth"]["enabled"] = False
+    flags: dict[str, set[str]] = {}
+    for objects in (default, render(values)):
+        for pod in pod_specs(objects):
+            for c in pod["containers"]:
+                args = c["args"]
+                program = "clusterpulse-agent" if c["name"] == "agent" else args[0]
+                flags.setdefault(program, set()).update(
+                    a.split("=")[0] for a in args if a.startswith("--"))
+    assert set(flags) == {"clusterpulse-agent", "clusterpulse-dashboard",
+                          "clusterpulse-remediate"}
+    for program, used in flags.items():
+        out = subprocess.run([str(Path(sys.executable).parent / program), "--help"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert not sorted(f for f in used if f not in out.stdout.split()), program
