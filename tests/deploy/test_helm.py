@@ -54,9 +54,10 @@ def pod_specs(objects: list[dict]) -> list[dict]:
 
 
 def test_chart_lints_clean_and_renders_valid_objects(default, example):
-    report = helm.lint(CHART, strict=True, namespace=NS)
-    assert report["errors"] == [] and not [m for m in report["messages"]
-                                           if m["severity"] >= 2], report
+    for values in (None, yaml.safe_load(EXAMPLE.read_text())):
+        report = helm.lint(CHART, values, strict=True, namespace=NS)
+        assert report["errors"] == [] and not [m for m in report["messages"]
+                                               if m["severity"] >= 2], report
     for objects in (default, example):
         assert {o["kind"] for o in objects} == {
             "ServiceAccount", "DaemonSet", "PodMonitor", "PrometheusRule", "ConfigMap",
