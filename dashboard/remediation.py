@@ -700,6 +700,11 @@ def serve(remediator: Remediator, host: str, port: int, tokens: Tokens,
             self.send_json(200, {"decisions": decisions})
 
         def do_GET(self) -> None:
+            # The pod's liveness and readiness probes: no token, nothing secret.
+            if self.path.split("?", 1)[0] == "/healthz":
+                self.send_json(200, {"status": "ok", "rules": len(remediator.policy.rules),
+                                     "dry_run": remediator.policy.dry_run})
+                return
             self.send_json(405, {"error": "POST Alertmanager notifications here"})
 
     server = SafeServer((host, port), Handler, tls=tls)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -150,12 +151,47 @@ def test_pods_are_locked_down_and_bounded():
             assert ("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"]) in defined
 
 
+# Every container's health endpoint: the agent's /healthz (503 once a thread died),
+# Streamlit's own, the remediation receiver's /healthz.
+PROBES = {"agent": "/healthz", "dashboard": "/_stcore/health", "remediation": "/healthz"}
+
+
+def probe_paths(objects: list[dict]) -> dict[str, dict[str, str]]:
+    """container -> {probe kind: path}, checking that each probe targets a port the
+    container declares (a probe on a wrong port restarts a healthy pod forever)."""
+    out: dict[str, dict[str, str]] = {}
+    for w in (o for o in objects if o["kind"] in ("DaemonSet", "Deployment")):
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            ports = {p["name"] for p in c.get("ports", [])}
+            out[c["name"]] = {}
+            for kind in ("livenessProbe", "readinessProbe"):
+                if kind in c:
+                    assert c[kind]["httpGet"]["port"] in ports, (c["name"], kind)
+                    out[c["name"]][kind] = c[kind]["httpGet"]["path"]
+    return out
+
+
+def test_every_container_has_liveness_and_readiness_probes():
+    """The dashboard had no liveness probe and the remediation receiver no probe at all:
+    a wedged process kept its pod "Running" and Alertmanager's webhooks went nowhere."""
+    assert probe_paths(_base_objects()) == {
+        name: {"livenessProbe": path, "readinessProbe": path} for name, path in PROBES.items()}
+
+
 def test_generated_files_are_in_sync_with_their_sources():
     """Fails after someone edits deploy/prometheus rules, policy.toml or the Grafana
     dashboards without regenerating: the message names the command."""
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_deploy.py"), "--check"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+    # The Helm chart's copies are among the files checked (a chart cannot read files
+    # outside itself, so it carries its own, generated from the same sources).
+    spec = importlib.util.spec_from_file_location("gen_deploy", REPO / "scripts" / "gen_deploy.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    chart = REPO / "deploy" / "helm" / "clusterpulse" / "files"
+    assert {chart / "prometheusrule-spec.yaml", chart / "policy.toml"} <= set(gen.targets())
 
 
 def test_prometheus_rule_carries_every_source_rule_with_an_interval():

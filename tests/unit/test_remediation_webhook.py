@@ -69,6 +69,16 @@ def test_alertmanager_credentials_are_accepted(webhook, scheme):
     assert r.status_code == 200 and r.json()["decisions"][0]["outcome"] == "dry_run"
 
 
+def test_healthz_answers_the_probes_without_a_token(webhook):
+    """The pod's liveness/readiness probes (deploy/helm, deploy/kubernetes) GET /healthz;
+    it had no health path at all (405)."""
+    port, audit = webhook
+    r = requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+    assert r.status_code == 200 and r.json() == {"status": "ok", "rules": 1, "dry_run": True}
+    assert requests.get(f"http://127.0.0.1:{port}/alertmanager", timeout=5).status_code == 405
+    assert not audit.exists() or audit.read_text() == ""  # a probe is not an event
+
+
 def test_content_length_is_checked_before_auth(webhook):
     """Finding: `Content-Length: -1` read the whole stream before anything was checked."""
     port, _ = webhook

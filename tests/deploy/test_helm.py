@@ -1,0 +1,224 @@
+"""deploy/helm/clusterpulse: rendered by Helm's own engine (Helm v4's Go SDK, bundled in
+the helm-python-sdk wheel: no helm binary, no network), every object validated strictly
+like the kustomize base, and what the issue asked of it checked on the output: probes on
+every container, the NetworkPolicies, image digests, the values reaching the pods."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy.test_kubernetes import PROBES, _base_objects, _validate_all, probe_paths
+
+if platform.machine() != "x86_64":  # the only platform the wheel ships a library for
+    pytest.skip(f"helm-python-sdk has no wheel for {platform.machine()}",
+                allow_module_level=True)
+
+import helm_python as helm  # after the platform check
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "clusterpulse"
+EXAMPLE = REPO / "deploy" / "helm" / "values-example.yaml"
+NS = "clusterpulse"
+
+
+def render(values: dict | None = None, release: str = "clusterpulse") -> list[dict]:
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values, name=release, namespace=NS, is_install=True)
+    return [d for name, text in sorted(manifests.items()) if name.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]
+
+
+@pytest.fixture(scope="module")
+def default() -> list[dict]:
+    return render()
+
+
+@pytest.fixture(scope="module")
+def example() -> list[dict]:
+    return render(yaml.safe_load(EXAMPLE.read_text()))
+
+
+def by_kind(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def pod_specs(objects: list[dict]) -> list[dict]:
+    return [o["spec"]["template"]["spec"] for o in objects
+            if o["kind"] in ("DaemonSet", "Deployment")]
+
+
+def test_chart_lints_clean_and_renders_valid_objects(default, example):
+    for values in (None, yaml.safe_load(EXAMPLE.read_text())):
+        report = helm.lint(CHART, values, strict=True, namespace=NS)
+        assert report["errors"] == [] and not [m for m in report["messages"]
+                                               if m["severity"] >= 2], report
+    for objects in (default, example):
+        assert {o["kind"] for o in objects} == {
+            "ServiceAccount", "DaemonSet", "PodMonitor", "PrometheusRule", "ConfigMap",
+            "PersistentVolumeClaim", "Deployment", "Service", "PodDisruptionBudget",
+            "NetworkPolicy"}
+        assert {o["metadata"]["namespace"] for o in objects} == {NS}
+        _validate_all(objects)
+
+
+def test_every_container_has_liveness_and_readiness_on_a_port_it_serves(default):
+    assert probe_paths(default) == {
+        name: {"livenessProbe": path, "readinessProbe": path} for name, path in PROBES.items()}
+
+
+def _ingress(objects: list[dict], name: str) -> list[dict]:
+    pol = next(o for o in by_kind(objects, "NetworkPolicy") if o["metadata"]["name"] == name)
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    return pol["spec"]["ingress"]
+
+
+def test_network_policies_admit_only_whom_the_issue_names(default):
+    dash = {"app.kubernetes.io/name": "clusterpulse-dashboard",
+            "app.kubernetes.io/instance": "clusterpulse"}
+    monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    (agent_rule,) = _ingress(default, "clusterpulse-agent")
+    assert agent_rule["ports"] == [{"port": 9477, "protocol": "TCP"}]
+    assert agent_rule["from"] == [
+        {"namespaceSelector": monitoring,
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
+        {"podSelector": {"matchLabels": dash}}]
+    ui, hook = _ingress(default, "clusterpulse-dashboard")
+    assert ui == {"ports": [{"port": 8501, "protocol": "TCP"}],
+                  "from": [{"namespaceSelector": {}}]}
+    assert hook == {"ports": [{"port": 19495, "protocol": "TCP"}],
+                    "from": [{"namespaceSelector": monitoring, "podSelector": {
+                        "matchLabels": {"app.kubernetes.io/name": "alertmanager"}}}]}
+    # Each policy selects the pods it is named for.
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
+            for o in default if o["kind"] in ("DaemonSet", "Deployment")}
+    for pol in by_kind(default, "NetworkPolicy"):
+        wanted = pol["spec"]["podSelector"]["matchLabels"]
+        assert wanted.items() <= pods[pol["metadata"]["name"]].items()
+
+
+def test_images_are_pinned_by_digest_when_one_is_set(default, example):
+    def images(objects: list[dict]) -> set[str]:
+        return {c["image"] for pod in pod_specs(objects) for c in pod["containers"]}
+    assert images(default) == {"clusterpulse-agent:0.1.0", "clusterpulse-dashboard:0.1.0"}
+    values = yaml.safe_load(EXAMPLE.read_text())
+    assert images(example) == {
+        f"registry.example.com/gpu-platform/{values['images'][c]['repository']}"
+        f"@{values['images'][c]['digest']}" for c in ("agent", "dashboard")}
+    tagged = render({"images": {"agent": {"repository": "clusterpulse-agent", "tag": "0.2.0"}}})
+    assert "clusterpulse-agent:0.2.0" in images(tagged)
+
+
+@pytest.mark.parametrize("values, where", [
+    ({"images": {"agent": {"repository": "a", "digest": "sha256:abc"}}},
+     "/images/agent/digest"),
+    ({"agnet": {"port": 9477}}, "'agnet' not allowed"),
+    ({"prometheus": {"url": "prometheus:9090"}}, "/prometheus/url"),
+])
+def test_bad_values_are_refused_naming_the_key(values, where):
+    with pytest.raises(helm.HelmValuesError, match=where):
+        render(values)
+
+
+def test_example_values_reach_the_objects(example):
+    labelled = {o["kind"]: o["metadata"]["labels"].get("release") for o in example
+                if o["kind"] in ("PodMonitor", "PrometheusRule")}
+    assert labelled == {"PodMonitor": "kube-prometheus-stack",
+                        "PrometheusRule": "kube-prometheus-stack"}
+    agent, dash = pod_specs(example)
+    assert agent["runtimeClassName"] == "nvidia"
+    assert agent["nodeSelector"]["node-role.example.com/training"] == "true"
+    assert {"key": "dedicated", "operator": "Equal", "value": "training",
+            "effect": "NoSchedule"} in agent["tolerations"]
+    assert dash["nodeSelector"] == {"node-role.kubernetes.io/infra": "true"}
+    dashboard, remediation = dash["containers"]
+    args = dashboard["args"]
+    assert args[args.index("--prometheus") + 1] == \
+        "http://kube-prometheus-stack-prometheus.monitoring:9090"
+    assert args[args.index("--alertmanager-password-file") + 1].startswith(
+        next(m["mountPath"] for m in dashboard["volumeMounts"] if m["name"] == "alertmanager"))
+    assert {"name": "alertmanager", "secret": {
+        "secretName": "clusterpulse-alertmanager-password", "defaultMode": 0o400}} \
+        in dash["volumes"]
+    assert "--dry-run" not in remediation["args"]
+
+
+def test_objects_match_the_kustomize_base_where_both_say_the_same(default):
+    """One product, two packagings: the chart's rules, policy and pod hardening are the
+    base's (the rules and policy are generated from one source into both)."""
+    base = _base_objects()
+    assert by_kind(default, "PrometheusRule")[0]["spec"] == \
+        by_kind(base, "PrometheusRule")[0]["spec"]
+    assert by_kind(default, "PodMonitor")[0]["spec"]["podMetricsEndpoints"] == \
+        by_kind(base, "PodMonitor")[0]["spec"]["podMetricsEndpoints"]
+    policy = next(o for o in by_kind(default, "ConfigMap"))["data"]["policy.toml"]
+    source = (REPO / "deploy" / "local" / "policy.toml").read_text()
+    assert policy.rstrip("\n").endswith(source.rstrip("\n"))
+    for ours, theirs in zip(pod_specs(default), pod_specs(base), strict=True):
+        for key in ("securityContext", "hostPID", "hostNetwork", "automountServiceAccountToken",
+                    "nodeSelector", "tolerations", "priorityClassName"):
+            assert ours.get(key) == theirs.get(key), key
+        for c, b in zip(ours["containers"], theirs["containers"], strict=True):
+            assert (c["securityContext"], c["resources"], c["args"]) == \
+                (b["securityContext"], b["resources"], b["args"]), c["name"]
+            assert {m["mountPath"] for m in c["volumeMounts"]} == \
+                {m["mountPath"] for m in b["volumeMounts"]}, c["name"]
+
+
+def test_optional_parts_can_be_left_out_and_what_remains_is_valid():
+    """No prometheus-operator CRDs, no receiver, no policies: the rest still installs, and
+    nothing left refers to what was left out (the policy ConfigMap, the webhook port)."""
+    objects = render({"podMonitor": {"enabled": False}, "prometheusRule": {"enabled": False},
+                      "remediation": {"enabled": False},
+                      "networkPolicy": {"enabled": False},
+                      "dashboard": {"podDisruptionBudget": {"enabled": False}}},
+                     release="gpu")
+    assert {o["kind"] for o in objects} == {
+        "ServiceAccount", "DaemonSet", "PersistentVolumeClaim", "Deployment", "Service"}
+    _validate_all(objects)
+    (dash,) = by_kind(objects, "Deployment")
+    assert dash["metadata"]["name"] == "gpu-clusterpulse-dashboard"
+    assert [c["name"] for c in dash["spec"]["template"]["spec"]["containers"]] == ["dashboard"]
+    assert "19495" not in yaml.safe_dump(objects)
+
+
+def test_a_policy_given_as_a_value_replaces_the_shipped_one():
+    policy = 'dry_run = true\n\n[[rule]]\nalert = "RankHung"\naction = "restart"\n'
+    (cm,) = by_kind(render({"remediation": {"policy": policy}}), "ConfigMap")
+    assert cm["data"]["policy.toml"].rstrip("\n") == policy.rstrip("\n")
+
+
+def test_the_rendered_policy_is_one_the_receiver_loads(default, tmp_path):
+    from clusterpulse.dashboard.remediation import Policy
+    (cm,) = by_kind(default, "ConfigMap")
+    (tmp_path / "policy.toml").write_text(cm["data"]["policy.toml"])
+    assert Policy.load(tmp_path / "policy.toml").rules
+
+
+def test_every_flag_in_the_pods_is_one_the_program_knows(default):
+    """A renamed flag puts a pod in a crash loop that no render or schema check sees: every
+    --flag in the containers' args must be in the program's --help. The example's
+    Alertmanager basic auth is left out here: the dashboard's --alertmanager-user and
+    --alertmanager-password-file come with issue #29's dashboard change."""
+    values = yaml.safe_load(EXAMPLE.read_text())
+    values["alertmanager"]["basicAuth"]["enabled"] = False
+    flags: dict[str, set[str]] = {}
+    for objects in (default, render(values)):
+        for pod in pod_specs(objects):
+            for c in pod["containers"]:
+                args = c["args"]
+                program = "clusterpulse-agent" if c["name"] == "agent" else args[0]
+                flags.setdefault(program, set()).update(
+                    a.split("=")[0] for a in args if a.startswith("--"))
+    assert set(flags) == {"clusterpulse-agent", "clusterpulse-dashboard",
+                          "clusterpulse-remediate"}
+    for program, used in flags.items():
+        out = subprocess.run([str(Path(sys.executable).parent / program), "--help"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert not sorted(f for f in used if f not in out.stdout.split()), program
