@@ -11,6 +11,7 @@ what the instrumentation does.
 from __future__ import annotations
 
 import contextlib
+import selectors
 import socket
 import sys
 import threading
@@ -139,34 +140,61 @@ def python_calls(fn: Callable[[], None]) -> int:
     return count
 
 
+def added_calls(agent: str, layers: int, steps: int = 20) -> tuple[float, float]:
+    """(calls per step the instrumentation adds, the bare loop's own calls per step)
+    for a `layers`-deep model; `agent` should not reply (draining_socket), so that the
+    count is deterministic, and `steps` span whole consensus intervals."""
+    bare, inst = Recipe(layers), Recipe(layers)
+    pulse = Pulse(run="calls", agent=agent, world_size=1, catch_sigterm=False)
+    try:
+        pulse.attach_ddp(inst.model)
+        bare.run(steps)
+        inst.run(steps, pulse)  # warm: the scorer exists, every lazy import is done
+        calls_bare = python_calls(lambda: bare.run(steps))
+        calls_inst = python_calls(lambda: inst.run(steps, pulse))
+        assert pulse.link.sent > 2 * steps, "the step messages took the send path"
+    finally:
+        pulse.close()
+    return (calls_inst - calls_bare) / steps, calls_bare / steps
+
+
 @contextlib.contextmanager
 def draining_socket(path: Path) -> Iterator[str]:
-    """A SOCK_SEQPACKET listener at `path` that reads and drops every message, so the
-    link's sends take their real path (encode, send on a connection) without an agent
-    process and never find the queue full. Yields the address for Pulse."""
+    """A SOCK_SEQPACKET listener at `path` that reads and drops every message on every
+    connection and never replies, so that the link's sends take their real path
+    (encode, send on a connection) without an agent process, never find the queue
+    full, and the loop reads no replies. Yields the address for Pulse."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(str(path))
-    server.listen(4)
-    server.settimeout(0.2)
+    server.listen(8)
+    server.setblocking(False)
     stop = threading.Event()
 
-    def drain() -> None:  # one connection: the Pulse's link
-        conn = None
-        while conn is None and not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                conn, _ = server.accept()
-        if conn is None:
-            return
-        conn.settimeout(0.2)
-        with conn:
+    def drain() -> None:  # every connection (one per Pulse), until stopped
+        with selectors.DefaultSelector() as sel:
+            sel.register(server, selectors.EVENT_READ)
             while not stop.is_set():
-                try:
-                    if not conn.recv(65536):
-                        return
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
+                for key, _ in sel.select(timeout=0.2):
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    if sock is server:
+                        with contextlib.suppress(BlockingIOError):
+                            conn, _ = server.accept()
+                            conn.setblocking(False)
+                            sel.register(conn, selectors.EVENT_READ)
+                        continue
+                    try:
+                        data = sock.recv(65536)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:
+                        sel.unregister(sock)
+                        sock.close()
+            for key in list(sel.get_map().values()):
+                if key.fileobj is not server:
+                    key.fileobj.close()  # type: ignore[union-attr]
 
     thread = threading.Thread(target=drain, name="drain", daemon=True)
     thread.start()

@@ -13,14 +13,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from clusterpulse.trainer.instrument import Pulse
-from tests.bench.recipe_loop import Recipe, draining_socket, python_calls
+from tests.bench.recipe_loop import added_calls, draining_socket
 
-STEPS = 20  # four consensus intervals (consensus_every=5)
 # What the loop's instrumentation needs per step today (pulse.data, step, two
 # sections, s.loss, boundary with its exchange and scorer every 5 steps, the send,
 # attach_ddp's hooks), with a little room; a change that adds per-step work must
-# raise this deliberately, and say why. (179 on torch 2.x here; 199 before issue #26.)
+# raise this deliberately, and say why. (177 on torch 2.x here; 199 before issue #26.)
 MAX_CALLS_PER_STEP = 190
 
 
@@ -36,24 +34,9 @@ def agent() -> Iterator[str]:
             dist.destroy_process_group()
 
 
-def _added_calls(agent: str, layers: int) -> float:
-    bare, inst = Recipe(layers), Recipe(layers)
-    pulse = Pulse(run="calls", agent=agent, world_size=1, catch_sigterm=False)
-    try:
-        pulse.attach_ddp(inst.model)
-        bare.run(STEPS)
-        inst.run(STEPS, pulse)  # warm: the scorer exists, every lazy import is done
-        calls_bare = python_calls(lambda: bare.run(STEPS))
-        calls_inst = python_calls(lambda: inst.run(STEPS, pulse))
-        assert pulse.link.sent > 2 * STEPS, "the step messages took the send path"
-    finally:
-        pulse.close()
-    return (calls_inst - calls_bare) / STEPS
-
-
 def test_instrumentation_calls_per_step_are_few_and_independent_of_the_model(
         agent: str) -> None:
-    small, large = _added_calls(agent, 1), _added_calls(agent, 48)
+    small, large = added_calls(agent, 1)[0], added_calls(agent, 48)[0]
     assert small == large, f"calls per step grow with the model: {small} -> {large}"
     assert small <= MAX_CALLS_PER_STEP, (
         f"{small} Python calls per step for the instrumentation (bound "
