@@ -111,8 +111,13 @@ class MalformedMessage(ValueError):
     """A datagram that is not a valid telemetry message; the text names why."""
 
 
+# One encoder for every message: json.dumps with any option builds a new one per call,
+# and a rank encodes a message every training step.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def encode(msg: dict[str, Any]) -> bytes:
-    return json.dumps({"v": VERSION, **msg}, separators=(",", ":")).encode()
+    return _ENCODER.encode({"v": VERSION, **msg}).encode()
 
 
 def _parse_int(text: str) -> int:

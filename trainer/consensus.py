@@ -84,13 +84,14 @@ class Consensus:
         self._windows_seen += 1
         flags = (1 if want_restart else 0) | (2 if want_checkpoint else 0) \
             | (4 if want_preempt else 0)
-        local = torch.tensor([float(flags), *mine], dtype=torch.float64)
+        row = [float(flags), *mine]
         if dist.is_initialized() and world > 1:
+            local = torch.tensor(row, dtype=torch.float64)
             out = [torch.zeros(1 + self.every, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(out, local, group=self.group)
             rows = torch.stack(out).tolist()
         else:
-            rows = [local.tolist()]
+            rows = [row]
         self.exchanges += 1
         flags_all = [int(r[0]) for r in rows]
         restart = any(f & 1 for f in flags_all)

@@ -89,6 +89,7 @@ SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between"})
 # Where a rank waits for its peers inside a step (a collective, a device sync); "step"
 # is a step outside any section. Not "data" (input) nor "checkpoint" (its own timeout).
 IN_STEP_PHASES = frozenset({"step", "forward_backward", "optimizer"})
+_EXACT_AS_FLOAT32 = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
 def _local_attempt() -> int:
@@ -157,21 +158,56 @@ class StepContext:
         self.sections: dict[str, float] = {}
         self.fb_end: Any = None  # clock mark at the end of forward_backward
         self._extra_wait = 0.0
+        self.t0 = 0.0  # perf_counter at the step's start, and the input wait before it
+        self.fetch = 0.0
+        self.start_mark: Any = None
+        self.loss_buffer: torch.Tensor | None = None  # pinned host copy (CUDA), reused
 
-    @contextlib.contextmanager
-    def section(self, name: str) -> Iterator[None]:
+    def section(self, name: str) -> _Section:
         if name not in SECTIONS:
             raise ValueError(f"section {name!r} is not one the agent accepts; use one of "
                              f"{', '.join(sorted(SECTIONS))}")
-        t0 = time.perf_counter()
-        self.pulse._enter(name)
-        try:
-            yield
-        finally:
-            self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - t0
-            if name == "forward_backward":
-                self.fb_end = self.pulse._clock.mark()
-            self.pulse._enter("step")
+        return _Section(self, name)
+
+
+class _Section:
+    """`with s.section(name):` as a plain class, not a generator-based context
+    manager: it runs twice per section every step, and a generator's set-up and
+    teardown cost more host time than the timing it does."""
+
+    __slots__ = ("ctx", "name", "t0")
+
+    def __init__(self, ctx: StepContext, name: str) -> None:
+        self.ctx, self.name, self.t0 = ctx, name, 0.0
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.ctx.pulse._enter(self.name)
+
+    def __exit__(self, *_exc: object) -> None:
+        ctx, name = self.ctx, self.name
+        ctx.sections[name] = ctx.sections.get(name, 0.0) + time.perf_counter() - self.t0
+        if name == "forward_backward":
+            ctx.fb_end = ctx.pulse._clock.mark()
+        ctx.pulse._enter("step")
+
+
+class _Step:
+    """`with pulse.step(n) as s:` (see Pulse.step): a plain class for the same reason
+    as _Section. An exception in the step leaves it unrecorded, as before."""
+
+    __slots__ = ("ctx", "pulse")
+
+    def __init__(self, pulse: Pulse, ctx: StepContext) -> None:
+        self.pulse, self.ctx = pulse, ctx
+
+    def __enter__(self) -> StepContext:
+        self.pulse._begin_step(self.ctx)
+        return self.ctx
+
+    def __exit__(self, kind: type[BaseException] | None, *_exc: object) -> None:
+        if kind is None:
+            self.pulse._end_step(self.ctx)
 
 
 class Pulse:
@@ -226,6 +262,8 @@ class Pulse:
         self._probes: list[tuple[Any, Any]] = []
         self._fetch_wait = 0.0
         self._input_since: float | None = None  # awaiting_input() began, not yet arrived
+        self._loss_buffers: list[torch.Tensor] = []  # pinned, free for a loss copy (CUDA)
+        self._resolved = 0  # steps resolved: replies are read every consensus interval
         self.last: dict[str, float] = {}  # the last step's figures (also sent to the agent)
         self._recent_steps: deque[float] = deque(maxlen=20)  # wall seconds, for stuck
         self.extra: dict[str, float] = {}  # fields added to every message (e.g. checkpoint)
@@ -455,33 +493,49 @@ class Pulse:
         self._enter("between")
 
     # -- steps ---------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def step(self, step: int) -> Iterator[StepContext]:
-        ctx = StepContext(self, step)
+    def step(self, step: int) -> _Step:
+        """`with pulse.step(n) as s:` around one training step (see the module's
+        docstring)."""
+        return _Step(self, StepContext(self, step))
+
+    def _begin_step(self, ctx: StepContext) -> None:
         fetch, self._fetch_wait = self._fetch_wait, 0.0
         if fetch:
             ctx.sections["data"] = fetch
+        ctx.fetch = fetch
         self._enter("step")
-        self._bucket_marks = []
         self._first_grad = None
         self._backward_open = False
-        self._fwd_waits = []
-        self._probes = []
-        self._comm_marks = []
-        t0 = time.perf_counter()
-        start_mark = self._clock.mark()
-        yield ctx
+        # fresh lists only where the last step left marks (the pending step keeps its
+        # own copies): most steps leave most of them empty
+        if self._bucket_marks:
+            self._bucket_marks = []
+        if self._fwd_waits:
+            self._fwd_waits = []
+        if self._probes:
+            self._probes = []
+        if self._comm_marks:
+            self._comm_marks = []
+        ctx.t0 = time.perf_counter()
+        ctx.start_mark = self._clock.mark()
+
+    def _end_step(self, ctx: StepContext) -> None:
+        step, fetch, start_mark = ctx.step, ctx.fetch, ctx.start_mark
         if self._ddp_seq is not None:
             self.collectives.complete(self._ddp_seq)
             self._ddp_seq = None
         loss = ctx.loss
         if isinstance(loss, torch.Tensor) and loss.device.type == "cuda":
-            # enqueue the copy before the end mark: readable once that mark completes
-            host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            # enqueue the copy before the end mark: readable once that mark completes;
+            # into a pinned buffer that an earlier step's resolve gave back (pinning
+            # host memory every step costs more host time than the rest of the step's
+            # bookkeeping)
+            host = self._loss_buffers.pop() if self._loss_buffers \
+                else torch.empty((), dtype=torch.float32, pin_memory=True)
             host.copy_(loss.detach().float().reshape(()), non_blocking=True)
-            ctx.loss = host
+            ctx.loss = ctx.loss_buffer = host
         end_mark = self._clock.mark()
-        wall = time.perf_counter() - t0 + fetch
+        wall = time.perf_counter() - ctx.t0 + fetch
         last_bucket = self._bucket_marks[-1] if self._bucket_marks else None
         # a window only where the syncing backward completed: DDP then reduced them all
         first_bucket = self._first_grad if last_bucket is not None else None
@@ -504,7 +558,8 @@ class Pulse:
             data = ctx.sections.get("data", 0.0)
             ckpt = ctx.sections.get("checkpoint", 0.0)
             # sync probes and DDP's pre-forward collectives: waits outside the backward
-            probe_wait = sum(clock.elapsed(a, b) or 0.0 for a, b in probes)
+            probe_wait = sum(clock.elapsed(a, b) or 0.0 for a, b in probes) if probes \
+                else 0.0
             comm, comm_bytes = None, self._allreduce_bytes
             if comm_marks:  # FSDP's timed collectives, each on its own stream (CUDA)
                 times = [clock.elapsed(a, b) for a, b, _ in comm_marks]
@@ -533,7 +588,13 @@ class Pulse:
                 compute = max(0.0, wall - data - sync_wait - ckpt - ctx._extra_wait)
             loss = ctx.loss
             if isinstance(loss, torch.Tensor):
-                loss = float(loss.detach().float().item())  # CPU or completed pinned copy
+                # CPU or completed pinned copy; a float32, bf16 or fp16 value is exact as
+                # a Python float without the detach and cast (two dispatches fewer)
+                loss = float(loss.item() if loss.dtype in _EXACT_AS_FLOAT32
+                             else loss.detach().float().item())
+                if ctx.loss_buffer is not None:  # read: free for a later step's copy
+                    self._loss_buffers.append(ctx.loss_buffer)
+                    ctx.loss_buffer = None
             self._recent_steps.append(wall)
             self.last = {"step_seconds": wall, "compute_seconds": compute,
                          "sync_wait_seconds": sync_wait, "data_wait_seconds": data}
@@ -549,7 +610,12 @@ class Pulse:
             msg["samples_total"], msg["tokens_total"] = self._samples, self._tokens
             msg.update(self.extra)
             self.link.send(self._with_acks(msg))
-            self._read_replies()
+            self._resolved += 1
+            if self._resolved % self.consensus.every == 0:
+                # Not every step: the agent's replies (commands, a simulated slowdown)
+                # are acted on at the consensus boundary, which reads them first itself;
+                # reading each step cost receive calls and JSON decoding per step.
+                self._read_replies()
 
     def _enter(self, phase: str) -> None:
         entering = phase != self.phase and phase in protocol.OWN_TIMEOUT_PHASES

@@ -237,6 +237,96 @@ def bench_hook_host_cost() -> list[Row]:
     return rows
 
 
+def bench_instrument_host_cost(layer_counts: tuple[int, ...] = (1, 64), blocks: int = 20,
+                               steps: int = 50) -> list[Row]:
+    """The instrumentation's host time per step (issue #26: <= 0.2 ms at any model
+    size): the README recipe's loop (pulse.data, step, two sections, s.loss, boundary,
+    attach_ddp, telemetry to a real agent process) against the same loop bare, on a
+    tiny CPU model so that the model's own time is small and stable. Bare and
+    instrumented alternate in blocks (ABBA); the median of the paired differences is
+    the cost. Then where it goes (a run with every part timed, exclusive of nested
+    parts) and the Python calls per step (sys.setprofile), at two model sizes: the
+    calls must not grow with the model."""
+    import statistics
+
+    import torch
+
+    from clusterpulse.detection.scoring import StragglerScorer
+    from clusterpulse.trainer.consensus import Consensus
+    from clusterpulse.trainer.instrument import Pulse
+    from tests.bench.bench_gpu import agent_process, process_group
+    from tests.bench.recipe_loop import Parts, Recipe, added_calls, draining_socket
+
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        with agent_process(tmp) as agent, process_group(torch.device("cpu"), tmp):
+            where = "real agent" if agent else "no agent: it did not start"
+            for layers in layer_counts:
+                bare, inst = Recipe(layers), Recipe(layers)
+                pulse = Pulse(run="bench", agent=agent or None, world_size=1,
+                              catch_sigterm=False)
+                try:
+                    pulse.attach_ddp(inst.model)
+                    bare.run(20)
+                    inst.run(20, pulse)
+                    # wall and this thread's CPU time: on a shared machine the wall
+                    # clock also counts waiting for a core (the agent process's too)
+                    wall: dict[str, list[float]] = {"bare": [], "inst": []}
+                    cpu: dict[str, list[float]] = {"bare": [], "inst": []}
+                    for block in range(blocks):
+                        for mode in ("bare", "inst") if block % 2 == 0 else ("inst", "bare"):
+                            t0, c0 = time.perf_counter(), time.thread_time()
+                            if mode == "bare":
+                                bare.run(steps)
+                            else:
+                                inst.run(steps, pulse)
+                            cpu[mode].append((time.thread_time() - c0) / steps * 1e3)
+                            wall[mode].append((time.perf_counter() - t0) / steps * 1e3)
+                    for clock, per_step in (("CPU", cpu), ("wall", wall)):
+                        diffs = [i - b for b, i in zip(per_step["bare"], per_step["inst"],
+                                                       strict=True)]
+                        rows.append(Row(f"recipe loop, host {clock} time per step ({layers} "
+                                        f"layers, {where})", statistics.median(per_step["inst"]),
+                                        "ms", baseline=statistics.median(per_step["bare"]),
+                                        baseline_name="same loop bare"))
+                        rows.append(Row(f"  instrumentation, paired median of {clock} time "
+                                        f"({layers} layers)", statistics.median(diffs), "ms",
+                                        budget="<= 0.2 ms"))
+                    parts = Parts()
+                    pulse._resolve = parts.wrap("resolve", pulse._resolve)  # type: ignore[method-assign]
+                    pulse.link.send = parts.wrap("send", pulse.link.send)  # type: ignore[method-assign]
+                    saved = Consensus.exchange, StragglerScorer.observe
+                    Consensus.exchange = parts.wrap("consensus exchange", Consensus.exchange)  # type: ignore[method-assign]
+                    StragglerScorer.observe = parts.wrap("scorer", StragglerScorer.observe)  # type: ignore[method-assign]
+                    try:
+                        n = blocks * steps // 2
+                        inst.run_parts(n, pulse, parts)
+                    finally:
+                        Consensus.exchange, StragglerScorer.observe = saved  # type: ignore[method-assign]
+                        del pulse._resolve, pulse.link.send
+                    for name, ns in parts.ns.items():
+                        rows.append(Row(f"  part: {name} ({layers} layers, CPU, exclusive)",
+                                        ns / n / 1e3, "us"))
+                    with draining_socket(tmp / f"drain-{layers}.sock") as quiet:
+                        added, own = added_calls(quiet, layers, 50)
+                    rows.append(Row(f"Python calls per step added by the instrumentation "
+                                    f"({layers} layers; socket that never replies)", added,
+                                    "calls", baseline=own,
+                                    baseline_name="the bare loop's own",
+                                    budget="constant in model size"))
+                finally:
+                    pulse.close()
+    return rows
+
+
 def run() -> list[Row]:
-    return (bench_overhead_and_checkpoints() + bench_hook_host_cost() + bench_recovery()
+    return (bench_overhead_and_checkpoints() + bench_hook_host_cost()
+            + bench_instrument_host_cost() + bench_recovery()
             + bench_script_recovery() + bench_verify())
+
+
+if __name__ == "__main__":  # one part alone: python -m tests.bench.bench_trainer
+    from tests.bench.table import render
+
+    print(render(bench_instrument_host_cost()))
