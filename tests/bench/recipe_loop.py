@@ -11,6 +11,7 @@ what the instrumentation does.
 from __future__ import annotations
 
 import contextlib
+import gc
 import selectors
 import socket
 import sys
@@ -132,11 +133,16 @@ def python_calls(fn: Callable[[], None]) -> int:
         if event in ("call", "c_call"):
             count += 1
 
+    # Collection runs finalizers of whatever earlier code left behind (another test's
+    # rendezvous handler, say) in this thread, at moments nothing here decides.
+    gc.collect()
+    gc.disable()
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return count
 
 

@@ -37,7 +37,10 @@ def agent() -> Iterator[str]:
 def test_instrumentation_calls_per_step_are_few_and_independent_of_the_model(
         agent: str) -> None:
     small, large = added_calls(agent, 1)[0], added_calls(agent, 48)[0]
-    assert small == large, f"calls per step grow with the model: {small} -> {large}"
+    # The in-band scorer branches on measured step times (a flag, its hysteresis), so
+    # a loaded machine moves the count by a call or so per step; one call per parameter
+    # tensor, the regression this guards against, adds hundreds at 48 layers.
+    assert abs(small - large) <= 2, f"calls per step grow with the model: {small} -> {large}"
     assert small <= MAX_CALLS_PER_STEP, (
         f"{small} Python calls per step for the instrumentation (bound "
         f"{MAX_CALLS_PER_STEP})")
