@@ -33,6 +33,11 @@ class ActionError(Exception):
     """The action cannot be attempted at all (bad run id, no token, no agents)."""
 
 
+class OwnersUnknown(ActionError):
+    """An agent of the run could not say who runs its ranks (down, busy, timed out):
+    nothing was done, and asking again later may succeed."""
+
+
 @dataclass
 class NodeResult:
     node: str
@@ -106,7 +111,7 @@ def rank_owners(agents: dict[str, str], run: str, token: str) -> dict[int | None
         answers = {node: pool.submit(ask, node, url) for node, url in agents.items()}
     silent = {node: a.result() for node, a in answers.items() if isinstance(a.result(), str)}
     if silent:
-        raise ActionError(
+        raise OwnersUnknown(
             f"cannot tell who runs {run!r}: "
             + "; ".join(f"the agent on {node} did not answer ({why})"
                         for node, why in sorted(silent.items()))

@@ -80,6 +80,7 @@ from clusterpulse.agent.validate import is_number, read_toml, unknown_keys
 from clusterpulse.dashboard.actions import (
     ACTIONS,
     ActionError,
+    OwnersUnknown,
     recent_rank_info,
     request_action,
 )
@@ -479,6 +480,9 @@ class Remediator:
             ok = all(r.ok for r in results)
             return {**base, "outcome": "acted" if ok else "partial",
                     "nodes": {r.node: r.command or r.error for r in results}}
+        except OwnersUnknown as err:  # nothing was asked of any agent: try again
+            self._release(rule, run, alert, now)
+            return {**self._failed(rule, alert, run, str(err)), "retry": True}
         except ActionError as err:
             return self._failed(rule, alert, run, str(err))
         except PrometheusError as err:  # nothing was asked of any agent: try again
@@ -564,12 +568,13 @@ class PayloadError(ValueError):
 
 
 class RetryLater(Exception):
-    """A notification the policy could not decide on for want of Prometheus: answered
+    """A notification the policy could not decide on for want of Prometheus (or of an
+    agent that could say who runs the job): answered
     503, so that Alertmanager sends it again (a 200 would have been the end of it until
     repeat_interval, hours later). Carries the decisions taken, for the reply."""
 
     def __init__(self, decisions: list[dict]) -> None:
-        super().__init__("Prometheus could not be asked; send it again")
+        super().__init__("Prometheus or an agent could not be asked; send it again")
         self.decisions = decisions
 
 

@@ -17,6 +17,7 @@ from clusterpulse.dashboard.remediation import (
     PayloadError,
     Policy,
     Remediator,
+    RetryLater,
     Rule,
     promql_string,
     serve,
@@ -453,3 +454,35 @@ def test_the_policy_acts_only_on_alerts_prometheus_has_firing(tmp_path):
                                              "gpu": "0"})]})
     (d,) = err.value.decisions
     assert d["outcome"] == "failed" and "cannot confirm" in d["detail"]
+
+
+def test_an_action_refused_because_an_agent_could_not_answer_is_retried(tmp_path,
+                                                                       monkeypatch):
+    """Review finding: when an agent of the run could not say who runs its ranks (down,
+    busy, timed out), the ownership check failed closed, but the decision kept the run's
+    rate-limit slot and was never tried again: a 3 s timeout cost that alert its
+    remediation for good. Nothing was asked of any agent, so the slot is free again and
+    the notification is answered for a retry."""
+    import clusterpulse.dashboard.remediation as remediation
+    from clusterpulse.dashboard.actions import NodeResult, OwnersUnknown
+
+    calls: list[str] = []
+
+    def request_action(*_a, **_kw):
+        calls.append("asked")
+        if len(calls) == 1:
+            raise OwnersUnknown("cannot tell who runs 'r1': the agent on n2 did not answer")
+        return [NodeResult("n1", "http://n1", True, "c1", "pending")]
+
+    monkeypatch.setattr(remediation, "request_action", request_action)
+    monkeypatch.setattr(Remediator, "_unconfirmed", lambda *_a: None)  # Prometheus agrees
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    rem = Remediator(Policy([Rule("RankHung", "restart")]),
+                     PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789", audit)
+    with pytest.raises(RetryLater) as answered:  # 503: Alertmanager sends it again
+        rem.handle({"alerts": [alert()]})
+    (d,) = answered.value.decisions
+    assert d["outcome"] == "failed" and "did not answer" in d["detail"], d
+    (d,) = rem.handle({"alerts": [alert()]})  # Alertmanager's retry (max 1 per window)
+    assert d["outcome"] == "acted", d
+    assert calls == ["asked", "asked"]
