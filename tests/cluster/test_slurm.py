@@ -24,6 +24,7 @@ from clusterpulse.dashboard.remediation import Policy, Remediator
 from clusterpulse.trainer.checkpoint import find_latest_valid
 from deploy.testbed.slurm import SlurmCluster, unavailable
 from tests.support.procs import REPO, wait_until
+from tests.support.promstub import AlertsPrometheus
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 TOKEN = "slurm-testbed-token-0123456789"
@@ -193,10 +194,17 @@ def test_failing_gpu_drains_node_and_requeued_job_runs_on_the_rest(slurm, bed, m
     # The alert's remediation (deploy/slurm/policy.toml: GpuDown -> drain-node, requeue).
     audit = AuditLog(slurm.run_dir / "audit.jsonl")
     policy = Policy.load(REPO / "deploy/slurm/policy.toml")
-    rem = Remediator(policy, PrometheusClient("http://127.0.0.1:9"), None, audit)
+    # The receiver re-checks in Prometheus that the alert fires before it acts; this
+    # testbed runs no Prometheus (the rules are tested in tests/integration): a stand-in
+    # that has GpuDown firing for the bad node's GPU 1 and nothing else.
+    prom = AlertsPrometheus(lambda q: 'alertname="GpuDown"' in q and f'node="{bad.name}"' in q)
+    rem = Remediator(policy, PrometheusClient(prom.url), None, audit)
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))  # as the receiver's service has
-    (d,) = rem.handle({"alerts": [{"status": "firing", "labels": {
-        "alertname": "GpuDown", "node": bad.name, "gpu": "1"}}]})
+    try:
+        (d,) = rem.handle({"alerts": [{"status": "firing", "labels": {
+            "alertname": "GpuDown", "node": bad.name, "gpu": "1"}}]})
+    finally:
+        prom.close()
     assert d["outcome"] == "already_drained" and d["detail"] == f"requeued jobs {job}", d
     (rec,) = [r for r in audit.read() if r["action"] == "drain-node"]
     assert rec["node"] == bad.name and rec["who"] == "policy" and job in rec["detail"]
