@@ -21,6 +21,9 @@ class Settings:
     audit_log: Path
     refresh_s: float
     operators_file: Path | None
+    # where docs/ is published (a runbook link is this + "/runbooks.md#<alert>"); empty:
+    # the Alerts page shows the runbook's text from the installed docs instead
+    docs_url: str = ""
 
     def agent_token(self) -> str | None:
         if self.agent_token_file is None:
@@ -42,6 +45,7 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         audit_log=Path(e.get("CLUSTERPULSE_AUDIT_LOG", "clusterpulse-audit.jsonl")),
         refresh_s=_seconds(e, "CLUSTERPULSE_REFRESH_S", "5"),
         operators_file=Path(operators) if operators else None,
+        docs_url=e.get("CLUSTERPULSE_DOCS_URL", "").rstrip("/"),
     )
 
 
