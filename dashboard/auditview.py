@@ -35,7 +35,9 @@ def actions(records: list[dict]) -> pd.DataFrame:
         if row is None:
             row = {"ts": r.get("ts", 0.0), "who": person(r), "action": r.get("action", ""),
                    "run": r.get("run", ""), "outcome": r.get("outcome", ""),
-                   "why": r.get("why", ""), "states": {}, "source": r.get("source", ""),
+                   "why": r.get("why", ""), "source": r.get("source", ""),
+                   # each node the request went to, until its agent's records say more
+                   "states": dict.fromkeys(r.get("nodes") or {}, "requested"),
                    "records": 0, "detail": _detail(r), "prev": r.get("prev", "")}
             rows.append(row)
             for ref in (r.get("nodes") or {}).values():  # the request's command ids

@@ -361,8 +361,10 @@ def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Res
         loss = ranged(f"avg (clusterpulse_trainer_loss{{{sel}}})")
         rate = prom.query(f"sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}[1m]))")
         # its own recent baseline: a rate alone says nothing of whether it is slow
+        # (the mean of the 1 min rate: rate over 15 min undercounts a younger run)
         usual = prom.query(
-            f"sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}[15m]))")
+            f"avg_over_time(sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}"
+            f"[1m]))[15m:15s])")
         restarts = ranged(f"max (clusterpulse_trainer_restarts_total{{{sel}}})")
         return {"ranks": ranks, "per_rank": per_rank, "causes": causes, "gpu_temp": evidence,
                 "blocked": blocked,
@@ -412,7 +414,7 @@ def alerts(prom_url: str, am_url: str, range_s: int, end: float | None = None) -
         history = [{"alert": r.labels.get("alertname"), "severity": r.labels.get("severity"),
                     "labels": ", ".join(f"{k}={v}" for k, v in sorted(r.labels.items())
                                         if k not in ("alertname", "alertstate", "severity",
-                                                     "__name__")),
+                                                     "__name__", "instance", "job", "uuid")),
                     "where": dict(r.labels),
                     "first seen": pd.Timestamp(r.points[0][0], unit="s"),
                     "last seen": pd.Timestamp(r.points[-1][0], unit="s")} for r in hist]

@@ -60,11 +60,10 @@ def straggler_flag(score: float | None, flagged: float | None, threshold: float 
 
 # The Run table's columns for a human, decision first; the rest behind an expander.
 # It had 18 columns and cut `flag` off at 1600 px.
-RANK_COLUMNS = ["flag", "cause", "score", "rank", "node", "gpu", "GPU °C", "step",
-                "compute ms", "sync wait ms", "data wait ms", "bus MB/s", "heartbeat age s",
-                "evidence"]
-INTERNAL_COLUMNS = ["rank", "local_rank", "pid", "self score", "compute s", "sync wait s",
-                    "data wait s", "all-reduce s", "heartbeat age s"]
+RANK_COLUMNS = ["flag", "cause", "score", "rank", "node", "gpu", "GPU °C", "compute ms",
+                "sync wait ms", "data wait ms", "bus MB/s", "heartbeat age s", "evidence"]
+INTERNAL_COLUMNS = ["rank", "local_rank", "pid", "step", "self score", "compute s",
+                    "sync wait s", "data wait s", "all-reduce s", "heartbeat age s"]
 
 
 def rank_tables(d: dict, keep: dict[str, str] | None = None,
@@ -106,7 +105,7 @@ def rate_against_usual(now: float, usual: float | None) -> str | None:
     without a baseline (a rate alone says nothing of whether it is slow)."""
     if not usual:
         return None
-    return f"{(now / usual - 1) * 100:+.0f} % vs its 15 min average"
+    return f"{(now / usual - 1) * 100:+.0f} % vs 15 min"
 
 
 def alert_groups(alerts: list, now: float) -> list[list]:

@@ -224,9 +224,9 @@ def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
     import altair as alt
 
     has_state = "state" in frame.columns
-    axis = alt.Axis(labelOverlap=False)
-    base = alt.Chart(frame).encode(x=alt.X(f"{x}:O", sort=None, title=x, axis=axis),
-                                   y=alt.Y(f"{y}:O", sort=None, title=y, axis=axis))
+    base = alt.Chart(frame).encode(
+        x=alt.X(f"{x}:O", sort=None, title=x, axis=alt.Axis(labelOverlap="parity")),
+        y=alt.Y(f"{y}:O", sort=None, title=y, axis=alt.Axis(labelOverlap=False)))
     tooltip = [x, y, alt.Tooltip(f"{value}:Q", format=".2f", title=title),
                *(["state"] if has_state else [])]
     link = {"href": alt.Href("url:N")} if "url" in frame.columns else {}
@@ -252,7 +252,7 @@ def _readable(chart):
 
 
 def line_chart(frame, y_title: str, threshold: float | None = None,
-               threshold_label: str = "", height: int = 180) -> None:
+               threshold_label: str = "", height: int = 240) -> None:
     """A time series chart that says what it shows: the y axis's quantity and unit, the
     time axis in 24-hour UTC (it read '03:56 … 04 PM' beside 24-hour tables), and a
     dashed line at the threshold that matters (the throttle temperature). `frame`: one
@@ -262,11 +262,14 @@ def line_chart(frame, y_title: str, threshold: float | None = None,
 
     long = frame.rename_axis("time").reset_index().melt(
         id_vars="time", var_name="series", value_name="value").dropna()
-    x = alt.X("time:T", title=TIME_TITLE, axis=alt.Axis(format="%H:%M", labelOverlap=True))
+    span = (long["time"].max() - long["time"].min()).total_seconds() if len(long) else 0
+    # a few ticks at round times, each label distinct (15 s ticks all read "18:37")
+    x = alt.X("time:T", title=TIME_TITLE, axis=alt.Axis(
+        format="%m-%d %H:%M" if span > 86400 else "%H:%M", tickCount=6, labelOverlap=True))
     y = alt.Y("value:Q", title=y_title, axis=alt.Axis(format="~s" if long["value"].abs().max()
                                                       >= 1e4 else "~g"))
     chart = alt.Chart(long).mark_line().encode(
-        x=x, y=y, color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom")),
+        x=x, y=y, color=alt.Color("series:N", title=None, legend=alt.Legend(orient="right")),
         tooltip=[alt.Tooltip("time:T", format="%H:%M:%S", title=TIME_TITLE), "series",
                  alt.Tooltip("value:Q", format=".3~f", title=y_title)])
     if threshold is not None:

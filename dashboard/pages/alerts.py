@@ -51,7 +51,9 @@ def incident(group: list, now: float) -> None:
         for url in dict.fromkeys(a.annotations.get("runbook_url", "") for a in group):
             body = runbooks.text(url)
             if body:
-                with box.expander(f"Runbook: {runbooks.anchor(url)}"):
+                name = next(a.name for a in group
+                            if a.annotations.get("runbook_url", "") == url)
+                with box.expander(f"Runbook: {name}"):
                     st.markdown(body)
 
 
@@ -67,7 +69,7 @@ def live() -> None:
     d = result.value
     now = time.time()
     groups = alert_groups(d["active"], now)
-    st.subheader(f"Active ({len(d['active'])} alerts, {len(groups)} incidents)")
+    st.subheader(f"Active ({len(d['active'])} alert(s), {len(groups)} incident(s))")
     if not groups:
         st.success("No active alerts.")
     for group in groups:
@@ -79,8 +81,12 @@ def live() -> None:
     else:
         hist = hist.sort_values("last seen", ascending=False)
         hist["evidence"] = [links.evidence(w, ui.keep()) for w in hist["where"]]
+        for col in ("first seen", "last seen"):
+            hist[col] = hist[col].dt.floor("s")
         hist = hist.drop(columns="where").rename(columns={
             "first seen": "first seen (UTC)", "last seen": "last seen (UTC)"})
+        hist = hist[["severity", "alert", "evidence", "first seen (UTC)", "last seen (UTC)",
+                     "labels"]]
         st.dataframe(coloured(hist), hide_index=True, width="stretch", column_config=COLUMNS)
 
 

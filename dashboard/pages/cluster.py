@@ -67,7 +67,8 @@ def live() -> None:
         table["evidence"] = [links.evidence({"node": r["node"], "gpu": r["gpu"]}, ui.keep())
                              for r in rows]
         st.dataframe(table, hide_index=True, width="stretch",
-                     column_config={"evidence": EVIDENCE})
+                     column_config={"evidence": EVIDENCE, "problem": st.column_config.TextColumn(
+                         "problem", width="large")})
     else:
         st.success("All nodes and GPUs healthy.")
     if not runs.empty:

@@ -20,11 +20,10 @@ run = ui.choose("Run", lambda: data.run_names(s.prometheus_url), "No training ru
                 "run")
 focus = ui.url_param("rank")  # a link to one rank (an alert, a heatmap cell)
 COLUMNS = {
-    "flag": st.column_config.TextColumn("flag", width="small"),
+    "flag": st.column_config.TextColumn("flag", width=100),
     "score": st.column_config.NumberColumn("score", format="%.2fx",
                                            help="compute time / the typical rank's"),
     "GPU °C": st.column_config.NumberColumn("GPU °C", format="%.0f"),
-    "step": st.column_config.NumberColumn("step", format="%d"),
     "compute ms": st.column_config.NumberColumn("compute ms", format="%.0f"),
     "sync wait ms": st.column_config.NumberColumn("sync wait ms", format="%.0f"),
     "data wait ms": st.column_config.NumberColumn("data wait ms", format="%.0f"),
@@ -82,7 +81,7 @@ def live() -> None:
             long["url"] = [links.page_url("run", {"run": run, "rank": r.split(" ")[-1]},
                                           ui.keep()) for r in long["rank"]]
             ui.heatmap(long.rename(columns={"time": ui.TIME_TITLE}), ui.TIME_TITLE, "rank",
-                       "seconds", "compute s", height=60 + 22 * long["rank"].nunique())
+                       "seconds", "compute s", height=110 + 24 * long["rank"].nunique())
     with right:
         st.markdown("**Loss**")
         if not d["loss"].empty:

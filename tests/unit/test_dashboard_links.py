@@ -84,8 +84,8 @@ def run_data() -> dict:
 def test_the_run_table_puts_the_decision_first_and_shows_no_cause_for_healthy_ranks():
     table, internal = rank_tables(run_data(), {"range": "1h"})
     assert list(table.columns[:3]) == ["flag", "cause", "score"]
-    assert not {"pid", "local_rank", "compute s"} & set(table.columns)
-    assert {"pid", "local_rank", "compute s"} <= set(internal.columns)
+    assert not {"pid", "local_rank", "compute s", "step"} & set(table.columns)
+    assert {"pid", "local_rank", "compute s", "step"} <= set(internal.columns)
     assert list(table["rank"]) == ["3", "2", "0", "1"] and list(internal["rank"]) == list("0123")
     top = table.iloc[0]
     assert (top["flag"], top["cause"]) == ("STRAGGLER", "thermal_throttling")
@@ -95,7 +95,7 @@ def test_the_run_table_puts_the_decision_first_and_shows_no_cause_for_healthy_ra
 
 
 def test_steps_per_second_are_read_against_the_runs_own_baseline():
-    assert rate_against_usual(0.9, 1.0) == "-10 % vs its 15 min average"
+    assert rate_against_usual(0.9, 1.0) == "-10 % vs 15 min"
     assert rate_against_usual(1.0, None) is None and rate_against_usual(1.0, 0.0) is None
 
 
