@@ -37,7 +37,8 @@ def actions(records: list[dict]) -> pd.DataFrame:
                    "run": r.get("run", ""), "outcome": r.get("outcome", ""),
                    "why": r.get("why", ""), "source": r.get("source", ""),
                    # each node the request went to, until its agent's records say more
-                   "states": dict.fromkeys(r.get("nodes") or {}, "requested"),
+                   "states": dict.fromkeys(r.get("nodes") or {}, "accepted" if r.get(
+                       "outcome") == "accepted" else "requested"),
                    "records": 0, "detail": _detail(r), "prev": r.get("prev", "")}
             rows.append(row)
             for ref in (r.get("nodes") or {}).values():  # the request's command ids

@@ -263,13 +263,15 @@ def line_chart(frame, y_title: str, threshold: float | None = None,
     long = frame.rename_axis("time").reset_index().melt(
         id_vars="time", var_name="series", value_name="value").dropna()
     span = (long["time"].max() - long["time"].min()).total_seconds() if len(long) else 0
-    # a few ticks at round times, each label distinct (15 s ticks all read "18:37")
     x = alt.X("time:T", title=TIME_TITLE, axis=alt.Axis(
-        format="%m-%d %H:%M" if span > 86400 else "%H:%M", tickCount=6, labelOverlap=True))
-    y = alt.Y("value:Q", title=y_title, axis=alt.Axis(format="~s" if long["value"].abs().max()
-                                                      >= 1e4 else "~g"))
+        format="%m-%d %H:%M" if span > 86400 else "%H:%M", tickCount=_ticks(span),
+        labelOverlap=True))
+    big = long["value"].abs().max() >= 1e4 if len(long) else False
+    y = alt.Y("value:Q", title=y_title, axis=alt.Axis(format="~s" if big else ",~f"))
+    one = long["series"].nunique() <= 1  # one line needs no legend ("run ?")
     chart = alt.Chart(long).mark_line().encode(
-        x=x, y=y, color=alt.Color("series:N", title=None, legend=alt.Legend(orient="right")),
+        x=x, y=y, color=alt.Color("series:N", title=None, legend=None if one else
+                                  alt.Legend(orient="right")),
         tooltip=[alt.Tooltip("time:T", format="%H:%M:%S", title=TIME_TITLE), "series",
                  alt.Tooltip("value:Q", format=".3~f", title=y_title)])
     if threshold is not None:
@@ -280,3 +282,14 @@ def line_chart(frame, y_title: str, threshold: float | None = None,
             y="value:Q", x=alt.value(0), text="label")
         chart = alt.layer(chart, line, text)
     st.altair_chart(_readable(chart.properties(height=height)), width="stretch")
+
+
+def _ticks(span_s: float) -> dict:
+    """About six ticks at round times, each with a label of its own: ticks every 30 s
+    under an HH:MM format read '18:45 18:45 18:46 ...'."""
+    for unit, size, steps in (("minute", 60, (1, 2, 5, 10, 15, 30)),
+                              ("hour", 3600, (1, 2, 3, 6, 12)), ("day", 86400, (1, 2, 7))):
+        for step in steps:
+            if span_s / (size * step) <= 7:
+                return {"interval": unit, "step": step}
+    return {"interval": "day", "step": 14}

@@ -88,7 +88,7 @@ def live() -> None:
             ui.line_chart(d["loss"], "loss (mean of ranks)", height=200)
         st.markdown("**Restarts over time**")
         if not d["restarts"].empty:
-            ui.line_chart(d["restarts"], "restarts (count)", height=120)
+            ui.line_chart(d["restarts"], "restarts (count)", height=170)
     blocking = max(per["checkpoint blocking s"].values(), default=0.0)
     st.caption(f"Checkpoint blocking (last): {blocking * 1e3:.0f} ms · {d['queries']} queries")
 
