@@ -267,7 +267,7 @@ def line_chart(frame, y_title: str, threshold: float | None = None,
         format="%m-%d %H:%M" if span > 86400 else "%H:%M", tickCount=_ticks(span),
         labelOverlap=True))
     big = long["value"].abs().max() >= 1e4 if len(long) else False
-    y = alt.Y("value:Q", title=y_title, axis=alt.Axis(format="~s" if big else ",~f"))
+    y = alt.Y("value:Q", title=y_title, axis=alt.Axis(format="~s") if big else alt.Axis())
     one = long["series"].nunique() <= 1  # one line needs no legend ("run ?")
     chart = alt.Chart(long).mark_line().encode(
         x=x, y=y, color=alt.Color("series:N", title=None, legend=None if one else
@@ -284,12 +284,7 @@ def line_chart(frame, y_title: str, threshold: float | None = None,
     st.altair_chart(_readable(chart.properties(height=height)), width="stretch")
 
 
-def _ticks(span_s: float) -> dict:
-    """About six ticks at round times, each with a label of its own: ticks every 30 s
-    under an HH:MM format read '18:45 18:45 18:46 ...'."""
-    for unit, size, steps in (("minute", 60, (1, 2, 5, 10, 15, 30)),
-                              ("hour", 3600, (1, 2, 3, 6, 12)), ("day", 86400, (1, 2, 7))):
-        for step in steps:
-            if span_s / (size * step) <= 7:
-                return {"interval": unit, "step": step}
-    return {"interval": "day", "step": 14}
+def _ticks(span_s: float) -> int:
+    """At most six ticks, at least a minute apart: ticks every 30 s under an HH:MM
+    format read '18:45 18:45 18:46 ...'."""
+    return max(1, min(6, int(span_s // 60)))
