@@ -214,7 +214,8 @@ DOWN_FILL = "#d9d9d9"
 
 
 def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
-            reverse: bool = False, height: int | None = None) -> None:
+            reverse: bool = False, height: int | None = None,
+            y_order: list[str] | None = None) -> None:
     """A node x GPU (or rank x time) heatmap with Altair, which Streamlit ships. With a
     `state` column, cells whose state is not "ok" are drawn grey, marked DOWN and
     named in the tooltip: a down GPU reports no value and was a blank cell. With a
@@ -226,7 +227,7 @@ def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
     has_state = "state" in frame.columns
     base = alt.Chart(frame).encode(
         x=alt.X(f"{x}:O", sort=None, title=x, axis=alt.Axis(labelOverlap="parity")),
-        y=alt.Y(f"{y}:O", sort=None, title=y, axis=alt.Axis(labelOverlap=False)))
+        y=alt.Y(f"{y}:O", sort=y_order, title=y, axis=alt.Axis(labelOverlap=False)))
     tooltip = [x, y, alt.Tooltip(f"{value}:Q", format=".2f", title=title),
                *(["state"] if has_state else [])]
     link = {"href": alt.Href("url:N")} if "url" in frame.columns else {}

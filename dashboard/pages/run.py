@@ -59,10 +59,12 @@ def live() -> None:
         st.error(incident.headline())
     st.subheader("Ranks (straggler table)")
     table, internal = rank_tables(d, ui.keep())
-    if focus is not None and focus in set(table["rank"]):
-        st.info(f"Rank {focus} (from the link) is first.")
-        table = pd.concat([table[table["rank"] == focus], table[table["rank"] != focus]])
-    st.dataframe(table, hide_index=True, width="stretch", column_config=COLUMNS)
+    shown = table
+    if focus is not None and focus in set(table["rank"]):  # stragglers stay first
+        st.caption(f"Rank {focus}, the link's, is highlighted.")
+        shown = table.style.apply(lambda row: ["background-color: #fff3b0" if row["rank"] == focus
+                                               else "" for _ in row], axis=1)
+    st.dataframe(shown, hide_index=True, width="stretch", column_config=COLUMNS)
     with st.expander("Internals (process, local rank, raw seconds)"):
         st.dataframe(internal, hide_index=True, width="stretch")
     for _, r in table[table["flag"] != ""].iterrows():
@@ -77,11 +79,13 @@ def live() -> None:
         if not comp.empty:
             long = comp.tail(40).reset_index(names="time").melt(
                 id_vars="time", var_name="rank", value_name="seconds").dropna()
+            long = long.sort_values("time", kind="stable")  # columns in time order
             long["time"] = long["time"].dt.strftime("%H:%M:%S")
             long["url"] = [links.page_url("run", {"run": run, "rank": r.split(" ")[-1]},
                                           ui.keep()) for r in long["rank"]]
             ui.heatmap(long.rename(columns={"time": ui.TIME_TITLE}), ui.TIME_TITLE, "rank",
-                       "seconds", "compute s", height=110 + 24 * long["rank"].nunique())
+                       "seconds", "compute s", height=110 + 24 * long["rank"].nunique(),
+                       y_order=sorted(long["rank"].unique(), key=lambda r: int(r.split()[-1])))
     with right:
         st.markdown("**Loss**")
         if not d["loss"].empty:
