@@ -226,7 +226,8 @@ def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
 
     has_state = "state" in frame.columns
     base = alt.Chart(frame).encode(
-        x=alt.X(f"{x}:O", sort=None, title=x, axis=alt.Axis(labelOverlap="parity")),
+        x=alt.X(f"{x}:O", sort=None, title=x, axis=alt.Axis(
+            labelOverlap="parity", labelAngle=0 if frame[x].nunique() <= 16 else -90)),
         y=alt.Y(f"{y}:O", sort=y_order, title=y, axis=alt.Axis(labelOverlap=False)))
     tooltip = [x, y, alt.Tooltip(f"{value}:Q", format=".2f", title=title),
                *(["state"] if has_state else [])]

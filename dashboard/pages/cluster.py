@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pandas as pd
 import streamlit as st
 
 from clusterpulse.dashboard import data, links, ui
 from clusterpulse.dashboard import heat as hmap
+from clusterpulse.dashboard.incidents import alert_groups
 
 s = ui.settings()
 st.title("Cluster")
@@ -31,6 +34,10 @@ def live() -> None:
     c[3].metric("Warnings", sum(a.severity == "warning" for a in active))
     runs = d["runs"]
     c[4].metric("Running jobs", len(runs))
+    if active:  # several alerts of one fault are one thing to look at
+        groups = alert_groups(active, time.time())
+        st.caption(f"{len(active)} active alert(s) from {len(groups)} incident(s): "
+                   f"[Alerts]({links.page_url('alerts', None, ui.keep())})")
     if d["am_error"]:
         st.warning(d["am_error"])
     heat = d["heat"]
