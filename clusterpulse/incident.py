@@ -120,7 +120,7 @@ class Incident:
                 "steps recomputed": self.recomputed}
 
 
-def _rank(name: str) -> int:
+def root_rank(name: str) -> int:
     return ROOT_ORDER.index(name) if name in ROOT_ORDER else len(ROOT_ORDER)
 
 
@@ -147,7 +147,7 @@ def group(episodes: Iterable[AlertEpisode], gap_s: float = JOIN_GAP_S,
     group fires (or within `gap_s` of its end) and is on the same node, or one of the
     two names no node (a job-level alert such as JobStalled)."""
     groups: list[list[AlertEpisode]] = []
-    for ep in sorted(episodes, key=lambda e: (e.active_at, _rank(e.name))):
+    for ep in sorted(episodes, key=lambda e: (e.active_at, root_rank(e.name))):
         for g in reversed(groups):
             end = max(e.last_seen for e in g)
             nodes = {e.node for e in g} - {""}
@@ -168,7 +168,7 @@ def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Se
     mine = [e for e in episodes if concerns(run, nodes, {"alertname": e.name, **e.labels})]
     out = []
     for g in group(mine, gap_s):
-        g.sort(key=lambda e: (_rank(e.name), e.active_at))
+        g.sort(key=lambda e: (root_rank(e.name), e.active_at))
         names = list(dict.fromkeys(e.name for e in g))
         out.append(Incident(run, g[0].name, _where(g[0].labels), names,
                             min(e.active_at for e in g), max(e.last_seen for e in g)))

@@ -34,6 +34,9 @@ class Settings:
         except OSError:
             return None
         return (self.alertmanager_user, password) if password else None
+    # where docs/ is published (a runbook link is this + "/runbooks.md#<alert>"); empty:
+    # the Alerts page shows the runbook's text from the installed docs instead
+    docs_url: str = ""
 
     def agent_token(self) -> str | None:
         if self.agent_token_file is None:
@@ -58,6 +61,7 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         operators_file=Path(operators) if operators else None,
         alertmanager_user=e.get("CLUSTERPULSE_ALERTMANAGER_USER", "clusterpulse"),
         alertmanager_password_file=Path(am_password) if am_password else None,
+        docs_url=e.get("CLUSTERPULSE_DOCS_URL", "").rstrip("/"),
     )
 
 

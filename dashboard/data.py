@@ -67,9 +67,10 @@ def _guard(key: str, fn: Callable[[], Any]) -> Result:
     return result
 
 
-def _range_query(prom: PrometheusClient, range_s: int) -> Callable[[str], list]:
-    """query_range over the page's time range, ~200 points, for every range query."""
-    end = time.time()
+def _range_query(prom: PrometheusClient, range_s: int, end: float | None = None,
+                 ) -> Callable[[str], list]:
+    """query_range over the page's window (up to now, or to `end`), ~200 points."""
+    end = time.time() if end is None else end
     step = max(1.0, range_s / 200)
     return lambda expr: prom.query_range(expr, end - range_s, end, step)
 
@@ -270,10 +271,10 @@ def gpu_link_health(wide: pd.DataFrame, down: dict[str, str] | None = None) -> p
 
 
 @st.cache_data(ttl=5, show_spinner=False)
-def node(prom_url: str, name: str, range_s: int) -> Result:
+def node(prom_url: str, name: str, range_s: int, end: float | None = None) -> Result:
     def fetch() -> dict:
         prom = PrometheusClient(prom_url)
-        ranged = _range_query(prom, range_s)
+        ranged = _range_query(prom, range_s, end)
         sel = f'"{name}"'
         series = {}
         for title, expr in NODE_SERIES.items():
@@ -296,7 +297,7 @@ def node(prom_url: str, name: str, range_s: int) -> Result:
                 "down": down, "xid": events, "ecc": ecc, "gpu_links": gpu_links, "nics": nics,
                 "queries": prom.queries}
 
-    return _guard(f"node:{prom_url}:{name}:{range_s}", fetch)
+    return _guard(f"node:{prom_url}:{name}:{range_s}:{end}", fetch)
 
 
 def _wide(rows, key: str) -> pd.DataFrame:
@@ -319,10 +320,10 @@ def run_names(prom_url: str) -> Result:
 
 # -- the run page ---------------------------------------------------------------------
 @st.cache_data(ttl=5, show_spinner=False)
-def run(prom_url: str, name: str, range_s: int) -> Result:
+def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Result:
     def fetch() -> dict:
         prom = PrometheusClient(prom_url)
-        ranged = _range_query(prom, range_s)
+        ranged = _range_query(prom, range_s, end)
         sel = f'run="{name}"'
         ranks = _frame(prom.query(
             f"max by (run, rank, node, local_rank, gpu, pid) "
@@ -359,31 +360,38 @@ def run(prom_url: str, name: str, range_s: int) -> Result:
         compute = ranged(f"max by (rank) (clusterpulse_trainer_compute_seconds{{{sel}}})")
         loss = ranged(f"avg (clusterpulse_trainer_loss{{{sel}}})")
         rate = prom.query(f"sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}[1m]))")
+        # its own recent baseline: a rate alone says nothing of whether it is slow
+        # (the mean of the 1 min rate: rate over 15 min undercounts a younger run)
+        usual = prom.query(
+            f"avg_over_time(sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}"
+            f"[1m]))[15m:15s])")
         restarts = ranged(f"max (clusterpulse_trainer_restarts_total{{{sel}}})")
         return {"ranks": ranks, "per_rank": per_rank, "causes": causes, "gpu_temp": evidence,
                 "blocked": blocked,
                 "compute": _wide(compute, "rank"), "loss": _wide(loss, "run"),
                 "step_rate": rate[0].value if rate else 0.0,
+                "step_rate_usual": usual[0].value if usual else None,
                 "restarts": _wide(restarts, "run"), "queries": prom.queries}
 
-    return _guard(f"run:{prom_url}:{name}:{range_s}", fetch)
+    return _guard(f"run:{prom_url}:{name}:{range_s}:{end}", fetch)
 
 
 @st.cache_data(ttl=5, show_spinner=False)
-def run_incidents(prom_url: str, name: str, range_s: int, audit_path: str) -> Result:
-    """The run's incidents over the page's range (clusterpulse/incident.py)."""
+def run_incidents(prom_url: str, name: str, range_s: int, audit_path: str,
+                  end: float | None = None) -> Result:
+    """The run's incidents over the page's window (clusterpulse/incident.py)."""
     from clusterpulse import incident
     from clusterpulse.agent.audit import AuditLog
 
     def fetch() -> list:
         prom = PrometheusClient(prom_url)
-        end = time.time()
-        nodes, episodes, resumes = incident.inputs(prom, name, end - range_s, end,
+        until = time.time() if end is None else end
+        nodes, episodes, resumes = incident.inputs(prom, name, until - range_s, until,
                                                    max(1.0, range_s / 400))
         audit = AuditLog(Path(audit_path)).read(5000) if audit_path else []
         return incident.build(name, nodes, episodes, audit, resumes)
 
-    return _guard(f"incidents:{prom_url}:{name}:{range_s}", fetch)
+    return _guard(f"incidents:{prom_url}:{name}:{range_s}:{end}", fetch)
 
 
 @st.cache_data(ttl=2, show_spinner=False)
@@ -397,21 +405,22 @@ def run_resume(prom_url: str, name: str) -> Result:
 
 # -- alerts ---------------------------------------------------------------------------
 @st.cache_data(ttl=5, show_spinner=False)
-def alerts(prom_url: str, am_url: str, range_s: int) -> Result:
+def alerts(prom_url: str, am_url: str, range_s: int, end: float | None = None) -> Result:
     def fetch() -> dict:
         active = _alertmanager(am_url).alerts()
-        end = time.time()
+        until = time.time() if end is None else end
         hist = PrometheusClient(prom_url).query_range(
-            'ALERTS{alertstate="firing"}', end - range_s, end, max(5.0, range_s / 200))
+            'ALERTS{alertstate="firing"}', until - range_s, until, max(5.0, range_s / 200))
         history = [{"alert": r.labels.get("alertname"), "severity": r.labels.get("severity"),
                     "labels": ", ".join(f"{k}={v}" for k, v in sorted(r.labels.items())
                                         if k not in ("alertname", "alertstate", "severity",
-                                                     "__name__")),
+                                                     "__name__", "instance", "job", "uuid")),
+                    "where": dict(r.labels),
                     "first seen": pd.Timestamp(r.points[0][0], unit="s"),
                     "last seen": pd.Timestamp(r.points[-1][0], unit="s")} for r in hist]
         return {"active": active, "history": pd.DataFrame(history)}
 
-    return _guard(f"alerts:{prom_url}:{range_s}", fetch)
+    return _guard(f"alerts:{prom_url}:{range_s}:{end}", fetch)
 
 
 def _alertmanager(am_url: str) -> AlertmanagerClient:

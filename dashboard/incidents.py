@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pandas as pd
+
+from clusterpulse.dashboard import links
+
 
 @dataclass
 class HangIncident:
@@ -52,3 +56,99 @@ def straggler_flag(score: float | None, flagged: float | None, threshold: float 
     if flagged is not None and flagged == flagged:
         return "STRAGGLER" if flagged >= 1 else ""
     return "STRAGGLER" if score and score > threshold else ""
+
+
+# The Run table's columns for a human, decision first; the rest behind an expander.
+# It had 18 columns and cut `flag` off at 1600 px.
+RANK_COLUMNS = ["flag", "cause", "score", "rank", "node", "gpu", "GPU °C", "compute ms",
+                "sync wait ms", "data wait ms", "bus MB/s", "heartbeat age s", "evidence"]
+INTERNAL_COLUMNS = ["rank", "local_rank", "pid", "step", "self score", "compute s",
+                    "sync wait s", "data wait s", "all-reduce s", "heartbeat age s"]
+
+
+def rank_tables(d: dict, keep: dict[str, str] | None = None,
+                ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the ranks for a human, their internals): one row per rank, stragglers first.
+    A cause is shown only for a flagged rank (the recording rule names one for every
+    rank, and 'compute' beside a healthy rank read as a diagnosis); `evidence` links
+    to the Node page at the rank's GPU."""
+    ranks = d["ranks"]
+    if ranks.empty:
+        return pd.DataFrame(columns=RANK_COLUMNS), pd.DataFrame(columns=INTERNAL_COLUMNS)
+    per = d["per_rank"]
+    out = ranks[["rank", "node", "local_rank", "gpu", "pid"]].copy()
+    for col in ("score", "self score", "compute s", "sync wait s", "data wait s",
+                "heartbeat age s", "step", "all-reduce s"):
+        out[col] = out["rank"].map(per.get(col, {}))
+    # bytes each rank moved in the gradient all-reduce over its window: a slow link
+    # on the ring lowers every rank's figure together (no rank is a straggler then)
+    out["bus MB/s"] = (out["rank"].map(per.get("all-reduce bytes", {}))
+                       / out["all-reduce s"] / 1e6)
+    for col in ("compute", "sync wait", "data wait"):
+        out[f"{col} ms"] = out[f"{col} s"] * 1e3
+    out["GPU °C"] = out["rank"].map(d["gpu_temp"])
+    flagged = out["rank"].map(per.get("flagged", {}))
+    out["flag"] = [straggler_flag(sc, fl) for sc, fl in zip(out["score"], flagged, strict=True)]
+    out["cause"] = [d["causes"].get(r, "") if f else "" for r, f in
+                    zip(out["rank"], out["flag"], strict=True)]
+    out["evidence"] = [links.page_url("node", {"node": n, "gpu": g}, keep)
+                       for n, g in zip(out["node"], out["gpu"], strict=True)]
+    out["_order"] = out["rank"].map(lambda r: int(r) if str(r).isdigit() else 1 << 30)
+    out = out.sort_values(["flag", "score", "_order"], ascending=[False, False, True])
+    return out[RANK_COLUMNS].reset_index(drop=True), out[INTERNAL_COLUMNS].sort_values(
+        "rank", key=lambda c: c.map(lambda r: int(r) if str(r).isdigit() else 1 << 30)
+    ).reset_index(drop=True)
+
+
+def rate_against_usual(now: float, usual: float | None) -> str | None:
+    """Steps/s against the run's own last 15 minutes ('-12 % vs 15 min'); None
+    without a baseline (a rate alone says nothing of whether it is slow)."""
+    if not usual:
+        return None
+    return f"{(now / usual - 1) * 100:+.0f} % vs 15 min"
+
+
+def alert_groups(alerts: list, now: float) -> list[list]:
+    """Active alerts (amclient.Alert) grouped by fault with the incident model
+    (clusterpulse/incident.py: same node, overlapping in time), root first, the
+    group with the most severe and newest alert first. Listed one by one, a lost
+    GPU's GpuDown, GpuCriticalXid and its rank's RankHung read as three problems."""
+    from clusterpulse import incident
+
+    eps = [incident.AlertEpisode(a.name, a.labels, started(a.starts_at, now), now)
+           for a in alerts]
+    owner = {id(e): a for e, a in zip(eps, alerts, strict=True)}
+    # per run, as the Run page's incidents are (incident.concerns: its own alerts and
+    # the node alerts of its nodes); a job alert of one run never joins another's fault
+    parts, left = [], list(eps)
+    for run in sorted({e.labels.get("run", "") for e in eps} - {""}):
+        nodes = {e.node for e in eps if e.labels.get("run") == run} - {""}
+        mine = [e for e in left if incident.concerns(run, nodes, e.labels)]
+        left = [e for e in left if all(e is not m for m in mine)]
+        parts.append(mine)
+    groups = [[owner[id(e)] for e in sorted(g, key=lambda e: (incident.root_rank(e.name),
+                                                              e.active_at))]
+              for part in [*parts, left] for g in incident.group(part)]
+    return sorted(groups, key=lambda g: (min(SEVERITY_ORDER.get(a.severity, 9) for a in g),
+                                         -max(started(a.starts_at, now) for a in g)))
+
+
+# Most severe first; anything else after these.
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+
+
+def started(starts_at: str, now: float) -> float:
+    """Alertmanager's startsAt (RFC 3339) as unix time; `now` if it cannot be read."""
+    try:
+        return pd.Timestamp(starts_at).timestamp()
+    except (ValueError, TypeError):
+        return now
+
+
+def ago(seconds: float) -> str:
+    """'40 s ago', '12 min ago', '3 h ago', '2 d ago': an age at a glance."""
+    s = max(0.0, seconds)
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
+        if s >= size:
+            return f"{s / size:.0f} {unit} ago"
+    return f"{s:.0f} s ago"

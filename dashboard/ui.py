@@ -1,5 +1,6 @@
-"""Pieces every page shares: settings, the stale-data banner, the time range, and
-the operator login (viewers are read-only)."""
+"""Pieces every page shares: settings, the stale-data banner, the time window and
+what the URL selects (dashboard/links.py), charts with units, and the operator login
+(viewers are read-only)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from collections.abc import Callable
 import streamlit as st
 
 from clusterpulse.agent.audit import AuditLog, verify
-from clusterpulse.dashboard import auth, config
+from clusterpulse.dashboard import auth, config, links
 from clusterpulse.dashboard.data import Result
 
-RANGES = {"15 min": 900, "1 h": 3600, "6 h": 21600, "24 h": 86400}
+# Every time the dashboard shows is UTC, 24-hour: charts and tables agree, and say so.
+TIME_TITLE = "time (UTC)"
 
 
 def settings() -> config.Settings:
@@ -60,17 +62,51 @@ def show_status(result: Result, what: str = "Prometheus") -> bool:
     return result.value is not None
 
 
-def choose(label: str, names: Callable[[], Result], empty: str) -> str:
-    """A selector over names from Prometheus (`names` reads them). While there are none
-    (nothing reports yet, or Prometheus is down or slow at the page's first read) the
-    page says so and reads again every refresh, reloading itself once there are: a
-    page stopped there waited for a manual reload forever."""
+def choose(label: str, names: Callable[[], Result], empty: str, param: str) -> str:
+    """A selector over names from Prometheus (`names` reads them), preselected by the
+    URL's `param` (a deep link) and written back to it. While there are none (nothing
+    reports yet, or Prometheus is down or slow at the page's first read) the page says
+    so and reads again every refresh, reloading itself once there are: a page stopped
+    there waited for a manual reload forever."""
     first = names()
     if not first.value:
         _until_any(names, empty)
         st.stop()
     show_status(first)
-    return st.selectbox(label, first.value, key=label.lower())
+    key = label.lower()
+    wanted = _from_url(param, key)
+    if wanted is not None and wanted not in first.value:
+        st.warning(f"{label} {wanted!r} from the link reports nothing now; showing another.")
+        st.session_state.pop(key, None)
+    value = st.selectbox(label, first.value, key=key)
+    _to_url(param, value)
+    return value
+
+
+def _from_url(param: str, key: str) -> str | None:
+    """The URL's value of `param` when it is new (a link was followed), put into the
+    widget `key` before the widget is drawn; None when the URL did not change it."""
+    ss, qp = st.session_state, st.query_params
+    value = qp.get(param)
+    if value is None or value == ss.get(f"url:{param}"):
+        return None
+    ss[key] = value
+    ss[f"url:{param}"] = value
+    return value
+
+
+def _to_url(param: str, value: str | None) -> None:
+    ss = st.session_state
+    if value is None:
+        st.query_params.pop(param, None)
+    else:
+        st.query_params[param] = value
+    ss[f"url:{param}"] = value
+
+
+def url_param(param: str) -> str | None:
+    """A parameter only links set (the GPU or rank to show first); None if absent."""
+    return st.query_params.get(param) or None
 
 
 def _until_any(names: Callable[[], Result], empty: str) -> None:
@@ -85,9 +121,61 @@ def _until_any(names: Callable[[], Result], empty: str) -> None:
     waiting()
 
 
-def time_range() -> int:
-    label = st.sidebar.selectbox("Time range", list(RANGES), index=0, key="range")
-    return RANGES[label]
+def time_window() -> links.Window:
+    """The sidebar's time picker (ranges, or a custom UTC window). A link's window is
+    applied; otherwise the last one chosen is kept across pages (the range reset to
+    15 min on every page change), and the URL always says which it is. The choice is
+    kept outside the widgets (a page change gives them fresh state): their callbacks
+    store it before the page runs, and every run puts it back into them."""
+    ss, qp = st.session_state, st.query_params
+    url = {k: qp[k] for k in links.WINDOW_KEYS if k in qp}
+    last = ss.get("window_params")
+    try:  # a URL other than the one this session last wrote: a link was followed
+        win = links.window(url if url and url != ss.get("window_url") else last or {})
+    except links.LinkError as err:
+        st.sidebar.warning(f"Time range from the link: {err}. Showing {links.DEFAULT_RANGE}.")
+        win = links.window({})
+    ss["range_choice"] = win.label
+    if win.label == links.CUSTOM:
+        start, end = win.bounds()
+        ss["range_from"], ss["range_until"] = links.fmt_utc(start), links.fmt_utc(end)
+    st.sidebar.selectbox("Time range", [*links.RANGES, links.CUSTOM], key="range_choice",
+                         on_change=_window_chosen)
+    if win.label == links.CUSTOM:
+        st.sidebar.text_input("From (UTC)", key="range_from", on_change=_window_chosen,
+                              help="e.g. 2026-01-31T14:05")
+        st.sidebar.text_input("Until (UTC)", key="range_until", on_change=_window_chosen)
+    error = ss.pop("range_error", None)
+    if error:
+        st.sidebar.error(error)
+    ss["window_params"] = ss["window_url"] = win.params()
+    for k in links.WINDOW_KEYS:
+        if k not in win.params():
+            qp.pop(k, None)
+    qp.update(win.params())
+    return win
+
+
+def _window_chosen() -> None:
+    """The picker's callback: the window the widgets now say, or the error in it."""
+    ss = st.session_state
+    choice = ss["range_choice"]
+    if choice != links.CUSTOM:
+        ss["window_params"] = links.Window(choice, links.RANGES[choice]).params()
+        return
+    now = time.time()
+    params = {"range": links.CUSTOM,
+              "from": ss.get("range_from") or links.fmt_utc(now - 3600),
+              "until": ss.get("range_until") or links.fmt_utc(now)}
+    try:
+        ss["window_params"] = links.window(params).params()
+    except links.LinkError as err:
+        ss["range_error"] = str(err)
+
+
+def keep() -> dict[str, str]:
+    """The current window's URL parameters, for links to other pages."""
+    return dict(st.session_state.get("window_params") or {})
 
 
 def _secrets_section(name: str) -> dict | None:
@@ -159,25 +247,79 @@ DOWN_FILL = "#d9d9d9"
 
 
 def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
-            reverse: bool = False, height: int | None = None) -> None:
+            reverse: bool = False, height: int | None = None,
+            y_order: list[str] | None = None) -> None:
     """A node x GPU (or rank x time) heatmap with Altair, which Streamlit ships. With a
     `state` column, cells whose state is not "ok" are drawn grey, marked DOWN and
-    named in the tooltip: a down GPU reports no value and was a blank cell."""
+    named in the tooltip: a down GPU reports no value and was a blank cell. With a
+    `url` column, a click on a cell opens its evidence (dashboard/links.py). Every row
+    and column is labelled: Vega drops labels that would overlap, and rank 2's row of
+    a short chart had none."""
     import altair as alt
 
     has_state = "state" in frame.columns
-    base = alt.Chart(frame).encode(x=alt.X(f"{x}:O", sort=None, title=x),
-                                   y=alt.Y(f"{y}:O", sort=None, title=y))
-    tooltip = [x, y, alt.Tooltip(f"{value}:Q", format=".2f"), *(["state"] if has_state else [])]
-    values = base.mark_rect().encode(
+    base = alt.Chart(frame).encode(
+        x=alt.X(f"{x}:O", sort=None, title=x, axis=alt.Axis(
+            labelOverlap="parity", labelAngle=0 if frame[x].nunique() <= 16 else -90)),
+        y=alt.Y(f"{y}:O", sort=y_order, title=y, axis=alt.Axis(labelOverlap=False)))
+    tooltip = [x, y, alt.Tooltip(f"{value}:Q", format=".2f", title=title),
+               *(["state"] if has_state else [])]
+    link = {"href": alt.Href("url:N")} if "url" in frame.columns else {}
+    values = base.mark_rect(cursor="pointer" if link else "default").encode(
         color=alt.Color(f"{value}:Q", title=title, scale=alt.Scale(scheme=scheme, reverse=reverse)),
-        tooltip=tooltip)
+        tooltip=tooltip, **link)
     chart = values
     if has_state:
         values = values.transform_filter(alt.datum.state == "ok")
         down = base.transform_filter(alt.datum.state != "ok")
         chart = alt.layer(values, down.mark_rect(color=DOWN_FILL, stroke="black").encode(
-            tooltip=tooltip), down.mark_text(text="DOWN", fontWeight="bold", color="black"))
+            tooltip=tooltip, **link), down.mark_text(text="DOWN", fontWeight="bold",
+                                                     color="black"))
     if height:
         chart = chart.properties(height=height)
-    st.altair_chart(chart, width="stretch")
+    st.altair_chart(_readable(chart), width="stretch")
+
+
+def _readable(chart):
+    """Axis text dark enough to read (Streamlit's theme greys it to 3.7:1 contrast)."""
+    return chart.configure_axis(labelColor="#262730", titleColor="#262730", labelFontSize=12,
+                                titleFontSize=12)
+
+
+def line_chart(frame, y_title: str, threshold: float | None = None,
+               threshold_label: str = "", height: int = 240) -> None:
+    """A time series chart that says what it shows: the y axis's quantity and unit, the
+    time axis in 24-hour UTC (it read '03:56 … 04 PM' beside 24-hour tables), and a
+    dashed line at the threshold that matters (the throttle temperature). `frame`: one
+    column per series, indexed by time."""
+    import altair as alt
+    import pandas as pd
+
+    long = frame.rename_axis("time").reset_index().melt(
+        id_vars="time", var_name="series", value_name="value").dropna()
+    span = (long["time"].max() - long["time"].min()).total_seconds() if len(long) else 0
+    x = alt.X("time:T", title=TIME_TITLE, axis=alt.Axis(
+        format="%m-%d %H:%M" if span > 86400 else "%H:%M", tickCount=_ticks(span),
+        labelOverlap=True))
+    big = long["value"].abs().max() >= 1e4 if len(long) else False
+    y = alt.Y("value:Q", title=y_title, axis=alt.Axis(format="~s") if big else alt.Axis())
+    one = long["series"].nunique() <= 1  # one line needs no legend ("run ?")
+    chart = alt.Chart(long).mark_line().encode(
+        x=x, y=y, color=alt.Color("series:N", title=None, legend=None if one else
+                                  alt.Legend(orient="right")),
+        tooltip=[alt.Tooltip("time:T", format="%H:%M:%S", title=TIME_TITLE), "series",
+                 alt.Tooltip("value:Q", format=".3~f", title=y_title)])
+    if threshold is not None:
+        rule = pd.DataFrame({"value": [threshold], "label": [threshold_label]})
+        line = alt.Chart(rule).mark_rule(strokeDash=[6, 4], color="#d62728").encode(
+            y="value:Q", tooltip=["label"])
+        text = alt.Chart(rule).mark_text(align="left", dx=4, dy=-6, color="#d62728").encode(
+            y="value:Q", x=alt.value(0), text="label")
+        chart = alt.layer(chart, line, text)
+    st.altair_chart(_readable(chart.properties(height=height)), width="stretch")
+
+
+def _ticks(span_s: float) -> int:
+    """At most six ticks, at least a minute apart: ticks every 30 s under an HH:MM
+    format read '18:45 18:45 18:46 ...'."""
+    return max(1, min(6, int(span_s // 60)))

@@ -1,25 +1,41 @@
-"""Audit: every action taken, by whom, why, and how it ended."""
+"""Audit: every action taken, by whom, why, and how it ended: one row per action."""
 
 from __future__ import annotations
 
-import pandas as pd
 import streamlit as st
 
-from clusterpulse.dashboard import ui
+from clusterpulse.dashboard import auditview, ui
 
 st.title("Audit")
 operator = ui.operator()
-records = ui.audit_log().read(limit=2000)
 ui.audit_chain_status()
-if operator is None:  # viewers: nothing about refused sign-ins or authentication
-    records = [r for r in records
-               if not (r.get("outcome") == "refused" and r.get("action") in (
-                   "sign-in", "authenticate", "webhook"))]
-if not records:
-    st.info("No action has been taken yet.")
-else:
-    frame = pd.DataFrame(records[::-1])
-    frame["ts"] = pd.to_datetime(frame["ts"], unit="s")
-    first = [c for c in ("ts", "who", "action", "why", "outcome", "run", "source") if c in frame]
-    st.dataframe(frame[first + [c for c in frame.columns if c not in first]],
-                 hide_index=True, width="stretch")
+HIDDEN_FROM_VIEWERS = ("sign-in", "authenticate", "webhook")
+
+
+@st.fragment
+def table() -> None:
+    top = st.columns([1, 1, 1, 1])
+    if top[3].button("Refresh", icon=":material/refresh:"):
+        st.rerun(scope="fragment")
+    records = ui.audit_log().read(limit=2000)
+    if operator is None:  # viewers: nothing about refused sign-ins or authentication
+        records = [r for r in records if not (r.get("outcome") == "refused"
+                                              and r.get("action") in HIDDEN_FROM_VIEWERS)]
+    if not records:
+        st.info("No action has been taken yet.")
+        return
+    frame = auditview.actions(records)
+    who = top[0].multiselect("Who", sorted(set(frame["who"])))
+    action = top[1].multiselect("Action", sorted(set(frame["action"])))
+    run = top[2].multiselect("Run", sorted(set(frame["run"]) - {""}))
+    for col, chosen in (("who", who), ("action", action), ("run", run)):
+        if chosen:
+            frame = frame[frame[col].isin(chosen)]
+    st.caption(f"{len(frame)} action(s), newest first; times in UTC. `records`: the log's "
+               "lines of the action (the request and each agent's states); `prev`: the "
+               "hash chaining each line to the one before.")
+    st.dataframe(frame, hide_index=True, width="stretch", column_config={
+        "prev": st.column_config.TextColumn("prev (hash)", width="small")})
+
+
+table()

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import time
+
 import pandas as pd
 import streamlit as st
 
-from clusterpulse.dashboard import data, ui
+from clusterpulse.dashboard import data, links, ui
 from clusterpulse.dashboard import heat as hmap
+from clusterpulse.dashboard.incidents import alert_groups
 
 s = ui.settings()
 st.title("Cluster")
 ui.operator()
+EVIDENCE = st.column_config.LinkColumn("evidence", display_text="open")
 metric = st.sidebar.selectbox("Heatmap metric", list(data.HEATMAP_METRICS), key="heat_metric")
 
 
@@ -30,6 +34,10 @@ def live() -> None:
     c[3].metric("Warnings", sum(a.severity == "warning" for a in active))
     runs = d["runs"]
     c[4].metric("Running jobs", len(runs))
+    if active:  # several alerts of one fault are one thing to look at
+        groups = alert_groups(active, time.time())
+        st.caption(f"{len(active)} active alert(s) from {len(groups)} incident(s): "
+                   f"[Alerts]({links.page_url('alerts', None, ui.keep())})")
     if d["am_error"]:
         st.warning(d["am_error"])
     heat = d["heat"]
@@ -38,6 +46,8 @@ def live() -> None:
         st.info("No GPU data yet.")
     else:
         cells = hmap.cells(heat, d["down"], nodes)
+        cells["url"] = [links.page_url("node", {"node": n, "gpu": g}, ui.keep())
+                        for n, g in zip(cells["node"], cells["gpu"], strict=True)]
         good_high = d["good_high"]
         shown = cells["node"].nunique()
         if shown < len(nodes):
@@ -46,6 +56,7 @@ def live() -> None:
                        f"(at most {d['heat_nodes']} are drawn), and every node or GPU down.")
         ui.heatmap(cells, "gpu", "node", "value", d["unit"], reverse=good_high,
                    height=max(120, 22 * shown))
+        st.caption("Click a cell for that GPU's charts.")
         # the same picture in words, for screen readers (and a glance)
         st.caption(hmap.summary(cells, metric, d["unit"], good_high))
     st.subheader("Unhealthy GPUs and nodes")
@@ -59,14 +70,24 @@ def live() -> None:
             rows.append({"node": a.labels["node"], "gpu": a.labels.get("gpu", ""),
                          "problem": a.annotations.get("summary", a.name)})
     if rows:
-        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+        table = pd.DataFrame(rows)
+        table["evidence"] = [links.evidence({"node": r["node"], "gpu": r["gpu"]}, ui.keep())
+                             for r in rows]
+        st.dataframe(table, hide_index=True, width="stretch",
+                     column_config={"evidence": EVIDENCE, "problem": st.column_config.TextColumn(
+                         "problem", width="large")})
     else:
         st.success("All nodes and GPUs healthy.")
     if not runs.empty:
         st.subheader("Jobs")
         jobs = runs.merge(d["goodput"], on="run", how="left") \
-            if not d["goodput"].empty else runs
-        st.dataframe(jobs, hide_index=True, width="stretch")
+            if not d["goodput"].empty else runs.assign(goodput=float("nan"))
+        jobs["goodput"] = jobs["goodput"] * 100  # a percentage, as on the Run page
+        jobs["evidence"] = [links.page_url("run", {"run": r}, ui.keep()) for r in jobs["run"]]
+        st.dataframe(jobs, hide_index=True, width="stretch", column_config={
+            "goodput": st.column_config.NumberColumn("goodput %", format="%.0f %%"),
+            "step": st.column_config.NumberColumn("step", format="%d"),
+            "evidence": EVIDENCE})
     st.caption(f"{d['queries']} PromQL queries per refresh, shared by all viewers · "
                f"refresh every {s.refresh_s:.0f} s")
 

@@ -5,38 +5,81 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from clusterpulse.dashboard import data, explain, ui
+from clusterpulse.dashboard import data, explain, links, ui
 
 s = ui.settings()
 st.title("Node")
 ui.operator()
-range_s = ui.time_range()
-node = ui.choose("Node", lambda: data.node_names(s.prometheus_url), "No node reports yet.")
+win = ui.time_window()
+node = ui.choose("Node", lambda: data.node_names(s.prometheus_url), "No node reports yet.",
+                 "node")
+focus = ui.url_param("gpu")  # a link to one GPU (an alert, a heatmap cell): it comes first
+# The temperature the charts mark: GpuTemperatureHigh fires above it (throttling near)
+THROTTLE_C = 85.0
+# chart title -> (y axis title, threshold, its label)
+AXES = {"temperature °C": ("temperature (°C)", THROTTLE_C,
+                           f"GpuTemperatureHigh: {THROTTLE_C:.0f} °C, throttling near"),
+        "utilization %": ("utilization (%)", None, ""),
+        "power W": ("power (W)", None, ""), "SM clock MHz": ("SM clock (MHz)", None, ""),
+        "memory used GiB": ("memory used (GiB)", None, ""),
+        "PCIe rx MB/s": ("PCIe receive (MB/s)", None, ""),
+        "NVLink tx MB/s": ("NVLink transmit (MB/s)", None, "")}
+
+
+def chart(title: str, frame: pd.DataFrame) -> None:
+    st.markdown(f"**{title}**")
+    if frame.empty:
+        st.caption("not reported")
+    else:
+        y_title, threshold, label = AXES.get(title, (title, None, ""))
+        ui.line_chart(frame, y_title, threshold, label)
+
+
+def throttle_rows(d: dict, gpu: str | None = None) -> pd.DataFrame:
+    return pd.DataFrame([{"gpu": lb.get("gpu"), "reason": lb.get("reason"),
+                          "from (UTC)": pd.Timestamp(pts[0][0], unit="s"),
+                          "until (UTC)": pd.Timestamp(pts[-1][0], unit="s")}
+                         for lb, pts in d["throttle"] if gpu is None or lb.get("gpu") == gpu])
+
+
+def gpu_evidence(d: dict, gpu: str) -> None:
+    """One GPU's temperature, clocks and throttle reasons together, first on the page:
+    the slow GPU's evidence took 6 clicks and ~150 s to gather."""
+    st.subheader(f"GPU {gpu}")
+    st.caption(f"[All GPUs of {node}]({links.page_url('node', {'node': node}, ui.keep())})")
+    column = f"gpu {gpu}"
+    cols = st.columns(2)
+    for i, title in enumerate(("temperature °C", "SM clock MHz")):
+        frame = d["series"].get(title, pd.DataFrame())
+        with cols[i]:
+            chart(title, frame[[column]] if column in frame else pd.DataFrame())
+    rows = throttle_rows(d, gpu)
+    if rows.empty:
+        st.caption(f"GPU {gpu}: no throttling in this range.")
+    else:
+        st.dataframe(rows, hide_index=True, width="stretch")
 
 
 @st.fragment(run_every=s.refresh_s)
 def live() -> None:
-    result = data.node(s.prometheus_url, node, range_s)
+    result = data.node(s.prometheus_url, node, win.seconds, win.end)
     if not ui.show_status(result):
         return
     d = result.value
     for gpu, reason in sorted(d["down"].items()):  # first: the rest of the page lacks it
         st.error(f"GPU {gpu} is DOWN — {explain.down_reason(reason)}. It reports nothing "
                  "else, so it is missing from the charts below.")
+    if focus is not None and focus not in d["down"]:
+        gpu_evidence(d, focus)
+        st.subheader("All GPUs")
     cols = st.columns(2)
     for i, (title, frame) in enumerate(d["series"].items()):
         with cols[i % 2]:
-            st.markdown(f"**{title}**")
-            if frame.empty:
-                st.caption("not reported")
-            else:
-                st.line_chart(frame, height=180)
+            chart(title, frame)
     st.subheader("Throttle reasons over time")
-    rows = [{"gpu": lb.get("gpu"), "reason": lb.get("reason"),
-             "from": pd.Timestamp(pts[0][0], unit="s"), "until": pd.Timestamp(pts[-1][0], unit="s")}
-            for lb, pts in d["throttle"]]
-    if rows:
-        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    rows = throttle_rows(d)
+    if not rows.empty:
+        st.dataframe(rows, hide_index=True, width="stretch")
     else:
         st.caption("No throttling in this range.")
     c1, c2 = st.columns(2)

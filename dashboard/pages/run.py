@@ -8,41 +8,34 @@ import time
 import pandas as pd
 import streamlit as st
 
-from clusterpulse.dashboard import actions, data, ui
-from clusterpulse.dashboard.incidents import hang_incident, straggler_flag
+from clusterpulse.dashboard import actions, data, links, ui
+from clusterpulse.dashboard.incidents import hang_incident, rank_tables, rate_against_usual
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
 s = ui.settings()
 st.title("Run")
 who = ui.operator()
-range_s = ui.time_range()
-run = ui.choose("Run", lambda: data.run_names(s.prometheus_url), "No training run reports yet.")
-
-
-def straggler_table(d: dict) -> pd.DataFrame:
-    ranks = d["ranks"]
-    if ranks.empty:
-        return ranks
-    per = d["per_rank"]
-    out = ranks[["rank", "node", "local_rank", "gpu", "pid"]].copy()
-    for col in ("score", "self score", "compute s", "sync wait s", "data wait s",
-                "heartbeat age s", "step"):
-        out[col] = out["rank"].map(per.get(col, {}))
-    # bytes each rank moved in the gradient all-reduce over its window: a slow link
-    # on the ring lowers every rank's figure together (no rank is a straggler then)
-    out["bus MB/s"] = (out["rank"].map(per.get("all-reduce bytes", {}))
-                       / out["rank"].map(per.get("all-reduce s", {})) / 1e6)
-    out["all-reduce s"] = out["rank"].map(per.get("all-reduce s", {}))
-    out["cause"] = out["rank"].map(d["causes"])
-    out["GPU °C"] = out["rank"].map(d["gpu_temp"])
-    flagged = out["rank"].map(per.get("flagged", {}))
-    out["flag"] = [straggler_flag(sc, fl) for sc, fl in zip(out["score"], flagged, strict=True)]
-    return out.sort_values("score", ascending=False)
+win = ui.time_window()
+run = ui.choose("Run", lambda: data.run_names(s.prometheus_url), "No training run reports yet.",
+                "run")
+focus = ui.url_param("rank")  # a link to one rank (an alert, a heatmap cell)
+COLUMNS = {
+    "flag": st.column_config.TextColumn("flag", width=100),
+    "score": st.column_config.NumberColumn("score", format="%.2fx",
+                                           help="compute time / the typical rank's"),
+    "GPU °C": st.column_config.NumberColumn("GPU °C", format="%.0f"),
+    "compute ms": st.column_config.NumberColumn("compute ms", format="%.0f"),
+    "sync wait ms": st.column_config.NumberColumn("sync wait ms", format="%.0f"),
+    "data wait ms": st.column_config.NumberColumn("data wait ms", format="%.0f"),
+    "bus MB/s": st.column_config.NumberColumn("bus MB/s", format="%.0f"),
+    "heartbeat age s": st.column_config.NumberColumn("heartbeat age s", format="%.1f"),
+    "evidence": st.column_config.LinkColumn("evidence", display_text="GPU charts"),
+}
 
 
 @st.fragment(run_every=s.refresh_s)
 def live() -> None:
-    result = data.run(s.prometheus_url, run, range_s)
+    result = data.run(s.prometheus_url, run, win.seconds, win.end)
     if not ui.show_status(result):
         return
     d = result.value
@@ -52,41 +45,54 @@ def live() -> None:
     ckpt_time = max(per["checkpoint time"].values(), default=None)
     c = st.columns(6)
     c[0].metric("Step", f"{step:.0f}")
-    c[1].metric("Steps / s", f"{d['step_rate']:.2f}")
+    c[1].metric("Steps / s", f"{d['step_rate']:.2f}",
+                rate_against_usual(d["step_rate"], d["step_rate_usual"]))
     c[2].metric("Loss", f"{per['loss'].get('0', float('nan')):.3f}")
     c[3].metric("Restarts", f"{max(per['restarts'].values(), default=0):.0f}")
-    c[4].metric("Goodput", f"{per['goodput'].get('0', 0) * 100:.0f} %")
-    c[5].metric("Last checkpoint", "none" if ckpt_step is None else
-                f"step {ckpt_step:.0f}, {time.time() - ckpt_time:.0f} s ago")
+    c[4].metric("Goodput", f"{per['goodput'].get('0', 0) * 100:.0f} %",
+                help="time spent on steps that count / wall time since the run began")
+    c[5].metric("Last checkpoint", "none" if ckpt_step is None else f"step {ckpt_step:.0f}")
+    if ckpt_time is not None:
+        c[5].caption(f"saved {time.time() - ckpt_time:.0f} s ago")
     incident = hang_incident(d)
     if incident is not None:  # one incident: its root and the ranks waiting for it
         st.error(incident.headline())
     st.subheader("Ranks (straggler table)")
-    table = straggler_table(d)
-    st.dataframe(table, hide_index=True, width="stretch")
-    flagged = table[table["flag"] != ""] if not table.empty else table
-    for _, r in flagged.iterrows():
+    table, internal = rank_tables(d, ui.keep())
+    shown = table
+    if focus is not None and focus in set(table["rank"]):  # stragglers stay first
+        st.caption(f"Rank {focus}, the link's, is highlighted.")
+        shown = table.style.apply(lambda row: ["background-color: #fff3b0" if row["rank"] == focus
+                                               else "" for _ in row], axis=1)
+    st.dataframe(shown, hide_index=True, width="stretch", column_config=COLUMNS)
+    with st.expander("Internals (process, local rank, raw seconds)"):
+        st.dataframe(internal, hide_index=True, width="stretch")
+    for _, r in table[table["flag"] != ""].iterrows():
         st.warning(f"Rank {r['rank']} on {r['node']} GPU {r['gpu']} is {r['score']:.2f}x the "
-                   f"typical rank — cause: **{r['cause']}** (GPU at {r['GPU °C']:.0f} °C, "
-                   f"data wait {r['data wait s'] * 1e3:.0f} ms, sync wait "
-                   f"{r['sync wait s'] * 1e3:.0f} ms)")
+                   f"typical rank — cause: **{r['cause'] or 'not named'}** (GPU at "
+                   f"{r['GPU °C']:.0f} °C, data wait {r['data wait ms']:.0f} ms, sync wait "
+                   f"{r['sync wait ms']:.0f} ms). [Its GPU's charts]({r['evidence']})")
     left, right = st.columns(2)
     with left:
-        st.markdown("**Compute time per rank (s)**")
+        st.markdown("**Compute time per rank (s)** · click a cell for its rank")
         comp = d["compute"]
         if not comp.empty:
             long = comp.tail(40).reset_index(names="time").melt(
                 id_vars="time", var_name="rank", value_name="seconds").dropna()
+            long = long.sort_values("time", kind="stable")  # columns in time order
             long["time"] = long["time"].dt.strftime("%H:%M:%S")
-            ui.heatmap(long, "time", "rank", "seconds", "compute s",
-                       height=60 + 22 * long["rank"].nunique())
+            long["url"] = [links.page_url("run", {"run": run, "rank": r.split(" ")[-1]},
+                                          ui.keep()) for r in long["rank"]]
+            ui.heatmap(long.rename(columns={"time": ui.TIME_TITLE}), ui.TIME_TITLE, "rank",
+                       "seconds", "compute s", height=110 + 24 * long["rank"].nunique(),
+                       y_order=sorted(long["rank"].unique(), key=lambda r: int(r.split()[-1])))
     with right:
         st.markdown("**Loss**")
         if not d["loss"].empty:
-            st.line_chart(d["loss"], height=200)
+            ui.line_chart(d["loss"], "loss (mean of ranks)", height=200)
         st.markdown("**Restarts over time**")
         if not d["restarts"].empty:
-            st.line_chart(d["restarts"], height=120)
+            ui.line_chart(d["restarts"], "restarts (count)", height=170)
     blocking = max(per["checkpoint blocking s"].values(), default=0.0)
     st.caption(f"Checkpoint blocking (last): {blocking * 1e3:.0f} ms · {d['queries']} queries")
 
@@ -101,8 +107,8 @@ def incident_timeline() -> None:
     from clusterpulse import incident
 
     st.subheader("Incident timeline")
-    result = data.run_incidents(s.prometheus_url, run, range_s,
-                                str(s.audit_log) if s.audit_log else "")
+    result = data.run_incidents(s.prometheus_url, run, win.seconds,
+                                str(s.audit_log) if s.audit_log else "", win.end)
     if not ui.show_status(result):
         return
     items = result.value
@@ -111,6 +117,7 @@ def incident_timeline() -> None:
         return
     table = pd.DataFrame([i.row() for i in items])
     table["detected"] = pd.to_datetime(table["detected"], unit="s").dt.strftime("%H:%M:%S")
+    table = table.rename(columns={"detected": "detected (UTC)"})
     st.dataframe(table, hide_index=True, width="stretch")
     st.caption(incident.summary(items))
 
@@ -166,7 +173,7 @@ if last and last["run"] == run:
                                     "detail": r.error} for r in results]),
                      hide_index=True, width="stretch")
         st.caption(f"{last['action']} requested at "
-                   f"{time.strftime('%H:%M:%S', time.localtime(last['at']))} "
+                   f"{time.strftime('%H:%M:%S', time.gmtime(last['at']))} UTC "
                    f"because: {last['reason']}")
         resumed = data.run_resume(s.prometheus_url, run).value
         if resumed is not None and resumed.at < last["at"]:

@@ -186,7 +186,7 @@ def test_cluster_page_shows_live_data(env):
     shows(p, "Nodes up", evidence=lambda: dashboard_log(env))
     shows(p, "2 / 2", exact=True, evidence=lambda: dashboard_log(env))
     p.get_by_text("8 / 8", exact=True).wait_for()
-    p.get_by_text("Utilization (%) by node x GPU").wait_for()
+    p.get_by_text("Temperature (°C) by node x GPU").wait_for()  # the default metric
     p.screenshot(path=ARTIFACTS / "cluster.png", full_page=True)
 
 

@@ -3,6 +3,8 @@ scrapes real simulated agents (with rank telemetry sent over the agents' real Un
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -99,7 +101,9 @@ def test_run_page_flags_the_straggler_with_its_evidence(prom_with_data, monkeypa
     assert top["rank"] == "3" and top["flag"] == "STRAGGLER" and top["cause"] == "compute"
     assert top["node"] == "node-b"
     # the gradient all-reduce: bytes over its window; the straggler's window is short
-    assert top["bus MB/s"] == pytest.approx(400) and top["all-reduce s"] == 0.05
+    assert top["bus MB/s"] == pytest.approx(400)
+    internal = at.dataframe[1].value.set_index("rank")  # raw seconds, behind an expander
+    assert internal.loc["3", "all-reduce s"] == 0.05 and "pid" in internal.columns
     assert list(table["bus MB/s"].iloc[1:]) == pytest.approx([200] * 3)
     (bw,) = prom.query('clusterpulse:run_comm_bandwidth_bytes_per_second{run="llm"}')
     assert float(bw["value"][1]) == pytest.approx(2e8)  # the median rank's
@@ -115,6 +119,35 @@ def test_node_page_shows_per_gpu_series(prom_with_data, monkeypatch, tmp_path):
     at.switch_page("pages/node.py").run()
     assert not at.exception, at.exception
     assert at.selectbox(key="node").options == ["node-a", "node-b"]
+
+
+def test_a_link_opens_the_node_page_at_its_gpu_and_the_window_is_kept(
+        prom_with_data, monkeypatch, tmp_path):
+    """Issue #28: node, GPU, run and window were not in the URL, so an alert could not
+    link to its evidence, and the range reset to 15 min on every page change."""
+    prom, _ = prom_with_data
+    at = app(monkeypatch, prom.url, tmp_path)
+    at.query_params.update({"node": "node-b", "gpu": "1", "range": "1h"})
+    at.switch_page("pages/node.py").run()
+    assert not at.exception, at.exception
+    assert at.selectbox(key="node").value == "node-b"
+    assert at.selectbox(key="range_choice").value == "1 h"
+    assert any(h.value == "GPU 1" for h in at.subheader), at.subheader
+    specs = [json.loads(e.proto.spec) for e in at.get("vega_lite_chart")]
+    titled = [json.dumps(x, ensure_ascii=False) for x in specs]
+    assert any('"temperature (°C)"' in x and '"rule"' in x and
+               '"time (UTC)"' in x for x in titled), titled[:1]
+    at.switch_page("pages/run.py").run()  # a page change keeps the window
+    assert not at.exception, at.exception
+    assert at.selectbox(key="range_choice").value == "1 h"
+    assert at.query_params["range"] in ("1h", ["1h"])
+    at.selectbox(key="range_choice").select("6 h").run()  # a choice is not undone by the URL
+    assert at.selectbox(key="range_choice").value == "6 h"
+    assert at.query_params["range"] in ("6h", ["6h"])
+    at.query_params["range"] = "fortnight"  # a bad link: said in a line, not a traceback
+    at.run()
+    assert not at.exception, at.exception
+    assert any("range='fortnight'" in w.value for w in at.sidebar.warning), at.sidebar.warning
 
 
 def test_a_lost_gpu_is_down_on_the_heatmap_and_the_node_page(prom_with_data, monkeypatch,

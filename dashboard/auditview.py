@@ -1,0 +1,65 @@
+"""The Audit page's table: one row per action, naming the person.
+
+One restart wrote 3-4 records (the dashboard's request, then each agent's states of
+its command, signed `who = token`: the credential the dashboard used, with the
+operator in `on_behalf_of`), and the chain's 64-character hash came before the
+detail. Here the agents' records join the request whose command ids they carry, the
+row names the person, says how it ended on each node, and the hash goes last.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+COLUMNS = ["time (UTC)", "who", "action", "run", "outcome", "why", "nodes", "source",
+           "records", "detail", "prev"]
+
+
+def person(record: dict) -> str:
+    """Who acted: the operator an agent acted for, else the record's own signer."""
+    return record.get("on_behalf_of") or record.get("who", "")
+
+
+def actions(records: list[dict]) -> pd.DataFrame:
+    """Records (oldest first, as AuditLog.read gives them) -> one row per action,
+    newest first. An agent record joins the request that sent its command; an agent
+    record of no known request is an action of its own, with the later states of the
+    same command."""
+    rows: list[dict] = []
+    by_command: dict[str, dict] = {}
+    for r in records:
+        command = r.get("command")
+        row = by_command.get(command) if command else None
+        if row is None:
+            row = {"ts": r.get("ts", 0.0), "who": person(r), "action": r.get("action", ""),
+                   "run": r.get("run", ""), "outcome": r.get("outcome", ""),
+                   "why": r.get("why", ""), "source": r.get("source", ""),
+                   # each node the request went to, until its agent's records say more
+                   "states": dict.fromkeys(r.get("nodes") or {}, "accepted" if r.get(
+                       "outcome") == "accepted" else "requested"),
+                   "records": 0, "detail": _detail(r), "prev": r.get("prev", "")}
+            rows.append(row)
+            for ref in (r.get("nodes") or {}).values():  # the request's command ids
+                if isinstance(ref, str) and ref:
+                    by_command[ref] = row
+            if command:
+                by_command[command] = row
+        row["records"] += 1
+        if r.get("source") == "agent" and r.get("node"):
+            row["states"][r["node"]] = r.get("outcome", "")
+            if row["who"] in ("token", "") and r.get("on_behalf_of"):
+                row["who"] = r["on_behalf_of"]
+    out = pd.DataFrame([{**{k: v for k, v in row.items() if k not in ("ts", "states")},
+                         "time (UTC)": pd.Timestamp(row["ts"], unit="s").floor("s"),
+                         "nodes": ", ".join(f"{n}: {s}" for n, s in sorted(row["states"].items()))}
+                        for row in rows], columns=COLUMNS)
+    return out.iloc[::-1].reset_index(drop=True)
+
+
+def _detail(r: dict) -> str:
+    rest = {k: v for k, v in r.items() if k not in (
+        "ts", "who", "action", "why", "outcome", "run", "source", "prev", "on_behalf_of",
+        "command", "node")}
+    return json.dumps(rest, sort_keys=True, default=str) if rest else ""

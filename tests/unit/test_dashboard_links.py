@@ -1,0 +1,150 @@
+"""Issue #28: deep links (node, GPU, run, rank, window in the URL), the Run table for a
+human, alerts grouped by incident with their runbooks, one audit row per action."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from clusterpulse.dashboard import auditview, links, runbooks
+from clusterpulse.dashboard.amclient import Alert
+from clusterpulse.dashboard.incidents import ago, alert_groups, rank_tables, rate_against_usual
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- the window and the links ------------------------------------------------------------
+def test_the_window_comes_from_the_url_and_goes_back_into_links():
+    assert links.window({}) == links.Window("15 min", 900)
+    hour = links.window({"range": "1h"})
+    assert hour.seconds == 3600 and hour.params() == {"range": "1h"}
+    custom = links.window({"range": "custom", "from": "2026-01-31T14:00",
+                           "until": "2026-01-31T14:30"})
+    assert custom.seconds == 1800 and links.fmt_utc(custom.end) == "2026-01-31T14:30"
+    assert custom.params() == {"range": "custom", "from": "2026-01-31T14:00",
+                               "until": "2026-01-31T14:30"}
+    # a link to another page keeps the window
+    assert links.page_url("node", {"node": "n 1", "gpu": 3}, hour.params()) == \
+        "node?node=n+1&gpu=3&range=1h"
+
+
+@pytest.mark.parametrize(("params", "named"), [
+    ({"range": "fortnight"}, "range='fortnight'"),
+    ({"range": "custom", "from": "2026-01-31T14:00"}, "needs both from= and until="),
+    ({"range": "custom", "from": "yesterday", "until": "2026-01-31T14:30"}, "from='yesterday'"),
+    ({"range": "custom", "from": "2026-01-31T15:00", "until": "2026-01-31T14:30"},
+     "is not after"),
+])
+def test_a_bad_window_in_a_link_is_named_in_one_line(params, named):
+    with pytest.raises(links.LinkError) as err:
+        links.window(params)
+    assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_alert_links_to_its_evidence():
+    assert links.evidence({"run": "llm", "rank": "3", "node": "n2"}) == "run?run=llm&rank=3"
+    assert links.evidence({"node": "n2", "gpu": "1"}) == "node?node=n2&gpu=1"
+    assert links.evidence({"node": "n2"}) == "node?node=n2"
+    assert links.evidence({"run": "llm"}) == "run?run=llm"
+    assert links.evidence({}) == "alerts"
+
+
+def test_every_alert_rule_carries_a_dashboard_link_and_a_runbook_section():
+    """The notifications link to the evidence (the promtool tests check each path is
+    the one links.evidence builds) and every runbook anchor has its section."""
+    groups = yaml.safe_load((REPO / "deploy/prometheus/alerts.rules.yml").read_text())["groups"]
+    rules = [r for g in groups for r in g["rules"] if "alert" in r]
+    assert rules
+    for r in rules:
+        assert "dashboard_url" in r["annotations"], r["alert"]
+        assert runbooks.text(r["annotations"]["runbook_url"]), r["alert"]
+    assert runbooks.link("docs/runbooks.md#gpudown", "https://docs.example/cp") == \
+        "https://docs.example/cp/runbooks.md#gpudown"
+    assert runbooks.link("docs/runbooks.md#gpudown", "") is None
+
+
+# -- the Run table ---------------------------------------------------------------------
+def run_data() -> dict:
+    ranks = pd.DataFrame({"rank": ["0", "1", "2", "3"], "node": ["a", "a", "b", "b"],
+                          "local_rank": ["0", "1", "0", "1"], "gpu": ["0", "1", "0", "1"],
+                          "pid": ["11", "12", "13", "14"]})
+    per = {"score": {"0": 1.0, "1": 1.0, "2": 1.02, "3": 1.9},
+           "flagged": {"0": 0.0, "1": 0.0, "2": 0.0, "3": 1.0},
+           "compute s": {r: 0.1 for r in "0123"}, "sync wait s": {r: 0.05 for r in "0123"},
+           "data wait s": {r: 0.001 for r in "0123"}, "all-reduce s": {r: 0.1 for r in "0123"},
+           "all-reduce bytes": {r: 2e7 for r in "0123"}, "step": {r: 42 for r in "0123"}}
+    return {"ranks": ranks, "per_rank": per, "gpu_temp": {"3": 93.0},
+            "causes": {r: "compute" for r in "012"} | {"3": "thermal_throttling"}}
+
+
+def test_the_run_table_puts_the_decision_first_and_shows_no_cause_for_healthy_ranks():
+    table, internal = rank_tables(run_data(), {"range": "1h"})
+    assert list(table.columns[:3]) == ["flag", "cause", "score"]
+    assert not {"pid", "local_rank", "compute s", "step"} & set(table.columns)
+    assert {"pid", "local_rank", "compute s", "step"} <= set(internal.columns)
+    assert list(table["rank"]) == ["3", "2", "0", "1"] and list(internal["rank"]) == list("0123")
+    top = table.iloc[0]
+    assert (top["flag"], top["cause"]) == ("STRAGGLER", "thermal_throttling")
+    assert set(table["cause"].iloc[1:]) == {""}  # 'compute' beside healthy ranks read as one
+    assert top["evidence"] == "node?node=b&gpu=1&range=1h"
+    assert top["compute ms"] == pytest.approx(100)
+
+
+def test_steps_per_second_are_read_against_the_runs_own_baseline():
+    assert rate_against_usual(0.9, 1.0) == "-10 % vs 15 min"
+    assert rate_against_usual(1.0, None) is None and rate_against_usual(1.0, 0.0) is None
+
+
+# -- alerts ----------------------------------------------------------------------------
+def alert(name: str, severity: str, at: str, **labels) -> Alert:
+    return Alert(name, {"alertname": name, "severity": severity, **labels},
+                 {"runbook_url": f"docs/runbooks.md#{name.lower()}"}, "active", [], [], at)
+
+
+def test_active_alerts_are_grouped_by_incident_root_first():
+    now = pd.Timestamp("2026-01-31T14:10:00Z").timestamp()
+    groups = alert_groups([
+        alert("GpuCriticalXid", "critical", "2026-01-31T14:01:05Z", node="n2", gpu="1"),
+        alert("CheckpointStale", "warning", "2026-01-31T14:05:00Z", run="other"),
+        alert("GpuDown", "critical", "2026-01-31T14:01:00Z", node="n2", gpu="1"),
+        alert("GpuTemperatureHigh", "warning", "2026-01-31T13:00:00Z", node="n7", gpu="0"),
+        alert("RankHung", "critical", "2026-01-31T14:02:00Z", run="llm", rank="3", node="n2"),
+    ], now)
+    names = [[a.name for a in g] for g in groups]
+    # the lost GPU explains its XIDs and its rank's hang: one incident, not three;
+    # another run's stale checkpoint is not part of it
+    assert names == [["GpuDown", "RankHung", "GpuCriticalXid"], ["CheckpointStale"],
+                     ["GpuTemperatureHigh"]]
+    assert ago(now - pd.Timestamp("2026-01-31T14:01:00Z").timestamp()) == "9 min ago"
+    assert ago(30) == "30 s ago" and ago(2 * 86400) == "2 d ago"
+
+
+# -- audit -----------------------------------------------------------------------------
+def test_one_audit_row_per_action_names_the_person_and_puts_the_hash_last():
+    recs = [
+        {"ts": 100.0, "who": "alice", "action": "checkpoint-restart", "why": "rank 3 slow",
+         "outcome": "accepted", "run": "llm", "source": "dashboard",
+         "nodes": {"a": "c1", "b": "c2"}, "prev": "0" * 64},
+        {"ts": 100.5, "who": "token", "on_behalf_of": "alice", "action": "checkpoint-restart",
+         "why": "rank 3 slow", "outcome": "delivered", "run": "llm", "command": "c1",
+         "node": "a", "source": "agent", "prev": "1" * 64},
+        {"ts": 101.0, "who": "token", "on_behalf_of": "alice", "action": "checkpoint-restart",
+         "why": "rank 3 slow", "outcome": "completed", "run": "llm", "command": "c1",
+         "node": "a", "source": "agent", "prev": "2" * 64},
+        {"ts": 101.5, "who": "token", "on_behalf_of": "alice", "action": "checkpoint-restart",
+         "why": "rank 3 slow", "outcome": "completed", "run": "llm", "command": "c2",
+         "node": "b", "source": "agent", "prev": "3" * 64},
+        {"ts": 200.0, "who": "policy", "action": "drain-node", "why": "GpuDown", "outcome":
+         "acted", "source": "remediation", "prev": "4" * 64},
+    ]
+    frame = auditview.actions(recs)
+    assert len(frame) == 2 and list(frame["action"]) == ["drain-node", "checkpoint-restart"]
+    row = frame.iloc[1]
+    assert row["who"] == "alice" and row["records"] == 4
+    assert row["nodes"] == "a: completed, b: completed"
+    assert frame.columns[-1] == "prev" and "token" not in set(frame["who"])
+    assert not any(isinstance(v, float) and math.isnan(v) for v in frame["who"])
