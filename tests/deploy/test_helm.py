@@ -202,11 +202,8 @@ def test_the_rendered_policy_is_one_the_receiver_loads(default, tmp_path):
 
 def test_every_flag_in_the_pods_is_one_the_program_knows(default):
     """A renamed flag puts a pod in a crash loop that no render or schema check sees: every
-    --flag in the containers' args must be in the program's --help. The example's
-    Alertmanager basic auth is left out here: the dashboard's --alertmanager-user and
-    --alertmanager-password-file come with issue #29's dashboard change."""
+    --flag in the containers' args must be in the program's --help."""
     values = yaml.safe_load(EXAMPLE.read_text())
-    values["alertmanager"]["basicAuth"]["enabled"] = False
     flags: dict[str, set[str]] = {}
     for objects in (default, render(values)):
         for pod in pod_specs(objects):

@@ -241,6 +241,7 @@ def test_a_rank_no_process_vouches_for_is_never_acted_for(cluster):
     assert ranks[7]["uid"] is None and ranks[0]["uid"] == os.getuid()
     rem = Remediator(Policy([Rule("RankHung", "restart")]), PrometheusClient(prom.url),
                      TOKEN, audit)
+    fires(prom, 'alertname="RankHung",run="job",rank="7"')
     (d,) = rem.handle({"alerts": [firing("RankHung", run="job", rank="7", node="node-r")]})
     assert d["outcome"] == "failed" and "could not verify" in d["detail"], d
     assert victim.poll() is None  # nobody signalled
