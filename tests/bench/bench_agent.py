@@ -31,7 +31,7 @@ from tests.bench.table import Row
 from tests.conftest import socket_path
 from tests.fakes.fake_pynvml import FakeNvml
 from tests.support.ports import free_port
-from tests.support.ranksock import SYSTEM_PYTHON, connect
+from tests.support.ranksock import NEIGHBOURS, SYSTEM_PYTHON, connect
 
 GPUS = RANKS = 8
 
@@ -287,46 +287,6 @@ def bench_telemetry_receive() -> list[Row]:
                 baseline_name="UDP, no sender identity")]
 
 
-_HOSTILE = r"""
-import json, socket, sys, time
-path, seconds = sys.argv[1], float(sys.argv[2])
-def conn():
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.connect(path)
-    s.setblocking(False)
-    return s
-hung = [conn() for _ in range(8)]     # a hung job: heartbeats, replies never read
-flood = [conn() for _ in range(4)]    # a user flooding junk and valid messages
-junk = [b"junk" * 50] + [json.dumps({"v": 1, "type": "heartbeat", "run": "flood",
-                                     "rank": i}).encode() for i in range(8)]
-beat = [json.dumps({"v": 1, "type": "heartbeat", "run": "hung", "rank": i,
-                    "phase": "sync"}).encode() for i in range(8)]
-print("ready", flush=True)
-end, next_beat, sent = time.monotonic() + seconds, 0.0, 0
-while time.monotonic() < end:
-    if time.monotonic() >= next_beat:
-        for s, m in zip(hung, beat):
-            try:
-                s.send(m)
-            except BlockingIOError:
-                pass
-        next_beat = time.monotonic() + 0.1
-    for s in flood:
-        for m in junk:
-            try:
-                s.send(m)
-                sent += 1
-            except BlockingIOError:
-                pass
-        try:
-            while s.recv(8192):
-                pass
-        except BlockingIOError:
-            pass
-print(sent, flush=True)
-"""
-
-
 def _victim_under(hostile: bool, seconds: float = 10.0, rate_hz: float = 20.0) -> dict:
     """A healthy job's rank on a node that also holds (hostile=True) a hung 8-rank job
     that never reads its replies and another user flooding: the rank's loss, its worst
@@ -340,7 +300,8 @@ def _victim_under(hostile: bool, seconds: float = 10.0, rate_hz: float = 20.0) -
     path = agent.telemetry_address.removeprefix("unix:")
     other = None
     if hostile:  # another uid where we can switch to one (root), else the same user
-        other = subprocess.Popen([SYSTEM_PYTHON, "-c", _HOSTILE, path, str(seconds + 2)],
+        other = subprocess.Popen([SYSTEM_PYTHON, "-c", NEIGHBOURS, path, str(seconds + 2),
+                                  "8", "4"],
                                  stdout=subprocess.PIPE, text=True,
                                  user=65534 if os.geteuid() == 0 else None)
         assert other.stdout is not None and other.stdout.readline().strip() == "ready"

@@ -81,3 +81,47 @@ class RankProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# Bad neighbours on a node, in one process: `hung` ranks of a hung job (a heartbeat every
+# 0.1 s each, replies never read) and `flood` connections sending junk and valid
+# messages as fast as they can. argv: socket path, seconds, hung, flood. Prints "ready"
+# once connected, then the number of flood messages sent.
+NEIGHBOURS = r"""
+import json, socket, sys, time
+path, seconds, hung_n, flood_n = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+def conn():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(path)
+    s.setblocking(False)
+    return s
+hung = [conn() for _ in range(hung_n)]
+flood = [conn() for _ in range(flood_n)]
+junk = [b"junk" * 50] + [json.dumps({"v": 1, "type": "heartbeat", "run": "flood",
+                                     "rank": i}).encode() for i in range(8)]
+beat = [json.dumps({"v": 1, "type": "heartbeat", "run": "hung", "rank": i,
+                    "phase": "sync"}).encode() for i in range(hung_n)]
+print("ready", flush=True)
+end, next_beat, sent = time.monotonic() + seconds, 0.0, 0
+while time.monotonic() < end:
+    if time.monotonic() >= next_beat:
+        for s, m in zip(hung, beat):
+            try:
+                s.send(m)
+            except BlockingIOError:
+                pass
+        next_beat = time.monotonic() + 0.1
+    for s in flood:
+        for m in junk:
+            try:
+                s.send(m)
+                sent += 1
+            except BlockingIOError:
+                pass
+        try:
+            while s.recv(8192):
+                pass
+        except BlockingIOError:
+            pass
+print(sent, flush=True)
+"""

@@ -27,7 +27,7 @@ from clusterpulse.agent.identity import Sender
 from clusterpulse.agent.ranks import RankRegistry
 from clusterpulse.trainer.telemetry import AgentLink
 from tests.conftest import socket_path
-from tests.support.ranksock import SYSTEM_PYTHON, connect
+from tests.support.ranksock import NEIGHBOURS, SYSTEM_PYTHON, connect
 
 ROOT = os.geteuid() == 0
 
@@ -83,46 +83,17 @@ def test_senders_that_never_read_their_replies_cost_the_others_nothing(sim_agent
     assert counts["reply_dropped"] >= 100  # the hung job lost its replies, nobody else
 
 
-_FLOODER = r"""
-import json, socket, sys, time
-path, seconds = sys.argv[1], float(sys.argv[2])
-conns = []
-for _ in range(4):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.connect(path)
-    s.setblocking(False)
-    conns.append(s)
-msgs = [b"junk" * 50] + [json.dumps({"v": 1, "type": "heartbeat", "run": "flood",
-                                     "rank": i}).encode() for i in range(8)]
-print("flooding", flush=True)
-end, sent = time.monotonic() + seconds, 0
-while time.monotonic() < end:
-    for s in conns:
-        for m in msgs:
-            try:
-                s.send(m)
-                sent += 1
-            except BlockingIOError:
-                pass
-            try:
-                while s.recv(8192):
-                    pass
-            except BlockingIOError:
-                pass
-print(sent, flush=True)
-"""
-
-
 @pytest.mark.skipif(not ROOT, reason="a second user's flood needs root to run as uid 65534")
 def test_one_users_flood_costs_another_user_nothing(sim_agent):
     """Finding: a junk flood from one user dropped 83 % of another user's datagrams
     (one shared queue of 10). Each connection has its own queue now, and every user
     gets the same share of each round."""
-    flooder = subprocess.Popen([SYSTEM_PYTHON, "-c", _FLOODER, sim_agent.socket_path, "8"],
+    flooder = subprocess.Popen([SYSTEM_PYTHON, "-c", NEIGHBOURS, sim_agent.socket_path, "8",
+                                "0", "4"],
                                stdout=subprocess.PIPE, text=True, user=65534)
     try:
         assert flooder.stdout is not None
-        assert flooder.stdout.readline().strip() == "flooding"
+        assert flooder.stdout.readline().strip() == "ready"
         link = AgentLink(sim_agent.socket_path, local_rank=0)
         send_steps(link, "victim", 300, every_s=0.01)
         wait_for(lambda: steps_of(sim_agent.agent, "victim") == 300, "the victim's steps")
