@@ -125,6 +125,10 @@ def render_conf(cluster: str, run_dir: Path, ctl_host: str, ctl_addr: str, ctl_p
         # ... but a node drained with a reason stays drained until resumed.
         f"KillWait={kill_wait}",  # SIGTERM -> SIGKILL: the job's time to checkpoint
         "JobRequeue=1", "MessageTimeout=20",
+        # The nodes' CPUs as configured, whatever slurmd detects: the testbed's nodes
+        # share one machine, and a minimal Debian (no lscpu/hwloc data) read 2 sockets
+        # of 1 core where the host reads 1 of 2, and slurmd refused to start.
+        "SlurmdParameters=config_overrides",
     ]
     if health_check is not None:
         lines += [f"HealthCheckProgram={health_check}",
