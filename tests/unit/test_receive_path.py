@@ -50,6 +50,18 @@ def send_steps(link: AgentLink, run: str, n: int, every_s: float) -> None:
         time.sleep(every_s)
 
 
+def victim_loses_nothing(running, run: str, n: int, every_s: float) -> None:
+    """A healthy rank sends `n` steps through a real link beside whatever else the node
+    holds: every one arrives, and the link dropped none."""
+    link = AgentLink(running.socket_path, local_rank=0)
+    try:
+        send_steps(link, run, n, every_s)
+        wait_for(lambda: steps_of(running.agent, run) == n, f"{run}'s {n} steps")
+        assert link.failed == 0, f"{link.failed} of {n} of {run}'s messages were lost"
+    finally:
+        link.close()
+
+
 def test_senders_that_never_read_their_replies_cost_the_others_nothing(sim_agent):
     """A hung job's ranks keep sending heartbeats (their heartbeat thread lives) and
     never read the replies (their main thread is stuck): each reply waited 0.2 s for
@@ -70,11 +82,7 @@ def test_senders_that_never_read_their_replies_cost_the_others_nothing(sim_agent
     counts = sim_agent.agent.telemetry_counts
     try:
         wait_for(lambda: counts["reply_dropped"] >= 100, "the hung job's replies to pile up")
-        link = AgentLink(sim_agent.socket_path, local_rank=0)
-        send_steps(link, "healthy", 200, every_s=0.005)
-        wait_for(lambda: steps_of(sim_agent.agent, "healthy") == 200, "the healthy steps")
-        assert link.failed == 0
-        link.close()
+        victim_loses_nothing(sim_agent, "healthy", 200, every_s=0.005)
     finally:
         stop.set()
         noise.join()
@@ -94,11 +102,7 @@ def test_one_users_flood_costs_another_user_nothing(sim_agent):
     try:
         assert flooder.stdout is not None
         assert flooder.stdout.readline().strip() == "ready"
-        link = AgentLink(sim_agent.socket_path, local_rank=0)
-        send_steps(link, "victim", 300, every_s=0.01)
-        wait_for(lambda: steps_of(sim_agent.agent, "victim") == 300, "the victim's steps")
-        assert link.failed == 0, f"{link.failed} of 300 of the victim's messages were lost"
-        link.close()
+        victim_loses_nothing(sim_agent, "victim", 300, every_s=0.01)
         counts = sim_agent.agent.telemetry_counts
         assert counts["malformed_not_json"] > 1000  # the flood was real, and was read
     finally:
@@ -300,11 +304,7 @@ def test_a_user_with_many_subordinate_uids_is_one_user(sim_agent, tmp_path):
         want = {"uid:65534": 80}
         wait_for(lambda: sim_agent.agent.receiver.connections() == want,
                  f"{want} (got {sim_agent.agent.receiver.connections()})")
-        link = AgentLink(sim_agent.socket_path, local_rank=0)
-        send_steps(link, "victim", 200, every_s=0.01)
-        wait_for(lambda: steps_of(sim_agent.agent, "victim") == 200, "the victim's steps")
-        assert link.failed == 0
-        link.close()
+        victim_loses_nothing(sim_agent, "victim", 200, every_s=0.01)
     finally:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
