@@ -21,6 +21,7 @@ root, not in the dashboard or the deploy tooling: it is a contract between them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -196,10 +197,18 @@ def summary(items: Sequence[Incident]) -> str:
 Series = Sequence[tuple[dict, Sequence[tuple[float, float]]]]
 
 
-def episodes_from(for_state: Series, firing: Series) -> list[AlertEpisode]:
+def episodes_from(for_state: Series, firing: Series, window_s: float = 0.0,
+                  ) -> list[AlertEpisode]:
     """Episodes from range queries of ALERTS_FOR_STATE (value: activeAt, one value per
     episode whatever the step) and ALERTS{alertstate="firing"}: an episode counts once
-    one of its samples fired (a pending alert that never fired is no incident)."""
+    one of its samples fired (a pending alert that never fired is no incident).
+
+    `window_s`: each point of the queries covers the `window_s` before it (the queries
+    of `alert_queries`; 0 for plain samples). With plain samples a JobStalled that fired
+    for 4 s between two points of the Run page's 9 s step was no incident, while the
+    demo's 1 s printout named it. A point then says only that the alert was seen
+    somewhere in its window, so the last sighting is taken at the window's start: a
+    coarse step still only makes an episode end earlier, never later (`JOIN_GAP_S`)."""
     def key(labels: dict) -> tuple:
         return tuple(sorted((k, v) for k, v in labels.items()
                             if k not in ("__name__", "alertstate")))
@@ -219,9 +228,19 @@ def episodes_from(for_state: Series, firing: Series) -> list[AlertEpisode]:
             seen = [t for t in seen if t < nxt]
             if seen:
                 clean = {k: v for k, v in labels.items() if k != "__name__"}
+                last = max(max(seen), max(ts)) - window_s
                 out.append(AlertEpisode(clean.get("alertname", ""), clean, active,
-                                        max(max(seen), max(ts))))
+                                        max(active, last)))
     return out
+
+
+def alert_queries(step_s: float) -> tuple[str, str]:
+    """The two range queries of `episodes_from`, each point the maximum over the step
+    before it, so an alert that fired for less than a step is still seen (Prometheus
+    range selectors are open at the start: consecutive points cover every sample once)."""
+    window = f"{max(1, math.ceil(step_s * 1000))}ms"
+    return (f"max_over_time(ALERTS_FOR_STATE[{window}])",
+            f'max_over_time(ALERTS{{alertstate="firing"}}[{window}])')
 
 
 def resumes_from(step: Sequence[tuple[float, float]], recomputed: Sequence[tuple[float, float]],
@@ -251,7 +270,8 @@ def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: f
     nodes = {s.labels.get("node", "") for s in prom.query(
         f'max by (node) (max_over_time(clusterpulse_trainer_rank_info{{run="{run}"}}'
         f'[{max(1, int(end - start))}s]))', at=end)}
-    episodes = episodes_from(ranged("ALERTS_FOR_STATE"), ranged('ALERTS{alertstate="firing"}'))
+    for_state, firing = alert_queries(step_s)
+    episodes = episodes_from(ranged(for_state), ranged(firing), step_s)
     resumes = resumes_from(*(one(f'max({m}{{run="{run}"}})') for m in RESUME_SERIES.values()))
     return nodes, episodes, resumes
 

@@ -47,18 +47,24 @@ AUDIT = [
 RESUMES = [(150, 9, 97.3, 336.0), (735, 0, 337.9, 900.0)]
 
 
-def prometheus_answers(start: float, end: float, step: float):
+def prometheus_answers(start: float, end: float, step: float, alerts=ALERTS):
     """ALERTS_FOR_STATE, ALERTS{alertstate="firing"} and the resume series as a range
-    query from `start` to `end` (relative to T0) at `step` answers them."""
+    query from `start` to `end` (relative to T0) at `step` answers them: the rules write
+    an alert sample each second (activeAt .. last), and each point of the alert queries
+    (incident.alert_queries) is the maximum over the step before it, (t - step, t]."""
     times = [T0 + start + i * step for i in range(int((end - start) / step) + 1)]
+
+    def window(t: float, first: float, last: float) -> list[float]:
+        return [s for s in range(int(first), int(last) + 1) if t - step < T0 + s <= t]
+
     for_state, firing = [], []
-    for labels, active, fired, last in ALERTS:
-        pts = [(t, T0 + active) for t in times if T0 + active <= t <= T0 + last]
+    for labels, active, fired, last in alerts:
+        pts = [(t, T0 + active) for t in times if window(t, active, last)]
         if pts:
-            for_state.append(({"__name__": "ALERTS_FOR_STATE", **labels}, pts))
-        fpts = [(t, 1.0) for t in times if T0 + fired <= t <= T0 + last]
+            for_state.append(({"alertname": labels["alertname"], **labels}, pts))
+        fpts = [(t, 1.0) for t in times if window(t, fired, last)]
         if fpts:
-            firing.append(({"__name__": "ALERTS", "alertstate": "firing", **labels}, fpts))
+            firing.append(({"alertstate": "firing", **labels}, fpts))
     series = {"step": [], "recomputed": [], "at": []}
     for step_, redo, at, ends in RESUMES:
         for t in times:
@@ -69,9 +75,9 @@ def prometheus_answers(start: float, end: float, step: float):
     return for_state, firing, series
 
 
-def incidents_at(start: float, end: float, step: float) -> list[incident.Incident]:
-    for_state, firing, s = prometheus_answers(start, end, step)
-    return build(RUN, NODES, episodes_from(for_state, firing), AUDIT,
+def incidents_at(start: float, end: float, step: float, alerts=ALERTS) -> list[incident.Incident]:
+    for_state, firing, s = prometheus_answers(start, end, step, alerts)
+    return build(RUN, NODES, episodes_from(for_state, firing, step), AUDIT,
                  resumes_from(s["step"], s["recomputed"], s["at"]))
 
 
@@ -130,3 +136,23 @@ def test_faults_on_two_nodes_at_once_stay_two_incidents():
     items = build(RUN, NODES, [a, b], [], [Resume(40, 2, 60.0)])
     assert [i.where for i in items] == ["sim-node-0 GPU 1", "sim-node-1 GPU 1"]
     assert [i.resume for i in items] == [None, Resume(40, 2, 60.0)]
+
+
+@pytest.mark.parametrize("start,step", [(0, 9.0), (3.5, 9.0), (0, 18.0), (2, 4.5)])
+def test_an_alert_that_fired_for_less_than_the_query_step_is_still_on_the_page(start, step):
+    """The demo printed "RankHung ... (with JobStalled)" from its 1 s query while the Run
+    page's 1 h range (9 s step) read "RankHung ..." alone: JobStalled fired for 4 s,
+    between two of the page's samples."""
+    short = [({"alertname": "RankHung", "run": RUN, "node": "sim-node-1", "rank": "0"},
+              40, 48, 130),
+             ({"alertname": "JobStalled", "run": RUN}, 50, 56, 60)]
+    rows = [i.row() for i in incidents_at(start, 900, step, short)]
+    assert rows == [i.row() for i in incidents_at(0, 900, 1.0, short)]
+    assert rows[0]["alerts"] == "RankHung, JobStalled"
+
+
+def test_the_alert_queries_cover_each_step_whole():
+    for_state, firing = incident.alert_queries(9.0)
+    assert for_state == "max_over_time(ALERTS_FOR_STATE[9000ms])"
+    assert firing == 'max_over_time(ALERTS{alertstate="firing"}[9000ms])'
+    assert incident.alert_queries(4.5)[0].endswith("[4500ms])")
