@@ -45,7 +45,7 @@ NODE_ALERTS = frozenset({"NodeAgentDown", "AgentCollectionStale", "AgentTelemetr
 # of its agents; a node's drain done, or found done already).
 TAKEN = frozenset({"accepted", "partial", "acted", "already_drained"})
 # A later alert joins an incident only while one of its alerts still fires (their
-# last firing sample, which a coarse query step can only make earlier): a gap would
+# last firing sample, as Prometheus recorded it whatever the query step): a gap would
 # join the next fault, played seconds after the last one resolved, to it.
 JOIN_GAP_S = 0.0
 # The trainer series of the resume record (agent/exporter.py RANK_SERIES).
@@ -197,50 +197,45 @@ def summary(items: Sequence[Incident]) -> str:
 Series = Sequence[tuple[dict, Sequence[tuple[float, float]]]]
 
 
-def episodes_from(for_state: Series, firing: Series, window_s: float = 0.0,
-                  ) -> list[AlertEpisode]:
-    """Episodes from range queries of ALERTS_FOR_STATE (value: activeAt, one value per
-    episode whatever the step) and ALERTS{alertstate="firing"}: an episode counts once
-    one of its samples fired (a pending alert that never fired is no incident).
+def episodes_from(for_state: Series, firing: Series) -> list[AlertEpisode]:
+    """Episodes from the two range queries of `alert_queries`: ALERTS_FOR_STATE (value:
+    activeAt, one value per episode whatever the step) and the time of the last firing
+    sample in each step. An episode counts once one of its samples fired (a pending
+    alert that never fired is no incident), and it ends at its last firing sample.
 
-    `window_s`: each point of the queries covers the `window_s` before it (the queries
-    of `alert_queries`; 0 for plain samples). With plain samples a JobStalled that fired
-    for 4 s between two points of the Run page's 9 s step was no incident, while the
-    demo's 1 s printout named it. A point then says only that the alert was seen
-    somewhere in its window, so the last sighting is taken at the window's start: a
-    coarse step still only makes an episode end earlier, never later (`JOIN_GAP_S`)."""
+    Both queries cover each step whole. Plain samples at the Run page's 9 s step (1 h)
+    missed a JobStalled that fired for 4 s between two of them, while the demo's 1 s
+    printout named it; and an end taken from the step's points moved with the step,
+    which split or joined the alerts of one fault differently at each range."""
     def key(labels: dict) -> tuple:
         return tuple(sorted((k, v) for k, v in labels.items()
                             if k not in ("__name__", "alertstate")))
 
     fired: dict[tuple, list[float]] = {}
     for labels, points in firing:
-        fired.setdefault(key(labels), []).extend(t for t, _ in points)
+        fired.setdefault(key(labels), []).extend(v for _, v in points)
     out = []
     for labels, points in for_state:
-        times = sorted(fired.get(key(labels), []))
-        by_active: dict[float, list[float]] = {}
-        for t, v in points:
-            by_active.setdefault(float(v), []).append(t)
-        for active, ts in sorted(by_active.items()):
-            seen = [t for t in times if active <= t]
-            nxt = min((a for a in by_active if a > active), default=float("inf"))
-            seen = [t for t in seen if t < nxt]
+        times = sorted(set(fired.get(key(labels), [])))
+        actives = sorted({float(v) for _, v in points})
+        for n, active in enumerate(actives):
+            nxt = actives[n + 1] if n + 1 < len(actives) else float("inf")
+            seen = [t for t in times if active <= t < nxt]
             if seen:
                 clean = {k: v for k, v in labels.items() if k != "__name__"}
-                last = max(max(seen), max(ts)) - window_s
-                out.append(AlertEpisode(clean.get("alertname", ""), clean, active,
-                                        max(active, last)))
+                out.append(AlertEpisode(clean.get("alertname", ""), clean, active, max(seen)))
     return out
 
 
 def alert_queries(step_s: float) -> tuple[str, str]:
-    """The two range queries of `episodes_from`, each point the maximum over the step
-    before it, so an alert that fired for less than a step is still seen (Prometheus
-    range selectors are open at the start: consecutive points cover every sample once)."""
+    """The two range queries of `episodes_from` at `step_s`: each point covers the step
+    before it (range selectors are open at the start, so consecutive points cover every
+    sample once), the first with the latest activeAt there, the second with the time of
+    the last firing sample there (a 1 s subquery: rules are evaluated every second at
+    the most; `timestamp` of a plain selector is the sample's own time)."""
     window = f"{max(1, math.ceil(step_s * 1000))}ms"
     return (f"max_over_time(ALERTS_FOR_STATE[{window}])",
-            f'max_over_time(ALERTS{{alertstate="firing"}}[{window}])')
+            f'max_over_time(timestamp(ALERTS{{alertstate="firing"}})[{window}:1s])')
 
 
 def resumes_from(step: Sequence[tuple[float, float]], recomputed: Sequence[tuple[float, float]],
@@ -271,7 +266,7 @@ def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: f
         f'max by (node) (max_over_time(clusterpulse_trainer_rank_info{{run="{run}"}}'
         f'[{max(1, int(end - start))}s]))', at=end)}
     for_state, firing = alert_queries(step_s)
-    episodes = episodes_from(ranged(for_state), ranged(firing), step_s)
+    episodes = episodes_from(ranged(for_state), ranged(firing))
     resumes = resumes_from(*(one(f'max({m}{{run="{run}"}})') for m in RESUME_SERIES.values()))
     return nodes, episodes, resumes
 

@@ -4,9 +4,11 @@ real kernel events, and nothing is left behind however a run ends."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -234,9 +236,17 @@ def test_without_root_a_clear_error(tmp_path):
     """Run as `nobody`: the CLI says what privilege is missing and exits 2, no traceback."""
     if os.geteuid() != 0:
         pytest.skip("needs root to drop to nobody")
-    p = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                        "/usr/bin/python3", "-m", "deploy.testbed", "up"], cwd=REPO,
-                       capture_output=True, text=True, timeout=60,
-                       env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)})
+    # `nobody` must be able to read the code: a clone under a 0700 home (a fresh
+    # machine's /root) is not, and Python said "No module named deploy" instead.
+    with tempfile.TemporaryDirectory() as tree:
+        os.chmod(tree, 0o755)
+        shutil.copytree(REPO / "deploy", Path(tree) / "deploy",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        for path in Path(tree).rglob("*"):  # whatever the umask the clone was made with
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        p = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                            "/usr/bin/python3", "-m", "deploy.testbed", "up"], cwd=tree,
+                           capture_output=True, text=True, timeout=60,
+                           env={"PATH": os.environ["PATH"], "PYTHONPATH": tree})
     assert p.returncode == 2, p.stderr
     assert "needs root" in p.stderr and "Traceback" not in p.stderr

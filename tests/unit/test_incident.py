@@ -48,21 +48,22 @@ RESUMES = [(150, 9, 97.3, 336.0), (735, 0, 337.9, 900.0)]
 
 
 def prometheus_answers(start: float, end: float, step: float, alerts=ALERTS):
-    """ALERTS_FOR_STATE, ALERTS{alertstate="firing"} and the resume series as a range
+    """The two alert queries (incident.alert_queries) and the resume series as a range
     query from `start` to `end` (relative to T0) at `step` answers them: the rules write
     an alert sample each second (activeAt .. last), and each point of the alert queries
-    (incident.alert_queries) is the maximum over the step before it, (t - step, t]."""
+    covers the step before it, (t - step, t]: ALERTS_FOR_STATE's activeAt, and the time
+    of the last firing sample."""
     times = [T0 + start + i * step for i in range(int((end - start) / step) + 1)]
 
     def window(t: float, first: float, last: float) -> list[float]:
-        return [s for s in range(int(first), int(last) + 1) if t - step < T0 + s <= t]
+        return [T0 + s for s in range(int(first), int(last) + 1) if t - step < T0 + s <= t]
 
     for_state, firing = [], []
     for labels, active, fired, last in alerts:
         pts = [(t, T0 + active) for t in times if window(t, active, last)]
         if pts:
             for_state.append(({"alertname": labels["alertname"], **labels}, pts))
-        fpts = [(t, 1.0) for t in times if window(t, fired, last)]
+        fpts = [(t, max(w)) for t in times if (w := window(t, fired, last))]
         if fpts:
             firing.append(({"alertstate": "firing", **labels}, fpts))
     series = {"step": [], "recomputed": [], "at": []}
@@ -77,7 +78,7 @@ def prometheus_answers(start: float, end: float, step: float, alerts=ALERTS):
 
 def incidents_at(start: float, end: float, step: float, alerts=ALERTS) -> list[incident.Incident]:
     for_state, firing, s = prometheus_answers(start, end, step, alerts)
-    return build(RUN, NODES, episodes_from(for_state, firing, step), AUDIT,
+    return build(RUN, NODES, episodes_from(for_state, firing), AUDIT,
                  resumes_from(s["step"], s["recomputed"], s["at"]))
 
 
@@ -144,15 +145,17 @@ def test_an_alert_that_fired_for_less_than_the_query_step_is_still_on_the_page(s
     page's 1 h range (9 s step) read "RankHung ..." alone: JobStalled fired for 4 s,
     between two of the page's samples."""
     short = [({"alertname": "RankHung", "run": RUN, "node": "sim-node-1", "rank": "0"},
-              40, 48, 130),
-             ({"alertname": "JobStalled", "run": RUN}, 50, 56, 60)]
+              40, 48, 55),
+             ({"alertname": "JobStalled", "run": RUN}, 50, 52, 54)]
     rows = [i.row() for i in incidents_at(start, 900, step, short)]
     assert rows == [i.row() for i in incidents_at(0, 900, 1.0, short)]
     assert rows[0]["alerts"] == "RankHung, JobStalled"
+    # and the action taken at +52 s is this incident's, not a split-off JobStalled's
+    assert rows[0]["action"] == "restart +52 s" and len(rows) == 1
 
 
 def test_the_alert_queries_cover_each_step_whole():
     for_state, firing = incident.alert_queries(9.0)
     assert for_state == "max_over_time(ALERTS_FOR_STATE[9000ms])"
-    assert firing == 'max_over_time(ALERTS{alertstate="firing"}[9000ms])'
+    assert firing == 'max_over_time(timestamp(ALERTS{alertstate="firing"})[9000ms:1s])'
     assert incident.alert_queries(4.5)[0].endswith("[4500ms])")
