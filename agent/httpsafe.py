@@ -23,6 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from clusterpulse.agent.peeruid import client_key
+
 log = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 10.0  # a request's whole head, then its body: absolute deadlines
@@ -156,7 +158,8 @@ class SafeServer(ThreadingHTTPServer):
         self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
         self._scrape_slots = threading.BoundedSemaphore(SCRAPE_SLOTS)
-        self._per_client: dict[str, int] = {}
+        self._per_client: dict[str, int] = {}  # client key -> worker threads held
+        self._scraping: set[str] = set()  # clients holding a scrape slot (one each)
         self._count_lock = threading.Lock()
         self.tls = tls
         self.refused_busy = 0
@@ -168,51 +171,54 @@ class SafeServer(ThreadingHTTPServer):
         """From the accept loop: the connection waits in the gate for its head."""
         self._gate.admit(request, client_address)
 
-    def dispatch(self, request: socket.socket, client_address: Any, scrape: bool) -> None:
-        """From the gate: a thread for a connection whose head has arrived, or 503."""
-        client = client_address[0] if client_address else "?"
-        slots = self._slots
-        if not slots.acquire(blocking=False):
-            if not (scrape and self._scrape_slots.acquire(blocking=False)):
-                self.refused_busy += 1
-                self._busy(request)
-                return
-            slots = self._scrape_slots
-        elif not scrape:
-            with self._count_lock:
-                held = self._per_client.get(client, 0)
-                if held >= max(1, self.max_connections // 2):  # one client, half at most
-                    slots.release()
-                    self.refused_busy += 1
-                    self._busy(request)
-                    return
+    def dispatch(self, request: socket.socket, client_address: Any, scrape: bool,
+                 client: str) -> None:
+        """From the gate: a thread for a connection whose head has arrived, or 503.
+        One client (peeruid.client_key: a loopback user, else an address) holds half the
+        workers at most, scrapes included; a scrape beyond that, or with every worker
+        busy, takes a slot kept for scrapes, one per client."""
+        slots: threading.BoundedSemaphore | None = None
+        with self._count_lock:
+            held = self._per_client.get(client, 0)
+            if held < max(1, self.max_connections // 2) and self._slots.acquire(blocking=False):
                 self._per_client[client] = held + 1
+                slots = self._slots
+            elif scrape and client not in self._scraping \
+                    and self._scrape_slots.acquire(blocking=False):
+                self._scraping.add(client)
+                slots = self._scrape_slots
+        if slots is None:
+            self.refused_busy += 1
+            self._busy(request)
+            return
         try:
             threading.Thread(target=self._serve_one, daemon=True,
-                             args=(request, client_address, slots, client, scrape)).start()
+                             args=(request, client_address, slots, client)).start()
         except Exception:
-            self._release(slots, client, scrape)
+            self._release(slots, client)
             self.shutdown_request(request)
             raise
 
-    def _release(self, slots: threading.BoundedSemaphore, client: str, scrape: bool) -> None:
-        if slots is self._slots and not scrape:
-            with self._count_lock:
+    def _release(self, slots: threading.BoundedSemaphore, client: str) -> None:
+        with self._count_lock:
+            if slots is self._slots:
                 held = self._per_client.get(client, 1) - 1
                 if held > 0:
                     self._per_client[client] = held
                 else:
                     self._per_client.pop(client, None)
+            else:
+                self._scraping.discard(client)
         slots.release()
 
     def _serve_one(self, request: socket.socket, client_address: Any,
-                   slots: threading.BoundedSemaphore, client: str, scrape: bool) -> None:
+                   slots: threading.BoundedSemaphore, client: str) -> None:
         self._gate.watch(request, time.monotonic() + READ_TIMEOUT_S)
         try:
             self.process_request_thread(request, client_address)
         finally:
             self._gate.unwatch(request)
-            self._release(slots, client, scrape)
+            self._release(slots, client)
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(READ_TIMEOUT_S)
@@ -225,13 +231,18 @@ class SafeServer(ThreadingHTTPServer):
         super().finish_request(request, client_address)
 
     def _busy(self, request: socket.socket) -> None:
-        body = b'{"error": "too many connections; retry later"}'
+        self.refuse(request, 503, "too many connections; retry later")
+
+    def refuse(self, request: socket.socket, status: int, reason: str) -> None:
+        """Answer with `status` and a JSON reason, without a worker, and close."""
+        body = json.dumps({"error": reason}).encode()
+        phrase = {431: "Request Header Fields Too Large", 503: "Service Unavailable"}[status]
         try:
             if self.tls is None:  # over TLS a plain answer would be noise: just close
                 request.settimeout(1.0)
-                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: "
-                                b"application/json\r\nRetry-After: 1\r\nContent-Length: "
-                                + str(len(body)).encode() + b"\r\n\r\n" + body)
+                request.sendall(f"HTTP/1.0 {status} {phrase}\r\nContent-Type: "
+                                "application/json\r\nRetry-After: 1\r\nContent-Length: "
+                                f"{len(body)}\r\n\r\n".encode() + body)
         except OSError:
             pass
         finally:
@@ -275,8 +286,8 @@ class _Gate:
         self.server = server
         self._ep = select.epoll()
         self._lock = threading.Lock()
-        # fd -> (socket, client address, deadline); insertion order = age
-        self._waiting: dict[int, tuple[socket.socket, Any, float]] = {}
+        # fd -> (socket, client address, client key, deadline); insertion order = age
+        self._waiting: dict[int, tuple[socket.socket, Any, str, float]] = {}
         self._by_client: dict[str, list[int]] = {}
         self._serving: dict[int, tuple[socket.socket, float]] = {}
         self._closed = False
@@ -284,7 +295,7 @@ class _Gate:
         self._thread.start()
 
     def admit(self, sock: socket.socket, addr: Any) -> None:
-        client = addr[0] if addr else "?"
+        client = client_key(sock, addr)
         evicted: list[socket.socket] = []
         with self._lock:
             mine = self._by_client.setdefault(client, [])
@@ -293,7 +304,7 @@ class _Gate:
             while len(self._waiting) >= MAX_PENDING:
                 evicted.append(self._forget(next(iter(self._waiting))))
             fd = sock.fileno()
-            self._waiting[fd] = (sock, addr, time.monotonic() + READ_TIMEOUT_S)
+            self._waiting[fd] = (sock, addr, client, time.monotonic() + READ_TIMEOUT_S)
             self._by_client.setdefault(client, []).append(fd)
             self._ep.register(fd, select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET)
         for old in evicted:
@@ -301,8 +312,7 @@ class _Gate:
 
     def _forget(self, fd: int) -> socket.socket:
         """Take a waiting connection out (the lock held); the caller closes or serves it."""
-        sock, addr, _ = self._waiting.pop(fd)
-        client = addr[0] if addr else "?"
+        sock, _, client, _ = self._waiting.pop(fd)
         mine = self._by_client.get(client, [])
         if fd in mine:
             mine.remove(fd)
@@ -347,15 +357,15 @@ class _Gate:
             entry = self._waiting.get(fd)
         if entry is None:
             return
-        sock, addr, _ = entry
+        sock, addr, client, _ = entry
         try:
             head = sock.recv(MAX_HEAD, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             head = b""
-        if head and not (self.server.tls is not None or b"\r\n\r\n" in head
-                         or b"\n\n" in head or len(head) >= MAX_HEAD):
+        whole = self.server.tls is not None or b"\r\n\r\n" in head or b"\n\n" in head
+        if head and not whole and len(head) < MAX_HEAD:
             return  # more to come: the next edge brings it
         with self._lock:
             if self._waiting.get(fd) is not entry:
@@ -364,18 +374,23 @@ class _Gate:
         if not head:  # the client went away
             self.server.shutdown_request(sock)
             return
+        if not whole:  # a head this long is refused here: in a worker, the stdlib
+            # parser would wait for its end until the deadline, holding the thread
+            self.server.refuse(sock, 431, "request head larger than "
+                               f"{MAX_HEAD} bytes")
+            return
         line = head.split(b"\r\n", 1)[0].split(b" ")
         path = line[1].split(b"?", 1)[0].decode("latin-1") if len(line) > 1 else ""
         scrape = line[0] == b"GET" and path in self.server.scrape_paths
         try:
-            self.server.dispatch(sock, addr, scrape)
+            self.server.dispatch(sock, addr, scrape, client)
         except Exception:  # never let the gate die: log and go on
             log.exception("cannot serve %s", addr[0] if addr else "?")
 
     def _expire(self) -> None:
         now = time.monotonic()
         with self._lock:
-            late = [self._forget(fd) for fd, (_, _, t) in list(self._waiting.items())
+            late = [self._forget(fd) for fd, (*_, t) in list(self._waiting.items())
                     if t <= now]
             cut = [sock for sock, t in self._serving.values() if t <= now]
             for sock in cut:

@@ -13,13 +13,17 @@ does not open every door and the audit log says who acted.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import logging
 import os
 import re
 import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 MIN_LENGTH = 16
 _NAME = re.compile(r"^[A-Za-z0-9_.@:-]{1,64}$")
@@ -86,7 +90,16 @@ def write_secret(path: Path, text: str, replace: bool = True) -> bool:
     afterwards (`write_text` then `chmod` left a window in which another user read 5
     tokens of 5). `replace`: write a private temporary file beside it and rename it
     over the old one (readers see the old or the new secret, whole); else keep an
-    existing file. True when it was written."""
+    existing file that only its owner can read. One that others could read may have
+    been read (a 0644 token of an older demo was kept as it was): it is replaced, with
+    a warning. True when it was written."""
+    if not replace:
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_IMODE(os.stat(path, follow_symlinks=False).st_mode) & 0o077:
+                return False
+            log.warning("secret %s was readable by other users: replaced with %s", path,
+                        "a new one (restart what reads it)")
+            replace = True
     if not replace:
         target, final = path, None
     else:

@@ -2,8 +2,10 @@
 auth, malformed requests, idle connections, connection limit, typed numbers, audit."""
 
 import json
+import os
 import socket
 import stat
+import subprocess
 import time
 
 import pytest
@@ -137,6 +139,70 @@ def test_idle_connections_are_closed_and_their_number_is_limited(tight_agent, mo
             s.close()
 
 
+def raw_request_from(port: int, data: bytes, source: str) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30,
+                                  source_address=(source, 0)) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+# Another local user's connections, each from its own loopback address: a per-address
+# limit counted them as that many clients.
+HOLD_SLOW_POST = """
+import socket, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+held = []
+for i in range(n):
+    source = (f"127.0.{i // 250 + 1}.{i % 250 + 2}", 0)
+    s = socket.create_connection(("127.0.0.1", port), source_address=source)
+    s.sendall(b"POST /v1/runs/r1/actions HTTP/1.1\\r\\nHost: x\\r\\n"
+              b"Content-Length: 100\\r\\n\\r\\n{")
+    held.append(s)
+print(f"holding {n}", flush=True)
+time.sleep(120)
+"""
+# The review's attack on issue #29's fix: heads 16,400 bytes long that never end,
+# topped up as they are refused, each from its own loopback address.
+BIG_HEADS = """
+import socket, sys, time
+ports, n = [int(p) for p in sys.argv[1].split(",")], int(sys.argv[2])
+head = b"GET /metrics HTTP/1.1\\r\\nX-A: " + b"a" * 16400
+i, live = 0, []
+print("started", flush=True)
+while True:
+    live = [s for s in live if s.fileno() >= 0]
+    for port in ports:
+        for _ in range(n):
+            i += 1
+            try:
+                source = (f"127.1.{i // 250 % 250}.{i % 250 + 2}", 0)
+                s = socket.create_connection(("127.0.0.1", port), timeout=5,
+                                             source_address=source)
+                s.setblocking(False)
+                s.send(head)
+                live.append(s)
+            except OSError:
+                pass
+    if len(live) > 2000:
+        for s in live[:1000]:
+            s.close()
+        live = live[1000:]
+    time.sleep(0.25)
+"""
+
+
+def as_nobody(script: str, *args: object) -> subprocess.Popen:
+    """Run `script` as the unprivileged user `nobody` (another local user)."""
+    if os.geteuid() != 0:
+        pytest.fail("these tests play a second local user: run them as root")
+    return subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                             "/usr/bin/python3", "-c", script, *map(str, args)],
+                            stdout=subprocess.PIPE, text=True)
+
+
 def slow_post(port: int, source: str = "127.0.0.1") -> socket.socket:
     """An authenticated POST whose body never comes: it holds a worker thread."""
     s = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
@@ -146,16 +212,19 @@ def slow_post(port: int, source: str = "127.0.0.1") -> socket.socket:
 
 
 def test_a_scrape_is_answered_when_every_worker_is_busy(tight_agent):
-    """Two workers (tight_agent): one client may hold only one of them, a second
-    client the other; then a control request is refused at once (503), a scrape is
-    served by a thread kept for scrapes, and the slow requests end at the absolute
+    """Two workers (tight_agent): one client may hold only one of them, from any
+    loopback address it picks (a client on loopback is its user, as the kernel says);
+    a second user the other; then a control request is refused at once (503), a scrape
+    is served by a thread kept for scrapes, and the slow requests end at the absolute
     deadline (1 s here) however they trickle."""
     held = [slow_post(tight_agent)]
+    other = as_nobody(HOLD_SLOW_POST, tight_agent, 1)
     try:
-        second = raw_request(tight_agent, post("/v1/runs/r1/actions", {
-            "Authorization": f"Bearer {TOKEN}", "Content-Length": "2"}, b"{}"))
-        assert b" 503 " in second.split(b"\r\n")[0], second  # one client: half at most
-        held.append(slow_post(tight_agent, source="127.0.0.2"))
+        time.sleep(0.2)
+        second = raw_request_from(tight_agent, post("/v1/runs/r1/actions", {
+            "Authorization": f"Bearer {TOKEN}", "Content-Length": "2"}, b"{}"), "127.0.0.2")
+        assert b" 503 " in second.split(b"\r\n")[0], second  # one user: half at most
+        assert other.stdout.readline().strip() == "holding 1"
         time.sleep(0.2)
         third = raw_request(tight_agent, post("/v1/runs/r1/actions", {
             "Authorization": f"Bearer {TOKEN}", "Content-Length": "2"}, b"{}"))
@@ -184,6 +253,8 @@ def test_a_scrape_is_answered_when_every_worker_is_busy(tight_agent):
     finally:
         for s in held:
             s.close()
+        other.kill()
+        other.wait()
 
 
 def test_a_thousand_slow_connections_leave_metrics_and_the_webhook_answering(sim_agent,
@@ -225,6 +296,52 @@ def test_a_thousand_slow_connections_leave_metrics_and_the_webhook_answering(sim
     finally:
         for s in slow:
             s.close()
+        webhook.shutdown()
+        webhook.server_close()
+
+
+def test_another_user_cannot_hold_the_workers_from_any_number_of_loopback_addresses(
+        sim_agent, tmp_path):
+    """Found in the review of issue #29's fix: from one account, heads of 16,400 bytes
+    that never end (each taken as whole at 16 KiB and handed to a worker, where the
+    parser waited for the rest) sent from a new 127/8 address each (one client each)
+    kept 19 of 20 probes of /metrics and of the webhook at 503. Now such a head is
+    refused at once (431) and every loopback connection counts as its user's."""
+    import requests
+
+    from clusterpulse.agent.audit import AuditLog
+    from clusterpulse.agent.tokens import Tokens
+    from clusterpulse.dashboard.promclient import PrometheusClient
+    from clusterpulse.dashboard.remediation import Policy, Remediator, Rule, serve
+
+    hook = "alertmanager-hook-token-0123456789"
+    rem = Remediator(Policy([Rule("RankHung", "restart")], dry_run=True),
+                     PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789",
+                     AuditLog(tmp_path / "hook-audit.jsonl"))
+    webhook = serve(rem, "127.0.0.1", 0, Tokens.single(hook, "alertmanager"))
+    ports = [port_of(sim_agent), webhook.server_port]
+    attackers = [as_nobody(BIG_HEADS, ",".join(map(str, ports)), 70)]
+    try:
+        attackers += [as_nobody(HOLD_SLOW_POST, port, 80) for port in ports]
+        for a in attackers:
+            assert a.stdout.readline().strip() in ("started", "holding 80")
+        time.sleep(1.0)
+        answers = []
+        for _ in range(10):
+            answers.append(requests.get(f"{sim_agent.url}/metrics", timeout=30).status_code)
+            answers.append(requests.post(
+                f"http://127.0.0.1:{webhook.server_port}/alertmanager", timeout=30,
+                json={"alerts": [{"status": "firing",
+                                  "labels": {"alertname": "RankHung", "run": "demo"}}]},
+                headers={"Authorization": f"Bearer {hook}"}).status_code)
+            time.sleep(0.3)
+        assert answers == [200] * 20
+        big = raw_request(ports[0], b"GET /metrics HTTP/1.1\r\nX-A: " + b"a" * 16400)
+        assert status_and_error(big) == (431, "request head larger than 16384 bytes")
+    finally:
+        for a in attackers:
+            a.kill()
+            a.wait()
         webhook.shutdown()
         webhook.server_close()
 

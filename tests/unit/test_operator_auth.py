@@ -93,6 +93,20 @@ def test_concurrent_tries_cannot_pass_the_cap():
     assert len(checked) == 5, [r.message for r in results]
 
 
+def test_every_loopback_address_is_one_client():
+    """Found in the review of issue #29's fix: Streamlit names only 127.0.0.1 and ::1
+    loopback, and a local user may connect from any 127/8 address: 40 guesses from 40
+    of them were all checked and audited, none throttled."""
+    throttle = auth.Throttle(per_client=5)
+    ops = {"admin": auth.hash_password("admin pw")}
+    results = [auth.authenticate("admin", "wrong", ops, throttle,
+                                 client=auth.client_of(f"127.9.8.{i}")) for i in range(40)]
+    assert sum(r.message.startswith("Wrong") for r in results) == 5
+    assert {auth.client_of(ip) for ip in (None, "", "127.0.0.1", "127.200.1.1", "::1",
+                                          "::ffff:127.0.0.5")} == {"localhost"}
+    assert auth.client_of("10.0.0.9") == "10.0.0.9"  # another host keeps its own budget
+
+
 def test_refused_sign_ins_are_audited_once_per_client_per_minute(tmp_path, monkeypatch):
     """Found in review: every refused sign-in was written, throttled or not (400
     records in 223 s from one client). Through the page: eight refusals, one line."""

@@ -45,6 +45,22 @@ def test_write_secret_creates_0600_and_replaces_atomically(tmp_path, no_chmod):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["token"]  # no temporary left
 
 
+def test_a_secret_others_could_read_is_not_kept(tmp_path, caplog):
+    """Found in review: an existing token file of mode 0644 (an older demo's, or one
+    made by the README's old `chmod` recipe) was kept as it was, readable and possibly
+    read: it is replaced by a new 0600 secret, with a warning."""
+    from clusterpulse.agent.tokens import write_secret
+
+    path = tmp_path / "token"
+    path.write_text("oldtoken\n")
+    path.chmod(0o644)
+    assert write_secret(path, "fresh", replace=False)
+    assert mode(path) == 0o600 and path.read_text() == "fresh"
+    assert "readable by other users" in caplog.text
+    assert not write_secret(path, "third", replace=False)  # a private one is kept
+    assert path.read_text() == "fresh"
+
+
 def test_the_demos_secret_files_are_created_private(tmp_path, no_chmod):
     from deploy.local.cluster import operator_password
     from deploy.local.stack import secret_file
@@ -56,11 +72,16 @@ def test_the_demos_secret_files_are_created_private(tmp_path, no_chmod):
 
 
 def test_the_readmes_token_command_creates_it_private(tmp_path):
-    """Run the README's own command, as a shell would, with chmod doing nothing."""
+    """Run the README's own command, as a shell would, with chmod doing nothing; also
+    over an older token file others could read (found in review: `>` kept its 0644)."""
     text = (REPO / "README.md").read_text()
-    command = re.search(r"`(\(umask 077; openssl rand -hex 32 > token\))`", text)
+    command = re.search(r"`(\(umask 077; rm -f token; openssl rand -hex 32 > token\))`", text)
     assert command, "the README's token command changed: update this test"
-    subprocess.run(["bash", "-c", f"umask 000; chmod() {{ :; }}; {command.group(1)}"],
-                   cwd=tmp_path, check=True)
-    assert mode(tmp_path / "token") == 0o600
-    assert len((tmp_path / "token").read_text().strip()) == 64
+    for old in (None, 0o644):
+        if old is not None:
+            (tmp_path / "token").write_text("oldtoken\n")
+            (tmp_path / "token").chmod(old)
+        subprocess.run(["bash", "-c", f"umask 000; chmod() {{ :; }}; {command.group(1)}"],
+                       cwd=tmp_path, check=True)
+        assert mode(tmp_path / "token") == 0o600
+        assert len((tmp_path / "token").read_text().strip()) == 64

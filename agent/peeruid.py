@@ -1,0 +1,84 @@
+"""Which user is at the other end of a loopback TCP connection, as the kernel says.
+
+Per-client limits keyed by address mean nothing on loopback: any local user can
+connect from any of 127.0.0.0/8's 16 million addresses, and a review held every
+worker of the agent and the remediation webhook that way from one account. The
+kernel knows the owner of the connecting socket; `ss -e` reads it over sock_diag
+netlink (one exact lookup by the connection's addresses and ports, no privilege
+needed), and so does this module. Remote peers keep their address: another host's
+users are beyond this kernel's knowledge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+import struct
+
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST = 1
+NLMSG_ERROR = 2
+INET_DIAG_NOCOOKIE = 0xFFFFFFFF
+_HDR = struct.Struct("=IHHII")  # nlmsghdr
+# inet_diag_req_v2: family, protocol, ext, pad, states; then inet_diag_sockid:
+# sport, dport (big-endian), src[16], dst[16], interface, cookie[2]
+_REQ = struct.Struct("=BBBxI")
+_SOCKID = struct.Struct(">HH16s16s")
+_TAIL = struct.Struct("=III")
+_UID_AT = _HDR.size + 4 + _SOCKID.size + _TAIL.size + 12  # inet_diag_msg's idiag_uid
+
+
+def is_loopback(host: str) -> bool:
+    with contextlib.suppress(ValueError):
+        addr = ipaddress.ip_address(host)
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return addr.is_loopback
+    return False
+
+
+def _packed(host: str, family: int) -> bytes:
+    return socket.inet_pton(family, host).ljust(16, b"\0")
+
+
+def loopback_peer_uid(sock: socket.socket) -> int | None:
+    """The uid owning the peer's socket of an accepted loopback TCP connection, or None
+    (not loopback, the peer already gone, or no sock_diag in this kernel)."""
+    try:
+        ours, theirs = sock.getsockname(), sock.getpeername()
+    except OSError:
+        return None
+    if not is_loopback(theirs[0]):
+        return None
+    family = sock.family
+    # The peer's own socket: its local end is our remote end.
+    sockid = _SOCKID.pack(theirs[1], ours[1], _packed(theirs[0], family),
+                          _packed(ours[0], family))
+    body = (_REQ.pack(family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF) + sockid
+            + _TAIL.pack(0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE))
+    msg = _HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0) + body
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+            nl.settimeout(1.0)
+            nl.sendto(msg, (0, 0))
+            reply = nl.recv(8192)
+    except OSError:
+        return None
+    if len(reply) < _UID_AT + 4:
+        return None
+    _, kind, _, _, _ = _HDR.unpack_from(reply)
+    if kind != SOCK_DIAG_BY_FAMILY:  # NLMSG_ERROR: no such socket (it went away)
+        return None
+    return struct.unpack_from("=I", reply, _UID_AT)[0]
+
+
+def client_key(sock: socket.socket, addr: object) -> str:
+    """What per-client limits count by: `uid:N` on loopback (whatever 127/8 source
+    address the user picked), else the peer's address."""
+    host = addr[0] if isinstance(addr, tuple) and addr else "?"
+    if is_loopback(str(host)):
+        uid = loopback_peer_uid(sock)
+        return f"uid:{uid}" if uid is not None else "loopback"
+    return str(host)
