@@ -112,6 +112,44 @@ def open_private(path: Path) -> int:
     return fd
 
 
+def file_head(path: Path) -> Head | None:
+    """The head of the chain in `path` now (its last record), or None without a file.
+    What is published outside the file is the file's own head, not the last record
+    one writer made: several processes append to one file, and a restarted writer
+    knows none until it writes (a head that drops to 0 would read as records cut)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as err:  # none yet, or unreadable: the caller shows what it has
+        if not isinstance(err, FileNotFoundError):
+            log.warning("audit log %s: cannot read its head: %s", path, err.strerror or err)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # not half a record being appended
+        return _head_of(fd)[0]
+    finally:
+        os.close(fd)
+
+
+def head_families(head: Head, labels: dict[str, str]) -> list[Any]:
+    """The two metrics that carry a head outside the file, for every process that
+    publishes one (the agent for its own log, the remediation receiver for the
+    central one). Prometheus keeps their history: a sequence number that goes down
+    (AuditLogRewound) is records cut from the end; a hash prefix that changes while
+    the sequence stands still is a rewritten last record."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    seq = GaugeMetricFamily("clusterpulse_audit_head_sequence",
+                            "Sequence number of the last record in the audit log file.",
+                            labels=list(labels))
+    seq.add_metric(list(labels.values()), head.seq)
+    digest = GaugeMetricFamily("clusterpulse_audit_head_hash_prefix",
+                               "First 48 bits of that record's SHA-256, as an integer "
+                               "(printf '%012x' to compare with `clusterpulse-audit verify "
+                               "--head`).", labels=list(labels))
+    digest.add_metric(list(labels.values()), int(head.digest[:12], 16))
+    return [seq, digest]
+
+
 class AuditLog:
     def __init__(self, path: Path | None) -> None:
         self.path = path

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from clusterpulse.agent import __version__
+from clusterpulse.agent.audit import file_head, head_families
 from clusterpulse.agent.identity import still_running
 from clusterpulse.agent.protocol import EXITED, RESTARTING
 from clusterpulse.agent.sample import CLOCK_EVENT_REASONS
@@ -161,18 +162,8 @@ class AgentCollector(Collector):
         yield c
         # the audit chain's head, outside the file: a record cut from the end, or a
         # rewritten tail, no longer matches what Prometheus stored (docs/security.md)
-        head = a.audit.head
-        g = GaugeMetricFamily(PREFIX + "audit_head_sequence",
-                              "Sequence number of the last audit record this agent wrote.",
-                              labels=["node"])
-        g.add_metric([a.node], head.seq)
-        yield g
-        g = GaugeMetricFamily(PREFIX + "audit_head_hash_prefix",
-                              "First 48 bits of that record's SHA-256, as an integer "
-                              "(printf '%012x' to compare with `clusterpulse-audit verify "
-                              "--head`).", labels=["node"])
-        g.add_metric([a.node], int(head.digest[:12], 16))
-        yield g
+        head = (file_head(a.audit.path) if a.audit.path is not None else None) or a.audit.head
+        yield from head_families(head, {"node": a.node})
         c = CounterMetricFamily(PREFIX + "agent_telemetry_messages",
                                 "Telemetry messages by result (accepted or why dropped).",
                                 labels=["node", "result"])

@@ -318,6 +318,18 @@ def run_names(prom_url: str) -> Result:
         prom_url).query("clusterpulse:run_step")}))
 
 
+@st.cache_data(ttl=5, show_spinner=False)
+def central_audit_head_seen(prom_url: str) -> Result:
+    """The highest sequence number of the central audit log Prometheus saw in 30 days
+    (the remediation receiver publishes it), or None if it has none: what the file
+    cannot tell about records cut from its end."""
+    def fetch() -> int | None:
+        got = PrometheusClient(prom_url).query(
+            'max(max_over_time(clusterpulse_audit_head_sequence{log="central"}[30d]))')
+        return int(got[0].value) if got else None
+    return _guard(f"central-audit-head:{prom_url}", fetch)
+
+
 # -- the run page ---------------------------------------------------------------------
 @st.cache_data(ttl=5, show_spinner=False)
 def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Result:

@@ -61,11 +61,16 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.registry import Collector
 
 from clusterpulse.agent import protocol
-from clusterpulse.agent.audit import AuditLog, open_private
+from clusterpulse.agent.audit import AuditLog, file_head, head_families, open_private
 from clusterpulse.agent.httpsafe import (
     HttpError,
     SafeHandler,
@@ -667,6 +672,20 @@ def check_webhook_auth(header: str | None, tokens: Tokens) -> str | None:
     return None
 
 
+class CentralAuditHead(Collector):
+    """The head of the audit log this receiver shares with the dashboard and
+    `clusterpulse-ctl`, the one that records automatic restarts: Prometheus keeps its
+    history outside the file, so records cut from its end page (AuditLogRewound)."""
+
+    def __init__(self, audit: AuditLog) -> None:
+        self.audit = audit
+
+    def collect(self) -> Iterator[Any]:
+        head = file_head(self.audit.path) if self.audit.path is not None else None
+        if head is not None:
+            yield from head_families(head, {"log": "central"})
+
+
 def serve(remediator: Remediator, host: str, port: int, tokens: Tokens,
           tls: object | None = None) -> SafeServer:
     class Handler(SafeHandler):
@@ -706,11 +725,18 @@ def serve(remediator: Remediator, host: str, port: int, tokens: Tokens,
 
         def do_GET(self) -> None:
             # The pod's liveness and readiness probes: no token, nothing secret.
-            if self.path.split("?", 1)[0] == "/healthz":
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz":
                 self.send_json(200, {"status": "ok", "rules": len(remediator.policy.rules),
                                      "dry_run": remediator.policy.dry_run})
                 return
+            if path == "/metrics":  # the central audit log's head, kept by Prometheus
+                self.send_bytes(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                return
             self.send_json(405, {"error": "POST Alertmanager notifications here"})
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CentralAuditHead(remediator.audit))
 
     server = SafeServer((host, port), Handler, tls=tls)  # type: ignore[arg-type]
     threading.Thread(target=server.serve_forever, daemon=True).start()

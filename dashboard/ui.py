@@ -10,7 +10,7 @@ from collections.abc import Callable
 import streamlit as st
 
 from clusterpulse.agent.audit import AuditLog, verify
-from clusterpulse.dashboard import auth, config, links
+from clusterpulse.dashboard import auth, config, data, links
 from clusterpulse.dashboard.data import Result
 
 # Every time the dashboard shows is UTC, 24-hour: charts and tables agree, and say so.
@@ -45,7 +45,13 @@ def audit_chain_status() -> None:
         st.warning(f"Audit log {path}: cannot read it ({err.strerror or err}).")
         return
     head = f"head `{verdict.head.seq}:{verdict.head.digest[:16]}`"
-    if verdict.intact:
+    seen = data.central_audit_head_seen(settings().prometheus_url).value
+    if seen is not None and seen > verdict.head.seq:
+        st.error(f"Audit log rewound: Prometheus saw record {seen}, the file ends at "
+                 f"{verdict.head.seq} ({head}): records were cut from its end. Check it "
+                 "against an earlier head: `clusterpulse-audit verify FILE --head SEQ:HASH` "
+                 "(docs/runbooks.md#auditlogrewound).", icon=":material/gpp_bad:")
+    elif verdict.intact:
         st.caption(f"Hash chain intact: {verdict.records} records, {head}.")
     else:
         where = ", ".join(f"line {n} ({why})" for n, why in verdict.breaks[:5])

@@ -247,7 +247,7 @@ def start_central(stack: Stack, state: Path, agents: list[str], token_file: Path
         rule_files="\n".join(f"  - {r}" for r in rules) or "  []",
         alertmanager=f"127.0.0.1:{am_port}",
         am_user=AM_USER, am_password_file=am_password,
-        agents=json.dumps(agents),
+        agents=json.dumps(agents), remediation=f"127.0.0.1:{remediation_port}",
     )
     (state / "prometheus.yml").write_text(config)
     stack.start("prometheus", [prom_bin, f"--config.file={state / 'prometheus.yml'}",

@@ -36,7 +36,8 @@ def stack(tmp_path):
                      "    expr: vector(1)\n    labels: {run: demo}\n")
     (tmp_path / "prometheus.yml").write_text((HERE / "prometheus.yml.tmpl").read_text().format(
         scrape_interval="1s", rule_files=f"  - {rules}", alertmanager=f"127.0.0.1:{am_port}",
-        am_user=AM_USER, am_password_file=password_file, agents="[]"))
+        am_user=AM_USER, am_password_file=password_file, agents="[]",
+        remediation="127.0.0.1:9"))
     prom = Proc([prom_bin, f"--config.file={tmp_path / 'prometheus.yml'}",
                  f"--storage.tsdb.path={tmp_path / 'prom'}",
                  f"--web.listen-address=127.0.0.1:{prom_port}",

@@ -143,6 +143,45 @@ def test_the_agent_publishes_the_head(sim_agent):
     assert values["clusterpulse_audit_head_hash_prefix"] == int(head.digest[:12], 16)
 
 
+def test_the_remediation_receiver_publishes_the_central_logs_head(tmp_path):
+    """Found in review of issue #29: the central log (the receiver's, the dashboard's
+    and clusterpulse-ctl's: it records automatic restarts) had no head outside the
+    file: 2 policy records cut from its end left `verify` at "intact" and no trace
+    anywhere. The receiver now serves its head at /metrics (and a writer that restarts
+    publishes the file's head, not 0), so Prometheus's AuditLogRewound sees the cut."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from clusterpulse.agent.tokens import Tokens
+    from clusterpulse.dashboard.promclient import PrometheusClient
+    from clusterpulse.dashboard.remediation import Policy, Remediator, Rule, serve
+
+    path = tmp_path / "audit.jsonl"
+    _log(path, 5)
+    rem = Remediator(Policy([Rule("RankHung", "restart")], dry_run=True),
+                     PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789",
+                     AuditLog(path))  # a receiver started after the records were written
+    server = serve(rem, "127.0.0.1", 0, Tokens.single("hook-token-0123456789", "alertmanager"))
+
+    def head() -> dict[str, float]:
+        text = requests.get(f"http://127.0.0.1:{server.server_port}/metrics", timeout=10).text
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.labels == {"log": "central"}}
+
+    try:
+        assert head()["clusterpulse_audit_head_sequence"] == 5
+        lines = path.read_text().splitlines()
+        _rewrite(path, lines[:3])
+        assert verify(path).intact  # the file alone cannot tell
+        now = head()
+        assert now["clusterpulse_audit_head_sequence"] == 3
+        assert now["clusterpulse_audit_head_hash_prefix"] == int(
+            verify(path).head.digest[:12], 16)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_the_audit_page_shows_the_head_and_names_breaks(tmp_path, monkeypatch):
     from streamlit.testing.v1 import AppTest
 

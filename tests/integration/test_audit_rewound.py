@@ -1,0 +1,59 @@
+"""Records cut from the end of the central audit log: the file alone reads "intact"
+(found in review of issue #29: 2 policy records cut, no trace anywhere). Its head is
+published by the remediation receiver and kept by a real Prometheus; the project's
+AuditLogRewound rule fires and the dashboard's Audit page says the log was rewound."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clusterpulse.agent.audit import AuditLog, verify
+from clusterpulse.agent.tokens import Tokens
+from clusterpulse.dashboard.promclient import PrometheusClient
+from clusterpulse.dashboard.remediation import Policy, Remediator, Rule, serve
+from tests.support.procs import REPO, Prometheus, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def test_records_cut_from_the_central_log_page_and_show_on_the_audit_page(tmp_path,
+                                                                         monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    for i in range(5):
+        log.write("policy", "restart", "policy: RankHung -> restart", "accepted", run=f"r{i}")
+    rem = Remediator(Policy([Rule("RankHung", "restart")], dry_run=True),
+                     PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789",
+                     AuditLog(path))
+    server = serve(rem, "127.0.0.1", 0, Tokens.single("hook-token-0123456789", "alertmanager"))
+    rules = tmp_path / "alerts.rules.yml"  # the audit group has no interval of its own
+    rules.write_text((REPO / "deploy/prometheus/alerts.rules.yml").read_text())
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{server.server_port}"],
+                      [REPO / "deploy/prometheus/clusterpulse.rules.yml", rules])
+    try:
+        wait_until(lambda: prom.query('clusterpulse_audit_head_sequence{log="central"} == 5'),
+                   30, "Prometheus holding the central log's head")
+        lines = path.read_text().splitlines()
+        Path(path).write_text("".join(line + "\n" for line in lines[:3]))
+        assert verify(path).intact  # the file alone cannot tell
+        (alert,) = wait_until(lambda: prom.query(
+            'ALERTS{alertname="AuditLogRewound",alertstate="firing"}'), 30,
+            "AuditLogRewound firing")
+        assert alert["metric"]["log"] == "central"
+
+        monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(path))
+        monkeypatch.setenv("CLUSTERPULSE_PROMETHEUS_URL", prom.url)
+        at = AppTest.from_file(str(REPO / "dashboard" / "pages" / "audit.py"),
+                               default_timeout=60)
+        at.run()
+        assert not at.exception
+        (error,) = [e.value for e in at.error if "rewound" in e.value]
+        assert "Prometheus saw record 5, the file ends at 3" in error
+    finally:
+        prom.stop()
+        server.shutdown()
+        server.server_close()
