@@ -2,7 +2,9 @@
 settings (issue #31): DDP broadcasts the buffers (a causal mask, BatchNorm statistics)
 from rank 0 before every forward, and a rank waiting there for a late peer was counted
 as computing. With a GPU slowed 40 % the waiting rank 0 paged as a compute straggler
-beside the slow one, and a data-loading straggler was never found.
+beside the slow one, and a data-loading straggler was never found. The same holds
+for a collective the model runs itself inside forward (SyncBatchNorm's statistics, a
+tensor-parallel all-reduce): the wait there is sync wait too.
 
 Three real gloo ranks under torchrun run tests/support/buffers_job.py; the work is
 sleeps (simulated device time), so the figures hold on a loaded machine."""
@@ -74,4 +76,15 @@ def test_a_data_straggler_is_found_with_its_cause(tmp_path):
     # the alert's cause: data_loading when over 20 % of the step waits for input
     assert slow["data_wait_seconds"] / slow["step_seconds"] > 0.2, figures
     assert slow["compute_seconds"] < WORK_S + 0.3 * DELAY_S, figures
+    _others_stay_normal(figures)
+
+
+def test_a_wait_in_the_models_own_forward_collective_is_sync_wait(tmp_path):
+    """SyncBatchNorm's way (its statistics all-reduced inside forward): the slow rank's
+    peers wait for it in that collective, not in DDP's. Counted as their compute, they
+    paged beside it."""
+    figures = _run(tmp_path, "fwd_collective")
+    slow = figures[SLOW]
+    assert slow["compute_seconds"] > WORK_S + 0.7 * DELAY_S, figures
+    assert slow["straggler_score"] > 1.5, figures
     _others_stay_normal(figures)

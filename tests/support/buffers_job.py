@@ -10,6 +10,13 @@ loading (its input takes longer to arrive), and every rank writes its
 figures per step as JSON lines to OUT_DIR/rank<r>.jsonl: `{"step": s, ...Pulse.last,
 "straggler_score": ...}`.
 
+Mode `fwd_collective`: the model runs a collective of its own inside forward, the
+way SyncBatchNorm does (it all-gathers the batch statistics in forward and all-reduces
+in backward; a tensor-parallel layer's all-reduce is the same). SyncBatchNorm itself
+raises on CPU input, so `StatsNorm` all-reduces its batch statistics with
+`dist.all_reduce`, after the layers before it (the rank's simulated device work, where
+the straggler is slower): its peers wait for it there, inside their own forward.
+
     torchrun --nproc-per-node 3 tests/support/buffers_job.py compute 2 30 OUT_DIR
 """
 
@@ -22,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -52,6 +60,32 @@ class CausalBlock(nn.Module):
         return self.head(y).mean(dim=1)
 
 
+class StatsNorm(nn.Module):
+    """SyncBatchNorm's forward on CPU: per-feature mean and variance over every rank's
+    batch (one blocking all-reduce of sum, sum of squares and count), running mean kept
+    as a buffer. `work_s` is the simulated device time of the layers before it."""
+
+    def __init__(self, work_s: float) -> None:
+        super().__init__()
+        self.work_s = work_s
+        self.inp = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, 1)
+        self.register_buffer("running_mean", torch.zeros(DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).flatten(0, 1)
+        time.sleep(self.work_s)  # this rank's layers before the norm
+        local = torch.cat([h.sum(0), h.square().sum(0), torch.tensor([float(len(h))])])
+        stats = local.detach().clone()
+        dist.all_reduce(stats)  # looked up at call time, as SyncBatchNorm does
+        n = stats[-1]
+        mean, sq = stats[:DIM] / n, stats[DIM:2 * DIM] / n
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, 0.1)
+        y = (h - mean) / (sq - mean.square() + 1e-5).sqrt()
+        return self.head(y).view(x.shape[0], SEQ, 1).mean(dim=1)
+
+
 def batches(rank: int, slow_data: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(rank)
     while True:
@@ -64,17 +98,23 @@ def main(mode: str, slow_rank: int, steps: int, out_dir: Path) -> None:
     info = init_distributed(timeout_s=120)
     out = (out_dir / f"rank{info.rank}.jsonl").open("w")
     torch.manual_seed(0)
-    model = DDP(CausalBlock())  # broadcast_buffers=True: DDP's default
+    slow = info.rank == slow_rank
+    if mode == "fwd_collective":  # all the work before the forward's collective
+        module: nn.Module = StatsNorm(WORK_S + (DELAY_S if slow else 0.0))
+    else:
+        module = CausalBlock()
+    model = DDP(module)  # broadcast_buffers=True: DDP's default
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with Pulse(run="buffers", agent=None, catch_sigterm=False) as pulse:
         pulse.attach_ddp(model)
-        data = batches(info.rank, mode == "data" and info.rank == slow_rank)
+        data = batches(info.rank, mode == "data" and slow)
         for step, (x, y) in enumerate(pulse.data(data), start=1):
             with pulse.step(step) as s:
-                extra = DELAY_S / 2 if mode == "compute" and info.rank == slow_rank else 0.0
+                extra = DELAY_S / 2 if mode == "compute" and slow else 0.0
                 with s.section("forward_backward"):
                     loss = F.mse_loss(model(x), y)
-                    time.sleep(WORK_S + extra)
+                    if mode != "fwd_collective":  # there: in the model's forward
+                        time.sleep(WORK_S + extra)
                     loss.backward()
                 with s.section("optimizer"):
                     time.sleep(extra)
