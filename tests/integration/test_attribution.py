@@ -11,17 +11,11 @@ sleeps (simulated device time), so the figures hold on a loaded machine."""
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.buffers_job import DELAY_S, WORK_S
-from tests.support.procs import REPO
+from tests.support.buffers_job import DELAY_S, WORK_S, run_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -29,26 +23,7 @@ RANKS, SLOW, STEPS = 3, 2, 30
 
 
 def _run(tmp_path: Path, mode: str) -> dict[int, dict[str, float]]:
-    """Each rank's median figures over the steps after the first five."""
-    out = tmp_path / mode
-    out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={RANKS}", "--monitor-interval=0.2",
-           str(REPO / "tests" / "support" / "buffers_job.py"), mode, str(SLOW), str(STEPS),
-           str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                       env=env)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    figures = {}
-    for rank in range(RANKS):
-        rows = [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
-        assert len(rows) == STEPS, rows
-        steady = rows[5:]
-        figures[rank] = {k: statistics.median(r[k] for r in steady) for k in (
-            "step_seconds", "compute_seconds", "sync_wait_seconds", "data_wait_seconds")}
-        figures[rank]["straggler_score"] = rows[-1]["straggler_score"]
-    return figures
+    return run_ranks(tmp_path, mode, RANKS, SLOW, STEPS)
 
 
 def _others_stay_normal(figures: dict[int, dict[str, float]]) -> None:
