@@ -38,13 +38,22 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-# The blocking entry points a model or a loop calls; the names this torch lacks are
-# skipped (all_gather_single and reduce_scatter_single are the newer spellings that
+# The blocking entry points a model or a loop calls, each with the name its heartbeat
+# gives while a rank waits in it: the agent accepts only its protocol's few families
+# (agent.protocol.COLLECTIVES) and drops a heartbeat naming any other, the very one
+# that shows a rank hung there. The names this torch lacks are skipped
+# (all_gather_single and reduce_scatter_single are the newer spellings that
 # SyncBatchNorm and FSDP call on recent torch).
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-               "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter",
-               "broadcast", "all_to_all_single", "all_to_all", "barrier", "gather",
-               "scatter", "reduce")
+COLLECTIVES = {
+    "all_reduce": "all_reduce", "reduce": "all_reduce",
+    "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather", "gather": "all_gather",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "broadcast": "broadcast", "scatter": "broadcast",
+    "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
+    "barrier": "barrier",
+}
 
 
 class StepTimer(Protocol):
@@ -81,6 +90,7 @@ def _async_index(fn: Callable[..., Any]) -> int | None:
 
 def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     at = _async_index(original)
+    family = COLLECTIVES[name]
 
     @functools.wraps(original)
     def collective(*args: Any, **kwargs: Any) -> Any:
@@ -94,7 +104,7 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
         if kwargs.get("async_op") or (at is not None and len(args) > at and args[at]):
             return original(*args, **kwargs)  # completes where its work is waited on
-        return timer._collective_in_step(name, original, args, kwargs)
+        return timer._collective_in_step(family, original, args, kwargs)
 
     collective.__clusterpulse_original__ = original  # type: ignore[attr-defined]
     return collective

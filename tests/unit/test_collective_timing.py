@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from clusterpulse.agent import protocol
 from clusterpulse.trainer import collective_timing
 from clusterpulse.trainer.instrument import Pulse
 
@@ -45,7 +46,16 @@ def test_installed_once_by_a_pulse_in_a_distributed_run(pulse: Pulse) -> None:
             "all_to_all_single"} <= set(collective_timing.originals)
 
 
-def test_in_forward_backward_a_blocking_collective_is_sync_wait(pulse: Pulse) -> None:
+def test_heartbeats_name_a_collective_as_the_agent_accepts_it() -> None:
+    # any other name and the agent drops the heartbeat that shows a rank hung in it
+    assert set(collective_timing.COLLECTIVES.values()) <= protocol.COLLECTIVES
+
+
+def test_in_forward_backward_a_blocking_collective_is_sync_wait(
+        pulse: Pulse, monkeypatch: pytest.MonkeyPatch) -> None:
+    entered: list[str] = []  # the names heartbeats give while a rank waits in them
+    enter = pulse.collectives.enter
+    monkeypatch.setattr(pulse.collectives, "enter", lambda op: entered.append(op) or enter(op))
     t = torch.ones(3)
     dist.all_reduce(t)  # before any step: torch's own, nothing counted
     with pulse.step(1) as s:
@@ -61,6 +71,7 @@ def test_in_forward_backward_a_blocking_collective_is_sync_wait(pulse: Pulse) ->
         dist.all_reduce(t)  # in the optimizer: not the forward's
         assert collective_timing.state.timer is None
     assert pulse.collectives.entered == pulse.collectives.completed == 2
+    assert entered == ["all_reduce", "all_gather"]
     assert torch.equal(gathered[0], torch.ones(3))
     assert pulse.last["sync_wait_seconds"] > 0
 
