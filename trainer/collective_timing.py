@@ -9,10 +9,11 @@ are timed by `Pulse.attach_ddp`; everything else has no hook to time it by.
 
 So, as DeepSpeed's comms logger does, the blocking collectives of `torch.distributed`
 (`COLLECTIVES`) are replaced by wrappers, once per process, when a Pulse is made in a
-distributed run. A wrapper hands its call to the step's timer (`Pulse._collective_
-in_step`: two clock marks, so on CUDA the stream's wait for NCCL is seen) while a
-`forward_backward` section is open on the thread that runs the loop or in its
-backward, and otherwise just calls the original: one attribute check. Callers look the
+distributed run. While a `forward_backward` section is open, a wrapper hands its
+call to the step's timer (`Pulse._collective_in_step`: two clock marks, so on CUDA the
+stream's wait for NCCL is seen; only on the loop's thread or in its backward);
+otherwise it calls the original after a compile check and one attribute check, and a
+step without collectives of its own makes no call here at all. Callers look the
 function up on `torch.distributed` when they call it (SyncBatchNorm does, and
 `dist.all_reduce(...)` does), so they get the wrapper; a name bound earlier with
 `from torch.distributed import all_reduce` keeps the original and is not seen.
@@ -106,7 +107,6 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)  # completes where its work is waited on
         return timer._collective_in_step(family, original, args, kwargs)
 
-    collective.__clusterpulse_original__ = original  # type: ignore[attr-defined]
     return collective
 
 
@@ -122,15 +122,6 @@ def install() -> None:
                 continue
             originals[name] = fn
             setattr(dist, name, _wrap(name, fn))
-
-
-def uninstall() -> None:
-    """Put torch's own functions back (tests)."""
-    with _install_lock:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-        originals.clear()
-        state.timer = None
 
 
 @contextlib.contextmanager
