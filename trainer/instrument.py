@@ -23,7 +23,10 @@ stamps the moment every gradient is computed (the rank's own work is done; DDP h
 launched its last bucket's all-reduce) while DDP runs its normal C++ all-reduce; the
 time from there to the end of backward is waiting for peers, and so is the time in
 DDP's broadcast of the model's buffers before each forward (a late peer is waited for
-there too). From the start of backward to its end DDP's all-reduces run: the gradient
+there too), and so is the time in any other blocking collective the model or the
+loop runs inside forward_backward (SyncBatchNorm's statistics, a tensor-parallel
+all-reduce, a `dist.all_reduce` of the batch's figures: `collective_timing`). From the
+start of backward to its end DDP's all-reduces run: the gradient
 bytes each rank moves over that window is the step's achieved bus bandwidth (a lower
 bound: the window also holds backward compute the all-reduces overlap), the figure that
 falls for every rank together when a link on the ring is slow. A few Python calls per
@@ -61,7 +64,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils._pytree import tree_leaves
 
 from clusterpulse.agent import protocol
-from clusterpulse.trainer import PREEMPTED_EXIT_CODE
+from clusterpulse.trainer import PREEMPTED_EXIT_CODE, collective_timing
 from clusterpulse.trainer.collectives import CollectiveLog, ring_allreduce_bytes
 from clusterpulse.trainer.consensus import Consensus, hardware_identity
 from clusterpulse.trainer.parallel import hold_process_groups_until_exit
@@ -183,11 +186,14 @@ class _Section:
     def __enter__(self) -> None:
         self.t0 = time.perf_counter()
         self.ctx.pulse._enter(self.name)
+        if self.name == "forward_backward":  # the model's own collectives: sync wait
+            collective_timing.state.timer = self.ctx.pulse
 
     def __exit__(self, *_exc: object) -> None:
         ctx, name = self.ctx, self.name
         ctx.sections[name] = ctx.sections.get(name, 0.0) + time.perf_counter() - self.t0
         if name == "forward_backward":
+            collective_timing.state.timer = None
             ctx.fb_end = ctx.pulse._clock.mark()
         ctx.pulse._enter("step")
 
@@ -247,12 +253,16 @@ class Pulse:
         self._clock: _HostClock | _CudaClock = (
             _CudaClock() if torch.cuda.is_available() and torch.cuda.is_initialized()
             else _HostClock())
+        self._on_cuda = isinstance(self._clock, _CudaClock)
+        self._loop_thread = threading.get_ident()  # where the steps run
+        self._step_stream: Any = None  # CUDA: the stream the step's marks are on
         self._bucket_marks: list[Any] = []  # the rank's own backward work done (DDP)
         self._first_grad: Any = None  # this step's syncing backward began (window's start)
         self._backward_start: Any = None
         self._backward_open = False  # a syncing backward is running, its callback queued
         self._fwd_start: Any = None  # DDP's forward entered, its pre-forward not yet done
-        self._fwd_waits: list[tuple[Any, Any]] = []  # DDP's pre-forward (collectives)
+        # DDP's pre-forward, and the model's own collectives in forward_backward
+        self._fwd_waits: list[tuple[Any, Any]] = []
         self._has_hook = False
         self._hooks: list[Any] = []  # removed at close: the model outlives no Pulse
         self._allreduce_bytes = 0.0  # bytes each rank moves per step in DDP's all-reduce
@@ -290,6 +300,8 @@ class Pulse:
         self.phase, self._phase_since, self._step = "start", time.monotonic(), 0
         self._closed = threading.Event()
         self.outcome: str | None = None
+        if self.world_size > 1 or (dist.is_available() and dist.is_initialized()):
+            collective_timing.install()  # once per process
         self.link.send({"type": "event", "event": "start", **self.identity})
         self._beat = threading.Thread(target=self._heartbeat_loop, name="pulse-heartbeat",
                                       daemon=True)
@@ -311,6 +323,7 @@ class Pulse:
         if isinstance(self._clock, _HostClock) and torch.cuda.is_available() \
                 and torch.cuda.is_initialized():
             self._clock = _CudaClock()
+            self._on_cuda = True
         self.restarts = self.identity["restarts"] = (
             _local_attempt() if restarts is None else restarts)
         if self._catch_sigterm:
@@ -417,7 +430,7 @@ class Pulse:
         previous = self.phase
         self._enter("sync")
         a = self._clock.mark()
-        with self.collectives.track("all_reduce"):
+        with self.collectives.track("all_reduce"), collective_timing.untimed():
             dist.all_reduce(t, group=group)
         self._probes.append((a, self._clock.mark()))
         self._enter(previous)
@@ -454,10 +467,36 @@ class Pulse:
 
     def _timed_collective(self, op: str, bus_bytes: float, call: Callable[[], Any]) -> Any:
         """Run a blocking collective between two clock marks and count it (FSDP)."""
-        with self.collectives.track(op):
+        with self.collectives.track(op), collective_timing.untimed():
             a = self._clock.mark()
             result = call()
             self._comm_marks.append((a, self._clock.mark(), bus_bytes))
+        return result
+
+    def _collective_in_step(self, op: str, call: Callable[..., Any], args: tuple[Any, ...],
+                            kwargs: dict[str, Any]) -> Any:
+        """A blocking collective the model or the loop runs inside forward_backward
+        (through `collective_timing`'s wrappers: SyncBatchNorm's statistics, a
+        tensor-parallel all-reduce): sync wait, exactly as DDP's buffer broadcast, and
+        counted as entered and completed (a hang there names the rank not in it).
+
+        Left to the marks that already hold it: inside DDP's pre-forward (its interval
+        is timed whole), and after this step's syncing backward (the wait from the last
+        gradient to the section's end is sync wait already). Left uncounted: calls from
+        another thread than the loop's, outside a backward (a background checkpoint's:
+        they overlap the step's own work), and on CUDA calls on another stream than the
+        step's (FSDP1's unshard stream): overlapping the compute, subtracting them
+        would take it away."""
+        if (self._fwd_start is not None or self._bucket_marks
+                or (threading.get_ident() != self._loop_thread
+                    and torch._C._current_graph_task_id() == -1)
+                or (self._step_stream is not None
+                    and torch.cuda.current_stream() != self._step_stream)):
+            return call(*args, **kwargs)
+        with self.collectives.track(op), collective_timing.untimed():
+            a = self._clock.mark()
+            result = call(*args, **kwargs)
+            self._fwd_waits.append((a, self._clock.mark()))
         return result
 
     # -- input ---------------------------------------------------------------------------
@@ -518,6 +557,8 @@ class Pulse:
             self._comm_marks = []
         ctx.t0 = time.perf_counter()
         ctx.start_mark = self._clock.mark()
+        if self._on_cuda:
+            self._step_stream = torch.cuda.current_stream()
 
     def _end_step(self, ctx: StepContext) -> None:
         step, fetch, start_mark = ctx.step, ctx.fetch, ctx.start_mark

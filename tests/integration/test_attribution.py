@@ -2,24 +2,20 @@
 settings (issue #31): DDP broadcasts the buffers (a causal mask, BatchNorm statistics)
 from rank 0 before every forward, and a rank waiting there for a late peer was counted
 as computing. With a GPU slowed 40 % the waiting rank 0 paged as a compute straggler
-beside the slow one, and a data-loading straggler was never found.
+beside the slow one, and a data-loading straggler was never found. The same holds
+for a collective the model runs itself inside forward (SyncBatchNorm's statistics, a
+tensor-parallel all-reduce): the wait there is sync wait too.
 
 Three real gloo ranks under torchrun run tests/support/buffers_job.py; the work is
 sleeps (simulated device time), so the figures hold on a loaded machine."""
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.buffers_job import DELAY_S, WORK_S
-from tests.support.procs import REPO
+from tests.support.buffers_job import DELAY_S, WORK_S, run_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -27,26 +23,7 @@ RANKS, SLOW, STEPS = 3, 2, 30
 
 
 def _run(tmp_path: Path, mode: str) -> dict[int, dict[str, float]]:
-    """Each rank's median figures over the steps after the first five."""
-    out = tmp_path / mode
-    out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={RANKS}", "--monitor-interval=0.2",
-           str(REPO / "tests" / "support" / "buffers_job.py"), mode, str(SLOW), str(STEPS),
-           str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                       env=env)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    figures = {}
-    for rank in range(RANKS):
-        rows = [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
-        assert len(rows) == STEPS, rows
-        steady = rows[5:]
-        figures[rank] = {k: statistics.median(r[k] for r in steady) for k in (
-            "step_seconds", "compute_seconds", "sync_wait_seconds", "data_wait_seconds")}
-        figures[rank]["straggler_score"] = rows[-1]["straggler_score"]
-    return figures
+    return run_ranks(tmp_path, mode, RANKS, SLOW, STEPS)
 
 
 def _others_stay_normal(figures: dict[int, dict[str, float]]) -> None:
@@ -74,4 +51,15 @@ def test_a_data_straggler_is_found_with_its_cause(tmp_path):
     # the alert's cause: data_loading when over 20 % of the step waits for input
     assert slow["data_wait_seconds"] / slow["step_seconds"] > 0.2, figures
     assert slow["compute_seconds"] < WORK_S + 0.3 * DELAY_S, figures
+    _others_stay_normal(figures)
+
+
+def test_a_wait_in_the_models_own_forward_collective_is_sync_wait(tmp_path):
+    """SyncBatchNorm's way (its statistics all-reduced inside forward): the slow rank's
+    peers wait for it in that collective, not in DDP's. Counted as their compute, they
+    paged beside it."""
+    figures = _run(tmp_path, "fwd_collective")
+    slow = figures[SLOW]
+    assert slow["compute_seconds"] > WORK_S + 0.7 * DELAY_S, figures
+    assert slow["straggler_score"] > 1.5, figures
     _others_stay_normal(figures)

@@ -10,24 +10,41 @@ loading (its input takes longer to arrive), and every rank writes its
 figures per step as JSON lines to OUT_DIR/rank<r>.jsonl: `{"step": s, ...Pulse.last,
 "straggler_score": ...}`.
 
+Mode `fwd_collective`: the model runs a collective of its own inside forward, the
+way SyncBatchNorm does (it all-gathers the batch statistics in forward and all-reduces
+in backward; a tensor-parallel layer's all-reduce is the same). SyncBatchNorm itself
+raises on CPU input, so `StatsNorm` all-reduces its batch statistics with
+`dist.all_reduce`, after the layers before it (the rank's simulated device work, where
+the straggler is slower): its peers wait for it there, inside their own forward.
+Mode `syncbn` is the same with the real `nn.SyncBatchNorm` (CUDA and NCCL only: DDP
+refuses it on CPU) and DDP's buffer broadcast off, so that the peers wait in
+SyncBatchNorm's all-gather, not in the broadcast.
+
     torchrun --nproc-per-node 3 tests/support/buffers_job.py compute 2 30 OUT_DIR
+
+`run_ranks` runs it so from a test and returns each rank's median figures.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.parallel import init_distributed
+from tests.support.procs import REPO
 
 WORK_S = 0.04  # every rank's simulated device work per step
 DELAY_S = 0.04  # the straggler's extra time per step (compute or data)
@@ -52,6 +69,44 @@ class CausalBlock(nn.Module):
         return self.head(y).mean(dim=1)
 
 
+class StatsNorm(nn.Module):
+    """SyncBatchNorm's forward on CPU: per-feature mean and variance over every rank's
+    batch (one blocking all-reduce of sum, sum of squares and count), running mean kept
+    as a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(DIM))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        local = torch.cat([h.sum(0), h.square().sum(0), torch.tensor([float(len(h))])])
+        stats = local.detach().clone()
+        dist.all_reduce(stats)  # looked up at call time, as SyncBatchNorm does
+        n = stats[-1]
+        mean, sq = stats[:DIM] / n, stats[DIM:2 * DIM] / n
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, 0.1)
+        return (h - mean) / (sq - mean.square() + 1e-5).sqrt()
+
+
+class NormNet(nn.Module):
+    """A layer, a norm whose statistics span every rank (StatsNorm, or a real
+    SyncBatchNorm on CUDA), a head. `work_s`: the simulated device time of the layers
+    before the norm (on CUDA the device idles meanwhile: its events time it too)."""
+
+    def __init__(self, norm: nn.Module, work_s: float) -> None:
+        super().__init__()
+        self.work_s = work_s
+        self.inp = nn.Linear(DIM, DIM)
+        self.norm = norm
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).flatten(0, 1)
+        time.sleep(self.work_s)  # this rank's layers before the norm
+        return self.head(self.norm(h)).view(x.shape[0], SEQ, 1).mean(dim=1)
+
+
 def batches(rank: int, slow_data: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(rank)
     while True:
@@ -64,17 +119,25 @@ def main(mode: str, slow_rank: int, steps: int, out_dir: Path) -> None:
     info = init_distributed(timeout_s=120)
     out = (out_dir / f"rank{info.rank}.jsonl").open("w")
     torch.manual_seed(0)
-    model = DDP(CausalBlock())  # broadcast_buffers=True: DDP's default
+    slow = info.rank == slow_rank
+    work = WORK_S + (DELAY_S if slow else 0.0)  # own_collective: all before the norm
+    if mode == "syncbn":  # buffers not broadcast: the wait is SyncBatchNorm's
+        model = DDP(NormNet(nn.SyncBatchNorm(DIM), work).to(info.device),
+                    device_ids=[info.device.index], broadcast_buffers=False)
+    else:  # broadcast_buffers=True: DDP's default
+        model = DDP(NormNet(StatsNorm(), work) if mode == "fwd_collective"
+                    else CausalBlock())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with Pulse(run="buffers", agent=None, catch_sigterm=False) as pulse:
         pulse.attach_ddp(model)
-        data = batches(info.rank, mode == "data" and info.rank == slow_rank)
+        data = batches(info.rank, mode == "data" and slow)
         for step, (x, y) in enumerate(pulse.data(data), start=1):
             with pulse.step(step) as s:
-                extra = DELAY_S / 2 if mode == "compute" and info.rank == slow_rank else 0.0
+                extra = DELAY_S / 2 if mode == "compute" and slow else 0.0
                 with s.section("forward_backward"):
-                    loss = F.mse_loss(model(x), y)
-                    time.sleep(WORK_S + extra)
+                    loss = F.mse_loss(model(x.to(info.device)), y.to(info.device))
+                    if not isinstance(model.module, NormNet):  # there: in its forward
+                        time.sleep(WORK_S + extra)
                     loss.backward()
                 with s.section("optimizer"):
                     time.sleep(extra)
@@ -88,6 +151,30 @@ def main(mode: str, slow_rank: int, steps: int, out_dir: Path) -> None:
                 break
     out.close()
     torch.distributed.destroy_process_group()
+
+
+def run_ranks(tmp_path: Path, mode: str, ranks: int, slow: int,
+              steps: int) -> dict[int, dict[str, float]]:
+    """Run the job under torchrun: each rank's median figures over the steps after the
+    first five, and its straggler score at the end."""
+    out = tmp_path / mode
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={ranks}", "--monitor-interval=0.2", __file__, mode,
+           str(slow), str(steps), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                       env=env)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    figures = {}
+    for rank in range(ranks):
+        rows = [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert len(rows) == steps, rows
+        steady = rows[5:]
+        figures[rank] = {k: statistics.median(r[k] for r in steady) for k in (
+            "step_seconds", "compute_seconds", "sync_wait_seconds", "data_wait_seconds")}
+        figures[rank]["straggler_score"] = rows[-1]["straggler_score"]
+    return figures
 
 
 if __name__ == "__main__":

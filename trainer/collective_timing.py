@@ -1,0 +1,135 @@
+"""The model's own collectives inside a step's forward_backward, timed as sync wait.
+
+A rank whose model runs a collective in forward or backward (SyncBatchNorm gathers its
+batch statistics in forward and all-reduces in backward; a tensor-parallel layer
+all-reduces; a loop all-reduces its batch statistics) waits there for a late peer, and
+that wait fell inside forward_backward: counted as the rank's compute, the waiting,
+healthy rank paged as the straggler. DDP's gradient all-reduce and its buffer broadcast
+are timed by `Pulse.attach_ddp`; everything else has no hook to time it by.
+
+So, as DeepSpeed's comms logger does, the blocking collectives of `torch.distributed`
+(`COLLECTIVES`) are replaced by wrappers, once per process, when a Pulse is made in a
+distributed run. While a `forward_backward` section is open, a wrapper hands its
+call to the step's timer (`Pulse._collective_in_step`: two clock marks, so on CUDA the
+stream's wait for NCCL is seen; only on the loop's thread or in its backward);
+otherwise it calls the original after a compile check and one attribute check, and a
+step without collectives of its own makes no call here at all. Callers look the
+function up on `torch.distributed` when they call it (SyncBatchNorm does, and
+`dist.all_reduce(...)` does), so they get the wrapper; a name bound earlier with
+`from torch.distributed import all_reduce` keeps the original and is not seen.
+
+Not seen either: collectives with `async_op=True` (they complete where the caller
+waits on the work, which is not known here: left uncounted), collectives issued from
+C++ (DDP's own, timed by attach_ddp; NCCL calls of a custom extension), and those under
+`torch.compile` (the compiled graph runs functional collectives; the wrapper steps
+aside while dynamo traces, so the graph is the same as without it). ClusterPulse's own
+collectives (a sync probe, FSDP's timed collectives) run `untimed()`: they are timed by
+their own marks, and counting them here too would count their wait twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+# The blocking entry points a model or a loop calls, each with the name its heartbeat
+# gives while a rank waits in it: the agent accepts only its protocol's few families
+# (agent.protocol.COLLECTIVES) and drops a heartbeat naming any other, the very one
+# that shows a rank hung there. The names this torch lacks are skipped
+# (all_gather_single and reduce_scatter_single are the newer spellings that
+# SyncBatchNorm and FSDP call on recent torch).
+COLLECTIVES = {
+    "all_reduce": "all_reduce", "reduce": "all_reduce",
+    "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather", "gather": "all_gather",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "broadcast": "broadcast", "scatter": "broadcast",
+    "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
+    "barrier": "barrier",
+}
+
+
+class StepTimer(Protocol):
+    """What a wrapper hands a collective to (Pulse)."""
+
+    def _collective_in_step(self, op: str, call: Callable[..., Any], args: tuple[Any, ...],
+                            kwargs: dict[str, Any]) -> Any: ...
+
+
+class _State:
+    """`timer`: set while a forward_backward section is open (by the section itself,
+    an attribute store: no call on the step's path), None otherwise and while a timed
+    collective runs (a collective it calls in turn is part of it)."""
+
+    __slots__ = ("timer",)
+
+    def __init__(self) -> None:
+        self.timer: StepTimer | None = None
+
+
+state = _State()
+originals: dict[str, Callable[..., Any]] = {}  # name -> torch's own function
+_install_lock = threading.Lock()
+
+
+def _async_index(fn: Callable[..., Any]) -> int | None:
+    """The position of `async_op` among `fn`'s parameters (None: it has none)."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("async_op") if "async_op" in names else None
+
+
+def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    at = _async_index(original)
+    family = COLLECTIVES[name]
+
+    @functools.wraps(original)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        # First the compile check, so that dynamo, tracing through this, never reads
+        # `state` (a guard on it would recompile the graph whenever a section opened)
+        # and sees torch's own function, which it maps to a functional collective.
+        if torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        timer = state.timer
+        if timer is None:
+            return original(*args, **kwargs)
+        if kwargs.get("async_op") or (at is not None and len(args) > at and args[at]):
+            return original(*args, **kwargs)  # completes where its work is waited on
+        return timer._collective_in_step(family, original, args, kwargs)
+
+    return collective
+
+
+def install() -> None:
+    """Replace `torch.distributed`'s blocking collectives by timing wrappers, once per
+    process (idempotent; `originals` keeps torch's own functions)."""
+    if not dist.is_available():
+        return
+    with _install_lock:
+        for name in COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is None or name in originals:
+                continue
+            originals[name] = fn
+            setattr(dist, name, _wrap(name, fn))
+
+
+@contextlib.contextmanager
+def untimed() -> Iterator[None]:
+    """Run ClusterPulse's own collectives unseen by the wrappers: they are timed by
+    their own marks (a sync probe, FSDP's timed collectives)."""
+    timer, state.timer = state.timer, None
+    try:
+        yield
+    finally:
+        state.timer = timer
