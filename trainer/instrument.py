@@ -416,9 +416,15 @@ class Pulse:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(backward_starts)
 
-        self._hooks += [ddp_model.register_forward_pre_hook(forward_called),
-                        ddp_model.module.register_forward_pre_hook(ddp_work_done),
-                        ddp_model.register_forward_hook(forward_done)]
+        # Under torch.compile (of the DDP model: its hooks are traced; of the wrapped
+        # module: its pre-hook runs as a frame of its own) dynamo traced these: a graph
+        # break at each clock mark, and a guard on the mark's value that recompiled as
+        # it changed. Run eagerly instead: a clock mark is a side effect at run time,
+        # never a graph's op (~0.3 us a call, tests/unit/test_pulse_compile.py).
+        eager = torch.compiler.disable
+        self._hooks += [ddp_model.register_forward_pre_hook(eager(forward_called)),
+                        ddp_model.module.register_forward_pre_hook(eager(ddp_work_done)),
+                        ddp_model.register_forward_hook(eager(forward_done))]
         self._has_hook = True
 
     def sync_probe(self, group: dist.ProcessGroup | None = None) -> None:

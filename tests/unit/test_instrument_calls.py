@@ -18,8 +18,10 @@ from tests.bench.recipe_loop import added_calls, draining_socket
 # What the loop's instrumentation needs per step today (pulse.data, step, two
 # sections, s.loss, boundary with its exchange and scorer every 5 steps, the send,
 # attach_ddp's hooks), with a little room; a change that adds per-step work must
-# raise this deliberately, and say why. (177 on torch 2.x here; 199 before issue #26.)
-MAX_CALLS_PER_STEP = 190
+# raise this deliberately, and say why. (177 on torch 2.x here; 199 before issue #26;
+# 206 since attach_ddp's three forward hooks run under torch.compiler.disable, eight
+# calls each, ~0.3 us: compiled models traced them, tests/unit/test_pulse_compile.py.)
+MAX_CALLS_PER_STEP = 215
 
 
 @pytest.fixture(scope="module")
