@@ -11,6 +11,14 @@ Sources and what is generated from them:
                                     untemplated: the rules' {{ $labels }} stay theirs)
   deploy/local/policy.toml       -> deploy/kubernetes/base/policy-configmap.yaml
                                  -> deploy/helm/clusterpulse/files/policy.toml
+  deploy/alertmanager/alertmanager.yml, web.yml
+                                 -> deploy/kubernetes/base/alertmanager-config.yaml
+                                    (ClusterPulse's own Alertmanager: the routing with the
+                                    remediation receiver at the dashboard's Service, and
+                                    the basic-auth web config its init container fills in)
+                                 -> deploy/helm/clusterpulse/files/alertmanager.yml, web.yml
+                                    (copies; the chart's template points the receiver at
+                                    its release's Service)
   deploy/grafana/*.json          -> deploy/kubernetes/base/grafana-dashboards.yaml
                                     (a ConfigMap with the `grafana_dashboard` label)
   (dashboard definitions in deploy/grafana/dashboards.py -> deploy/grafana/*.json)
@@ -111,6 +119,42 @@ def policy_configmap() -> str:
     return HEADER.format(src="deploy/local/policy.toml") + dump(obj)
 
 
+# What the Kubernetes Alertmanager's routing says instead of the local one's: the
+# remediation receiver is the dashboard pod's Service, and the webhook token is the
+# secret mounted in the Alertmanager pod. The chart makes the same replacements with its
+# release's names (templates/alertmanager.yaml).
+AM_LOCAL_HOOK = "http://127.0.0.1:19495/alertmanager"
+AM_LOCAL_TOKEN = "/etc/clusterpulse/webhook-token"
+AM_K8S_HOOK = f"http://clusterpulse-dashboard.{NAMESPACE}:19495/alertmanager"
+AM_K8S_TOKEN = "/etc/alertmanager/webhook/token"
+
+
+def alertmanager_k8s_yml() -> str:
+    src = (DEPLOY / "alertmanager" / "alertmanager.yml").read_text()
+    for old in (AM_LOCAL_HOOK, AM_LOCAL_TOKEN):
+        if src.count(old) != 1:
+            raise SystemExit(f"deploy/alertmanager/alertmanager.yml: expected {old} once")
+    return src.replace(AM_LOCAL_HOOK, AM_K8S_HOOK).replace(AM_LOCAL_TOKEN, AM_K8S_TOKEN)
+
+
+def alertmanager_configmap() -> str:
+    obj = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "clusterpulse-alertmanager", "namespace": NAMESPACE,
+                     "labels": {**LABELS, "app.kubernetes.io/name": "clusterpulse-alertmanager"}},
+        "data": {"alertmanager.yml": alertmanager_k8s_yml(),
+                 # The template: the pod's init container puts the bcrypt hash of the
+                 # password secret in place of REPLACE-WITH-A-BCRYPT-HASH.
+                 "web.yml": (DEPLOY / "alertmanager" / "web.yml").read_text()},
+    }
+    return HEADER.format(src="deploy/alertmanager/alertmanager.yml, web.yml") + dump(obj)
+
+
+def chart_copy(src: str) -> str:
+    return HEADER.format(src=src) + (REPO / src).read_text()
+
+
 def grafana_configmap() -> str | None:
     boards = sorted((DEPLOY / "grafana").glob("*.json"))
     if not boards:
@@ -150,6 +194,9 @@ def targets() -> dict[Path, str]:
     out[BASE / "policy-configmap.yaml"] = policy_configmap()
     out[CHART / "files" / "prometheusrule-spec.yaml"] = chart_rule_spec()
     out[CHART / "files" / "policy.toml"] = chart_policy()
+    out[BASE / "alertmanager-config.yaml"] = alertmanager_configmap()
+    out[CHART / "files" / "alertmanager.yml"] = chart_copy("deploy/alertmanager/alertmanager.yml")
+    out[CHART / "files" / "alertmanager-web.yml"] = chart_copy("deploy/alertmanager/web.yml")
     return out
 
 

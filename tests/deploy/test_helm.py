@@ -6,6 +6,8 @@ every container, the NetworkPolicies, image digests, the values reaching the pod
 from __future__ import annotations
 
 import platform
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.test_kubernetes import PROBES, _base_objects, _validate_all, probe_paths
+from tests.deploy.test_kubernetes import (
+    PROBES,
+    WORKLOADS,
+    _base_objects,
+    _validate_all,
+    probe_paths,
+)
 
 if platform.machine() != "x86_64":  # the only platform the wheel ships a library for
     pytest.skip(f"helm-python-sdk has no wheel for {platform.machine()}",
@@ -48,9 +56,15 @@ def by_kind(objects: list[dict], kind: str) -> list[dict]:
     return [o for o in objects if o["kind"] == kind]
 
 
+def policy_map(objects: list[dict]) -> dict:
+    (cm,) = [o for o in by_kind(objects, "ConfigMap") if "policy.toml" in o["data"]]
+    return cm
+
+
 def pod_specs(objects: list[dict]) -> list[dict]:
-    return [o["spec"]["template"]["spec"] for o in objects
-            if o["kind"] in ("DaemonSet", "Deployment")]
+    """The pods of the agent, Alertmanager and dashboard workloads, in that order."""
+    return [o["spec"]["template"]["spec"] for o in sorted(
+        (o for o in objects if o["kind"] in WORKLOADS), key=lambda o: o["metadata"]["name"])]
 
 
 def test_chart_lints_clean_and_renders_valid_objects(default, example):
@@ -62,7 +76,7 @@ def test_chart_lints_clean_and_renders_valid_objects(default, example):
         assert {o["kind"] for o in objects} == {
             "ServiceAccount", "DaemonSet", "PodMonitor", "PrometheusRule", "ConfigMap",
             "PersistentVolumeClaim", "Deployment", "Service", "PodDisruptionBudget",
-            "NetworkPolicy"}
+            "NetworkPolicy", "StatefulSet"}
         assert {o["metadata"]["namespace"] for o in objects} == {NS}
         _validate_all(objects)
 
@@ -91,12 +105,27 @@ def test_network_policies_admit_only_whom_the_issue_names(default):
     ui, hook = _ingress(default, "clusterpulse-dashboard")
     assert ui == {"ports": [{"port": 8501, "protocol": "TCP"}],
                   "from": [{"namespaceSelector": {}}]}
+    am = {"app.kubernetes.io/name": "clusterpulse-alertmanager",
+          "app.kubernetes.io/instance": "clusterpulse"}
+    # The webhook from the chart's own Alertmanager only ...
     assert hook == {"ports": [{"port": 19495, "protocol": "TCP"}],
-                    "from": [{"namespaceSelector": monitoring, "podSelector": {
-                        "matchLabels": {"app.kubernetes.io/name": "alertmanager"}}}]}
+                    "from": [{"podSelector": {"matchLabels": am}}]}
+    # ... whose API admits Prometheus and the dashboard (and asks them for the password).
+    (am_rule,) = _ingress(default, "clusterpulse-alertmanager")
+    assert am_rule == {"ports": [{"port": 9093, "protocol": "TCP"}], "from": [
+        {"namespaceSelector": monitoring,
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
+        {"podSelector": {"matchLabels": dash}}]}
+    # An Alertmanager elsewhere: the webhook from networkPolicy.alertmanager's pods.
+    elsewhere = render({"alertmanager": {"url": "http://am.monitoring:9093",
+                                         "server": {"enabled": False}}})
+    _, hook = _ingress(elsewhere, "clusterpulse-dashboard")
+    assert hook["from"] == [{"namespaceSelector": monitoring, "podSelector": {
+        "matchLabels": {"app.kubernetes.io/name": "alertmanager"}}}]
+    assert "clusterpulse-alertmanager" not in {o["metadata"]["name"] for o in elsewhere}
     # Each policy selects the pods it is named for.
     pods = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
-            for o in default if o["kind"] in ("DaemonSet", "Deployment")}
+            for o in default if o["kind"] in WORKLOADS}
     for pol in by_kind(default, "NetworkPolicy"):
         wanted = pol["spec"]["podSelector"]["matchLabels"]
         assert wanted.items() <= pods[pol["metadata"]["name"]].items()
@@ -104,12 +133,14 @@ def test_network_policies_admit_only_whom_the_issue_names(default):
 
 def test_images_are_pinned_by_digest_when_one_is_set(default, example):
     def images(objects: list[dict]) -> set[str]:
-        return {c["image"] for pod in pod_specs(objects) for c in pod["containers"]}
-    assert images(default) == {"clusterpulse-agent:0.1.0", "clusterpulse-dashboard:0.1.0"}
+        return {c["image"] for pod in pod_specs(objects)
+                for c in pod["containers"] + pod.get("initContainers", [])}
+    assert images(default) == {"clusterpulse-agent:0.1.0", "clusterpulse-dashboard:0.1.0",
+                               "quay.io/prometheus/alertmanager:v0.28.1"}
     values = yaml.safe_load(EXAMPLE.read_text())
     assert images(example) == {
         f"registry.example.com/gpu-platform/{values['images'][c]['repository']}"
-        f"@{values['images'][c]['digest']}" for c in ("agent", "dashboard")}
+        f"@{values['images'][c]['digest']}" for c in ("agent", "dashboard", "alertmanager")}
     tagged = render({"images": {"agent": {"repository": "clusterpulse-agent", "tag": "0.2.0"}}})
     assert "clusterpulse-agent:0.2.0" in images(tagged)
 
@@ -119,9 +150,22 @@ def test_images_are_pinned_by_digest_when_one_is_set(default, example):
      "/images/agent/digest"),
     ({"agnet": {"port": 9477}}, "'agnet' not allowed"),
     ({"prometheus": {"url": "prometheus:9090"}}, "/prometheus/url"),
+    ({"alertmanager": {"server": {"enable": True}}}, "'enable' not allowed"),
+    ({"alertmanager": {"url": "am:9093"}}, "/alertmanager/url"),
 ])
 def test_bad_values_are_refused_naming_the_key(values, where):
     with pytest.raises(helm.HelmValuesError, match=where):
+        render(values)
+
+
+@pytest.mark.parametrize("values, says", [
+    ({"alertmanager": {"basicAuth": {"enabled": False}}}, "always asks for the password"),
+    ({"alertmanager": {"server": {"enabled": False}}}, "say where Alertmanager is"),
+    ({"remediation": {"enabled": False}}, "give it your routing"),
+])
+def test_an_alertmanager_without_password_or_receiver_is_refused(values, says):
+    """The chart's Alertmanager without basic auth would be issue #29's open API again."""
+    with pytest.raises(Exception, match=says):
         render(values)
 
 
@@ -130,7 +174,9 @@ def test_example_values_reach_the_objects(example):
                 if o["kind"] in ("PodMonitor", "PrometheusRule")}
     assert labelled == {"PodMonitor": "kube-prometheus-stack",
                         "PrometheusRule": "kube-prometheus-stack"}
-    agent, dash = pod_specs(example)
+    agent, am, dash = pod_specs(example)
+    assert [v["secret"]["secretName"] for v in am["volumes"] if "secret" in v] == [
+        "clusterpulse-alertmanager-password", "clusterpulse-webhook-token"]
     assert agent["runtimeClassName"] == "nvidia"
     assert agent["nodeSelector"]["node-role.example.com/training"] == "true"
     assert {"key": "dedicated", "operator": "Equal", "value": "training",
@@ -140,6 +186,8 @@ def test_example_values_reach_the_objects(example):
     args = dashboard["args"]
     assert args[args.index("--prometheus") + 1] == \
         "http://kube-prometheus-stack-prometheus.monitoring:9090"
+    assert args[args.index("--alertmanager") + 1] == \
+        "http://clusterpulse-alertmanager.clusterpulse:9093"
     assert args[args.index("--alertmanager-password-file") + 1].startswith(
         next(m["mountPath"] for m in dashboard["volumeMounts"] if m["name"] == "alertmanager"))
     assert {"name": "alertmanager", "secret": {
@@ -156,16 +204,25 @@ def test_objects_match_the_kustomize_base_where_both_say_the_same(default):
         by_kind(base, "PrometheusRule")[0]["spec"]
     assert by_kind(default, "PodMonitor")[0]["spec"]["podMetricsEndpoints"] == \
         by_kind(base, "PodMonitor")[0]["spec"]["podMetricsEndpoints"]
-    policy = next(o for o in by_kind(default, "ConfigMap"))["data"]["policy.toml"]
+    policy = policy_map(default)["data"]["policy.toml"]
     source = (REPO / "deploy" / "local" / "policy.toml").read_text()
     assert policy.rstrip("\n").endswith(source.rstrip("\n"))
+    def am_config(objects: list[dict]) -> dict[str, str]:
+        cm = next(o for o in by_kind(objects, "ConfigMap")
+                  if o["metadata"]["name"] == "clusterpulse-alertmanager")
+        return {k: "".join(line for line in v.splitlines(keepends=True)
+                           if not line.startswith("# GENERATED")) for k, v in cm["data"].items()}
+    assert am_config(default) == am_config(base)
     for ours, theirs in zip(pod_specs(default), pod_specs(base), strict=True):
         for key in ("securityContext", "hostPID", "hostNetwork", "automountServiceAccountToken",
                     "nodeSelector", "tolerations", "priorityClassName"):
             assert ours.get(key) == theirs.get(key), key
-        for c, b in zip(ours["containers"], theirs["containers"], strict=True):
-            assert (c["securityContext"], c["resources"], c["args"]) == \
-                (b["securityContext"], b["resources"], b["args"]), c["name"]
+        assert sorted(v["name"] for v in ours["volumes"]) == \
+            sorted(v["name"] for v in theirs["volumes"])
+        for c, b in zip(ours["containers"] + ours.get("initContainers", []),
+                        theirs["containers"] + theirs.get("initContainers", []), strict=True):
+            assert (c["securityContext"], c["resources"], c.get("args"), c.get("command")) == \
+                (b["securityContext"], b["resources"], b.get("args"), b.get("command")), c["name"]
             assert {m["mountPath"] for m in c["volumeMounts"]} == \
                 {m["mountPath"] for m in b["volumeMounts"]}, c["name"]
 
@@ -175,6 +232,8 @@ def test_optional_parts_can_be_left_out_and_what_remains_is_valid():
     nothing left refers to what was left out (the policy ConfigMap, the webhook port)."""
     objects = render({"podMonitor": {"enabled": False}, "prometheusRule": {"enabled": False},
                       "remediation": {"enabled": False},
+                      "alertmanager": {"url": "http://am.monitoring:9093",
+                                       "server": {"enabled": False}},
                       "networkPolicy": {"enabled": False},
                       "dashboard": {"podDisruptionBudget": {"enabled": False}}},
                      release="gpu")
@@ -189,13 +248,13 @@ def test_optional_parts_can_be_left_out_and_what_remains_is_valid():
 
 def test_a_policy_given_as_a_value_replaces_the_shipped_one():
     policy = 'dry_run = true\n\n[[rule]]\nalert = "RankHung"\naction = "restart"\n'
-    (cm,) = by_kind(render({"remediation": {"policy": policy}}), "ConfigMap")
+    cm = policy_map(render({"remediation": {"policy": policy}}))
     assert cm["data"]["policy.toml"].rstrip("\n") == policy.rstrip("\n")
 
 
 def test_the_rendered_policy_is_one_the_receiver_loads(default, tmp_path):
     from clusterpulse.dashboard.remediation import Policy
-    (cm,) = by_kind(default, "ConfigMap")
+    cm = policy_map(default)
     (tmp_path / "policy.toml").write_text(cm["data"]["policy.toml"])
     assert Policy.load(tmp_path / "policy.toml").rules
 
@@ -205,17 +264,21 @@ def test_every_flag_in_the_pods_is_one_the_program_knows(default):
     --flag in the containers' args must be in the program's --help."""
     values = yaml.safe_load(EXAMPLE.read_text())
     flags: dict[str, set[str]] = {}
+    named = {"agent": "clusterpulse-agent", "alertmanager": "prometheus-alertmanager"}
     for objects in (default, render(values)):
         for pod in pod_specs(objects):
             for c in pod["containers"]:
                 args = c["args"]
-                program = "clusterpulse-agent" if c["name"] == "agent" else args[0]
+                program = named.get(c["name"], args[0])
                 flags.setdefault(program, set()).update(
                     a.split("=")[0] for a in args if a.startswith("--"))
     assert set(flags) == {"clusterpulse-agent", "clusterpulse-dashboard",
-                          "clusterpulse-remediate"}
+                          "clusterpulse-remediate", "prometheus-alertmanager"}
     for program, used in flags.items():
-        out = subprocess.run([str(Path(sys.executable).parent / program), "--help"],
-                             capture_output=True, text=True, timeout=120)
+        path = shutil.which(program) if program == "prometheus-alertmanager" else \
+            str(Path(sys.executable).parent / program)
+        assert path, f"{program} is not installed"
+        out = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        assert not sorted(f for f in used if f not in out.stdout.split()), program
+        known = set(re.findall(r"--[\w.-]+", out.stdout + out.stderr))
+        assert not sorted(f for f in used if f not in known), program

@@ -90,7 +90,8 @@ def test_base_validates_strictly_on_1_29_and_1_33():
     objects = _base_objects()
     assert {o["kind"] for o in objects} >= {
         "Namespace", "ServiceAccount", "DaemonSet", "PodMonitor", "PrometheusRule",
-        "PersistentVolumeClaim", "ConfigMap", "Deployment", "Service"}
+        "PersistentVolumeClaim", "ConfigMap", "Deployment", "Service", "StatefulSet",
+        "NetworkPolicy"}
     _validate_all(objects)
 
 
@@ -122,12 +123,14 @@ def test_pods_are_locked_down_and_bounded():
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
     for sa in (o for o in objects if o["kind"] == "ServiceAccount"):
         assert sa["automountServiceAccountToken"] is False
-    workloads = [o for o in objects if o["kind"] in ("DaemonSet", "Deployment")]
+    workloads = [o for o in objects if o["kind"] in WORKLOADS]
+    assert {w["kind"] for w in workloads} == set(WORKLOADS)
     for w in workloads:
         pod = w["spec"]["template"]["spec"]
         assert pod["automountServiceAccountToken"] is False
         assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
-        for c in pod["containers"]:
+        assert pod["securityContext"].get("runAsUser", 0) != 0 or w["kind"] == "DaemonSet"
+        for c in pod["containers"] + pod.get("initContainers", []):
             sc = c["securityContext"]
             assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
@@ -152,22 +155,26 @@ def test_pods_are_locked_down_and_bounded():
 
 
 # Every container's health endpoint: the agent's /healthz (503 once a thread died),
-# Streamlit's own, the remediation receiver's /healthz.
-PROBES = {"agent": "/healthz", "dashboard": "/_stcore/health", "remediation": "/healthz"}
+# Streamlit's own, the remediation receiver's /healthz; Alertmanager's port (every path
+# of its, /-/ready too, asks for the password).
+PROBES = {"agent": "/healthz", "dashboard": "/_stcore/health", "remediation": "/healthz",
+          "alertmanager": "tcp"}
+WORKLOADS = ("DaemonSet", "Deployment", "StatefulSet")
 
 
 def probe_paths(objects: list[dict]) -> dict[str, dict[str, str]]:
-    """container -> {probe kind: path}, checking that each probe targets a port the
-    container declares (a probe on a wrong port restarts a healthy pod forever)."""
+    """container -> {probe kind: path, or "tcp"}, checking that each probe targets a
+    port the container declares (a probe on a wrong port restarts a healthy pod forever)."""
     out: dict[str, dict[str, str]] = {}
-    for w in (o for o in objects if o["kind"] in ("DaemonSet", "Deployment")):
+    for w in (o for o in objects if o["kind"] in WORKLOADS):
         for c in w["spec"]["template"]["spec"]["containers"]:
             ports = {p["name"] for p in c.get("ports", [])}
             out[c["name"]] = {}
             for kind in ("livenessProbe", "readinessProbe"):
                 if kind in c:
-                    assert c[kind]["httpGet"]["port"] in ports, (c["name"], kind)
-                    out[c["name"]][kind] = c[kind]["httpGet"]["path"]
+                    how = "httpGet" if "httpGet" in c[kind] else "tcpSocket"
+                    assert c[kind][how]["port"] in ports, (c["name"], kind)
+                    out[c["name"]][kind] = c[kind][how].get("path", "tcp")
     return out
 
 
@@ -191,7 +198,8 @@ def test_generated_files_are_in_sync_with_their_sources():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     chart = REPO / "deploy" / "helm" / "clusterpulse" / "files"
-    assert {chart / "prometheusrule-spec.yaml", chart / "policy.toml"} <= set(gen.targets())
+    assert {chart / "prometheusrule-spec.yaml", chart / "policy.toml", chart / "alertmanager.yml",
+            chart / "alertmanager-web.yml"} <= set(gen.targets())
 
 
 def test_prometheus_rule_carries_every_source_rule_with_an_interval():
@@ -215,3 +223,37 @@ def test_agent_asks_the_kubelet_which_pod_holds_each_gpu_through_a_read_only_mou
     (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
     assert vol["hostPath"]["path"] == mount["mountPath"]
     assert pod["hostPID"] is True  # /proc/PID of every process on a GPU: its user and job
+
+
+def test_alertmanager_is_the_projects_with_basic_auth_and_the_dashboard_reads_it():
+    """Issue #29: the base pointed the dashboard at kube-prometheus-stack's Alertmanager,
+    whose API nothing shipped protected. Its own Alertmanager takes the shipped web.yml
+    (filled in from the password secret the dashboard reads), routes to the remediation
+    receiver with the webhook token, and only Prometheus and the dashboard reach it."""
+    objects = _base_objects()
+    (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
+    pod = sts["spec"]["template"]["spec"]
+    (am,) = pod["containers"]
+    assert "--web.config.file=/etc/alertmanager/web/web.yml" in am["args"]
+    assert "--cluster.listen-address=" in am["args"]
+    secrets = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    assert secrets == {"clusterpulse-alertmanager-password", "clusterpulse-webhook-token"}
+    dash = next(o for o in objects if o["kind"] == "Deployment")
+    args = dash["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--alertmanager") + 1] == "http://clusterpulse-alertmanager.clusterpulse:9093"
+    assert "--alertmanager-password-file" in args
+    cm = next(o for o in objects if o["kind"] == "ConfigMap"
+              and o["metadata"]["name"] == "clusterpulse-alertmanager")
+    assert cm["data"]["web.yml"] == (REPO / "deploy" / "alertmanager" / "web.yml").read_text()
+    routing = yaml.safe_load(cm["data"]["alertmanager.yml"])
+    (hook,) = next(r for r in routing["receivers"] if r["name"] == "remediation")["webhook_configs"]
+    assert hook["url"] == "http://clusterpulse-dashboard.clusterpulse:19495/alertmanager"
+    assert any(m["mountPath"] + "/token" == hook["http_config"]["authorization"]["credentials_file"]
+               for m in am["volumeMounts"])
+    (pol,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert pol["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    (rule,) = pol["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 9093, "protocol": "TCP"}]
+    assert [list(f) for f in rule["from"]] == [["namespaceSelector", "podSelector"],
+                                                ["podSelector"]]

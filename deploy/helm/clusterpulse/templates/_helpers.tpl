@@ -45,3 +45,14 @@ allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true
 capabilities: {drop: ["ALL"]}
 {{- end -}}
+
+{{/* Where the dashboard reads Alertmanager: alertmanager.url, else the chart's own. */}}
+{{- define "clusterpulse.alertmanagerURL" -}}
+{{- if .Values.alertmanager.url -}}
+{{- .Values.alertmanager.url -}}
+{{- else if .Values.alertmanager.server.enabled -}}
+{{- printf "http://%s-alertmanager.%s:%v" (include "clusterpulse.fullname" .) (include "clusterpulse.namespace" .) .Values.alertmanager.server.port -}}
+{{- else -}}
+{{- fail "alertmanager.url is empty and alertmanager.server.enabled is false: say where Alertmanager is" -}}
+{{- end -}}
+{{- end -}}
