@@ -92,6 +92,21 @@ def _ingress(objects: list[dict], name: str) -> list[dict]:
     return pol["spec"]["ingress"]
 
 
+def test_the_remediation_receiver_is_scraped_for_the_audit_head_as_job_remediation(default):
+    """Its /metrics carries the central audit log's head (AuditLogRewound); its job is
+    not clusterpulse*, whose up series NodeAgentDown reads."""
+    base = [d for d in yaml.safe_load_all(
+        (REPO / "deploy/kubernetes/base/dashboard.yaml").read_text()) if d]
+    for objs in (default, base):
+        (pm,) = [o for o in objs if o.get("kind") == "PodMonitor"
+                 and o["metadata"]["name"].endswith("remediation")]
+        (ep,) = pm["spec"]["podMetricsEndpoints"]
+        assert (ep["port"], ep["path"]) == ("webhook", "/metrics")
+        assert {"targetLabel": "job", "replacement": "remediation"} in ep["relabelings"]
+        assert pm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == \
+            "clusterpulse-dashboard"
+
+
 def test_network_policies_admit_only_whom_the_issue_names(default):
     dash = {"app.kubernetes.io/name": "clusterpulse-dashboard",
             "app.kubernetes.io/instance": "clusterpulse"}
@@ -107,9 +122,12 @@ def test_network_policies_admit_only_whom_the_issue_names(default):
                   "from": [{"namespaceSelector": {}}]}
     am = {"app.kubernetes.io/name": "clusterpulse-alertmanager",
           "app.kubernetes.io/instance": "clusterpulse"}
-    # The webhook from the chart's own Alertmanager only ...
+    prometheus = {"namespaceSelector": monitoring,
+                  "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    # The webhook from the chart's own Alertmanager only, and Prometheus for its
+    # /metrics (the central audit log's head) ...
     assert hook == {"ports": [{"port": 19495, "protocol": "TCP"}],
-                    "from": [{"podSelector": {"matchLabels": am}}]}
+                    "from": [{"podSelector": {"matchLabels": am}}, prometheus]}
     # ... whose API admits Prometheus and the dashboard (and asks them for the password).
     (am_rule,) = _ingress(default, "clusterpulse-alertmanager")
     assert am_rule == {"ports": [{"port": 9093, "protocol": "TCP"}], "from": [
@@ -121,7 +139,7 @@ def test_network_policies_admit_only_whom_the_issue_names(default):
                                          "server": {"enabled": False}}})
     _, hook = _ingress(elsewhere, "clusterpulse-dashboard")
     assert hook["from"] == [{"namespaceSelector": monitoring, "podSelector": {
-        "matchLabels": {"app.kubernetes.io/name": "alertmanager"}}}]
+        "matchLabels": {"app.kubernetes.io/name": "alertmanager"}}}, prometheus]
     assert "clusterpulse-alertmanager" not in {o["metadata"]["name"] for o in elsewhere}
     # Each policy selects the pods it is named for.
     pods = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
