@@ -110,9 +110,12 @@ def cluster_gpu_data(prom: PrometheusClient, metric: str) -> tuple[dict[str, int
 # The Jobs table in one query: each run's step, whether a rank of it is restarting
 # (leaving for a checkpoint-restart, or a new process still loading: phase start at
 # step 0), and its last checkpoint. A restarted rank reports step 0 until it has
-# loaded its checkpoint: the table said "step 0" during every restart.
+# loaded its checkpoint: the table said "step 0" during every restart. The trainer's
+# own series, not the recorded clusterpulse:run_step: a rule evaluation later, a new
+# run read "Running jobs 0" at step 8.
 _RANK = "on (run, rank, node, local_rank) group_left ()"
-JOBS = ('label_replace(clusterpulse:run_step, "part", "step", "", "") or label_replace('
+JOBS = ('label_replace(max by (run) (clusterpulse_trainer_step), "part", "step", "", "") or '
+        'label_replace('
         'max by (run) (clusterpulse_trainer_phase{phase="restarting"} or '
         f'clusterpulse_trainer_phase{{phase="start"}} * {_RANK} '
         '(clusterpulse_trainer_step == 0)), "part", "restarting", "", "") or label_replace('
@@ -126,13 +129,14 @@ def jobs(samples: list) -> pd.DataFrame:
     for x in samples:
         parts.setdefault(x.labels.get("part", ""), {})[x.labels.get("run", "")] = x.value
     rows = []
-    for run, step in sorted(parts.get("step", {}).items()):
+    steps, restarting = parts.get("step", {}), parts.get("restarting", {})
+    for run in sorted(set(steps) | set(restarting)):  # a run still loading is running too
         ckpt = parts.get("checkpoint", {}).get(run)
-        if run in parts.get("restarting", {}):
+        if run in restarting:
             rows.append({"run": run, "step": None, "state": "starting" if ckpt is None
                          else f"restarting from checkpoint {ckpt:.0f}"})
         else:
-            rows.append({"run": run, "step": step, "state": "training"})
+            rows.append({"run": run, "step": steps[run], "state": "training"})
     return pd.DataFrame(rows, columns=["run", "step", "state"])
 
 

@@ -137,6 +137,22 @@ def alert_groups(alerts: list, now: float) -> list[list]:
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
 
+def run_alerts(alerts: list) -> dict[str, str]:
+    """Per run, its active alerts as the Jobs table shows them, critical first
+    ("JobStalled (critical), CheckpointStale (warning)"). A job-level alert names no
+    node: the cluster page said "Critical alerts 1" beside "All nodes and GPUs
+    healthy" for 9 minutes, with the alert nowhere on the page."""
+    order = {"critical": 0, "warning": 1}
+    by_run: dict[str, list] = {}
+    for a in alerts:
+        if a.labels.get("run"):
+            by_run.setdefault(a.labels["run"], []).append(a)
+    return {run: ", ".join(dict.fromkeys(
+                f"{a.name} ({a.severity})"
+                for a in sorted(items, key=lambda a: (order.get(a.severity, 2), a.name))))
+            for run, items in by_run.items()}
+
+
 def started(starts_at: str, now: float) -> float:
     """Alertmanager's startsAt (RFC 3339) as unix time; `now` if it cannot be read."""
     try:

@@ -9,7 +9,7 @@ import streamlit as st
 
 from clusterpulse.dashboard import data, links, ui
 from clusterpulse.dashboard import heat as hmap
-from clusterpulse.dashboard.incidents import alert_groups
+from clusterpulse.dashboard.incidents import alert_groups, run_alerts
 
 s = ui.settings()
 st.title("Cluster")
@@ -78,11 +78,17 @@ def live() -> None:
                          "problem", width="large")})
     else:
         st.success("All nodes and GPUs healthy.")
+    of_jobs = run_alerts(active)
+    job_only = [a for a in active if a.labels.get("run") and "node" not in a.labels]
+    if job_only:  # the KPI above counts them: say where they are
+        st.warning(f"{len(job_only)} alert(s) concern jobs, not nodes or GPUs: "
+                   f"{', '.join(sorted(of_jobs))} (the Jobs table below).")
     if not runs.empty:
         st.subheader("Jobs")
         jobs = runs.merge(d["goodput"], on="run", how="left") \
             if not d["goodput"].empty else runs.assign(goodput=float("nan"))
         jobs["goodput"] = jobs["goodput"] * 100  # a percentage, as on the Run page
+        jobs["alerts"] = [of_jobs.get(r, "") for r in jobs["run"]]
         jobs["evidence"] = [links.page_url("run", {"run": r}, ui.keep()) for r in jobs["run"]]
         st.dataframe(jobs, hide_index=True, width="stretch", column_config={
             "goodput": st.column_config.NumberColumn("goodput %", format="%.0f %%"),

@@ -123,6 +123,22 @@ def test_active_alerts_are_grouped_by_incident_root_first():
     assert ago(30) == "30 s ago" and ago(2 * 86400) == "2 d ago"
 
 
+def test_a_jobs_alerts_are_on_its_row_of_the_jobs_table():
+    """Found on the demo: "Critical alerts 1" beside "All nodes and GPUs healthy" for
+    9 minutes, the job-level alert (no node) nowhere on the page."""
+    from clusterpulse.dashboard.incidents import run_alerts
+
+    got = run_alerts([
+        alert("CheckpointStale", "warning", "2026-01-31T14:05:00Z", run="llm"),
+        alert("JobStalled", "critical", "2026-01-31T14:06:00Z", run="llm"),
+        alert("RankHung", "critical", "2026-01-31T14:02:00Z", run="other", rank="3",
+              node="n2"),
+        alert("GpuDown", "critical", "2026-01-31T14:01:00Z", node="n2", gpu="1"),
+    ])
+    assert got == {"llm": "JobStalled (critical), CheckpointStale (warning)",
+                   "other": "RankHung (critical)"}
+
+
 # -- audit -----------------------------------------------------------------------------
 def test_one_audit_row_per_action_names_the_person_and_puts_the_hash_last():
     recs = [

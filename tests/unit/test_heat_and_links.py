@@ -66,3 +66,7 @@ def test_a_restarting_job_says_so_instead_of_step_0():
     assert got.loc["a", "state"] == "restarting from checkpoint 150"
     assert pd.isna(got.loc["a", "step"])  # not "step 0": a restarted rank's step before loading
     assert (got.loc["b", "step"], got.loc["b", "state"]) == (812.0, "training")
+    # a new run whose ranks are all still loading is a running job ("Running jobs 0")
+    new = jobs([Sample({"run": "c", "part": "restarting"}, 1.0)]).set_index("run")
+    assert new.loc["c", "state"] == "starting" and pd.isna(new.loc["c", "step"])
+    assert jobs([Sample({"run": "old", "part": "checkpoint"}, 50.0)]).empty
