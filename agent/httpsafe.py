@@ -223,11 +223,15 @@ class SafeServer(ThreadingHTTPServer):
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(READ_TIMEOUT_S)
         if self.tls is not None:
+            raw = request
             try:
                 request = self.tls.wrap_socket(request, server_side=True)
             except (OSError, ssl.SSLError) as err:
                 log.debug("TLS handshake with %s failed: %s", client_address[0], err)
                 return
+            # wrap_socket takes the descriptor from `raw`: the deadline must cut the
+            # wrapped one (a review held a worker for 30 s past it with a byte every 5 s)
+            self._gate.retarget(raw, request)
         super().finish_request(request, client_address)
 
     def _busy(self, request: socket.socket) -> None:
@@ -330,6 +334,13 @@ class _Gate:
         with self._lock:
             self._serving.pop(id(sock), None)
 
+    def retarget(self, old: socket.socket, new: socket.socket) -> None:
+        """The connection watched as `old` is now `new` (its TLS wrapper); same deadline."""
+        with self._lock:
+            entry = self._serving.get(id(old))
+            if entry is not None:
+                self._serving[id(old)] = (new, entry[1])
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -399,7 +410,9 @@ class _Gate:
             self.server.shutdown_request(sock)
         for sock in cut:  # its reads end now; a reply being written still goes out
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RD)
+                # the plain socket's shutdown, on a TLS wrapper too (SSLSocket's own
+                # drops its SSL object under the thread reading through it)
+                socket.socket.shutdown(sock, socket.SHUT_RD)
 
 
 def tls_context(cert: Path, key: Path) -> ssl.SSLContext:

@@ -1,12 +1,14 @@
-"""Which user is at the other end of a loopback TCP connection, as the kernel says.
+"""Which user is at the other end of a TCP connection from this host, as the kernel says.
 
-Per-client limits keyed by address mean nothing on loopback: any local user can
-connect from any of 127.0.0.0/8's 16 million addresses, and a review held every
-worker of the agent and the remediation webhook that way from one account. The
-kernel knows the owner of the connecting socket; `ss -e` reads it over sock_diag
-netlink (one exact lookup by the connection's addresses and ports, no privilege
-needed), and so does this module. Remote peers keep their address: another host's
-users are beyond this kernel's knowledge.
+Per-client limits keyed by address mean nothing for local users: any of them can
+connect from any of 127.0.0.0/8's 16 million addresses, or from any address of the
+host's own interfaces (eth0, IPoIB, docker0...), and reviews held every worker of the
+agent and the remediation webhook that way from one account. The kernel knows the
+owner of the connecting socket whenever it is on this host (in this network
+namespace); `ss -e` reads it over sock_diag netlink (one exact lookup by the
+connection's addresses and ports, no privilege needed), and so does this module.
+Remote peers keep their address: another host's users are beyond this kernel's
+knowledge, and the lookup finds no local socket for them.
 """
 
 from __future__ import annotations
@@ -43,14 +45,12 @@ def _packed(host: str, family: int) -> bytes:
     return socket.inet_pton(family, host).ljust(16, b"\0")
 
 
-def loopback_peer_uid(sock: socket.socket) -> int | None:
-    """The uid owning the peer's socket of an accepted loopback TCP connection, or None
-    (not loopback, the peer already gone, or no sock_diag in this kernel)."""
+def local_peer_uid(sock: socket.socket) -> int | None:
+    """The uid owning the peer's socket of an accepted TCP connection, or None (a
+    remote peer, the peer already gone, or no sock_diag in this kernel)."""
     try:
         ours, theirs = sock.getsockname(), sock.getpeername()
     except OSError:
-        return None
-    if not is_loopback(theirs[0]):
         return None
     family = sock.family
     # The peer's own socket: its local end is our remote end.
@@ -75,10 +75,11 @@ def loopback_peer_uid(sock: socket.socket) -> int | None:
 
 
 def client_key(sock: socket.socket, addr: object) -> str:
-    """What per-client limits count by: `uid:N` on loopback (whatever 127/8 source
-    address the user picked), else the peer's address."""
+    """What per-client limits count by: `uid:N` for a peer on this host (whatever
+    source address it picked), else the peer's address (every loopback one
+    `loopback`, should the lookup fail)."""
+    uid = local_peer_uid(sock)
+    if uid is not None:
+        return f"uid:{uid}"
     host = addr[0] if isinstance(addr, tuple) and addr else "?"
-    if is_loopback(str(host)):
-        uid = loopback_peer_uid(sock)
-        return f"uid:{uid}" if uid is not None else "loopback"
-    return str(host)
+    return "loopback" if is_loopback(str(host)) else str(host)

@@ -5,6 +5,7 @@ import json
 import shutil
 import socket
 import subprocess
+import time
 
 import pytest
 import requests
@@ -58,31 +59,83 @@ def test_control_api_over_tls_with_per_client_tokens(sim_agent, cert):
 # failed; over TLS a scrape cannot be told from the rest before the handshake).
 TLS_STALLS = """
 import socket, sys, time
-port, n = int(sys.argv[1]), int(sys.argv[2])
+port, n, hosts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
 held = []
 for i in range(n):
-    s = socket.create_connection(("127.0.0.1", port), source_address=(f"127.2.0.{i + 2}", 0))
+    source = (hosts[i % len(hosts)], 0) if i % 2 else (f"127.2.0.{i + 2}", 0)
+    s = socket.create_connection(("127.0.0.1", port), source_address=source)
     s.sendall(bytes([0x16]))
     held.append(s)
 print("holding", flush=True)
 time.sleep(120)
+"""
+# ... and, found by the second review, a full handshake then a byte every 5 s: each
+# read waits less than its timeout, and the deadline cut the socket TLS had taken over.
+TLS_TRICKLE = """
+import socket, ssl, sys, threading, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+ctx = ssl.create_default_context()
+ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+held = []
+for i in range(n):
+    s = ctx.wrap_socket(socket.create_connection(("127.0.0.1", port),
+                        source_address=(f"127.3.0.{i + 2}", 0)))
+    held.append(s)
+print("holding", flush=True)
+for _ in range(24):
+    for s in held:
+        try:
+            s.send(b"G")
+        except OSError:
+            pass
+    time.sleep(5)
 """
 
 
 def test_another_users_stalled_handshakes_leave_https_scrapes_answered(sim_agent, cert):
     """Every loopback connection counts as its user's (agent/peeruid.py): one user's
     stalled handshakes hold half the workers at most, whatever addresses they use."""
-    from tests.unit.test_http_hardening import as_nobody
+    from tests.unit.test_http_hardening import as_nobody, host_addresses
 
     server = make_server(sim_agent.agent, "127.0.0.1", 0, Tokens.single("t" * 24),
                          tls=tls_context(*cert))
     serve_in_thread(server)
-    attacker = as_nobody(TLS_STALLS, server.server_port, 100)
+    attacker = as_nobody(TLS_STALLS, server.server_port, 100, host_addresses())
     try:
         assert attacker.stdout.readline().strip() == "holding"
         codes = [requests.get(f"https://127.0.0.1:{server.server_port}/metrics",
                               verify=str(cert[0]), timeout=30).status_code for _ in range(10)]
         assert codes == [200] * 10
+    finally:
+        attacker.kill()
+        attacker.wait()
+        server.shutdown()
+
+
+def test_the_deadline_ends_a_tls_request_that_trickles(sim_agent, cert, monkeypatch):
+    """After the handshake, one byte every 5 s: each read waits less than its timeout,
+    so only the absolute deadline (2 s here) can end it; it used to cut the plain
+    socket that TLS had taken over, and the connection was held on."""
+    from clusterpulse.agent import httpsafe
+    from tests.unit.test_http_hardening import as_nobody
+
+    monkeypatch.setattr(httpsafe, "READ_TIMEOUT_S", 2.0)
+    server = make_server(sim_agent.agent, "127.0.0.1", 0, Tokens.single("t" * 24),
+                         tls=tls_context(*cert))
+    serve_in_thread(server)
+    attacker = as_nobody(TLS_TRICKLE, server.server_port, 4)
+    try:
+        assert attacker.stdout.readline().strip() == "holding"
+
+        def held() -> int:
+            out = subprocess.run(["ss", "-Htn", "state", "established",
+                                  f"( sport = :{server.server_port} )"],
+                                 capture_output=True, text=True, check=True).stdout
+            return len(out.splitlines())
+
+        assert held() == 4
+        time.sleep(12)  # past the deadline and two trickled bytes
+        assert held() == 0
     finally:
         attacker.kill()
         attacker.wait()

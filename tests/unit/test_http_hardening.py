@@ -149,14 +149,17 @@ def raw_request_from(port: int, data: bytes, source: str) -> bytes:
     return out
 
 
-# Another local user's connections, each from its own loopback address: a per-address
-# limit counted them as that many clients.
+# Another local user's connections, each from its own loopback address, half of them
+# from the host's own other addresses (argv[3]): a per-address limit counted them as
+# that many clients, and the first per-user limit looked up loopback peers only.
 HOLD_SLOW_POST = """
 import socket, sys, time
 port, n = int(sys.argv[1]), int(sys.argv[2])
+hosts = [h for h in (sys.argv[3] if len(sys.argv) > 3 else "").split(",") if h]
 held = []
 for i in range(n):
-    source = (f"127.0.{i // 250 + 1}.{i % 250 + 2}", 0)
+    source = ((hosts[i % len(hosts)], 0) if hosts and i % 2
+              else (f"127.0.{i // 250 + 1}.{i % 250 + 2}", 0))
     s = socket.create_connection(("127.0.0.1", port), source_address=source)
     s.sendall(b"POST /v1/runs/r1/actions HTTP/1.1\\r\\nHost: x\\r\\n"
               b"Content-Length: 100\\r\\n\\r\\n{")
@@ -192,6 +195,16 @@ while True:
         live = live[1000:]
     time.sleep(0.25)
 """
+
+
+def host_addresses() -> str:
+    """This host's own non-loopback IPv4 addresses (eth0, IPoIB...), comma-separated:
+    a local user may connect from any of them as well."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"],
+                         capture_output=True, text=True, check=True).stdout
+    found = [line.split()[3].split("/")[0] for line in out.splitlines()]
+    assert found, "no global IPv4 address on this host to connect from: " + out
+    return ",".join(found)
 
 
 def as_nobody(script: str, *args: object) -> subprocess.Popen:
@@ -322,7 +335,7 @@ def test_another_user_cannot_hold_the_workers_from_any_number_of_loopback_addres
     ports = [port_of(sim_agent), webhook.server_port]
     attackers = [as_nobody(BIG_HEADS, ",".join(map(str, ports)), 70)]
     try:
-        attackers += [as_nobody(HOLD_SLOW_POST, port, 80) for port in ports]
+        attackers += [as_nobody(HOLD_SLOW_POST, port, 80, host_addresses()) for port in ports]
         for a in attackers:
             assert a.stdout.readline().strip() in ("started", "holding 80")
         time.sleep(1.0)
