@@ -4,11 +4,14 @@
     from clusterpulse.integrations.lightning import ClusterPulseCallback
     from clusterpulse.trainer.parallel import init_distributed
 
-    init_distributed()                       # restart-safe process group, before Lightning
+    info = init_distributed()                # restart-safe process group, before Lightning
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # devices * num_nodes = world
     pulse = ClusterPulseCallback(run="my-run", checkpoint="last.ckpt")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[pulse])
-    trainer.fit(model, train_dataloaders=ResumableDataLoader(ds, batch_size=32),
-                ckpt_path=pulse.resume_from())
+    trainer = pl.Trainer(accelerator="auto", strategy="ddp", devices=per_node,
+                         num_nodes=info.world // per_node, callbacks=[pulse])
+    trainer.fit(model, ResumableDataLoader(ds, batch_size=32), ckpt_path=pulse.resume_from())
+
+(the README shows this verbatim as CI runs it, from tests/support/lightning_job.py).
 
 What it maps, and why there: a step is one training batch, from its arrival
 (`on_train_batch_start`) to `on_train_batch_end`; forward_backward ends where Lightning

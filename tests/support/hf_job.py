@@ -1,6 +1,8 @@
 """A tiny Hugging Face Trainer job (a 1-layer GPT-2 built from a config in code, no
-download) instrumented with clusterpulse.integrations.hf as the README shows, for
-tests under clusterpulse-train on gloo.
+download) instrumented with clusterpulse.integrations.hf, for tests under
+clusterpulse-train on gloo. The README shows the lines between `# --- README: hf ---`
+and `# --- end README ---` verbatim (tests/unit/test_docs_agree.py checks it); the test
+plumbing stays outside them.
 
 The test steers it from outside through files in --control DIR, as lightning_job.py:
 `slow_compute_RANK`, `slow_data_RANK`, and `fast` (until then each step takes
@@ -9,17 +11,19 @@ the end how many samples it loaded (a resume must not load the batches it skips)
 """
 
 import argparse
+import os
 import time
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+# --- README: hf ---
 from clusterpulse.integrations.hf import ClusterPulseCallback
 from clusterpulse.trainer.parallel import init_distributed
 
-STEP = [0]  # the step being trained (set by StepNumber), for the printout
+# --- end README ---
 
 
 class Tokens(Dataset):
@@ -40,7 +44,10 @@ class Tokens(Dataset):
 
 
 class Tiny(torch.nn.Module):
-    """GPT-2 that reports which samples it trains on, and can be made slow."""
+    """GPT-2 that reports which samples it trains on at which step, and can be made
+    slow. Its count of steps trained is part of its state_dict (extra state, which DDP
+    does not broadcast), so the Trainer's checkpoint carries it and a resume restores
+    it: the step it prints is the one the Trainer resumed at."""
 
     def __init__(self, control: Path, rank: int, pace: float) -> None:
         super().__init__()
@@ -49,20 +56,25 @@ class Tiny(torch.nn.Module):
                                              n_positions=8, tie_word_embeddings=False))
         self.slow, self.fast, self.pace, self.rank = (
             control / f"slow_compute_{rank}", control / "fast", pace, rank)
+        self.steps = 0  # one forward per optimizer step (no gradient accumulation)
 
     def forward(self, input_ids, labels, idx):
         if self.slow.exists():
             time.sleep(0.2)
         if not self.fast.exists():
             time.sleep(self.pace)
-        print(f"trained rank={self.rank} step={STEP[0]} idx={','.join(map(str, idx.tolist()))}",
-              flush=True)
+        self.steps += 1
+        print(f"trained rank={self.rank} step={self.steps} "
+              f"idx={','.join(map(str, idx.tolist()))}", flush=True)
         return {"loss": self.lm(input_ids=input_ids, labels=labels).loss}
 
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor(self.steps)
 
-class StepNumber(TrainerCallback):
-    def on_step_begin(self, args, state, control, **kwargs):
-        STEP[0] = state.global_step + 1
+    def set_extra_state(self, state: torch.Tensor) -> None:  # train(resume_from_checkpoint)
+        self.steps = int(state)
+        if self.rank == 0:
+            print(f"resuming from checkpoint-{self.steps}", flush=True)
 
 
 def main() -> None:
@@ -73,24 +85,26 @@ def main() -> None:
     p.add_argument("--control", required=True)
     p.add_argument("--run-id", default="hf")
     p.add_argument("--step-seconds", type=float, default=0.0)
-    a = p.parse_args()
-    info = init_distributed()
-    control = Path(a.control)
-    args = TrainingArguments(output_dir=a.output_dir, per_device_train_batch_size=a.batch_size,
-                             num_train_epochs=1, save_strategy="no", logging_strategy="no",
-                             report_to="none", use_cpu=True, disable_tqdm=True,
-                             ddp_backend="gloo", dataloader_num_workers=0,
-                             remove_unused_columns=False, ddp_find_unused_parameters=False)
-    data = Tokens(a.batches * a.batch_size * info.world, control, info.rank)
-    trainer = Trainer(model=Tiny(control, info.rank, a.step_seconds), args=args,
-                      train_dataset=data, callbacks=[StepNumber()])
-    pulse = ClusterPulseCallback.attach(trainer, run=a.run_id)
-    resume = pulse.resume_from()
-    if resume and info.rank == 0:
-        print(f"resuming from {resume}", flush=True)
-    trainer.train(resume_from_checkpoint=resume)
-    print(f"reads rank={info.rank} samples={data.reads}", flush=True)
-    if info.rank == 0:
+    args = p.parse_args()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    control = Path(args.control)
+    training_args = TrainingArguments(
+        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
+        num_train_epochs=1, save_strategy="no", logging_strategy="no", report_to="none",
+        use_cpu=True, disable_tqdm=True, ddp_backend="gloo", dataloader_num_workers=0,
+        remove_unused_columns=False, ddp_find_unused_parameters=False)
+    dataset = Tokens(args.batches * args.batch_size * world, control, rank)
+    model = Tiny(control, rank, args.step_seconds)
+
+    # --- README: hf ---
+    init_distributed()  # the restart-safe process group, before the Trainer: it uses it
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset)
+    pulse = ClusterPulseCallback.attach(trainer, run=args.run_id)  # needs the Trainer's DDP model
+    trainer.train(resume_from_checkpoint=pulse.resume_from())
+    # --- end README ---
+
+    print(f"reads rank={rank} samples={dataset.reads}", flush=True)
+    if rank == 0:
         print(f"done: {trainer.state.global_step} steps", flush=True)
 
 

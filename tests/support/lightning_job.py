@@ -1,5 +1,7 @@
 """A tiny Lightning job instrumented with clusterpulse.integrations.lightning, as a user
-would write it (the README's snippet), for tests under clusterpulse-train on gloo.
+would write it, for tests under clusterpulse-train on gloo. The README shows the lines
+between `# --- README: lightning ---` and `# --- end README ---` verbatim
+(tests/unit/test_docs_agree.py checks it); the test plumbing stays outside them.
 
 The test steers it from outside through files in --control DIR: `slow_compute_RANK`
 (that rank's training_step sleeps) and `slow_data_RANK` (that rank's samples load
@@ -18,10 +20,12 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset
 
+# --- README: lightning ---
 from clusterpulse.integrations.data import ResumableDataLoader
 from clusterpulse.integrations.lightning import ClusterPulseCallback
 from clusterpulse.trainer.parallel import init_distributed
 
+# --- end README ---
 
 class Samples(Dataset):
     def __init__(self, size: int, control: Path, rank: int) -> None:
@@ -59,6 +63,11 @@ class Tiny(pl.LightningModule):
               flush=True)
         return torch.nn.functional.mse_loss(self.net(x), y)
 
+    def on_load_checkpoint(self, checkpoint: dict) -> None:  # fit(ckpt_path=...) resumes
+        if self.rank == 0:
+            print(f"resuming from {self.trainer.ckpt_path} at step {checkpoint['global_step']}",
+                  flush=True)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
@@ -72,24 +81,32 @@ def main() -> None:
     p.add_argument("--control", required=True)
     p.add_argument("--run-id", default="lightning")
     p.add_argument("--step-seconds", type=float, default=0.0)
-    a = p.parse_args()
-    info = init_distributed()
-    control = Path(a.control)
-    data = Samples(a.batches * a.batch_size * info.world, control, info.rank)
-    pulse = ClusterPulseCallback(run=a.run_id, checkpoint=a.checkpoint)
-    trainer = pl.Trainer(accelerator="cpu", strategy="ddp", max_epochs=a.epochs,
-                         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                         num_nodes=info.world // int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                         callbacks=[pulse], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
-    resume = pulse.resume_from()
-    if resume and info.rank == 0:
-        step = torch.load(resume, map_location="cpu", weights_only=False)["global_step"]
-        print(f"resuming from {resume} at step {step}", flush=True)
-    model = Tiny(control, info.rank, a.step_seconds)
-    trainer.fit(model, ResumableDataLoader(data, batch_size=a.batch_size), ckpt_path=resume)
-    print(f"reads rank={info.rank} samples={data.reads}", flush=True)
-    if info.rank == 0:
+    args = p.parse_args()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    control = Path(args.control)
+    dataset = Samples(args.batches * args.batch_size * world, control, rank)
+    model = Tiny(control, rank, args.step_seconds)
+    # Quiet CI, outside the README's lines: Lightning takes Trainer defaults from
+    # PL_TRAINER_* variables (no logs, checkpoints of its own or progress bar here).
+    os.environ.update(PL_TRAINER_LOGGER="False", PL_TRAINER_ENABLE_CHECKPOINTING="False",
+                      PL_TRAINER_ENABLE_PROGRESS_BAR="False",
+                      PL_TRAINER_ENABLE_MODEL_SUMMARY="False")
+
+    # --- README: lightning ---
+    info = init_distributed()  # the restart-safe process group, before Lightning: it uses it
+    # accelerator="auto": the GPUs where there are, else CPU. devices * num_nodes must be
+    # the ranks torchrun started (devices="auto" would count this node's GPUs, or 1 CPU).
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    pulse = ClusterPulseCallback(run=args.run_id, checkpoint=args.checkpoint)
+    trainer = pl.Trainer(accelerator="auto", strategy="ddp", devices=per_node,
+                         num_nodes=info.world // per_node, max_epochs=args.epochs,
+                         callbacks=[pulse])
+    trainer.fit(model, ResumableDataLoader(dataset, batch_size=args.batch_size),
+                ckpt_path=pulse.resume_from())
+    # --- end README ---
+
+    print(f"reads rank={rank} samples={dataset.reads}", flush=True)
+    if rank == 0:
         print(f"done: {trainer.global_step} steps", flush=True)
 
 

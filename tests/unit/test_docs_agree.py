@@ -1,12 +1,15 @@
 """What the docs say about defaults is what the code does: the telemetry address is
 stated once (docs/agent.md#telemetry-address) and equals agent.protocol's default and
 both --help texts; the README's clusterpulse-ctl examples parse as written, with the
-settings its block exports, and carry what each command needs."""
+settings its block exports, and carry what each command needs; the README's Lightning
+and Hugging Face snippets are the code CI runs, verbatim."""
 
 from __future__ import annotations
 
 import re
 import shlex
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +97,24 @@ def test_ctl_restart_without_a_token_is_a_one_line_usage_error(capsys):
     assert capsys.readouterr().err.splitlines()[-1] == (
         "clusterpulse-ctl: error: restart needs the agents' token: --token-file FILE or "
         "CLUSTERPULSE_AGENT_TOKEN_FILE")
+
+
+def excerpt(path: Path, name: str) -> str:
+    """The lines of `path` between each `# --- README: NAME ---` and the next
+    `# --- end README ---`, dedented, the regions a blank line apart: what the README
+    shows of that file."""
+    regions = re.findall(rf"^[ \t]*# --- README: {name} ---\n(.*?)^[ \t]*# --- end README ---$",
+                         path.read_text(), re.S | re.M)
+    assert regions, f"no README: {name} region in {path}"
+    return "\n\n".join(textwrap.dedent(r).strip("\n") for r in regions) + "\n"
+
+
+@pytest.mark.parametrize("job, name", [("tests/support/lightning_job.py", "lightning"),
+                                       ("tests/support/hf_job.py", "hf")])
+def test_readme_framework_snippets_are_the_jobs_ci_runs(job, name):
+    """tests/integration/test_lightning.py and test_hf.py run these jobs through a compute
+    straggler, a data straggler, a graceful restart and a crash: what the README shows
+    is what they run."""
+    blocks = re.findall(rf"<!-- {re.escape(job)} -->\n```python\n(.*?)```",
+                        (REPO / "README.md").read_text(), re.S)
+    assert blocks == [excerpt(REPO / job, name)]
