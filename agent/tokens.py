@@ -95,10 +95,15 @@ def write_secret(path: Path, text: str, replace: bool = True) -> bool:
     a warning. True when it was written."""
     if not replace:
         with contextlib.suppress(FileNotFoundError):
-            if not stat.S_IMODE(os.stat(path, follow_symlinks=False).st_mode) & 0o077:
+            st = os.stat(path, follow_symlinks=False)
+            if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode) \
+                    and not stat.S_IMODE(st.st_mode) & 0o077:
                 return False
-            log.warning("secret %s was readable by other users: replaced with %s", path,
-                        "a new one (restart what reads it)")
+            # another user's file (planted in a shared directory: its content is theirs)
+            # or one others could read (and may have): a new secret replaces it
+            log.warning("secret %s was %s: replaced with a new one (restart what reads it)",
+                        path, "readable by other users" if st.st_uid == os.geteuid()
+                        else f"owned by uid {st.st_uid}")
             replace = True
     if not replace:
         target, final = path, None

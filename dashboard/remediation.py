@@ -274,7 +274,15 @@ class Remediator:
         """The notification in the history file (created 0600: alerts name jobs and
         nodes); a history that cannot be written never stops a decision."""
         assert self.history_path is not None
-        line = json.dumps({"received": self.clock(), **payload}) + "\n"
+        try:
+            line = json.dumps({"received": self.clock(), **payload}) + "\n"
+        except (ValueError, RecursionError) as err:  # e.g. an annotation nested 979 deep
+            # kept as a line that says so: its alerts are decided all the same
+            log.error("alert history: a notification could not be written: %s",
+                      type(err).__name__)
+            line = json.dumps({"received": self.clock(),
+                               "unkept": f"notification not serialisable: {type(err).__name__}"}
+                              ) + "\n"
         try:
             fd = open_private(self.history_path)
             try:
@@ -623,10 +631,30 @@ def _text(value: str) -> bool:
     return True
 
 
+MAX_ALERT_DEPTH = 8  # Alertmanager's alerts are 2 deep (alert -> labels -> value)
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether JSON `value` nests deeper than `limit`, found without recursion (an
+    annotation nested 979 deep broke json.dumps of the whole notification: 500)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict)
+                                                  else item))
+    return False
+
+
 def validate_alert(alert: object, where: str) -> None:
     """One alert of a notification; PayloadError naming the field."""
     if not isinstance(alert, dict):
         raise PayloadError(f"{where} must be an object")
+    if _deeper_than(alert, MAX_ALERT_DEPTH):
+        raise PayloadError(f"{where} nests deeper than {MAX_ALERT_DEPTH} levels "
+                           "(Alertmanager's alerts are 2 deep)")
     if alert.get("status") not in ("firing", "resolved"):
         raise PayloadError(f"{where}.status must be 'firing' or 'resolved'")
     labels = alert.get("labels")

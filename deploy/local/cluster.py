@@ -286,7 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.backend == "nvml":  # real GPUs: only the faults that need no simulation
             faults = [f for f in faults if not f[1].kind.startswith("gpu_")]
     state: Path = args.state_dir.resolve()
-    state.mkdir(parents=True, exist_ok=True)
+    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    owner = state.stat()
+    if owner.st_uid != os.geteuid() or owner.st_mode & 0o022:
+        # its secrets and audit log would be another user's to plant or swap
+        print(f"demo: --state-dir {state} must be yours and writable by you alone "
+              f"(owner uid {owner.st_uid}, mode {owner.st_mode & 0o777:o}); pick another",
+              file=sys.stderr)
+        return 2
     token_file = secret_file(state / "agent-token")
     port = args.base_port
     stopping = False

@@ -403,6 +403,32 @@ def test_one_bad_alert_never_costs_the_others(tmp_path):
     assert len((tmp_path / "history.jsonl").read_text().splitlines()) == 1
 
 
+def test_an_alert_nested_too_deep_to_keep_spares_the_others(tmp_path):
+    """Found in the second review: annotations nested 979 deep parsed, then broke the
+    history line (RecursionError): 500 for the whole notification, for ever resent."""
+    rem = Remediator(Policy([Rule("RankHung", "restart")], dry_run=True),
+                     PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789",
+                     AuditLog(tmp_path / "audit.jsonl"), tmp_path / "history.jsonl")
+    server = serve(rem, "127.0.0.1", 0, Tokens.single(HOOK, "alertmanager"))
+    depth = 979
+    deep = '{"a": ' * depth + "1" + "}" * depth
+    body = ('{"alerts": [{"status": "firing", "labels": {"alertname": "RankHung", '
+            f'"run": "deep"}}, "annotations": {deep}}}, {{"status": "firing", "labels": '
+            '{"alertname": "RankHung", "run": "demo"}}]}')
+    try:
+        r = requests.post(f"http://127.0.0.1:{server.server_port}/alertmanager", data=body,
+                          timeout=10, headers={"Authorization": f"Bearer {HOOK}",
+                                               "Content-Type": "application/json"})
+    finally:
+        server.shutdown()
+    assert r.status_code == 200, r.text
+    refused, decided = r.json()["decisions"]
+    assert refused["outcome"] == "refused" and "alerts[0] nests deeper than 8" in \
+        refused["detail"]
+    assert (decided["run"], decided["outcome"]) == ("demo", "dry_run")
+    assert len((tmp_path / "history.jsonl").read_text().splitlines()) == 1
+
+
 def test_a_bug_deciding_one_alert_is_answered_and_spares_the_others(tmp_path, monkeypatch):
     rem = Remediator(Policy([Rule("RankHung", "restart")], dry_run=True),
                      PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789",

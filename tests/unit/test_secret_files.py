@@ -61,6 +61,41 @@ def test_a_secret_others_could_read_is_not_kept(tmp_path, caplog):
     assert path.read_text() == "fresh"
 
 
+def test_a_secret_another_user_planted_is_not_kept(tmp_path, caplog):
+    """Found in the second review: a 0600 token that another user created first in a
+    shared state directory was kept and used: its content was the attacker's."""
+    from clusterpulse.agent.tokens import write_secret
+
+    if os.geteuid() != 0:
+        pytest.fail("this test plays a second local user: run it as root")
+    path = tmp_path / "webhook-token"
+    path.write_text("attackers-token\n")
+    path.chmod(0o600)
+    os.chown(path, 65534, 65534)
+    assert write_secret(path, "fresh", replace=False)
+    assert path.stat().st_uid == os.geteuid() and path.read_text() == "fresh"
+    assert "owned by uid 65534" in caplog.text
+
+
+def test_the_demo_refuses_a_state_directory_others_own_or_can_write(tmp_path):
+    import sys
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for how in ("chmod", "chown"):
+        if how == "chmod":
+            shared.chmod(0o777)
+        else:
+            shared.chmod(0o700)
+            os.chown(shared, 65534, 65534)
+        p = subprocess.run([sys.executable, "deploy/local/cluster.py", "--state-dir",
+                            str(shared), "--no-dashboard"], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 2, p.stderr
+        assert "must be yours and writable by you alone" in p.stderr
+        assert "Traceback" not in p.stderr
+
+
 def test_the_demos_secret_files_are_created_private(tmp_path, no_chmod):
     from deploy.local.cluster import operator_password
     from deploy.local.stack import secret_file
