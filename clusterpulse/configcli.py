@@ -24,6 +24,8 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("alertmanager", "alertmanager/examples/email-slack.yml", "email/Slack receivers"),
     ("alertmanager", "alertmanager/web.yml",
      "web config: basic auth on Alertmanager's API (--web.config.file)"),
+    ("alertmanager", "alertmanager/prometheus-alertmanager.default",
+     "/etc/default/prometheus-alertmanager: the web config on, the gossip port off"),
     ("policy", "local/policy.toml", "remediation policy for clusterpulse-remediate"),
     ("grafana", "grafana/clusterpulse-fleet.json", "Grafana dashboard: fleet"),
     ("grafana", "grafana/clusterpulse-node.json", "Grafana dashboard: node"),

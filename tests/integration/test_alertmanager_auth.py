@@ -87,3 +87,36 @@ def test_the_dashboard_reads_alerts_with_its_password_file(stack, monkeypatch):
     assert credentials == (AM_USER, password_file.read_text().strip())
     wait_until(lambda: AlertmanagerClient(url, auth=credentials).alerts(), 60,
                "alerts read with the password file")
+
+
+def test_the_shipped_debian_defaults_turn_the_gossip_port_off(tmp_path):
+    """Found in the second review: the systemd instructions set only --web.config.file,
+    Debian's default cluster port stayed open (0.0.0.0:9094, no authentication), and a
+    user's own Alertmanager joined as a peer and planted a silence of every alert. The
+    shipped /etc/default/prometheus-alertmanager, run as Debian's unit runs it."""
+    import shlex
+
+    am_bin = shutil.which("prometheus-alertmanager")
+    assert am_bin, "prometheus-alertmanager is not installed"
+    defaults = (REPO / "deploy/alertmanager/prometheus-alertmanager.default").read_text()
+    (line,) = [x for x in defaults.splitlines() if x.startswith("ARGS=")]
+    # the unit passes $ARGS unquoted: the shell's word splitting of the quoted value
+    args = shlex.split(shlex.split(line.split("=", 1)[1])[0])
+    web, password_file = alertmanager_auth(tmp_path)
+    args = [a.replace("/etc/prometheus/alertmanager-web.yml", str(web)) for a in args]
+    assert f"--web.config.file={web}" in args and "--cluster.listen-address=" in args
+    port = free_port()
+    config = tmp_path / "alertmanager.yml"
+    config.write_text((REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text())
+    am = Proc([am_bin, *args, f"--config.file={config}", f"--storage.path={tmp_path / 'am'}",
+               f"--web.listen-address=127.0.0.1:{port}"], tmp_path / "am.log")
+    try:
+        url = f"http://127.0.0.1:{port}/api/v2/status"
+        auth = (AM_USER, password_file.read_text().strip())
+        status = wait_until(lambda: requests.get(url, auth=auth, timeout=2).ok and
+                            requests.get(url, auth=auth, timeout=2).json(), 30,
+                            "Alertmanager answering with the password")
+        assert status["cluster"]["status"] == "disabled", status["cluster"]
+        assert requests.get(url, timeout=5).status_code == 401
+    finally:
+        am.stop()
