@@ -29,7 +29,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -261,16 +261,21 @@ def _lines(path: Path) -> Iterator[bytes]:
         yield from f
 
 
-def verify(path: Path, expect: Head | None = None) -> Verdict:
+def verify(path: Path, expect: Head | Sequence[Head] | None = None) -> Verdict:
     """Check every record against the one before it: `seq` one more, `prev` its hash;
     the first record must anchor (seq 1, prev all zeros). After a break the check goes
-    on from the breaking line, so each break is named once. `expect`, a head published
+    on from the breaking line, so each break is named once. `expect`, heads published
     earlier, must still be in the file (a record with that seq and hash, of which a
-    prefix will do): records cut from the end show only that way. Raises OSError when
-    the file cannot be read."""
+    prefix will do): records cut from the end show only that way, and so does a record
+    deleted with the chain rebuilt after it (its successors' hashes all change).
+    Raises OSError when the file cannot be read."""
     v = Verdict()
     prev, seq = GENESIS, 0
-    seen_expected = expect is None or expect.seq == 0
+    wanted: dict[int, set[str]] = {}
+    for h in [expect] if isinstance(expect, Head) else (expect or []):
+        if h.seq > 0:
+            wanted.setdefault(h.seq, set()).add(h.digest)
+    unseen = set(wanted)
     for n, raw in enumerate(_lines(path), 1):
         digest = _digest(raw)
         v.records = n
@@ -294,17 +299,16 @@ def verify(path: Path, expect: Head | None = None) -> Verdict:
         elif got_prev != prev:
             v.breaks.append((n, "'prev' is not the hash of the line before: a record "
                                 "before it was changed, removed or inserted"))
-        if expect is not None and got_seq == expect.seq:
-            if digest.startswith(expect.digest):
-                seen_expected = True
-            else:
-                v.breaks.append((n, f"record {expect.seq} differs from the published head"))
-                seen_expected = True
+        if got_seq in unseen:
+            unseen.discard(got_seq)
+            if not all(digest.startswith(d) for d in wanted[got_seq]):
+                v.breaks.append((n, f"record {got_seq} differs from the published head"))
         prev, seq = digest, got_seq
     v.head = Head(seq, prev)
-    if not seen_expected:
-        v.breaks.append((v.records + 1, f"the published head {expect} is gone: records "
-                                        "were removed from the end"))
+    for gone in sorted(unseen):
+        v.breaks.append((v.records + 1, f"the published head {gone}:"
+                                        f"{min(wanted[gone])[:12]} is gone: records were "
+                                        "removed from the end"))
     return v
 
 

@@ -323,15 +323,30 @@ def run_names(prom_url: str) -> Result:
 
 
 @st.cache_data(ttl=5, show_spinner=False)
-def central_audit_head_seen(prom_url: str) -> Result:
-    """The highest sequence number of the central audit log Prometheus saw in 30 days
-    (the remediation receiver publishes it), or None if it has none: what the file
-    cannot tell about records cut from its end."""
-    def fetch() -> int | None:
-        got = PrometheusClient(prom_url).query(
-            'max(max_over_time(clusterpulse_audit_head_sequence{log="central"}[30d]))')
-        return int(got[0].value) if got else None
-    return _guard(f"central-audit-head:{prom_url}", fetch)
+def central_audit_heads_seen(prom_url: str, days: int = 7) -> Result:
+    """The heads of the central audit log Prometheus saw (the remediation receiver
+    publishes them), one a minute over `days` (10,080 points: under Prometheus's 11,000
+    a query) and every second over the last hour, by sequence number, as Head(seq, hex
+    prefix of its hash). The file alone cannot
+    show records cut from its end, nor a record deleted with the chain rebuilt after
+    it; a head seen earlier that the file no longer holds shows both."""
+    from clusterpulse.agent.audit import Head
+
+    def fetch() -> list[Head]:
+        prom, end = PrometheusClient(prom_url), time.time()
+        heads: set[Head] = set()
+        # one a minute over the days, and every second over the last hour: a record
+        # rewritten a minute after it was written is there only at scrape resolution
+        for start, step in ((end - days * 86400, 60.0), (end - 3600, 1.0)):
+            series = {}
+            for name in ("sequence", "hash_prefix"):
+                got = prom.query_range(
+                    f'max(clusterpulse_audit_head_{name}{{log="central"}})', start, end, step)
+                series[name] = dict(got[0].points) if got else {}
+            heads |= {Head(int(seq), f"{int(series['hash_prefix'][t]):012x}")
+                      for t, seq in series["sequence"].items() if t in series["hash_prefix"]}
+        return sorted(heads, key=lambda h: h.seq)
+    return _guard(f"central-audit-heads:{prom_url}:{days}", fetch)
 
 
 # -- the run page ---------------------------------------------------------------------

@@ -33,30 +33,34 @@ def audit_log() -> AuditLog:
 
 
 def audit_chain_status() -> None:
-    """The audit chain's head, shown outside the file: an operator who notes it (or a
-    screenshot) can later prove that records were cut from the end or rewritten
-    (`clusterpulse-audit verify FILE --head SEQ:HASH`); breaks are named by line."""
+    """The audit chain, checked in the file and against the heads Prometheus saw of it
+    (published outside the file by the remediation receiver): records cut from the end,
+    or a record deleted with the chain rebuilt after it, read "intact" in the file alone.
+    Breaks are named by line; `clusterpulse-audit verify FILE --head SEQ:HASH` checks
+    any one head by hand."""
     path = settings().audit_log
     if not path.exists():
         return
+    seen = data.central_audit_heads_seen(settings().prometheus_url).value or []
     try:
-        verdict = verify(path)
+        verdict = verify(path, seen)
     except OSError as err:
         st.warning(f"Audit log {path}: cannot read it ({err.strerror or err}).")
         return
     head = f"head `{verdict.head.seq}:{verdict.head.digest[:16]}`"
-    seen = data.central_audit_head_seen(settings().prometheus_url).value
-    if seen is not None and seen > verdict.head.seq:
-        st.error(f"Audit log rewound: Prometheus saw record {seen}, the file ends at "
+    checked = f", checked against {len(seen)} head(s) Prometheus saw" if seen else ""
+    highest = max((h.seq for h in seen), default=0)
+    if highest > verdict.head.seq:
+        st.error(f"Audit log rewound: Prometheus saw record {highest}, the file ends at "
                  f"{verdict.head.seq} ({head}): records were cut from its end. Check it "
                  "against an earlier head: `clusterpulse-audit verify FILE --head SEQ:HASH` "
                  "(docs/runbooks.md#auditlogrewound).", icon=":material/gpp_bad:")
     elif verdict.intact:
-        st.caption(f"Hash chain intact: {verdict.records} records, {head}.")
+        st.caption(f"Hash chain intact: {verdict.records} records, {head}{checked}.")
     else:
         where = ", ".join(f"line {n} ({why})" for n, why in verdict.breaks[:5])
         st.error(f"Audit hash chain broken at {len(verdict.breaks)} place(s): {where}; "
-                 f"{head}.", icon=":material/gpp_bad:")
+                 f"{head}{checked}.", icon=":material/gpp_bad:")
 
 
 def show_status(result: Result, what: str = "Prometheus") -> bool:

@@ -57,3 +57,46 @@ def test_records_cut_from_the_central_log_page_and_show_on_the_audit_page(tmp_pa
         prom.stop()
         server.shutdown()
         server.server_close()
+
+
+def test_a_record_deleted_with_the_chain_rebuilt_shows_on_the_audit_page(tmp_path,
+                                                                        monkeypatch):
+    """Found in the second review: delete record 2, renumber and re-chain the rest,
+    append one: `verify` said intact, AuditLogRewound stayed quiet (the sequence never
+    went down). The Audit page checks the file against every head Prometheus saw."""
+    import json
+
+    from streamlit.testing.v1 import AppTest
+
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    for i in range(5):
+        log.write("policy", "restart", "policy: RankHung -> restart", "accepted", run=f"r{i}")
+    rem = Remediator(Policy([Rule("RankHung", "restart")], dry_run=True),
+                     PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789",
+                     AuditLog(path))
+    server = serve(rem, "127.0.0.1", 0, Tokens.single("hook-token-0123456789", "alertmanager"))
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{server.server_port}"])
+    try:
+        wait_until(lambda: prom.query('clusterpulse_audit_head_sequence{log="central"} == 5'),
+                   30, "Prometheus holding the central log's head")
+        kept = [json.loads(x) for x in path.read_text().splitlines()]
+        del kept[1]  # the restart of r1 is erased ...
+        path.unlink()
+        forged = AuditLog(path)  # ... and the rest chained anew, plus one more
+        for rec in [*kept, {"who": "ops", "action": "restart", "why": "w", "outcome": "ok"}]:
+            forged.write(rec["who"], rec["action"], rec["why"], rec["outcome"])
+        assert verify(path).intact and verify(path).head.seq == 5  # the file alone: fine
+
+        monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(path))
+        monkeypatch.setenv("CLUSTERPULSE_PROMETHEUS_URL", prom.url)
+        at = AppTest.from_file(str(REPO / "dashboard" / "pages" / "audit.py"),
+                               default_timeout=60)
+        at.run()
+        assert not at.exception
+        (error,) = [e.value for e in at.error if "chain broken" in e.value]
+        assert "record 5 differs from the published head" in error
+    finally:
+        prom.stop()
+        server.shutdown()
+        server.server_close()
