@@ -80,6 +80,31 @@ def write_health_check(run_dir: Path, healthcheck: Path, agent_url: str) -> Path
     return program
 
 
+def mount_cgroups_if_absent(root: Path = Path("/sys/fs/cgroup")) -> bool:
+    """Mount cgroup v1's freezer hierarchy where /sys has no cgroup mounts at all, as a
+    chroot or container with its own sysfs has (a fresh Debian chroot: slurmd 22.05
+    cannot start there, "No filesystem mounted on /sys/fs/cgroup ... Unable to
+    initialize cgroup plugin"); a systemd machine mounts them at boot. Only where
+    nothing is mounted, so a machine's own layout is never touched. True when mounted
+    here."""
+    if not root.is_dir() or os.path.ismount(root):
+        return False
+    try:
+        controllers = Path("/proc/cgroups").read_text().split("\n")
+    except OSError:
+        return False
+    if not any(line.split()[:1] == ["freezer"] and line.split()[-1] == "1"
+               for line in controllers if line and not line.startswith("#")):
+        return False  # no v1 freezer in this kernel: nothing to mount
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=755", "cgroup", str(root)],
+                        capture_output=True).returncode == 0
+    if ok:
+        (root / "freezer").mkdir(exist_ok=True)
+        ok = subprocess.run(["mount", "-t", "cgroup", "-o", "freezer", "freezer",
+                             str(root / "freezer")], capture_output=True).returncode == 0
+    return ok
+
+
 def cgroups_writable() -> bool:
     probe = Path("/sys/fs/cgroup/freezer")
     if not probe.is_dir():  # cgroup v2 only: slurm's cgroup/v2 plugin needs systemd/dbus
@@ -178,6 +203,7 @@ class SlurmCluster:
         reason = unavailable()
         if reason:
             raise SlurmError(reason)
+        mount_cgroups_if_absent()  # slurmd 22.05 needs them whatever its proctrack
         proctrack = proctrack or ("cgroup" if cgroups_writable() else "linuxproc")
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "ctl").mkdir(exist_ok=True)
