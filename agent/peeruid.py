@@ -52,10 +52,27 @@ def local_peer_uid(sock: socket.socket) -> int | None:
         ours, theirs = sock.getsockname(), sock.getpeername()
     except OSError:
         return None
-    family = sock.family
+    return uid_of_peer(theirs, ours)
+
+
+def uid_of_peer(theirs: tuple, ours: tuple) -> int | None:
+    """`local_peer_uid` for a connection known by its two ends, (host, port) each, as
+    a web framework reports them (the dashboard's WebSocket)."""
+    try:
+        family = socket.AF_INET6 if ":" in str(theirs[0]) else socket.AF_INET
+        if family == socket.AF_INET6 and ":" not in str(ours[0]):
+            ours = (f"::ffff:{ours[0]}", *ours[1:])
+        if family == socket.AF_INET and ":" in str(ours[0]):
+            return None
+        theirs, ours = (str(theirs[0]), int(theirs[1])), (str(ours[0]), int(ours[1]))
+    except (TypeError, ValueError, IndexError):
+        return None
     # The peer's own socket: its local end is our remote end.
-    sockid = _SOCKID.pack(theirs[1], ours[1], _packed(theirs[0], family),
-                          _packed(ours[0], family))
+    try:
+        sockid = _SOCKID.pack(theirs[1], ours[1], _packed(theirs[0], family),
+                              _packed(ours[0], family))
+    except (OSError, ValueError, struct.error):  # not an address of that family
+        return None
     body = (_REQ.pack(family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF) + sockid
             + _TAIL.pack(0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE))
     msg = _HDR.pack(_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0) + body

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import streamlit as st
 
 from clusterpulse.agent.audit import AuditLog, verify
+from clusterpulse.agent.peeruid import uid_of_peer
 from clusterpulse.dashboard import auth, config, data, links
 from clusterpulse.dashboard.data import Result
 
@@ -196,12 +197,38 @@ def _secrets_section(name: str) -> dict | None:
 
 
 def client_address() -> str:
-    """Who is signing in, as the connection says: Streamlit's `st.context.ip_address`
-    is the WebSocket's TCP peer (None for 127.0.0.1 and ::1 only). Every loopback
-    address is `localhost`: a local user may connect from any of 127/8's addresses,
-    and 40 guesses from 40 of them were 40 clients, none throttled. Behind a reverse
-    proxy every user shares the proxy's address (docs/security.md)."""
+    """Who is signing in, as the connection says: for a WebSocket from this host the
+    user that owns it (`uid:N`, the kernel's answer), else its address, every loopback
+    one `localhost` (auth.client_of). A local user may connect from any 127/8 or host
+    address, and one of them made 5 wrong tries a quarter of an hour and kept every
+    operator, all arriving over loopback (SSH tunnels, the shipped 127.0.0.1 bind),
+    from signing in. Behind a reverse proxy every user shares the proxy's (docs/security.md)."""
+    ends = _websocket_ends()
+    if ends is not None:
+        uid = uid_of_peer(*ends)
+        if uid is not None:
+            return f"uid:{uid}"
     return auth.client_of(st.context.ip_address)
+
+
+def _websocket_ends() -> tuple[tuple, tuple] | None:
+    """(peer, our end) of this session's WebSocket, each (host, port), or None where
+    this Streamlit does not tell (its server's session client and the ASGI WebSocket
+    are read as they are in Streamlit 1.5x-1.6x; any other shape falls back to the
+    address)."""
+    try:
+        from streamlit import runtime
+        from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+        ctx = get_script_run_ctx()
+        client = runtime.get_instance().get_client(ctx.session_id) if ctx else None
+        ws = getattr(client, "_websocket", None)
+        peer, ours = getattr(ws, "client", None), (getattr(ws, "scope", None) or {}).get("server")
+    except Exception:  # an internal that moved: the address is the fallback
+        return None
+    if not (isinstance(peer, tuple | list) and isinstance(ours, tuple | list)):
+        return None
+    return tuple(peer[:2]), tuple(ours[:2])
 
 
 def operator() -> str | None:

@@ -221,6 +221,10 @@ def test_operator_checkpoint_restart_resumes_with_zero_steps_lost(env):
     audit = [json.loads(x) for x in (env["tmp"] / "audit.jsonl").read_text().splitlines()]
     assert any(r["who"] == "ops" and r["action"] == "checkpoint-restart"
                and r["outcome"] == "accepted" for r in audit)
+    # the sign-in counted against the local user behind the browser's WebSocket, as the
+    # kernel names it, not against "localhost" that every local user shares
+    (signed_in,) = [r for r in audit if r["action"] == "sign-in" and r["outcome"] == "ok"]
+    assert signed_in["client"] == f"uid:{os.geteuid()}", signed_in
 
 
 def test_prometheus_outage_shows_a_banner_then_recovers(env):

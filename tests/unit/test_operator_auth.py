@@ -107,6 +107,19 @@ def test_every_loopback_address_is_one_client():
     assert auth.client_of("10.0.0.9") == "10.0.0.9"  # another host keeps its own budget
 
 
+def test_another_local_users_guesses_leave_an_operators_sign_in_alone():
+    """Found in the second review: every operator arrives over loopback (the shipped
+    127.0.0.1 bind, SSH tunnels), so one local user's 5 wrong tries a quarter of an hour
+    kept them all out. A WebSocket from this host counts as its user (ui.client_address:
+    `uid:N` from the kernel), so another user's budget is their own."""
+    throttle = auth.Throttle(per_client=5)
+    ops = {"admin": auth.hash_password("admin pw")}
+    for _ in range(6):
+        auth.authenticate("admin", "wrong", ops, throttle, client="uid:65534")
+    assert not auth.authenticate("admin", "admin pw", ops, throttle, client="uid:65534").ok
+    assert auth.authenticate("admin", "admin pw", ops, throttle, client="uid:1000").ok
+
+
 def test_refused_sign_ins_are_audited_once_per_client_per_minute(tmp_path, monkeypatch):
     """Found in review: every refused sign-in was written, throttled or not (400
     records in 223 s from one client). Through the page: eight refusals, one line."""
