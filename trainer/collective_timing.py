@@ -1,4 +1,5 @@
-"""The model's own collectives inside a step's forward_backward, timed as sync wait.
+"""The model's own collectives inside a step's forward_backward, timed as sync wait;
+every blocking collective of the loop's thread, in any phase, counted.
 
 A rank whose model runs a collective in forward or backward (SyncBatchNorm gathers its
 batch statistics in forward and all-reduces in backward; a tensor-parallel layer
@@ -18,6 +19,20 @@ function up on `torch.distributed` when they call it (SyncBatchNorm does, and
 `dist.all_reduce(...)` does), so they get the wrapper; a name bound earlier with
 `from torch.distributed import all_reduce` keeps the original and is not seen.
 
+Counted, not timed, in every other phase: a hang is named by the collectives each rank
+has entered (trainer/collectives.py), and the ranks that wait for a rank held up in a
+checkpoint save wait inside DCP's own collectives (its planning gather_object and
+scatter_object_list, the write results' gather, the metadata's broadcast_object_list,
+a barrier), which DCP calls as `dist.<name>` on the saving thread. Uncounted, the
+waiting ranks were no further on than the rank holding them, and no root could be told
+(JobStalled after the absolute timeout, naming no rank). Counted too: the rendezvous
+agreement after init, a restart's own all_reduce and barrier, the user's `dist.*`
+calls. Only on the thread the Pulse was made on (its loop's): a background
+checkpoint's writer thread runs its collectives at times of its own and would put the
+ranks' counts out of step; only the outermost call (a wrapped function that calls
+another is one wait: a per-thread depth); and never ClusterPulse's own, which count
+themselves (`untimed()`).
+
 Not seen either: collectives with `async_op=True` (they complete where the caller
 waits on the work, which is not known here: left uncounted), collectives issued from
 C++ (DDP's own, timed by attach_ddp; NCCL calls of a custom extension), and those under
@@ -34,10 +49,13 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from clusterpulse.trainer.collectives import CollectiveLog
 
 # The blocking entry points a model or a loop calls, each with the name its heartbeat
 # gives while a rank waits in it: the agent accepts only its protocol's few families
@@ -53,7 +71,12 @@ COLLECTIVES = {
     "reduce_scatter_single": "reduce_scatter",
     "broadcast": "broadcast", "scatter": "broadcast",
     "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
-    "barrier": "barrier",
+    "barrier": "barrier", "monitored_barrier": "barrier",
+    # The object collectives a checkpoint's planning runs (DCP's _DistWrapper calls
+    # them as dist.<name>, on the caller's thread for a blocking save), and a loop's
+    # own: pickled objects over a tensor collective of the same family.
+    "all_gather_object": "all_gather", "gather_object": "all_gather",
+    "broadcast_object_list": "broadcast", "scatter_object_list": "broadcast",
 }
 
 
@@ -67,15 +90,22 @@ class StepTimer(Protocol):
 class _State:
     """`timer`: set while a forward_backward section is open (by the section itself,
     an attribute store: no call on the step's path), None otherwise and while a timed
-    collective runs (a collective it calls in turn is part of it)."""
+    collective runs (a collective it calls in turn is part of it). `log` and `thread`:
+    the Pulse's collective counts and the thread its loop runs on, set while a Pulse
+    is open (the latest one made), None otherwise."""
 
-    __slots__ = ("timer",)
+    __slots__ = ("log", "thread", "timer")
 
     def __init__(self) -> None:
         self.timer: StepTimer | None = None
+        self.log: CollectiveLog | None = None
+        self.thread: int | None = None
 
 
 state = _State()
+# Per thread: > 0 inside a counted collective or ClusterPulse's own (untimed()): a
+# wrapped function called from there is part of that one wait, not another.
+_depth = threading.local()
 originals: dict[str, Callable[..., Any]] = {}  # name -> torch's own function
 _install_lock = threading.Lock()
 
@@ -101,13 +131,46 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if torch.compiler.is_compiling():
             return original(*args, **kwargs)
         timer = state.timer
-        if timer is None:
+        if timer is None and state.log is None:  # no Pulse open
             return original(*args, **kwargs)
         if kwargs.get("async_op") or (at is not None and len(args) > at and args[at]):
             return original(*args, **kwargs)  # completes where its work is waited on
-        return timer._collective_in_step(family, original, args, kwargs)
+        if getattr(_depth, "n", 0):  # inside a counted collective, or one of ours
+            return original(*args, **kwargs)
+        if timer is not None:
+            return timer._collective_in_step(family, original, args, kwargs)
+        return counted(family, original, args, kwargs)
 
     return collective
+
+
+def counted(op: str, call: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+    """Run a blocking collective counted as entered and completed, untimed, when it is
+    called on the loop's thread of an open Pulse (any phase: a checkpoint's, a
+    rendezvous barrier, the user's own). Another thread's (a background checkpoint
+    writer's) run at times of their own, and would put the ranks' counts out of step."""
+    log = state.log
+    if log is None or threading.get_ident() != state.thread:
+        return call(*args, **kwargs)
+    seq = log.enter(op)
+    _depth.n = getattr(_depth, "n", 0) + 1
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _depth.n -= 1
+        log.complete(seq)
+
+
+def attach(log: CollectiveLog, thread: int) -> None:
+    """Count the loop thread's collectives in `log` (a Pulse, when made)."""
+    state.log, state.thread = log, thread
+
+
+def detach(log: CollectiveLog) -> None:
+    """Stop counting in `log` (its Pulse closed), unless a later Pulse took over."""
+    if state.log is log:
+        state.log = state.thread = None
 
 
 def install() -> None:
@@ -127,9 +190,13 @@ def install() -> None:
 @contextlib.contextmanager
 def untimed() -> Iterator[None]:
     """Run ClusterPulse's own collectives unseen by the wrappers: they are timed by
-    their own marks (a sync probe, FSDP's timed collectives)."""
+    their own marks and counted by their own `track` (a sync probe, FSDP's timed
+    collectives, the consensus exchange); counting them here too would count their
+    wait twice."""
     timer, state.timer = state.timer, None
+    _depth.n = getattr(_depth, "n", 0) + 1
     try:
         yield
     finally:
+        _depth.n -= 1
         state.timer = timer

@@ -12,6 +12,9 @@ the CLUSTERPULSE_INJECT environment variable (specs separated by commas).
     ckpt_unloadable:step=20            the published checkpoint of step 20 verifies but
                                        does not load (a torn write certified by its manifest)
     ckpt_kill:step=20[:rank=0]         the rank is SIGKILLed during the checkpoint write
+    ckpt_hang:rank=1:step=40           rank 1 blocks (alive, forever) in the checkpoint save
+                                       of step 40 before DCP's first collective, where the
+                                       other ranks wait for it (a write stuck on storage)
     graceful:step=12[:rank=0]          as if the agent delivered a checkpoint-restart command
                                        to the rank after step 12 (default rank 0)
     init_crash:rank=1                  the rank exits (code 1) before joining the process
@@ -31,7 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = {"slow", "hang", "crash", "data_slow", "ckpt_fail", "ckpt_slow", "ckpt_corrupt",
-         "ckpt_kill", "graceful", "init_crash", "init_hang", "ckpt_unloadable"}
+         "ckpt_kill", "graceful", "init_crash", "init_hang", "ckpt_unloadable", "ckpt_hang"}
+RANK_REQUIRED = {"ckpt_hang"}  # on every rank it would be a slow store, not a hang
 CRASH_MODES = {"exception", "exit", "sigkill"}
 
 
@@ -78,6 +82,8 @@ def parse_injection(spec: str) -> Injection:
         raise InjectError(f"--inject {spec!r}: {err}") from None
     if inj.mode not in CRASH_MODES:
         raise InjectError(f"--inject {spec!r}: mode must be one of {sorted(CRASH_MODES)}")
+    if inj.kind in RANK_REQUIRED and inj.rank is None:
+        raise InjectError(f"--inject {spec!r}: {inj.kind} needs rank=N (the rank that blocks)")
     if inj.factor < 1.0 or inj.seconds < 0 or inj.step < 1:
         raise InjectError(f"--inject {spec!r}: need factor >= 1, seconds >= 0, step >= 1")
     return inj
@@ -132,6 +138,9 @@ class Faults:
 
     def init_hang(self) -> bool:
         return any(i.kind == "init_hang" for i in self.mine)
+
+    def ckpt_hang(self, step: int) -> bool:
+        return self._at("ckpt_hang", step) is not None
 
     def ckpt_kill(self, step: int) -> bool:
         i = self._at("ckpt_kill", step)

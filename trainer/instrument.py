@@ -302,6 +302,8 @@ class Pulse:
         self.outcome: str | None = None
         if self.world_size > 1 or (dist.is_available() and dist.is_initialized()):
             collective_timing.install()  # once per process
+            # every blocking collective this loop's thread runs is counted, in any phase
+            collective_timing.attach(self.collectives, self._loop_thread)
         self.link.send({"type": "event", "event": "start", **self.identity})
         self._beat = threading.Thread(target=self._heartbeat_loop, name="pulse-heartbeat",
                                       daemon=True)
@@ -488,17 +490,18 @@ class Pulse:
 
         Left to the marks that already hold it: inside DDP's pre-forward (its interval
         is timed whole), and after this step's syncing backward (the wait from the last
-        gradient to the section's end is sync wait already). Left uncounted: calls from
+        gradient to the section's end is sync wait already). Left untimed: calls from
         another thread than the loop's, outside a backward (a background checkpoint's:
         they overlap the step's own work), and on CUDA calls on another stream than the
         step's (FSDP1's unshard stream): overlapping the compute, subtracting them
-        would take it away."""
+        would take it away. Those on the loop's thread are still counted, as in any
+        phase (`collective_timing.counted`)."""
         if (self._fwd_start is not None or self._bucket_marks
                 or (threading.get_ident() != self._loop_thread
                     and torch._C._current_graph_task_id() == -1)
                 or (self._step_stream is not None
                     and torch.cuda.current_stream() != self._step_stream)):
-            return call(*args, **kwargs)
+            return collective_timing.counted(op, call, args, kwargs)  # loop thread only
         with self.collectives.track(op), collective_timing.untimed():
             a = self._clock.mark()
             result = call(*args, **kwargs)
@@ -780,7 +783,7 @@ class Pulse:
         self._read_replies()
         want = any(a == "checkpoint-restart" for a in self.commands.values())
         self._enter("sync")
-        with self.collectives.track("all_gather"):
+        with self.collectives.track("all_gather"), collective_timing.untimed():
             restart, self.checkpoint_agreed, scores, self.preempt_agreed = \
                 self.consensus.exchange(want, self.world_size, want_checkpoint,
                                         want_preempt=self.sigterm.received)
@@ -942,6 +945,7 @@ class Pulse:
             return
         self.outcome = outcome
         self._closed.set()
+        collective_timing.detach(self.collectives)
         hold_process_groups_until_exit()
         if self._beat.is_alive() and self._beat is not threading.current_thread():
             self._beat.join(timeout=5)

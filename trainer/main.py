@@ -239,6 +239,11 @@ class Trainer:
         try:
             if delay := self.faults.ckpt_delay(step):
                 time.sleep(delay)  # storage this slow blocks the step like a long write
+            if self.faults.ckpt_hang(step):
+                log.warning("injected: rank %d hangs in the checkpoint of step %d",
+                            self.info.rank, step)
+                while True:  # alive, in phase checkpoint; its peers wait in DCP's gather
+                    time.sleep(1)
             self.ckpt.save(step, {"app": self.state}, fail=self.faults.ckpt_fail(step),
                            kill_midway=self.faults.ckpt_kill(step))
             self.pulse.event("checkpoint_committed" if not self.cfg.async_ckpt

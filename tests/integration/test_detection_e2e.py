@@ -213,6 +213,53 @@ def test_a_hang_at_a_non_consensus_step_pages_only_the_hung_rank(stack):
         stack.stop_jobs()
 
 
+def test_a_rank_blocked_in_a_checkpoint_save_is_named_as_fast_as_any_hang(stack):
+    """Rank 1 blocks, alive, in the checkpoint save of step 40 before DCP's first
+    collective (ckpt_hang: a write stuck on storage); the 3 others wait for it inside
+    DCP's plan gather, in phase checkpoint too. That phase has the 300 s absolute
+    timeout, and DCP's collectives went uncounted: nothing named rank 1 for 300 s, then
+    JobStalled named no rank. Counted, the waiters are one collective ahead, and rank 1
+    is paged, alone, once they have waited past the steady threshold (5 s here)."""
+    run = "ckhang"
+    start = time.time()
+    stack.start_job(run, steps=3000, trainer_args=[
+        "--sim-compute-seconds", "0.1", "--ckpt-every", "40",
+        "--inject", "ckpt_hang:rank=1:step=40"])
+    try:
+        (a,) = wait_until(lambda: stack.firing("RankHung"), 180, "RankHung for rank 1")
+        fired_at = time.time()
+        node1, _ = _rank_node(stack, run, 1)
+        assert a["labels"]["rank"] == "1" and a["labels"]["node"] == node1
+        assert a["labels"]["run"] == run
+        # Rank 1's age is the time since its last step (40): the hang's start.
+        age = float(stack.prom.query(
+            f'clusterpulse_trainer_heartbeat_age_seconds{{run="{run}",rank="1"}}')[0]["value"][1])
+        latency = age - (time.time() - fired_at)
+        p99 = float(stack.prom.query(
+            f'quantile_over_time(0.99, clusterpulse_trainer_step_seconds{{run="{run}",rank="1"}}'
+            '[10m])')[0]["value"][1])
+        bound = max(15.0, 3 * p99)
+        print(f"checkpoint hang detection latency: {latency:.1f} s "
+              f"(bound max(15 s, 3 x p99 step {p99:.2f} s) = {bound:.1f} s)")
+        assert latency <= 60  # generous: the machine is shared; the figure is reported
+        phases = {r["metric"]["rank"]: r["metric"]["phase"] for r in stack.prom.query(
+            f'clusterpulse_trainer_phase{{run="{run}"}} == 1')}
+        assert set(phases.values()) == {"checkpoint"}, phases
+        blocked = {r["metric"]["rank"]: r["metric"]["op"] for r in stack.prom.query(
+            f'clusterpulse_trainer_blocked_collective{{run="{run}"}}')}
+        assert set(blocked) == {"0", "2", "3"}, blocked  # inside DCP's collective
+        assert a["annotations"]["description"].endswith("3 rank(s) wait for it.")
+        time.sleep(5)  # the waiters are never paged, not even pending
+        window = f"{int(time.time() - start) + 5}s"
+        others = stack.prom.query(
+            f'max_over_time(ALERTS{{run="{run}",alertname="RankHung",rank!="1"}}[{window}])')
+        assert others == [], stack.hang_evidence(run, window)
+        assert [x["labels"]["rank"] for x in stack.firing("RankHung")] == ["1"]
+        assert stack.firing("JobStalled") == []  # within the checkpoint's 300 s
+    finally:
+        stack.stop_jobs()
+
+
 def test_lost_gpu_and_dead_agent(stack):
     node_a, node_b = stack.nodes
     assert node_a.post("/v1/faults", {"kind": "gpu_lost", "gpu": 3}).status_code == 200

@@ -1,7 +1,8 @@
 """The wrappers over torch.distributed's collectives (trainer/collective_timing.py):
-inside a step's forward_backward a blocking collective is timed as sync wait and
-counted; everywhere else, and for async or ClusterPulse's own collectives, the call is
-torch's own, with its return value and exceptions unchanged. A gloo world of one; the
+inside a step's forward_backward a blocking collective is timed as sync wait; on the
+loop's thread it is counted in any phase (a checkpoint's, the user's own), the
+outermost call only; async and ClusterPulse's own collectives are left to torch and to
+their own counts, with return values and exceptions unchanged. A gloo world of one; the
 waits themselves are tested with real ranks in tests/integration/test_attribution.py."""
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def test_in_forward_backward_a_blocking_collective_is_sync_wait(
     enter = pulse.collectives.enter
     monkeypatch.setattr(pulse.collectives, "enter", lambda op: entered.append(op) or enter(op))
     t = torch.ones(3)
-    dist.all_reduce(t)  # before any step: torch's own, nothing counted
+    dist.all_reduce(t)  # before any step: counted (any phase), not timed
     with pulse.step(1) as s:
         with s.section("forward_backward"):
             assert dist.all_reduce(t) is None  # the blocking call's own return value
@@ -68,10 +69,10 @@ def test_in_forward_backward_a_blocking_collective_is_sync_wait(
             with collective_timing.untimed():  # ClusterPulse's own: timed by itself
                 dist.all_reduce(t)
             assert len(pulse._fwd_waits) == 2
-        dist.all_reduce(t)  # in the optimizer: not the forward's
+        dist.all_reduce(t)  # in the optimizer: counted, not the forward's sync wait
         assert collective_timing.state.timer is None
-    assert pulse.collectives.entered == pulse.collectives.completed == 2
-    assert entered == ["all_reduce", "all_gather"]
+    assert pulse.collectives.entered == pulse.collectives.completed == 4
+    assert entered == ["all_reduce", "all_reduce", "all_gather", "all_reduce"]
     assert torch.equal(gathered[0], torch.ones(3))
     assert pulse.last["sync_wait_seconds"] > 0
 
@@ -103,3 +104,89 @@ def test_a_compiled_module_with_a_collective_traces_through_the_wrapper(
     assert torch.equal(out, x * 2 + 1)
     with torch._dynamo.config.patch(error_on_recompile=True):  # no guard on the state
         assert torch.equal(compiled(x), x * 2 + 1)  # outside a section: the same graph
+
+
+def test_outside_a_step_every_blocking_collective_on_the_loop_thread_is_counted(
+        pulse: Pulse, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint's collectives (DCP's gather_object, scatter_object_list,
+    broadcast_object_list, all_gather_object, barrier) and the user's own dist.* calls
+    are counted in any phase: a rank held up in a checkpoint save is then behind its
+    peers, which wait inside DCP's collective. Not timed: that stays forward_backward's."""
+    entered: list[str] = []
+    enter = pulse.collectives.enter
+    monkeypatch.setattr(pulse.collectives, "enter", lambda op: entered.append(op) or enter(op))
+    t = torch.ones(2)
+    pulse._enter("checkpoint")
+    dist.all_reduce(t)
+    dist.barrier()
+    out: list[object] = [None]
+    dist.all_gather_object(out, {"plan": 1})
+    dist.gather_object({"plan": 2}, out, dst=0)
+    objs: list[object] = [{"meta": 3}]
+    dist.broadcast_object_list(objs, src=0)
+    got: list[object] = [None]
+    dist.scatter_object_list(got, [{"plan": 4}], src=0)
+    assert out == [{"plan": 2}] and got == [{"plan": 4}]
+    work = dist.all_reduce(t, async_op=True)  # completes where it is waited on: uncounted
+    work.wait()
+    assert entered == ["all_reduce", "barrier", "all_gather", "all_gather", "broadcast",
+                       "broadcast"]
+    assert pulse.collectives.entered == pulse.collectives.completed == 6
+    assert pulse._fwd_waits == [] and pulse._probes == []  # counted, not timed
+
+
+def test_only_the_outermost_call_is_counted(pulse: Pulse) -> None:
+    """A wrapped function that calls another (a helper of the user's, DCP's object
+    collectives on a torch that calls them through torch.distributed) is one wait."""
+    def gather_then_reduce(t: torch.Tensor) -> None:
+        dist.all_reduce(t)  # looked up on torch.distributed: the wrapper again
+        dist.barrier()
+
+    outer = collective_timing._wrap("broadcast_object_list",
+                                    lambda objs, src=0: gather_then_reduce(torch.ones(1)))
+    outer([1], src=0)
+    assert pulse.collectives.entered == pulse.collectives.completed == 1
+    assert pulse.collectives.fields()["collective"] == ""
+
+
+def test_clusterpulse_own_collectives_are_counted_once(pulse: Pulse) -> None:
+    with collective_timing.untimed():  # a sync probe, FSDP's timed collectives
+        dist.all_reduce(torch.ones(1))
+        dist.all_gather_object([None], 1)
+    assert pulse.collectives.entered == 0
+    pulse.sync_probe()  # world of one: returns before any collective
+    with pulse.collectives.track("all_gather"), collective_timing.untimed():
+        dist.all_gather_object([None], 1)
+    assert pulse.collectives.entered == pulse.collectives.completed == 1
+
+
+def test_another_thread_than_the_loop_is_not_counted(pulse: Pulse) -> None:
+    """A background checkpoint's writer thread runs DCP's collectives at times of its
+    own: counting them would put the ranks out of step with each other."""
+    import threading
+
+    th = threading.Thread(target=lambda: dist.barrier())
+    th.start()
+    th.join()
+    assert pulse.collectives.entered == 0
+    dist.barrier()
+    assert pulse.collectives.entered == 1
+
+
+def test_a_blocked_collective_is_in_flight_with_its_family(pulse: Pulse) -> None:
+    """While a rank waits in DCP's gather_object its heartbeat names all_gather."""
+    seen: list[dict] = []
+    original = collective_timing.originals["gather_object"]
+    wrapper = collective_timing._wrap(
+        "gather_object", lambda *a, **k: seen.append(pulse.collectives.fields()))
+    wrapper({"x": 1}, [None], dst=0)
+    assert seen == [{"collectives_entered_total": 1, "collectives_completed_total": 0,
+                     "collective": "all_gather"}]
+    assert collective_timing.originals["gather_object"] is original
+
+
+def test_a_closed_pulse_counts_nothing(world_of_one: None) -> None:
+    p = Pulse(run="closed", agent=None, world_size=1, catch_sigterm=False)
+    p.close()
+    dist.barrier()
+    assert p.collectives.entered == 0

@@ -45,6 +45,11 @@ def test_injection_specs():
     assert faults.slow_factor(9) == 1.0 and faults.slow_factor(50) == 2.0
     assert Faults([i], rank=1, attempt=1).crash_at(35) is None  # not again after restart
     assert Faults([i], rank=0, attempt=0).crash_at(35) is None
+    h = parse_injection("ckpt_hang:rank=1:step=40")  # blocks in the save, before DCP's
+    assert (h.kind, h.rank, h.step) == ("ckpt_hang", 1, 40)
+    assert Faults([h], rank=1, attempt=0).ckpt_hang(40)
+    assert not Faults([h], rank=1, attempt=0).ckpt_hang(20)
+    assert not Faults([h], rank=0, attempt=0).ckpt_hang(40)  # its peers wait for it
 
 
 @pytest.mark.parametrize("spec,msg", [
@@ -54,6 +59,7 @@ def test_injection_specs():
     ("crash:step=3:mode=gentle", "mode must be one of"),
     ("slow:step=3:factor=0.5", "factor >= 1"),
     ("hang:step=3:colour=red", "unknown keys colour"),
+    ("ckpt_hang:step=40", "ckpt_hang needs rank=N"),  # every rank: a slow store
 ])
 def test_bad_injection_specs_are_named(spec, msg):
     with pytest.raises(InjectError, match=msg):
