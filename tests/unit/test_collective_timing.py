@@ -7,7 +7,6 @@ waits themselves are tested with real ranks in tests/integration/test_attributio
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -17,17 +16,13 @@ import torch.distributed as dist
 from clusterpulse.agent import protocol
 from clusterpulse.trainer import collective_timing
 from clusterpulse.trainer.instrument import Pulse
+from tests.support.worlds import gloo_world_of_one
 
 
 @pytest.fixture(scope="module")
 def world_of_one() -> Iterator[None]:
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
-                                world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+    with gloo_world_of_one():
+        yield
 
 
 @pytest.fixture

@@ -270,13 +270,30 @@ def test_a_scrape_is_answered_when_every_worker_is_busy(tight_agent):
         other.wait()
 
 
+def probe_both(agent_url: str, webhook_port: int, hook: str, pause: float = 0.0,
+               rounds: int = 10) -> list[int]:
+    """The status of `rounds` scrapes of the agent and as many authenticated webhook
+    notifications, interleaved."""
+    import requests
+
+    answers = []
+    for _ in range(rounds):
+        answers.append(requests.get(f"{agent_url}/metrics", timeout=30).status_code)
+        answers.append(requests.post(
+            f"http://127.0.0.1:{webhook_port}/alertmanager", timeout=30,
+            json={"alerts": [{"status": "firing",
+                              "labels": {"alertname": "RankHung", "run": "demo"}}]},
+            headers={"Authorization": f"Bearer {hook}"}).status_code)
+        time.sleep(pause)
+    return answers
+
+
 def test_a_thousand_slow_connections_leave_metrics_and_the_webhook_answering(sim_agent,
                                                                              tmp_path):
     """Found in review: 64 slow connections with no token kept /metrics and the
     remediation webhook at 503 (59 of 67 probes failed). Now 1,000 of them, half
     silent, half in the middle of their head, and every probe is answered. (Latency is
     measured by tests/bench/bench_agent.py, not asserted here.)"""
-    import requests
 
     from clusterpulse.agent.audit import AuditLog
     from clusterpulse.agent.tokens import Tokens
@@ -297,15 +314,7 @@ def test_a_thousand_slow_connections_leave_metrics_and_the_webhook_answering(sim
                 if i % 2:
                     s.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: ")
                 slow.append(s)
-        answers = []
-        for _ in range(10):
-            answers.append(requests.get(f"{sim_agent.url}/metrics", timeout=30).status_code)
-            answers.append(requests.post(
-                f"http://127.0.0.1:{webhook.server_port}/alertmanager", timeout=30,
-                json={"alerts": [{"status": "firing",
-                                  "labels": {"alertname": "RankHung", "run": "demo"}}]},
-                headers={"Authorization": f"Bearer {hook}"}).status_code)
-        assert answers == [200] * 20
+        assert probe_both(sim_agent.url, webhook.server_port, hook) == [200] * 20
     finally:
         for s in slow:
             s.close()
@@ -320,7 +329,6 @@ def test_another_user_cannot_hold_the_workers_from_any_number_of_loopback_addres
     parser waited for the rest) sent from a new 127/8 address each (one client each)
     kept 19 of 20 probes of /metrics and of the webhook at 503. Now such a head is
     refused at once (431) and every loopback connection counts as its user's."""
-    import requests
 
     from clusterpulse.agent.audit import AuditLog
     from clusterpulse.agent.tokens import Tokens
@@ -339,16 +347,7 @@ def test_another_user_cannot_hold_the_workers_from_any_number_of_loopback_addres
         for a in attackers:
             assert a.stdout.readline().strip() in ("started", "holding 80")
         time.sleep(1.0)
-        answers = []
-        for _ in range(10):
-            answers.append(requests.get(f"{sim_agent.url}/metrics", timeout=30).status_code)
-            answers.append(requests.post(
-                f"http://127.0.0.1:{webhook.server_port}/alertmanager", timeout=30,
-                json={"alerts": [{"status": "firing",
-                                  "labels": {"alertname": "RankHung", "run": "demo"}}]},
-                headers={"Authorization": f"Bearer {hook}"}).status_code)
-            time.sleep(0.3)
-        assert answers == [200] * 20
+        assert probe_both(sim_agent.url, webhook.server_port, hook, pause=0.3) == [200] * 20
         big = raw_request(ports[0], b"GET /metrics HTTP/1.1\r\nX-A: " + b"a" * 16400)
         assert status_and_error(big) == (431, "request head larger than 16384 bytes")
     finally:

@@ -6,14 +6,12 @@ reads and never replies, and the count spans whole consensus intervals."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from tests.bench.recipe_loop import added_calls, draining_socket
+from tests.support.worlds import gloo_world_of_one
 
 # What the loop's instrumentation needs per step today (pulse.data, step, two
 # sections, s.loss, boundary with its exchange and scorer every 5 steps, the send,
@@ -26,14 +24,8 @@ MAX_CALLS_PER_STEP = 215
 
 @pytest.fixture(scope="module")
 def agent() -> Iterator[str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
-                                world_size=1)
-        try:
-            with draining_socket(Path(tmp) / "t.sock") as addr:
-                yield addr
-        finally:
-            dist.destroy_process_group()
+    with gloo_world_of_one() as tmp, draining_socket(tmp / "t.sock") as addr:
+        yield addr
 
 
 def test_instrumentation_calls_per_step_are_few_and_independent_of_the_model(

@@ -32,7 +32,6 @@ Before that, with a buffer, dynamo traced them: 7 breaks (4 at `time.perf_counte
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,13 +39,13 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo as dynamo
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterpulse.trainer.instrument import Pulse
+from tests.support.worlds import gloo_world_of_one
 
 STEPS = 6
 WAIT_S = 0.02  # after loss.backward(), in forward_backward: where a rank waits for peers
@@ -79,14 +78,11 @@ MODELS = {"plain": Plain, "buffer": WithBuffer}
 
 @pytest.fixture(scope="module")
 def world_of_one() -> Iterator[None]:
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
-                                world_size=1)
+    with gloo_world_of_one():
         try:
             _run("plain", "outer", "bare")  # the process's first compile sets dynamo up
             yield
         finally:
-            dist.destroy_process_group()
             dynamo.reset()
 
 
