@@ -106,7 +106,8 @@ def _head_of(fd: int) -> tuple[Head, bool]:
 def open_private(path: Path) -> int:
     """An fd appending to `path`, created 0600 by this open (never readable by others
     in between), and tightened if an older file was wider."""
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    # not through a symbolic link another user planted where the file was to be
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
         os.fchmod(fd, 0o600)
     return fd

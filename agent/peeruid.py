@@ -18,6 +18,8 @@ import ipaddress
 import socket
 import struct
 
+from clusterpulse.agent.identity import SubordinateIds
+
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST = 1
@@ -91,12 +93,22 @@ def uid_of_peer(theirs: tuple, ours: tuple) -> int | None:
     return struct.unpack_from("=I", reply, _UID_AT)[0]
 
 
+_SUBIDS = SubordinateIds()
+
+
+def account_key(uid: int) -> str:
+    """`uid:N` of the user accountable for `uid`: a rootless container's or a user
+    namespace's subordinate uids (/etc/subuid: 65,536 a user) are their owner's, or
+    each would be a client of its own (a review's two uids held every worker)."""
+    return f"uid:{_SUBIDS.account(uid)}"
+
+
 def client_key(sock: socket.socket, addr: object) -> str:
     """What per-client limits count by: `uid:N` for a peer on this host (whatever
     source address it picked), else the peer's address (every loopback one
     `loopback`, should the lookup fail)."""
     uid = local_peer_uid(sock)
     if uid is not None:
-        return f"uid:{uid}"
+        return account_key(uid)
     host = addr[0] if isinstance(addr, tuple) and addr else "?"
     return "loopback" if is_loopback(str(host)) else str(host)

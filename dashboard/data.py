@@ -338,13 +338,18 @@ def central_audit_heads_seen(prom_url: str, days: int = 7) -> Result:
         # one a minute over the days, and every second over the last hour: a record
         # rewritten a minute after it was written is there only at scrape resolution
         for start, step in ((end - days * 86400, 60.0), (end - 3600, 1.0)):
-            series = {}
-            for name in ("sequence", "hash_prefix"):
-                got = prom.query_range(
-                    f'max(clusterpulse_audit_head_{name}{{log="central"}})', start, end, step)
-                series[name] = dict(got[0].points) if got else {}
-            heads |= {Head(int(seq), f"{int(series['hash_prefix'][t]):012x}")
-                      for t, seq in series["sequence"].items() if t in series["hash_prefix"]}
+            # each target's sequence with its own hash, never one's with another's (a
+            # receiver scraped twice would pair values of two scrapes)
+            seqs, prefixes = ({tuple(sorted((k, v) for k, v in r.labels.items()
+                                            if k != "__name__")): dict(r.points)
+                               for r in prom.query_range(
+                                   f'clusterpulse_audit_head_{name}{{log="central"}}',
+                                   start, end, step)}
+                              for name in ("sequence", "hash_prefix"))
+            for key, points in seqs.items():
+                mine = prefixes.get(key, {})
+                heads |= {Head(int(seq), f"{int(mine[t]):012x}")
+                          for t, seq in points.items() if t in mine}
         return sorted(heads, key=lambda h: h.seq)
     return _guard(f"central-audit-heads:{prom_url}:{days}", fetch)
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import streamlit as st
 
 from clusterpulse.agent.audit import AuditLog, verify
-from clusterpulse.agent.peeruid import uid_of_peer
+from clusterpulse.agent.peeruid import account_key, uid_of_peer
 from clusterpulse.dashboard import auth, config, data, links
 from clusterpulse.dashboard.data import Result
 
@@ -207,7 +207,7 @@ def client_address() -> str:
     if ends is not None:
         uid = uid_of_peer(*ends)
         if uid is not None:
-            return f"uid:{uid}"
+            return account_key(uid)
     return auth.client_of(st.context.ip_address)
 
 
