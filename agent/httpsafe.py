@@ -11,6 +11,7 @@ never stalls the accept loop), and every refusal is a 4xx/5xx with a JSON reason
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import resource
@@ -91,11 +92,38 @@ def _no_constant(text: str) -> Any:
     raise HttpError(400, f"request body holds {text}, which is not a number")
 
 
+class _Prefixed(io.RawIOBase):
+    """A connection's bytes with the ones the gate already read put back in front (over
+    TLS the head cannot be peeked: the gate decrypts and keeps it)."""
+
+    def __init__(self, prefix: bytes, raw: Any) -> None:
+        self._prefix = memoryview(prefix)
+        self._raw = raw
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self._prefix:
+            n = min(len(b), len(self._prefix))
+            b[:n] = self._prefix[:n]
+            self._prefix = self._prefix[n:]
+            return n
+        return self._raw.readinto(b)
+
+
 class SafeHandler(BaseHTTPRequestHandler):
     """Base handler: read timeout, JSON replies, quiet logs."""
 
     timeout = READ_TIMEOUT_S  # socket timeout for every read: idle clients go away
     protocol_version = "HTTP/1.0"
+
+    def setup(self) -> None:
+        super().setup()
+        prefix = self.server.read_ahead.pop(id(self.connection), b"")  # type: ignore[attr-defined]
+        if prefix:
+            self.rfile = io.BufferedReader(_Prefixed(prefix,
+                                                     self.connection.makefile("rb", buffering=0)))
 
     def log_message(self, fmt: str, *args: Any) -> None:  # quiet by default
         log.debug("%s " + fmt, self.address_string(), *args)
@@ -162,6 +190,7 @@ class SafeServer(ThreadingHTTPServer):
         self._scraping: set[str] = set()  # clients holding a scrape slot (one each)
         self._count_lock = threading.Lock()
         self.tls = tls
+        self.read_ahead: dict[int, bytes] = {}  # id(TLS connection) -> its head, read
         self.refused_busy = 0
         raise_fd_limit()
         super().__init__(addr, handler)
@@ -172,7 +201,7 @@ class SafeServer(ThreadingHTTPServer):
         self._gate.admit(request, client_address)
 
     def dispatch(self, request: socket.socket, client_address: Any, scrape: bool,
-                 client: str) -> None:
+                 client: str, read: bytes = b"") -> None:
         """From the gate: a thread for a connection whose head has arrived, or 503.
         One client (peeruid.client_key: a loopback user, else an address) holds half the
         workers at most, scrapes included; a scrape beyond that, or with every worker
@@ -191,6 +220,8 @@ class SafeServer(ThreadingHTTPServer):
             self.refused_busy += 1
             self._busy(request)
             return
+        if read:
+            self.read_ahead[id(request)] = read
         try:
             threading.Thread(target=self._serve_one, daemon=True,
                              args=(request, client_address, slots, client)).start()
@@ -221,18 +252,11 @@ class SafeServer(ThreadingHTTPServer):
             self._release(slots, client)
 
     def finish_request(self, request: Any, client_address: Any) -> None:
-        request.settimeout(READ_TIMEOUT_S)
-        if self.tls is not None:
-            raw = request
-            try:
-                request = self.tls.wrap_socket(request, server_side=True)
-            except (OSError, ssl.SSLError) as err:
-                log.debug("TLS handshake with %s failed: %s", client_address[0], err)
-                return
-            # wrap_socket takes the descriptor from `raw`: the deadline must cut the
-            # wrapped one (a review held a worker for 30 s past it with a byte every 5 s)
-            self._gate.retarget(raw, request)
-        super().finish_request(request, client_address)
+        request.settimeout(READ_TIMEOUT_S)  # blocking again, after the gate
+        try:
+            super().finish_request(request, client_address)
+        finally:
+            self.read_ahead.pop(id(request), None)
 
     def _busy(self, request: socket.socket) -> None:
         self.refuse(request, 503, "too many connections; retry later")
@@ -241,13 +265,12 @@ class SafeServer(ThreadingHTTPServer):
         """Answer with `status` and a JSON reason, without a worker, and close."""
         body = json.dumps({"error": reason}).encode()
         phrase = {431: "Request Header Fields Too Large", 503: "Service Unavailable"}[status]
-        try:
-            if self.tls is None:  # over TLS a plain answer would be noise: just close
-                request.settimeout(1.0)
-                request.sendall(f"HTTP/1.0 {status} {phrase}\r\nContent-Type: "
-                                "application/json\r\nRetry-After: 1\r\nContent-Length: "
-                                f"{len(body)}\r\n\r\n".encode() + body)
-        except OSError:
+        try:  # over TLS too: the gate has finished the handshake
+            request.settimeout(1.0)
+            request.sendall(f"HTTP/1.0 {status} {phrase}\r\nContent-Type: "
+                            "application/json\r\nRetry-After: 1\r\nContent-Length: "
+                            f"{len(body)}\r\n\r\n".encode() + body)
+        except OSError:  # ssl.SSLError included
             pass
         finally:
             self.shutdown_request(request)
@@ -282,8 +305,10 @@ class _Gate:
 
     Edge-triggered epoll and MSG_PEEK: the head is looked at, never consumed, so the
     handler reads the request as it would have; a connection is handed over once its
-    head is whole (a blank line), or as soon as any byte arrives over TLS (encrypted:
-    the handshake runs in the connection's thread, under the same deadline). Also the
+    head is whole (a blank line). Over TLS the gate runs the handshake without blocking
+    and reads the decrypted head itself (handed to the handler in front of the rest):
+    a connection used to get its thread at its first encrypted byte, so scrapes could
+    not be told apart and two clients' stalled handshakes held every worker. Also the
     reaper of the absolute deadlines of connections being served."""
 
     def __init__(self, server: SafeServer) -> None:
@@ -294,6 +319,7 @@ class _Gate:
         self._waiting: dict[int, tuple[socket.socket, Any, str, float]] = {}
         self._by_client: dict[str, list[int]] = {}
         self._serving: dict[int, tuple[socket.socket, float]] = {}
+        self._read: dict[int, bytearray] = {}  # TLS: fd -> the head decrypted so far
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="http-gate", daemon=True)
         self._thread.start()
@@ -308,6 +334,11 @@ class _Gate:
             while len(self._waiting) >= MAX_PENDING:
                 evicted.append(self._forget(next(iter(self._waiting))))
             fd = sock.fileno()
+            if self.server.tls is not None:
+                sock.setblocking(False)
+                sock = self.server.tls.wrap_socket(sock, server_side=True,
+                                                   do_handshake_on_connect=False)
+                self._read[fd] = bytearray()
             self._waiting[fd] = (sock, addr, client, time.monotonic() + READ_TIMEOUT_S)
             self._by_client.setdefault(client, []).append(fd)
             self._ep.register(fd, select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET)
@@ -317,6 +348,7 @@ class _Gate:
     def _forget(self, fd: int) -> socket.socket:
         """Take a waiting connection out (the lock held); the caller closes or serves it."""
         sock, _, client, _ = self._waiting.pop(fd)
+        self._read.pop(fd, None)
         mine = self._by_client.get(client, [])
         if fd in mine:
             mine.remove(fd)
@@ -334,12 +366,6 @@ class _Gate:
         with self._lock:
             self._serving.pop(id(sock), None)
 
-    def retarget(self, old: socket.socket, new: socket.socket) -> None:
-        """The connection watched as `old` is now `new` (its TLS wrapper); same deadline."""
-        with self._lock:
-            entry = self._serving.get(id(old))
-            if entry is not None:
-                self._serving[id(old)] = (new, entry[1])
 
     def close(self) -> None:
         with self._lock:
@@ -369,13 +395,20 @@ class _Gate:
         if entry is None:
             return
         sock, addr, client, _ = entry
-        try:
-            head = sock.recv(MAX_HEAD, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            head = b""
-        whole = self.server.tls is not None or b"\r\n\r\n" in head or b"\n\n" in head
+        read = b""
+        if isinstance(sock, ssl.SSLSocket):
+            got = self._tls_read(fd, sock)
+            if got is None:
+                return  # the handshake or the head goes on: the next edge brings more
+            head = read = got
+        else:
+            try:
+                head = sock.recv(MAX_HEAD, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                head = b""
+        whole = b"\r\n\r\n" in head or b"\n\n" in head
         if head and not whole and len(head) < MAX_HEAD:
             return  # more to come: the next edge brings it
         with self._lock:
@@ -394,9 +427,29 @@ class _Gate:
         path = line[1].split(b"?", 1)[0].decode("latin-1") if len(line) > 1 else ""
         scrape = line[0] == b"GET" and path in self.server.scrape_paths
         try:
-            self.server.dispatch(sock, addr, scrape, client)
+            self.server.dispatch(sock, addr, scrape, client, read)
         except Exception:  # never let the gate die: log and go on
             log.exception("cannot serve %s", addr[0] if addr else "?")
+
+    def _tls_read(self, fd: int, sock: ssl.SSLSocket) -> bytes | None:
+        """The TLS connection's head so far once it is whole, too long, or the client
+        has gone (b""); None while the handshake or the head is under way."""
+        buf = self._read.get(fd)
+        if buf is None:
+            return b""
+        try:
+            sock.do_handshake()  # a no-op once done
+            while len(buf) < MAX_HEAD and b"\r\n\r\n" not in buf and b"\n\n" not in buf:
+                chunk = sock.recv(MAX_HEAD - len(buf))
+                if not chunk:
+                    return b""
+                buf += chunk
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+            return None
+        except (ssl.SSLError, OSError) as err:
+            log.debug("TLS connection failed before its request: %s", err)
+            return b""
+        return bytes(buf)
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -207,13 +207,18 @@ def host_addresses() -> str:
     return ",".join(found)
 
 
-def as_nobody(script: str, *args: object) -> subprocess.Popen:
-    """Run `script` as the unprivileged user `nobody` (another local user)."""
+def as_user(user: str, script: str, *args: object) -> subprocess.Popen:
+    """Run `script` as another local user (`nobody`, or a bare uid such as "12345")."""
     if os.geteuid() != 0:
         pytest.fail("these tests play a second local user: run them as root")
-    return subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+    group = "nogroup" if user == "nobody" else user
+    return subprocess.Popen(["setpriv", f"--reuid={user}", f"--regid={group}", "--clear-groups",
                              "/usr/bin/python3", "-c", script, *map(str, args)],
                             stdout=subprocess.PIPE, text=True)
+
+
+def as_nobody(script: str, *args: object) -> subprocess.Popen:
+    return as_user("nobody", script, *args)
 
 
 def slow_post(port: int, source: str = "127.0.0.1") -> socket.socket:
