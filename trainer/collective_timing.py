@@ -2,8 +2,8 @@
 every blocking collective of the loop's thread, in any phase, counted.
 
 A rank whose model runs a collective in forward or backward (SyncBatchNorm gathers its
-batch statistics in forward and all-reduces in backward; a tensor-parallel layer
-all-reduces; a loop all-reduces its batch statistics) waits there for a late peer, and
+batch statistics in forward and all-reduces in backward; a layer or the loop
+all-reduces its batch statistics) waits there for a late peer, and
 that wait fell inside forward_backward: counted as the rank's compute, the waiting,
 healthy rank paged as the straggler. DDP's gradient all-reduce and its buffer broadcast
 are timed by `Pulse.attach_ddp`; everything else has no hook to time it by.

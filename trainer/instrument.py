@@ -24,8 +24,8 @@ launched its last bucket's all-reduce) while DDP runs its normal C++ all-reduce;
 time from there to the end of backward is waiting for peers, and so is the time in
 DDP's broadcast of the model's buffers before each forward (a late peer is waited for
 there too), and so is the time in any other blocking collective the model or the
-loop runs inside forward_backward (SyncBatchNorm's statistics, a tensor-parallel
-all-reduce, a `dist.all_reduce` of the batch's figures: `collective_timing`). From the
+loop runs inside forward_backward (SyncBatchNorm's statistics, a `dist.all_reduce`
+of the batch's figures: `collective_timing`; not DTensor's functional collectives). From the
 start of backward to its end DDP's all-reduces run: the gradient
 bytes each rank moves over that window is the step's achieved bus bandwidth (a lower
 bound: the window also holds backward compute the all-reduces overlap), the figure that
@@ -484,8 +484,8 @@ class Pulse:
     def _collective_in_step(self, op: str, call: Callable[..., Any], args: tuple[Any, ...],
                             kwargs: dict[str, Any]) -> Any:
         """A blocking collective the model or the loop runs inside forward_backward
-        (through `collective_timing`'s wrappers: SyncBatchNorm's statistics, a
-        tensor-parallel all-reduce): sync wait, exactly as DDP's buffer broadcast, and
+        (through `collective_timing`'s wrappers: SyncBatchNorm's statistics, a loop's
+        `dist.all_reduce`): sync wait, exactly as DDP's buffer broadcast, and
         counted as entered and completed (a hang there names the rank not in it).
 
         Left to the marks that already hold it: inside DDP's pre-forward (its interval
