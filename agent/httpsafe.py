@@ -34,6 +34,10 @@ SCRAPE_SLOTS = 4  # more threads, for GET of the scrape paths only
 MAX_PENDING = 4096  # connections whose head has not arrived yet, in all
 MAX_PENDING_PER_CLIENT = 1024  # ... from one address (its oldest is closed for a new one)
 MAX_HEAD = 16384  # bytes looked at for the end of a request head
+# TLS handshakes one client may start a second in the gate: each costs a private-key
+# operation in its one thread (RSA-4096: ~4 ms), and a user replaying one recorded
+# ClientHello, at no cost of their own, held every HTTPS request 8-10 s (a review).
+HANDSHAKES_PER_CLIENT_S = 20
 
 
 class HttpError(Exception):
@@ -192,6 +196,7 @@ class SafeServer(ThreadingHTTPServer):
         self.tls = tls
         self.read_ahead: dict[int, bytes] = {}  # id(TLS connection) -> its head, read
         self.refused_busy = 0
+        self.refused_handshakes = 0  # TLS connections closed over their client's rate
         raise_fd_limit()
         super().__init__(addr, handler)
         self._gate = _Gate(self)
@@ -320,6 +325,8 @@ class _Gate:
         self._by_client: dict[str, list[int]] = {}
         self._serving: dict[int, tuple[socket.socket, float]] = {}
         self._read: dict[int, bytearray] = {}  # TLS: fd -> the head decrypted so far
+        self._shaking: set[int] = set()  # TLS: fds whose handshake has begun
+        self._handshakes: dict[str, tuple[float, int]] = {}  # client -> (second, count)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="http-gate", daemon=True)
         self._thread.start()
@@ -349,6 +356,7 @@ class _Gate:
         """Take a waiting connection out (the lock held); the caller closes or serves it."""
         sock, _, client, _ = self._waiting.pop(fd)
         self._read.pop(fd, None)
+        self._shaking.discard(fd)
         mine = self._by_client.get(client, [])
         if fd in mine:
             mine.remove(fd)
@@ -386,7 +394,10 @@ class _Gate:
             except (OSError, ValueError):  # closed under us
                 return
             for fd, _ in events:
-                self._look(fd)
+                try:
+                    self._look(fd)
+                except Exception:  # never let the gate die (a socket closed under it)
+                    log.exception("http gate: a connection failed")
             self._expire()
 
     def _look(self, fd: int) -> None:
@@ -397,7 +408,7 @@ class _Gate:
         sock, addr, client, _ = entry
         read = b""
         if isinstance(sock, ssl.SSLSocket):
-            got = self._tls_read(fd, sock)
+            got = self._tls_read(fd, sock) if self._may_shake(fd, client) else b""
             if got is None:
                 return  # the handshake or the head goes on: the next edge brings more
             head = read = got
@@ -430,6 +441,23 @@ class _Gate:
             self.server.dispatch(sock, addr, scrape, client, read)
         except Exception:  # never let the gate die: log and go on
             log.exception("cannot serve %s", addr[0] if addr else "?")
+
+    def _may_shake(self, fd: int, client: str) -> bool:
+        """Whether the connection may (go on with its) handshake: a client starts at
+        most HANDSHAKES_PER_CLIENT_S a second; the others are closed unread."""
+        if fd in self._shaking:
+            return True
+        now = int(time.monotonic())
+        second, count = self._handshakes.get(client, (now, 0))
+        count = count + 1 if second == now else 1
+        if len(self._handshakes) > 4 * MAX_PENDING:  # forget old seconds, bounded
+            self._handshakes = {c: v for c, v in self._handshakes.items() if v[0] == now}
+        self._handshakes[client] = (now, count)
+        if count > HANDSHAKES_PER_CLIENT_S:
+            self.server.refused_handshakes += 1
+            return False
+        self._shaking.add(fd)
+        return True
 
     def _tls_read(self, fd: int, sock: ssl.SSLSocket) -> bytes | None:
         """The TLS connection's head so far once it is whole, too long, or the client

@@ -25,6 +25,7 @@ SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST = 1
 NLMSG_ERROR = 2
 INET_DIAG_NOCOOKIE = 0xFFFFFFFF
+TCP_ESTABLISHED = 1
 _HDR = struct.Struct("=IHHII")  # nlmsghdr
 # inet_diag_req_v2: family, protocol, ext, pad, states; then inet_diag_sockid:
 # sport, dport (big-endian), src[16], dst[16], interface, cookie[2]
@@ -89,6 +90,10 @@ def uid_of_peer(theirs: tuple, ours: tuple) -> int | None:
         return None
     _, kind, _, _, _ = _HDR.unpack_from(reply)
     if kind != SOCK_DIAG_BY_FAMILY:  # NLMSG_ERROR: no such socket (it went away)
+        return None
+    if reply[_HDR.size + 1] != TCP_ESTABLISHED:
+        # a socket its owner has closed is the kernel's (orphaned: reported as uid 0),
+        # so any user's closed connections would have counted as root's
         return None
     return struct.unpack_from("=I", reply, _UID_AT)[0]
 
