@@ -333,6 +333,11 @@ class _Gate:
 
     def admit(self, sock: socket.socket, addr: Any) -> None:
         client = client_key(sock, addr)
+        if client == "closed":  # a peer on this host that is gone (a hello and close:
+            # it would have been handshaken under a key of no one's, a review's way
+            # round the per-client handshake rate)
+            self.server.shutdown_request(sock)
+            return
         evicted: list[socket.socket] = []
         with self._lock:
             mine = self._by_client.setdefault(client, [])

@@ -25,7 +25,7 @@ SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST = 1
 NLMSG_ERROR = 2
 INET_DIAG_NOCOOKIE = 0xFFFFFFFF
-TCP_ESTABLISHED = 1
+CLOSED = -1  # uid_of_peer: the peer is on this host and has closed its socket
 _HDR = struct.Struct("=IHHII")  # nlmsghdr
 # inet_diag_req_v2: family, protocol, ext, pad, states; then inet_diag_sockid:
 # sport, dport (big-endian), src[16], dst[16], interface, cookie[2]
@@ -60,7 +60,8 @@ def local_peer_uid(sock: socket.socket) -> int | None:
 
 def uid_of_peer(theirs: tuple, ours: tuple) -> int | None:
     """`local_peer_uid` for a connection known by its two ends, (host, port) each, as
-    a web framework reports them (the dashboard's WebSocket)."""
+    a web framework reports them (the dashboard's WebSocket); CLOSED for a peer on this
+    host that has already closed its socket."""
     try:
         family = socket.AF_INET6 if ":" in str(theirs[0]) else socket.AF_INET
         if family == socket.AF_INET6 and ":" not in str(ours[0]):
@@ -91,11 +92,13 @@ def uid_of_peer(theirs: tuple, ours: tuple) -> int | None:
     _, kind, _, _, _ = _HDR.unpack_from(reply)
     if kind != SOCK_DIAG_BY_FAMILY:  # NLMSG_ERROR: no such socket (it went away)
         return None
-    if reply[_HDR.size + 1] != TCP_ESTABLISHED:
-        # a socket its owner has closed is the kernel's (orphaned: reported as uid 0),
-        # so any user's closed connections would have counted as root's
-        return None
-    return struct.unpack_from("=I", reply, _UID_AT)[0]
+    uid, inode = struct.unpack_from("=II", reply, _UID_AT)
+    if inode == 0:
+        # a socket its owner has closed is the kernel's (orphaned, no file: reported as
+        # uid 0), so any user's closed connections would have counted as root's; a
+        # half-closed one (shutdown) still has its file and its owner
+        return CLOSED
+    return uid
 
 
 _SUBIDS = SubordinateIds()
@@ -113,6 +116,8 @@ def client_key(sock: socket.socket, addr: object) -> str:
     source address it picked), else the peer's address (every loopback one
     `loopback`, should the lookup fail)."""
     uid = local_peer_uid(sock)
+    if uid == CLOSED:
+        return "closed"  # nobody to serve: SafeServer closes it unread
     if uid is not None:
         return account_key(uid)
     host = addr[0] if isinstance(addr, tuple) and addr else "?"

@@ -207,7 +207,7 @@ def client_address() -> str:
     ends = _websocket_ends()
     if ends is not None:
         uid = uid_of_peer(*ends)
-        if uid is not None:
+        if uid is not None and uid >= 0:
             return account_key(uid)
     if os.environ.get("FORWARDED_ALLOW_IPS"):
         # behind a trusted proxy the address is X-Forwarded-For's, and whoever reaches

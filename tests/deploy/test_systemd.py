@@ -53,6 +53,19 @@ def test_security_exposure_at_most_4(unit: Path):
 
 
 @needs_systemd
+@pytest.mark.parametrize("name", ["clusterpulse-dashboard.service",
+                                  "clusterpulse-remediate.service"])
+def test_units_that_serve_http_can_ask_the_kernel_who_connects(name: str):
+    """Found in the fifth review of issue #29: PrivateUsers=yes made every other local
+    user read as 65534, and with no AF_NETLINK the sock_diag lookup could not run: all
+    local clients were one, for the per-user caps and the sign-in throttle."""
+    text = (UNITS / name).read_text()
+    settings = dict(line.split("=", 1) for line in text.splitlines()
+                    if "=" in line and not line.startswith("#"))
+    assert settings.get("PrivateUsers", "no") == "no"
+    assert "AF_NETLINK" in settings["RestrictAddressFamilies"].split()
+
+
 def test_sysusers_and_tmpfiles_create_user_and_config_dir(tmp_path: Path):
     (tmp_path / "usr/lib/sysusers.d").mkdir(parents=True)
     (tmp_path / "usr/lib/tmpfiles.d").mkdir(parents=True)

@@ -63,3 +63,23 @@ def test_subordinate_uids_are_their_owners(tmp_path, monkeypatch):
     monkeypatch.setattr(peeruid, "_SUBIDS", SubordinateIds(str(subuid)))
     assert peeruid.account_key(100005) == peeruid.account_key(165535) == "uid:65534"
     assert peeruid.account_key(165536) == "uid:165536"
+
+
+def test_a_peer_that_has_closed_is_no_ones_not_roots():
+    """Found in the fourth and fifth reviews: the kernel reports an orphaned socket's
+    owner as uid 0, so any user's closed connections counted as root's, and one that
+    closed before the lookup fell to a shared fallback key. Such a peer is `closed`
+    (the servers drop it unread); a half-closed one (shutdown) keeps its owner."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        gone = socket.create_connection(srv.getsockname())
+        half = socket.create_connection(srv.getsockname())
+        gone.close()
+        half.shutdown(socket.SHUT_WR)
+        conns = [srv.accept() for _ in range(2)]
+        try:
+            keys = sorted(peeruid.client_key(c, a) for c, a in conns)
+            assert keys == sorted(["closed", f"uid:{os.geteuid()}"])
+        finally:
+            half.close()
+            for c, _ in conns:
+                c.close()
