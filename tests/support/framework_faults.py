@@ -62,8 +62,11 @@ def run_through_faults(tmp_path: Path, job: Path, args: list[str], preload: str,
         wait_until(lambda: all(r.process_steps > 2 for r in ranks().values()), 120,
                    "both ranks stepping again")
         os.kill(ranks()[0].pid, signal.SIGKILL)
-        wait_until(lambda: log.read_text().count("resuming from") >= 2, 240,
-                   "the resume after the crash")
+        try:
+            wait_until(lambda: log.read_text().count("resuming from") >= 2, 240,
+                       "the resume after the crash")
+        except AssertionError as err:  # what the launcher and the ranks said since
+            raise AssertionError(f"{err}\n--- job log ---\n{log.read_text()[-6000:]}") from None
         (control / "fast").touch()  # the rest of the epoch at full speed
         assert p.wait(timeout=600) == 0, log.read_text()[-4000:]
     finally:
