@@ -46,7 +46,7 @@ class Trainer:
         self.optimizer = optimizer
         self.save_every = save_every
         self.epochs_run = 0
-        self.global_step = 0  # steps completed: a restart resumes mid-epoch at this step
+        self.global_step = 0  # steps completed
         self.snapshot_path = snapshot_path
         self.pulse = pulse
         if os.path.exists(snapshot_path):
@@ -61,6 +61,7 @@ class Trainer:
         self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
         self.epochs_run = snapshot["EPOCHS_RUN"]
         self.global_step = snapshot["GLOBAL_STEP"]
+        self.train_data.load_state_dict(snapshot["DATA_STATE"])  # on any number of ranks
         print(f"Resuming training from snapshot at Epoch {self.epochs_run} "
               f"step {self.global_step}")
 
@@ -78,9 +79,7 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         self.train_data.sampler.set_epoch(epoch)
-        steps_per_epoch = len(self.train_data)
-        done_in_epoch = self.global_step - epoch * steps_per_epoch  # > 0 after a mid-epoch restart
-        self.train_data.skip_next(done_in_epoch)  # skip what was done, without loading it
+        # after a mid-epoch restart the loader starts where the snapshot left it, unread
         for source, targets in self.pulse.data(self.train_data):  # input stalls are measured
             self._run_batch(source.to(self.device), targets.to(self.device))
             # The whole graceful protocol: agree, save, ack, barrier, exit for a restart.
@@ -91,7 +90,8 @@ class Trainer:
             return
         snapshot = {"MODEL_STATE": self.model.module.state_dict(),
                     "OPTIMIZER_STATE": self.optimizer.state_dict(),
-                    "EPOCHS_RUN": epoch, "GLOBAL_STEP": self.global_step}
+                    "EPOCHS_RUN": epoch, "GLOBAL_STEP": self.global_step,
+                    "DATA_STATE": self.train_data.state_dict()}  # the position in the epoch
         torch.save(snapshot, self.snapshot_path + ".tmp")
         os.replace(self.snapshot_path + ".tmp", self.snapshot_path)  # never a torn snapshot
         self.pulse.checkpoint_committed(self.global_step)

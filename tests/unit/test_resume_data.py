@@ -5,12 +5,13 @@ the first step's data wait). Counted at the dataset: `__getitem__` calls."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import multiprocessing
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, DistributedSampler
 
 from clusterpulse.integrations.data import ResumableDataLoader
 from clusterpulse.trainer.instrument import Pulse
@@ -54,11 +55,90 @@ def test_the_position_is_a_state_dict_lightning_and_accelerate_save():
     for _ in range(3):
         next(it)
     state = loader.state_dict()
-    assert state == {"batches": 3}
+    assert state == {"batches": 3, "samples": 12}
     again = ResumableDataLoader(Counted(40), batch_size=4)
     again.load_state_dict(state)
-    assert [int(b[0]) for b in again] == list(range(12, 40, 4))
-    assert again.state_dict() == {"batches": 10}
+    it = iter(again)
+    assert [int(b[0]) for b in itertools.islice(it, 6)] == list(range(12, 36, 4))
+    assert again.state_dict() == {"batches": 9, "samples": 36}
+    list(it)
+    # run to its end, the loader is between epochs: a save now resumes a new epoch
+    assert again.state_dict() == {"batches": 0, "samples": 0}
+    assert [int(b[0]) for b in again][:2] == [0, 4]
+    # a position saved before samples were kept (batches only) still positions
+    old = ResumableDataLoader(Counted(40), batch_size=4)
+    old.load_state_dict({"batches": 8})
+    assert [int(b[0]) for b in old] == [32, 36]
+
+
+def _shards(size: int, ranks: int, batch: int, epoch: int = 3) -> list[ResumableDataLoader]:
+    """One loader per rank of a `ranks`-rank job, as torchrun would make them (the
+    DistributedSampler's default seed, as the recipe's)."""
+    loaders = []
+    for rank in range(ranks):
+        sampler = DistributedSampler(Counted(size), num_replicas=ranks, rank=rank)
+        sampler.set_epoch(epoch)
+        loaders.append(ResumableDataLoader(sampler.dataset, batch_size=batch, sampler=sampler))
+    return loaders
+
+
+def _train(loaders: list[ResumableDataLoader], steps: int | None) -> tuple[list[int], dict]:
+    """`steps` synchronous steps of every rank (None: to the epoch's end): the samples
+    trained on, and rank 0's position at the end (what the recipe saves)."""
+    iters = [iter(loader) for loader in loaders]
+    seen: list[int] = []
+    for _ in itertools.count() if steps is None else range(steps):
+        try:
+            for it in iters:
+                seen += next(it).view(-1).tolist()
+        except StopIteration:
+            break
+    return seen, loaders[0].state_dict()
+
+
+@pytest.mark.parametrize("before, after", [(3, 2), (2, 3), (4, 1)])
+def test_a_job_resumed_on_another_number_of_ranks_trains_each_sample_once(before, after):
+    """A node lost (3 -> 2 ranks) or added: the rest of the epoch is exactly the samples
+    the first ranks had not trained on, each once. (Counted in batches the skip was
+    wrong: 3 -> 2 replayed samples and skipped others; 2 -> 3 skipped too far.)"""
+    size, batch = 48, 4
+    first, state = _train(_shards(size, before, batch), steps=2)
+    resumed = _shards(size, after, batch)
+    for loader in resumed:
+        loader.load_state_dict(state)
+    rest, _ = _train(resumed, steps=None)
+    assert len(first) == 2 * before * batch
+    assert set(first + rest) == set(range(size))
+    # twice only as DistributedSampler pads the rest to a multiple of the ranks
+    assert len(first) + len(rest) - size == -(size - len(first)) % after
+
+
+def test_on_the_same_ranks_a_resumed_epoch_is_the_uninterrupted_one_padding_included():
+    size, ranks, batch = 50, 3, 4  # 50 samples on 3 ranks: DistributedSampler pads 1
+    whole = [[b.view(-1).tolist() for b in loader] for loader in _shards(size, ranks, batch)]
+    _, state = _train(_shards(size, ranks, batch), steps=2)
+    for rank, loader in enumerate(_shards(size, ranks, batch)):
+        loader.load_state_dict(state)
+        assert [b.view(-1).tolist() for b in loader] == whole[rank][2:]
+
+
+def test_a_shuffled_loader_resumes_into_the_permutation_it_was_cut_from():
+    """shuffle=True draws each epoch's order from torch's RNG, which a restarted
+    process has in another state: the position carries the order's generator."""
+    torch.manual_seed(1)
+    loader = ResumableDataLoader(Counted(40), batch_size=4, shuffle=True)
+    whole = [[b.view(-1).tolist() for b in loader] for _ in range(2)]  # two epochs
+    torch.manual_seed(1)
+    cut = ResumableDataLoader(Counted(40), batch_size=4, shuffle=True)
+    it = iter(cut)
+    for _ in range(3):
+        next(it)
+    state = cut.state_dict()
+    torch.manual_seed(2)  # the restarted process: another RNG state
+    resumed = ResumableDataLoader(Counted(40), batch_size=4, shuffle=True)
+    resumed.load_state_dict(state)
+    assert [b.view(-1).tolist() for b in resumed] == whole[0][3:]
+    assert [b.view(-1).tolist() for b in resumed] == whole[1]  # and the next epoch too
 
 
 def test_skipping_a_negative_count_is_refused_by_name():
@@ -75,29 +155,34 @@ def _tutorial():
 
 
 def test_the_recipe_resumed_mid_epoch_does_not_load_the_skipped_batches(tmp_path):
-    """examples/ddp_tutorial.py as is, in a world of one, resumed from a snapshot at
-    step 50 of a 64-step epoch: it loads the 14 batches it trains on, not all 64."""
+    """examples/ddp_tutorial.py as is, in a world of one, resumed from a snapshot that a
+    3-rank run of it saved at its step 10 (of 22 in the epoch): it loads exactly the
+    samples the 3 ranks had not trained on, each once (the 1088 left of 2048), none of
+    the 960 skipped. Counted in steps the resume was wrong on another number of ranks
+    (the old recipe's step arithmetic raised ValueError going from 3 ranks to 2)."""
     tut = _tutorial()
     info = init_distributed()
     try:
         dataset, model, optimizer = tut.load_train_objs()
-        reads = multiprocessing.Value("i", 0)
+        reads = multiprocessing.Array("i", len(dataset))
 
         class Reading(tut.MyTrainDataset):
             def __getitem__(self, index):
-                with reads.get_lock():
-                    reads.value += 1
+                reads[index] += 1
                 return super().__getitem__(index)
 
+        first, state = _train(_shards(len(dataset), 3, 32, epoch=0), steps=10)
+        assert len(first) == 960
         dataset.__class__ = Reading
         snapshot = tmp_path / "snapshot.pt"
         torch.save({"MODEL_STATE": model.state_dict(), "OPTIMIZER_STATE": optimizer.state_dict(),
-                    "EPOCHS_RUN": 0, "GLOBAL_STEP": 50}, snapshot)
+                    "EPOCHS_RUN": 0, "GLOBAL_STEP": 10, "DATA_STATE": state}, snapshot)
         with Pulse(run="resume", agent="none", restarts=info.attempt) as pulse:
             trainer = tut.Trainer(model, tut.prepare_dataloader(dataset, 32), optimizer, 5,
                                   str(snapshot), pulse, info)
             trainer.train(1)
-        assert trainer.global_step == 64
-        assert reads.value == (64 - 50) * 32
+        assert trainer.global_step == 10 + 34  # 1088 samples in batches of 32
+        assert [i for i in range(len(dataset)) if reads[i] != 1] == sorted(first)
+        assert all(reads[i] == 0 for i in first)
     finally:
         dist.destroy_process_group()
