@@ -73,7 +73,7 @@ def submit(slurm: SlurmCluster, name: str, nodes: int, train_args: str,
     # The job inherits the test's environment (sbatch --export=ALL) plus these.
     job_env = {"VENV": str(VENV), "CKPT": str(ckpt), "NPROC": "1", "TRAIN_ARGS": train_args,
                "AGENT_ARGS": "--backend sim --gpus 2 --interval 0.5",
-               "CLUSTERPULSE_TOKEN_FILE": "/nonexistent", **env}
+               "CLUSTERPULSE_AGENT_TOKEN_FILE": "/nonexistent", **env}
     job = slurm.sbatch(SBATCH, f"--nodes={nodes}", f"--job-name={name}", f"--output={out}",
                        f"--chdir={slurm.run_dir}", env=job_env)
     return job, out, ckpt
