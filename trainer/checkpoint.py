@@ -52,7 +52,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from clusterpulse.trainer.torch_support import save_planner, stager_api
 
 log = logging.getLogger("clusterpulse.trainer.checkpoint")
 MANIFEST = "manifest.json"
@@ -194,8 +195,10 @@ def stager_survives_reuse() -> bool:
     pytorch#183424). Probed on a one-element dict rather than read from the version
     number, since that behaviour is what the manager depends on.
     """
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
+    api = stager_api()
+    if api is None:
+        return False
+    DefaultStager, StagingOptions = api
     stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                           use_async_staging=False, use_non_blocking_copy=False))
     try:
@@ -236,15 +239,16 @@ class CheckpointManager:
         # async save blocks training only for the copy into host memory. Where torch's
         # stager cannot be reused (stager_survives_reuse), each save gets a fresh one:
         # that torch drops its buffers after every stage anyway.
-        self._planner = dcp.DefaultSavePlanner(enable_plan_caching=True)
-        self._stager: DefaultStager | None = None
+        self._planner = save_planner()
+        self._stager: Any = None  # torch's DefaultStager, where it has one
+        self._stager_api = stager_api() if async_save else None
         cuda = torch.cuda.is_available()
-        self._stager_options = StagingOptions(
+        self._stager_options = self._stager_api and self._stager_api[1](
             use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
             use_non_blocking_copy=cuda)
-        if async_save:
+        if self._stager_api is not None:
             if stager_survives_reuse():
-                self._stager = DefaultStager(self._stager_options)
+                self._stager = self._stager_api[0](self._stager_options)
             else:
                 log.info("torch %s's DefaultStager closes itself after one stage "
                          "(pytorch#183413): a fresh stager per async checkpoint",
@@ -271,12 +275,13 @@ class CheckpointManager:
             if fail:
                 raise CheckpointError("injected checkpoint write failure")
             if self.async_save:
-                stager = self._stager or DefaultStager(self._stager_options)
+                stager = self._stager or self._new_stager()
                 own = None if stager is self._stager else stager  # this save's: close after
+                staging = {} if stager is None else {"async_stager": stager}
                 try:
                     result = dcp.async_save(state, checkpoint_id=str(tmp),
                                             process_group=self.group, planner=self._planner,
-                                            async_stager=stager)
+                                            **staging)
                 except BaseException:
                     if own is not None:
                         own.close()
@@ -310,6 +315,11 @@ class CheckpointManager:
         self.blocking_seconds_total += blocked
         return blocked
 
+    def _new_stager(self) -> Any:
+        """A stager for one save, or None where torch has no DefaultStager (then
+        dcp.async_save stages the state itself)."""
+        return None if self._stager_api is None else self._stager_api[0](self._stager_options)
+
     def _failed(self, what: str, err: BaseException) -> None:
         """Count a failed save and log it once, whole: its type, message and traceback.
         (The message alone was `<class 'type'>` for torch 2.11's stager KeyError.)"""
@@ -318,7 +328,7 @@ class CheckpointManager:
                   exc_info=(type(err), err, err.__traceback__))
 
     def _finish_async(self, fut: Future, step: int, tmp: Path, done: threading.Event,
-                      stager: DefaultStager | None = None) -> None:
+                      stager: Any = None) -> None:
         """Runs in DCP's writer thread once this rank's write is over; closes `stager`,
         the save's own, once the write no longer needs its buffers."""
         try:

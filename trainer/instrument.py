@@ -80,6 +80,7 @@ from clusterpulse.trainer.restart import (
     request_relaunch,
 )
 from clusterpulse.trainer.telemetry import AgentAddr, AgentLink, parse_agent_addr
+from clusterpulse.trainer.torch_support import require_supported
 
 log = logging.getLogger("clusterpulse.trainer.instrument")
 HEARTBEAT_EVERY_S = 1.0
@@ -228,6 +229,7 @@ class Pulse:
                  group: dist.ProcessGroup | None = None, catch_sigterm: bool = True,
                  before_process_group: bool = False,
                  straggler_state: str | os.PathLike[str] | None = None) -> None:
+        require_supported()  # UnsupportedTorch names the versions, before anything runs
         env = os.environ
         self.run = check_run_id(run)
         if consensus_every < 1:

@@ -86,6 +86,11 @@ from clusterpulse.trainer.restart import (
     relaunch_count_path,
     write_atomically,
 )
+from clusterpulse.trainer.torch_support import (
+    UnsupportedTorch,
+    rendezvous_keep_alive,
+    require_supported,
+)
 from clusterpulse.trainer.torchrun import GO, HOLD_FD_ENV, RDZV_POLL_ENV, rendezvous_poll_s
 from clusterpulse.trainer.warmstart import PRELOAD_OPTION, PRELOAD_PATH_OPTION
 
@@ -221,6 +226,7 @@ def command(a: argparse.Namespace, trainer_args: list[str]) -> list[str]:
         cmd += [f"--nnodes={a.nnodes}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id={a.rdzv_id}"]
         given = {kv.partition("=")[0].strip() for kv in a.rdzv_conf}
+        rendezvous_keep_alive()  # an older torch ignores the keep-alive: said once
         conf = [*a.rdzv_conf, *(f"{k}={v}" for k, v in RDZV_DEFAULTS.items() if k not in given)]
         if a.rdzv_host is not None:
             conf.insert(0, f"is_host={str(a.rdzv_host).lower()}")
@@ -636,6 +642,11 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
 
 def main(argv: list[str] | None = None) -> int:
     a, trainer_args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        require_supported()  # before any rank starts: one line, not a traceback per rank
+    except UnsupportedTorch as err:
+        print(f"clusterpulse-train: error: {err}", file=sys.stderr)
+        return 2
     a.nproc = ranks_per_node(a)  # once: torch's GPU count is not asked twice
     # the rendezvous' poll and the thread count are the job's unless the environment
     # names them

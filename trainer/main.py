@@ -35,9 +35,16 @@ from clusterpulse.trainer.faults import Faults
 from clusterpulse.trainer.flops import mfu
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.model import PRESETS, build_model
-from clusterpulse.trainer.parallel import DistInfo, init_distributed, local_attempt, wrap
+from clusterpulse.trainer.parallel import (
+    DistInfo,
+    init_distributed,
+    local_attempt,
+    require_parallel_supported,
+    wrap,
+)
 from clusterpulse.trainer.runstate import ProgressMark, RunState, progress_path
 from clusterpulse.trainer.state import TrainState, parameter_digest
+from clusterpulse.trainer.torch_support import UnsupportedTorch, require_supported
 from clusterpulse.trainer.warmstart import take_torchrun_thread_count
 
 log = logging.getLogger("clusterpulse.trainer")
@@ -495,8 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     take_torchrun_thread_count()  # a rank forked warm has its server's count
     try:
         cfg = parse_config(argv)
+        require_supported()
+        require_parallel_supported(cfg.parallel)
         trainer = Trainer(cfg)
-    except ConfigError as err:
+    except (ConfigError, UnsupportedTorch) as err:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
     outcome = "failed"

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV, relaunch_count_path
+from clusterpulse.trainer.torch_support import UnsupportedTorch, fsdp_on_cpu
 
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 RELAUNCHES_ENV = "CLUSTERPULSE_RELAUNCHES"  # graceful relaunches so far (clusterpulse-train)
@@ -190,6 +191,14 @@ def hold_process_groups_until_exit() -> None:
         atexit.register(_HELD_UNTIL_EXIT.clear)
     if all(group is not held for held in _HELD_UNTIL_EXIT):
         _HELD_UNTIL_EXIT.append(group)
+
+
+def require_parallel_supported(parallel: str) -> None:
+    """Before any process group: FSDP2 on CPU needs a torch that runs it (2.7+); every
+    rank would otherwise fail in its first all-gather, and torchrun restart them."""
+    if parallel == "fsdp" and not torch.cuda.is_available() and not fsdp_on_cpu():
+        raise UnsupportedTorch(f"FSDP on CPU needs torch >= 2.7 (this is {torch.__version__}): "
+                               "use --parallel ddp, or run on GPUs")
 
 
 def wrap(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:

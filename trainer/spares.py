@@ -45,7 +45,7 @@ trainer/warmstart/ calls too; clusterpulse-train --hot-spares sets it).
    that does not host the store waits in its launcher (`room_for_a_standby`).
 
 These wrap methods of torch's rendezvous classes and read their private state
-(checked for torch 2.13); where those are missing the wrappers give torch's answer.
+(checked for torch 2.6 to 2.13); where those are missing the wrappers give torch's answer.
 
 `running_without` reads the same state from the launcher, for any multi-node job: a
 node back from a leave (the remediation's evict-node) rejoins only once the job runs
@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from clusterpulse.trainer.restart import write_atomically
+from clusterpulse.trainer.torch_support import fallback
 
 HOT_SPARES_ENV = "CLUSTERPULSE_HOT_SPARES"  # set (to 1) for torchrun by the launcher
 RDZV_STATE_ENV = "CLUSTERPULSE_RDZV_STATE_FILE"  # where this node's rendezvous place goes
@@ -140,6 +141,8 @@ def install() -> None:
     action = getattr(dr, "_Action", None)
     if join_op is None or not all(hasattr(action, a) for a in (
             "REMOVE_FROM_WAIT_LIST", "ADD_TO_REDUNDANCY_LIST")):
+        fallback("the c10d rendezvous join decisions hot spares need (_RendezvousJoinOp)",
+                 "a standby node joins rounds as torch decides")
         return
     decide = join_op.__call__
 

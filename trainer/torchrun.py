@@ -27,10 +27,10 @@ rank's crash (torchrun at INFO, 2026-12-03): 0.4 s until torchrun saw its worker
    each node reads the state up to 1/interval times a second (5 instead of 1), from
    the rendezvous' own store (not the one the ranks use).
 
-Both change torch's private parts (checked for torch 2.13): `_delay` of the dynamic
-rendezvous, whose polling call passes one second, and its state holder's cache
+Both change torch's private parts (checked for torch 2.6 to 2.13): `_delay` of the
+dynamic rendezvous, whose polling call passes one second, and its state holder's cache
 duration (one second); the formatter on torch's log handlers. Where those are not
-there, torch runs as it is.
+there, torch runs as it is, and the log says so once (torch_support.fallback).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import math
 import os
 
 from clusterpulse.trainer import spares
+from clusterpulse.trainer.torch_support import fallback
 
 RDZV_POLL_ENV = "CLUSTERPULSE_RDZV_POLL_S"  # the rendezvous' poll, set by the launcher
 HOLD_FD_ENV = "CLUSTERPULSE_HOLD_FD"  # a torchrun started ahead of its turn waits on it
@@ -100,6 +101,7 @@ def render_tracebacks_plainly() -> None:
     try:
         from torch._logging._internal import TorchLogsFormatter, handlers
     except ImportError:  # another torch: its formatter as it is
+        fallback("torch._logging's TorchLogsFormatter", "torchrun's log lines as they are")
         return
     for handler in list(handlers):  # the handlers torch's logging set up
         if isinstance(handler.formatter, TorchLogsFormatter):
@@ -117,6 +119,8 @@ def poll_rendezvous_every(interval: float) -> None:
     delay = getattr(dr, "_delay", None)
     holder = getattr(dr, "_BackendRendezvousStateHolder", None)
     if delay is None or holder is None:  # another torch
+        fallback("c10d rendezvous _delay and _BackendRendezvousStateHolder",
+                 "the rendezvous polls every second, as torch's own")
         return
     torch_delay = getattr(delay, "_clusterpulse_torch", delay)
     torch_init = getattr(holder.__init__, "_clusterpulse_torch", holder.__init__)

@@ -18,8 +18,11 @@ from tests.support.worlds import gloo_world_of_one
 # attach_ddp's hooks), with a little room; a change that adds per-step work must
 # raise this deliberately, and say why. (177 on torch 2.x here; 199 before issue #26;
 # 206 since attach_ddp's three forward hooks run under torch.compiler.disable, eight
-# calls each, ~0.3 us: compiled models traced them, tests/unit/test_pulse_compile.py.)
-MAX_CALLS_PER_STEP = 215
+# calls each, ~0.3 us: compiled models traced them, tests/unit/test_pulse_compile.py.
+# 215.65 on torch 2.6, the oldest supported, whose compiler.disable wrapper makes
+# three more calls each time (justknobs_check, _maybe_set_eval_frame,
+# set_skip_guard_eval_unsafe): torch's own, the same for any model.)
+MAX_CALLS_PER_STEP = 222
 
 
 @pytest.fixture(scope="module")

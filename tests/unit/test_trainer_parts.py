@@ -33,8 +33,13 @@ from clusterpulse.trainer.faults import Faults, InjectError, parse_injection
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.runstate import ProgressMark, RunState, progress_path
 from clusterpulse.trainer.telemetry import AgentLink, parse_agent_addr
+from clusterpulse.trainer.torch_support import rendezvous_keep_alive
 from tests.support.ports import free_port
 from tests.support.procs import REPO, wait_until
+
+# The rendezvous handlers below beat every second where torch takes the setting (2.7+);
+# on the oldest supported torch they keep torch's own 5 s.
+KEEP_ALIVE = {"keep_alive_interval": 1} if rendezvous_keep_alive() else {}
 
 
 def test_injection_specs():
@@ -1076,7 +1081,7 @@ def test_a_node_waiting_for_a_full_round_restarts_no_one(tmp_path, monkeypatch):
     def handler(addr: str) -> DynamicRendezvousHandler:
         return DynamicRendezvousHandler.from_backend(
             "spares", store, C10dRendezvousBackend(store, "spares"), min_nodes=1,
-            max_nodes=1, local_addr=addr, keep_alive_interval=1)
+            max_nodes=1, local_addr=addr, **KEEP_ALIVE)
 
     place = tmp_path / "place"
     monkeypatch.setenv(spares.RDZV_STATE_ENV, str(place))
@@ -1169,7 +1174,7 @@ def test_a_node_back_from_a_leave_rejoins_only_once_the_job_runs_without_it():
     assert not spares.running_without(endpoint, "back", ("127.0.0.2", 1))  # no state yet
     member = DynamicRendezvousHandler.from_backend(
         "back", store, C10dRendezvousBackend(store, "back"), min_nodes=1, max_nodes=2,
-        local_addr="127.0.0.1", keep_alive_interval=1)
+        local_addr="127.0.0.1", **KEEP_ALIVE)
     assert not spares.running_without(endpoint, "back", ("127.0.0.2", 1))  # no round yet
     holder = member._state_holder
     with member._heartbeat_lock:
@@ -1210,7 +1215,7 @@ def _rendezvous_member(run_id: str, port: int = 0, min_nodes: int = 2, max_nodes
                                        timeout=datetime.timedelta(seconds=10))
     member = DynamicRendezvousHandler.from_backend(
         run_id, store, C10dRendezvousBackend(store, run_id), min_nodes=min_nodes,
-        max_nodes=max_nodes, local_addr="127.0.0.1", keep_alive_interval=1)
+        max_nodes=max_nodes, local_addr="127.0.0.1", **KEEP_ALIVE)
     return store, member
 
 
