@@ -24,8 +24,11 @@ launched its last bucket's all-reduce) while DDP runs its normal C++ all-reduce;
 time from there to the end of backward is waiting for peers, and so is the time in
 DDP's broadcast of the model's buffers before each forward (a late peer is waited for
 there too), and so is the time in any other blocking collective the model or the
-loop runs inside forward_backward (SyncBatchNorm's statistics, a `dist.all_reduce`
-of the batch's figures: `collective_timing`; not DTensor's functional collectives). From the
+loop runs in the step (`collective_timing`): in forward_backward (SyncBatchNorm's
+statistics, a `dist.all_reduce` of the batch's figures), in the optimizer (clipping's
+norm on a sharded model, a check across ranks that the gradients are finite) or
+outside any section; not in a checkpoint or data section (their own figures), and
+not DTensor's functional collectives nor `async_op=True` ones. From the
 start of backward to its end DDP's all-reduces run: the gradient
 bytes each rank moves over that window is the step's achieved bus bandwidth (a lower
 bound: the window also holds backward compute the all-reduces overlap), the figure that
@@ -186,14 +189,11 @@ class _Section:
     def __enter__(self) -> None:
         self.t0 = time.perf_counter()
         self.ctx.pulse._enter(self.name)
-        if self.name == "forward_backward":  # the model's own collectives: sync wait
-            collective_timing.state.timer = self.ctx.pulse
 
     def __exit__(self, *_exc: object) -> None:
         ctx, name = self.ctx, self.name
         ctx.sections[name] = ctx.sections.get(name, 0.0) + time.perf_counter() - self.t0
         if name == "forward_backward":
-            collective_timing.state.timer = None
             ctx.fb_end = ctx.pulse._clock.mark()
         ctx.pulse._enter("step")
 
@@ -212,6 +212,7 @@ class _Step:
         return self.ctx
 
     def __exit__(self, kind: type[BaseException] | None, *_exc: object) -> None:
+        collective_timing.state.timer = None  # between steps collectives are counted only
         if kind is None:
             self.pulse._end_step(self.ctx)
 
@@ -483,20 +484,28 @@ class Pulse:
 
     def _collective_in_step(self, op: str, call: Callable[..., Any], args: tuple[Any, ...],
                             kwargs: dict[str, Any]) -> Any:
-        """A blocking collective the model or the loop runs inside forward_backward
-        (through `collective_timing`'s wrappers: SyncBatchNorm's statistics, a loop's
-        `dist.all_reduce`): sync wait, exactly as DDP's buffer broadcast, and
-        counted as entered and completed (a hang there names the rank not in it).
+        """A blocking collective the model or the loop runs in a step (through
+        `collective_timing`'s wrappers): in forward_backward (SyncBatchNorm's
+        statistics, a loop's `dist.all_reduce`), in the optimizer (clipping's norm on a
+        sharded model, a check across ranks that the gradients are finite, a metric)
+        or outside any section. The rank waits there for its slowest peer: sync wait,
+        exactly as DDP's buffer broadcast, and counted as entered and completed (a hang
+        there names the rank not in it). In the optimizer it was counted as compute,
+        and a healthy rank that waited there for a slow peer paged as the straggler.
 
-        Left to the marks that already hold it: inside DDP's pre-forward (its interval
-        is timed whole), and after this step's syncing backward (the wait from the last
-        gradient to the section's end is sync wait already). Left untimed: calls from
-        another thread than the loop's, outside a backward (a background checkpoint's:
-        they overlap the step's own work), and on CUDA calls on another stream than the
-        step's (FSDP1's unshard stream): overlapping the compute, subtracting them
-        would take it away. Those on the loop's thread are still counted, as in any
-        phase (`collective_timing.counted`)."""
-        if (self._fwd_start is not None or self._bucket_marks
+        Not timed in a checkpoint or data section of the step: those are figures of
+        their own, and a collective there is part of them. Left to the marks that
+        already hold it: inside DDP's pre-forward (its interval is timed whole), and in
+        forward_backward (or a step without sections) after this step's syncing
+        backward (the wait from the last gradient to the section's end is sync wait
+        already). Left untimed: calls from another thread than the loop's, outside a
+        backward (a background checkpoint's: they overlap the step's own work), and on
+        CUDA calls on another stream than the step's (FSDP1's unshard stream):
+        overlapping the compute, subtracting them would take it away. Those on the
+        loop's thread are still counted, as in any phase
+        (`collective_timing.counted`)."""
+        if (self.phase not in IN_STEP_PHASES or self._fwd_start is not None
+                or (self._bucket_marks and self.phase != "optimizer")
                 or (threading.get_ident() != self._loop_thread
                     and torch._C._current_graph_task_id() == -1)
                 or (self._step_stream is not None
@@ -568,6 +577,9 @@ class Pulse:
         ctx.start_mark = self._clock.mark()
         if self._on_cuda:
             self._step_stream = torch.cuda.current_stream()
+        # a blocking collective in the step waits for peers, in whatever section: an
+        # attribute store, no call on the step's path (`_collective_in_step`)
+        collective_timing.state.timer = self
 
     def _end_step(self, ctx: StepContext) -> None:
         step, fetch, start_mark = ctx.step, ctx.fetch, ctx.start_mark
