@@ -1,18 +1,22 @@
-"""The model's own collectives inside a step's forward_backward, timed as sync wait;
-every blocking collective of the loop's thread, in any phase, counted.
+"""The blocking collectives the model or the loop runs inside a step, timed as sync
+wait; every blocking collective of the loop's thread, in any phase, counted.
 
 A rank whose model runs a collective in forward or backward (SyncBatchNorm gathers its
 batch statistics in forward and all-reduces in backward; a layer or the loop
 all-reduces its batch statistics) waits there for a late peer, and
 that wait fell inside forward_backward: counted as the rank's compute, the waiting,
-healthy rank paged as the straggler. DDP's gradient all-reduce and its buffer broadcast
-are timed by `Pulse.attach_ddp`; everything else has no hook to time it by.
+healthy rank paged as the straggler. The same in the optimizer section: clipping's norm
+all-reduce on a sharded model (FSDP1's `clip_grad_norm_`), a check across ranks that the
+gradients are finite, a metric all-reduced after backward. DDP's gradient all-reduce and
+its buffer broadcast are timed by `Pulse.attach_ddp`; everything else has no hook to
+time it by.
 
 So, as DeepSpeed's comms logger does, the blocking collectives of `torch.distributed`
 (`COLLECTIVES`) are replaced by wrappers, once per process, when a Pulse is made in a
-distributed run. While a `forward_backward` section is open, a wrapper hands its
-call to the step's timer (`Pulse._collective_in_step`: two clock marks, so on CUDA the
-stream's wait for NCCL is seen; only on the loop's thread or in its backward);
+distributed run. While a step is open, a wrapper hands its call to the step's timer
+(`Pulse._collective_in_step`: two clock marks, so on CUDA the stream's wait for NCCL is
+seen; only on the loop's thread or in its backward, and only in the step's own phases:
+in a checkpoint or data section of the step it is counted, its time that section's);
 otherwise it calls the original after a compile check and one attribute check, and a
 step without collectives of its own makes no call here at all. Callers look the
 function up on `torch.distributed` when they call it (SyncBatchNorm does, and
@@ -34,7 +38,9 @@ another is one wait: a per-thread depth); and never ClusterPulse's own, which co
 themselves (`untimed()`).
 
 Not seen either: collectives with `async_op=True` (they complete where the caller
-waits on the work, which is not known here: left uncounted), collectives issued from
+waits on the work, which is not known here: left uncounted; ZeroRedundancyOptimizer's
+parameter broadcast in `step()` is one, so a wait there is still compute), collectives
+issued from
 C++ (DDP's own, timed by attach_ddp; NCCL calls of a custom extension), and those under
 `torch.compile` (the compiled graph runs functional collectives; the wrapper steps
 aside while dynamo traces, so the graph is the same as without it). ClusterPulse's own
@@ -88,9 +94,9 @@ class StepTimer(Protocol):
 
 
 class _State:
-    """`timer`: set while a forward_backward section is open (by the section itself,
-    an attribute store: no call on the step's path), None otherwise and while a timed
-    collective runs (a collective it calls in turn is part of it). `log` and `thread`:
+    """`timer`: set while a step is open (by the step itself, an attribute store: no
+    call on the step's path), None otherwise and while a timed collective runs (a
+    collective it calls in turn is part of it). `log` and `thread`:
     the Pulse's collective counts and the thread its loop runs on, set while a Pulse
     is open (the latest one made), None otherwise."""
 

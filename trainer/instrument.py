@@ -21,13 +21,18 @@ Why the split matters: in synchronous training every rank's step takes as long a
 slowest rank's, so step time cannot name the straggler. With DDP an autograd callback
 stamps the moment every gradient is computed (the rank's own work is done; DDP has
 launched its last bucket's all-reduce) while DDP runs its normal C++ all-reduce; the
-time from there to the end of backward is waiting for peers, and so is the time in
+time from there to the all-reduce's end (a second callback, run after DDP's own has
+waited for it) is waiting for peers, in every backward DDP reduces (gradient
+accumulation without `no_sync()`, two passes a step: each), and so is the time in
 DDP's broadcast of the model's buffers before each forward (a late peer is waited for
 there too), and so is the time in any other blocking collective the model or the
-loop runs inside forward_backward (SyncBatchNorm's statistics, a `dist.all_reduce`
-of the batch's figures: `collective_timing`; not DTensor's functional collectives). From the
-start of backward to its end DDP's all-reduces run: the gradient
-bytes each rank moves over that window is the step's achieved bus bandwidth (a lower
+loop runs in the step (`collective_timing`): in forward_backward (SyncBatchNorm's
+statistics, a `dist.all_reduce` of the batch's figures), in the optimizer (clipping's
+norm on a sharded model, a check across ranks that the gradients are finite) or
+outside any section; not in a checkpoint or data section (their own figures), and
+not DTensor's functional collectives nor `async_op=True` ones. From the
+start of such a backward to its all-reduce's end DDP's all-reduces run: the gradient
+bytes each rank moves over those windows is the step's achieved bus bandwidth (a lower
 bound: the window also holds backward compute the all-reduces overlap), the figure that
 falls for every rank together when a link on the ring is slow. A few Python calls per
 step, whatever the model's size. Without DDP (e.g. FSDP)
@@ -51,7 +56,6 @@ import statistics
 import sys
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -160,7 +164,6 @@ class StepContext:
         self.samples = 0
         self.tokens = 0
         self.sections: dict[str, float] = {}
-        self.fb_end: Any = None  # clock mark at the end of forward_backward
         self._extra_wait = 0.0
         self.t0 = 0.0  # perf_counter at the step's start, and the input wait before it
         self.fetch = 0.0
@@ -187,15 +190,10 @@ class _Section:
     def __enter__(self) -> None:
         self.t0 = time.perf_counter()
         self.ctx.pulse._enter(self.name)
-        if self.name == "forward_backward":  # the model's own collectives: sync wait
-            collective_timing.state.timer = self.ctx.pulse
 
     def __exit__(self, *_exc: object) -> None:
         ctx, name = self.ctx, self.name
         ctx.sections[name] = ctx.sections.get(name, 0.0) + time.perf_counter() - self.t0
-        if name == "forward_backward":
-            collective_timing.state.timer = None
-            ctx.fb_end = ctx.pulse._clock.mark()
         ctx.pulse._enter("step")
 
 
@@ -213,6 +211,7 @@ class _Step:
         return self.ctx
 
     def __exit__(self, kind: type[BaseException] | None, *_exc: object) -> None:
+        collective_timing.state.timer = None  # between steps collectives are counted only
         if kind is None:
             self.pulse._end_step(self.ctx)
 
@@ -258,19 +257,20 @@ class Pulse:
         self._on_cuda = isinstance(self._clock, _CudaClock)
         self._loop_thread = threading.get_ident()  # where the steps run
         self._step_stream: Any = None  # CUDA: the stream the step's marks are on
-        self._bucket_marks: list[Any] = []  # the rank's own backward work done (DDP)
-        self._first_grad: Any = None  # this step's syncing backward began (window's start)
+        # each backward of the step that DDP reduced: (it began, the rank's own work
+        # done, DDP's all-reduce done); the open one's first two marks
+        self._ddp_passes: list[tuple[Any, Any, Any]] = []
         self._backward_start: Any = None
+        self._own_work_done: Any = None
         self._backward_open = False  # a syncing backward is running, its callback queued
         self._fwd_start: Any = None  # DDP's forward entered, its pre-forward not yet done
-        # DDP's pre-forward, and the model's own collectives in forward_backward
+        # DDP's pre-forward, and the blocking collectives of the step (_collective_in_step)
         self._fwd_waits: list[tuple[Any, Any]] = []
         self._has_hook = False
         self._hooks: list[Any] = []  # removed at close: the model outlives no Pulse
-        self._allreduce_bytes = 0.0  # bytes each rank moves per step in DDP's all-reduce
+        self._allreduce_bytes = 0.0  # bytes each rank moves in one of DDP's all-reduces
         self._comm_marks: list[tuple[Any, Any, float]] = []  # FSDP: (start, end, bytes)
-        self._pending: list[tuple[StepContext, Any, Any, Any, Any, float, Any, list,
-                                  list]] = []
+        self._pending: list[tuple[StepContext, Any, Any, float, list, list, list]] = []
         self._probes: list[tuple[Any, Any]] = []
         self._fetch_wait = 0.0
         self._input_since: float | None = None  # awaiting_input() began, not yet arrived
@@ -347,22 +347,32 @@ class Pulse:
         in the forward; DDP's own C++ all-reduce is kept. A constant number of Python
         calls per step, whatever the model's size.
 
-        Backward: the model's output gets a gradient hook (the first node of the
-        backward) that queues an autograd engine callback. The engine runs its
-        callbacks once every gradient is computed, in the order queued: this one before
-        DDP's own, which DDP queues when its last bucket is ready and which waits for
-        the all-reduces. So the callback marks the rank's own work done (DDP has
-        launched every bucket's all-reduce); from there to the end of forward_backward
-        the rank waits for its peers. The output hook opens the all-reduce window
-        (buckets launch as their gradients become ready, from then on); with the bytes
-        DDP reduces, a ring all-reduce over DDP's group moves `ring_allreduce_bytes` of
-        them per rank in it. A hook per parameter gave the same marks at one Python
-        call per parameter per backward (thousands at 7B); these hold whatever the
-        gradient order, unused parameters included. Backward passes under `no_sync()`
-        (gradient accumulation) reduce nothing and are not marked: the window is the
-        syncing pass's. No Python DDP comm hook: its futures run Python callbacks on
-        gloo's threads, which can abort the process at interpreter exit ("terminate
-        called without an active exception").
+        Backward: the output of a forward that DDP prepared to reduce gets a gradient
+        hook (the first node of the backward) that queues an autograd engine callback.
+        The engine runs its callbacks once every gradient is computed, in the order
+        queued, and then those they queue: this one before DDP's own, which DDP queues
+        when its last bucket is ready and which waits for the all-reduces. So the
+        callback marks the rank's own work done (DDP has launched every bucket's
+        all-reduce) and queues a second, which runs after DDP's has waited: from the
+        one mark to the other the rank waits for its peers. The output hook opens the
+        all-reduce window (buckets launch as their gradients become ready, from then
+        on); with the bytes DDP reduces, a ring all-reduce over DDP's group moves
+        `ring_allreduce_bytes` of them per rank in it. A hook per parameter gave the
+        same marks at one Python call per parameter per backward (thousands at 7B);
+        these hold whatever the gradient order, unused parameters included.
+
+        Every backward that DDP reduces is marked so, however many a step has: a loop
+        that accumulates gradients without `no_sync()`, or runs two forward/backward
+        passes a step (SAM), reduces in each. (The wait used to run from the step's
+        last such mark to the end of forward_backward: an earlier pass's wait was
+        compute, and its all-reduce stayed entered for good.) Whether a backward
+        reduces is DDP's decision in the forward (`no_sync()` around the forward: it
+        prepares its reducer or not), so it is read there: a forward outside
+        `no_sync()` whose backward runs inside it still reduces, as DDP's docs warn.
+        Backward passes that reduce nothing (gradient accumulation's under
+        `no_sync()`) are not marked. No Python DDP comm hook: its futures run Python
+        callbacks on gloo's threads, which can abort the process at interpreter exit
+        ("terminate called without an active exception").
 
         Forward: DDP broadcasts the model's buffers from rank 0 before every forward
         (broadcast_buffers=True, its default: a causal mask, BatchNorm statistics, a
@@ -376,29 +386,32 @@ class Pulse:
         self._allreduce_bytes = ring_allreduce_bytes(
             sum(p.numel() * p.element_size() for p in params),
             group.size() if group is not None else self.world_size)
-        # The hooks live on the model: a strong reference back to the model (or its
-        # parameters) is a cycle through tensors that the garbage collector cannot
-        # free, so the DDP model, its reducer and process group lived until interpreter
-        # finalization, where their C++ destructors (gloo's threads) run while Python
-        # is half torn down.
-        model_ref = weakref.ref(ddp_model)
+        # The hooks live on the model and hold no reference to it (DDP's forward hook
+        # is handed it): one back would be a cycle through tensors that the garbage
+        # collector cannot free, so the DDP model, its reducer and process group lived
+        # until interpreter finalization, where their C++ destructors (gloo's threads)
+        # run while Python is half torn down.
         engine = torch.autograd.Variable._execution_engine
+
+        def all_reduced() -> None:
+            self._ddp_passes.append(
+                (self._backward_start, self._own_work_done, self._clock.mark()))
+            if self._ddp_seq is not None:
+                self.collectives.complete(self._ddp_seq)
+                self._ddp_seq = None
 
         def own_work_done() -> None:
             self._backward_open = False
-            mark = self._clock.mark()
-            self._bucket_marks.append(mark)
-            self._first_grad = self._backward_start
+            self._own_work_done = self._clock.mark()
             # DDP has launched every bucket: this rank has entered the gradient
-            # all-reduce; it completes when the step ends (backward has returned)
+            # all-reduce; it completes once DDP's callback, queued before this one's,
+            # has waited for it
             self._ddp_seq = self.collectives.enter("all_reduce")
+            engine.queue_callback(all_reduced)
 
         def backward_starts(_grad: torch.Tensor) -> None:
-            model = model_ref()
-            if model is None or not getattr(model, "require_backward_grad_sync", True):
-                return  # inside no_sync(): no all-reduce follows this backward
             if self._backward_open:
-                return  # a second output of the same forward: one mark per backward
+                return  # another output of a forward: one mark per backward
             self._backward_open = True
             self._backward_start = self._clock.mark()
             engine.queue_callback(own_work_done)
@@ -413,8 +426,10 @@ class Pulse:
                 self._fwd_waits.append((self._fwd_start, self._clock.mark()))
                 self._fwd_start = None
 
-        def forward_done(_module: Any, _args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled():
+        def forward_done(module: Any, _args: Any, output: Any) -> None:
+            # DDP's own condition for preparing its reducer in this forward: the
+            # backward of this output reduces exactly then
+            if not (torch.is_grad_enabled() and module.require_backward_grad_sync):
                 return
             for t in tree_leaves(output):  # each: the loss may use any of them
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -485,20 +500,24 @@ class Pulse:
 
     def _collective_in_step(self, op: str, call: Callable[..., Any], args: tuple[Any, ...],
                             kwargs: dict[str, Any]) -> Any:
-        """A blocking collective the model or the loop runs inside forward_backward
-        (through `collective_timing`'s wrappers: SyncBatchNorm's statistics, a loop's
-        `dist.all_reduce`): sync wait, exactly as DDP's buffer broadcast, and
-        counted as entered and completed (a hang there names the rank not in it).
+        """A blocking collective the model or the loop runs in a step (through
+        `collective_timing`'s wrappers): in forward_backward (SyncBatchNorm's
+        statistics, a loop's `dist.all_reduce`), in the optimizer (clipping's norm on a
+        sharded model, a check across ranks that the gradients are finite, a metric)
+        or outside any section. The rank waits there for its slowest peer: sync wait,
+        exactly as DDP's buffer broadcast, and counted as entered and completed (a hang
+        there names the rank not in it). In the optimizer it was counted as compute,
+        and a healthy rank that waited there for a slow peer paged as the straggler.
 
-        Left to the marks that already hold it: inside DDP's pre-forward (its interval
-        is timed whole), and after this step's syncing backward (the wait from the last
-        gradient to the section's end is sync wait already). Left untimed: calls from
-        another thread than the loop's, outside a backward (a background checkpoint's:
-        they overlap the step's own work), and on CUDA calls on another stream than the
-        step's (FSDP1's unshard stream): overlapping the compute, subtracting them
-        would take it away. Those on the loop's thread are still counted, as in any
-        phase (`collective_timing.counted`)."""
-        if (self._fwd_start is not None or self._bucket_marks
+        Not timed in a checkpoint or data section of the step: those are figures of
+        their own, and a collective there is part of them. Left to the marks that
+        already hold it: inside DDP's pre-forward (its interval is timed whole). Left
+        untimed: calls from another thread than the loop's, outside a backward (a
+        background checkpoint's: they overlap the step's own work), and on CUDA calls
+        on another stream than the step's (FSDP1's unshard stream): overlapping the
+        compute, subtracting them would take it away. Those on the loop's thread are
+        still counted, as in any phase (`collective_timing.counted`)."""
+        if (self.phase not in IN_STEP_PHASES or self._fwd_start is not None
                 or (threading.get_ident() != self._loop_thread
                     and torch._C._current_graph_task_id() == -1)
                 or (self._step_stream is not None
@@ -554,12 +573,12 @@ class Pulse:
             ctx.sections["data"] = fetch
         ctx.fetch = fetch
         self._enter("step")
-        self._first_grad = None
         self._backward_open = False
         # fresh lists only where the last step left marks (the pending step keeps its
-        # own copies): most steps leave most of them empty
-        if self._bucket_marks:
-            self._bucket_marks = []
+        # own copies): most steps leave most of them empty; a backward between steps
+        # is none of this step's
+        if self._ddp_passes:
+            self._ddp_passes = []
         if self._fwd_waits:
             self._fwd_waits = []
         if self._probes:
@@ -570,12 +589,12 @@ class Pulse:
         ctx.start_mark = self._clock.mark()
         if self._on_cuda:
             self._step_stream = torch.cuda.current_stream()
+        # a blocking collective in the step waits for peers, in whatever section: an
+        # attribute store, no call on the step's path (`_collective_in_step`)
+        collective_timing.state.timer = self
 
     def _end_step(self, ctx: StepContext) -> None:
         step, fetch, start_mark = ctx.step, ctx.fetch, ctx.start_mark
-        if self._ddp_seq is not None:
-            self.collectives.complete(self._ddp_seq)
-            self._ddp_seq = None
         loss = ctx.loss
         if isinstance(loss, torch.Tensor) and loss.device.type == "cuda":
             # enqueue the copy before the end mark: readable once that mark completes;
@@ -588,11 +607,11 @@ class Pulse:
             ctx.loss = ctx.loss_buffer = host
         end_mark = self._clock.mark()
         wall = time.perf_counter() - ctx.t0 + fetch
-        last_bucket = self._bucket_marks[-1] if self._bucket_marks else None
-        # a window only where the syncing backward completed: DDP then reduced them all
-        first_bucket = self._first_grad if last_bucket is not None else None
-        self._pending.append((ctx, start_mark, first_bucket, last_bucket, end_mark, wall,
-                              ctx.fb_end, self._probes + self._fwd_waits, self._comm_marks))
+        passes = self._ddp_passes
+        if passes:  # the pending step keeps them
+            self._ddp_passes = []
+        self._pending.append((ctx, start_mark, end_mark, wall, passes,
+                              self._probes + self._fwd_waits, self._comm_marks))
         self._comm_marks = []
         self._step = step
         self._enter("between")
@@ -602,36 +621,33 @@ class Pulse:
         """Turn finished steps' marks into figures and send them (CUDA: a step late)."""
         clock = self._clock
         while self._pending:
-            (ctx, start, first_bucket, last_bucket, end, wall, fb_end, probes,
-             comm_marks) = self._pending[0]
+            ctx, start, end, wall, passes, probes, comm_marks = self._pending[0]
             total = clock.elapsed(start, end)
             if total is None:
                 return
             data = ctx.sections.get("data", 0.0)
             ckpt = ctx.sections.get("checkpoint", 0.0)
-            # sync probes and DDP's pre-forward collectives: waits outside the backward
+            # sync probes, DDP's pre-forward and the step's blocking collectives: waits
+            # outside the backward
             probe_wait = sum(clock.elapsed(a, b) or 0.0 for a, b in probes) if probes \
                 else 0.0
-            comm, comm_bytes = None, self._allreduce_bytes
+            comm, comm_bytes = None, 0.0
             if comm_marks:  # FSDP's timed collectives, each on its own stream (CUDA)
                 times = [clock.elapsed(a, b) for a, b, _ in comm_marks]
                 if None in times:
                     return  # one still runs on its stream: report on a later step
                 comm = sum(t for t in times if t is not None)
                 comm_bytes = sum(n for _, _, n in comm_marks)
-            if last_bucket is not None:
-                # sync wait: last bucket ready -> end of forward_backward, on one clock;
-                # the all-reduce window: first bucket ready -> the same end
-                ref = fb_end if fb_end is not None else end
-                # no section: the tail also holds the optimizer
-                tail = 0.0 if fb_end is not None else ctx.sections.get("optimizer", 0.0)
-                sync_wait = max(0.0, (clock.elapsed(last_bucket, ref) or 0.0) - tail) \
-                    + probe_wait
-                if first_bucket is not None:
-                    comm = max(0.0, (clock.elapsed(first_bucket, ref) or 0.0) - tail)
-                    comm += probe_wait  # DDP's buffer broadcast: a collective too
-            else:
-                sync_wait = probe_wait
+            sync_wait = probe_wait
+            if passes:
+                # each backward DDP reduced, on one clock: the rank's own work done ->
+                # the all-reduce done is sync wait; the window, from the backward's
+                # start, and the bytes are each all-reduce's
+                comm = probe_wait  # DDP's buffer broadcast: a collective too
+                for began, done, reduced in passes:
+                    sync_wait += clock.elapsed(done, reduced) or 0.0
+                    comm += clock.elapsed(began, reduced) or 0.0
+                comm_bytes = self._allreduce_bytes * len(passes)
             self._pending.pop(0)
             if isinstance(clock, _CudaClock):
                 # device time of the step; input waits are host-side and come on top

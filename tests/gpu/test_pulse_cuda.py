@@ -91,7 +91,7 @@ def test_ddp_marks_with_buffers_never_sync_the_device(nccl_world_of_one):
                     opt.step()
                     opt.zero_grad()
                 s.loss = loss
-            assert len(pulse._bucket_marks) == 1 and len(pulse._fwd_waits) == 1
+                assert len(pulse._ddp_passes) == 1 and len(pulse._fwd_waits) == 1
             pulse.boundary(step)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.buffers_job import DELAY_S, WORK_S, run_ranks
+from clusterpulse.trainer.collectives import ring_allreduce_bytes
+from tests.support.buffers_job import DELAY_S, WORK_S, CausalBlock, run_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -63,3 +64,21 @@ def test_a_wait_in_the_models_own_forward_collective_is_sync_wait(tmp_path):
     assert slow["compute_seconds"] > WORK_S + 0.7 * DELAY_S, figures
     assert slow["straggler_score"] > 1.5, figures
     _others_stay_normal(figures)
+
+
+def test_waits_in_every_all_reduce_of_a_step_and_in_the_optimizer_are_sync_wait(tmp_path):
+    """Review of #31: a loop that accumulates gradients over two micro-batches that
+    both reduce, and checks across ranks in the optimizer section that the gradients
+    are finite (buffers_job's mode accumulate). The peers wait for the straggler in the
+    first micro-batch's all-reduce and in that check: attach_ddp timed only the last
+    all-reduce of a step, and a collective in the optimizer was compute, so the peers'
+    compute held the straggler's delay and it did not stand out. Both all-reduces
+    move the gradients: twice the bytes of one."""
+    figures = _run(tmp_path, "accumulate")
+    slow = figures[SLOW]
+    assert slow["compute_seconds"] > WORK_S + 0.7 * DELAY_S, figures
+    assert slow["straggler_score"] > 1.5, figures
+    _others_stay_normal(figures)
+    grads = sum(p.numel() * p.element_size() for p in CausalBlock().parameters())
+    for v in figures.values():
+        assert v["comm_bytes"] == 2 * ring_allreduce_bytes(grads, RANKS), figures

@@ -20,6 +20,14 @@ Mode `syncbn` is the same with the real `nn.SyncBatchNorm` (CUDA and NCCL only: 
 refuses it on CPU) and DDP's buffer broadcast off, so that the peers wait in
 SyncBatchNorm's all-gather, not in the broadcast.
 
+Mode `accumulate`: the loop of the review of #31 that attach_ddp got wrong. It
+accumulates gradients over two micro-batches that both reduce (no `no_sync()`: two
+gradient all-reduces a step, as SAM's two passes run too), and in the optimizer
+section checks across ranks that the gradients are finite before stepping (an
+all-reduce, as clipping's norm on a sharded model). The straggler is slower in the
+first micro-batch and in the optimizer before the check: its peers wait for it in the
+first all-reduce and in the check, and both waits are sync wait.
+
     torchrun --nproc-per-node 3 tests/support/buffers_job.py compute 2 30 OUT_DIR
 
 `run_ranks` runs it so from a test and returns each rank's median figures.
@@ -42,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from clusterpulse.trainer.instrument import Pulse
+from clusterpulse.trainer.instrument import Pulse, StepContext
 from clusterpulse.trainer.parallel import init_distributed
 from tests.support.procs import REPO
 
@@ -115,6 +123,44 @@ def batches(rank: int, slow_data: bool) -> Iterator[tuple[torch.Tensor, torch.Te
         yield torch.rand(8, SEQ, DIM, generator=g), torch.rand(8, 1, generator=g)
 
 
+def one_pass(model: DDP, opt: torch.optim.Optimizer, s: StepContext, x: torch.Tensor,
+             y: torch.Tensor, mode: str, slow: bool) -> torch.Tensor:
+    """The README's step: one forward and backward, then the optimizer."""
+    extra = DELAY_S / 2 if mode == "compute" and slow else 0.0
+    with s.section("forward_backward"):
+        loss = F.mse_loss(model(x), y)
+        if not isinstance(model.module, NormNet):  # there: in its forward
+            time.sleep(WORK_S + extra)
+        loss.backward()
+    with s.section("optimizer"):
+        time.sleep(extra)
+        opt.step()
+        opt.zero_grad()
+    return loss
+
+
+def accumulate_and_check(model: DDP, opt: torch.optim.Optimizer, s: StepContext,
+                         x: torch.Tensor, y: torch.Tensor, _mode: str,
+                         slow: bool) -> torch.Tensor:
+    """Mode accumulate: two micro-batches that both reduce, then a check across ranks
+    that the gradients are finite, in the optimizer section."""
+    late = DELAY_S / 2 if slow else 0.0
+    with s.section("forward_backward"):
+        for micro, extra in enumerate((late, 0.0)):
+            loss = F.mse_loss(model(x[micro::2]), y[micro::2]) / 2
+            time.sleep(WORK_S / 2 + extra)
+            loss.backward()
+    with s.section("optimizer"):
+        time.sleep(late)
+        finite = torch.stack([p.grad.isfinite().all() for p in model.parameters()])
+        every = finite.all().float().reshape(1)
+        dist.all_reduce(every, op=dist.ReduceOp.MIN)  # every rank steps, or none
+        if every.item() == 1:
+            opt.step()
+        opt.zero_grad()
+    return loss
+
+
 def main(mode: str, slow_rank: int, steps: int, out_dir: Path) -> None:
     info = init_distributed(timeout_s=120)
     out = (out_dir / f"rank{info.rank}.jsonl").open("w")
@@ -133,17 +179,9 @@ def main(mode: str, slow_rank: int, steps: int, out_dir: Path) -> None:
         data = batches(info.rank, mode == "data" and slow)
         for step, (x, y) in enumerate(pulse.data(data), start=1):
             with pulse.step(step) as s:
-                extra = DELAY_S / 2 if mode == "compute" and slow else 0.0
-                with s.section("forward_backward"):
-                    loss = F.mse_loss(model(x.to(info.device)), y.to(info.device))
-                    if not isinstance(model.module, NormNet):  # there: in its forward
-                        time.sleep(WORK_S + extra)
-                    loss.backward()
-                with s.section("optimizer"):
-                    time.sleep(extra)
-                    opt.step()
-                    opt.zero_grad()
-                s.loss = loss.detach()
+                train = accumulate_and_check if mode == "accumulate" else one_pass
+                s.loss = train(model, opt, s, x.to(info.device), y.to(info.device),
+                               mode, slow).detach()
             pulse.boundary(step)
             out.write(json.dumps({"step": step, **pulse.last,
                                   "straggler_score": pulse.extra.get("straggler_score")}) + "\n")
@@ -174,6 +212,9 @@ def run_ranks(tmp_path: Path, mode: str, ranks: int, slow: int,
         figures[rank] = {k: statistics.median(r[k] for r in steady) for k in (
             "step_seconds", "compute_seconds", "sync_wait_seconds", "data_wait_seconds")}
         figures[rank]["straggler_score"] = rows[-1]["straggler_score"]
+        # what a rank moves in DDP's gradient all-reduces a step (none: 0)
+        figures[rank]["comm_bytes"] = statistics.median(r.get("comm_bytes", 0.0)
+                                                        for r in steady)
     return figures
 
 

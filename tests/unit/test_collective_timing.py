@@ -7,6 +7,7 @@ waits themselves are tested with real ranks in tests/integration/test_attributio
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -64,12 +65,47 @@ def test_in_forward_backward_a_blocking_collective_is_sync_wait(
             with collective_timing.untimed():  # ClusterPulse's own: timed by itself
                 dist.all_reduce(t)
             assert len(pulse._fwd_waits) == 2
-        dist.all_reduce(t)  # in the optimizer: counted, not the forward's sync wait
-        assert collective_timing.state.timer is None
+        dist.all_reduce(t)  # after the section, in the step: sync wait too
+        assert len(pulse._fwd_waits) == 3
+    assert collective_timing.state.timer is None  # the step is over: counted only
     assert pulse.collectives.entered == pulse.collectives.completed == 4
     assert entered == ["all_reduce", "all_reduce", "all_gather", "all_reduce"]
     assert torch.equal(gathered[0], torch.ones(3))
     assert pulse.last["sync_wait_seconds"] > 0
+
+
+WAIT_S = 0.05  # a late peer, waited for inside a collective
+
+
+def test_in_every_part_of_a_step_a_blocking_collectives_wait_is_sync_wait(
+        pulse: Pulse) -> None:
+    """Review of #31: in the optimizer section the wait was counted as compute, so a
+    healthy rank waiting there for a slow peer paged as the straggler: clipping's norm
+    all-reduce on a sharded model, a loop's NaN check or metric all-reduce after
+    backward. So in the optimizer section and in a step outside any section, as in
+    forward_backward. A checkpoint section's is the checkpoint's own figure: counted
+    only, as the data phase's. The late peer: an all_reduce that takes WAIT_S."""
+    def late_peer(t: torch.Tensor) -> None:
+        time.sleep(WAIT_S)
+        collective_timing.originals["all_reduce"](t)
+
+    all_reduce = collective_timing._wrap("all_reduce", late_peer)
+    t = torch.ones(1)
+    with pulse.step(1) as s:
+        with s.section("forward_backward"):
+            pass
+        with s.section("optimizer"):
+            all_reduce(t)  # a gradient norm, a NaN check across ranks
+    assert pulse.last["sync_wait_seconds"] >= WAIT_S, pulse.last
+    assert pulse.last["compute_seconds"] < WAIT_S, pulse.last
+    with pulse.step(2):  # a loop without sections
+        all_reduce(t)
+    assert pulse.last["sync_wait_seconds"] >= WAIT_S, pulse.last
+    assert pulse.last["compute_seconds"] < WAIT_S, pulse.last
+    with pulse.step(3) as s, s.section("checkpoint"):
+        all_reduce(t)  # DCP's planning: the checkpoint's time, not a sync wait
+    assert pulse.last["sync_wait_seconds"] == 0, pulse.last
+    assert pulse.collectives.entered == pulse.collectives.completed == 3
 
 
 def test_exceptions_are_torchs_own(pulse: Pulse) -> None:

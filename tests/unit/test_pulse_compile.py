@@ -45,10 +45,10 @@ from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterpulse.trainer.instrument import Pulse
-from tests.support.worlds import gloo_world_of_one
+from tests.support.worlds import gloo_world_of_one, late_peer
 
 STEPS = 6
-WAIT_S = 0.02  # after loss.backward(), in forward_backward: where a rank waits for peers
+WAIT_S = 0.02  # in DDP's all-reduce, for a late peer (late_peer): where a rank waits
 WORK_S = 0.01  # in the optimizer section: the rank's own work
 
 
@@ -113,6 +113,7 @@ def _run(model: str, wrap: str, mode: str, fullgraph: bool = False
             opt.step()
             opt.zero_grad()
     else:
+        ddp.register_comm_hook(None, late_peer(WAIT_S))  # waited for in backward
         with Pulse(run="compile", agent=None, world_size=1, catch_sigterm=False) as pulse:
             pulse.attach_ddp(ddp)
             for step, (xb, yb) in enumerate(pulse.data([(x, y)] * STEPS), 1):
@@ -120,7 +121,6 @@ def _run(model: str, wrap: str, mode: str, fullgraph: bool = False
                     with s.section("forward_backward"):
                         loss = F.mse_loss(forward(xb), yb)
                         loss.backward()
-                        time.sleep(WAIT_S)  # the rank's own work is done: this is waiting
                     with s.section("optimizer"):
                         opt.step()
                         opt.zero_grad()
@@ -156,10 +156,11 @@ def test_an_instrumented_compiled_model_adds_no_graph_breaks(
 @pytest.mark.parametrize("wrap", ["outer", "inner"])
 def test_an_instrumented_compiled_model_times_its_steps_right(
         world_of_one: None, model: str, wrap: str) -> None:
-    """Every step is reported, its parts add up to it, the wait after the backward is
-    sync wait (the backward's end was marked, when it ended: without that mark it is
-    compute) and the optimizer's work is compute. (A world of one moves no all-reduce
-    bytes, so no comm_seconds is reported.)"""
+    """Every step is reported, its parts add up to it, the wait for a late peer in
+    DDP's all-reduce is sync wait (the rank's own work done and the all-reduce's end
+    were marked when they happened: without those marks it is compute) and the
+    optimizer's work is compute. (A world of one moves no all-reduce bytes, so no
+    comm_seconds is reported.)"""
     _, _, rows = _run(model, wrap, "pulse")
     assert len(rows) == STEPS
     for r in rows:

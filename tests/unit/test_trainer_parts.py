@@ -36,6 +36,7 @@ from clusterpulse.trainer.telemetry import AgentLink, parse_agent_addr
 from clusterpulse.trainer.torch_support import rendezvous_keep_alive
 from tests.support.ports import free_port
 from tests.support.procs import REPO, wait_until
+from tests.support.worlds import gloo_world_of_one, late_peer
 
 # The rendezvous handlers below beat every second where torch takes the setting (2.7+);
 # on the oldest supported torch they keep torch's own 5 s.
@@ -658,14 +659,16 @@ def test_attach_ddp_adds_no_python_comm_hook(tmp_path):
         assert model._comm_hooks == [] and model.logger is not None
         with pulse.step(1) as s, s.section("forward_backward"):
             model(torch.ones(2, 8)).sum().backward()
+            assert len(pulse._ddp_passes) == 1  # the rank's own work done, DDP's all-reduce
         assert len(pulse._pending) == 0 and pulse.last["sync_wait_seconds"] >= 0
-        assert len(pulse._bucket_marks) == 1  # the backward's end: the rank's own work done
+        assert pulse.collectives.entered == pulse.collectives.completed == 1
         # one rank reduces nothing: no all-reduce traffic is claimed
         assert "comm_seconds" not in pulse.last and "comm_bytes" not in pulse.last
         # gradient accumulation: a backward under no_sync() reduces nothing, is not marked
         with pulse.step(2) as s, s.section("forward_backward"), model.no_sync():
             model(torch.ones(2, 8)).sum().backward()
-        assert pulse._bucket_marks == [] and pulse._first_grad is None
+            assert pulse._ddp_passes == []
+        assert pulse.collectives.entered == 1  # no all-reduce entered
         assert pulse.last["sync_wait_seconds"] == 0
         pulse.close()
     finally:
@@ -733,10 +736,10 @@ def test_attach_ddp_costs_the_same_python_calls_whatever_the_parameter_count(tmp
             with pulse.step(step) as s, s.section("forward_backward"):
                 with model.no_sync():  # accumulate: reduced in the next, syncing pass
                     model(torch.ones(2, 8), first).sum().backward()
-                assert pulse._bucket_marks == []
+                assert pulse._ddp_passes == []
                 model(torch.ones(2, 8), first).sum().backward()
-            assert len(pulse._bucket_marks) == 1, step  # the syncing pass, once
-            assert pulse._first_grad is not None
+                assert len(pulse._ddp_passes) == 1, step  # the syncing pass, once
+                assert None not in pulse._ddp_passes[0]  # its window, its wait
 
         class TwoHeads(nn.Module):  # the loss uses the second output alone
             def __init__(self) -> None:
@@ -750,10 +753,58 @@ def test_attach_ddp_costs_the_same_python_calls_whatever_the_parameter_count(tmp
         pulse.attach_ddp(model)
         with pulse.step(5) as s, s.section("forward_backward"):
             model(torch.ones(2, 8))[1].sum().backward()
-        assert len(pulse._bucket_marks) == 1
+            assert len(pulse._ddp_passes) == 1
     finally:
         pulse.close()
         dist.destroy_process_group()
+
+
+LATE_PEER_S = 0.1  # how long each of DDP's all-reduces waits for a late peer
+
+
+def test_every_backward_that_ddp_reduces_is_timed_where_ddp_reduces():
+    """Review of #31: attach_ddp assumed one syncing backward per step. With two (a
+    loop that accumulates gradients without no_sync(), two forward/backward passes
+    per step) the first pass's wait for its all-reduce was counted as compute and its
+    all-reduce stayed entered, never completed (the heartbeats said the rank was in an
+    all-reduce forever). And whether a backward reduces was read when it ran, while
+    DDP decides in the forward: a forward outside no_sync() with its backward inside
+    (DDP reduces, as its docs warn) was not timed at all; a forward inside with its
+    backward outside (nothing reduced) was marked as an all-reduce."""
+    from torch import nn
+
+    with gloo_world_of_one():
+        model = nn.parallel.DistributedDataParallel(nn.Linear(8, 8))
+        model.register_comm_hook(None, late_peer(LATE_PEER_S))
+        pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
+        x = torch.ones(2, 8)
+        try:
+            pulse.attach_ddp(model)
+            with pulse.step(1) as s, s.section("forward_backward"):
+                model(x).sum().backward()
+                model(x).sum().backward()  # both reduce: two waits for the peer
+            assert pulse.last["sync_wait_seconds"] >= 2 * LATE_PEER_S, pulse.last
+            assert pulse.last["compute_seconds"] < LATE_PEER_S, pulse.last
+            assert pulse.collectives.fields()["collective"] == ""  # none left in flight
+            with pulse.step(2) as s, s.section("forward_backward"):
+                with model.no_sync():  # accumulated, then reduced in the next pass
+                    model(x).sum().backward()
+                model(x).sum().backward()
+            assert LATE_PEER_S <= pulse.last["sync_wait_seconds"] < 1.5 * LATE_PEER_S
+            with pulse.step(3) as s, s.section("forward_backward"):
+                out = model(x).sum()
+                with model.no_sync():  # too late: DDP prepared to reduce in forward
+                    out.backward()
+            assert pulse.last["sync_wait_seconds"] >= LATE_PEER_S, pulse.last
+            assert pulse.last["compute_seconds"] < LATE_PEER_S, pulse.last
+            with pulse.step(4) as s, s.section("forward_backward"):
+                with model.no_sync():
+                    out = model(x).sum()
+                out.backward()  # nothing to reduce: prepared without it in forward
+            assert pulse.last["sync_wait_seconds"] == 0, pulse.last
+            assert pulse.collectives.entered == pulse.collectives.completed
+        finally:
+            pulse.close()
 
 
 def test_attach_ddp_leaves_no_reference_cycle_through_the_model(tmp_path):
@@ -784,7 +835,7 @@ def test_attach_ddp_leaves_no_reference_cycle_through_the_model(tmp_path):
         pulse.attach_ddp(model)
         with pulse.step(1) as s, s.section("forward_backward"):
             model(torch.ones(2, 8)).sum().backward()
-        assert len(pulse._bucket_marks) == 1  # the hooks ran
+            assert len(pulse._ddp_passes) == 1  # the hooks ran
         inner, ref = model.module, weakref.ref(model)
         del model
         assert ref() is None, "the hooks keep the DDP model alive"
