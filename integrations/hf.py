@@ -13,6 +13,11 @@ batch is here) to `on_step_end`; forward_backward ends at `on_pre_optimizer_step
 DDP's wait for peers (`attach_ddp` on the Trainer's DDP model, the reason `attach`
 takes the Trainer: no callback event carries it) falls in it as in the plain recipe.
 From one step's end to the next one's begin the Trainer fetches input: the data wait.
+For a model whose forward takes `**kwargs` (every stock one) it also all-gathers the
+batch's label-token count there (`num_items_in_batch`), where a rank waits for a peer
+still loading its batch: Pulse times a collective run while awaiting input as sync
+wait, not data wait, so the data straggler stands out and its peers are not
+input-bound.
 
 A graceful restart saves through the Trainer's own checkpoint (the one
 `resume_from_checkpoint` reads, where it positions the data by skipping batch

@@ -1,5 +1,6 @@
-"""The blocking collectives the model or the loop runs inside a step, timed as sync
-wait; every blocking collective of the loop's thread, in any phase, counted.
+"""The blocking collectives the model or the loop runs inside a step, and the loop's
+while it awaits input between steps, timed as sync wait; every blocking collective of
+the loop's thread, in any phase, counted.
 
 A rank whose model runs a collective in forward or backward (SyncBatchNorm gathers its
 batch statistics in forward and all-reduces in backward; a layer or the loop
@@ -11,19 +12,29 @@ gradients are finite, a metric all-reduced after backward. DDP's gradient all-re
 its buffer broadcast are timed by `Pulse.attach_ddp`; everything else has no hook to
 time it by.
 
+Between steps, likewise: a framework may run a collective while the rank awaits its
+next batch (the HF Trainer, for a model whose forward takes `**kwargs` as every stock
+one's does, all-gathers the batch's label-token count across ranks before each step).
+A rank waits there for the peer still loading its batch; counted as that rank's data
+wait, every rank looked input-bound and the data straggler did not stand out (#31).
+
 So, as DeepSpeed's comms logger does, the blocking collectives of `torch.distributed`
 (`COLLECTIVES`) are replaced by wrappers, once per process, when a Pulse is made in a
 distributed run. While a step is open, a wrapper hands its call to the step's timer
 (`Pulse._collective_in_step`: two clock marks, so on CUDA the stream's wait for NCCL is
 seen; only on the loop's thread or in its backward, and only in the step's own phases:
 in a checkpoint or data section of the step it is counted, its time that section's);
+while the Pulse awaits input (`awaiting_input` .. `input_arrived`, or `Pulse.data`) it
+hands it there too, timed on the host clock the data wait is measured by, taken out of
+the data wait and added to the next step's sync wait (the loop's thread only);
 otherwise it calls the original after a compile check and one attribute check, and a
 step without collectives of its own makes no call here at all. Callers look the
 function up on `torch.distributed` when they call it (SyncBatchNorm does, and
 `dist.all_reduce(...)` does), so they get the wrapper; a name bound earlier with
 `from torch.distributed import all_reduce` keeps the original and is not seen.
 
-Counted, not timed, in every other phase: a hang is named by the collectives each rank
+Counted, not timed, in every other phase (a checkpoint's, the optimizer's, between a
+step's end and the wait for input): a hang is named by the collectives each rank
 has entered (trainer/collectives.py), and the ranks that wait for a rank held up in a
 checkpoint save wait inside DCP's own collectives (its planning gather_object and
 scatter_object_list, the write results' gather, the metadata's broadcast_object_list,
@@ -95,8 +106,9 @@ class StepTimer(Protocol):
 
 class _State:
     """`timer`: set while a step is open (by the step itself, an attribute store: no
-    call on the step's path), None otherwise and while a timed collective runs (a
-    collective it calls in turn is part of it). `log` and `thread`:
+    call on the step's path) and while a Pulse awaits input (`awaiting_input`, the
+    same store), None otherwise and while a timed collective runs (a collective it
+    calls in turn is part of it). `log` and `thread`:
     the Pulse's collective counts and the thread its loop runs on, set while a Pulse
     is open (the latest one made), None otherwise."""
 

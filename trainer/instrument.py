@@ -30,7 +30,10 @@ loop runs in the step (`collective_timing`): in forward_backward (SyncBatchNorm'
 statistics, a `dist.all_reduce` of the batch's figures), in the optimizer (clipping's
 norm on a sharded model, a check across ranks that the gradients are finite) or
 outside any section; not in a checkpoint or data section (their own figures), and
-not DTensor's functional collectives nor `async_op=True` ones. From the
+not DTensor's functional collectives nor `async_op=True` ones. So is one the loop runs
+while it awaits input between steps (the HF Trainer's gather of a batch's token count:
+counted as input, the ranks waiting there for a slow-input peer looked input-bound and
+that peer did not stand out). From the
 start of such a backward to its all-reduce's end DDP's all-reduces run: the gradient
 bytes each rank moves over those windows is the step's achieved bus bandwidth (a lower
 bound: the window also holds backward compute the all-reduces overlap), the figure that
@@ -165,8 +168,11 @@ class StepContext:
         self.tokens = 0
         self.sections: dict[str, float] = {}
         self._extra_wait = 0.0
-        self.t0 = 0.0  # perf_counter at the step's start, and the input wait before it
+        # perf_counter at the step's start, and the wait before it: for input, and for
+        # peers in a collective run while awaiting input (`fetch_sync`: not input)
+        self.t0 = 0.0
         self.fetch = 0.0
+        self.fetch_sync = 0.0
         self.start_mark: Any = None
         self.loss_buffer: torch.Tensor | None = None  # pinned host copy (CUDA), reused
 
@@ -273,6 +279,7 @@ class Pulse:
         self._pending: list[tuple[StepContext, Any, Any, float, list, list, list]] = []
         self._probes: list[tuple[Any, Any]] = []
         self._fetch_wait = 0.0
+        self._fetch_sync = 0.0  # in collectives while awaiting input: waits for peers
         self._input_since: float | None = None  # awaiting_input() began, not yet arrived
         self._loss_buffers: list[torch.Tensor] = []  # pinned, free for a loss copy (CUDA)
         self._resolved = 0  # steps resolved: replies are read every consensus interval
@@ -509,6 +516,14 @@ class Pulse:
         there names the rank not in it). In the optimizer it was counted as compute,
         and a healthy rank that waited there for a slow peer paged as the straggler.
 
+        Or one the loop's thread runs while awaiting input, between steps (the HF
+        Trainer gathers the batch's token count across ranks there for a model whose
+        forward takes `**kwargs`): a wait for the peers still loading their batch. As
+        input wait every rank looked input-bound and the slow-input rank no slower
+        than its peers (issue #31), so it is taken out of the data wait and is the next
+        step's sync wait, on the host clock the data wait is measured by (on CUDA the
+        device's wait in it falls before the step's first mark).
+
         Not timed in a checkpoint or data section of the step: those are figures of
         their own, and a collective there is part of them. Left to the marks that
         already hold it: inside DDP's pre-forward (its interval is timed whole). Left
@@ -517,6 +532,15 @@ class Pulse:
         on another stream than the step's (FSDP1's unshard stream): overlapping the
         compute, subtracting them would take it away. Those on the loop's thread are
         still counted, as in any phase (`collective_timing.counted`)."""
+        since = self._input_since
+        if since is not None and threading.get_ident() == self._loop_thread:
+            with self.collectives.track(op), collective_timing.untimed():
+                a = time.perf_counter()
+                result = call(*args, **kwargs)
+                waited = time.perf_counter() - a
+            self._input_since = since + waited  # not input: the data wait resumes after
+            self._fetch_sync += waited
+            return result
         if (self.phase not in IN_STEP_PHASES or self._fwd_start is not None
                 or (threading.get_ident() != self._loop_thread
                     and torch._C._current_graph_task_id() == -1)
@@ -540,6 +564,7 @@ class Pulse:
                 item = next(it)
             except StopIteration:
                 self._input_since = None
+                collective_timing.state.timer = None
                 self._enter("between")
                 return
             self.input_arrived()
@@ -548,9 +573,13 @@ class Pulse:
     def awaiting_input(self) -> None:
         """The rank waits for its next batch from now on (phase data) until
         `input_arrived()`. For loops a framework drives (clusterpulse.integrations),
-        where a callback sees a batch arrive but cannot wrap the loader in `data()`."""
+        where a callback sees a batch arrive but cannot wrap the loader in `data()`.
+        A blocking collective the loop runs meanwhile is handed to
+        `_collective_in_step` (an attribute store, nothing on a step without one): its
+        time is a wait for peers, not for input."""
         self._enter("data")
         self._input_since = time.perf_counter()
+        collective_timing.state.timer = self
 
     def input_arrived(self) -> None:
         """The batch awaited since `awaiting_input()` is here: that wait is the next
@@ -559,6 +588,7 @@ class Pulse:
             return
         self._fetch_wait += time.perf_counter() - self._input_since
         self._input_since = None
+        collective_timing.state.timer = None
         self._enter("between")
 
     # -- steps ---------------------------------------------------------------------------
@@ -572,6 +602,9 @@ class Pulse:
         if fetch:
             ctx.sections["data"] = fetch
         ctx.fetch = fetch
+        if self._fetch_sync:  # in a collective while awaiting input: in the step's wall
+            ctx.fetch_sync, self._fetch_sync = self._fetch_sync, 0.0
+            ctx.fetch += ctx.fetch_sync
         self._enter("step")
         self._backward_open = False
         # fresh lists only where the last step left marks (the pending step keeps its
@@ -653,7 +686,9 @@ class Pulse:
                 # device time of the step; input waits are host-side and come on top
                 compute = max(0.0, total - sync_wait - ckpt)
             else:
-                compute = max(0.0, wall - data - sync_wait - ckpt - ctx._extra_wait)
+                compute = max(0.0, wall - data - ctx.fetch_sync - sync_wait - ckpt
+                              - ctx._extra_wait)
+            sync_wait += ctx.fetch_sync  # in collectives while awaiting input (host)
             loss = ctx.loss
             if isinstance(loss, torch.Tensor):
                 # CPU or completed pinned copy; a float32, bf16 or fp16 value is exact as
@@ -964,6 +999,8 @@ class Pulse:
         self.outcome = outcome
         self._closed.set()
         collective_timing.detach(self.collectives)
+        if collective_timing.state.timer is self:  # closed awaiting input (a Trainer's end)
+            collective_timing.state.timer = None
         hold_process_groups_until_exit()
         if self._beat.is_alive() and self._beat is not threading.current_thread():
             self._beat.join(timeout=5)

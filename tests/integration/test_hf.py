@@ -1,5 +1,7 @@
 """clusterpulse.integrations.hf on a real transformers Trainer job (tests/support/
-hf_job.py: a 1-layer GPT-2 built from a config in code, 2 ranks, gloo) under
+hf_job.py: a 1-layer GPT-2 built from a config in code, its forward taking **kwargs as
+a stock model's does, so the Trainer gathers the batch's token count across ranks
+between steps; 2 ranks, gloo) under
 clusterpulse-train with a real agent, its ranks started warm (`--preload
 transformers.trainer`): a compute straggler and a data straggler flagged on the right
 rank, a graceful checkpoint-restart through the Trainer's own checkpoint, and a crash;
@@ -24,6 +26,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 JOB = REPO / "tests" / "support" / "hf_job.py"
 BATCHES, BATCH_SIZE, WORLD = 400, 4, 2  # per rank; one epoch
+LABELS = 8  # label tokens per sample (the job's; its wrapper is not a known causal LM,
+# so the Trainer does not take the shifted first one off)
 
 
 def test_hf_trainer_job_through_stragglers_graceful_restart_and_crash(tmp_path: Path):
@@ -38,6 +42,10 @@ def test_hf_trainer_job_through_stragglers_graceful_restart_and_crash(tmp_path: 
     seen: dict[tuple[int, int], list[str]] = {}
     for r, s, idx in re.findall(r"trained rank=(\d) step=(\d+) idx=([\d,]+)", text):
         seen.setdefault((int(r), int(s)), []).append(idx)
+    # the model's **kwargs got the Trainer's count of label tokens over every rank:
+    # the all_gather between steps that a data straggler's peers wait in ran each step
+    items = set(re.findall(r"trained rank=\d step=\d+ idx=[\d,]+ items=(-?\d+)", text))
+    assert items == {str(BATCH_SIZE * LABELS * WORLD)}, items
     assert all(len(set(v)) == 1 for v in seen.values()), \
         {k: v for k, v in seen.items() if len(set(v)) > 1}
     assert sorted(seen) == [(r, s) for r in range(WORLD) for s in range(1, BATCHES + 1)]

@@ -10,6 +10,7 @@ import re
 import signal
 from pathlib import Path
 
+from clusterpulse.detection.causes import attribute
 from tests.conftest import start_agent
 from tests.support.procs import wait_until
 from tests.support.torchrun import launcher_cmd, start_logged, stop_group
@@ -42,12 +43,17 @@ def run_through_faults(tmp_path: Path, job: Path, args: list[str], preload: str,
         assert v["compute_seconds"] > 0.15 and v["data_wait_seconds"] < 0.05, v
         (control / "slow_compute_1").unlink()
         wait_until(lambda: not flagged(1), 120, "rank 1's flag to clear")
-        # 2. a data straggler: rank 0's samples load slowly; the wait is input, not compute
+        # 2. a data straggler: rank 0's samples load slowly; the wait is input, not
+        # compute; rank 1 waits for it in a collective (wherever the framework runs
+        # one: the HF Trainer's between steps, DDP's in the step): sync wait, not input
         (control / "slow_data_0").touch()
         wait_until(lambda: flagged(0) and not flagged(1), 120, "rank 0 flagged")
         v0, v1 = ranks()[0].values, ranks()[1].values
         assert v0["data_wait_seconds"] > 0.08 and v1["data_wait_seconds"] < 0.05, (v0, v1)
         assert v0["compute_seconds"] < v0["data_wait_seconds"], v0
+        assert v1["sync_wait_seconds"] > 0.05, v1
+        assert attribute(_own(v0), _own(v1)) == "data_loading", (v0, v1)
+        assert v0["data_wait_seconds"] > 0.2 * v0["step_seconds"], v0  # the alert rule's
         (control / "slow_data_0").unlink()
         # 3. a graceful checkpoint-restart: every rank saves, acknowledges and resumes
         r = running.post(f"/v1/runs/{run}/actions", {"action": "checkpoint-restart",
@@ -76,6 +82,13 @@ def run_through_faults(tmp_path: Path, job: Path, args: list[str], preload: str,
     text = log.read_text()
     assert "graceful restart 1: relaunching" in text
     return text
+
+
+def _own(v: dict) -> dict:
+    """A rank's figures as detection's cause chain reads them: its own time is its
+    compute and its data wait, not the wait for its peers."""
+    return {"own_seconds": v["compute_seconds"] + v["data_wait_seconds"],
+            "data_seconds": v["data_wait_seconds"]}
 
 
 def assert_last_resume_loaded_only_its_batches(text: str, resumed_at: int, batches: int,

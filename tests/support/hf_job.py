@@ -47,7 +47,13 @@ class Tiny(torch.nn.Module):
     """GPT-2 that reports which samples it trains on at which step, and can be made
     slow. Its count of steps trained is part of its state_dict (extra state, which DDP
     does not broadcast), so the Trainer's checkpoint carries it and a resume restores
-    it: the step it prints is the one the Trainer resumed at."""
+    it: the step it prints is the one the Trainer resumed at.
+
+    Its forward takes `**kwargs`, as every stock HF model's does, and hands them on:
+    the Trainer then counts the batch's label tokens across ranks (`num_items_in_batch`,
+    an all_gather in `get_batch_samples`, between one step's end and the next one's
+    begin), where a rank waits for a peer slow to load its batch. Without `**kwargs`
+    the job never ran that collective (issue #31). Each step prints the count it got."""
 
     def __init__(self, control: Path, rank: int, pace: float) -> None:
         super().__init__()
@@ -58,15 +64,16 @@ class Tiny(torch.nn.Module):
             control / f"slow_compute_{rank}", control / "fast", pace, rank)
         self.steps = 0  # one forward per optimizer step (no gradient accumulation)
 
-    def forward(self, input_ids, labels, idx):
+    def forward(self, input_ids, labels, idx, **kwargs):
         if self.slow.exists():
             time.sleep(0.2)
         if not self.fast.exists():
             time.sleep(self.pace)
         self.steps += 1
         print(f"trained rank={self.rank} step={self.steps} "
-              f"idx={','.join(map(str, idx.tolist()))}", flush=True)
-        return {"loss": self.lm(input_ids=input_ids, labels=labels).loss}
+              f"idx={','.join(map(str, idx.tolist()))} "
+              f"items={int(kwargs.get('num_items_in_batch', -1))}", flush=True)
+        return {"loss": self.lm(input_ids=input_ids, labels=labels, **kwargs).loss}
 
     def get_extra_state(self) -> torch.Tensor:
         return torch.tensor(self.steps)

@@ -1,9 +1,10 @@
 """The wrappers over torch.distributed's collectives (trainer/collective_timing.py):
-inside a step's forward_backward a blocking collective is timed as sync wait; on the
-loop's thread it is counted in any phase (a checkpoint's, the user's own), the
-outermost call only; async and ClusterPulse's own collectives are left to torch and to
-their own counts, with return values and exceptions unchanged. A gloo world of one; the
-waits themselves are tested with real ranks in tests/integration/test_attribution.py."""
+inside a step's forward_backward, or while the loop awaits input, a blocking collective
+is timed as sync wait; on the loop's thread it is counted in any phase (a checkpoint's,
+the user's own), the outermost call only; async and ClusterPulse's own collectives are
+left to torch and to their own counts, with return values and exceptions unchanged. A
+gloo world of one; the waits themselves are tested with real ranks in
+tests/integration/test_attribution.py and test_hf.py."""
 
 from __future__ import annotations
 
@@ -108,6 +109,47 @@ def test_in_every_part_of_a_step_a_blocking_collectives_wait_is_sync_wait(
     assert pulse.collectives.entered == pulse.collectives.completed == 3
 
 
+def test_awaiting_input_a_blocking_collective_is_sync_wait_not_data_wait(
+        pulse: Pulse) -> None:
+    """The HF Trainer gathers the batch's token count across ranks between steps
+    (a model whose forward takes **kwargs): a rank waits there for a peer still
+    loading its batch. As data wait every rank looked input-bound (issue #31)."""
+    import threading
+
+    waits_for_peer = collective_timing._wrap("all_gather", lambda *a, **k: time.sleep(0.3))
+    pulse.awaiting_input()
+    time.sleep(0.02)  # its own batch
+    waits_for_peer([torch.zeros(1)], torch.ones(1))
+    # a background checkpoint writer's: not the loop's wait (the loop's join is: input)
+    th = threading.Thread(target=waits_for_peer, args=([torch.zeros(1)], torch.ones(1)))
+    th.start()
+    th.join()
+    assert pulse.phase == "data" and pulse.collectives.entered == 1
+    pulse.input_arrived()
+    assert collective_timing.state.timer is None
+    dist.barrier()  # between steps, not awaiting input: counted, not timed
+    with pulse.step(1):
+        pass
+    v = pulse.last
+    assert v["data_wait_seconds"] >= 0.32 and 0.3 <= v["sync_wait_seconds"] < 0.6, v
+    assert v["compute_seconds"] < 0.1 and v["step_seconds"] >= 0.62, v
+    assert pulse.collectives.entered == pulse.collectives.completed == 2
+    with pulse.step(2):
+        pass
+    assert pulse.last["sync_wait_seconds"] == pulse.last["data_wait_seconds"] == 0.0
+
+
+def test_awaiting_input_ends_with_the_input_or_the_pulse(pulse: Pulse) -> None:
+    """No collective is timed for a wait that is over: the epoch ran dry, or the
+    Pulse closed while awaiting input (the HF Trainer's last step end)."""
+    assert list(pulse.data([])) == []
+    assert collective_timing.state.timer is None
+    pulse.awaiting_input()
+    assert collective_timing.state.timer is pulse
+    pulse.close()
+    assert collective_timing.state.timer is None
+
+
 def test_exceptions_are_torchs_own(pulse: Pulse) -> None:
     original = collective_timing.originals["all_reduce"]
     with pytest.raises(Exception) as theirs:
@@ -142,7 +184,8 @@ def test_outside_a_step_every_blocking_collective_on_the_loop_thread_is_counted(
     """A checkpoint's collectives (DCP's gather_object, scatter_object_list,
     broadcast_object_list, all_gather_object, barrier) and the user's own dist.* calls
     are counted in any phase: a rank held up in a checkpoint save is then behind its
-    peers, which wait inside DCP's collective. Not timed: that stays forward_backward's."""
+    peers, which wait inside DCP's collective. Not timed: that is forward_backward's
+    and the input wait's."""
     entered: list[str] = []
     enter = pulse.collectives.enter
     monkeypatch.setattr(pulse.collectives, "enter", lambda op: entered.append(op) or enter(op))
