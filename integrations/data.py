@@ -25,8 +25,19 @@ into the same permutation it was cut from.
 `state_dict`/`load_state_dict` are the interface Lightning saves and restores with
 its checkpoints (it then no longer warns that the loader is not resumable); the
 state rank 0 saves fits every rank, as every rank is at the same place of the same
-permutation. An iteration that has run to its end leaves position 0: the next one
-is a new epoch, whatever saves it.
+permutation. A position applies to the epoch it was taken in: with a
+DistributedSampler the loader knows it (`set_epoch`), and a restored position is
+applied only to an iteration of that epoch (the README's recipe iterates the same
+epoch again and goes on where it stopped; Lightning, restored from a save at an
+epoch's last batch, goes on with the next epoch, which starts at its beginning: a
+skip carried into it trained nothing of that epoch). Without one, a position that
+had handed out its whole epoch starts the next iteration at the beginning. An
+iteration that has run to its end leaves position 0.
+
+The index sampler DataLoader draws from is a view that reads the position when an
+iteration starts: with `persistent_workers=True` torch keeps the first iteration's
+index sampler for every later one, and a positioned one fixed at the resume repeated
+the resumed epoch's rest (or nothing) in every epoch after it.
 """
 
 from __future__ import annotations
@@ -40,18 +51,21 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 
 
-class _Positioned:
-    """The indices an iteration hands out, with the whole epoch's length: Lightning
-    counts a resumed epoch's batches from the restored position up to `len()`."""
+class _PositionView:
+    """The index sampler a ResumableDataLoader hands DataLoader: each iteration's
+    indices as the loader planned them when it started (`ResumableDataLoader._plan`),
+    else the base sampler's; `len()` the whole epoch's, as Lightning counts a resumed
+    epoch's batches from the restored position up to it."""
 
-    def __init__(self, batches: Iterable[Any], epoch_len: int) -> None:
-        self.batches, self.epoch_len = batches, epoch_len
+    def __init__(self, loader: ResumableDataLoader) -> None:
+        self.loader = loader
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.batches)
+        plan = self.loader._plan
+        return iter(plan) if plan is not None else iter(self.loader._base_index_sampler())
 
     def __len__(self) -> int:
-        return self.epoch_len
+        return len(self.loader._base_index_sampler())
 
 
 def epoch_order(sampler: DistributedSampler) -> list[int]:
@@ -87,12 +101,13 @@ class ResumableDataLoader(DataLoader):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._skip_batches = 0
-        self._skip_samples: int | None = None  # a position in samples wins over batches
-        self._rng_to_restore: torch.Tensor | None = None
-        self._start_samples = 0  # where the current iteration began, in samples
+        self._view = _PositionView(self)
+        self._plan: Iterable[Any] | None = None  # the starting iteration's indices
+        self._pending: dict[str, Any] | None = None  # a position for the next iteration
+        self._epoch: int | None = None  # the current iteration's (a DistributedSampler's)
         self._consumed = 0  # samples of the epoch's order consumed, by all ranks
         self._yielded = 0  # batches of the current epoch handed out, skipped ones included
+        self._left = 0  # batches the current iteration has still to hand out
         self._rng_at_start: torch.Tensor | None = None
         if isinstance(self.sampler, RandomSampler) and self.sampler.generator is None:
             # its own generator, seeded as RandomSampler seeds one (from torch's RNG):
@@ -104,73 +119,112 @@ class ResumableDataLoader(DataLoader):
         """Start the next iteration `batches` batches in (the rest of a resumed epoch)."""
         if batches < 0:
             raise ValueError(f"cannot skip a negative number of batches ({batches})")
-        self._skip_batches, self._skip_samples = batches, None
+        self._pending = {"batches": batches, "explicit": True}
 
     def _generator(self) -> torch.Generator | None:
         """A shuffling sampler's generator: its state is the epoch's permutation."""
         return self.sampler.generator if isinstance(self.sampler, RandomSampler) else None
+
+    def _sampler_epoch(self) -> int | None:
+        return self.sampler.epoch if isinstance(self.sampler, DistributedSampler) else None
 
     def _samples_per_batch(self) -> int:
         """Samples of the epoch's order one batch index of every rank consumes."""
         ranks = self.sampler.num_replicas if isinstance(self.sampler, DistributedSampler) else 1
         return (self.batch_size or 1) * ranks
 
+    def _base_index_sampler(self) -> Any:
+        return DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+
     @property
     def _index_sampler(self) -> Any:
         # DataLoader draws its indices from here (torch's own hook for this), whether
         # the batches come from the main process or from workers.
-        base = super()._index_sampler
-        if self._skip_samples is not None and isinstance(self.sampler, DistributedSampler) \
-                and self.batch_size is not None:
-            rest = shard_after(self.sampler, self._skip_samples)
-            return _Positioned(BatchSampler(rest, self.batch_size, self.drop_last), len(base))
-        if self._skip_batches:
-            return _Positioned(itertools.islice(iter(base), self._skip_batches, None),
-                               len(base))
-        return base
+        return self._view
 
-    def __iter__(self) -> Iterator[Any]:
+    def _applies(self, pending: dict[str, Any]) -> bool:
+        """Whether a restored position is for the iteration starting now: one of the
+        epoch it was taken in (known with a DistributedSampler), or, the epoch unknown,
+        one with batches left (a whole epoch handed out: the next is a new one)."""
+        if pending.get("explicit"):
+            return True
+        epoch = self._sampler_epoch()
+        if pending.get("epoch") is not None and epoch is not None:
+            return pending["epoch"] == epoch
+        return not pending.get("complete", False)
+
+    def _start(self) -> None:
+        """Plan the iteration starting now from the pending position, if it applies."""
+        pending, self._pending = self._pending, None
+        applies = pending is not None and self._applies(pending)
         generator = self._generator()
         if generator is not None:
-            if self._rng_to_restore is not None:
-                generator.set_state(self._rng_to_restore)  # the permutation it was cut from
-                self._rng_to_restore = None
+            if pending is not None and pending.get("rng") is not None:
+                generator.set_state(pending["rng"])  # the permutation it was cut from
+                if not applies:  # that epoch is over: draw what it drew (indices only)
+                    for _ in self.sampler:
+                        pass
             self._rng_at_start = generator.get_state()
+        self._epoch = self._sampler_epoch()
+        base = self._base_index_sampler()
         per_batch = self._samples_per_batch()
-        if self._skip_samples is not None:
-            self._start_samples = self._skip_samples
-            self._yielded = self._skip_samples // per_batch
-        else:
-            self._start_samples = self._skip_batches * per_batch
-            self._yielded = self._skip_batches
-        self._consumed = self._start_samples
-        it = super().__iter__()  # takes the positioned index sampler
-        self._skip_batches, self._skip_samples = 0, None
+        self._plan, start_batches, start_samples = None, 0, 0
+        if pending is not None and applies:
+            if pending.get("samples") is not None and self.batch_size is not None \
+                    and isinstance(self.sampler, DistributedSampler):
+                start_samples = int(pending["samples"])
+                rest = shard_after(self.sampler, start_samples)
+                self._plan = BatchSampler(rest, self.batch_size, self.drop_last)
+                start_batches = start_samples // per_batch
+            elif pending.get("batches"):
+                start_batches = int(pending["batches"])
+                start_samples = start_batches * per_batch
+                self._plan = itertools.islice(iter(base), start_batches, None)
+        self._yielded, self._consumed = start_batches, start_samples
+        self._left = len(self._plan) if isinstance(self._plan, BatchSampler) \
+            else len(base) - start_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        self._start()
+        try:
+            it = super().__iter__()  # draws the planned indices through the view
+        finally:
+            self._plan = None
+        per_batch = self._samples_per_batch()
         for batch in it:
             self._yielded += 1
             self._consumed += per_batch
+            self._left -= 1
             yield batch
-        self._yielded = self._consumed = 0  # ran to its end: the next iteration is new
+        # ran to its end: the next iteration is new (a shuffling sampler has drawn it)
+        self._yielded = self._consumed = self._left = 0
         self._rng_at_start = None
+        self._epoch = None
 
     def state_dict(self) -> dict[str, Any]:
         """`batches`: this rank's batches of the epoch handed out (skipped included);
-        `samples`: the epoch's order consumed by all ranks; `rng`: a shuffling
+        `samples`: the epoch's order consumed by all ranks; `complete`: the epoch's last
+        batch handed out; `epoch`: a DistributedSampler's epoch; `rng`: a shuffling
         sampler's generator where this epoch's permutation was drawn (between epochs:
-        where the next one will be)."""
-        state: dict[str, Any] = {"batches": self._yielded, "samples": self._consumed}
+        where the next one will be; a restored complete epoch draws its permutation
+        again, indices only, to be there)."""
+        complete = self._yielded > 0 and self._left <= 0
+        state: dict[str, Any] = {"batches": self._yielded, "samples": self._consumed,
+                                 "complete": complete}
+        if self._epoch is not None:
+            state["epoch"] = self._epoch
         generator = self._generator()
-        if generator is not None:
+        if generator is not None:  # at the epoch's start; between epochs, as it is now
             rng = self._rng_at_start if self._rng_at_start is not None else generator.get_state()
             state["rng"] = rng.clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Position the next iteration at `state` (from `state_dict`, on this or
-        another number of ranks). A state without samples (an older one) positions
-        by batches."""
-        self.skip_next(int(state.get("batches", 0)))
-        if "samples" in state:
-            self._skip_samples = int(state["samples"])
+        another number of ranks), if it is of the epoch the state was taken in. A
+        state without samples (an older one) positions by batches."""
+        pending = {k: state[k] for k in ("batches", "samples", "epoch", "complete")
+                   if k in state}
         if "rng" in state and self._generator() is not None:
-            self._rng_to_restore = torch.as_tensor(state["rng"], dtype=torch.uint8).clone()
+            pending["rng"] = torch.as_tensor(state["rng"], dtype=torch.uint8).clone()
+        self._pending = pending

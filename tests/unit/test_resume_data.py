@@ -55,15 +55,17 @@ def test_the_position_is_a_state_dict_lightning_and_accelerate_save():
     for _ in range(3):
         next(it)
     state = loader.state_dict()
-    assert state == {"batches": 3, "samples": 12}
+    assert state == {"batches": 3, "samples": 12, "complete": False}
     again = ResumableDataLoader(Counted(40), batch_size=4)
     again.load_state_dict(state)
     it = iter(again)
     assert [int(b[0]) for b in itertools.islice(it, 6)] == list(range(12, 36, 4))
-    assert again.state_dict() == {"batches": 9, "samples": 36}
+    assert again.state_dict() == {"batches": 9, "samples": 36, "complete": False}
+    next(it)
+    assert again.state_dict() == {"batches": 10, "samples": 40, "complete": True}
     list(it)
     # run to its end, the loader is between epochs: a save now resumes a new epoch
-    assert again.state_dict() == {"batches": 0, "samples": 0}
+    assert again.state_dict() == {"batches": 0, "samples": 0, "complete": False}
     assert [int(b[0]) for b in again][:2] == [0, 4]
     # a position saved before samples were kept (batches only) still positions
     old = ResumableDataLoader(Counted(40), batch_size=4)
@@ -139,6 +141,73 @@ def test_a_shuffled_loader_resumes_into_the_permutation_it_was_cut_from():
     resumed.load_state_dict(state)
     assert [b.view(-1).tolist() for b in resumed] == whole[0][3:]
     assert [b.view(-1).tolist() for b in resumed] == whole[1]  # and the next epoch too
+    # saved at the epoch's last batch: the next iteration is the next permutation
+    for _ in range(7):
+        next(it)
+    state = cut.state_dict()
+    torch.manual_seed(3)
+    at_end = ResumableDataLoader(Counted(40), batch_size=4, shuffle=True)
+    at_end.load_state_dict(state)
+    assert [b.view(-1).tolist() for b in at_end] == whole[1]
+
+
+def test_a_position_at_an_epochs_last_batch_resumes_with_the_next_epoch_whole():
+    """Review of #31: a Lightning graceful restart at an epoch's last batch restored
+    `samples = N`; Lightning went on with the next epoch, and the skip carried into it
+    trained none of it (40 steps of 80, exit 0). With a DistributedSampler the position
+    holds its epoch: a loop that iterates the same epoch again (the README's recipe)
+    gets its empty rest, one that goes on (Lightning) gets the next epoch whole."""
+    loaders = _shards(40, 2, 4, epoch=0)
+    whole_next = [b.view(-1).tolist() for b in _shards(40, 2, 4, epoch=1)[0]]
+    _, state = _train(loaders, steps=5)  # the epoch's last step on 2 ranks
+    assert state["complete"] and state["epoch"] == 0
+    same, following = _shards(40, 2, 4, epoch=0)[0], _shards(40, 2, 4, epoch=0)[0]
+    same.load_state_dict(state)
+    assert list(same) == []  # the recipe: epoch 0 again, nothing left of it
+    following.load_state_dict(state)
+    following.sampler.set_epoch(1)  # Lightning: the next epoch
+    assert [b.view(-1).tolist() for b in following] == whole_next
+    # without a DistributedSampler the epoch is unknown: a whole epoch handed out
+    # starts the next iteration at the beginning
+    plain = ResumableDataLoader(Counted(40), batch_size=4)
+    it = iter(plain)
+    for _ in range(10):
+        next(it)
+    again = ResumableDataLoader(Counted(40), batch_size=4)
+    again.load_state_dict(plain.state_dict())
+    assert len(list(again)) == 10
+
+
+@pytest.mark.parametrize("sampler", ["plain", "distributed"])
+def test_persistent_workers_keep_every_epoch_after_a_resume_whole(sampler):
+    """Review of #31: with persistent_workers=True torch keeps the first iteration's
+    index sampler for every later one; the positioned one of a resumed epoch made every
+    later epoch empty (plain) or the resumed epoch's rest again (DistributedSampler)."""
+    def loader() -> ResumableDataLoader:
+        data = Counted(40)
+        kwargs: dict = {"sampler": DistributedSampler(data, num_replicas=1, rank=0)} \
+            if sampler == "distributed" else {}
+        return ResumableDataLoader(data, batch_size=4, num_workers=1,
+                                   persistent_workers=True, **kwargs)
+
+    def epoch(dl: ResumableDataLoader, e: int) -> list[int]:
+        if sampler == "distributed":
+            dl.sampler.set_epoch(e)
+        return [i for b in dl for i in b.view(-1).tolist()]
+
+    reference = loader()
+    expected = [epoch(reference, e) for e in range(3)]
+    cut = loader()
+    if sampler == "distributed":
+        cut.sampler.set_epoch(0)
+    it = iter(cut)
+    for _ in range(3):
+        next(it)
+    resumed = loader()
+    resumed.load_state_dict(cut.state_dict())
+    assert epoch(resumed, 0) == expected[0][12:]
+    assert epoch(resumed, 1) == expected[1]
+    assert epoch(resumed, 2) == expected[2]
 
 
 def test_skipping_a_negative_count_is_refused_by_name():
