@@ -13,22 +13,34 @@ policy before they are used, so a weaker stored hash (e.g. 1 iteration) never
 verifies: the operator is told, once they give the right password, to have it
 re-created. Sign-ins are throttled per client address, never per account (see
 `Throttle`), and a signed-in session expires (see `SESSION_TTL_S`).
+
+An operators file that cannot be used is never an empty list of operators: it is
+`Operators.broken`, which `clusterpulse-dashboard` refuses to start with and the
+sign-in box shows; an entry that cannot be used is skipped naming its line, and the
+others still sign in (see `load_operators`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
+import logging
+import re
 import secrets
 import threading
 import time
-import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import date, datetime
+from datetime import time as time_of_day
 from pathlib import Path
 
 from clusterpulse.agent.audit import RefusalSummary
 from clusterpulse.agent.peeruid import is_loopback
+from clusterpulse.agent.validate import read_toml, unknown_keys
+
+log = logging.getLogger(__name__)
 
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 5
 PBKDF2_MIN_ITERATIONS = 600_000
@@ -56,25 +68,59 @@ def bcrypt_hash(password: str) -> str:
     return bcrypt.hashpw(password.encode(), bcrypt.gensalt(10)).decode()
 
 
-def _check(password: str, stored: str) -> tuple[bool, bool]:
-    """(matches, meets the policy). Raises ValueError on a malformed entry."""
+def _parse(stored: str) -> tuple[str, tuple[int, ...], bytes, bytes]:
+    """(scheme, parameters, salt, digest) of a stored hash, its shape and ranges checked
+    before anything runs on it (absurd parameters would exhaust memory or CPU).
+    ValueError says what is wrong without quoting the value: it may be a password
+    pasted where its hash belongs."""
     parts = stored.split("$")
     if parts[0] == "scrypt" and len(parts) == 6:
-        n, r, p = (int(x) for x in parts[1:4])
+        params = _integers(parts[1:4], "scrypt parameters N$r$p")
+        n, r, p = params
         if not (1 < n <= _MAX_N and n & (n - 1) == 0 and 1 <= r <= 32 and 1 <= p <= 16):
             raise ValueError("scrypt parameters out of range")
-        strong = r >= SCRYPT_R and n * p >= SCRYPT_N * SCRYPT_P
-        got = hashlib.scrypt(password.encode(), salt=bytes.fromhex(parts[4]), n=n, r=r, p=p,
-                             maxmem=_MAXMEM, dklen=len(bytes.fromhex(parts[5])))
-        return hmac.compare_digest(got.hex(), parts[5]), strong
-    if parts[0] == "pbkdf2_sha256" and len(parts) == 4:
-        iterations = int(parts[1])
-        if not 1 <= iterations <= 10_000_000:
+    elif parts[0] == "pbkdf2_sha256" and len(parts) == 4:
+        params = _integers(parts[1:2], "pbkdf2_sha256 iterations")
+        if not 1 <= params[0] <= 10_000_000:
             raise ValueError("pbkdf2 iterations out of range")
-        got = hashlib.pbkdf2_hmac("sha256", password.encode(), bytes.fromhex(parts[2]),
-                                  iterations)
-        return hmac.compare_digest(got.hex(), parts[3]), iterations >= PBKDF2_MIN_ITERATIONS
-    raise ValueError("unknown hash scheme")
+    else:
+        raise ValueError("not a password hash (`clusterpulse-ctl hash-password` makes "
+                         "one: scrypt$N$r$p$salt$digest)")
+    try:
+        salt, digest = bytes.fromhex(parts[-2]), bytes.fromhex(parts[-1])
+    except ValueError:
+        raise ValueError(f"malformed {parts[0]} hash: its salt and digest must be "
+                         "hexadecimal") from None
+    if not digest:
+        raise ValueError(f"malformed {parts[0]} hash: no digest")
+    return parts[0], params, salt, digest
+
+
+def _integers(fields: list[str], what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in fields)
+    except ValueError:
+        raise ValueError(f"malformed hash: {what} must be integers") from None
+
+
+def _strong(scheme: str, params: tuple[int, ...]) -> bool:
+    """Whether a parsed hash's parameters meet the policy (see the module's text)."""
+    if scheme == "scrypt":
+        n, r, p = params
+        return r >= SCRYPT_R and n * p >= SCRYPT_N * SCRYPT_P
+    return params[0] >= PBKDF2_MIN_ITERATIONS
+
+
+def _check(password: str, stored: str) -> tuple[bool, bool]:
+    """(matches, meets the policy). Raises ValueError on a malformed entry."""
+    scheme, params, salt, digest = _parse(stored)
+    if scheme == "scrypt":
+        n, r, p = params
+        got = hashlib.scrypt(password.encode(), salt=salt, n=n, r=r, p=p, maxmem=_MAXMEM,
+                             dklen=len(digest))
+    else:
+        got = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, params[0])
+    return hmac.compare_digest(got, digest), _strong(scheme, params)
 
 
 def verify_password(password: str, stored: str) -> bool:
@@ -96,18 +142,11 @@ def verify_password(password: str, stored: str) -> bool:
 
 def weak_entries(operators: dict[str, str]) -> list[str]:
     """Names whose stored hash is below the policy or malformed (checked without a
-    password, from the parameters alone), for a warning at start-up."""
+    password, from the parameters alone)."""
     out = []
     for name, stored in operators.items():
-        parts = stored.split("$")
         try:
-            if parts[0] == "scrypt" and len(parts) == 6:
-                n, r, p = int(parts[1]), int(parts[2]), int(parts[3])
-                ok = r >= SCRYPT_R and n * p >= SCRYPT_N * SCRYPT_P
-            elif parts[0] == "pbkdf2_sha256" and len(parts) == 4:
-                ok = int(parts[1]) >= PBKDF2_MIN_ITERATIONS
-            else:
-                ok = False
+            ok = _strong(*_parse(stored)[:2])
         except ValueError:
             ok = False
         if not ok:
@@ -115,18 +154,179 @@ def weak_entries(operators: dict[str, str]) -> list[str]:
     return out
 
 
-def load_operators(file: Path | None, secrets_section: dict | None) -> dict[str, str]:
-    """name -> password hash, from Streamlit secrets and/or the operators file."""
-    ops: dict[str, str] = {}
+class OperatorsFileError(ValueError):
+    """The operators file cannot be read or parsed; the text names it (and, for TOML
+    syntax, the line)."""
+
+
+@dataclass(frozen=True)
+class Operators:
+    """The operators who may sign in with a password (name -> hash), and what was
+    wrong on the way. `skipped`: entries left out, each naming where (the file and
+    line), the operator and why, never the value (it may be a password pasted by
+    mistake); `weak`: entries kept though below the policy, so that their operator
+    is told to have the hash re-created; `broken`: why the operators file gave no
+    operator at all, naming no operator (the sign-in box shows it to anyone)."""
+
+    hashes: dict[str, str] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
+    weak: tuple[str, ...] = ()
+    broken: str | None = None
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        return self.skipped + self.weak
+
+    def refusal_note(self) -> str:
+        """What a refused sign-in adds, so that an operator whose entry was left out
+        is not only told "wrong password"; it names no operator (the box is anyone's)."""
+        if self.broken:
+            return " The operators file cannot be used (the dashboard's log says why)."
+        n = len(self.skipped)
+        if n:
+            return (f" {n} operator entr{'y' if n == 1 else 'ies'} could not be used (the "
+                    "dashboard's log says which and why).")
+        return ""
+
+
+def load_operators(file: Path | None, secrets_section: Mapping | None) -> Operators:
+    """The operators from Streamlit secrets and/or the operators file (the file's win),
+    read at each use so that an edited file takes effect.
+
+    It used to return the secrets' operators alone, saying nothing, when the file could
+    not be read or parsed: a typo left a dashboard nobody could sign in to, answering
+    "Wrong operator name or password". Now a file that cannot be read or parsed, or
+    whose entries are all unusable, is `broken` (TOML syntax errors name the line:
+    TOML is not read line by line, a stray quote can swallow the lines after it); a
+    bad entry among good ones is skipped and named with its line, an unknown table
+    (`[operator]`) named with the close match."""
+    hashes: dict[str, str] = {}
+    skipped: list[str] = []
+    weak: list[str] = []
+
+    def take(entries: Mapping, where: Callable[[str], str]) -> int:
+        kept = 0
+        for name, value in entries.items():
+            keep, why = _judge(value)
+            if keep:
+                hashes[str(name)] = value
+                kept += 1
+            if why:
+                (weak if keep else skipped).append(
+                    f"{where(str(name))}: operator {str(name)!r}"
+                    f"{'' if keep else ' skipped'}: {why}")
+        return kept
+
     if secrets_section:
-        ops.update({str(k): str(v) for k, v in secrets_section.items()})
+        take(secrets_section, lambda _: "Streamlit secrets [operators]")
+    broken = None
     if file is not None:
+        where = f"operators file {file}"
+        before = len(skipped)
         try:
-            data = tomllib.loads(file.read_text())
-        except (OSError, tomllib.TOMLDecodeError):
-            return ops
-        ops.update({str(k): str(v) for k, v in data.get("operators", {}).items()})
-    return ops
+            data = read_toml(file, "operators file", OperatorsFileError)
+        except OperatorsFileError as err:
+            data, broken = {}, str(err)
+        unknown = unknown_keys(data, ("operators",))
+        if unknown:
+            skipped.append(f"{where}: {unknown}")
+        table = data.get("operators", {})
+        if not isinstance(table, dict):
+            skipped.append(f"{where}: [operators] must be a table of name = \"hash\" "
+                           f"lines, not {_kind(table)}")
+            table = {}
+
+        @functools.cache
+        def text() -> str:  # read again only to name a problem's line
+            try:
+                return file.read_text()
+            except (OSError, UnicodeDecodeError):
+                return ""
+
+        def at(name: str) -> str:
+            line = _line_of(text(), name)
+            return f"{where} line {line}" if line else where
+
+        kept = take(table, at)
+        if not kept and not broken and len(skipped) > before:
+            n = len(skipped) - before
+            broken = (f"{where} has no usable operator entry ({n} problem{'s' * (n > 1)}, "
+                      "each logged with its line)")
+    return Operators(hashes, tuple(skipped), tuple(weak), broken)
+
+
+def _judge(value: object) -> tuple[bool, str | None]:
+    """(kept, what is wrong) for an operators entry's value: one that can never sign
+    anyone in is left out; a hash below the policy is kept, so that its operator is
+    told to have it re-created (verify_password) rather than "wrong password"."""
+    if not isinstance(value, str):
+        hint = (' (each entry is name = "hash"; a name with a dot must be quoted)'
+                if isinstance(value, Mapping) else "")
+        return False, f"{_kind(value)}, not a hash string{hint}"
+    try:
+        scheme, params, _, _ = _parse(value)
+    except ValueError as err:
+        return False, str(err)
+    if not _strong(scheme, params):
+        return True, ("hash weaker than the policy: it signs no one in until it is "
+                      "re-created with `clusterpulse-ctl hash-password`")
+    return True, None
+
+
+def _kind(value: object) -> str:
+    """A TOML value's kind, for messages that must not quote the value itself."""
+    kinds: list[tuple[type | tuple[type, ...], str]] = [
+        (str, "a string"), (bool, "a boolean"), ((int, float), "a number"),
+        (Mapping, "a table"), (list, "an array"),
+        ((datetime, date, time_of_day), "a date or time")]
+    return next((what for kind, what in kinds if isinstance(value, kind)), "a value")
+
+
+_HEADER = re.compile(r"\s*\[\s*([^\]]*?)\s*\]")
+
+
+def _line_of(text: str, name: str) -> int | None:
+    """The line (from 1) of operator `name`'s entry in an operators file's `text`, for
+    messages: its `name = ...` line under [operators] (the name quoted or not, or the
+    first part of a dotted one), or an [operators.name] header. None where it is
+    written some other way (an inline table)."""
+    table = None
+    for number, line in enumerate(text.splitlines(), 1):
+        header = _HEADER.match(line)
+        if header:
+            table = header.group(1)
+            parent, dot, child = table.partition(".")
+            if dot and parent.strip() == "operators" and child.strip().strip("\"'") == name:
+                return number
+            continue
+        key, eq, _ = line.partition("=")
+        key = key.strip()
+        quoted = key[:1] in ("'", '"')  # a quoted name may hold a dot; a bare one splits
+        if table == "operators" and eq and name == (
+                key.strip("\"'") if quoted else key.partition(".")[0].strip()):
+            return number
+    return None
+
+
+@dataclass
+class ProblemReport:
+    """Logs what is wrong with the operators when it changes. The sign-in box reads
+    them at every page run (every refresh): the journal should say each problem once,
+    not every few seconds, and again if it comes back after a fix."""
+
+    _last: tuple[str, ...] = ()
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def report(self, ops: Operators) -> None:
+        now = (ops.broken or "", *ops.problems)
+        with self._lock:
+            if now == self._last:
+                return
+            self._last = now
+        for problem in ops.problems:
+            log.warning("%s", problem)
+        if ops.broken:
+            log.error("%s: its operators cannot sign in until it is fixed", ops.broken)
 
 
 def client_of(ip: object) -> str:
@@ -195,6 +395,8 @@ class SignIn:
 THROTTLE = Throttle()
 # refused sign-ins: one audit line per client per minute (docs/security.md)
 REFUSALS = RefusalSummary()
+# the operators' problems, logged once each by the dashboard's pages
+REPORTED = ProblemReport()
 
 
 def authenticate(name: str, password: str, operators: dict[str, str],

@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from clusterpulse.dashboard import auth
+
 EXAMPLES = """\
 examples:
   clusterpulse-dashboard --prometheus http://127.0.0.1:9090 --alertmanager http://127.0.0.1:9093
@@ -16,6 +18,23 @@ examples:
       --token-file /etc/clusterpulse/token --audit-log /var/log/clusterpulse/audit.jsonl
   clusterpulse-dashboard --address 127.0.0.1 --trusted-proxy 127.0.0.1   # behind nginx
 """
+
+
+def operators_usable(path: Path) -> bool:
+    """Whether the dashboard can start with this operators file. Each entry it skips
+    (or keeps below the hash policy) is a warning on stderr, the journal under
+    systemd, and the others still sign in; a file that cannot be read or parsed, or
+    has no usable entry, is an error and no start: it gave a dashboard nobody could
+    sign in to, which said "wrong password" and nothing in the journal. The pages
+    check it again as they read it (an edit needs no restart): auth.load_operators."""
+    ops = auth.load_operators(path, None)
+    for problem in ops.problems:
+        print(f"clusterpulse-dashboard: warning: {problem}", file=sys.stderr)
+    if ops.broken:
+        print(f"clusterpulse-dashboard: error: {ops.broken}; not starting: no operator "
+              "could sign in (fix it, or start without --operators-file)", file=sys.stderr)
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not (math.isfinite(a.refresh) and a.refresh > 0):  # 0 or inf: every view stands still
         p.error(f"--refresh must be a number of seconds > 0, not {a.refresh:g}")
+    if a.operators_file and not operators_usable(a.operators_file):
+        return 2
     env = {"CLUSTERPULSE_PROMETHEUS_URL": a.prometheus,
            "CLUSTERPULSE_ALERTMANAGER_URL": a.alertmanager,
            "CLUSTERPULSE_AUDIT_LOG": str(a.audit_log.resolve()),

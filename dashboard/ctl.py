@@ -30,10 +30,25 @@ examples:
   clusterpulse-ctl restart --run llama-7b --hard --reason "rank 12 hung"
   clusterpulse-ctl evict --run llama-7b --node node-7 --for 600 --reason "NIC trained down"
   clusterpulse-ctl agents --run llama-7b
-  clusterpulse-ctl hash-password            # for the dashboard's operators file
+  clusterpulse-ctl hash-password            # for the dashboard's operators file (asks twice)
   clusterpulse-ctl hash-password --bcrypt < alertmanager-password   # Alertmanager web.yml
 environment: CLUSTERPULSE_PROMETHEUS_URL, CLUSTERPULSE_AGENT_TOKEN_FILE, CLUSTERPULSE_AUDIT_LOG
 """
+
+
+HASH_PASSWORD_HELP = """\
+Print a password hash: an operators file entry (scrypt$N$r$p$salt$digest, the
+dashboard's policy: docs/security.md), or with --bcrypt one for Alertmanager.
+At a terminal it asks for the password twice; when standard input is not a terminal
+it reads one line, the password (its line ending dropped), as htpasswd -i does."""
+HASH_PASSWORD_EXAMPLES = """\
+examples:
+  clusterpulse-ctl hash-password                          # asks twice
+  clusterpulse-ctl hash-password < new-operator-password  # one line, for scripts
+  clusterpulse-ctl hash-password --bcrypt < alertmanager-password   # Alertmanager web.yml
+"""
+MIN_PASSWORD = 8
+NOT_UTF8 = "the password is not UTF-8 text"
 
 
 def caller() -> str:
@@ -99,10 +114,13 @@ def build_parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser
     a_ = sub.add_parser("agents", help="list the agents serving a run")
     a_.add_argument("--run", required=True)
     h = sub.add_parser("hash-password", help="print a password hash for the operators file "
-                       "(or, with --bcrypt, for Alertmanager's web config)")
+                       "(or, with --bcrypt, for Alertmanager's web config)",
+                       description=HASH_PASSWORD_HELP, epilog=HASH_PASSWORD_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     h.add_argument("--bcrypt", action="store_true",
-                   help="a bcrypt hash for basic_auth_users in Alertmanager's web.yml; the "
-                   "password is read from standard input when it is not a terminal")
+                   help="a bcrypt hash for basic_auth_users in Alertmanager's web.yml "
+                   "(piped, the line's surrounding whitespace is dropped, as Alertmanager's "
+                   "clients drop it from the password file)")
     return p
 
 
@@ -119,20 +137,46 @@ def parse(argv: list[str] | None, env: Mapping[str, str] = os.environ) -> argpar
     return a
 
 
+def read_new_password(bcrypt: bool) -> str:
+    """The password to hash: at a terminal typed twice and compared; otherwise one line
+    of standard input (htpasswd -i, chpasswd). Piped, getpass asked twice, the second
+    read found the end of input, and the command died in an EOFError traceback (with
+    no terminal at all) or waited at /dev/tty ignoring the pipe. The operators entry
+    keeps the line as typed but its ending (the sign-in form keeps a password's
+    spaces); --bcrypt strips it, as the clients that read Alertmanager's password file
+    do. ValueError: why there is no usable password, one line."""
+    if sys.stdin is not None and sys.stdin.isatty():
+        try:
+            pw = getpass.getpass("Password: ")
+            if len(pw) >= MIN_PASSWORD and pw != getpass.getpass("Again: "):
+                raise ValueError("the passwords differ")
+        except (EOFError, KeyboardInterrupt):
+            raise ValueError("no password given") from None
+    else:
+        try:
+            line = sys.stdin.readline() if sys.stdin is not None else ""
+        except UnicodeDecodeError:  # a strict stdin (a C locale's escapes: below)
+            raise ValueError(NOT_UTF8) from None
+        if not line:
+            raise ValueError("no password on standard input (pipe one line, or run "
+                             "hash-password at a terminal)")
+        pw = line.strip() if bcrypt else line.rstrip("\r\n")
+    try:
+        pw.encode()  # what the hash and the sign-in form's check encode
+    except UnicodeEncodeError:
+        raise ValueError(NOT_UTF8) from None
+    if len(pw) < MIN_PASSWORD:
+        raise ValueError(f"the password is shorter than {MIN_PASSWORD} characters")
+    return pw
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    if a.cmd == "hash-password" and a.bcrypt and not sys.stdin.isatty():
-        pw = sys.stdin.readline().strip()
-        if len(pw) < 8:
-            print("clusterpulse-ctl: the password on standard input is shorter than 8",
-                  file=sys.stderr)
-            return 2
-        print(auth.bcrypt_hash(pw))
-        return 0
     if a.cmd == "hash-password":
-        pw = getpass.getpass("Password: ")
-        if len(pw) < 8 or pw != getpass.getpass("Again: "):
-            print("clusterpulse-ctl: passwords differ or are shorter than 8", file=sys.stderr)
+        try:
+            pw = read_new_password(bcrypt=a.bcrypt)
+        except ValueError as err:
+            print(f"clusterpulse-ctl: {err}", file=sys.stderr)
             return 2
         print(auth.bcrypt_hash(pw) if a.bcrypt else auth.hash_password(pw))
         return 0

@@ -262,13 +262,17 @@ def operator() -> str | None:
             st.rerun()
         return who
     box.caption("Viewer (read-only). Operators sign in to act.")
+    ops = operators()
+    if ops.broken and not ops.hashes:  # a form would answer "wrong password" to everyone
+        box.error(f"Sign-in is unavailable: {ops.broken}. An administrator must fix it; "
+                  "the dashboard's log says more.", icon=":material/no_accounts:")
+        return None
     with box.form("login", clear_on_submit=True):
         name = st.text_input("Operator", key="login_name")
         password = st.text_input("Password", type="password", key="login_password")
         if st.form_submit_button("Sign in"):
-            ops = auth.load_operators(settings().operators_file, _secrets_section("operators"))
             client = client_address()
-            result = auth.authenticate(name, password, ops, client=client)
+            result = auth.authenticate(name, password, ops.hashes, client=client)
             if result.ok:
                 st.session_state["operator"] = name
                 st.session_state["operator_since"] = time.time()
@@ -278,11 +282,21 @@ def operator() -> str | None:
             else:
                 # the typed name only if it is an operator's (it may be a mistyped
                 # password); one line per client per minute, however many tries
-                auth.REFUSALS.refused(audit_log(), client, name if name in ops else "unknown",
+                auth.REFUSALS.refused(audit_log(), client,
+                                      name if name in ops.hashes else "unknown",
                                       "sign-in", "dashboard", source="dashboard",
                                       detail=result.message)
-                st.error(result.message)
+                st.error(result.message + ops.refusal_note())
     return None
+
+
+def operators() -> auth.Operators:
+    """The password operators (Streamlit secrets and the operators file), read at each
+    page run so that an edited file takes effect; what is wrong with them goes to the
+    dashboard's log (the journal under systemd), once (auth.REPORTED)."""
+    ops = auth.load_operators(settings().operators_file, _secrets_section("operators"))
+    auth.REPORTED.report(ops)
+    return ops
 
 
 # Colour-blind safe (perceptually uniform, readable in grey); down cells are not on it.

@@ -302,7 +302,7 @@ OPERATORS = """
 import json, sys
 from pathlib import Path
 from clusterpulse.dashboard.auth import load_operators, verify_password
-ops = load_operators(Path(sys.argv[1]), None)
+ops = load_operators(Path(sys.argv[1]), None).hashes
 procs = [int(p) for p in __import__("os").listdir("/proc") if p.isdigit()]
 print(json.dumps({"operators": sorted(ops), "admin_ok": verify_password(sys.argv[2],
                   ops.get("admin", "")), "pid1_visible": 1 in procs}))

@@ -32,10 +32,15 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-sync"]
 
 
+# an operators entry the dashboard skips, on line 3: a password where its hash belongs
+SKIPPED = "line 3: operator 'pasted' skipped: not a password hash"
+
+
 def start_dashboard(stack: Stack, tmp) -> tuple[Proc, str]:
-    """A clusterpulse-dashboard process over `stack`, with one operator; its URL."""
+    """A clusterpulse-dashboard process over `stack`, with one operator and an entry it
+    skips (SKIPPED); its URL."""
     ops = tmp / "operators.toml"
-    ops.write_text(f'[operators]\nops = "{hash_password(PASSWORD)}"\n')
+    ops.write_text(f'[operators]\nops = "{hash_password(PASSWORD)}"\npasted = "{PASSWORD}"\n')
     port = free_port()
     dash = Proc([sys.executable, "-m", "clusterpulse.dashboard.cli",
                  "--prometheus", stack.prom.url,
@@ -69,7 +74,7 @@ def env(tmp_path_factory):
         ARTIFACTS.mkdir(exist_ok=True)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-            yield {"stack": stack, "url": url, "browser": browser, "tmp": tmp}
+            yield {"stack": stack, "url": url, "browser": browser, "tmp": tmp, "dashboard": dash}
             browser.close()
     finally:  # also when a wait above fails: no process may outlive the module
         if dash is not None:
@@ -225,6 +230,24 @@ def test_operator_checkpoint_restart_resumes_with_zero_steps_lost(env):
     # kernel names it, not against "localhost" that every local user shares
     (signed_in,) = [r for r in audit if r["action"] == "sign-in" and r["outcome"] == "ok"]
     assert signed_in["client"] == f"uid:{os.geteuid()}", signed_in
+
+
+def test_the_log_names_an_operators_entry_it_skips_and_the_others_sign_in(env):
+    """The journal under systemd is the server's output: the entry is named with its
+    line by clusterpulse-dashboard at start and by the page that read the file (the
+    server's own log, once); never its value. Before, a bad operators file was
+    ignored without a word. `ops` signs in: test_operator_checkpoint_restart_..."""
+    p = page(env)
+    goto(p, env["url"])
+    shows(p, p.get_by_role("textbox", name="Password"))  # the page has read the file
+    ops_file = env["tmp"] / "operators.toml"
+    at_start = f"clusterpulse-dashboard: warning: operators file {ops_file} {SKIPPED}"
+    by_page = f"operators file {ops_file} {SKIPPED}"
+    out = env["dashboard"].output
+    wait_until(lambda: any(line.startswith(by_page) for line in out().splitlines()), 30,
+               "the server's log line for the skipped entry")
+    assert at_start in out(), out()[-3000:]
+    assert PASSWORD not in out()
 
 
 def test_prometheus_outage_shows_a_banner_then_recovers(env):

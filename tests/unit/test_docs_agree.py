@@ -2,7 +2,8 @@
 stated once (docs/agent.md#telemetry-address) and equals agent.protocol's default and
 both --help texts; the README's clusterpulse-ctl examples parse as written, with the
 settings its block exports, and carry what each command needs; the README's Lightning
-and Hugging Face snippets are the code CI runs, verbatim."""
+and Hugging Face snippets are the code CI runs, verbatim; operators' password hashes
+are described, and shown, as `clusterpulse-ctl hash-password` makes them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from clusterpulse.agent import cli as agent_cli
 from clusterpulse.agent import protocol
-from clusterpulse.dashboard import ctl
+from clusterpulse.dashboard import auth, ctl
 from clusterpulse.trainer import config as trainer_config
 from clusterpulse.trainer import instrument
 from tests.support.procs import REPO
@@ -63,6 +64,34 @@ def test_help_texts_name_the_code_default():
     assert f"$CLUSTERPULSE_AGENT or {protocol.DEFAULT_TELEMETRY})" in " ".join(
         trainer_config.build_parser().format_help().split())
     assert ":9401" not in (instrument.__doc__ or "")
+
+
+# where an operators entry may be described or shown: the docs, the deploy files'
+# comments (examples of operators.toml), and hash-password's own --help
+HASH_DOCS = [*DOCS, *(f for f in sorted((REPO / "deploy").rglob("*"))
+                      if f.suffix in (".yaml", ".yml", ".toml", ".service", ".default", ".txt"))]
+# an operators entry's value as an example shows it: name = "SCHEME$PARAMS$...$..."
+HASH_EXAMPLE = re.compile(r'= *"(\w+(?:\$\d+)*)\$')
+
+
+def test_docs_describe_the_operator_hashes_hash_password_makes(capsys):
+    """Found in review: docs/dashboard.md said operator hashes are PBKDF2-SHA256 and
+    showed `name = "pbkdf2_sha256$..."`, while hash-password prints `scrypt$...`
+    (PBKDF2 is only still accepted). Every example entry shows the scheme made, and
+    a passage that names PBKDF2 names scrypt too."""
+    stored = auth.hash_password("correct horse")
+    made = stored.partition("$")[0]
+    texts = {str(f.relative_to(REPO)): f.read_text() for f in HASH_DOCS}
+    with pytest.raises(SystemExit):
+        ctl.main(["hash-password", "--help"])
+    texts["clusterpulse-ctl hash-password --help"] = capsys.readouterr().out
+    assert made in texts["clusterpulse-ctl hash-password --help"]
+    for where, text in texts.items():
+        for shown in HASH_EXAMPLE.findall(text):
+            assert stored.startswith(shown + "$"), (where, shown)
+        for claim in chunks(text):
+            if "pbkdf2" in claim.lower():
+                assert made in claim, (where, claim)
 
 
 def readme_ctl_block() -> tuple[dict[str, str], list[list[str]]]:
