@@ -151,7 +151,7 @@ class TelemetryReceiver:
                 data, addr = sock.recvfrom(protocol.MAX_DATAGRAM_BYTES + 1)
                 sender = Sender()  # UDP: nobody vouches for the sender
             else:
-                data, addr, sender = sock.recv(protocol.MAX_DATAGRAM_BYTES + 1), None, c.sender
+                data, addr, sender = _recv_from_rank(sock), None, c.sender
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:
@@ -242,6 +242,23 @@ class TelemetryReceiver:
         with contextlib.suppress(KeyError, ValueError, OSError):
             self._sel.unregister(self._sock)
         self._sel.close()
+
+
+def _recv_from_rank(sock: socket.socket) -> bytes:
+    """One message of a rank's connection (b"": the rank closed it, nothing is left).
+
+    A rank reads the agent's replies only at its consensus boundary, so it nearly
+    always leaves with some unread; the kernel then reports ECONNRESET on the agent's
+    end, once, ahead of the messages the rank sent before it left and still queued
+    there: a graceful restart's acknowledgement and the rank's exit event, sent
+    milliseconds before it goes. Nothing of the rank's was lost, so reading goes on;
+    taking the reset for the end of the connection dropped them whenever the agent was
+    slower than the rank's exit (a loaded node), and the command showed a rank that
+    never acknowledged."""
+    try:
+        return sock.recv(protocol.MAX_DATAGRAM_BYTES + 1)
+    except ConnectionResetError:  # said once: what follows is the rank's, then the end
+        return sock.recv(protocol.MAX_DATAGRAM_BYTES + 1)
 
 
 def _raise_descriptor_limit() -> None:

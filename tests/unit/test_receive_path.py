@@ -336,3 +336,51 @@ def test_a_rank_that_fell_back_to_datagrams_reconnects_to_an_upgraded_agent(tmp_
     finally:
         link.close()
         agent.stop()
+
+
+def test_what_a_rank_sent_before_leaving_is_read_though_it_left_replies_unread(
+        tmp_path, monkeypatch):
+    """Finding (the HF and Lightning tests on a loaded node): a graceful restart
+    completed with `acknowledged: [1]`, rank 0's acknowledgement lost, and no rank's
+    `exit` event ever arrived. A rank reads the agent's replies only at its consensus
+    boundary, so it leaves with some unread; the kernel then reports ECONNRESET on the
+    agent's end of the connection, once, ahead of the messages still queued there, and
+    the agent closed the connection on it: a busy agent that had not yet read the
+    acknowledgement the rank sent just before leaving (the last rank to reach the
+    barrier sends it milliseconds before it goes) lost it, and the exit event with it."""
+    from clusterpulse.trainer.instrument import Pulse
+    from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV, RESTART_EXIT_CODE
+
+    monkeypatch.delenv(RELAUNCH_FILE_ENV, raising=False)  # a plain torchrun's exit code
+    ranks, path = RankRegistry(), socket_path("ack")
+    agent = Agent(SimBackend(gpus=2, node="k"), "k", ranks, AuditLog(tmp_path / "a.jsonl"),
+                  telemetry_addr=path)
+    assert agent.receiver is not None
+    pulse = Pulse(run="job", agent=f"unix:{path}", rank=0, local_rank=0, world_size=1,
+                  restarts=0, consensus_every=1, catch_sigterm=False)
+    try:  # the agent is not started: each round below is one it gets to run
+        with pulse.step(1):
+            pass
+        for _ in range(3):  # accepted, read and answered: the replies wait unread
+            agent.receiver.round(timeout=0.2)
+        cmd = agent.commands.submit("job", "checkpoint-restart", "test", "op", deadline_s=60)
+        with pulse.step(2):
+            pass
+        agent.receiver.round(timeout=0.2)  # the reply to step 2 carries the command
+
+        def save(step: int) -> None:  # meanwhile the agent reads the rank's heartbeat of
+            agent.receiver.round(timeout=0.2)  # phase checkpoint: a reply it never reads
+
+        # the rank agrees, saves, acknowledges and leaves before the busy agent reads on
+        with pytest.raises(SystemExit) as leaving:
+            pulse.boundary(2, save=save)
+        assert leaving.value.code == RESTART_EXIT_CODE
+        for _ in range(3):
+            agent.receiver.round(timeout=0.2)
+        agent.commands.tick()
+        assert cmd.to_json()["acknowledged"] == [0], cmd.to_json()
+        (r,) = ranks.of_run("job")
+        assert r.phase == protocol.RESTARTING, r.phase  # its exit event was read too
+    finally:
+        pulse.close()
+        agent.stop()
