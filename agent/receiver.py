@@ -151,7 +151,7 @@ class TelemetryReceiver:
                 data, addr = sock.recvfrom(protocol.MAX_DATAGRAM_BYTES + 1)
                 sender = Sender()  # UDP: nobody vouches for the sender
             else:
-                data, addr, sender = sock.recv(protocol.MAX_DATAGRAM_BYTES + 1), None, c.sender
+                data, addr, sender = _recv_record(sock), None, c.sender
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:
@@ -242,6 +242,18 @@ class TelemetryReceiver:
         with contextlib.suppress(KeyError, ValueError, OSError):
             self._sel.unregister(self._sock)
         self._sel.close()
+
+
+def _recv_record(sock: socket.socket) -> bytes:
+    """One record of a rank's connection. ECONNRESET is not the end of its records: a
+    rank that closes with replies of ours unread makes Linux report it to this end
+    (unix_release_sock) ahead of the records the rank queued before closing, its exit
+    event among them, and JobStalled paged runs that had finished. Reading the error
+    clears it; the next read returns those records, then the end of the connection."""
+    try:
+        return sock.recv(protocol.MAX_DATAGRAM_BYTES + 1)
+    except ConnectionResetError:
+        return sock.recv(protocol.MAX_DATAGRAM_BYTES + 1)
 
 
 def _raise_descriptor_limit() -> None:
