@@ -24,6 +24,7 @@ physical GPU whatever CUDA_VISIBLE_DEVICES renumbered.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -174,8 +175,16 @@ class AgentLink:
         return out
 
     def close(self) -> None:
+        """Close, having read what is left of the agent's replies (never waiting: the
+        socket is non-blocking). Unread replies at close make Linux report ECONNRESET to
+        the agent ahead of this rank's last messages, its exit event among them; the
+        agent reads on past it (agent.receiver), but need not meet it at all."""
         with self._lock:
             if self._sock is not None:
+                if self._connected and self._kind == socket.SOCK_SEQPACKET:
+                    with contextlib.suppress(OSError):  # BlockingIOError: none left
+                        while self._sock.recv(1):  # a record's rest is discarded with it
+                            pass
                 self._sock.close()
                 self._sock = None
             self._connected = False

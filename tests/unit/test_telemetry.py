@@ -435,6 +435,30 @@ def test_link_reconnects_after_the_agent_restarts(tmp_path):
         server.shutdown()
 
 
+def test_a_link_that_closes_leaves_its_last_messages_readable(tmp_path):
+    """Closing with the agent's replies unread made Linux report ECONNRESET to the
+    agent before the records still queued from the rank, its exit event among them:
+    the link reads what is left of its replies before it closes."""
+    from clusterpulse.agent import channel
+
+    path = str(tmp_path / "t.sock")
+    listener = channel.bind_unix(path)
+    link = AgentLink(path, local_rank=0)
+    conn, _ = listener.accept()
+    try:
+        link.send({"type": "step", "run": "r1", "rank": 0, "step": 1})
+        assert b'"step"' in conn.recv(8192)
+        conn.send(protocol.encode({"type": "agent", "slowdown": 1}))  # never polled
+        link.send({"type": "event", "event": "exit", "run": "r1", "rank": 0,
+                   "outcome": "finished"})
+        link.close()
+        assert b'"exit"' in conn.recv(8192)
+        assert conn.recv(8192) == b""  # then the end of the connection
+    finally:
+        conn.close()
+        listener.close()
+
+
 def test_gpu_is_named_by_uuid_not_local_rank(sim_agent, monkeypatch):
     """Finding: `gpu = local_rank` pinned faults on the wrong GPU under
     CUDA_VISIBLE_DEVICES renumbering."""
