@@ -683,8 +683,13 @@ class Pulse:
                 comm_bytes = self._allreduce_bytes * len(passes)
             self._pending.pop(0)
             if isinstance(clock, _CudaClock):
-                # device time of the step; input waits are host-side and come on top
-                compute = max(0.0, total - sync_wait - ckpt)
+                # device time of the step, less the host's waits between its marks, as
+                # the checkpoint's: input awaited in a data section of the step
+                # (gradient accumulation's next micro-batch) is data wait; counted as
+                # compute as well, it was the rank's own time twice. The input awaited
+                # before the step is outside the marks and comes on top.
+                in_step_input = data - (ctx.fetch - ctx.fetch_sync)
+                compute = max(0.0, total - sync_wait - ckpt - in_step_input)
             else:
                 compute = max(0.0, wall - data - ctx.fetch_sync - sync_wait - ckpt
                               - ctx._extra_wait)
