@@ -800,8 +800,9 @@ class Pulse:
         os._exit(PREEMPTED_EXIT_CODE)  # the main thread cannot be reached: the process
 
     def _with_acks(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Every message after an acknowledgement repeats it: datagrams can be lost, and
-        a rank that saves and exits right after acknowledging sends few more."""
+        """Every message after an acknowledgement repeats it: a message can be dropped
+        (the agent's queue full, the agent restarting, UDP), and a rank that saves and
+        exits right after acknowledging sends few more."""
         if self._acks:
             msg["acks"] = self._acks[:16]
         return msg
@@ -986,7 +987,7 @@ class Pulse:
         self.event("checkpoint_committed", **fields)
 
     def ack(self, command_ids: list[str]) -> None:
-        """Acknowledge commands now and in the next messages (datagrams can be lost)."""
+        """Acknowledge commands now and in the next messages (one can be dropped)."""
         self._acks = list(dict.fromkeys(self._acks + command_ids))[-16:]
         for cid in command_ids:
             self.commands.pop(cid, None)
