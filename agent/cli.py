@@ -92,9 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:9477",
                    help="HTTP address for /metrics and /v1/ (default: 127.0.0.1:9477)")
     p.add_argument("--telemetry", default=protocol.DEFAULT_TELEMETRY,
-                   help="where ranks send telemetry: unix:/PATH, a Unix datagram socket whose "
-                   "senders the kernel identifies (default: %(default)s), or HOST:PORT for "
-                   "UDP, whose senders are unauthenticated and never signalled")
+                   help="where ranks send telemetry: unix:/PATH, a Unix SOCK_SEQPACKET socket (a "
+                   "connection per rank) whose senders the kernel identifies (default: "
+                   "%(default)s), or HOST:PORT for UDP, whose senders are unauthenticated "
+                   "and never signalled (docs/agent.md#telemetry-address)")
     p.add_argument("--interval", type=float, default=1.0,
                    help="seconds between GPU collections (default: 1)")
     p.add_argument("--gpus", type=int, default=8, help="simulated GPUs (default: 8)")

@@ -1,7 +1,7 @@
 """Operator commands for the ranks of a run on this node, and their lifecycle.
 
 `checkpoint-restart` is graceful: the ranks are told (in the reply to their next
-datagram), agree on a step among themselves, save, and exit for torchrun to restart
+message), agree on a step among themselves, save, and exit for torchrun to restart
 them. With `leave_s` this node sits the restart out that long (its launcher waits,
 trainer/restart.py) while an elastic job goes on without it: the ranks must leave by
 the deadline, and once they have, the command has `leave_s` plus the deadline again to

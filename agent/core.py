@@ -47,8 +47,9 @@ class Agent:
     def __init__(self, backend: Backend, node: str, ranks: RankRegistry, audit: AuditLog,
                  interval_s: float = 1.0,
                  telemetry_addr: str | tuple[str, int] | None = None) -> None:
-        """`telemetry_addr`: a socket path (Unix datagram, kernel-verified senders) or
-        (host, port) for UDP (unverified senders, never signalled); None: no telemetry."""
+        """`telemetry_addr`: a socket path (Unix SOCK_SEQPACKET, kernel-verified
+        senders) or (host, port) for UDP (unverified senders, never signalled); None: no
+        telemetry."""
         self.backend = backend
         self.node = node
         self.ranks = ranks
@@ -193,7 +194,7 @@ class Agent:
 
     def handle_datagram(self, data: bytes, addr: Any,
                         sender: Sender | None = None) -> bytes | None:
-        """Validate and record one datagram; the reply for its sender, if any.
+        """Validate and record one message; the reply for its sender, if any.
 
         Never raises: whatever the bytes, the outcome is a counter.
         """

@@ -1,4 +1,4 @@
-"""Who sent a datagram, as the kernel says, and whether that process is still the same.
+"""Who sent a message, as the kernel says, and whether that process is still the same.
 
 The agent may signal processes, so a rank's identity is never a number from a
 payload: over the Unix socket the kernel records the connecting process (pid, uid,

@@ -1,19 +1,21 @@
-"""The rank -> agent telemetry contract: one JSON object per datagram.
+"""The rank -> agent telemetry contract: one JSON object per message.
 
-Datagrams because the design requires that a rank never blocks, slows or fails
-because its agent is absent, slow or restarting: a non-blocking send returns at once
-whatever the receiver does, and a lost datagram costs one sample, not a step.
+Messages, each sent whole or not at all, because the design requires that a rank never
+blocks, slows or fails because its agent is absent, slow or restarting: a non-blocking
+send returns at once whatever the receiver does, and a lost message costs one sample,
+not a step.
 
-The channel is a Unix domain datagram socket (`unix:/run/clusterpulse/telemetry.sock`
-by default): the agent turns on SO_PASSCRED, so the kernel attaches the sender's real
-pid/uid/gid to every datagram, and identity never comes from the payload (see
-docs/security.md). Plain UDP (`HOST:PORT`) is still accepted for setups that cannot
-share a socket file; it is unauthenticated, and the agent never signals a process it
-learnt about over UDP.
+The channel (docs/agent.md#telemetry-address, the one place that states it) is a Unix
+SOCK_SEQPACKET socket by default: each rank holds a connection of its own, message
+boundaries kept, and the kernel names the process that connected (pid, uid, gid),
+which the agent pins as it accepts (agent.channel), so identity never comes from the
+payload (see docs/security.md). Plain UDP (`HOST:PORT`) is still accepted for setups
+that cannot share a socket file; it is unauthenticated, and the agent never signals a
+process it learnt about over UDP.
 
-The agent answers each datagram to its sender with its own state (pending commands,
-simulated GPU slowdown), so the same socket carries commands back without a server
-in the rank.
+The agent answers each message to its sender with its own state (pending commands,
+simulated GPU slowdown), on the rank's connection (over UDP, to its address), so the
+same channel carries commands back without a server in the rank.
 
 This module is the single definition of that format: the trainer encodes with it,
 the agent validates with it. `decode` returns a *new* dict holding only the known
@@ -108,7 +110,7 @@ _LIMIT = 1e18
 
 
 class MalformedMessage(ValueError):
-    """A datagram that is not a valid telemetry message; the text names why."""
+    """Bytes received that are not a valid telemetry message; the text names why."""
 
 
 # One encoder for every message: json.dumps with any option builds a new one per call,
@@ -159,10 +161,10 @@ def _number(msg: dict[str, Any], key: str) -> float:
 
 
 def decode(data: bytes) -> dict[str, Any]:
-    """Parse and validate one datagram into a clean dict of known fields only.
+    """Parse and validate one message into a clean dict of known fields only.
 
     Raises MalformedMessage, never anything else, whatever the bytes: the caller counts
-    the reason and drops the datagram.
+    the reason and drops the message.
     """
     if len(data) > MAX_DATAGRAM_BYTES:
         raise MalformedMessage("too_large")
@@ -224,7 +226,8 @@ def decode(data: bytes) -> dict[str, Any]:
 
 
 def parse_address(text: str) -> str | tuple[str, int]:
-    """"unix:/path" -> "/path" (Unix datagram socket); "HOST:PORT" -> (host, port) (UDP).
+    """"unix:/path" -> "/path" (Unix SOCK_SEQPACKET socket); "HOST:PORT" -> (host, port)
+    (UDP).
 
     Raises ValueError naming the expected forms.
     """

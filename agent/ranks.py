@@ -9,7 +9,7 @@ forgotten after `grace_s`, long enough that their growing heartbeat age is expor
 registry is full.
 
 Ownership: a (run, rank) belongs to the process that registered it. While that
-process lives (same pid *and* start time), datagrams for that (run, rank) from any
+process lives (same pid *and* start time), messages for that (run, rank) from any
 other sender are refused; once it has exited (torchrun restarted the worker) the new
 process takes over.
 """
@@ -37,7 +37,7 @@ JOB_FIELDS = frozenset({"checkpoint_step", "checkpoint_timestamp_seconds", "good
 
 
 class Refused(Exception):
-    """Why a datagram was not folded in; the text is a counter label."""
+    """Why a message was not folded in; the text is a counter label."""
 
 
 @dataclass
@@ -51,7 +51,7 @@ class RankState:
     gpu_uuids: tuple[str, ...] = ()
     addr: Any = None  # where replies go: the kernel-given sender address
     first_seen: float = 0.0
-    last_seen: float = 0.0  # monotonic time of the last datagram of any kind
+    last_seen: float = 0.0  # monotonic time of the last message of any kind
     # monotonic time of the last completed step, of the start, or of leaving a phase
     # with its own timeout (start, checkpoint)
     last_progress: float = 0.0
@@ -91,7 +91,7 @@ class RankState:
 
 
 def _owners_last_words(owner: Sender, sender: Sender) -> bool:
-    """A datagram the kernel says came from the owner's pid and user, whose process was
+    """A message the kernel says came from the owner's pid and user, whose process was
     gone by the time the agent read it: the owner's last words (its `exit` event), not
     another process's (a pid reused by a live process reads as verified, and differs)."""
     return (owner.verified and not sender.verified and sender.pid > 0
@@ -126,7 +126,7 @@ class RankRegistry:
         with self._lock:
             r = self._ranks.get(key)
             if r is not None and r.sender != sender and _owners_last_words(r.sender, sender):
-                sender = r.sender  # the owner's own datagrams, read after it exited
+                sender = r.sender  # the owner's own messages, read after it exited
             elif r is not None and r.sender != sender:
                 if r.sender.verified and self._alive(r.sender):
                     raise Refused("owned_by_other_process")

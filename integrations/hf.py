@@ -9,10 +9,18 @@
     trainer.train(resume_from_checkpoint=pulse.resume_from())
 
 What it maps, and why there: a step is one optimizer step, from `on_step_begin` (its
-batch is here) to `on_step_end`; forward_backward ends at `on_pre_optimizer_step`, so
-DDP's wait for peers (`attach_ddp` on the Trainer's DDP model, the reason `attach`
+batches are here) to `on_step_end`; forward_backward ends at `on_pre_optimizer_step`,
+so DDP's wait for peers (`attach_ddp` on the Trainer's DDP model, the reason `attach`
 takes the Trainer: no callback event carries it) falls in it as in the plain recipe.
 From one step's end to the next one's begin the Trainer fetches input: the data wait.
+With `gradient_accumulation_steps` the Trainer fetches all of a step's micro-batches
+there, then calls `on_step_begin` once, `on_substep_end` after each micro-batch but
+the last, and `on_step_end` after the optimizer step: the events bracket the whole
+optimizer step already. Its samples are counted per micro-batch trained (the
+Trainer's batch size, `state.train_batch_size`), not as the batch size times the
+accumulation: the epoch's last step has fewer micro-batches when they do not divide
+the epoch. (No event carries a batch: a short last batch of an epoch, with one
+process and no `dataloader_drop_last`, counts as a whole one.)
 For a model whose forward takes `**kwargs` (every stock one) it also all-gathers the
 batch's label-token count there (`num_items_in_batch`), where a rank waits for a peer
 still loading its batch: Pulse times a collective run while awaiting input as sync
@@ -90,8 +98,11 @@ class ClusterPulseCallback(TrainerCallback):
                       **kwargs: Any) -> None:
         pulse = self._pulse()
         pulse.input_arrived()
-        self._step.begin(pulse, state.global_step + 1,
-                         args.per_device_train_batch_size * args.gradient_accumulation_steps)
+        self._step.begin(pulse, state.global_step + 1, samples=0)  # counted as trained
+
+    def on_substep_end(self, args: Args, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        self._step.add(_batch_size(args, state))  # a micro-batch that stepped no optimizer
 
     def on_pre_optimizer_step(self, args: Args, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
@@ -99,6 +110,7 @@ class ClusterPulseCallback(TrainerCallback):
 
     def on_step_end(self, args: Args, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
+        self._step.add(_batch_size(args, state))  # the step's last micro-batch
         self._step.end()  # the loss: no callback event carries it
         pulse = self._pulse()
         if pulse.restart_requested(state.global_step):
@@ -127,3 +139,10 @@ class ClusterPulseCallback(TrainerCallback):
             raise RuntimeError("ClusterPulseCallback: the Trainer has not begun training "
                                "(add it with ClusterPulseCallback.attach(trainer, ...))")
         return self.pulse
+
+
+def _batch_size(args: Args, state: TrainerState) -> int:
+    """Samples in one of this process's batches: the Trainer's own (`auto_find_batch_
+    size` may have lowered it), else the arguments' (per device, times the GPUs one
+    process drives with DataParallel)."""
+    return state.train_batch_size or args.train_batch_size

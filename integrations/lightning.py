@@ -13,14 +13,23 @@
 
 (the README shows this verbatim as CI runs it, from tests/support/lightning_job.py).
 
-What it maps, and why there: a step is one training batch, from its arrival
-(`on_train_batch_start`) to `on_train_batch_end`; forward_backward ends where Lightning
-hands the gradients to the optimizer (`on_before_optimizer_step`), so DDP's wait for
-peers (`attach_ddp` on the strategy's DDP model) falls in it as in the plain recipe. The
-time from one batch's end to the next's start is Lightning fetching input: the step's
-data wait. After each batch `Pulse.boundary` runs the graceful protocol, saving through
-`trainer.save_checkpoint` (a collective: every rank calls it, rank 0 writes), atomically.
-Assumes one optimizer step per batch (no gradient accumulation).
+What it maps, and why there: a step is one optimizer step, from the arrival of its
+first batch (`on_train_batch_start`) to the `on_train_batch_end` of the batch that
+stepped the optimizer (Lightning has counted it in `trainer.global_step` by then);
+forward_backward ends where Lightning hands the gradients to the optimizer
+(`on_before_optimizer_step`), so DDP's wait for peers (`attach_ddp` on the strategy's
+DDP model) falls in it as in the plain recipe. The time from one step's end to the
+next one's first batch is Lightning fetching input: the step's data wait. With
+`accumulate_grad_batches` the step holds all its micro-batches: their samples summed,
+their losses too (Lightning divides each by the accumulation: the sum is the loss
+whose gradient the step applied), and the fetch of each micro-batch after the first
+is in the step's data section, its data wait as well.
+
+After each optimizer step `Pulse.boundary` runs the graceful protocol, saving through
+`trainer.save_checkpoint` (a collective: every rank calls it, rank 0 writes),
+atomically. Only there: a checkpoint holds no accumulated gradient, while the
+loader's position in it is past every micro-batch trained, so one taken after a first
+micro-batch lost it for good (the resumed step applied the others alone).
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ class ClusterPulseCallback(pl.Callback):
         self.checkpoint = Path(checkpoint)
         self.pulse: Pulse | None = None
         self._step = OpenStep()
+        self._losses: list[Any] = []  # the open step's micro-batches' losses
 
     def resume_from(self) -> str | None:
         """The checkpoint to pass as `fit(ckpt_path=...)`: the last graceful (or
@@ -93,8 +103,12 @@ class ClusterPulseCallback(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         pulse = self._pulse()
-        pulse.input_arrived()
-        self._step.begin(pulse, trainer.global_step + 1, batch_size(batch))
+        if self._step.ctx is None:  # an optimizer step's first micro-batch
+            pulse.input_arrived()
+            self._step.begin(pulse, trainer.global_step + 1, batch_size(batch))
+        else:  # a later micro-batch of the step (gradient accumulation), fetched in
+            self._step.add(batch_size(batch))  # the step's data section
+            self._step.section("forward_backward")
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
@@ -102,7 +116,15 @@ class ClusterPulseCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._step.end(loss_of(outputs))
+        loss = loss_of(outputs)
+        if loss is not None:
+            self._losses.append(loss.detach() if hasattr(loss, "detach") else loss)
+        ctx = self._step.ctx
+        if ctx is not None and trainer.global_step < ctx.step:
+            # accumulating: no optimizer step yet; the step waits for its next micro-batch
+            self._step.section("data")
+            return
+        self._step.end(self._step_loss(pl_module))
         pulse = self._pulse()
         pulse.boundary(trainer.global_step, save=lambda step: self._save(trainer, step))
         pulse.awaiting_input()
@@ -117,6 +139,17 @@ class ClusterPulseCallback(pl.Callback):
             os.replace(tmp, self.checkpoint)
             self._pulse().checkpoint_committed(step)
 
+    def _step_loss(self, pl_module: pl.LightningModule) -> Any:
+        """The loss of the optimizer step just taken, from its micro-batches' losses
+        (None if none): their sum under automatic optimization, where Lightning hands
+        each over divided by the accumulation; their mean under manual optimization,
+        where it hands over what training_step returned."""
+        losses, self._losses = self._losses, []
+        if not losses:
+            return None
+        total = sum(losses[1:], losses[0])
+        return total if pl_module.automatic_optimization else total / len(losses)
+
     def _pulse(self) -> Pulse:
         if self.pulse is None:
             raise RuntimeError("ClusterPulseCallback: the Trainer has not set it up "
@@ -125,5 +158,6 @@ class ClusterPulseCallback(pl.Callback):
 
     def _close(self, outcome: str) -> None:
         self._step.end()
+        self._losses.clear()
         if self.pulse is not None:
             self.pulse.close(outcome)

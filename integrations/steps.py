@@ -3,7 +3,12 @@
 `Pulse.step` and `StepContext.section` are context managers, written for a loop that
 holds the step in one `with` block; a framework calls back at the step's start, at
 the optimizer and at its end instead. This holds them open in between, the same way
-for every integration."""
+for every integration.
+
+A step is one optimizer step: with gradient accumulation, all its micro-batches, their
+samples added up (`add`). A framework that fetches each micro-batch on its own
+(Lightning) holds the step in its `data` section between them: that wait is input,
+the step's data wait, not its compute."""
 
 from __future__ import annotations
 
@@ -22,11 +27,18 @@ class OpenStep:
         self.ctx: StepContext | None = None
 
     def begin(self, pulse: Pulse, step: int, samples: int) -> None:
-        """The step's batch is here: the step starts, in forward_backward."""
+        """The step's (first) batch is here: the step starts, in forward_backward,
+        with `samples` trained so far."""
         self.end()
         self.ctx = self._step.enter_context(pulse.step(step))
         self.ctx.samples = samples
         self.section("forward_backward")
+
+    def add(self, samples: int) -> None:
+        """Samples the open step trains beyond those it began with (gradient
+        accumulation's later micro-batches); outside a step, nothing."""
+        if self.ctx is not None:
+            self.ctx.samples += samples
 
     def section(self, name: str) -> None:
         """The open section (if any) ends and `name` begins; outside a step, nothing."""

@@ -683,8 +683,13 @@ class Pulse:
                 comm_bytes = self._allreduce_bytes * len(passes)
             self._pending.pop(0)
             if isinstance(clock, _CudaClock):
-                # device time of the step; input waits are host-side and come on top
-                compute = max(0.0, total - sync_wait - ckpt)
+                # device time of the step, less the host's waits between its marks, as
+                # the checkpoint's: input awaited in a data section of the step
+                # (gradient accumulation's next micro-batch) is data wait; counted as
+                # compute as well, it was the rank's own time twice. The input awaited
+                # before the step is outside the marks and comes on top.
+                in_step_input = data - (ctx.fetch - ctx.fetch_sync)
+                compute = max(0.0, total - sync_wait - ckpt - in_step_input)
             else:
                 compute = max(0.0, wall - data - ctx.fetch_sync - sync_wait - ckpt
                               - ctx._extra_wait)
@@ -795,8 +800,9 @@ class Pulse:
         os._exit(PREEMPTED_EXIT_CODE)  # the main thread cannot be reached: the process
 
     def _with_acks(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Every message after an acknowledgement repeats it: datagrams can be lost, and
-        a rank that saves and exits right after acknowledging sends few more."""
+        """Every message after an acknowledgement repeats it: a message can be dropped
+        (the agent's queue full, the agent restarting, UDP), and a rank that saves and
+        exits right after acknowledging sends few more."""
         if self._acks:
             msg["acks"] = self._acks[:16]
         return msg
@@ -981,7 +987,7 @@ class Pulse:
         self.event("checkpoint_committed", **fields)
 
     def ack(self, command_ids: list[str]) -> None:
-        """Acknowledge commands now and in the next messages (datagrams can be lost)."""
+        """Acknowledge commands now and in the next messages (one can be dropped)."""
         self._acks = list(dict.fromkeys(self._acks + command_ids))[-16:]
         for cid in command_ids:
             self.commands.pop(cid, None)

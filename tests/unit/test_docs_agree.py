@@ -1,6 +1,7 @@
 """What the docs say about defaults is what the code does: the telemetry address is
 stated once (docs/agent.md#telemetry-address) and equals agent.protocol's default and
-both --help texts; the README's clusterpulse-ctl examples parse as written, with the
+both --help texts, and the socket is the kind it says there, the kind the agent binds,
+wherever else it is named; the README's clusterpulse-ctl examples parse as written, with the
 settings its block exports, and carry what each command needs; the README's Lightning
 and Hugging Face snippets are the code CI runs, verbatim; operators' password hashes
 are described, and shown, as `clusterpulse-ctl hash-password` makes them."""
@@ -9,16 +10,18 @@ from __future__ import annotations
 
 import re
 import shlex
+import socket
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from clusterpulse.agent import channel, core, protocol
 from clusterpulse.agent import cli as agent_cli
-from clusterpulse.agent import protocol
 from clusterpulse.dashboard import auth, ctl
 from clusterpulse.trainer import config as trainer_config
 from clusterpulse.trainer import instrument
+from tests.conftest import socket_path
 from tests.support.procs import REPO
 
 AGENT_DOC = REPO / "docs/agent.md"
@@ -92,6 +95,30 @@ def test_docs_describe_the_operator_hashes_hash_password_makes(capsys):
         for claim in chunks(text):
             if "pbkdf2" in claim.lower():
                 assert made in claim, (where, claim)
+
+
+def test_the_telemetry_socket_is_named_as_the_agent_binds_it():
+    """A SOCK_SEQPACKET socket, one connection per rank (docs/agent.md#telemetry-address,
+    and what `channel.bind_unix` makes); a Unix datagram socket was an earlier
+    release's, and --help and agent.protocol still said so."""
+    section = AGENT_DOC.read_text().split("## Telemetry address", 1)[1].split("\n## ", 1)[0]
+    assert "`SOCK_SEQPACKET`" in section
+    path = socket_path("kind")
+    sock = channel.bind_unix(path)
+    try:
+        assert sock.type == socket.SOCK_SEQPACKET
+    finally:
+        sock.close()
+        channel.unlink_quietly(path)
+    texts = {"clusterpulse-agent --help": agent_cli.build_parser().format_help(),
+             "clusterpulse-train --help": trainer_config.build_parser().format_help(),
+             "agent/protocol.py": f"{protocol.__doc__} {protocol.parse_address.__doc__}",
+             "agent/core.py": core.Agent.__init__.__doc__ or "",
+             **{p.relative_to(REPO).as_posix(): p.read_text() for p in DOCS}}
+    datagram = re.compile(r"\bunix\s+(domain\s+)?datagram\b", re.I)
+    wrong = {name: m[0] for name, text in texts.items()
+             if (m := datagram.search(" ".join(text.split())))}
+    assert not wrong, f"the telemetry socket is SOCK_SEQPACKET: {wrong}"
 
 
 def readme_ctl_block() -> tuple[dict[str, str], list[list[str]]]:

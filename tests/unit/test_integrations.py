@@ -1,15 +1,18 @@
 """The pieces of the framework callbacks that need no framework loop: the data wait a
-callback measures between batches, and reading a batch's size and a step's loss."""
+callback measures between batches and between a step's micro-batches, and reading a
+batch's size and a step's loss."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import pytest
 import torch
 
 from clusterpulse.integrations.lightning import batch_size, loss_of
 from clusterpulse.integrations.steps import OpenStep
-from clusterpulse.trainer.instrument import Pulse
+from clusterpulse.trainer.instrument import Pulse, _CudaClock
 
 
 def test_the_wait_between_a_batch_end_and_the_next_arrival_is_the_steps_data_wait():
@@ -52,3 +55,38 @@ def test_a_step_opened_and_closed_from_separate_events_reports_its_sections():
         assert ctx.sections["forward_backward"] >= 0.02 and "optimizer" in ctx.sections
         assert pulse.last["step_seconds"] >= 0.02 and pulse.last["loss"] == 0.25
         open_step.end()  # twice (an exception after the step): nothing
+
+
+class _HostMarksAsDevice(_CudaClock):
+    """The arithmetic Pulse does with CUDA events (device time between a step's marks,
+    the host's waits between them taken out), on a machine without a GPU: its marks
+    are host times."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def elapsed(self, a: Any, b: Any) -> float | None:
+        return b - a
+
+
+@pytest.mark.parametrize("clock", ["host", "device"])
+def test_input_awaited_between_a_steps_micro_batches_is_its_data_wait_not_compute(clock):
+    with Pulse(run="cb", agent="none", restarts=0, catch_sigterm=False) as pulse:
+        if clock == "device":
+            pulse._clock = _HostMarksAsDevice()
+        open_step = OpenStep()
+        open_step.begin(pulse, 1, samples=4)
+        open_step.section("data")  # the first micro-batch trained; the next one awaited
+        assert pulse.phase == "data"
+        time.sleep(0.05)
+        open_step.add(4)
+        open_step.section("forward_backward")
+        ctx = open_step.ctx
+        open_step.end()
+        assert ctx.samples == 8
+        last = pulse.last
+        assert last["data_wait_seconds"] >= 0.05
+        # the rank's own time, compute and input, lies within the step's: the wait
+        # counted as compute as well was its own time twice (1e-9: float rounding)
+        assert last["compute_seconds"] + last["data_wait_seconds"] \
+            <= last["step_seconds"] + 1e-9, last
