@@ -19,6 +19,7 @@ from clusterpulse.agent import __version__
 from clusterpulse.agent.audit import file_head, head_families
 from clusterpulse.agent.identity import still_running
 from clusterpulse.agent.protocol import EXITED, RESTARTING
+from clusterpulse.agent.ranks import STEP_INTERVALS_KEPT
 from clusterpulse.agent.sample import CLOCK_EVENT_REASONS
 
 if TYPE_CHECKING:
@@ -285,6 +286,12 @@ class AgentCollector(Collector):
         phase = GaugeMetricFamily(PREFIX + "trainer_phase",
                                   "1 for what the rank is doing now (sync = waiting for peers).",
                                   labels=[*RANK_LABELS, "phase"])
+        pace = GaugeMetricFamily(PREFIX + "trainer_step_interval_p99_seconds",
+                                 "99th percentile of the times between the rank's last "
+                                 f"completed steps (at most {STEP_INTERVALS_KEPT}), as the agent "
+                                 "saw them: the step and what the loop does between steps "
+                                 "(an evaluation). The steady hang threshold is based on it.",
+                                 labels=RANK_LABELS)
         blocked = GaugeMetricFamily(PREFIX + "trainer_blocked_collective",
                                     "Sequence number of the collective the rank waits in, "
                                     "by operation (absent when not blocked).",
@@ -303,7 +310,9 @@ class AgentCollector(Collector):
             if r.sender.verified:  # a UDP sender's pid is unknown: no claim either way
                 alive.add_metric(lb, 1.0 if still_running(r.sender) else 0.0)
             restarts.add_metric(lb, r.restarts)
-        yield from (info, step, steps, age, alive, restarts, phase, blocked)
+            if (p99 := r.step_intervals.p99()) is not None:
+                pace.add_metric(lb, round(p99, 3))
+        yield from (info, step, steps, age, alive, restarts, phase, blocked, pace)
         for key, name, help_text, counter in RANK_SERIES:
             cls = CounterMetricFamily if counter else GaugeMetricFamily
             fam = cls(PREFIX + name, help_text, labels=RANK_LABELS)

@@ -17,9 +17,11 @@ process takes over.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,54 @@ MAX_ACKS_KEPT = 32
 # worker keeps them until it says otherwise (CheckpointStale ages the checkpoint time).
 JOB_FIELDS = frozenset({"checkpoint_step", "checkpoint_timestamp_seconds", "goodput_ratio",
                         "loss"})
+# Step intervals kept per rank for their 99th percentile (the steady hang threshold is a
+# multiple of it): 512 puts an evaluation every 50 steps ~10 times in the window, and
+# costs 4 KB a rank (4 MB at the registry's 1,024).
+STEP_INTERVALS_KEPT = 512
+# Phases in which a completed step's interval is not the loop's own pace: loading or
+# saving a checkpoint (their own timeouts; leaving them restarts the age), gone.
+_NO_INTERVAL_PHASES = OWN_TIMEOUT_PHASES | {EXITED, RESTARTING}
+
+
+class StepIntervals:
+    """The times between a rank's last completed steps, as the agent saw them arrive,
+    and their 99th percentile.
+
+    An interval is what the rank's progress age reaches before the step completes: the
+    step and whatever the loop does between steps (an evaluation every N steps, logging,
+    a blocking collective of the user's). The trainer's step time leaves that out, and
+    Prometheus samples a last-step gauge once a scrape: a 15 s evaluation between two
+    1 s steps never showed in it, and every evaluation paged JobStalled. Counted here
+    at every step, a pause that recurs in more than 1 % of the steps is in the p99
+    whatever the step time or the scrape interval. A ring of at most
+    STEP_INTERVALS_KEPT, grown as steps come (a rank's memory stays bounded)."""
+
+    __slots__ = ("_next", "_p99", "_ring")
+
+    def __init__(self) -> None:
+        self._ring = array("d")
+        self._next = 0  # where the next interval goes once the ring is full
+        self._p99: float | None = None  # cached until the next interval
+
+    def add(self, seconds: float) -> None:
+        if len(self._ring) < STEP_INTERVALS_KEPT:
+            self._ring.append(seconds)
+        else:
+            self._ring[self._next] = seconds
+            self._next = (self._next + 1) % STEP_INTERVALS_KEPT
+        self._p99 = None
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def p99(self) -> float | None:
+        """The nearest-rank 99th percentile (None before any interval): the largest
+        of fewer than 100, the 6th largest of 512. Computed at most once per new
+        interval (a scrape renders every rank each collection cycle)."""
+        if self._p99 is None and self._ring:
+            srt = sorted(self._ring)
+            self._p99 = srt[math.ceil(0.99 * len(srt)) - 1]
+        return self._p99
 
 
 class Refused(Exception):
@@ -72,6 +122,9 @@ class RankState:
         default_factory=lambda: collections.deque(maxlen=MAX_ACKS_KEPT))
     # The collective the rank is blocked in ("" when none), from its heartbeat.
     collective: str = ""
+    # Its pace, for the steady hang threshold: kept across its processes (a restarted
+    # worker runs the same loop, evaluations and all).
+    step_intervals: StepIntervals = field(default_factory=StepIntervals)
 
     @property
     def pid(self) -> int:
@@ -178,6 +231,11 @@ class RankRegistry:
             r.gpu_uuids = tuple(msg["gpu_uuids"])
         r.last_seen = now
         if msg["type"] == "step" or msg.get("event") == "start":
+            if (msg["type"] == "step" and msg.get("step") != r.last_counted_step
+                    and r.process_steps > 0 and r.phase not in _NO_INTERVAL_PHASES):
+                # Not a process's first step: it counts from the start or the end of
+                # loading, and holds one-time set-up (compilation, communicators).
+                r.step_intervals.add(now - r.last_progress)
             r.last_progress = now
         if "phase" in msg:
             if r.phase in OWN_TIMEOUT_PHASES and msg["phase"] not in OWN_TIMEOUT_PHASES:

@@ -179,8 +179,9 @@ class SigtermCatcher:
 
 PEER_SIGTERM_WAIT_S = 10.0  # torchrun notices a waiting node within --monitor-interval
 # How long after SIGTERM a rank may stay in one phase of a step (not a checkpoint, not
-# its start) before it leaves without reaching the step boundary: the steady hang
-# threshold's rule (the alert rules' config_hang_floor_seconds, 10 steps' time).
+# its start) before it leaves without reaching the step boundary: 10 usual steps' time,
+# at least the alert rules' config_hang_floor_seconds, as their steady hang threshold is
+# for steps up to 1.1 s (longer steps are paged sooner there, within 3x their p99).
 STUCK_AFTER_SIGTERM_FLOOR_S = 5.0
 STUCK_AFTER_SIGTERM_STEPS = 10
 

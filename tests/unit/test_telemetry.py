@@ -4,6 +4,7 @@ replies only from the agent, GPU UUIDs, heartbeat age."""
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -14,8 +15,14 @@ import pytest
 
 from clusterpulse.agent import protocol
 from clusterpulse.agent.identity import Sender
-from clusterpulse.agent.ranks import MAX_ACKS_KEPT, RankRegistry, Refused
+from clusterpulse.agent.ranks import (
+    MAX_ACKS_KEPT,
+    STEP_INTERVALS_KEPT,
+    RankRegistry,
+    Refused,
+)
 from clusterpulse.trainer.telemetry import AgentLink, rank_gpu_uuids
+from tests.support.procs import wait_until
 from tests.support.ranksock import RankProcess, connect, exchange
 
 
@@ -104,6 +111,49 @@ def test_time_loading_or_saving_a_checkpoint_does_not_count_against_the_next_ste
     t[0] = 40.0
     reg.update(msg(type="heartbeat", phase="forward_backward"), None)
     assert reg.age(reg.of_run("r1")[0]) == 10.0
+
+
+def test_the_step_interval_p99_holds_what_the_loop_does_between_steps():
+    """The steady hang threshold is based on it (issue #27 item 4): a 15 s evaluation
+    between two 1 s steps, every 50 steps, is in the p99 of the intervals the agent
+    sees, though no step time shows it. A process's first step (set-up) and time
+    loading or saving a checkpoint (their own timeouts) are not the loop's pace."""
+    t = [0.0]
+    reg = RankRegistry(clock=lambda: t[0])
+    reg.update(msg(type="event", event="start", phase="start"), None)
+    t[0] = 30.0  # loading and compiling: the first step ends 30 s after the start
+    reg.update(msg(type="heartbeat", phase="forward_backward"), None)
+    reg.update(msg(step=1), None)
+    r = reg.of_run("r1")[0]
+    assert r.step_intervals.p99() is None
+    for step in range(2, 201):
+        t[0] += 16.0 if step % 50 == 0 else 1.0  # an evaluation before every 50th step
+        reg.update(msg(step=step), None)
+    assert len(r.step_intervals) == 199
+    assert r.step_intervals.p99() == 16.0  # 4 of 199: above the 1 % a p99 leaves out
+    reg.update(msg(type="heartbeat", phase="checkpoint"), None)
+    t[0] += 40.0  # a 40 s save
+    reg.update(msg(type="heartbeat", phase="between"), None)
+    t[0] += 1.0
+    reg.update(msg(step=201), None)
+    assert max(r.step_intervals._ring) == 16.0  # the step after the save: 1 s
+    t[0] += 5.0
+    reg.update(msg(step=201), None)  # the same step again: no interval
+    assert len(r.step_intervals) == 200
+
+
+def test_the_step_intervals_kept_are_bounded_and_recent():
+    """A rank's memory stays bounded whatever its length of run: the p99 is that of its
+    last STEP_INTERVALS_KEPT steps, so a pause that stopped recurring leaves it."""
+    t = [0.0]
+    reg = RankRegistry(clock=lambda: t[0])
+    reg.update(msg(type="heartbeat", phase="forward_backward"), None)
+    for step in range(1, 3001):
+        t[0] += 10.0 if step <= 1000 and step % 20 == 0 else 0.5
+        reg.update(msg(step=step), None)
+    r = reg.of_run("r1")[0]
+    assert len(r.step_intervals) == STEP_INTERVALS_KEPT
+    assert r.step_intervals.p99() == 0.5
 
 
 @pytest.mark.parametrize("outcome,phase,age", [
@@ -277,11 +327,29 @@ def test_agent_replies_with_gpu_slowdown_and_exports_rank_series(sim_agent):
     assert f"clusterpulse_trainer_restarts_total{labels} 1.0" in text
     assert f"clusterpulse_trainer_heartbeat_age_seconds{labels}" in text
     assert f"clusterpulse_trainer_process_alive{labels} 1.0" in text
+    # one step: no interval yet, so no pace (the rules fall back to the step time)
+    assert "clusterpulse_trainer_step_interval_p99_seconds{" not in text
+
+
+def test_the_step_interval_p99_is_exported_once_a_rank_has_one(sim_agent):
+    s = connect(sim_agent.socket_path)
+    for step in (7, 8, 9):  # the first of a process is set-up, not the loop's pace
+        exchange(s, type="step", run="r1", rank=3, local_rank=1, gpu=1, pid=1, step=step,
+                 step_seconds=0.2, phase="forward_backward")
+    labels = '{local_rank="1",node="node-a",rank="3",run="r1"}'
+    series = f"clusterpulse_trainer_step_interval_p99_seconds{labels} "
+
+    def exported() -> str | None:
+        text = sim_agent.get("/metrics", token=None).text
+        return text if series in text else None
+
+    # /metrics is rendered once per collection cycle: the next one holds the steps
+    text = wait_until(exported, 10, "the pace of rank 3 exported")
+    assert re.search(r"^# TYPE clusterpulse_trainer_step_interval_p99_seconds gauge$", text, re.M)
 
 
 def test_checkpoint_failures_are_exported_as_a_counter_promtool_accepts(sim_agent):
     """CheckpointsFailing reads this counter; a failed save was only an event before."""
-    import re
     import shutil
 
     s = connect(sim_agent.socket_path)
