@@ -131,11 +131,15 @@ class RankState:
         """The kernel-reported pid (0 when unverified): never a number from a payload."""
         return self.sender.pid if self.sender.verified else 0
 
-    def new_process(self) -> None:
+    def new_process(self, now: float) -> None:
         """Another process holds the rank now (a restarted worker, maybe on another GPU
         after the ranks were renumbered): nothing the old one judged or was doing is
         its successor's (a straggler flag, a checkpoint in progress, a blocked
-        collective, per-process counters and rates); what describes the job stays."""
+        collective, per-process counters and rates); what describes the job stays. It
+        is starting (phase `start`, its age from now) until it says otherwise: the old
+        process's `checkpoint`, kept until the new one's first phase, with its
+        collective count back at 0, read as a rank holding its peers in a save."""
+        self.phase, self.last_progress = "start", now
         self.process_steps = 0
         self.values = {k: v for k, v in self.values.items() if k in JOB_FIELDS}
         self.collective = ""
@@ -188,7 +192,7 @@ class RankRegistry:
                     raise Refused("owned_by_other_process")
                 self._check_quota(sender, replacing=key)
                 r.sender = sender  # the previous owner exited: a restarted worker
-                r.new_process()
+                r.new_process(now)
             if r is None:
                 self._check_quota(sender)
                 if len(self._ranks) >= self.max_ranks and not self._evict_dead():
@@ -223,7 +227,7 @@ class RankRegistry:
     @staticmethod
     def _fold(r: RankState, msg: dict[str, Any], now: float) -> None:
         if msg.get("restarts", r.restarts) != r.restarts:
-            r.new_process()  # a new attempt (also where senders are unverified)
+            r.new_process(now)  # a new attempt (also where senders are unverified)
         for name in ("local_rank", "world_size", "gpu", "restarts"):
             if name in msg:
                 setattr(r, name, msg[name])

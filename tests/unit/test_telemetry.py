@@ -587,6 +587,24 @@ def test_a_new_process_on_a_rank_inherits_nothing_of_the_old_ones_judgement():
     assert (r.values["checkpoint_step"], r.values["checkpoint_timestamp_seconds"]) == (100, 1e9)
 
 
+def test_a_new_process_on_a_rank_starts_in_phase_start_not_in_the_old_ones():
+    """A review's calm end-to-end run paged RankHung for three ranks under load: the
+    process restarted on each rank kept the old one's phase `checkpoint` until its
+    first heartbeat with a phase, and with its collective count back at 0 it read as a
+    rank in a checkpoint holding its peers. A new process is starting: phase `start`
+    (the absolute timeout), its age from now."""
+    now = [100.0]
+    alive = {1: True}
+    reg = RankRegistry(alive=lambda s: alive.get(s.pid, False), clock=lambda: now[0])
+    old = Sender(pid=1, uid=0, start_time=5, verified=True)
+    new = Sender(pid=2, uid=0, start_time=9, verified=True)
+    reg.update(msg(type="heartbeat", phase="checkpoint"), None, old)
+    alive[1] = False  # it saved, then left for the restart
+    now[0] = 130.0
+    r = reg.update(msg(restarts=1, type="heartbeat"), None, new)  # no phase yet
+    assert r.phase == "start" and r.last_progress == 130.0
+
+
 def test_a_ranks_last_datagrams_read_after_it_exited_still_count(tmp_path):
     """A rank that connected, sent `exit` and exited before the agent accepted its
     connection is named by the kernel (pid and uid recorded at connect) but cannot be
