@@ -605,6 +605,20 @@ def test_a_new_process_on_a_rank_starts_in_phase_start_not_in_the_old_ones():
     assert r.phase == "start" and r.last_progress == 130.0
 
 
+def test_a_rank_that_finished_is_nobodys_straggler():
+    """Review of #31: a rank flagged to its end kept exporting straggler_flagged for
+    the agent's grace (300 s) after a clean finish, and TrainingStraggler paged the
+    finished run (cause slow_clocks: its GPU idled). A checkpoint-restart keeps the
+    flag: the job goes on, and the new process is judged afresh anyway."""
+    reg = RankRegistry(alive=lambda s: True)
+    me = Sender(pid=1, uid=0, start_time=5, verified=True)
+    reg.update(msg(straggler_score=1.6, straggler_flagged=1, checkpoint_step=100), None, me)
+    r = reg.update(msg(type="event", event="exit", outcome="finished"), None, me)
+    assert r.phase == "exited"
+    assert not {"straggler_score", "straggler_flagged"} & set(r.values)
+    assert r.values["checkpoint_step"] == 100
+
+
 def test_a_ranks_last_datagrams_read_after_it_exited_still_count(tmp_path):
     """A rank that connected, sent `exit` and exited before the agent accepted its
     connection is named by the kernel (pid and uid recorded at connect) but cannot be
