@@ -30,6 +30,18 @@ def settings() -> config.Settings:
         raise  # not reached: st.stop() ends the run
 
 
+# Streamlit draws captions at 60 % opacity: 3.8:1 against the page, under the 4.5:1
+# WCAG AA asks of text (measured in the browser test). A solid grey keeps them quieter
+# than body text: 7.0:1 on the page, 6.6:1 on the sidebar.
+READABLE_CSS = ('<style>[data-testid="stCaptionContainer"] {opacity: 1; color: #595755;}'
+                '</style>')
+
+
+def readable_text() -> None:
+    """Apply READABLE_CSS to the page (a style alone takes no room on it)."""
+    st.html(READABLE_CSS)
+
+
 def audit_log() -> AuditLog:
     return AuditLog(settings().audit_log)
 
@@ -325,10 +337,11 @@ def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
     _chart(frame, spec)
 
 
-# Axis text dark enough to read (Streamlit's theme greys it to 3.7:1 contrast)
+# Axis and legend text dark enough to read: Streamlit's theme greys both to 3.7:1
+# contrast, under the 4.5:1 WCAG AA asks of text (measured in the browser test)
 _TEXT = {"labelColor": "#262730", "titleColor": "#262730", "labelFontSize": 12,
          "titleFontSize": 12}
-READABLE = {"axis": _TEXT}
+READABLE = {"axis": _TEXT, "legend": _TEXT}
 
 
 def _chart(frame, spec: dict) -> None:
