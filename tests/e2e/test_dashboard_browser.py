@@ -285,21 +285,23 @@ def _chart(p: Page) -> Locator:
     return p.locator('[data-testid="stVegaLiteChart"] svg').first
 
 
+def _metrics(p: Page) -> Locator:
+    return p.locator('[data-testid="stMetricValue"]').first
+
+
 # Each page as a link opens it -> what it shows first, in order, each with its element:
-# the page's first meaningful content (its answer, drawn with the data in it), then
-# the table or chart that holds the detail.
+# the page's first meaningful content (drawn with the data in it, whatever state the
+# demo is in: a straggler or an alert may have passed), then the table or chart that
+# holds the detail.
 FIRST_CONTENT: dict[str, tuple[str, list[tuple[str, Callable[[Page], Locator]]]]] = {
-    "Cluster": ("", [
-        ("the metrics row", lambda p: p.locator('[data-testid="stMetricValue"]').first),
-        ("the heatmap", _chart)]),
+    "Cluster": ("", [("the metrics row", _metrics), ("the heatmap", _chart)]),
     "Node": ("/node?node=node-b&gpu=1", [
         ("GPU 1's line", _text("GPU 1 now:")), ("the first chart (GPU 1's)", _chart)]),
     "Run": ("/run?run=web&rank=3", [
-        ("the straggler line", _text("the typical rank — cause:")),
-        ("the straggler table", _table_with("heartbeat age s"))]),
+        ("the metrics row", _metrics), ("the straggler table", _table_with("heartbeat age s"))]),
     "Alerts": ("/alerts", [
-        ("the first incident's line", _text("— since")),
-        ("the first incident's table", _table_with("summary"))]),
+        ("the count of active alerts", _text("Active (")),
+        ("the first table", lambda p: p.locator('[data-testid="stDataFrame"]').first)]),
     "Audit": ("/audit", [("the actions table", _table_with("who"))]),
 }
 
