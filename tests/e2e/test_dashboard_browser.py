@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
@@ -71,7 +72,7 @@ def env(tmp_path_factory):
         ARTIFACTS.mkdir(exist_ok=True)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-            yield {"stack": stack, "url": url, "browser": browser, "tmp": tmp}
+            yield {"stack": stack, "url": url, "browser": browser, "tmp": tmp, "dashboard": dash}
             browser.close()
     finally:  # also when a wait above fails: no process may outlive the module
         if dash is not None:
@@ -306,18 +307,29 @@ FIRST_CONTENT: dict[str, tuple[str, list[tuple[str, Callable[[Page], Locator]]]]
 }
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds process `pid` has used (user + system, from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def first_content_times(browser: Browser, url: str, rounds: int = 4, pages: dict | None = None,
-                        cached: bool = False) -> dict[str, dict[str, list[float]]]:
+                        cached: bool = False, server_pid: int | None = None,
+                        ) -> dict[str, dict[str, list[float]]]:
     """Seconds from opening each page's link (`goto`) to each of the things it shows
     first (`FIRST_CONTENT`, or `pages` of that form), `rounds` times, the pages in turn
     within each round (the machine's noise is spread over all of them). Each view is a
     new Streamlit session, closed at once (an open page keeps refreshing and slows the
     next). Each is in a fresh browser context, as a first visit: nothing cached; with
     `cached`, in one context that opened every page once before (untimed), as a link
-    opened in the browser an operator uses: Streamlit's scripts come from its cache."""
+    opened in the browser an operator uses: Streamlit's scripts come from its cache.
+    With `server_pid`, also the CPU seconds the dashboard server spent on each view
+    (under "server CPU s"): what the page costs it, a figure the machine's noise moves
+    less than the times."""
     pages = FIRST_CONTENT if pages is None else pages
     times: dict[str, dict[str, list[float]]] = {
-        name: {what: [] for what, _ in shown} for name, (_, shown) in pages.items()}
+        name: {what: [] for what, _ in [*shown, ("server CPU s", None)]}
+        for name, (_, shown) in pages.items()}
     shared = browser.new_context(viewport={"width": 1400, "height": 1100}) if cached else None
     try:
         for round_ in range(-1 if cached else 0, rounds):
@@ -326,12 +338,15 @@ def first_content_times(browser: Browser, url: str, rounds: int = 4, pages: dict
                 p = context.new_page()
                 try:
                     p.set_default_timeout(60_000)
+                    cpu = _cpu_s(server_pid) if server_pid else 0.0
                     started = time.perf_counter()
                     p.goto(url + path)
                     for what, locate in shown:
                         locate(p).wait_for()
                         if round_ >= 0:
                             times[name][what].append(time.perf_counter() - started)
+                    if server_pid and round_ >= 0:
+                        times[name]["server CPU s"].append(_cpu_s(server_pid) - cpu)
                 finally:
                     p.close()
                     if shared is None:
@@ -354,10 +369,11 @@ def test_time_to_first_content_per_page(env):
                     "accepted", run="web", source="dashboard")
     report: dict = {}
     for visit, cached in (("first visit", False), ("scripts cached", True)):
-        times = first_content_times(env["browser"], env["url"], cached=cached)
+        times = first_content_times(env["browser"], env["url"], cached=cached,
+                                    server_pid=env["dashboard"].p.pid)
         report[visit] = {name: {what: {"median_s": round(statistics.median(runs), 2),
                                        "runs_s": [round(t, 2) for t in runs]}
-                                for what, runs in shown.items()}
+                                for what, runs in shown.items() if runs}
                          for name, shown in times.items()}
     report["load_average"] = [round(x, 1) for x in os.getloadavg()]
     ARTIFACTS.mkdir(exist_ok=True)
