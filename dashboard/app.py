@@ -6,10 +6,13 @@ from pathlib import Path
 
 import streamlit as st
 
+from clusterpulse.dashboard import ui
+
 PAGES = Path(__file__).parent / "pages"
 
 st.set_page_config(page_title="ClusterPulse", page_icon=":material/monitor_heart:",
                    layout="wide")
+ui.readable_text()
 nav = st.navigation([
     st.Page(PAGES / "cluster.py", title="Cluster", icon=":material/dns:", default=True),
     st.Page(PAGES / "node.py", title="Node", icon=":material/memory:"),

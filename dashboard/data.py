@@ -12,6 +12,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import streamlit as st
 from clusterpulse.dashboard import config, explain
 from clusterpulse.dashboard.amclient import AlertmanagerClient, AlertmanagerUnavailable
 from clusterpulse.dashboard.config import Settings
-from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
+from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError, at_once
 
 # metric -> (PromQL per GPU, unit, whether high is good). `{sel}` stands for the label
 # matchers of every selector: empty for the whole fleet, the heatmap's nodes after.
@@ -79,7 +80,16 @@ def _frame(samples, value: str = "value") -> pd.DataFrame:
     return pd.DataFrame([{**s.labels, value: s.value} for s in samples])
 
 
+def _tagged(parts: dict[str, str]) -> str:
+    """Several expressions as one query, each result tagged with its name (label
+    `part`): one round trip where there were as many as parts."""
+    return " or ".join(f'label_replace({e}, "part", "{name}", "", "")'
+                       for name, e in parts.items())
+
+
 # -- the cluster page (7 queries + 1 Alertmanager call) -----------------------------
+NODES_UP = ('max by (node, instance) (up{job=~"clusterpulse.*"} * on (instance) group_left '
+            '(node) max by (instance, node) (max_over_time(clusterpulse_agent_build_info[1h])))')
 GPU_COUNTS = 'count_values("up", max by (node, gpu, uuid) (clusterpulse_gpu_up))'
 
 
@@ -145,25 +155,29 @@ def cluster(prom_url: str, am_url: str, metric: str) -> Result:
     def fetch() -> dict:
         prom = PrometheusClient(prom_url)
         _, unit, good_high = HEATMAP_METRICS[metric]
-        nodes = _frame(prom.query(
-            'max by (node, instance) (up{job=~"clusterpulse.*"} * on (instance) group_left (node)'
-            ' max by (instance, node) (max_over_time(clusterpulse_agent_build_info[1h])))'), "up")
-        counts, heat_rows = cluster_gpu_data(prom, metric)
-        heat = _frame(heat_rows)
-        down = _frame(prom.query("max by (node, gpu, reason) (clusterpulse_gpu_down_reason)"))
-        runs = jobs(prom.query(JOBS))
-        goodput = _frame(prom.query("max by (run) (clusterpulse_trainer_goodput_ratio)"),
-                         "goodput")
-        try:
-            alerts = _alertmanager(am_url).alerts()
-            am_error = ""
-        except AlertmanagerUnavailable as err:
-            alerts, am_error = [], str(err)
-        return {"nodes": nodes, "gpus_up": counts.get("1", 0),
-                "gpus_total": sum(counts.values()), "heat": heat, "unit": unit,
-                "good_high": good_high, "heat_nodes": HEATMAP_NODES, "down": down,
-                "runs": runs, "goodput": goodput, "alerts": alerts, "am_error": am_error,
-                "queries": prom.queries}
+
+        def active_alerts() -> tuple[list, str]:
+            try:
+                return _alertmanager(am_url).alerts(), ""
+            except AlertmanagerUnavailable as err:
+                return [], str(err)
+
+        got = at_once({
+            "nodes": partial(prom.query, NODES_UP),
+            "gpus": partial(cluster_gpu_data, prom, metric),  # three steps, in turn
+            "down": partial(prom.query,
+                            "max by (node, gpu, reason) (clusterpulse_gpu_down_reason)"),
+            "runs": partial(prom.query, JOBS),
+            "goodput": partial(prom.query, "max by (run) (clusterpulse_trainer_goodput_ratio)"),
+            "alerts": active_alerts})
+        counts, heat_rows = got["gpus"]
+        alerts, am_error = got["alerts"]
+        return {"nodes": _frame(got["nodes"], "up"), "gpus_up": counts.get("1", 0),
+                "gpus_total": sum(counts.values()), "heat": _frame(heat_rows), "unit": unit,
+                "good_high": good_high, "heat_nodes": HEATMAP_NODES,
+                "down": _frame(got["down"]), "runs": jobs(got["runs"]),
+                "goodput": _frame(got["goodput"], "goodput"), "alerts": alerts,
+                "am_error": am_error, "queries": prom.queries}
 
     return _guard(f"cluster:{prom_url}:{metric}", fetch)
 
@@ -220,8 +234,7 @@ def _parts(prom: PrometheusClient, parts: dict[str, str], node: str, keys: list[
            ) -> pd.DataFrame:
     """One query for several per-key expressions; one row per key, one column per part."""
     sel = f'"{node}"'
-    expr = " or ".join(f'label_replace({e.replace("NODE", sel)}, "part", "{name}", "", "")'
-                       for name, e in parts.items())
+    expr = _tagged({name: e.replace("NODE", sel) for name, e in parts.items()})
     rows = [{**{k: s.labels.get(k, "") for k in keys}, "part": s.labels["part"],
              "value": s.value} for s in prom.query(expr)]
     if not rows:
@@ -280,24 +293,27 @@ def node(prom_url: str, name: str, range_s: int, end: float | None = None) -> Re
         prom = PrometheusClient(prom_url)
         ranged = _range_query(prom, range_s, end)
         sel = f'"{name}"'
-        series = {}
-        for title, expr in NODE_SERIES.items():
-            rows = ranged(f"max by (gpu) ({expr.replace('NODE', sel)})")
-            series[title] = _wide(rows, "gpu")
-        throttle = ranged(
-            f'max by (gpu, reason) (clusterpulse_gpu_clock_event_active{{node={sel},'
-            f'reason!="gpu_idle"}} == 1)')
-        events = _frame(prom.query(
-            f'sum by (gpu, xid) (clusterpulse:gpu_xid_recent{{node={sel}}})'), "count")
-        ecc = _frame(prom.query(
-            f'max by (gpu, kind) (clusterpulse_gpu_ecc_errors_total{{node={sel}}})'), "count")
-        down = {s.labels.get("gpu", ""): s.labels.get("reason", "unknown") for s in prom.query(
-            f"max by (gpu, reason) (clusterpulse_gpu_down_reason{{node={sel}}})")}
-        gpu_links = gpu_link_health(_parts(prom, GPU_LINK_PARTS, name, ["gpu"]), down)
+        got = at_once({
+            **{title: partial(ranged, f"max by (gpu) ({expr.replace('NODE', sel)})")
+               for title, expr in NODE_SERIES.items()},
+            "throttle": partial(ranged, f'max by (gpu, reason) (clusterpulse_gpu_clock_event_'
+                                f'active{{node={sel},reason!="gpu_idle"}} == 1)'),
+            "xid": partial(prom.query,
+                           f'sum by (gpu, xid) (clusterpulse:gpu_xid_recent{{node={sel}}})'),
+            "ecc": partial(prom.query, f'max by (gpu, kind) '
+                           f'(clusterpulse_gpu_ecc_errors_total{{node={sel}}})'),
+            "down": partial(prom.query,
+                            f"max by (gpu, reason) (clusterpulse_gpu_down_reason{{node={sel}}})"),
+            "gpu_links": partial(_parts, prom, GPU_LINK_PARTS, name, ["gpu"]),
+            "nics": partial(_parts, prom, NIC_LINK_PARTS, name, ["device", "port", "kind"])})
+        series = {title: _wide(got[title], "gpu") for title in NODE_SERIES}
+        events, ecc = _frame(got["xid"], "count"), _frame(got["ecc"], "count")
+        down = {s.labels.get("gpu", ""): s.labels.get("reason", "unknown") for s in got["down"]}
+        gpu_links = gpu_link_health(got["gpu_links"], down)
         if not events.empty:  # what each XID means, next to its code
             events["meaning"] = events["xid"].map(explain.xid)
-        nics = _parts(prom, NIC_LINK_PARTS, name, ["device", "port", "kind"])
-        return {"series": series, "throttle": [(r.labels, r.points) for r in throttle],
+        nics = got["nics"]
+        return {"series": series, "throttle": [(r.labels, r.points) for r in got["throttle"]],
                 "down": down, "xid": events, "ecc": ecc, "gpu_links": gpu_links, "nics": nics,
                 "queries": prom.queries}
 
@@ -337,14 +353,16 @@ def central_audit_heads_seen(prom_url: str, days: int = 7) -> Result:
         heads: set[Head] = set()
         # one a minute over the days, and every second over the last hour: a record
         # rewritten a minute after it was written is there only at scrape resolution
-        for start, step in ((end - days * 86400, 60.0), (end - 3600, 1.0)):
+        windows = {"days": (end - days * 86400, 60.0), "hour": (end - 3600, 1.0)}
+        got = at_once({f"{w}:{name}": partial(
+            prom.query_range, f'clusterpulse_audit_head_{name}{{log="central"}}', start, end,
+            step) for w, (start, step) in windows.items() for name in ("sequence", "hash_prefix")})
+        for w in windows:
             # each target's sequence with its own hash, never one's with another's (a
             # receiver scraped twice would pair values of two scrapes)
             seqs, prefixes = ({tuple(sorted((k, v) for k, v in r.labels.items()
                                             if k != "__name__")): dict(r.points)
-                               for r in prom.query_range(
-                                   f'clusterpulse_audit_head_{name}{{log="central"}}',
-                                   start, end, step)}
+                               for r in got[f"{w}:{name}"]}
                               for name in ("sequence", "hash_prefix"))
             for key, points in seqs.items():
                 mine = prefixes.get(key, {})
@@ -355,59 +373,61 @@ def central_audit_heads_seen(prom_url: str, days: int = 7) -> Result:
 
 
 # -- the run page ---------------------------------------------------------------------
+# The straggler table's columns, each rank's value of a metric: fetched as one query
+# (`_tagged`), where they were 18.
+_T = "clusterpulse_trainer_"
+PER_RANK = {"step": _T + "step", "score": _T + "straggler_score",
+            "self score": _T + "straggler_self_score", "flagged": _T + "straggler_flagged",
+            "collectives behind": "clusterpulse:rank_collectives_behind",
+            "hang margin s": "clusterpulse:rank_hang_margin_seconds",
+            "compute s": _T + "compute_seconds", "sync wait s": _T + "sync_wait_seconds",
+            "data wait s": _T + "data_wait_seconds", "all-reduce s": _T + "comm_seconds",
+            "all-reduce bytes": _T + "comm_bytes",
+            "heartbeat age s": _T + "heartbeat_age_seconds", "restarts": _T + "restarts_total",
+            "checkpoint step": _T + "checkpoint_last_step",
+            "checkpoint time": _T + "checkpoint_last_timestamp_seconds",
+            "checkpoint blocking s": _T + "checkpoint_blocking_seconds",
+            "loss": _T + "loss", "goodput": _T + "goodput_ratio"}
+
+
 @st.cache_data(ttl=5, show_spinner=False)
 def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Result:
     def fetch() -> dict:
         prom = PrometheusClient(prom_url)
         ranged = _range_query(prom, range_s, end)
         sel = f'run="{name}"'
-        ranks = _frame(prom.query(
-            f"max by (run, rank, node, local_rank, gpu, pid) "
-            f"(clusterpulse_trainer_rank_info{{{sel}}})"), "info")
-        per_rank = {}
-        t = "clusterpulse_trainer_"
-        for col, metric in [("step", "clusterpulse_trainer_step"),
-                            ("score", "clusterpulse_trainer_straggler_score"),
-                            ("self score", "clusterpulse_trainer_straggler_self_score"),
-                            ("flagged", "clusterpulse_trainer_straggler_flagged"),
-                            ("collectives behind", "clusterpulse:rank_collectives_behind"),
-                            ("hang margin s", "clusterpulse:rank_hang_margin_seconds"),
-                            ("compute s", "clusterpulse_trainer_compute_seconds"),
-                            ("sync wait s", "clusterpulse_trainer_sync_wait_seconds"),
-                            ("data wait s", "clusterpulse_trainer_data_wait_seconds"),
-                            ("all-reduce s", "clusterpulse_trainer_comm_seconds"),
-                            ("all-reduce bytes", "clusterpulse_trainer_comm_bytes"),
-                            ("heartbeat age s", "clusterpulse_trainer_heartbeat_age_seconds"),
-                            ("restarts", "clusterpulse_trainer_restarts_total"),
-                            ("checkpoint step", "clusterpulse_trainer_checkpoint_last_step"),
-                            ("checkpoint time", t + "checkpoint_last_timestamp_seconds"),
-                            ("checkpoint blocking s", t + "checkpoint_blocking_seconds"),
-                            ("loss", "clusterpulse_trainer_loss"),
-                            ("goodput", "clusterpulse_trainer_goodput_ratio")]:
-            per_rank[col] = {s.labels["rank"]: s.value for s in prom.query(
-                f"max by (rank) ({metric}{{{sel}}})")}
-        causes = {s.labels["rank"]: s.labels.get("cause", "") for s in prom.query(
-            f"clusterpulse:rank_straggler_cause{{{sel}}}")}
-        blocked = {s.labels["rank"]: f"{s.labels.get('op', '')} #{s.value:.0f}"
-                   for s in prom.query(f"clusterpulse_trainer_blocked_collective{{{sel}}}")}
-        evidence = {s.labels["rank"]: s.value for s in prom.query(
-            f"max by (rank) (clusterpulse:rank_gpu{{{sel}}} * on (node, gpu) group_left () "
-            f"max by (node, gpu) (clusterpulse_gpu_temperature_celsius))")}
-        compute = ranged(f"max by (rank) (clusterpulse_trainer_compute_seconds{{{sel}}})")
-        loss = ranged(f"avg (clusterpulse_trainer_loss{{{sel}}})")
-        rate = prom.query(f"sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}[1m]))")
-        # its own recent baseline: a rate alone says nothing of whether it is slow
-        # (the mean of the 1 min rate: rate over 15 min undercounts a younger run)
-        usual = prom.query(
-            f"avg_over_time(sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}"
-            f"[1m]))[15m:15s])")
-        restarts = ranged(f"max (clusterpulse_trainer_restarts_total{{{sel}}})")
-        return {"ranks": ranks, "per_rank": per_rank, "causes": causes, "gpu_temp": evidence,
-                "blocked": blocked,
-                "compute": _wide(compute, "rank"), "loss": _wide(loss, "run"),
-                "step_rate": rate[0].value if rate else 0.0,
+        rate = f"sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}[1m]))"
+        got = at_once({
+            "ranks": partial(prom.query, f"max by (run, rank, node, local_rank, gpu, pid) "
+                             f"(clusterpulse_trainer_rank_info{{{sel}}})"),
+            "per_rank": partial(prom.query, _tagged(
+                {col: f"max by (rank) ({metric}{{{sel}}})" for col, metric in PER_RANK.items()})),
+            "causes": partial(prom.query, f"clusterpulse:rank_straggler_cause{{{sel}}}"),
+            "blocked": partial(prom.query, f"clusterpulse_trainer_blocked_collective{{{sel}}}"),
+            "evidence": partial(prom.query, f"max by (rank) (clusterpulse:rank_gpu{{{sel}}} * on "
+                                "(node, gpu) group_left () max by (node, gpu) "
+                                "(clusterpulse_gpu_temperature_celsius))"),
+            "compute": partial(ranged,
+                               f"max by (rank) (clusterpulse_trainer_compute_seconds{{{sel}}})"),
+            "loss": partial(ranged, f"avg (clusterpulse_trainer_loss{{{sel}}})"),
+            "rate": partial(prom.query, rate),
+            # its own recent baseline: a rate alone says nothing of whether it is slow
+            # (the mean of the 1 min rate: rate over 15 min undercounts a younger run)
+            "usual": partial(prom.query, f"avg_over_time({rate}[15m:15s])"),
+            "restarts": partial(ranged, f"max (clusterpulse_trainer_restarts_total{{{sel}}})")})
+        per_rank: dict[str, dict[str, float]] = {col: {} for col in PER_RANK}
+        for s in got["per_rank"]:
+            per_rank[s.labels["part"]][s.labels["rank"]] = s.value
+        rate_now, usual = got["rate"], got["usual"]
+        return {"ranks": _frame(got["ranks"], "info"), "per_rank": per_rank,
+                "causes": {s.labels["rank"]: s.labels.get("cause", "") for s in got["causes"]},
+                "gpu_temp": {s.labels["rank"]: s.value for s in got["evidence"]},
+                "blocked": {s.labels["rank"]: f"{s.labels.get('op', '')} #{s.value:.0f}"
+                            for s in got["blocked"]},
+                "compute": _wide(got["compute"], "rank"), "loss": _wide(got["loss"], "run"),
+                "step_rate": rate_now[0].value if rate_now else 0.0,
                 "step_rate_usual": usual[0].value if usual else None,
-                "restarts": _wide(restarts, "run"), "queries": prom.queries}
+                "restarts": _wide(got["restarts"], "run"), "queries": prom.queries}
 
     return _guard(f"run:{prom_url}:{name}:{range_s}:{end}", fetch)
 
@@ -443,10 +463,11 @@ def run_resume(prom_url: str, name: str) -> Result:
 @st.cache_data(ttl=5, show_spinner=False)
 def alerts(prom_url: str, am_url: str, range_s: int, end: float | None = None) -> Result:
     def fetch() -> dict:
-        active = _alertmanager(am_url).alerts()
         until = time.time() if end is None else end
-        hist = PrometheusClient(prom_url).query_range(
-            'ALERTS{alertstate="firing"}', until - range_s, until, max(5.0, range_s / 200))
+        got = at_once({"active": _alertmanager(am_url).alerts, "hist": partial(
+            PrometheusClient(prom_url).query_range, 'ALERTS{alertstate="firing"}',
+            until - range_s, until, max(5.0, range_s / 200))})
+        active, hist = got["active"], got["hist"]
         history = [{"alert": r.labels.get("alertname"), "severity": r.labels.get("severity"),
                     "labels": ", ".join(f"{k}={v}" for k, v in sorted(r.labels.items())
                                         if k not in ("alertname", "alertstate", "severity",

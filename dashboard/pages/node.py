@@ -42,21 +42,42 @@ def throttle_rows(d: dict, gpu: str | None = None) -> pd.DataFrame:
                          for lb, pts in d["throttle"] if gpu is None or lb.get("gpu") == gpu])
 
 
+# The GPU's line above its charts: chart title -> how its last value reads
+NOW = {"temperature °C": "{:.0f} °C", "SM clock MHz": "SM clock {:,.0f} MHz",
+       "utilization %": "utilization {:.0f} %", "power W": "{:.0f} W"}
+
+
+def now_line(d: dict, gpu: str, throttled: pd.DataFrame) -> str:
+    """The GPU's latest figures and its throttle reasons in one line of text: it draws
+    at once, where the charts below wait for the browser to load and draw them (a
+    second or more on a first visit)."""
+    column = f"gpu {gpu}"
+    figures = []
+    for title, fmt in NOW.items():
+        frame = d["series"].get(title, pd.DataFrame())
+        values = frame[column].dropna() if column in frame else pd.Series(dtype=float)
+        if not values.empty:
+            figures.append(fmt.format(values.iloc[-1]))
+    reasons = sorted(set(throttled["reason"])) if not throttled.empty else []
+    return (f"**GPU {gpu} now:** {' · '.join(figures) or 'no figures reported'} · "
+            + (f"**throttled in this range:** {', '.join(reasons)}" if reasons
+               else "no throttling in this range"))
+
+
 def gpu_evidence(d: dict, gpu: str) -> None:
     """One GPU's temperature, clocks and throttle reasons together, first on the page:
     the slow GPU's evidence took 6 clicks and ~150 s to gather."""
     st.subheader(f"GPU {gpu}")
     st.caption(f"[All GPUs of {node}]({links.page_url('node', {'node': node}, ui.keep())})")
+    rows = throttle_rows(d, gpu)
+    st.markdown(now_line(d, gpu, rows))
     column = f"gpu {gpu}"
     cols = st.columns(2)
     for i, title in enumerate(("temperature °C", "SM clock MHz")):
         frame = d["series"].get(title, pd.DataFrame())
         with cols[i]:
             chart(title, frame[[column]] if column in frame else pd.DataFrame())
-    rows = throttle_rows(d, gpu)
-    if rows.empty:
-        st.caption(f"GPU {gpu}: no throttling in this range.")
-    else:
+    if not rows.empty:  # the line above says when there is none
         st.dataframe(rows, hide_index=True, width="stretch")
 
 

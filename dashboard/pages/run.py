@@ -57,8 +57,15 @@ def live() -> None:
     incident = hang_incident(d)
     if incident is not None:  # one incident: its root and the ranks waiting for it
         st.error(incident.headline())
-    st.subheader("Ranks (straggler table)")
     table, internal = rank_tables(d, ui.keep())
+    # the answer in words first: a line draws at once, where the table below waits for
+    # the browser to load its grid (a second or more on a first visit)
+    for _, r in table[table["flag"] != ""].iterrows():
+        st.warning(f"Rank {r['rank']} on {r['node']} GPU {r['gpu']} is {r['score']:.2f}x the "
+                   f"typical rank — cause: **{r['cause'] or 'not named'}** (GPU at "
+                   f"{r['GPU °C']:.0f} °C, data wait {r['data wait ms']:.0f} ms, sync wait "
+                   f"{r['sync wait ms']:.0f} ms). [Its GPU's charts]({r['evidence']})")
+    st.subheader("Ranks (straggler table)")
     shown = table
     if focus is not None and focus in set(table["rank"]):  # stragglers stay first
         st.caption(f"Rank {focus}, the link's, is highlighted.")
@@ -67,11 +74,6 @@ def live() -> None:
     st.dataframe(shown, hide_index=True, width="stretch", column_config=COLUMNS)
     with st.expander("Internals (process, local rank, raw seconds)"):
         st.dataframe(internal, hide_index=True, width="stretch")
-    for _, r in table[table["flag"] != ""].iterrows():
-        st.warning(f"Rank {r['rank']} on {r['node']} GPU {r['gpu']} is {r['score']:.2f}x the "
-                   f"typical rank — cause: **{r['cause'] or 'not named'}** (GPU at "
-                   f"{r['GPU °C']:.0f} °C, data wait {r['data wait ms']:.0f} ms, sync wait "
-                   f"{r['sync wait ms']:.0f} ms). [Its GPU's charts]({r['evidence']})")
     left, right = st.columns(2)
     with left:
         st.markdown("**Compute time per rank (s)** · click a cell for its rank")

@@ -133,6 +133,9 @@ def test_a_link_opens_the_node_page_at_its_gpu_and_the_window_is_kept(
     assert at.selectbox(key="node").value == "node-b"
     assert at.selectbox(key="range_choice").value == "1 h"
     assert any(h.value == "GPU 1" for h in at.subheader), at.subheader
+    # its figures in a line of text above its charts (drawn at once; the charts load)
+    (now,) = [m.value for m in at.markdown if m.value.startswith("**GPU 1 now:**")]
+    assert "°C · SM clock" in now and "throttl" in now, now
     specs = [json.loads(e.proto.spec) for e in at.get("vega_lite_chart")]
     titled = [json.dumps(x, ensure_ascii=False) for x in specs]
     assert any('"temperature (°C)"' in x and '"rule"' in x and
