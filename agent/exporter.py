@@ -115,6 +115,12 @@ RANK_SERIES: list[tuple[str, str, str, bool]] = [
 PREFIX = "clusterpulse_"
 
 
+# A rank that finished is nobody's straggler: its last score and flag, exported for the
+# rank's grace, paged TrainingStraggler minutes after a clean finish (cause slow_clocks,
+# as the finished job's GPU idled). The agent's API still shows them.
+JUDGEMENT = frozenset({"straggler_score", "straggler_self_score", "straggler_flagged"})
+
+
 class AgentCollector(Collector):
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
@@ -317,6 +323,6 @@ class AgentCollector(Collector):
             cls = CounterMetricFamily if counter else GaugeMetricFamily
             fam = cls(PREFIX + name, help_text, labels=RANK_LABELS)
             for r in ranks:
-                if key in r.values:
+                if key in r.values and not (key in JUDGEMENT and r.phase == EXITED):
                     fam.add_metric(labels(r), r.values[key])
             yield fam

@@ -253,11 +253,6 @@ class RankRegistry:
             outcome = msg.get("outcome", "finished")
             if outcome in ("finished", "preempted"):
                 r.phase = EXITED  # a clean finish or a preemption: its growing age is no hang
-                # and it is nobody's straggler any more: its last flag, kept for the
-                # rank's grace, paged TrainingStraggler minutes after a clean finish
-                # (cause slow_clocks: the finished job's GPU idles at low clocks)
-                for judged in ("straggler_flagged", "straggler_score"):
-                    r.values.pop(judged, None)
             elif outcome == "checkpoint-restart":
                 # saved and leaving on purpose: until it is gone and a new process takes
                 # the rank over, its tear-down (destroying the process group, exiting)

@@ -605,18 +605,31 @@ def test_a_new_process_on_a_rank_starts_in_phase_start_not_in_the_old_ones():
     assert r.phase == "start" and r.last_progress == 130.0
 
 
-def test_a_rank_that_finished_is_nobodys_straggler():
-    """Review of #31: a rank flagged to its end kept exporting straggler_flagged for
-    the agent's grace (300 s) after a clean finish, and TrainingStraggler paged the
-    finished run (cause slow_clocks: its GPU idled). A checkpoint-restart keeps the
-    flag: the job goes on, and the new process is judged afresh anyway."""
-    reg = RankRegistry(alive=lambda s: True)
+def test_a_rank_that_finished_is_nobodys_straggler(tmp_path):
+    """Review of #31: a rank flagged to its end kept exporting straggler_flagged and its
+    score for the agent's grace (300 s) after a clean finish, and TrainingStraggler
+    paged the finished run (cause slow_clocks: its GPU idled). Not exported once it
+    has exited; the agent's API keeps them as evidence."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from clusterpulse.agent.audit import AuditLog
+    from clusterpulse.agent.backends.sim import SimBackend
+    from clusterpulse.agent.core import Agent
+    from clusterpulse.agent.exporter import AgentCollector
+
+    ranks = RankRegistry(alive=lambda s: True)
+    agent = Agent(SimBackend(gpus=1, node="f"), "f", ranks, AuditLog(tmp_path / "a.jsonl"))
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(AgentCollector(agent))
     me = Sender(pid=1, uid=0, start_time=5, verified=True)
-    reg.update(msg(straggler_score=1.6, straggler_flagged=1, checkpoint_step=100), None, me)
-    r = reg.update(msg(type="event", event="exit", outcome="finished"), None, me)
-    assert r.phase == "exited"
-    assert not {"straggler_score", "straggler_flagged"} & set(r.values)
-    assert r.values["checkpoint_step"] == 100
+    ranks.update(msg(straggler_score=1.6, straggler_flagged=1, checkpoint_step=100), None, me)
+    assert b"clusterpulse_trainer_straggler_flagged{" in generate_latest(reg)
+    r = ranks.update(msg(type="event", event="exit", outcome="finished"), None, me)
+    text = generate_latest(reg)
+    assert r.phase == "exited" and r.values["straggler_score"] == 1.6
+    assert b"clusterpulse_trainer_straggler_flagged{" not in text
+    assert b"clusterpulse_trainer_straggler_score{" not in text
+    assert b"clusterpulse_trainer_checkpoint_last_step{" in text
 
 
 def test_a_ranks_last_datagrams_read_after_it_exited_still_count(tmp_path):
