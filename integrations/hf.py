@@ -37,12 +37,14 @@ every rank has saved (`on_save`) `Pulse.boundary` finishes the protocol at that 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
 from transformers import TrainingArguments as Args
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from clusterpulse.integrations.steps import OpenStep
 from clusterpulse.trainer.instrument import Pulse
@@ -70,10 +72,20 @@ class ClusterPulseCallback(TrainerCallback):
         return callback
 
     def resume_from(self) -> str | None:
-        """The checkpoint to pass as `train(resume_from_checkpoint=...)`: the newest in
-        the Trainer's output_dir, or None on a first start."""
+        """The checkpoint to pass as `train(resume_from_checkpoint=...)`: the newest
+        whole one in the Trainer's output_dir (its periodic saves and the graceful
+        ones alike), or None on a first start.
+
+        Whole: the Trainer writes a checkpoint folder in place and its state file
+        last; a folder a crash cut short has none, and resuming from it silently
+        started again at step 0 with its weights (`get_last_checkpoint` picks it)."""
         out = self.trainer.args.output_dir
-        return get_last_checkpoint(out) if out and os.path.isdir(out) else None
+        if not out or not os.path.isdir(out):
+            return None
+        steps = {int(m[1]): os.path.join(out, m[0]) for name in os.listdir(out)
+                 if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name))}
+        return next((steps[s] for s in sorted(steps, reverse=True)
+                     if os.path.isfile(os.path.join(steps[s], TRAINER_STATE_NAME))), None)
 
     # -- set-up and end ---------------------------------------------------------------
     def on_train_begin(self, args: Args, state: TrainerState, control: TrainerControl,

@@ -6,10 +6,13 @@
 
     info = init_distributed()                # restart-safe process group, before Lightning
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # devices * num_nodes = world
-    pulse = ClusterPulseCallback(run="my-run", checkpoint="last.ckpt")
+    pulse = ClusterPulseCallback(run="my-run", checkpoint="ckpts/graceful.ckpt")
+    periodic = ModelCheckpoint(dirpath="ckpts", save_top_k=0, save_last=True,
+                               every_n_train_steps=500)  # Lightning's own, for crashes
     trainer = pl.Trainer(accelerator="auto", strategy="ddp", devices=per_node,
-                         num_nodes=info.world // per_node, callbacks=[pulse])
-    trainer.fit(model, ResumableDataLoader(ds, batch_size=32), ckpt_path=pulse.resume_from())
+                         num_nodes=info.world // per_node, callbacks=[pulse, periodic])
+    trainer.fit(model, ResumableDataLoader(ds, batch_size=32),
+                ckpt_path=pulse.resume_from(trainer))
 
 (the README shows this verbatim as CI runs it, from tests/support/lightning_job.py).
 
@@ -35,10 +38,12 @@ micro-batch lost it for good (the resumed step applied the others alone).
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
@@ -73,10 +78,25 @@ class ClusterPulseCallback(pl.Callback):
         self._step = OpenStep()
         self._losses: list[Any] = []  # the open step's micro-batches' losses
 
-    def resume_from(self) -> str | None:
-        """The checkpoint to pass as `fit(ckpt_path=...)`: the last graceful (or
-        crash-time) save, or None on a first start."""
-        return str(self.checkpoint) if self.checkpoint.exists() else None
+    def resume_from(self, trainer: pl.Trainer | None = None) -> str | None:
+        """The checkpoint to pass as `fit(ckpt_path=...)`, None on a first start.
+
+        The newest whole file of: the last graceful save, and (given the Trainer) the
+        files Lightning's own `ckpt_path="last"` weighs, its ModelCheckpoints' `last`
+        files and an OnExceptionCheckpoint's. Without them a crash before any graceful
+        restart retrained from step 0 beside Lightning's periodic save; and "last"
+        alone would not see the graceful save. Newest by modification time, as
+        Lightning's "last" picks. A torch checkpoint is a zip whose directory is
+        written last: a file without one is torn (a crash mid-write), passed over.
+        """
+        candidates = [self.checkpoint]
+        for cb in trainer.callbacks if trainer is not None else []:
+            if isinstance(cb, ModelCheckpoint):  # the folder as Lightning resolves it
+                candidates += map(Path, cb._find_last_checkpoints(trainer))
+            elif isinstance(cb, OnExceptionCheckpoint):
+                candidates.append(Path(cb.ckpt_path))
+        whole = [p for p in candidates if p.is_file() and zipfile.is_zipfile(p)]
+        return str(max(whole, key=lambda p: p.stat().st_mtime)) if whole else None
 
     # -- set-up and end ---------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

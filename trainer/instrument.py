@@ -449,7 +449,10 @@ class Pulse:
         # never a graph's op (~0.3 us a call, tests/unit/test_pulse_compile.py).
         eager = torch.compiler.disable
         self._hooks += [ddp_model.register_forward_pre_hook(eager(forward_called)),
-                        ddp_model.module.register_forward_pre_hook(eager(ddp_work_done)),
+                        # first of the model's pre-hooks: the user's own (registered
+                        # before this) are the rank's work, not DDP's broadcast
+                        ddp_model.module.register_forward_pre_hook(eager(ddp_work_done),
+                                                                   prepend=True),
                         ddp_model.register_forward_hook(eager(forward_done))]
         self._has_hook = True
 
@@ -908,7 +911,8 @@ class Pulse:
             self.ack([i for i in ids if i not in heard] + [i for i in heard if i in ids])
         if before_exit is not None:
             before_exit(reason, ids)
-        code = PREEMPTED_EXIT_CODE if reason == "preempted" else request_relaunch(leave)
+        code = PREEMPTED_EXIT_CODE if reason == "preempted" else \
+            request_relaunch(leave, self.restarts)
         if self.rank == 0:
             print(f"clusterpulse: {reason} at step {step}: checkpoint saved, leaving with "
                   f"exit code {code}", flush=True)

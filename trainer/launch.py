@@ -77,12 +77,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clusterpulse.trainer import spares
-from clusterpulse.trainer.parallel import RELAUNCHES_ENV, SHARE_STORE_ENV
+from clusterpulse.trainer.parallel import ATTEMPTS_BEFORE_ENV, SHARE_STORE_ENV
 from clusterpulse.trainer.restart import (
     CANNOT_LEAVE_ENV,
     MIN_NODES_ENV,
     RELAUNCH_FILE_ENV,
     leave_path,
+    next_attempt_base,
     relaunch_count_path,
     write_atomically,
 )
@@ -539,6 +540,7 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
             rdzv_state = Path(tmp) / "rendezvous"
             join_when_room_file = Path(tmp) / "join-when-room"
             relaunches = 0
+            attempts_before = 0  # the first attempt number of the torchrun started next
             stood_by = False
             join_when_room = False  # a standby whose round ended, with the job's store back
             # how long it holds back: under the join timeout (`longest_leave` is half of
@@ -550,8 +552,9 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                 error_file.unlink(missing_ok=True)
                 rdzv_state.unlink(missing_ok=True)
                 join_when_room_file.unlink(missing_ok=True)
-                env.update({RELAUNCH_FILE_ENV: str(marker), RELAUNCHES_ENV: str(relaunches)})
-                write_atomically(Path(relaunch_count_path(marker)), str(relaunches))
+                env.update({RELAUNCH_FILE_ENV: str(marker),
+                            ATTEMPTS_BEFORE_ENV: str(attempts_before)})
+                write_atomically(Path(relaunch_count_path(marker)), str(attempts_before))
                 if standby is not None:
                     env.update({ERROR_FILE_ENV: str(error_file), spares.HOT_SPARES_ENV: "1",
                                 spares.RDZV_STATE_ENV: str(rdzv_state),
@@ -598,6 +601,7 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                     break
                 if rc == 0 and marker.exists():
                     relaunches += 1
+                    attempts_before = next_attempt_base(attempts_before, marker)
                     _say(f"graceful restart {relaunches}: relaunching (the failure budget "
                          "is untouched)")
                     if leave_file.exists():

@@ -42,7 +42,9 @@ from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV, relaunch_count_path
 from clusterpulse.trainer.torch_support import UnsupportedTorch, fsdp_on_cpu
 
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-RELAUNCHES_ENV = "CLUSTERPULSE_RELAUNCHES"  # graceful relaunches so far (clusterpulse-train)
+# attempts before this torchrun: its graceful relaunches and earlier torchruns' failure
+# restarts (clusterpulse-train)
+ATTEMPTS_BEFORE_ENV = "CLUSTERPULSE_ATTEMPTS_BEFORE"
 
 
 class DistInitError(RuntimeError):
@@ -69,21 +71,22 @@ class DistInfo:
 
 
 def local_attempt() -> int:
-    """This node's own count of (re)starts: graceful relaunches by clusterpulse-train
-    plus torchrun's failure restarts. Only a proposal: ranks agree on rank 0's."""
-    return relaunches() + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+    """This node's own count of (re)starts: the attempts before this torchrun plus its
+    failure restarts. Only a proposal: ranks agree on rank 0's."""
+    return attempts_before() + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
 
 
-def relaunches() -> int:
-    """Graceful relaunches of this node's torchrun so far: what clusterpulse-train wrote
-    beside its relaunch file before it started this torchrun (one started ahead of its
-    turn, its forkserver and so its warm ranks have an environment older than the
-    count: trainer/launch.py, Prewarmed), else RELAUNCHES_ENV."""
+def attempts_before() -> int:
+    """Attempts before this node's torchrun (restart.next_attempt_base): what
+    clusterpulse-train wrote beside its relaunch file before it started this torchrun
+    (one started ahead of its turn, its forkserver and so its warm ranks have an
+    environment older than the count: trainer/launch.py, Prewarmed), else
+    ATTEMPTS_BEFORE_ENV."""
     relaunch_file = os.environ.get(RELAUNCH_FILE_ENV)
     if relaunch_file:
         with contextlib.suppress(OSError, ValueError):
             return int(Path(relaunch_count_path(relaunch_file)).read_text())
-    return int(os.environ.get(RELAUNCHES_ENV, 0) or 0)
+    return int(os.environ.get(ATTEMPTS_BEFORE_ENV, 0) or 0)
 
 
 def restarted_for_membership() -> bool:
@@ -97,7 +100,7 @@ def restarted_for_membership() -> bool:
     if not relaunch_file or os.environ.get("LOCAL_RANK", "0") != "0":
         return False
     path = Path(f"{relaunch_file}.round")
-    counts = f"{relaunches()}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}\n"
+    counts = f"{attempts_before()}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}\n"
     try:
         before = path.read_text()
     except OSError:

@@ -239,17 +239,35 @@ def min_nodes() -> int | None:
     return int(value) if value.isdigit() else None
 
 
-def request_relaunch(leave_s: float = 0.0) -> int:
+def request_relaunch(leave_s: float = 0.0, attempt: int | None = None) -> int:
     """Arrange a graceful restart (this node sitting out `leave_s` seconds first, which
-    `leave_refusal` allowed); returns the exit code the rank must leave with."""
+    `leave_refusal` allowed); returns the exit code the rank must leave with.
+    `attempt`: the attempt number the ranks agreed on and now leave (the launcher
+    numbers the next one after it, `next_attempt_base`)."""
     path = os.environ.get(RELAUNCH_FILE_ENV)
     if not path:
         return RESTART_EXIT_CODE
     if leave_s > 0:
         write_atomically(Path(leave_path(path)), f"{leave_s:g}\n")
-    # every rank of the node may write it: same content, atomic
-    write_atomically(Path(path), "checkpoint-restart\n")
+    # every rank of the node may write it: same content (the agreed attempt), atomic
+    left = "" if attempt is None else f" {attempt}"
+    write_atomically(Path(path), f"checkpoint-restart{left}\n")
     return 0
+
+
+def next_attempt_base(base: int, relaunch_file: str | Path) -> int:
+    """The attempts before the torchrun a graceful relaunch starts: past the attempt
+    its ranks left (`request_relaunch`), which counts the failure restarts of the
+    torchrun that ends, and at least one past `base`. Counting graceful relaunches
+    alone numbered a relaunch after a failure restart the same as the attempt before
+    it (1 + 0 = 0 + 1): the agent never saw the ranks resume, and a graceful restart
+    after a crash never completed."""
+    try:
+        words = Path(relaunch_file).read_text().split()
+        left = int(words[1]) if len(words) > 1 else -1
+    except (OSError, ValueError):
+        left = -1  # an older rank's request, or none readable: count this relaunch
+    return max(base + 1, left + 1)
 
 
 def clear_relaunch_request() -> None:
@@ -268,9 +286,9 @@ def leave_path(relaunch_file: str | Path) -> str:
 
 
 def relaunch_count_path(relaunch_file: str | Path) -> str:
-    """Where clusterpulse-train writes how many graceful relaunches came before the
-    torchrun it starts (a file: a torchrun started ahead of its turn has an older
-    environment than the count)."""
+    """Where clusterpulse-train writes how many attempts came before the torchrun it
+    starts (a file: a torchrun started ahead of its turn has an older environment
+    than the count)."""
     return f"{relaunch_file}.count"
 
 

@@ -2,7 +2,8 @@
 lightning_job.py: a tiny model built in code, 2 ranks, gloo) under clusterpulse-train
 with a real agent, its ranks started warm (`--preload lightning.pytorch`): a compute
 straggler and a data straggler flagged on the right rank with the right figures, a
-graceful checkpoint-restart, and a crash; after each resume every rank trains exactly
+crash before any graceful restart (resumed from Lightning's own ModelCheckpoint) and a
+graceful checkpoint-restart; after each resume every rank trains exactly
 the batches an uninterrupted run trains at that step (none replayed, none lost),
 loading none of the batches it skips."""
 
@@ -43,7 +44,7 @@ _ORDER: dict[int, list[int]] = {}
 def test_lightning_job_through_stragglers_graceful_restart_and_crash(tmp_path: Path):
     text = run_through_faults(tmp_path, JOB, [
         "--epochs", "1", "--batches", str(BATCHES), "--batch-size", str(BATCH_SIZE),
-        "--checkpoint", str(tmp_path / "last.ckpt"), "--step-seconds", "0.05"],
+        "--checkpoints", str(tmp_path / "ckpts"), "--step-seconds", "0.05"],
         "lightning.pytorch", "lit")
     assert f"done: {BATCHES} steps" in text
     assert "not resumable" not in text  # Lightning found the loader's position
@@ -53,6 +54,10 @@ def test_lightning_job_through_stragglers_graceful_restart_and_crash(tmp_path: P
     assert trained and all(i == _expected_index(r, s) for r, s, i in trained), \
         [t for t in trained if t[2] != _expected_index(t[0], t[1])][:5]
     assert text.count("resuming from") == 2, text[-3000:]
+    # the crash came before any graceful restart: Lightning's own last.ckpt (it had
+    # retrained from step 0); the graceful restart: its newer save
+    resumed = re.findall(r"resuming from (\S+) at step", text)
+    assert [Path(f).name for f in resumed] == ["last.ckpt", "graceful.ckpt"], resumed
     for m in re.finditer(r"resuming from \S+ at step (\d+)", text):  # rank 0's next step
         first = re.search(r"trained rank=0 step=(\d+)", text[m.end():])
         assert first and int(first[1]) == int(m[1]) + 1, (m[0], first and first[0])

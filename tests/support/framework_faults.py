@@ -1,7 +1,8 @@
 """One scenario for every framework integration's test: a job of that framework
 (tests/support/*_job.py, steered through files in a control folder) under
 clusterpulse-train with a real agent and warm ranks, through a compute straggler, a
-data straggler, a graceful checkpoint-restart and a crash."""
+data straggler, a crash (resumed from the framework's own periodic checkpoint) and a
+graceful checkpoint-restart."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from tests.support.torchrun import launcher_cmd, start_logged, stop_group
 
 def run_through_faults(tmp_path: Path, job: Path, args: list[str], preload: str,
                        run: str) -> str:
-    """Run `job ARGS --control DIR --run-id RUN` on 2 ranks through the four faults,
+    """Run `job ARGS --control DIR --run-id RUN` on 2 ranks through the four faults
+    (the job saves a checkpoint of its framework's own every few steps),
     checking what the agent sees of each; the job's log once it has finished."""
     control = tmp_path / "control"
     control.mkdir()
@@ -55,7 +57,21 @@ def run_through_faults(tmp_path: Path, job: Path, args: list[str], preload: str,
         assert attribute(_own(v0), _own(v1)) == "data_loading", (v0, v1)
         assert v0["data_wait_seconds"] > 0.2 * v0["step_seconds"], v0  # the alert rule's
         (control / "slow_data_0").unlink()
-        # 3. a graceful checkpoint-restart: every rank saves, acknowledges and resumes
+        # 3. a crash before any graceful restart: SIGKILL of rank 0, restarted by
+        # torchrun (its one failure restart) from the framework's own periodic save
+        before = {r.pid for r in ranks().values()}
+        os.kill(ranks()[0].pid, signal.SIGKILL)
+        try:
+            wait_until(lambda: log.read_text().count("resuming from") >= 1, 240,
+                       "the resume after the crash")
+        except AssertionError as err:  # what the launcher and the ranks said since
+            raise AssertionError(f"{err}\n--- job log ---\n{log.read_text()[-6000:]}") from None
+        def stepping_again() -> bool:  # the new processes (the old ones' entries stay)
+            live = running.agent.ranks.live_of_run(run)
+            return len(live) == 2 and all(r.pid not in before and r.process_steps > 2
+                                          for r in live)
+        wait_until(stepping_again, 120, "both ranks stepping again")
+        # 4. a graceful checkpoint-restart: every rank saves, acknowledges and resumes
         r = running.post(f"/v1/runs/{run}/actions", {"action": "checkpoint-restart",
                                                      "reason": "test", "requested_by": "ops"})
         assert r.status_code == 202, r.text
@@ -64,15 +80,6 @@ def run_through_faults(tmp_path: Path, job: Path, args: list[str], preload: str,
                    240, "the graceful command to complete")
         status = running.get(f"/v1/commands/{cid}").json()
         assert status["acknowledged"] == [0, 1] and status["resumed"] == [0, 1], status
-        # 4. a crash: SIGKILL of rank 0, restarted by torchrun (its one failure restart)
-        wait_until(lambda: all(r.process_steps > 2 for r in ranks().values()), 120,
-                   "both ranks stepping again")
-        os.kill(ranks()[0].pid, signal.SIGKILL)
-        try:
-            wait_until(lambda: log.read_text().count("resuming from") >= 2, 240,
-                       "the resume after the crash")
-        except AssertionError as err:  # what the launcher and the ranks said since
-            raise AssertionError(f"{err}\n--- job log ---\n{log.read_text()[-6000:]}") from None
         (control / "fast").touch()  # the rest of the epoch at full speed
         assert p.wait(timeout=600) == 0, log.read_text()[-4000:]
     finally:

@@ -92,12 +92,14 @@ def main() -> None:
     p.add_argument("--control", required=True)
     p.add_argument("--run-id", default="hf")
     p.add_argument("--step-seconds", type=float, default=0.0)
+    p.add_argument("--save-every", type=int, default=10, help="the Trainer's own, in steps")
     args = p.parse_args()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     control = Path(args.control)
     training_args = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
-        num_train_epochs=1, save_strategy="no", logging_strategy="no", report_to="none",
+        num_train_epochs=1, save_strategy="steps", save_steps=args.save_every,
+        save_total_limit=2, logging_strategy="no", report_to="none",
         use_cpu=True, disable_tqdm=True, ddp_backend="gloo", dataloader_num_workers=0,
         remove_unused_columns=False, ddp_find_unused_parameters=False)
     dataset = Tokens(args.batches * args.batch_size * world, control, rank)

@@ -18,16 +18,17 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import Dataset
 
 # --- README: lightning ---
+from lightning.pytorch.callbacks import ModelCheckpoint
+
 from clusterpulse.integrations.data import ResumableDataLoader
 from clusterpulse.integrations.lightning import ClusterPulseCallback
 from clusterpulse.trainer.parallel import init_distributed
 
 # --- end README ---
 
-class Samples(Dataset):
+class Samples(torch.utils.data.Dataset):
     def __init__(self, size: int, control: Path, rank: int) -> None:
         g = torch.Generator().manual_seed(0)
         self.x, self.y = torch.rand(size, 8, generator=g), torch.rand(size, 1, generator=g)
@@ -77,7 +78,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batches", type=int, default=40, help="batches per rank per epoch")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoints", required=True, help="the checkpoint folder")
+    p.add_argument("--save-every", type=int, default=10, help="Lightning's own, in steps")
     p.add_argument("--control", required=True)
     p.add_argument("--run-id", default="lightning")
     p.add_argument("--step-seconds", type=float, default=0.0)
@@ -87,9 +89,8 @@ def main() -> None:
     dataset = Samples(args.batches * args.batch_size * world, control, rank)
     model = Tiny(control, rank, args.step_seconds)
     # Quiet CI, outside the README's lines: Lightning takes Trainer defaults from
-    # PL_TRAINER_* variables (no logs, checkpoints of its own or progress bar here).
-    os.environ.update(PL_TRAINER_LOGGER="False", PL_TRAINER_ENABLE_CHECKPOINTING="False",
-                      PL_TRAINER_ENABLE_PROGRESS_BAR="False",
+    # PL_TRAINER_* variables (no logs or progress bar here).
+    os.environ.update(PL_TRAINER_LOGGER="False", PL_TRAINER_ENABLE_PROGRESS_BAR="False",
                       PL_TRAINER_ENABLE_MODEL_SUMMARY="False")
 
     # --- README: lightning ---
@@ -97,12 +98,15 @@ def main() -> None:
     # accelerator="auto": the GPUs where there are, else CPU. devices * num_nodes must be
     # the ranks torchrun started (devices="auto" would count this node's GPUs, or 1 CPU).
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    pulse = ClusterPulseCallback(run=args.run_id, checkpoint=args.checkpoint)
+    pulse = ClusterPulseCallback(run=args.run_id, checkpoint=f"{args.checkpoints}/graceful.ckpt")
+    periodic = ModelCheckpoint(dirpath=args.checkpoints, save_top_k=0, save_last=True,
+                               every_n_train_steps=args.save_every)  # for crashes
     trainer = pl.Trainer(accelerator="auto", strategy="ddp", devices=per_node,
                          num_nodes=info.world // per_node, max_epochs=args.epochs,
-                         callbacks=[pulse])
+                         callbacks=[pulse, periodic])
+    # the newest of the graceful save and Lightning's own last.ckpt (None at first)
     trainer.fit(model, ResumableDataLoader(dataset, batch_size=args.batch_size),
-                ckpt_path=pulse.resume_from())
+                ckpt_path=pulse.resume_from(trainer))
     # --- end README ---
 
     print(f"reads rank={rank} samples={dataset.reads}", flush=True)

@@ -504,7 +504,7 @@ def test_a_rank_leaves_for_a_leave_or_refuses_it_before_anything_restarts(
                 pulse.boundary(2, save=saved.append)
             assert exit_.value.code == 0 and saved == [2]
             assert (tmp_path / "relaunch.leave").read_text() == "30\n"
-            assert relaunch.read_text() == "checkpoint-restart\n"
+            assert relaunch.read_text() == "checkpoint-restart 0\n"  # the attempt left
         else:
             pulse.boundary(2, save=saved.append)  # returns: no restart
             assert saved == [] and not relaunch.exists()

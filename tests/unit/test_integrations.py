@@ -4,7 +4,9 @@ batch's size and a step's loss."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,3 +92,56 @@ def test_input_awaited_between_a_steps_micro_batches_is_its_data_wait_not_comput
         # counted as compute as well was its own time twice (1e-9: float rounding)
         assert last["compute_seconds"] + last["data_wait_seconds"] \
             <= last["step_seconds"] + 1e-9, last
+
+
+def _saved(path: Path, mtime: float) -> Path:
+    torch.save({"global_step": 1}, path)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_lightning_resume_from_takes_the_newest_whole_checkpoint_of_ours_and_lightnings(
+        tmp_path: Path):
+    """A crash before any graceful restart resumes from Lightning's own last.ckpt (it
+    retrained from step 0: resume_from() saw only the graceful file); the graceful
+    save wins when newer; a torn file (a crash mid-write) is passed over."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from clusterpulse.integrations.lightning import ClusterPulseCallback
+
+    pulse = ClusterPulseCallback(run="r", checkpoint=tmp_path / "graceful.ckpt", agent=None)
+    periodic = ModelCheckpoint(dirpath=tmp_path, save_top_k=0, save_last=True)
+    trainer = pl.Trainer(callbacks=[pulse, periodic], logger=False, accelerator="cpu",
+                         enable_progress_bar=False, enable_model_summary=False)
+    assert pulse.resume_from(trainer) is None  # a first start
+    last = _saved(tmp_path / "last.ckpt", 1000)
+    assert pulse.resume_from(trainer) == str(last)
+    assert pulse.resume_from() is None  # without the Trainer: only the graceful file
+    graceful = _saved(tmp_path / "graceful.ckpt", 2000)
+    assert pulse.resume_from(trainer) == str(graceful)
+    os.utime(last, (3000, 3000))  # Lightning saved again since
+    assert pulse.resume_from(trainer) == str(last)
+    last.write_bytes(last.read_bytes()[:-100])  # torn: its zip directory never written
+    assert pulse.resume_from(trainer) == str(graceful)
+
+
+def test_hf_resume_from_passes_over_a_checkpoint_folder_a_crash_cut_short(tmp_path: Path):
+    """The Trainer writes checkpoint-N in place, its trainer_state.json last: a
+    folder without it was picked (get_last_checkpoint) and the run silently began
+    again at step 0 with its weights. The newest whole one is taken, by step."""
+    from types import SimpleNamespace
+
+    from clusterpulse.integrations.hf import ClusterPulseCallback
+
+    pulse = ClusterPulseCallback(SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path))),
+                                 run="r", agent=None)
+    assert pulse.resume_from() is None
+    for step, whole in [(9, True), (10, True), (30, False), (20, True)]:
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"w")
+        if whole:
+            (folder / "trainer_state.json").write_text("{}")
+    (tmp_path / "runs").mkdir()  # other folders in output_dir are not checkpoints
+    assert pulse.resume_from() == str(tmp_path / "checkpoint-20")

@@ -16,8 +16,13 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 
 from clusterpulse.trainer import torchrun
 from clusterpulse.trainer.launch import Prewarmed, parse, rendezvous_poll_env
-from clusterpulse.trainer.parallel import RELAUNCHES_ENV, relaunches
-from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV, relaunch_count_path
+from clusterpulse.trainer.parallel import ATTEMPTS_BEFORE_ENV, attempts_before, local_attempt
+from clusterpulse.trainer.restart import (
+    RELAUNCH_FILE_ENV,
+    next_attempt_base,
+    relaunch_count_path,
+    request_relaunch,
+)
 from tests.support.procs import REPO
 
 FAILURE_LOG = """\
@@ -164,9 +169,30 @@ def test_the_relaunch_count_comes_from_the_launchers_file(tmp_path, monkeypatch)
     the launcher writes before each torchrun takes over."""
     marker = tmp_path / "relaunch"
     monkeypatch.setenv(RELAUNCH_FILE_ENV, str(marker))
-    monkeypatch.setenv(RELAUNCHES_ENV, "1")
-    assert relaunches() == 1  # no file (an older launcher): the environment
+    monkeypatch.setenv(ATTEMPTS_BEFORE_ENV, "1")
+    assert attempts_before() == 1  # no file (an older launcher): the environment
     (tmp_path / relaunch_count_path(marker)).write_text("2")
-    assert relaunches() == 2
+    assert attempts_before() == 2
     monkeypatch.delenv(RELAUNCH_FILE_ENV)
-    assert relaunches() == 1
+    assert attempts_before() == 1
+
+
+def test_a_graceful_relaunch_after_a_failure_restart_gets_a_new_attempt_number(
+        tmp_path, monkeypatch):
+    """A crash (torchrun's failure restart: attempt 0 + 1) then a graceful restart: the
+    relaunched torchrun numbered its ranks 1 + 0, the attempt they had left, so the
+    agent never saw them resume and the graceful command never completed. The ranks
+    write the attempt they leave; the next torchrun starts past it."""
+    marker = tmp_path / "relaunch"
+    monkeypatch.setenv(RELAUNCH_FILE_ENV, str(marker))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # after one failure restart
+    assert local_attempt() == 1
+    assert request_relaunch(0.0, local_attempt()) == 0
+    assert next_attempt_base(0, marker) == 2
+    (tmp_path / relaunch_count_path(marker)).write_text("2")  # the launcher's
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # the new torchrun
+    assert local_attempt() == 2
+    marker.write_text("checkpoint-restart\n")  # a rank that did not say (no Pulse)
+    assert next_attempt_base(2, marker) == 3
+    marker.unlink()
+    assert next_attempt_base(3, marker) == 4

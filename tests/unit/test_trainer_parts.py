@@ -1467,3 +1467,24 @@ def test_straggler_baselines_are_kept_per_gpu_across_starts(tmp_path):
     third.record(0.1)
     third.exchange(False, 1)  # a warning, and a fresh scorer
     assert third.scorer is not None and third.scorer.state() == {}
+
+
+def test_a_users_forward_pre_hook_on_the_model_is_its_own_work_not_ddps_broadcast():
+    """attach_ddp times from DDP's forward to the wrapped model's first pre-hook as
+    DDP's buffer broadcast (sync wait). A pre-hook the user registered on the model
+    before attaching ran inside that window: its work counted as waiting for peers
+    (a slow rank's work there hid it). Ours now runs first."""
+    from tests.support.worlds import gloo_world_of_one
+
+    with gloo_world_of_one():
+        inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+        inner.register_forward_pre_hook(lambda _m, _a: time.sleep(0.2))  # the user's
+        model = torch.nn.parallel.DistributedDataParallel(inner)  # buffers: broadcast
+        assert model.will_sync_module_buffers()
+        pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
+        pulse.attach_ddp(model)
+        with pulse.step(1) as s, s.section("forward_backward"):
+            model(torch.ones(4, 8)).sum().backward()
+        assert pulse.last["sync_wait_seconds"] < 0.1, pulse.last
+        assert pulse.last["compute_seconds"] >= 0.2, pulse.last
+        pulse.close()
