@@ -40,6 +40,10 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("systemd", "systemd/clusterpulse-agent.default", "agent flags (EnvironmentFile)"),
     ("systemd", "systemd/clusterpulse-dashboard.default", "dashboard flags"),
     ("systemd", "systemd/clusterpulse-remediate.default", "remediation flags"),
+    ("systemd", "systemd/clusterpulse-egress",
+     "the Prometheus host: only its monitoring users reach the agents' port"),
+    ("systemd", "systemd/clusterpulse-egress.service", "egress filter unit"),
+    ("systemd", "systemd/clusterpulse-egress.default", "egress filter settings"),
 )
 GROUPS = sorted({g for g, _, _ in FILES})
 

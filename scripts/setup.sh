@@ -28,6 +28,8 @@ command -v debootstrap >/dev/null || missing+=(debootstrap)
 command -v victoria-metrics >/dev/null || missing+=(victoria-metrics)
 # The multi-node testbed's network namespaces, veths, bridge and tbf (deploy/testbed/).
 command -v ip >/dev/null && command -v tc >/dev/null || missing+=(iproute2)
+# The Prometheus host's egress filter (deploy/systemd/clusterpulse-egress, its test).
+command -v iptables >/dev/null || missing+=(iptables)
 # A real Slurm for the testbed's scheduler tests (deploy/testbed/slurm.py).
 command -v slurmctld >/dev/null || missing+=(slurm-wlm)
 command -v munged >/dev/null || missing+=(munge)

@@ -1,0 +1,141 @@
+"""deploy/systemd/clusterpulse-egress on a "Prometheus host" (a network namespace of
+its own, reaching an agent over a veth, as a remote host does): an agent counts a
+remote peer by its address, so another user there spent that address's TLS handshake
+budget and Prometheus's scrapes were closed unread. With the script's filter, the
+host's kernel resets every connection to the agents' port but those of the allowed
+users, at the source, and the scrapes are answered."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clusterpulse.agent.httpsafe import tls_context
+from clusterpulse.agent.server import make_server, serve_in_thread
+from clusterpulse.agent.tokens import Tokens
+from tests.unit.test_control_tls import HELLOS, cert  # noqa: F401  (cert: a fixture)
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+EGRESS = REPO / "deploy" / "systemd" / "clusterpulse-egress"
+SCRAPER = "prometheus"  # Debian's Prometheus user (scripts/setup.sh installs it)
+
+# Prometheus: n HTTPS scrapes, one every 0.1 s; prints how many were answered 200.
+SCRAPES = """
+import http.client, ssl, sys, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ctx = ssl.create_default_context()
+ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+ok = 0
+for _ in range(n):
+    try:
+        c = http.client.HTTPSConnection(host, port, context=ctx, timeout=10)
+        c.request("GET", "/metrics")
+        ok += c.getresponse().status == 200
+        c.close()
+    except OSError:
+        pass
+    time.sleep(0.1)
+print(ok, flush=True)
+"""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def prometheus_host() -> Iterator[tuple[str, str, str]]:
+    """(netns, its address, the agent host's address on the veth between them)."""
+    if os.geteuid() != 0:
+        pytest.fail("this test makes a network namespace and plays other users: run as root")
+    for tool in ("ip", "iptables", "setpriv"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is missing (scripts/setup.sh installs it)")
+    n = os.getpid() % 200 + 20
+    ns, host_if, ns_if = f"cp-prom-{os.getpid()}", f"cpe{os.getpid()}h", f"cpe{os.getpid()}n"
+    agent_addr, prom_addr = f"10.252.{n}.1", f"10.252.{n}.2"
+    _ip("netns", "add", ns)
+    try:
+        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        _ip("link", "set", ns_if, "netns", ns)
+        _ip("addr", "add", f"{agent_addr}/30", "dev", host_if)
+        _ip("link", "set", host_if, "up")
+        for args in (["addr", "add", f"{prom_addr}/30", "dev", ns_if],
+                     ["link", "set", ns_if, "up"], ["link", "set", "lo", "up"]):
+            _ip("-n", ns, *args)
+        yield ns, prom_addr, agent_addr
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def _as(ns: str, user: str, script: str, *args: object) -> subprocess.Popen:
+    group = "nogroup" if user == "nobody" else user
+    return subprocess.Popen(["ip", "netns", "exec", ns, "setpriv", f"--reuid={user}",
+                             f"--regid={group}", "--clear-groups", "/usr/bin/python3",
+                             "-c", script, *map(str, args)],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _scrapes_answered_under_a_flood(ns: str, agent: str, port: int, n: int = 10) -> int:
+    flood = _as(ns, "nobody", HELLOS, agent, port, 200)  # as fast as it can
+    try:
+        assert flood.stdout.readline().strip() == "started"
+        time.sleep(1.0)
+        scrapes = _as(ns, SCRAPER, SCRAPES, agent, port, n)
+        out, _ = scrapes.communicate(timeout=180)
+        return int(out.strip())
+    finally:
+        flood.kill()
+        flood.wait()
+
+
+def test_only_the_allowed_users_of_the_prometheus_host_reach_the_agents(
+        prometheus_host, sim_agent, cert):  # noqa: F811
+    ns, _prom, agent_addr = prometheus_host
+    server = make_server(sim_agent.agent, agent_addr, 0, Tokens.single("t" * 24),
+                         tls=tls_context(*cert))
+    serve_in_thread(server)
+    port = server.server_port
+    env = {**os.environ, "AGENT_PORT": str(port), "ALLOW_USERS": SCRAPER}
+    try:
+        # without the filter: one address, one budget; Prometheus's hellos lose
+        answered = _scrapes_answered_under_a_flood(ns, agent_addr, port)
+        assert answered < 10 and server.refused_handshakes > 0, answered
+        started = subprocess.run(["ip", "netns", "exec", ns, str(EGRESS), "start"],
+                                 env=env, capture_output=True, text=True, timeout=60)
+        assert started.returncode == 0, started.stderr
+        refused = server.refused_handshakes
+        assert _scrapes_answered_under_a_flood(ns, agent_addr, port) == 10
+        assert server.refused_handshakes == refused  # the flood never got here
+        # stop takes the filter away again, whole
+        subprocess.run(["ip", "netns", "exec", ns, str(EGRESS), "stop"], env=env,
+                       check=True, capture_output=True, timeout=60)
+        rules = subprocess.run(["ip", "netns", "exec", ns, "iptables", "-S"],
+                               capture_output=True, text=True, check=True).stdout
+        assert "CLUSTERPULSE" not in rules, rules
+    finally:
+        subprocess.run(["ip", "netns", "exec", ns, str(EGRESS), "stop"], env=env,
+                       capture_output=True, timeout=60)
+        server.shutdown()
+
+
+def test_an_unknown_user_or_port_is_named_and_nothing_is_changed(prometheus_host):
+    ns = prometheus_host[0]
+    for settings, says in [({"ALLOW_USERS": "prometheus no-such-user"}, "no-such-user"),
+                           ({"AGENT_PORT": "94x7"}, "94x7")]:
+        out = subprocess.run(["ip", "netns", "exec", ns, str(EGRESS), "start"],
+                             env={**os.environ, **settings}, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr
+        assert out.stderr.count("\n") == 1, out.stderr  # one line
+    rules = subprocess.run(["ip", "netns", "exec", ns, "iptables", "-S"],
+                           capture_output=True, text=True, check=True).stdout
+    assert "CLUSTERPULSE" not in rules, rules
