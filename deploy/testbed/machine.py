@@ -182,6 +182,10 @@ class SystemdMachine:
             elif host.is_dir():
                 self.binds.insert(0, Bind(host, f"/{name}"))
         self.binds.insert(0, Bind(Path("/usr"), "/usr"))
+        # /usr/local/sbin: the machine's own, empty and writable, as on a fresh Debian
+        # (where an administrator installs a script such as clusterpulse-egress)
+        (root / "usr-local-sbin").mkdir()
+        self.binds.insert(1, Bind(root / "usr-local-sbin", "/usr/local/sbin", read_only=False))
         # cp -a keeps owners and modes (/etc/shadow stays root:shadow 0640).
         subprocess.run(["cp", "-a", "/etc", str(root / "etc")], check=True,
                        capture_output=True, timeout=120)

@@ -329,3 +329,27 @@ def test_receiver_takes_the_webhook_token_as_a_credential(
     assert http(machine, url, installed.token, notification)[0] == 401  # the agents' token
     code, body = http(machine, url, token, notification)
     assert code == 200, body
+
+
+def test_the_egress_filter_lets_only_the_monitoring_users_reach_the_agents_port(
+        machine: SystemdMachine, installed: Installed):
+    """docs/deploy.md's "The Prometheus host" block as written: the unit is active, and
+    in the machine's network `nobody`'s connections to the agents' port are reset while
+    the `prometheus` and `clusterpulse` users' are answered; stopping the unit lets
+    everyone through again."""
+    machine.sh(f"cd {CONFIG_DIR}/systemd\n" + docs_commands("### The Prometheus host")[0])
+    assert machine.show("clusterpulse-egress.service", "ActiveState")["ActiveState"] == "active"
+
+    def status_as(user: str) -> str:
+        probe = ("import urllib.request\ntry:\n print(urllib.request.urlopen("
+                 "'http://127.0.0.1:9477/healthz', timeout=10).status)\n"
+                 "except OSError as e:\n print(type(e).__name__)")
+        group = "nogroup" if user == "nobody" else user
+        return machine.run(["setpriv", f"--reuid={user}", f"--regid={group}",
+                            "--clear-groups", f"{BIN}/python", "-c", probe],
+                           check=True).stdout.strip()
+
+    assert [status_as(u) for u in ("nobody", "prometheus", "clusterpulse")] == \
+        ["URLError", "200", "200"], machine.journal("clusterpulse-egress.service")
+    machine.run(["systemctl", "stop", "clusterpulse-egress.service"], check=True)
+    assert status_as("nobody") == "200"
