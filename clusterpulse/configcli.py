@@ -44,6 +44,8 @@ FILES: tuple[tuple[str, str, str], ...] = (
      "the Prometheus host: only its monitoring users reach the agents' port"),
     ("systemd", "systemd/clusterpulse-egress.service", "egress filter unit"),
     ("systemd", "systemd/clusterpulse-egress.default", "egress filter settings"),
+    ("systemd", "systemd/prometheus-clusterpulse-scrape.conf",
+     "prometheus.service drop-in: the group the egress filter lets through"),
 )
 GROUPS = sorted({g for g, _, _ in FILES})
 

@@ -18,7 +18,7 @@ UNITS = REPO / "deploy" / "systemd"
 SERVICES = sorted(UNITS.glob("*.service"))
 INSTALLED_BIN = "/opt/clusterpulse/.venv/bin"
 # The units of ClusterPulse's programs (the Prometheus host's egress filter is a script
-# that runs once as root: tests/deploy/test_egress.py)
+# that runs once as root: tests/deploy/test_egress.py, test_systemd_boot.py)
 DAEMONS = [u for u in SERVICES if f"ExecStart={INSTALLED_BIN}/" in u.read_text()]
 ANALYZE = shutil.which("systemd-analyze")
 needs_systemd = pytest.mark.skipif(
