@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "'kubernetes' extra. Default: off")
     p.add_argument("--proc", type=Path, default=Path("/proc"),
                    help="procfs of the GPU processes' pid namespace, read for their user "
-                   "and Slurm job (in a container: the host's, with hostPID; default: /proc)")
+                   "and Slurm job, and for the ranks' sockets (in a container: the host's, "
+                   "with hostPID; default: /proc)")
     p.add_argument("--rank-grace", type=float, default=300.0,
                    help="seconds before a silent rank is forgotten (default: 300)")
     p.add_argument("--max-ranks", type=int, default=1024,

@@ -1,7 +1,7 @@
 """TCP connections and their kernel-measured round-trip times, read like `ss -ti` does.
 
 The kernel keeps, for every TCP socket, a `struct tcp_info`: the smoothed RTT of the
-data it sent (tcpi_rtt), when it last sent data, its retransmissions. `ss -ti` reads
+data it sent (tcpi_rtt), when it last sent data, its retransmissions and more. `ss -ti` reads
 it over a NETLINK_SOCK_DIAG socket (inet_diag); so does this module, without a
 subprocess: one dump per address family of the established sockets of the caller's
 network namespace, asking for INET_DIAG_INFO. No privilege is needed for that.
@@ -38,9 +38,8 @@ _MSG_TAIL = struct.Struct("=IQIIII")  # if, cookie, expires, rqueue, wqueue, uid
 _INODE = struct.Struct("=I")
 _RTATTR = struct.Struct("=HH")
 MSG_SIZE = 4 + _SOCKID.size + _MSG_TAIL.size + _INODE.size  # 72
-# struct tcp_info offsets (bytes): tcpi_last_data_sent (ms ago), tcpi_rtt (us),
-# tcpi_total_retrans (segments, over the socket's life)
-TCPI_LAST_DATA_SENT, TCPI_RTT, TCPI_TOTAL_RETRANS = 44, 68, 100
+# struct tcp_info offsets (bytes): tcpi_last_data_sent (ms ago), tcpi_rtt (us)
+TCPI_LAST_DATA_SENT, TCPI_RTT = 44, 68
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,6 @@ class TcpSocket:
     remote: str
     rtt_seconds: float  # smoothed RTT of the data it sent
     last_data_sent_seconds: float  # how long ago it last sent data
-    retransmits: int  # segments retransmitted over its life
 
 
 def _address(family: int, raw: bytes) -> str:
@@ -97,21 +95,18 @@ def _socket(data: bytes, at: int, end: int, inode: int, uid: int) -> TcpSocket:
     family = data[at]
     _, _, src, dst = _SOCKID.unpack_from(data, at + 4)
     rtt = last_sent = 0.0
-    retrans = 0
     off = at + MSG_SIZE
     while off + _RTATTR.size <= end:
         alen, atype = _RTATTR.unpack_from(data, off)
         if alen < _RTATTR.size:
             break
         info, size = off + _RTATTR.size, alen - _RTATTR.size
-        if atype == INET_DIAG_INFO and size >= TCPI_TOTAL_RETRANS + 4:
+        if atype == INET_DIAG_INFO and size >= TCPI_RTT + 4:
             (last,) = struct.unpack_from("=I", data, info + TCPI_LAST_DATA_SENT)
             (rtt_us,) = struct.unpack_from("=I", data, info + TCPI_RTT)
-            (retrans,) = struct.unpack_from("=I", data, info + TCPI_TOTAL_RETRANS)
             rtt, last_sent = rtt_us / 1e6, last / 1e3
         off += (alen + 3) & ~3
-    return TcpSocket(inode, uid, _address(family, src), _address(family, dst), rtt, last_sent,
-                     retrans)
+    return TcpSocket(inode, uid, _address(family, src), _address(family, dst), rtt, last_sent)
 
 
 def established(wanted: Wanted | None = None) -> list[TcpSocket]:
