@@ -48,7 +48,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+)
 
 
 class _PositionView:
@@ -185,6 +191,9 @@ class ResumableDataLoader(DataLoader):
             else len(base) - start_batches
 
     def __iter__(self) -> Iterator[Any]:
+        if isinstance(self.dataset, IterableDataset):  # no indices to skip: a plain
+            yield from super().__iter__()  # DataLoader's iteration (it crashed, a review)
+            return
         self._start()
         try:
             it = super().__iter__()  # draws the planned indices through the view
@@ -208,6 +217,8 @@ class ResumableDataLoader(DataLoader):
         sampler's generator where this epoch's permutation was drawn (between epochs:
         where the next one will be; a restored complete epoch draws its permutation
         again, indices only, to be there)."""
+        if isinstance(self.dataset, IterableDataset):
+            return {}  # not positioned: the dataset's own state must say where it is
         complete = self._yielded > 0 and self._left <= 0
         state: dict[str, Any] = {"batches": self._yielded, "samples": self._consumed,
                                  "complete": complete}

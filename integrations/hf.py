@@ -40,6 +40,7 @@ import os
 import re
 from typing import Any
 
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
 from transformers import TrainingArguments as Args
@@ -80,12 +81,14 @@ class ClusterPulseCallback(TrainerCallback):
         last; a folder a crash cut short has none, and resuming from it silently
         started again at step 0 with its weights (`get_last_checkpoint` picks it)."""
         out = self.trainer.args.output_dir
-        if not out or not os.path.isdir(out):
-            return None
-        steps = {int(m[1]): os.path.join(out, m[0]) for name in os.listdir(out)
-                 if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name))}
-        return next((steps[s] for s in sorted(steps, reverse=True)
-                     if os.path.isfile(os.path.join(steps[s], TRAINER_STATE_NAME))), None)
+        steps = {} if not out or not os.path.isdir(out) else {
+            int(m[1]): os.path.join(out, m[0]) for name in os.listdir(out)
+            if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name))}
+        choice = [next((steps[s] for s in sorted(steps, reverse=True)
+                        if os.path.isfile(os.path.join(steps[s], TRAINER_STATE_NAME))), None)]
+        if dist.is_initialized() and dist.get_world_size() > 1:  # one answer: rank 0's
+            dist.broadcast_object_list(choice, src=0)  # (a shared folder's listings
+        return choice[0]  # may differ between ranks)
 
     # -- set-up and end ---------------------------------------------------------------
     def on_train_begin(self, args: Args, state: TrainerState, control: TrainerControl,

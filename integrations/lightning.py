@@ -1,8 +1,9 @@
-"""ClusterPulse for a Lightning job: one Callback, public Lightning API only.
+"""ClusterPulse for a Lightning job: one Callback, public Lightning API but for one
+lookup (`resume_from`: the one `ckpt_path="last"` makes).
 
     from clusterpulse.integrations.data import ResumableDataLoader
     from clusterpulse.integrations.lightning import ClusterPulseCallback
-    from clusterpulse.trainer.parallel import init_distributed
+    from clusterpulse.trainer.parallel import init_distributed, local_attempt
 
     info = init_distributed()                # restart-safe process group, before Lightning
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # devices * num_nodes = world
@@ -43,13 +44,14 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
 from clusterpulse.integrations.steps import OpenStep
 from clusterpulse.trainer.instrument import Pulse
-from clusterpulse.trainer.parallel import init_distributed
+from clusterpulse.trainer.parallel import init_distributed, local_attempt
 
 
 def batch_size(batch: Any) -> int:
@@ -79,24 +81,38 @@ class ClusterPulseCallback(pl.Callback):
         self._losses: list[Any] = []  # the open step's micro-batches' losses
 
     def resume_from(self, trainer: pl.Trainer | None = None) -> str | None:
-        """The checkpoint to pass as `fit(ckpt_path=...)`, None on a first start.
+        """The checkpoint to pass as `fit(ckpt_path=...)`, None on a first start; the
+        same on every rank (rank 0's choice: ranks listing a shared folder need not
+        see the same files).
 
         The newest whole file of: the last graceful save, and (given the Trainer) the
         files Lightning's own `ckpt_path="last"` weighs, its ModelCheckpoints' `last`
         files and an OnExceptionCheckpoint's. Without them a crash before any graceful
         restart retrained from step 0 beside Lightning's periodic save; and "last"
-        alone would not see the graceful save. Newest by modification time, as
-        Lightning's "last" picks. A torch checkpoint is a zip whose directory is
-        written last: a file without one is torn (a crash mid-write), passed over.
+        alone would not see the graceful save. A ModelCheckpoint without a `dirpath`
+        saves under the logger's version folder, a new one at each start: in a
+        restart of the job (attempt > 0) the last files of every version count too
+        (a review's crash resumed from step 0), never on a first start, which may be
+        a new experiment. Newest by modification time, as Lightning's "last" picks. A
+        torch checkpoint is a zip whose directory is written last: a file without one
+        is torn (a crash mid-write), passed over.
         """
         candidates = [self.checkpoint]
+        restarted = local_attempt() > 0
         for cb in trainer.callbacks if trainer is not None else []:
             if isinstance(cb, ModelCheckpoint):  # the folder as Lightning resolves it
                 candidates += map(Path, cb._find_last_checkpoints(trainer))
+                if cb.dirpath is None and restarted and trainer.loggers:
+                    logger = trainer.loggers[0]
+                    versions = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name)
+                    candidates += versions.glob("*/checkpoints/last*.ckpt")
             elif isinstance(cb, OnExceptionCheckpoint):
                 candidates.append(Path(cb.ckpt_path))
         whole = [p for p in candidates if p.is_file() and zipfile.is_zipfile(p)]
-        return str(max(whole, key=lambda p: p.stat().st_mtime)) if whole else None
+        choice = [str(max(whole, key=lambda p: p.stat().st_mtime)) if whole else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(choice, src=0)
+        return choice[0]
 
     # -- set-up and end ---------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -146,7 +162,12 @@ class ClusterPulseCallback(pl.Callback):
             return
         self._step.end(self._step_loss(pl_module))
         pulse = self._pulse()
-        pulse.boundary(trainer.global_step, save=lambda step: self._save(trainer, step))
+        if batch_idx + 1 < trainer.num_training_batches:
+            pulse.boundary(trainer.global_step, save=lambda step: self._save(trainer, step))
+        # else an epoch's last batch: no agreement, no save there (the same on every
+        # rank). Lightning 2.6 restores a checkpoint saved there as the epoch complete,
+        # and every later checkpoint of the resumed run says its epoch is complete too:
+        # resumed from one, it trained the epoch again (a review; without ClusterPulse too)
         pulse.awaiting_input()
 
     # -- helpers --------------------------------------------------------------------------

@@ -16,10 +16,13 @@ fresh store for that round only, so nothing of an earlier round can be read.
   so no per-rank scheme can be correct; init refuses with a clear error instead of
   wedging the job.
 
-The attempt number (restart accounting, fault injection) is not taken from any
-per-node counter: rank 0 proposes it and every rank takes rank 0's over the new
-process group (one all-reduce), so every rank of a round holds the same number by
-construction. In the same
+The attempt number (restart accounting, fault injection) is not taken from any one
+node's counter: every rank proposes its node's and every rank takes the highest over
+the new process group (one all-reduce), so every rank of a round holds the same number
+by construction, and it never goes back: a node's count only grows, and a node that
+has not seen the job's restarts (a hot spare, a relaunched launcher) proposes less.
+Rank 0's alone went back to 0 when a spare became rank 0 (a review), and the agent,
+which waits for a higher number to call a restart's ranks resumed, never did. In the same
 collective the ranks learn whether torchrun started them again for a membership
 change (`restarted_for_membership`), which the ranks cannot tell from a preemption
 when it happens: both are a SIGTERM.
@@ -58,7 +61,7 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str
-    # The attempt number, identical on every rank of a round (rank 0's proposal).
+    # The attempt number, identical on every rank of a round (the highest proposal).
     attempt: int = 0
     # torchrun started some node's workers again without counting a failure or a
     # relaunch (a node joined, or another node's failure is being restarted: the run
@@ -72,7 +75,7 @@ class DistInfo:
 
 def local_attempt() -> int:
     """This node's own count of (re)starts: the attempts before this torchrun plus its
-    failure restarts. Only a proposal: ranks agree on rank 0's."""
+    failure restarts. Only a proposal: ranks agree on the highest."""
     return attempts_before() + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
 
 
@@ -139,7 +142,7 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
     """Join this round's process group (restart-safe) and agree on the attempt number.
 
     `attempt` is this rank's proposal (default: `local_attempt()`); every rank gets
-    rank 0's. Safe to call when the process group already exists.
+    the highest. Safe to call when the process group already exists.
 
     A world of one gets a process group too (of size one): code written for torchrun
     (DistributedSampler, DDP, DCP, `dist.get_rank()`) needs one, and the recipe tried
@@ -161,9 +164,8 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend, **kwargs)  # env:// : this round's own store
     agreed, membership = proposal, restarted_for_membership()
-    if world > 1:  # rank 0's proposal (the others give 0), and whether any node rejoined
-        box = torch.tensor([proposal if rank == 0 else 0, int(membership)],
-                           dtype=torch.int64, device=device)
+    if world > 1:  # the highest proposal, and whether any node rejoined
+        box = torch.tensor([proposal, int(membership)], dtype=torch.int64, device=device)
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         agreed, membership = (int(v) for v in box.tolist())  # once per start, not per step
     return DistInfo(rank, world, local_rank, device, backend, agreed, bool(membership))

@@ -145,3 +145,72 @@ def test_hf_resume_from_passes_over_a_checkpoint_folder_a_crash_cut_short(tmp_pa
             (folder / "trainer_state.json").write_text("{}")
     (tmp_path / "runs").mkdir()  # other folders in output_dir are not checkpoints
     assert pulse.resume_from() == str(tmp_path / "checkpoint-20")
+
+
+def test_lightning_resume_from_looks_in_earlier_logger_versions_only_in_a_restart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A ModelCheckpoint without dirpath saves under the logger's version folder, a new
+    one at each start: a crash resumed from step 0 (a review). In a restart of the job
+    the earlier versions' last files count; on a first start (a new experiment) not."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from clusterpulse.integrations.lightning import ClusterPulseCallback
+
+    before = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    before.mkdir(parents=True)
+    last = _saved(before / "last.ckpt", 1000)
+    pulse = ClusterPulseCallback(run="r", checkpoint=tmp_path / "graceful.ckpt", agent=None)
+    trainer = pl.Trainer(callbacks=[pulse, ModelCheckpoint(save_last=True)],
+                         logger=CSVLogger(tmp_path), default_root_dir=tmp_path,
+                         accelerator="cpu", enable_progress_bar=False,
+                         enable_model_summary=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert pulse.resume_from(trainer) is None  # a first start: version_1 is empty
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarted it
+    assert pulse.resume_from(trainer) == str(last)
+
+
+class _Batches(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2,), float(i))
+
+
+def test_lightning_never_agrees_or_saves_at_an_epochs_last_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Lightning 2.6 restores a checkpoint saved at an epoch's last batch as the epoch
+    complete, and every later checkpoint of the resumed run says so too: resumed from
+    one, a run trained that epoch again (a review, 40 steps where 30 were due). The
+    callback runs the boundary (agreement, graceful save) at every other step."""
+    import lightning.pytorch as pl
+
+    from clusterpulse.integrations.lightning import ClusterPulseCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    steps: list[int] = []
+    monkeypatch.setattr(Pulse, "boundary", lambda self, step, save=None: steps.append(step))
+    pulse = ClusterPulseCallback(run="r", checkpoint=tmp_path / "graceful.ckpt", agent=None)
+    trainer = pl.Trainer(callbacks=[pulse], logger=False, enable_checkpointing=False,
+                         accelerator="cpu", devices=1, max_epochs=2,
+                         enable_progress_bar=False, enable_model_summary=False)
+    try:
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(_Batches(), batch_size=2))
+    finally:  # the callback's world of one: not left to the next test
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert trainer.global_step == 12
+    assert steps == [1, 2, 3, 4, 5, 7, 8, 9, 10, 11]  # not 6 or 12: each epoch's last

@@ -255,3 +255,18 @@ def test_the_recipe_resumed_mid_epoch_does_not_load_the_skipped_batches(tmp_path
         assert all(reads[i] == 0 for i in first)
     finally:
         dist.destroy_process_group()
+
+
+def test_an_iterable_dataset_iterates_as_with_a_plain_dataloader_unpositioned():
+    """It raised TypeError (`_InfiniteConstantSampler` has no len()) at its first batch:
+    nothing indexes an iterable dataset, so there is nothing to skip, and the state
+    says nothing."""
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    loader = ResumableDataLoader(Stream(), batch_size=4)
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert loader.state_dict() == {}
+    loader.load_state_dict({})
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]

@@ -5,6 +5,8 @@ allows, on torch's own rendezvous and store."""
 from __future__ import annotations
 
 import datetime
+import os
+import re
 import subprocess
 import sys
 import time
@@ -196,3 +198,27 @@ def test_a_graceful_relaunch_after_a_failure_restart_gets_a_new_attempt_number(
     assert next_attempt_base(2, marker) == 3
     marker.unlink()
     assert next_attempt_base(3, marker) == 4
+
+
+AGREE = """
+import os
+from clusterpulse.trainer.parallel import init_distributed
+rank = int(os.environ["RANK"])
+info = init_distributed(attempt={0: 0, 1: 3}[rank])  # a spare as rank 0: it saw none
+print(f"rank={rank} attempt={info.attempt}", flush=True)
+"""
+
+
+def test_every_rank_takes_the_highest_attempt_proposed(tmp_path):
+    """A hot spare (or a relaunched launcher) that became rank 0 proposed 0 while the
+    job's other node had counted 3 attempts: taking rank 0's number sent the attempt
+    back to 0 (a review), and the agent, waiting for a higher number to call a
+    restart's ranks resumed, never did."""
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node=2", str(script)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(re.findall(r"rank=\d attempt=\d+", out.stdout)) == \
+        ["rank=0 attempt=3", "rank=1 attempt=3"], out.stdout
