@@ -336,7 +336,7 @@ def test_the_egress_filter_lets_only_the_monitoring_services_reach_the_agents_po
     """docs/deploy.md's "The Prometheus host" block as written: the unit is active;
     Debian's own prometheus.service (PrivateUsers=true), given the group by the
     drop-in, scrapes the agent; `nobody` and a process of the `prometheus` user without
-    the group (another service of that user: the blackbox exporter) are reset;
+    the group (another service of that user: the blackbox exporter) get no connection;
     stopping the unit lets everyone through again."""
     machine.write("/etc/prometheus/prometheus.yml",
                   "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: agent\n"
@@ -358,8 +358,8 @@ def test_the_egress_filter_lets_only_the_monitoring_services_reach_the_agents_po
 
     def status_as(user: str, groups: str | None = None) -> str:
         probe = ("import urllib.request\ntry:\n print(urllib.request.urlopen("
-                 "'http://127.0.0.1:9477/healthz', timeout=10).status)\n"
-                 "except OSError as e:\n print(type(e).__name__)")
+                 "'http://127.0.0.1:9477/healthz', timeout=3).status)\n"
+                 "except OSError:\n print('no connection')")
         group = "nogroup" if user == "nobody" else user
         extra = [f"--groups={groups}"] if groups else ["--clear-groups"]
         return machine.run(["setpriv", f"--reuid={user}", f"--regid={group}", *extra,
@@ -369,7 +369,8 @@ def test_the_egress_filter_lets_only_the_monitoring_services_reach_the_agents_po
         machine.wait_for(scraped, 60, "Prometheus's scrape of the agent", "prometheus.service")
         assert [status_as("nobody"), status_as("prometheus"),
                 status_as("prometheus", "clusterpulse-scrape")] == \
-            ["URLError", "URLError", "200"], machine.journal("clusterpulse-egress.service")
+            ["no connection", "no connection", "200"], \
+            machine.journal("clusterpulse-egress.service")
         machine.run(["systemctl", "stop", "clusterpulse-egress.service"], check=True)
         assert status_as("nobody") == "200"
     finally:
