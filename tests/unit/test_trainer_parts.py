@@ -904,7 +904,7 @@ def test_the_launcher_sits_a_leave_out_and_tells_its_ranks_when_it_cannot(tmp_pa
 
     # the rank side for real: the first attempt leaves for 1.2 s, the relaunch finishes
     child = [sys.executable, "-c", "import os, time\nfrom clusterpulse.trainer.restart import "
-             "request_relaunch\nif os.environ['CLUSTERPULSE_RELAUNCHES'] == '0':\n"
+             "request_relaunch\nif os.environ['CLUSTERPULSE_ATTEMPTS_BEFORE'] == '0':\n"
              "    code = request_relaunch(1.2)\n    print('left', time.monotonic(), flush=True)"
              "\n    raise SystemExit(code)\nprint('back', time.monotonic(), flush=True)\n"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
