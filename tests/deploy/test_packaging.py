@@ -107,7 +107,7 @@ def test_wheel_contains_config_and_license(tmp_path: Path):
     # (a top-level agent/ or trainer/ would clash with users' modules of those names).
     assert {n.split("/")[0] for n in names} == {"clusterpulse", "clusterpulse-0.1.0.dist-info"}
     assert {"clusterpulse/agent/cli.py", "clusterpulse/trainer/instrument.py",
-            "clusterpulse/dashboard/pages/cluster.py", "clusterpulse/detection/scoring.py",
+            "clusterpulse/dashboard/views/cluster.py", "clusterpulse/detection/scoring.py",
             "clusterpulse/integrations/lightning.py", "clusterpulse/integrations/hf.py",
             "clusterpulse/integrations/data.py"} <= names
     meta = zipfile.ZipFile(wheel).read(

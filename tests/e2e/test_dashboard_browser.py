@@ -294,6 +294,44 @@ def test_a_page_opened_while_prometheus_is_down_fills_in_when_it_is_back(env):
         dash.stop()
 
 
+NAVIGATION = ["Cluster", "Node", "Run", "Alerts", "Audit"]  # app.py's st.navigation
+
+
+def _navigation(p: Page) -> list[str]:
+    """The sidebar navigation's page names as drawn (each link's last line: the first
+    is its icon's ligature, e.g. "dns")."""
+    return [text.strip().splitlines()[-1].strip() for text in
+            p.locator('[data-testid="stSidebarNavLink"]').all_inner_texts()]
+
+
+def test_a_fresh_server_whose_first_visitor_follows_a_deep_link_shows_the_app(env):
+    """An alert's link is often the first request a dashboard gets after a restart. A
+    folder named `pages` beside app.py made Streamlit run its legacy multipage mode
+    until someone opened `/`: the deep link got the bare page script, without app.py's
+    navigation (the sidebar listed the files `app, alerts, audit, cluster, node, run`),
+    its page config (the tab read "node") or its readable caption style (60 % opacity,
+    3.8:1), and so did every visitor after it. Two visitors, neither opening `/`."""
+    stack = env["stack"]
+    dash, url = start_dashboard(stack, env["tmp"])  # a new process: no session yet
+    try:
+        for path, shown, caption in (
+                ("/node?node=node-b&gpu=1", "GPU 1 now:", "All GPUs of node-b"),
+                ("/run?run=web&rank=3", "Rank 3, the link's, is highlighted.", None)):
+            p = page(env)
+            goto(p, url + path)
+            shows(p, shown, evidence=lambda: dashboard_log(env))  # the link's GPU or rank
+            assert _navigation(p) == NAVIGATION, (path, _navigation(p))
+            assert p.title() == "ClusterPulse", (path, p.title())
+            if caption is not None:  # app.py's style (ui.READABLE_CSS) applies
+                style = p.get_by_text(caption).first.evaluate(
+                    "e => getComputedStyle(e.closest('[data-testid=stCaptionContainer]'))"
+                    ".opacity")
+                assert style == "1", (path, style)
+            p.context.close()
+    finally:
+        dash.stop()
+
+
 def _table_with(column: str) -> Callable[[Page], Locator]:
     """The first data table that has `column` (its cells are drawn on a canvas;
     Streamlit keeps the column names in a table for screen readers)."""

@@ -109,7 +109,7 @@ def test_cluster_page_says_which_nodes_it_draws(fleet, monkeypatch, tmp_path):
 
 def test_node_page_shows_link_health(fleet, monkeypatch, tmp_path):
     at = app(fleet.url, monkeypatch, tmp_path)
-    at.switch_page("pages/node.py").run()
+    at.switch_page("views/node.py").run()
     at.selectbox(key="node").select(BAD_LINKS).run()
     assert not at.exception, at.exception
     assert "GPU 0: PCIe x8 of x16; 1 NVLink(s) down" in [w.value for w in at.warning]
