@@ -5,6 +5,7 @@ what the URL selects (dashboard/links.py), charts with units, and the operator l
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 
@@ -75,6 +76,41 @@ def audit_chain_status() -> None:
         where = ", ".join(f"line {n} ({why})" for n, why in verdict.breaks[:5])
         st.error(f"Audit hash chain broken at {len(verdict.breaks)} place(s): {where}; "
                  f"{head}{checked}.", icon=":material/gpp_bad:")
+
+
+# The key prefix of a figure of a page's top row (`kpi`): its container's CSS class
+# is `st-key-` + the key, which the browser tests find it by.
+KPI_KEY = "cp-kpi-"
+
+
+def kpi(where, label: str, value: object, delta: str | None = None,
+        help: str | None = None) -> None:
+    """One figure of a page's top row, in `where` (a column): its label, its value as
+    large as st.metric's, a delta as a coloured badge under it, all of them Markdown
+    and a heading. Not st.metric: its code is one of the scripts a browser loads when
+    the first metric appears, and on a first visit the Cluster and Run pages' rows
+    waited 0.4-0.7 s after their data had come for it and for the page's other new
+    element kinds, which React reveals together (docs/benchmarks.md); Markdown and
+    headings are in Streamlit's main script and are drawn as they come. (Markdown with
+    HTML in it is not: its HTML reader is loaded on first use too.) A delta ('+3 % vs
+    15 min') reads green with an up arrow, one that starts with '-' red with a down
+    arrow, as st.metric's did."""
+    key = KPI_KEY + re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
+    with where.container(key=key, gap=None):
+        st.markdown(_markdown_text(label), help=help)
+        st.header(_markdown_text(str(value)), anchor=False)
+        if delta:
+            down = delta.lstrip().startswith("-")
+            colour, arrow = ("red", "arrow_downward") if down else ("green", "arrow_upward")
+            st.markdown(f":{colour}-badge[:material/{arrow}: {_markdown_text(delta)}]")
+
+
+def _markdown_text(text: str) -> str:
+    """`text` as literal Markdown: no emphasis, link, HTML, directive (`:red[...]`) or
+    list of its own (a leading '-' or '+' starts one); digits, dots, slashes and
+    percent signs, all a figure has, are left as they are."""
+    text = "".join("\\" + c if c in "\\`*_[]<>#|~:" else c for c in text)
+    return "\\" + text if text[:1] in ("-", "+") else text
 
 
 def show_status(result: Result, what: str = "Prometheus") -> bool:

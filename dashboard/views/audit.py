@@ -34,6 +34,8 @@ def table() -> None:
     for col, chosen in (("who", who), ("action", action), ("run", run)):
         if chosen:
             frame = frame[frame[col].isin(chosen)]
+    if not frame.empty:  # the answer in words first: the table's code loads after it
+        st.markdown(auditview.newest_line(frame))
     st.caption(f"{len(frame)} action(s), newest first; times in UTC. `records`: the log's "
                "lines of the action (the request and each agent's states); `prev`: the "
                "hash chaining each line to the one before.")

@@ -20,6 +20,7 @@ import requests
 
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.dashboard.auth import hash_password
+from clusterpulse.dashboard.ui import KPI_KEY
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Proc, wait_until
 from tests.support.stack import Stack
@@ -348,7 +349,8 @@ def _chart(p: Page) -> Locator:
 
 
 def _metrics(p: Page) -> Locator:
-    return p.locator('[data-testid="stMetricValue"]').first
+    """The top row's first figure (ui.kpi: its value is a heading in a keyed container)."""
+    return p.locator(f'[class*="st-key-{KPI_KEY}"] [data-testid="stHeading"]').first
 
 
 # Each page as a link opens it -> what it shows first, in order, each with its element:
@@ -364,7 +366,8 @@ FIRST_CONTENT: dict[str, tuple[str, list[tuple[str, Callable[[Page], Locator]]]]
     "Alerts": ("/alerts", [
         ("the count of active alerts", _text("Active (")),
         ("the first table", lambda p: p.locator('[data-testid="stDataFrame"]').first)]),
-    "Audit": ("/audit", [("the actions table", _table_with("who"))]),
+    "Audit": ("/audit", [("the newest action's line", _text("Newest action:")),
+                         ("the actions table", _table_with("who"))]),
 }
 
 

@@ -9,6 +9,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from clusterpulse.agent import protocol
+from tests.support.pages import kpis
 from tests.support.ports import free_port
 from tests.support.procs import REPO, RULE_FILES, Prometheus, start_agent_cli, wait_until
 from tests.support.ranksock import connect
@@ -66,15 +67,11 @@ def app(monkeypatch, prom_url: str, tmp_path) -> AppTest:
     return at
 
 
-def metrics(at: AppTest) -> dict[str, str]:
-    return {m.label: m.value for m in at.metric}
-
-
 def test_cluster_page_shows_the_fleet(prom_with_data, monkeypatch, tmp_path):
     prom, _ = prom_with_data
     at = app(monkeypatch, prom.url, tmp_path)
     assert not at.exception, at.exception
-    m = metrics(at)
+    m = kpis(at)
     assert m["Nodes up"] == "2 / 2" and m["Healthy GPUs"] == "7 / 8"  # node-b GPU 3 lost
     assert m["Running jobs"] == "1"
     (job,) = next(d.value for d in at.dataframe if "state" in d.value.columns).itertuples()
@@ -95,7 +92,7 @@ def test_run_page_flags_the_straggler_with_its_evidence(prom_with_data, monkeypa
     at = app(monkeypatch, prom.url, tmp_path)
     at.switch_page("views/run.py").run()
     assert not at.exception, at.exception
-    assert metrics(at)["Step"] == "42"
+    assert kpis(at)["Step"] == "42"
     table = at.dataframe[0].value
     top = table.iloc[0]
     assert top["rank"] == "3" and top["flag"] == "STRAGGLER" and top["cause"] == "compute"
