@@ -8,6 +8,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import streamlit as st
 
@@ -15,6 +16,9 @@ from clusterpulse.agent.audit import AuditLog, verify
 from clusterpulse.agent.peeruid import account_key, uid_of_peer
 from clusterpulse.dashboard import auth, config, data, links
 from clusterpulse.dashboard.data import Result
+
+if TYPE_CHECKING:
+    from streamlit.delta_generator import DeltaGenerator
 
 # Every time the dashboard shows is UTC, 24-hour: charts and tables agree, and say so.
 TIME_TITLE = "time (UTC)"
@@ -83,18 +87,18 @@ def audit_chain_status() -> None:
 KPI_KEY = "cp-kpi-"
 
 
-def kpi(where, label: str, value: object, delta: str | None = None,
+def kpi(where: DeltaGenerator, label: str, value: object, delta: str | None = None,
         help: str | None = None) -> None:
     """One figure of a page's top row, in `where` (a column): its label, its value as
     large as st.metric's, a delta as a coloured badge under it, all of them Markdown
     and a heading. Not st.metric: its code is one of the scripts a browser loads when
     the first metric appears, and on a first visit the Cluster and Run pages' rows
-    waited 0.4-0.7 s after their data had come for it and for the page's other new
-    element kinds, which React reveals together (docs/benchmarks.md); Markdown and
-    headings are in Streamlit's main script and are drawn as they come. (Markdown with
-    HTML in it is not: its HTML reader is loaded on first use too.) A delta ('+3 % vs
-    15 min') reads green with an up arrow, one that starts with '-' red with a down
-    arrow, as st.metric's did."""
+    waited 0.4-1.0 s after their data had come for it and for the page's other new
+    element kinds, which the browser drew together (docs/benchmarks.md); Markdown and
+    headings are in Streamlit's main script and are drawn as they come. (Not Markdown
+    with HTML or an emoji code such as `:33:` in it: their readers load on first use
+    too; the label and value are escaped.) A delta ('+3 % vs 15 min') reads green with
+    an up arrow, one that starts with '-' red with a down arrow, as st.metric's did."""
     key = KPI_KEY + re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
     with where.container(key=key, gap=None):
         st.markdown(_markdown_text(label), help=help)
