@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -255,6 +256,8 @@ def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: f
     """What `build` needs from Prometheus over [start, end]: the run's nodes, its alert
     episodes and the trainer's resume records. The Run page and the demo's printout
     both read them here, so both show the same incidents."""
+    from clusterpulse.dashboard.promclient import at_once  # the client's own module
+
     def ranged(expr: str) -> list:
         return [(r.labels, r.points) for r in prom.query_range(expr, start, end, step_s)]
 
@@ -262,12 +265,17 @@ def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: f
         rows = ranged(expr)
         return list(rows[0][1]) if rows else []
 
-    nodes = {s.labels.get("node", "") for s in prom.query(
-        f'max by (node) (max_over_time(clusterpulse_trainer_rank_info{{run="{run}"}}'
-        f'[{max(1, int(end - start))}s]))', at=end)}
+    # the six queries are independent: asked at once, they take the slowest, where one
+    # after the other they took the sum (the Run page's timeline, every refresh)
     for_state, firing = alert_queries(step_s)
-    episodes = episodes_from(ranged(for_state), ranged(firing))
-    resumes = resumes_from(*(one(f'max({m}{{run="{run}"}})') for m in RESUME_SERIES.values()))
+    got = at_once({
+        "nodes": partial(prom.query, f'max by (node) (max_over_time(clusterpulse_trainer_'
+                         f'rank_info{{run="{run}"}}[{max(1, int(end - start))}s]))', at=end),
+        "for_state": partial(ranged, for_state), "firing": partial(ranged, firing),
+        **{k: partial(one, f'max({m}{{run="{run}"}})') for k, m in RESUME_SERIES.items()}})
+    nodes = {s.labels.get("node", "") for s in got["nodes"]}
+    episodes = episodes_from(got["for_state"], got["firing"])
+    resumes = resumes_from(*(got[k] for k in RESUME_SERIES))
     return nodes, episodes, resumes
 
 

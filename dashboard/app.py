@@ -8,7 +8,11 @@ import streamlit as st
 
 from clusterpulse.dashboard import ui
 
-PAGES = Path(__file__).parent / "pages"
+# Not `pages/`: Streamlit treats a folder of that name beside the main script as a legacy
+# multipage app until a session runs st.navigation, so a restarted server whose first
+# visitor followed a deep link (an alert's /node?node=...) served the bare page scripts,
+# without this navigation, page config or style, to every visitor until someone opened /.
+PAGES = Path(__file__).parent / "views"
 
 st.set_page_config(page_title="ClusterPulse", page_icon=":material/monitor_heart:",
                    layout="wide")

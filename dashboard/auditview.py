@@ -58,6 +58,33 @@ def actions(records: list[dict]) -> pd.DataFrame:
     return out.iloc[::-1].reset_index(drop=True)
 
 
+def newest_line(frame: pd.DataFrame) -> str:
+    """The newest action of `frame` (as `actions` gives it, filtered or not) in one line
+    of Markdown: what an on-call opens the page for, drawn before the table (on a first
+    visit the browser loads the table's code first, ~1 s). Every value is the log's, so
+    it is escaped: an operator's reason is free text, and a link or image in it must
+    not become one on the page."""
+    if frame.empty:
+        return ""
+    row = frame.iloc[0]
+    run = f" on run {_literal(row['run'])}" if row["run"] else ""
+    nodes = f" ({_literal(row['nodes'])})" if row["nodes"] else ""
+    why = f", because: {_literal(row['why'])}" if row["why"] else ""
+    when = _literal(row["time (UTC)"].strftime("%Y-%m-%d %H:%M:%S"))
+    return (f"**Newest action:** {when} UTC, "
+            f"**{_literal(row['who']) or 'unknown'}** {_literal(row['action'])}{run}: "
+            f"{_literal(row['outcome'])}{nodes}{why}")
+
+
+def _literal(value: object) -> str:
+    """`value` as plain Markdown text on one line: no emphasis, link, image, HTML,
+    directive or emoji code of its own. Escaping the colons also keeps a time's
+    `:33:` from reading as an emoji code, for which the browser loads Streamlit's
+    emoji plugin first and draws the line after the table it was meant to precede."""
+    text = " ".join(str(value).split())
+    return "".join("\\" + c if c in "\\`*_[]()<>#|~:!{}$" else c for c in text)
+
+
 def _detail(r: dict) -> str:
     rest = {k: v for k, v in r.items() if k not in (
         "ts", "who", "action", "why", "outcome", "run", "source", "prev", "on_behalf_of",

@@ -20,6 +20,7 @@ import requests
 
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.dashboard.auth import hash_password
+from clusterpulse.dashboard.ui import KPI_KEY
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Proc, wait_until
 from tests.support.stack import Stack
@@ -294,6 +295,44 @@ def test_a_page_opened_while_prometheus_is_down_fills_in_when_it_is_back(env):
         dash.stop()
 
 
+NAVIGATION = ["Cluster", "Node", "Run", "Alerts", "Audit"]  # app.py's st.navigation
+
+
+def _navigation(p: Page) -> list[str]:
+    """The sidebar navigation's page names as drawn (each link's last line: the first
+    is its icon's ligature, e.g. "dns")."""
+    return [text.strip().splitlines()[-1].strip() for text in
+            p.locator('[data-testid="stSidebarNavLink"]').all_inner_texts()]
+
+
+def test_a_fresh_server_whose_first_visitor_follows_a_deep_link_shows_the_app(env):
+    """An alert's link is often the first request a dashboard gets after a restart. A
+    folder named `pages` beside app.py made Streamlit run its legacy multipage mode
+    until someone opened `/`: the deep link got the bare page script, without app.py's
+    navigation (the sidebar listed the files `app, alerts, audit, cluster, node, run`),
+    its page config (the tab read "node") or its readable caption style (60 % opacity,
+    3.8:1), and so did every visitor after it. Two visitors, neither opening `/`."""
+    stack = env["stack"]
+    dash, url = start_dashboard(stack, env["tmp"])  # a new process: no session yet
+    try:
+        for path, shown, caption in (
+                ("/node?node=node-b&gpu=1", "GPU 1 now:", "All GPUs of node-b"),
+                ("/run?run=web&rank=3", "Rank 3, the link's, is highlighted.", None)):
+            p = page(env)
+            goto(p, url + path)
+            shows(p, shown, evidence=lambda: dashboard_log(env))  # the link's GPU or rank
+            assert _navigation(p) == NAVIGATION, (path, _navigation(p))
+            assert p.title() == "ClusterPulse", (path, p.title())
+            if caption is not None:  # app.py's style (ui.READABLE_CSS) applies
+                style = p.get_by_text(caption).first.evaluate(
+                    "e => getComputedStyle(e.closest('[data-testid=stCaptionContainer]'))"
+                    ".opacity")
+                assert style == "1", (path, style)
+            p.context.close()
+    finally:
+        dash.stop()
+
+
 def _table_with(column: str) -> Callable[[Page], Locator]:
     """The first data table that has `column` (its cells are drawn on a canvas;
     Streamlit keeps the column names in a table for screen readers)."""
@@ -310,7 +349,8 @@ def _chart(p: Page) -> Locator:
 
 
 def _metrics(p: Page) -> Locator:
-    return p.locator('[data-testid="stMetricValue"]').first
+    """The top row's first figure (ui.kpi: its value is a heading in a keyed container)."""
+    return p.locator(f'[class*="st-key-{KPI_KEY}"] [data-testid="stHeading"]').first
 
 
 # Each page as a link opens it -> what it shows first, in order, each with its element:
@@ -326,7 +366,8 @@ FIRST_CONTENT: dict[str, tuple[str, list[tuple[str, Callable[[Page], Locator]]]]
     "Alerts": ("/alerts", [
         ("the count of active alerts", _text("Active (")),
         ("the first table", lambda p: p.locator('[data-testid="stDataFrame"]').first)]),
-    "Audit": ("/audit", [("the actions table", _table_with("who"))]),
+    "Audit": ("/audit", [("the newest action's line", _text("Newest action:")),
+                         ("the actions table", _table_with("who"))]),
 }
 
 

@@ -52,7 +52,7 @@ def audit_page_errors(monkeypatch, path: Path, prom: Prometheus) -> list[str]:
 
     monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(path))
     monkeypatch.setenv("CLUSTERPULSE_PROMETHEUS_URL", prom.url)
-    at = AppTest.from_file(str(REPO / "dashboard" / "pages" / "audit.py"), default_timeout=60)
+    at = AppTest.from_file(str(REPO / "dashboard" / "views" / "audit.py"), default_timeout=60)
     at.run()
     assert not at.exception
     return [e.value for e in at.error]

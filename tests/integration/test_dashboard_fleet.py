@@ -19,6 +19,7 @@ from clusterpulse.agent.links import NicCounters
 from clusterpulse.agent.ranks import RankRegistry
 from clusterpulse.agent.server import make_server
 from clusterpulse.dashboard import data
+from tests.support.pages import kpis
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Prometheus, wait_until
 from tests.support.sysfs import make_sysfs
@@ -99,7 +100,7 @@ def test_cluster_page_says_which_nodes_it_draws(fleet, monkeypatch, tmp_path):
     at = app(fleet.url, monkeypatch, tmp_path)
     at.sidebar.selectbox(key="heat_metric").select("temperature").run()
     assert not at.exception, at.exception
-    got = {m.label: m.value for m in at.metric}
+    got = kpis(at)
     assert got["Nodes up"] == f"{NODES} / {NODES}"
     assert got["Healthy GPUs"] == f"{NODES} / {NODES}"
     assert any(c.value.startswith(f"The {data.HEATMAP_NODES} of {NODES} nodes with the "
@@ -109,7 +110,7 @@ def test_cluster_page_says_which_nodes_it_draws(fleet, monkeypatch, tmp_path):
 
 def test_node_page_shows_link_health(fleet, monkeypatch, tmp_path):
     at = app(fleet.url, monkeypatch, tmp_path)
-    at.switch_page("pages/node.py").run()
+    at.switch_page("views/node.py").run()
     at.selectbox(key="node").select(BAD_LINKS).run()
     assert not at.exception, at.exception
     assert "GPU 0: PCIe x8 of x16; 1 NVLink(s) down" in [w.value for w in at.warning]

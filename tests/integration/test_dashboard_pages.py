@@ -9,6 +9,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from clusterpulse.agent import protocol
+from tests.support.pages import kpis
 from tests.support.ports import free_port
 from tests.support.procs import REPO, RULE_FILES, Prometheus, start_agent_cli, wait_until
 from tests.support.ranksock import connect
@@ -66,15 +67,11 @@ def app(monkeypatch, prom_url: str, tmp_path) -> AppTest:
     return at
 
 
-def metrics(at: AppTest) -> dict[str, str]:
-    return {m.label: m.value for m in at.metric}
-
-
 def test_cluster_page_shows_the_fleet(prom_with_data, monkeypatch, tmp_path):
     prom, _ = prom_with_data
     at = app(monkeypatch, prom.url, tmp_path)
     assert not at.exception, at.exception
-    m = metrics(at)
+    m = kpis(at)
     assert m["Nodes up"] == "2 / 2" and m["Healthy GPUs"] == "7 / 8"  # node-b GPU 3 lost
     assert m["Running jobs"] == "1"
     (job,) = next(d.value for d in at.dataframe if "state" in d.value.columns).itertuples()
@@ -93,9 +90,9 @@ def test_run_page_flags_the_straggler_with_its_evidence(prom_with_data, monkeypa
             'clusterpulse:rank_straggler_cause{run="llm"}'))
     wait_until(cause_recorded, 60, "the straggler's cause recorded")
     at = app(monkeypatch, prom.url, tmp_path)
-    at.switch_page("pages/run.py").run()
+    at.switch_page("views/run.py").run()
     assert not at.exception, at.exception
-    assert metrics(at)["Step"] == "42"
+    assert kpis(at)["Step"] == "42"
     table = at.dataframe[0].value
     top = table.iloc[0]
     assert top["rank"] == "3" and top["flag"] == "STRAGGLER" and top["cause"] == "compute"
@@ -119,7 +116,7 @@ def test_run_page_flags_the_straggler_with_its_evidence(prom_with_data, monkeypa
 def test_node_page_shows_per_gpu_series(prom_with_data, monkeypatch, tmp_path):
     prom, _ = prom_with_data
     at = app(monkeypatch, prom.url, tmp_path)
-    at.switch_page("pages/node.py").run()
+    at.switch_page("views/node.py").run()
     assert not at.exception, at.exception
     assert at.selectbox(key="node").options == ["node-a", "node-b"]
 
@@ -131,7 +128,7 @@ def test_a_link_opens_the_node_page_at_its_gpu_and_the_window_is_kept(
     prom, _ = prom_with_data
     at = app(monkeypatch, prom.url, tmp_path)
     at.query_params.update({"node": "node-b", "gpu": "1", "range": "1h"})
-    at.switch_page("pages/node.py").run()
+    at.switch_page("views/node.py").run()
     assert not at.exception, at.exception
     assert at.selectbox(key="node").value == "node-b"
     assert at.selectbox(key="range_choice").value == "1 h"
@@ -143,7 +140,7 @@ def test_a_link_opens_the_node_page_at_its_gpu_and_the_window_is_kept(
     titled = [json.dumps(x, ensure_ascii=False) for x in specs]
     assert any('"temperature (°C)"' in x and '"rule"' in x and
                '"time (UTC)"' in x for x in titled), titled[:1]
-    at.switch_page("pages/run.py").run()  # a page change keeps the window
+    at.switch_page("views/run.py").run()  # a page change keeps the window
     assert not at.exception, at.exception
     assert at.selectbox(key="range_choice").value == "1 h"
     assert at.query_params["range"] in ("1h", ["1h"])
@@ -171,7 +168,7 @@ def test_a_lost_gpu_is_down_on_the_heatmap_and_the_node_page(prom_with_data, mon
     assert '"DOWN"' in spec and "viridis" in spec
     words = [c.value for c in at.caption if c.value.startswith("Temperature (°C) of 7 GPU")]
     assert words and "1 GPU(s) DOWN: node-b GPU 3 (gpu_is_lost)" in words[0], at.caption
-    at.switch_page("pages/node.py").run()
+    at.switch_page("views/node.py").run()
     at.selectbox(key="node").select("node-b").run()
     assert not at.exception, at.exception
     assert any(e.value.startswith("GPU 3 is DOWN — gpu_is_lost: fell off the bus")
@@ -245,7 +242,7 @@ def test_a_request_clears_the_form_and_its_progress_names_the_step_resumed_from(
     token.write_text("not-the-agents-token\n")
     monkeypatch.setenv("CLUSTERPULSE_AGENT_TOKEN_FILE", str(token))
     at = sign_in(monkeypatch, prom.url, tmp_path)
-    at.switch_page("pages/run.py").run()
+    at.switch_page("views/run.py").run()
     assert not at.exception, at.exception
     at.text_input(key="reason").input("rank 3 is slow")
     at.checkbox(key="confirm").check()

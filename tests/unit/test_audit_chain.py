@@ -188,7 +188,7 @@ def test_the_audit_page_shows_the_head_and_names_breaks(tmp_path, monkeypatch):
     path = tmp_path / "audit.jsonl"
     log = _log(path, 3)
     monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(path))
-    page = str(Path(__file__).resolve().parents[2] / "dashboard" / "pages" / "audit.py")
+    page = str(Path(__file__).resolve().parents[2] / "dashboard" / "views" / "audit.py")
     at = AppTest.from_file(page, default_timeout=60)
     at.run()
     assert not at.exception

@@ -4,6 +4,7 @@ human, alerts grouped by incident with their runbooks, one audit row per action.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -164,3 +165,54 @@ def test_one_audit_row_per_action_names_the_person_and_puts_the_hash_last():
     assert row["nodes"] == "a: completed, b: completed"
     assert frame.columns[-1] == "prev" and "token" not in set(frame["who"])
     assert not any(isinstance(v, float) and math.isnan(v) for v in frame["who"])
+
+
+def test_the_newest_action_is_one_line_of_plain_text_from_the_log():
+    """The Audit page says the newest action in words above its table. Every value is
+    the log's: an operator's reason with a link, an image or HTML in it stays text,
+    and a time's colons are escaped (an emoji code like `:33:` makes the browser load
+    a plugin before drawing the line, which then came with the table)."""
+    frame = auditview.actions([
+        {"ts": 100.0, "who": "alice", "action": "checkpoint-restart", "outcome": "accepted",
+         "why": "see [this](http://evil) ![x](http://evil/i.png) <b>now</b>\nand *more*",
+         "run": "llm", "source": "dashboard", "nodes": {"a": "c1"}, "prev": "0" * 64},
+        {"ts": 3723.0, "who": "bob", "action": "drain-node", "outcome": "acted",
+         "source": "remediation", "prev": "1" * 64}])
+    line = auditview.newest_line(frame)
+    assert line == r"**Newest action:** 1970-01-01 01\:02\:03 UTC, **bob** drain-node: acted"
+    older = auditview.newest_line(frame.iloc[1:])
+    assert older.startswith(r"**Newest action:** 1970-01-01 00\:01\:40 UTC, **alice** "
+                            r"checkpoint-restart on run llm: accepted (a\: accepted)")
+    assert r"because: see \[this\]\(http\://evil\) \!\[x\]\(http\://evil/i.png\) " \
+           r"\<b\>now\</b\> and \*more\*" in older and "\n" not in older
+    assert not re.search(r":(?!material/|streamlit:)[\w+-][\w_+-]*:", line + older)
+    assert auditview.newest_line(frame.iloc[:0]) == ""
+
+
+def _kpi_row() -> None:
+    import streamlit as st
+
+    from clusterpulse.dashboard import ui
+
+    c = st.columns(3)
+    ui.kpi(c[0], "Steps / s", "4.69", "+3 % vs 15 min")
+    ui.kpi(c[1], "Goodput", "91 %", help="time on steps that count / wall time")
+    ui.kpi(c[2], "Steps / s (slow)", "1.20", "-12 % vs 15 min")
+
+
+def test_a_top_row_figure_is_markdown_and_a_heading_with_its_delta_as_a_badge():
+    """ui.kpi draws what st.metric drew (label, value, a green or red delta with its
+    arrow, help) with elements in Streamlit's main script: st.metric's own script made
+    the Cluster and Run pages' rows wait on a first visit."""
+    from streamlit.testing.v1 import AppTest
+
+    from tests.support.pages import kpis
+
+    at = AppTest.from_function(_kpi_row).run()
+    assert not at.exception and not at.metric
+    assert kpis(at) == {"Steps / s": "4.69", "Goodput": "91 %", "Steps / s (slow)": "1.20"}
+    badges = [m.value for m in at.markdown if "-badge[" in m.value]
+    assert badges == [r":green-badge[:material/arrow_upward: \+3 % vs 15 min]",
+                      r":red-badge[:material/arrow_downward: \-12 % vs 15 min]"]
+    assert [m.help for m in at.markdown if m.value == "Goodput"] == [
+        "time on steps that count / wall time"]

@@ -136,7 +136,7 @@ def test_refused_sign_ins_are_audited_once_per_client_per_minute(tmp_path, monke
     monkeypatch.setenv("CLUSTERPULSE_OPERATORS_FILE", str(ops))
     monkeypatch.setattr(auth, "THROTTLE", auth.Throttle(per_client=100))
     monkeypatch.setattr(auth, "REFUSALS", auth.RefusalSummary())
-    at = AppTest.from_file(str(REPO / "dashboard" / "pages" / "audit.py"), default_timeout=60)
+    at = AppTest.from_file(str(REPO / "dashboard" / "views" / "audit.py"), default_timeout=60)
     at.run()
     for _ in range(8):
         at.text_input(key="login_name").input("alice")
@@ -184,7 +184,7 @@ def test_viewers_see_nothing_of_refused_sign_ins(tmp_path, monkeypatch):
         {"ts": 3.0, "who": "token", "action": "restart", "why": "hung", "outcome": "delivered"},
     ]) + "\n")
     monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(log))
-    at = AppTest.from_file(str(REPO / "dashboard" / "pages" / "audit.py"), default_timeout=60)
+    at = AppTest.from_file(str(REPO / "dashboard" / "views" / "audit.py"), default_timeout=60)
     at.run()
     assert not at.exception
     shown = at.dataframe[0].value

@@ -155,7 +155,7 @@ def audit_page(tmp_path: Path, monkeypatch, operators: Path):
     monkeypatch.setattr(auth, "THROTTLE", auth.Throttle(per_client=100))
     monkeypatch.setattr(auth, "REFUSALS", auth.RefusalSummary())
     monkeypatch.setattr(auth, "REPORTED", auth.ProblemReport())
-    at = AppTest.from_file(str(REPO / "dashboard" / "pages" / "audit.py"), default_timeout=60)
+    at = AppTest.from_file(str(REPO / "dashboard" / "views" / "audit.py"), default_timeout=60)
     at.run()
     assert not at.exception, at.exception
     return at

@@ -8,7 +8,10 @@ from clusterpulse.dashboard import auditview, ui
 
 st.title("Audit")
 operator = ui.operator()
-ui.audit_chain_status()
+# The chain's verdict goes here, above the table, but is worked out after it: it reads
+# the whole file and asks Prometheus for a week of published heads, and the table,
+# which needs neither, waited for both.
+chain = st.container()
 HIDDEN_FROM_VIEWERS = ("sign-in", "authenticate", "webhook")
 
 
@@ -31,6 +34,8 @@ def table() -> None:
     for col, chosen in (("who", who), ("action", action), ("run", run)):
         if chosen:
             frame = frame[frame[col].isin(chosen)]
+    if not frame.empty:  # the answer in words first: the table's code loads after it
+        st.markdown(auditview.newest_line(frame))
     st.caption(f"{len(frame)} action(s), newest first; times in UTC. `records`: the log's "
                "lines of the action (the request and each agent's states); `prev`: the "
                "hash chaining each line to the one before.")
@@ -39,3 +44,5 @@ def table() -> None:
 
 
 table()
+with chain:
+    ui.audit_chain_status()

@@ -44,14 +44,14 @@ def live() -> None:
     ckpt_step = max(per["checkpoint step"].values(), default=None)
     ckpt_time = max(per["checkpoint time"].values(), default=None)
     c = st.columns(6)
-    c[0].metric("Step", f"{step:.0f}")
-    c[1].metric("Steps / s", f"{d['step_rate']:.2f}",
-                rate_against_usual(d["step_rate"], d["step_rate_usual"]))
-    c[2].metric("Loss", f"{per['loss'].get('0', float('nan')):.3f}")
-    c[3].metric("Restarts", f"{max(per['restarts'].values(), default=0):.0f}")
-    c[4].metric("Goodput", f"{per['goodput'].get('0', 0) * 100:.0f} %",
-                help="time spent on steps that count / wall time since the run began")
-    c[5].metric("Last checkpoint", "none" if ckpt_step is None else f"step {ckpt_step:.0f}")
+    ui.kpi(c[0], "Step", f"{step:.0f}")
+    ui.kpi(c[1], "Steps / s", f"{d['step_rate']:.2f}",
+           rate_against_usual(d["step_rate"], d["step_rate_usual"]))
+    ui.kpi(c[2], "Loss", f"{per['loss'].get('0', float('nan')):.3f}")
+    ui.kpi(c[3], "Restarts", f"{max(per['restarts'].values(), default=0):.0f}")
+    ui.kpi(c[4], "Goodput", f"{per['goodput'].get('0', 0) * 100:.0f} %",
+           help="time spent on steps that count / wall time since the run began")
+    ui.kpi(c[5], "Last checkpoint", "none" if ckpt_step is None else f"step {ckpt_step:.0f}")
     if ckpt_time is not None:
         c[5].caption(f"saved {time.time() - ckpt_time:.0f} s ago")
     incident = hang_incident(d)

@@ -28,12 +28,12 @@ def live() -> None:
     n_up = int(nodes["up"].sum()) if not nodes.empty else 0
     active = [a for a in d["alerts"] if a.state == "active"]
     c = st.columns(5)
-    c[0].metric("Nodes up", f"{n_up} / {len(nodes)}")
-    c[1].metric("Healthy GPUs", f"{d['gpus_up']} / {d['gpus_total']}")
-    c[2].metric("Critical alerts", sum(a.severity == "critical" for a in active))
-    c[3].metric("Warnings", sum(a.severity == "warning" for a in active))
+    ui.kpi(c[0], "Nodes up", f"{n_up} / {len(nodes)}")
+    ui.kpi(c[1], "Healthy GPUs", f"{d['gpus_up']} / {d['gpus_total']}")
+    ui.kpi(c[2], "Critical alerts", sum(a.severity == "critical" for a in active))
+    ui.kpi(c[3], "Warnings", sum(a.severity == "warning" for a in active))
     runs = d["runs"]
-    c[4].metric("Running jobs", len(runs))
+    ui.kpi(c[4], "Running jobs", len(runs))
     if active:  # several alerts of one fault are one thing to look at
         groups = alert_groups(active, time.time())
         st.caption(f"{len(active)} active alert(s) from {len(groups)} incident(s): "
