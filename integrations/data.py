@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -217,8 +218,9 @@ class ResumableDataLoader(DataLoader):
         sampler's generator where this epoch's permutation was drawn (between epochs:
         where the next one will be; a restored complete epoch draws its permutation
         again, indices only, to be there)."""
-        if isinstance(self.dataset, IterableDataset):
-            return {}  # not positioned: the dataset's own state must say where it is
+        if isinstance(self.dataset, IterableDataset):  # no indices: the dataset's own
+            own = getattr(self.dataset, "state_dict", None)  # state, if it keeps one
+            return {"dataset": own()} if callable(own) else {}
         complete = self._yielded > 0 and self._left <= 0
         state: dict[str, Any] = {"batches": self._yielded, "samples": self._consumed,
                                  "complete": complete}
@@ -234,6 +236,15 @@ class ResumableDataLoader(DataLoader):
         """Position the next iteration at `state` (from `state_dict`, on this or
         another number of ranks), if it is of the epoch the state was taken in. A
         state without samples (an older one) positions by batches."""
+        if isinstance(self.dataset, IterableDataset):
+            load = getattr(self.dataset, "load_state_dict", None)
+            if "dataset" in state and callable(load):
+                load(state["dataset"])
+            else:  # resumed, and it cannot say where: its epoch starts again (replayed)
+                warnings.warn("ResumableDataLoader: an iterable dataset without "
+                              "state_dict/load_state_dict is not positioned: the resumed "
+                              "epoch reads it from its beginning again", stacklevel=2)
+            return
         pending = {k: state[k] for k in ("batches", "samples", "epoch", "complete")
                    if k in state}
         if "rng" in state and self._generator() is not None:

@@ -3,7 +3,7 @@ lookup (`resume_from`: the one `ckpt_path="last"` makes).
 
     from clusterpulse.integrations.data import ResumableDataLoader
     from clusterpulse.integrations.lightning import ClusterPulseCallback
-    from clusterpulse.trainer.parallel import init_distributed, local_attempt
+    from clusterpulse.trainer.parallel import agreed_attempt, init_distributed
 
     info = init_distributed()                # restart-safe process group, before Lightning
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # devices * num_nodes = world
@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_leaves
 
 from clusterpulse.integrations.steps import OpenStep
 from clusterpulse.trainer.instrument import Pulse
-from clusterpulse.trainer.parallel import init_distributed, local_attempt
+from clusterpulse.trainer.parallel import agreed_attempt, init_distributed
 
 
 def batch_size(batch: Any) -> int:
@@ -65,6 +65,21 @@ def batch_size(batch: Any) -> int:
 def loss_of(outputs: Any) -> Any:
     """training_step's loss: the tensor itself, or a dict's "loss" (Lightning's forms)."""
     return outputs.get("loss") if isinstance(outputs, dict) else outputs
+
+
+def _ends_a_stretch(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether Lightning does more after this batch than train the next one: the
+    epoch's last batch, or one that validation follows. No agreement and no save there
+    (the same on every rank; the next step has them). Lightning 2.6 restores a
+    checkpoint saved at an epoch's last batch as the epoch complete, and every later
+    checkpoint of the resumed run says its epoch is complete too: resumed from one, it
+    trained the epoch again; resumed from one saved before a validation, it skipped
+    that validation (two reviews; without ClusterPulse too)."""
+    last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch  # iterable loaders too
+    every = trainer.val_check_batch
+    validates = trainer.enable_validation and isinstance(every, int) and every > 0 \
+        and (batch_idx + 1) % every == 0
+    return bool(last) or batch_idx + 1 >= trainer.num_training_batches or validates
 
 
 class ClusterPulseCallback(pl.Callback):
@@ -98,7 +113,7 @@ class ClusterPulseCallback(pl.Callback):
         is torn (a crash mid-write), passed over.
         """
         candidates = [self.checkpoint]
-        restarted = local_attempt() > 0
+        restarted = agreed_attempt() > 0  # the job's, not this node's (a spare's is 0)
         for cb in trainer.callbacks if trainer is not None else []:
             if isinstance(cb, ModelCheckpoint):  # the folder as Lightning resolves it
                 candidates += map(Path, cb._find_last_checkpoints(trainer))
@@ -162,12 +177,8 @@ class ClusterPulseCallback(pl.Callback):
             return
         self._step.end(self._step_loss(pl_module))
         pulse = self._pulse()
-        if batch_idx + 1 < trainer.num_training_batches:
+        if not _ends_a_stretch(trainer, batch_idx):
             pulse.boundary(trainer.global_step, save=lambda step: self._save(trainer, step))
-        # else an epoch's last batch: no agreement, no save there (the same on every
-        # rank). Lightning 2.6 restores a checkpoint saved there as the epoch complete,
-        # and every later checkpoint of the resumed run says its epoch is complete too:
-        # resumed from one, it trained the epoch again (a review; without ClusterPulse too)
         pulse.awaiting_input()
 
     # -- helpers --------------------------------------------------------------------------

@@ -41,7 +41,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from clusterpulse.trainer.restart import RELAUNCH_FILE_ENV, relaunch_count_path
+from clusterpulse.trainer.restart import (
+    RELAUNCH_FILE_ENV,
+    relaunch_count_path,
+    write_atomically,
+)
 from clusterpulse.trainer.torch_support import UnsupportedTorch, fsdp_on_cpu
 
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -153,7 +157,6 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device, backend = _device_and_backend(local_rank)
-    proposal = local_attempt() if attempt is None else attempt
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         kwargs: dict = {"timeout": timeout, "device_id": device if backend == "nccl" else None}
@@ -163,12 +166,59 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
         elif world == 1 and "MASTER_ADDR" not in os.environ:  # plain `python script.py`
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend, **kwargs)  # env:// : this round's own store
+    done = _agreed() if attempt is None else None
+    if done is not None:  # this process agreed already (a framework's setup asks again)
+        return DistInfo(rank, world, local_rank, device, backend, *done)
+    proposal = attempt
+    if proposal is None:  # past every attempt this node has seen agreed
+        proposal = max(local_attempt(), last_agreed_attempt() + 1)
     agreed, membership = proposal, restarted_for_membership()
     if world > 1:  # the highest proposal, and whether any node rejoined
         box = torch.tensor([proposal, int(membership)], dtype=torch.int64, device=device)
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         agreed, membership = (int(v) for v in box.tolist())  # once per start, not per step
+    if attempt is None:
+        _AGREED[os.getpid()] = (dist.group.WORLD, agreed, bool(membership))
+        record_agreed_attempt(agreed)
     return DistInfo(rank, world, local_rank, device, backend, agreed, bool(membership))
+
+
+# pid -> (its process group, agreed attempt, membership change): one agreement per
+# process and group, however often init_distributed is called (a second call read
+# back its own round file: "membership")
+_AGREED: dict[int, tuple[object, int, bool]] = {}
+
+
+def _agreed() -> tuple[int, bool] | None:
+    done = _AGREED.get(os.getpid())
+    if done is None or not dist.is_initialized() or done[0] is not dist.group.WORLD:
+        return None
+    return done[1], done[2]
+
+
+def agreed_attempt() -> int:
+    """This process's agreed attempt (init_distributed), else its node's own count."""
+    done = _agreed()
+    return done[0] if done is not None else local_attempt()
+
+
+def last_agreed_attempt() -> int:
+    """The last attempt this node's ranks agreed on under this launcher (-1: none).
+    torchrun counts a restart only on the node whose workers failed, and a node that
+    rejoins counts none: the highest node count repeated a number when failures
+    alternated between nodes (a review: 0, 1, 1, 2, 2). A new round proposes past it."""
+    relaunch_file = os.environ.get(RELAUNCH_FILE_ENV)
+    if relaunch_file:
+        with contextlib.suppress(OSError, ValueError):
+            return int(Path(f"{relaunch_file}.agreed").read_text())
+    return -1
+
+
+def record_agreed_attempt(agreed: int) -> None:
+    relaunch_file = os.environ.get(RELAUNCH_FILE_ENV)
+    if relaunch_file:
+        with contextlib.suppress(OSError):  # accounting only: never a reason not to train
+            write_atomically(Path(f"{relaunch_file}.agreed"), str(agreed))
 
 
 _HELD_UNTIL_EXIT: list[dist.ProcessGroup] = []

@@ -180,7 +180,7 @@ class _Batches(torch.utils.data.Dataset):
         return torch.full((2,), float(i))
 
 
-def test_lightning_never_agrees_or_saves_at_an_epochs_last_batch(
+def test_lightning_never_agrees_or_saves_at_an_epochs_last_batch_or_before_validation(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Lightning 2.6 restores a checkpoint saved at an epoch's last batch as the epoch
     complete, and every later checkpoint of the resumed run says so too: resumed from
@@ -198,6 +198,9 @@ def test_lightning_never_agrees_or_saves_at_an_epochs_last_batch(
         def training_step(self, batch, batch_idx):
             return self.net(batch).sum()
 
+        def validation_step(self, batch, batch_idx):
+            return None
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
@@ -205,12 +208,15 @@ def test_lightning_never_agrees_or_saves_at_an_epochs_last_batch(
     monkeypatch.setattr(Pulse, "boundary", lambda self, step, save=None: steps.append(step))
     pulse = ClusterPulseCallback(run="r", checkpoint=tmp_path / "graceful.ckpt", agent=None)
     trainer = pl.Trainer(callbacks=[pulse], logger=False, enable_checkpointing=False,
-                         accelerator="cpu", devices=1, max_epochs=2,
+                         accelerator="cpu", devices=1, max_epochs=2, val_check_interval=4,
+                         limit_val_batches=1, num_sanity_val_steps=0,
                          enable_progress_bar=False, enable_model_summary=False)
     try:
-        trainer.fit(Tiny(), torch.utils.data.DataLoader(_Batches(), batch_size=2))
+        loader = torch.utils.data.DataLoader(_Batches(), batch_size=2)
+        trainer.fit(Tiny(), loader, torch.utils.data.DataLoader(_Batches(), batch_size=2))
     finally:  # the callback's world of one: not left to the next test
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     assert trainer.global_step == 12
-    assert steps == [1, 2, 3, 4, 5, 7, 8, 9, 10, 11]  # not 6 or 12: each epoch's last
+    # not 4 or 10 (validation follows), 6 or 12 (each epoch's last)
+    assert steps == [1, 2, 3, 5, 7, 8, 9, 11], steps

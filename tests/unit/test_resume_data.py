@@ -268,5 +268,28 @@ def test_an_iterable_dataset_iterates_as_with_a_plain_dataloader_unpositioned():
     loader = ResumableDataLoader(Stream(), batch_size=4)
     assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert loader.state_dict() == {}
-    loader.load_state_dict({})
+    with pytest.warns(UserWarning, match="not positioned"):  # resumed: it replays (a
+        loader.load_state_dict({})  # second review: silently, Lightning's warning gone)
     assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+    class Positioned(torch.utils.data.IterableDataset):  # one that keeps its place
+        def __init__(self) -> None:
+            self.at = 0
+
+        def __iter__(self):
+            while self.at < 10:
+                self.at += 1
+                yield self.at - 1
+
+        def state_dict(self) -> dict:
+            return {"at": self.at}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.at = state["at"]
+
+    first = ResumableDataLoader(Positioned(), batch_size=4)
+    next(iter(first))
+    state = first.state_dict()
+    resumed = ResumableDataLoader(Positioned(), batch_size=4)
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == [[4, 5, 6, 7], [8, 9]]

@@ -206,6 +206,8 @@ from clusterpulse.trainer.parallel import init_distributed
 rank = int(os.environ["RANK"])
 info = init_distributed(attempt={0: 0, 1: 3}[rank])  # a spare as rank 0: it saw none
 print(f"rank={rank} attempt={info.attempt}", flush=True)
+import torch.distributed as dist
+dist.destroy_process_group()  # gloo torn down at exit may abort the process
 """
 
 
@@ -222,3 +224,33 @@ def test_every_rank_takes_the_highest_attempt_proposed(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(re.findall(r"rank=\d attempt=\d+", out.stdout)) == \
         ["rank=0 attempt=3", "rank=1 attempt=3"], out.stdout
+
+
+ROUNDS = """
+import os
+from clusterpulse.trainer.parallel import init_distributed
+first, again = init_distributed(), init_distributed()  # a framework's setup asks again
+assert (again.attempt, again.membership_change) == (first.attempt, first.membership_change)
+print(f"rank={os.environ['RANK']} attempt={first.attempt}", flush=True)
+import torch.distributed as dist
+dist.destroy_process_group()  # gloo torn down at exit may abort the process
+"""
+
+
+def test_a_round_no_node_counted_still_gets_a_new_attempt_number(tmp_path):
+    """torchrun counts a restart only on the node whose workers failed, and a node
+    that rejoins counts none: the highest node count repeated a number when failures
+    alternated between nodes (a review: 0, 1, 1, 2, 2), so the agent never saw those
+    ranks resume. Each round proposes past the last attempt its node saw agreed."""
+    script = tmp_path / "rounds.py"
+    script.write_text(ROUNDS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", RELAUNCH_FILE_ENV: str(tmp_path / "relaunch")}
+    seen = []
+    for _ in range(2):  # two rounds, no counter moved (TORCHELASTIC_RESTART_COUNT 0)
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node=2", str(script)], capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        seen.append(sorted(re.findall(r"rank=\d attempt=\d+", out.stdout)))
+    assert seen == [["rank=0 attempt=0", "rank=1 attempt=0"],
+                    ["rank=0 attempt=1", "rank=1 attempt=1"]], seen
