@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from tests.support.ports import free_port
@@ -93,7 +94,15 @@ class Store:
         self.name, self.url, self.proc = name, url, proc
 
     def query(self, expr: str, timeout: float = 300) -> list[dict]:
-        r = _http().get(self.url + "/api/v1/query", params={"query": expr}, timeout=timeout)
+        """An instant query; asked again (up to 3 times) when the store answers 503, as
+        VictoriaMetrics does when a query waited past -search.maxQueueDuration (10 s)
+        on a busy machine."""
+        for attempt in range(3):
+            r = _http().get(self.url + "/api/v1/query", params={"query": expr},
+                            timeout=timeout)
+            if r.status_code != 503 or attempt == 2:
+                break
+            time.sleep(2)
         r.raise_for_status()
         return r.json()["data"]["result"]
 
