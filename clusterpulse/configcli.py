@@ -46,6 +46,17 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("systemd", "systemd/clusterpulse-egress.default", "egress filter settings"),
     ("systemd", "systemd/prometheus-clusterpulse-scrape.conf",
      "prometheus.service drop-in: the group the egress filter lets through"),
+    # Past one machine (docs/scaling.md): vmagent scrape shards, vmalert, VictoriaMetrics.
+    ("victoriametrics", "victoriametrics/vmagent.yml",
+     "scrape config for the vmagent shards (hashmod of each agent's address)"),
+    ("victoriametrics", "victoriametrics/clusterpulse-vmagent@.service",
+     "scrape shard unit (instance = shard number)"),
+    ("victoriametrics", "victoriametrics/clusterpulse-vmagent.default",
+     "scrape shard flags and the shard count"),
+    ("victoriametrics", "victoriametrics/clusterpulse-vmalert.service", "vmalert unit: the rules"),
+    ("victoriametrics", "victoriametrics/clusterpulse-vmalert.default", "vmalert flags"),
+    ("victoriametrics", "victoriametrics/victoria-metrics.default",
+     "/etc/default/victoria-metrics: flags for Debian's victoria-metrics unit"),
 )
 GROUPS = sorted({g for g, _, _ in FILES})
 

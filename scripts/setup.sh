@@ -24,8 +24,12 @@ command -v systemd-analyze >/dev/null || missing+=(systemd)
 # The image tests build with buildah from a debootstrap base (no registry needed).
 command -v buildah >/dev/null || missing+=(buildah)
 command -v debootstrap >/dev/null || missing+=(debootstrap)
-# The 16,384-GPU benchmark (make bench-fleet) also runs the dashboard on VictoriaMetrics.
-command -v victoria-metrics >/dev/null || missing+=(victoria-metrics)
+# VictoriaMetrics, vmagent and vmalert (one Debian package, victoria-metrics): the path
+# past one machine (deploy/victoriametrics/), its test (sharded vmagent scrapes, rules
+# on vmalert) and the fleet benchmark (make bench-fleet).
+for vm in victoria-metrics vmagent vmalert; do
+  command -v "$vm" >/dev/null || { missing+=(victoria-metrics); break; }
+done
 # The multi-node testbed's network namespaces, veths, bridge and tbf (deploy/testbed/).
 command -v ip >/dev/null && command -v tc >/dev/null || missing+=(iproute2)
 # The Prometheus host's egress filter (deploy/systemd/clusterpulse-egress, its test).

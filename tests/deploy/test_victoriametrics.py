@@ -1,0 +1,97 @@
+"""deploy/victoriametrics, the path past one machine: every shipped flag is one the
+installed binaries accept, the scrape config loads on every shard, vmalert loads the
+shipped rules, the units verify and rate <= 4.0 in `systemd-analyze security`.
+What the processes do together is tests/integration/test_sharded_scrape.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import RULE_FILES
+from tests.support.victoria import (
+    DEPLOY,
+    KEEP_FIRING_FOR_SINCE,
+    VMAGENT_CONFIG,
+    binary,
+    default_value,
+    rule_files_for_vmalert,
+    shipped_flags,
+    version,
+)
+
+ANALYZE = shutil.which("systemd-analyze")
+UNITS = sorted(DEPLOY.glob("*.service"))
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def test_every_shard_loads_the_scrape_config_with_the_shipped_flags(tmp_path: Path):
+    shards = int(default_value("clusterpulse-vmagent.default", "CLUSTERPULSE_SHARDS"))
+    assert shards >= 2
+    for shard in range(shards):
+        env = {"CLUSTERPULSE_SHARDS": str(shards), "CLUSTERPULSE_SHARD": str(shard)}
+        flags = shipped_flags("clusterpulse-vmagent.default",
+                              **{"promscrape.config": str(VMAGENT_CONFIG)})
+        r = _run([binary("vmagent"), *flags, "-promscrape.config.dryRun"], env)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_scrape_config_shards_every_job_by_address():
+    """Each job keeps only its shard's targets, hashed from the address alone (one agent
+    per address: a node's series never split across shards)."""
+    text = VMAGENT_CONFIG.read_text()
+    jobs = re.findall(r"^  - job_name: (\S+)", text, re.M)
+    assert jobs == ["clusterpulse", "remediation"]
+    assert text.count("source_labels: [__address__]") == len(jobs)
+    assert text.count("modulus: %{CLUSTERPULSE_SHARDS}") == len(jobs)
+    assert text.count("regex: '%{CLUSTERPULSE_SHARD}'") == len(jobs)
+    assert "scrape_interval: 5s" in text  # the recommended interval (docs/scaling.md)
+
+
+def test_vmalert_loads_the_shipped_rules_with_the_shipped_flags(tmp_path: Path):
+    rules = rule_files_for_vmalert(tmp_path)
+    flags = shipped_flags("clusterpulse-vmalert.default", rule=None)
+    r = _run([binary("vmalert"), *flags, *[f"-rule={p}" for p in rules], "-dryRun"])
+    assert r.returncode == 0 and "fatal" not in r.stdout + r.stderr, r.stdout + r.stderr
+    if version("vmalert") < KEEP_FIRING_FOR_SINCE:
+        # What the older vmalert refuses is keep_firing_for, and nothing else.
+        stripped = "".join(p.read_text() for p in rules)
+        shipped = "".join(p.read_text() for p in RULE_FILES)
+        assert "keep_firing_for" not in stripped and "keep_firing_for" in shipped
+        assert len(shipped.splitlines()) - len(stripped.splitlines()) == \
+            shipped.count("keep_firing_for:")
+
+
+def test_victoria_metrics_accepts_the_shipped_flags(tmp_path: Path):
+    # -version exits after the flags are parsed: an unknown flag or value fails first.
+    flags = shipped_flags("victoria-metrics.default", storageDataPath=str(tmp_path / "vm"))
+    r = _run([binary("victoria-metrics"), *flags, "-version"])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(ANALYZE is None,
+                    reason="systemd-analyze is missing (scripts/setup.sh installs systemd)")
+def test_units_verify_and_rate_at_most_4(tmp_path: Path):
+    assert [u.name for u in UNITS] == ["clusterpulse-vmagent@.service",
+                                       "clusterpulse-vmalert.service"]
+    for unit in UNITS:  # a template is verified as one of its instances
+        (tmp_path / unit.name.replace("@.", "@0.")).write_text(unit.read_text())
+    units = sorted(map(str, tmp_path.glob("*.service")))
+    out = subprocess.run([ANALYZE, "verify", "--man=no", "--generators=no", *units],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), \
+        out.stdout + out.stderr
+    for unit in units:
+        out = subprocess.run([ANALYZE, "security", "--offline=yes", "--threshold=40", unit],
+                             capture_output=True, text=True, timeout=120)
+        level = re.search(r"Overall exposure level for \S+: (\d+\.\d)", out.stdout)
+        assert level and float(level.group(1)) <= 4.0 and out.returncode == 0, out.stdout
