@@ -39,8 +39,8 @@ pytestmark = pytest.mark.integration
 FLEET_NODES, FLEET_GPUS, RUN_NODES, AGENT_GPUS = 12, 2, 4, 2
 VICTIM = "victim"
 GPUS = FLEET_NODES * FLEET_GPUS + AGENT_GPUS
-# With 14 targets (13 agents and the remediation receiver's) both shards get some
-# unless all 14 hash alike: a chance of 2 in 2^14 for a given set of ports.
+# As shipped (2): each shard gets some of the 13 agents unless all 13 addresses hash
+# alike, a chance of 2 in 2^13 for the ports a run draws.
 SHARDS = int(default_value("clusterpulse-vmagent.default", "CLUSTERPULSE_SHARDS"))
 
 
