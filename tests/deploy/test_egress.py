@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,10 +201,14 @@ def test_bad_settings_are_named_in_one_line_and_nothing_is_changed(prometheus_ho
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr
         assert out.stderr.count("\n") == 1, out.stderr  # one line
     # `check` from an unprivileged monitoring job: it cannot read the rules, and says so
-    out = subprocess.run(["ip", "netns", "exec", ns, "setpriv", "--reuid=nobody",
-                          "--regid=nogroup", "--clear-groups", str(EGRESS), "check"],
-                         env={**os.environ, "ALLOW_GROUP": GROUP}, capture_output=True,
-                         text=True, timeout=60)
+    with tempfile.TemporaryDirectory() as readable:  # where nobody may read the script
+        script = Path(readable) / "clusterpulse-egress"  # (a checkout under /root is not)
+        shutil.copy(EGRESS, script)
+        Path(readable).chmod(0o755)
+        out = subprocess.run(["ip", "netns", "exec", ns, "setpriv", "--reuid=nobody",
+                              "--regid=nogroup", "--clear-groups", str(script), "check"],
+                             env={**os.environ, "ALLOW_GROUP": GROUP}, capture_output=True,
+                             text=True, timeout=60)
     assert out.returncode == 2 and "needs root" in out.stderr, out.stderr
     assert "CLUSTERPULSE" not in _raw_rules(ns)
 
