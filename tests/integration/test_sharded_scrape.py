@@ -156,7 +156,9 @@ def test_vmalert_records_and_a_dead_node_pages_through_it(stack):
 FLAPS = "clusterpulse_nic_carrier_changes_total"
 
 
-@pytest.mark.xfail(strict=True, reason=(
+# Not strict: whether VictoriaMetrics 1.79 answers with the first sample as growth
+# varied between runs of this test here (it paged in some, not in others).
+@pytest.mark.xfail(strict=False, reason=(
     "MetricsQL's increase() counts a series' first sample as its increase when nothing "
     "comes before the window (Prometheus extrapolates between samples in the window): "
     "on VictoriaMetrics 1.79 a new node (or one back after 10 min) whose NIC counters "
