@@ -16,7 +16,8 @@ ranks as were targeted are back on this node as new processes with a higher rest
 count that have each completed a step, whatever numbers the new rendezvous gave them;
 joining the process group or loading the checkpoint is not resuming); or escalated
 (then completed or failed); or failed (a leave whose ranks left and none came back
-fails at its deadline without escalating: nothing is left to signal).
+fails at its deadline without escalating: nothing is left to signal; so does a
+command whose ranks all finished cleanly before they acknowledged it).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from clusterpulse.agent import identity, protocol
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.identity import Sender
 from clusterpulse.agent.protocol import EXITED
-from clusterpulse.agent.ranks import RankRegistry
+from clusterpulse.agent.ranks import RankRegistry, RankState
 
 KILL_GRACE_S = 5.0
 MAX_COMMANDS = 256
@@ -278,6 +279,14 @@ class CommandBook:
                 else:
                     self._finish(cmd, "completed", "all ranks resumed")
                 continue
+            if cmd.state == "pending" and _all_finished(ranks, cmd):
+                # The run ended cleanly before its ranks reached the agreement: nothing
+                # is left to restart, and escalating at the deadline would audit a hard
+                # restart of a job that had already finished.
+                self._finish(cmd, "failed", f"run {cmd.run} finished (or was preempted) on node "
+                             f"{self._node} before its ranks reached a step boundary: "
+                             "nothing to restart")
+                continue
             if cmd.kill_at is not None and now >= cmd.kill_at:
                 self._kill_survivors(cmd)
             if now >= cmd.deadline:
@@ -298,6 +307,15 @@ class CommandBook:
                     cmd.deadline = now + max(60.0, cmd.deadline - cmd.created)
                 else:
                     self._finish(cmd, "failed", "ranks did not resume before the deadline")
+
+
+def _all_finished(ranks: list[RankState], cmd: Command) -> bool:
+    """True when every process the command targeted said it finished (or was
+    preempted) and left: the kernel-verified owners only, so another user's exit
+    event for the run's rank numbers never closes someone else's command."""
+    owned = [r for r in ranks if r.run == cmd.run and r.sender.verified
+             and cmd.owners.get(r.rank) == r.sender]
+    return len(owned) == len(cmd.owners) > 0 and all(r.phase == EXITED for r in owned)
 
 
 def _replaced(owner: Sender | None, current: Sender | None) -> bool:

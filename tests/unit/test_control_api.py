@@ -514,3 +514,22 @@ def test_a_rank_leaves_for_a_leave_or_refuses_it_before_anything_restarts(
             assert "nothing was restarted" in status["detail"]
     finally:
         pulse.close()
+
+
+def test_a_graceful_restart_of_a_run_that_finishes_first_is_not_escalated(sim_agent):
+    """Closing-note finding: a checkpoint-restart posted a few steps before the job's
+    end waited for its deadline and was then audited as "escalated" (a hard restart)
+    although the ranks had finished cleanly and nothing was left to act on."""
+    s = connect(sim_agent.socket_path)
+    _rank(s, step=1, restarts=0)
+    cid = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart",
+                                                 "reason": "straggler"}).json()["id"]
+    exchange(s, type="event", event="exit", run="r1", rank=0, outcome="finished")
+    sim_agent.agent.collect_once()
+    status = sim_agent.get(f"/v1/commands/{cid}").json()
+    assert status["state"] == "failed", status
+    assert "finished" in status["detail"], status
+    audit = _audit(sim_agent)
+    assert [a.get("outcome") for a in audit if a.get("command") == cid][-1] == "failed", audit
+    assert not any(a.get("outcome") == "escalated" for a in audit), audit
+    s.close()
