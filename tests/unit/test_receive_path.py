@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -32,10 +34,13 @@ from tests.support.ranksock import NEIGHBOURS, SYSTEM_PYTHON, connect
 ROOT = os.geteuid() == 0
 
 
-def wait_for(cond, what: str, timeout: float = 30.0) -> None:
+def wait_for(cond, what: str | Callable[[], str], timeout: float = 30.0) -> None:
+    """`what` names the wait in a time-out; a callable is asked then (a count as it
+    was at the time-out, not as it was when the wait began)."""
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, \
+            f"timed out waiting for {what() if callable(what) else what}"
         time.sleep(0.02)
 
 
@@ -280,32 +285,53 @@ def test_a_user_with_many_subordinate_uids_is_one_user(sim_agent, tmp_path):
     subuid.write_text("nobody:200000:65536\n")
     assert sim_agent.agent.receiver is not None
     sim_agent.agent.receiver._subids = SubordinateIds(str(subuid))
+    # Each child connects, then waits for the others, then keeps its queues full,
+    # asleep while they are: 40 children that sent in a busy loop, each for 6 s from
+    # its own start, starved a 2-core machine, the first had left (their connections
+    # closed) before the last had forked, and the 80 were never open at once (a
+    # time-out at 57 of 80); the agent lost nothing.
+    go_r, go_w = os.pipe()
+    parent = os.getpid()
     children = []
     for i in range(40):  # 40 uids of one user, 2 connections each, flooding
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             try:
+                os.close(go_w)
                 os.setresgid(200000 + i, 200000 + i, 200000 + i)
                 os.setresuid(200000 + i, 200000 + i, 200000 + i)
                 conns = [connect(sim_agent.socket_path) for _ in range(2)]
                 for s in conns:
                     s.setblocking(False)
-                end = time.monotonic() + 6
-                while time.monotonic() < end:
-                    for s in conns:
-                        with contextlib.suppress(OSError):
-                            s.send(b"junk" * 20)
-                        with contextlib.suppress(OSError):
-                            s.recv(8192)
+                os.read(go_r, 1)  # until the test says go (or is gone: EOF)
+                while os.getppid() == parent:  # until killed (or orphaned)
+                    for s in conns:  # its queues kept full: the agent reads a flood
+                        with contextlib.suppress(BlockingIOError):  # other errors: gone
+                            while s.send(b"junk" * 20):
+                                pass
+                        with contextlib.suppress(BlockingIOError):
+                            while s.recv(8192):
+                                pass
+                    select.select([], conns, [], 1.0)  # asleep until there is room
             finally:
                 os._exit(0)
         children.append(pid)
+    os.close(go_r)
     try:
         want = {"uid:65534": 80}
-        wait_for(lambda: sim_agent.agent.receiver.connections() == want,
-                 f"{want} (got {sim_agent.agent.receiver.connections()})")
+        receiver = sim_agent.agent.receiver
+        wait_for(lambda: receiver.connections() == want,
+                 lambda: f"{want}, the agent counts {receiver.connections()}")
+        os.close(go_w)  # the flood starts, and lasts until the children are killed
+        go_w = -1
+        wait_for(lambda: sim_agent.agent.telemetry_counts["malformed_not_json"] > 1000,
+                 "the flood to be read")
+        assert receiver.connections() == want  # a flooding user's 80, as one user
         victim_loses_nothing(sim_agent, "victim", 200, every_s=0.01)
+        assert receiver.connections()["uid:65534"] == 80  # the flood went on all along
     finally:
+        if go_w >= 0:
+            os.close(go_w)
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
