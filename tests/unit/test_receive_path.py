@@ -225,6 +225,61 @@ def test_the_receive_loops_lag_is_exported(sim_agent):
     s.close()
 
 
+class _Pauses(threading.Event):
+    """A stop event that records each pause the receive loop takes on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pauses: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if timeout is not None:
+            self.pauses.append(timeout)
+        return super().wait(timeout)
+
+
+def test_a_flooded_receive_loop_leaves_the_interpreter_to_the_agents_other_threads(
+        tmp_path):
+    """Benchmark finding (tests/bench/bench_node.py: a hung job, a flood and 200 veths
+    on the loaded 2-core machine, 1 s scrapes): the loop never blocked while a user
+    flooded, so it took a whole core of the agent and held the GIL but for its system
+    calls, and the scrape's thread waited for it at each of its own: /metrics took up
+    to 3 s and 5 of 40 scrapes failed. After a round that leaves a user's messages
+    waiting the loop now pauses, the GIL free, for as long as the round held it; a
+    round that empties every queue is followed by none (a quiet node loses no time)."""
+    from clusterpulse.agent.receiver import PER_OWNER_BUDGET
+
+    agent = Agent(SimBackend(gpus=2, node="f"), "f", RankRegistry(),
+                  AuditLog(tmp_path / "a.jsonl"), telemetry_addr=socket_path("flood"))
+    receiver = agent.receiver
+    assert receiver is not None
+    flood = connect(agent.telemetry_address.removeprefix("unix:"))
+    flood.setblocking(False)
+    queued = 0
+    with contextlib.suppress(BlockingIOError):  # as many as its queue holds
+        while queued < 8 * PER_OWNER_BUDGET:
+            flood.send(b"junk" * 20)
+            queued += 1
+    assert queued > 4 * PER_OWNER_BUDGET, queued
+    stop = _Pauses()
+    loop = threading.Thread(target=receiver.run, args=(stop,))
+    loop.start()
+    try:
+        wait_for(lambda: agent.telemetry_counts["malformed_not_json"] == queued,
+                 lambda: f"the {queued} queued, {agent.telemetry_counts} read")
+        time.sleep(0.5)  # the queue is empty: from now on the loop waits in select only
+        drained = list(stop.pauses)
+        time.sleep(0.5)
+        assert len(drained) >= 5, drained  # one after each round that left a backlog
+        assert stop.pauses == drained  # and none while nothing waits
+        assert all(0 < p <= 0.05 for p in stop.pauses), stop.pauses  # as long as a round
+    finally:
+        stop.set()
+        loop.join()
+        flood.close()
+        agent.stop()
+
+
 @pytest.mark.skipif(not ROOT, reason="placing a process on a chosen pid (ns_last_pid) "
                                      "and sending as another uid need root")
 def test_before_linux_6_5_a_pid_reused_by_another_user_is_never_taken_for_the_rank(
