@@ -10,6 +10,10 @@ who floods gets the same share as one who sends a heartbeat a second, the flood 
 in the flooder's own connection queues, and a round stays short however many users
 (or subordinate uids) send.
 
+A round that leaves a user's messages waiting (a flood) is followed by a pause as long
+as the round took (`_yield_after`), so that a flood cannot take the whole interpreter
+from the scrape and the collection.
+
 Replies (pending commands, the simulated GPU slowdown) are sent without waiting: a
 sender that does not read its replies loses them (counted as `reply_dropped`), and
 never slows the loop. A hung job's stopped ranks, or a user's sockets that never read,
@@ -39,6 +43,7 @@ log = logging.getLogger(__name__)
 PER_OWNER_BUDGET = 32  # messages per sending user per round, at most
 ROUND_BUDGET = 1024  # messages per round, unless more users than that wait (one each)
 SELECT_TIMEOUT_S = 0.2
+MAX_PAUSE_S = 0.05  # the longest pause after a round that left a backlog (_yield_after)
 ACCEPTS_PER_ROUND = 1024  # the backlog drained each round: a churn must not starve ranks
 MAX_CONNECTIONS = 4096
 # A rank holds one connection; a user's ranks are capped by the registry
@@ -102,14 +107,34 @@ class TelemetryReceiver:
     # -- the loop -----------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
+            cpu = time.thread_time()
             try:
-                self.round()
+                backlog = self.round()
             except Exception:  # a bug here must not end telemetry for the node
                 self._counts["internal_error"] += 1
                 log.exception("telemetry receive round failed")
+                continue
+            if backlog:
+                self._yield_after(time.thread_time() - cpu, stop)
 
-    def round(self, timeout: float = SELECT_TIMEOUT_S) -> None:
-        """Wait for input at most `timeout`, then serve each ready user's share."""
+    def _yield_after(self, spent_s: float, stop: threading.Event) -> None:
+        """After a round that left a user's messages waiting (a flood), leave the
+        interpreter to the agent's other threads for as long as the round held it.
+
+        A flood keeps every round full and the loop never blocked: it took a whole core
+        of the agent, and held the GIL but for the instants of its system calls, so the
+        scrape's thread waited for it at each of its own. Paused, a flood costs the
+        agent about half a core at most and the GIL is free half the time; what waits
+        is the flooder's own queue, and every other user is still served each round.
+        Beside a flood on the shared 2-core machine (load 10-48, 5 alternating pairs)
+        the slowest of 24 /metrics answers was 0.17-0.50 s, against 0.35-1.27 s
+        without the pause (lower in 4 of the 5 pairs; docs/benchmarks.md)."""
+        stop.wait(min(spent_s, MAX_PAUSE_S))
+
+    def round(self, timeout: float = SELECT_TIMEOUT_S) -> bool:
+        """Wait for input at most `timeout`, then serve each ready user's share; True
+        when a user had more than its share waiting (the loop is not keeping up with
+        someone)."""
         ready: dict[str, list[_Conn | None]] = collections.defaultdict(list)
         for key, _ in self._sel.select(timeout):
             if key.data is None:  # the listening (or UDP) socket
@@ -124,12 +149,16 @@ class TelemetryReceiver:
             self._rotation = (self._rotation + 1) % len(owners)
             owners = owners[self._rotation:] + owners[:self._rotation]
         share = max(1, min(PER_OWNER_BUDGET, ROUND_BUDGET // max(1, len(owners))))
+        backlog = False
         for owner in owners:
-            self._serve_owner(ready[owner], share)
+            backlog |= self._serve_owner(ready[owner], share)
         with self._lock:
             self._last_round = time.monotonic()
+        return backlog
 
-    def _serve_owner(self, conns: list[_Conn | None], budget: int) -> None:
+    def _serve_owner(self, conns: list[_Conn | None], budget: int) -> bool:
+        """Serve up to `budget` messages of one user's ready connections; True when the
+        budget ran out (more of the user's may be waiting)."""
         if len(conns) > budget:  # which of a user's connections go first rotates too
             k = self._rotation % len(conns)
             conns[:] = conns[k:] + conns[:k]
@@ -140,7 +169,8 @@ class TelemetryReceiver:
                     continue
                 budget -= 1
                 if budget == 0:
-                    return
+                    return True
+        return False
 
     def _serve_one(self, c: _Conn | None) -> bool:
         """Read and handle one message of `c` (None: the UDP socket); False when there

@@ -19,9 +19,10 @@ SUITES = ["bench_agent", "bench_trainer", "bench_detection", "bench_dashboard", 
 # the testbed needs root (`make bench-testbed`); the
 # incidents run real jobs for ~15 min (`make bench-incidents`, root for its link trials);
 # the GPU figures need a GPU (`python -m tests.bench.bench_gpu`, ~5 min on an H200);
-# the straggler scenarios take ~2 min (`make bench-detection`).
+# the straggler scenarios take ~2 min (`make bench-detection`); a shared node with a
+# hung job, a flood and 200 veths needs root and ~2 min (`make bench-node`).
 ON_REQUEST = ["bench_detection_scenarios", "bench_fleet", "bench_event_rules",
-              "bench_testbed_recovery", "bench_incidents", "bench_gpu"]
+              "bench_testbed_recovery", "bench_incidents", "bench_gpu", "bench_node"]
 
 
 def main() -> int:
