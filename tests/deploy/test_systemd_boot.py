@@ -16,6 +16,7 @@ import json
 import re
 import subprocess
 import sys
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from deploy.testbed.machine import (
     stage_venv,
     unavailable,
 )
+from tests.support.victoria import KEEP_FIRING_FOR_SINCE
+from tests.support.victoria import version as vm_version
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -57,9 +60,10 @@ except urllib.error.HTTPError as e:
 """
 
 
-def docs_commands(heading: str) -> list[str]:
-    """The ```bash blocks of a section of docs/deploy.md, to run as written."""
-    section = (REPO / "docs" / "deploy.md").read_text().split(f"\n{heading}\n", 1)[1]
+def docs_commands(heading: str, doc: str = "deploy.md") -> list[str]:
+    """The ```bash blocks of a section of docs/deploy.md (or another page), to run as
+    written."""
+    section = (REPO / "docs" / doc).read_text().split(f"\n{heading}\n", 1)[1]
     return re.findall(r"```bash\n(.*?)```", section.split("\n## ", 1)[0], re.S)
 
 
@@ -359,3 +363,58 @@ def test_the_egress_filter_lets_only_the_monitoring_services_reach_the_agents_po
         assert status_as("nobody") == "200"
     finally:
         machine.run(["systemctl", "stop", "clusterpulse-egress"])
+
+
+GPUS_IN_STORE = f'count(clusterpulse_gpu_up{{node="{HOSTNAME}"}})'
+VM_UNITS = ["victoria-metrics.service", "clusterpulse-vmagent@0.service",
+            "clusterpulse-vmalert.service"]
+
+
+def test_the_victoriametrics_path_comes_up_scrapes_the_agent_and_evaluates_the_rules(
+        machine: SystemdMachine, installed: Installed, monitoring_host: None):
+    """docs/scaling.md's systemd block as written, on this machine as the store, shard 0
+    and the rules host at once, scraping the machine's own agent. What Debian's package
+    made on a real host is made here first (the machine's /usr and /etc are the host's,
+    its /var is empty): /var/lib/victoria-metrics, owned by the package's user. The name
+    `victoria-metrics` resolves through /etc/hosts; one shard, so the shard count is 1."""
+    machine.sh("install -d -o _victoria-metrics -g _victoria-metrics /var/lib/victoria-metrics\n"
+               "echo '127.0.0.1 victoria-metrics' >> /etc/hosts\n"
+               "install -d /etc/clusterpulse/targets\n"
+               "echo \"- targets: ['127.0.0.1:9477']\" > /etc/clusterpulse/targets/agents.yml")
+    install, strip = docs_commands("### Installing it with systemd", doc="scaling.md")
+    machine.run(["sh", "-euc", f"export PATH={BIN}:$PATH\n" + install], check=True)
+    machine.sh("sed -i 's/^CLUSTERPULSE_SHARDS=.*/CLUSTERPULSE_SHARDS=1/' "
+               "/etc/default/clusterpulse-vmagent\nsystemctl restart clusterpulse-vmagent@0")
+    if vm_version("vmalert") < KEEP_FIRING_FOR_SINCE:
+        machine.sh(strip)
+
+    def query(expr: str) -> list[dict]:
+        try:  # refused until the store listens
+            code, body = http(machine, "http://127.0.0.1:8428/api/v1/query?query="
+                              + urllib.parse.quote(expr))
+        except MachineError:
+            return []
+        return json.loads(body)["data"]["result"] if code == 200 else []
+
+    def journals() -> str:
+        return "\n".join(machine.journal(u)[-1500:] for u in VM_UNITS)
+
+    try:
+        # the shard scraped the agent into the store: its `up` and the node's 8 GPUs
+        machine.wait_for(lambda: query(GPUS_IN_STORE),
+                         60, "the agent's GPUs in VictoriaMetrics", VM_UNITS[1])
+        # vmalert evaluated the rules and wrote the results back into the store
+        machine.wait_for(lambda: query("clusterpulse:config_hang_timeout_seconds"), 60,
+                         "a series recorded by vmalert in VictoriaMetrics", VM_UNITS[2])
+    except MachineError as err:
+        raise MachineError(f"{err}\n{journals()}") from None
+    for unit in VM_UNITS:
+        assert machine.run(["systemctl", "is-active", unit]).stdout.strip() == "active", \
+            journals()
+    up = query('up{job="clusterpulse"}')
+    assert [(r["metric"]["instance"], r["value"][1]) for r in up] == [("127.0.0.1:9477", "1")]
+    assert query(GPUS_IN_STORE)[0]["value"][1] == "8"
+    rules = json.loads(http(machine, "http://127.0.0.1:8880/api/v1/rules")[1])
+    errors = {r["name"]: r["lastError"] for g in rules["data"]["groups"] for r in g["rules"]
+              if r["lastError"]}
+    assert errors == {}, errors

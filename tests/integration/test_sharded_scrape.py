@@ -6,26 +6,28 @@ VictoriaMetrics' Prometheus API unchanged. Real processes on loopback, started w
 the shipped flags (tests/support/victoria.py).
 
 The nodes: 12 served by tests/bench/fleet_static.py (each on its own loopback address,
-2 simulated GPUs and a training rank on each, in runs of 4 nodes) and one real agent
-process, which the test stops: a dead node, paged by NodeAgentDown through vmalert.
+2 simulated GPUs and a training rank on each, in runs of 4 nodes), one real agent
+process, which the test stops: a dead node, paged by NodeAgentDown through vmalert; and
+a real agent over the fake NVML and a sysfs tree whose counters grew before the node
+was first seen (NVLink errors, InfiniBand symbol and receive errors, link downs,
+Ethernet carrier changes): a new node that must page nothing on VictoriaMetrics.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import requests
 import yaml
 
 from clusterpulse.dashboard import data
 from tests.bench.fleet_static import node_address
 from tests.support.ports import free_port
 from tests.support.procs import REPO, RULE_FILES, Alertmanager, start_agent_cli, wait_until
+from tests.support.sysfs import make_sysfs
 from tests.support.victoria import (
     Shard,
     VmAlert,
@@ -37,10 +39,20 @@ from tests.support.webhook import WebhookSink
 
 pytestmark = pytest.mark.integration
 FLEET_NODES, FLEET_GPUS, RUN_NODES, AGENT_GPUS = 12, 2, 4, 2
-VICTIM = "victim"
-GPUS = FLEET_NODES * FLEET_GPUS + AGENT_GPUS
-# As shipped (2): each shard gets some of the 13 agents unless all 13 addresses hash
-# alike, a chance of 2 in 2^13 for the ports a run draws.
+VICTIM, NEWCOMER = "victim", "newcomer"
+NEWCOMER_GPUS = 2  # tests/fakes/nvml_agent.py
+# VictoriaMetrics 1.79's increase() takes a series' first value for growth when it is
+# below 10 x (the step to its next sample + 1): flat, below 10. So the newcomer's IB port
+# has 9 symbol and 3 receive errors (12 > NicLinkDegraded's 10, each below 10), 2 link
+# downs and its eth0 4 carrier changes (> 0): each paged the newcomer with the old rules.
+# Its 105 NVLink errors (> GpuNvLinkErrors' 100) were not taken for growth there (they
+# would be on a counter still growing by 10 a scrape; docs/scaling.md): they show that
+# the rewritten rule pages nothing either.
+NEWCOMER_SYMBOL_ERRORS = 9
+NEWCOMER_NVLINK_ERRORS = 105
+GPUS = FLEET_NODES * FLEET_GPUS + AGENT_GPUS + NEWCOMER_GPUS
+# As shipped (2): each shard gets some of the 14 agents unless all 14 addresses hash
+# alike, a chance of 2 in 2^14 for the ports a run draws.
 SHARDS = int(default_value("clusterpulse-vmagent.default", "CLUSTERPULSE_SHARDS"))
 
 
@@ -60,8 +72,18 @@ def stack(tmp_path_factory):
         agent, agent_port, _ = start_agent_cli(tmp, VICTIM, gpus=AGENT_GPUS,
                                                extra=["--sysfs", "none"])
         procs.append(agent)
+        # The node first seen with old errors and flaps (tests/support/sysfs.py: IB
+        # receive errors 3, link downs 2; eth0 carrier changes 4), and 9 symbol errors.
+        make_sysfs(tmp / "sysfs")
+        (tmp / "sysfs/class/infiniband/mlx5_0/ports/1/counters/symbol_error").write_text(
+            f"{NEWCOMER_SYMBOL_ERRORS}\n")
+        newcomer, newcomer_port, _ = start_agent_cli(
+            tmp, NEWCOMER, module="tests.fakes.nvml_agent",
+            extra=["--sysfs", str(tmp / "sysfs"), "--no-queues",
+                   "--nvlink-errors", str(NEWCOMER_NVLINK_ERRORS)])
+        procs.append(newcomer)
         addresses = [f"{node_address(i)}:{fleet_port}" for i in range(FLEET_NODES)]
-        addresses.append(f"127.0.0.1:{agent_port}")
+        addresses += [f"127.0.0.1:{agent_port}", f"127.0.0.1:{newcomer_port}"]
         write_targets(tmp / "targets", addresses)
         vm = victoria_metrics(tmp)
         procs.append(vm)
@@ -111,7 +133,7 @@ def test_dashboard_reads_the_sharded_store_unchanged(stack):
     assert set(d["runs"]["run"]) == {f"job-{i:03d}" for i in range(FLEET_NODES // RUN_NODES)}
     assert len(d["heat"]) == GPUS  # fewer nodes than the heatmap's 64: every GPU drawn
     assert dict(zip(d["nodes"]["node"], d["nodes"]["up"], strict=True)) == {
-        **{f"n{i:04d}": 1 for i in range(FLEET_NODES)}, VICTIM: 1}
+        **{f"n{i:04d}": 1 for i in range(FLEET_NODES)}, VICTIM: 1, NEWCOMER: 1}
 
 
 def test_vmalert_records_and_a_dead_node_pages_through_it(stack):
@@ -140,7 +162,7 @@ def test_vmalert_records_and_a_dead_node_pages_through_it(stack):
 
     d = data.cluster(vm.url, am.url, "temperature").value
     nodes = dict(zip(d["nodes"]["node"], d["nodes"]["up"], strict=True))
-    assert nodes[VICTIM] == 0 and sum(nodes.values()) == FLEET_NODES
+    assert nodes[VICTIM] == 0 and sum(nodes.values()) == FLEET_NODES + 1
     assert [(a.name, a.labels["node"]) for a in d["alerts"]] == [("NodeAgentDown", VICTIM)]
 
     def history() -> set[str]:
@@ -150,33 +172,49 @@ def test_vmalert_records_and_a_dead_node_pages_through_it(stack):
         == {"NodeAgentDown"}
 
 
-# NicLinkDegraded's expression (deploy/prometheus/alerts.rules.yml), asked of a node that
-# appeared 5 minutes ago (a new node, or its agent back after a long outage) whose
-# Ethernet port had changed carrier 4 times since boot and never since.
-FLAPS = "clusterpulse_nic_carrier_changes_total"
+# The newcomer's counters as the store has them: each grew before the node was first seen.
+NEWCOMER_COUNTERS = {
+    'clusterpulse_nic_symbol_errors_total{device="mlx5_0"}': NEWCOMER_SYMBOL_ERRORS,
+    'clusterpulse_nic_receive_errors_total{device="mlx5_0"}': 3,
+    'clusterpulse_nic_receive_errors_total{device="eth0"}': 5,
+    'clusterpulse_nic_link_downed_total{device="mlx5_0"}': 2,
+    'clusterpulse_nic_carrier_changes_total{device="eth0"}': 4,
+    'clusterpulse_gpu_nvlink_errors_total{kind="replay",gpu="0",link="0"}':
+        NEWCOMER_NVLINK_ERRORS}
 
 
-# Not strict: whether VictoriaMetrics 1.79 answers with the first sample as growth
-# varied between runs of this test here (it paged in some, not in others).
-@pytest.mark.xfail(strict=False, reason=(
-    "MetricsQL's increase() counts a series' first sample as its increase when nothing "
-    "comes before the window (Prometheus extrapolates between samples in the window): "
-    "on VictoriaMetrics 1.79 a new node (or one back after 10 min) whose NIC counters "
-    "are not 0 is paged with NicLinkDegraded; the same holds for every increase() rule "
-    "over a counter (docs/scaling.md, 'Rules on vmalert')"))
-def test_counters_that_did_not_move_page_nothing_on_victoriametrics(stack):
-    vm = stack["vm"]
-    rules = yaml.safe_load(RULE_FILES[1].read_text())["groups"]
-    expr = next(r["expr"] for g in rules for r in g["rules"]
-                if r.get("alert") == "NicLinkDegraded")
-    now = int(time.time())
-    labels = 'node="flaps",device="eth0",port="",kind="ethernet"'
-    lines = [f"{FLAPS}{{{labels}}} 4 {(now - s) * 1000}" for s in range(300, -1, -5)]
-    r = requests.post(vm.url + "/api/v1/import/prometheus", data="\n".join(lines) + "\n",
-                      timeout=30)
-    r.raise_for_status()
-    requests.get(vm.url + "/internal/force_flush", timeout=30).raise_for_status()
-    wait_until(lambda: vm.query(f'count_over_time({FLAPS}{{node="flaps"}}[11m])'), 30,
-               "the imported counter in VictoriaMetrics", interval=1)
-    fired = [x for x in vm.query(expr) if x["metric"].get("node") == "flaps"]
-    assert fired == [], fired  # Prometheus: increase() over a flat counter is 0
+def _alert_rules() -> dict[str, str]:
+    return {r["alert"]: r["expr"] for f in RULE_FILES
+            for g in yaml.safe_load(f.read_text())["groups"] for r in g["rules"]
+            if "alert" in r}
+
+
+def test_a_node_first_seen_with_old_errors_and_flaps_pages_nothing_on_victoriametrics(stack):
+    """A node whose counters grew before it was first seen (new, or back from an
+    absence) has nothing to page: no error or flap happened while it was watched. On
+    Prometheus increase() counts only growth between samples; MetricsQL's counted the
+    first value as growth, and vmalert paged NicLinkDegraded and GpuNvLinkErrors for it.
+    Every alert's expression is asked of VictoriaMetrics now: the query vmalert sends,
+    without `for`, so the earliest page counts."""
+    vm, vmalert = stack["vm"], stack["vmalert"]
+
+    def counters() -> dict[str, float]:
+        out = {}
+        for name in NEWCOMER_COUNTERS:
+            got = vm.query(f"max({name.replace('{', f'{{node={NEWCOMER!r},')})")
+            out[name] = float(got[0]["value"][1]) if got else None
+        return out if out == NEWCOMER_COUNTERS else {}
+
+    wait_until(counters, 60, "the newcomer's counters in VictoriaMetrics", interval=1)
+    rules = _alert_rules()
+    assert {"NicLinkDegraded", "GpuNvLinkErrors", "CheckpointsFailing",
+            "AuditLogRewound"} <= set(rules)
+    fired = {name: [x["metric"] for x in vm.query(expr)
+                    if x["metric"].get("node") == NEWCOMER]
+             for name, expr in rules.items()}
+    assert {k: v for k, v in fired.items() if v} == {}
+    # vmalert itself: its links group (every 30 s, started at a random point of its
+    # interval, asking at its evaluation time rounded down to the interval) may not
+    # have seen the newcomer yet; waiting for it cost 30-40 s, so this is checked as
+    # it stands, after the module's other tests (above: what vmalert would be told).
+    assert [a for a in vmalert.alerts() if a["labels"].get("node") == NEWCOMER] == []

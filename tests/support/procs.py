@@ -63,13 +63,15 @@ class Proc:
 
 
 def start_agent_cli(tmp: Path, node: str, gpus: int = 4, token_file: Path | None = None,
-                    extra: list[str] | None = None) -> tuple[Proc, int, str]:
+                    extra: list[str] | None = None,
+                    module: str = "clusterpulse.agent") -> tuple[Proc, int, str]:
     """An agent process; returns it, its HTTP port and its telemetry address
-    (unix:/PATH, what ranks pass as --agent)."""
+    (unix:/PATH, what ranks pass as --agent). `module`: what `python -m` runs, e.g.
+    tests.fakes.nvml_agent for the agent over the fake NVML."""
     from tests.conftest import socket_path
 
     port, telemetry = free_port(), f"unix:{socket_path(node)}"
-    args = [sys.executable, "-m", "clusterpulse.agent", "--backend", "sim", "--node", node,
+    args = [sys.executable, "-m", module, "--backend", "sim", "--node", node,
             "--gpus", str(gpus), "--listen", f"127.0.0.1:{port}",
             "--telemetry", telemetry, "--interval", "0.5",
             "--audit-log", str(tmp / f"{node}-audit.jsonl")]

@@ -173,7 +173,10 @@ class VmAlert:
     """vmalert with the shipped rules and flags, reading and writing `store_url`,
     notifying `alertmanager_url`."""
 
-    def __init__(self, tmp: Path, store_url: str, alertmanager_url: str) -> None:
+    def __init__(self, tmp: Path, store_url: str, alertmanager_url: str,
+                 extra: dict[str, str] | None = None) -> None:
+        """`extra`: flags given other values than the shipped ones (a benchmark trying
+        a change before it is shipped)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         rules = rule_files_for_vmalert(tmp)
@@ -183,7 +186,7 @@ class VmAlert:
                 "datasource.url": store_url, "remoteWrite.url": store_url,
                 "remoteRead.url": store_url, "notifier.url": alertmanager_url,
                 "notifier.basicAuth.username": None,
-                "httpListenAddr": f"127.0.0.1:{self.port}"})
+                "httpListenAddr": f"127.0.0.1:{self.port}", **(extra or {})})
         self.proc = Proc([binary("vmalert"), *flags, *[f"-rule={p}" for p in rules],
                           "-loggerLevel=WARN"], tmp / f"vmalert-{self.port}.log")
         wait_until(lambda: _http().get(self.url + "/health", timeout=2).ok, 60,
@@ -195,7 +198,9 @@ class VmAlert:
         return r.json()["data"]["alerts"] or []
 
     def groups(self) -> list[dict]:
-        r = _http().get(self.url + "/api/v1/groups", timeout=30)
+        """The rule groups and their rules' state (each rule's lastEvaluation: when its
+        last evaluation started). vmalert 1.79 answers this at /api/v1/rules."""
+        r = _http().get(self.url + "/api/v1/rules", timeout=30)
         r.raise_for_status()
         return r.json()["data"]["groups"]
 
