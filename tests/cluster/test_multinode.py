@@ -3,8 +3,9 @@
 One testbed (3 nodes, one rank each, elastic 2..3 nodes) and one job serve the whole
 module, in order: the job spans the nodes over the bridge; a link slowed on its far
 side slows its steps and is named; a partition is detected and heals without duplicate
-ranks; a node dies, NodeAgentDown fires within two scrapes, and the job restarts on the
-two remaining nodes from its last checkpoint; teardown leaves nothing. Detection is
+ranks; a node dies, NodeAgentDown fires within two scrapes (within 15 s of its last
+answer where that came late, as on a loaded machine), and the job restarts on the two
+remaining nodes from its last checkpoint; teardown leaves nothing. Detection is
 judged from Prometheus's own sample timestamps, not from the wall clock of a loaded
 machine.
 """
@@ -128,14 +129,47 @@ def test_a_link_slowed_on_its_far_side_slows_the_job_and_is_named(cl):
         [s["metric"] for s in stragglers]
 
 
+def late_window_seconds() -> float:
+    """How long after its last answer NodeAgentDown spares an agent that answered late
+    (the `max_over_time(up[...])` of clusterpulse:target_answers_late)."""
+    rules = yaml.safe_load((REPO / "deploy/prometheus/alerts.rules.yml").read_text())
+    (expr,) = [r["expr"] for g in rules["groups"] for r in g["rules"]
+               if r.get("record") == "clusterpulse:target_answers_late"]
+    return float(re.search(r"max_over_time\(up\{[^}]*\}\[(\d+)s\]\)", expr).group(1))
+
+
+def paged_promptly(cl: TestbedCluster, target: str, alert: dict) -> str:
+    """Asserts NodeAgentDown for `target` went pending at its first failed scrape in a
+    row (the second at most: an evaluation may lag) or, where the rule held the target's
+    last answer for late (behind a slow link, or on a loaded machine: answers of 0.5-1 s
+    against the testbed's 1 s timeout), once that answer was the late window old (an
+    evaluation more at most), never later: the first late-agent rule spared such a node
+    for a minute, and in CI a partition went unpaged for 60 s. From Prometheus's own
+    timestamps. Returns what it saw."""
+    active = _ts(alert["activeAt"])
+    samples = cl.query(f'up{{instance="{target}"}}[3m]')[0]["values"]
+    last_ok = max(t for t, v in samples if v == "1" and t <= active)
+    failed = [t for t, v in samples if v == "0" and last_ok < t <= active]
+    late = cl.query(f'clusterpulse:target_answers_late{{instance="{target}"}}[3m]')
+    late = bool(late) and any(t > last_ok for t, _ in late[0]["values"])
+    seen = (f"pending {active - last_ok:.0f} s after the last answer, at failed scrape "
+            f"{len(failed)}, {'late' if late else 'not late'}")
+    if late:
+        assert failed and active - last_ok <= late_window_seconds() + 2, seen
+    else:
+        assert 1 <= len(failed) <= 2, seen
+    return seen
+
+
 def test_partition_is_detected_and_heals_without_duplicate_ranks(cl):
     node = cl.bed.nodes[1]
     cl.bed.partition(node)
     try:
-        wait_until(lambda: [a for a in cl.alerts("NodeAgentDown")
-                            if a["labels"]["node"] == node.name], 60, "NodeAgentDown")
+        alert = wait_until(lambda: [a for a in cl.alerts("NodeAgentDown")
+                                    if a["labels"]["node"] == node.name], 60, "NodeAgentDown")[0]
     finally:
         cl.bed.heal(node)
+    print(f"partition: NodeAgentDown {paged_promptly(cl, cl.agent_target(node), alert)}")
     stalled = max_step(cl)
     wait_until(lambda: not cl.alerts("NodeAgentDown"), 90, "NodeAgentDown resolved")
     wait_until(lambda: max_step(cl) >= stalled + 10, 240, "training resumed after the heal")
@@ -156,10 +190,7 @@ def test_node_death_alerts_within_two_scrapes_and_job_restarts_on_the_rest(cl):
     reached = max_step(cl)
     alert = wait_until(lambda: [a for a in cl.alerts("NodeAgentDown")
                                 if a["labels"]["node"] == dead.name], 60, "NodeAgentDown")[0]
-    active = _ts(alert["activeAt"])
-    samples = cl.query(f'up{{instance="{target}"}}[2m]')[0]["values"]
-    failed_before = [t for t, v in samples if v == "0" and t <= active]
-    assert 1 <= len(failed_before) <= 2, f"alert after {len(failed_before)} failed scrapes"
+    print(f"node death: NodeAgentDown {paged_promptly(cl, target, alert)}")
     # the job restarts on node0 and node1, from the last checkpoint
     log = cl.state / f"{RUN}-{cl.bed.nodes[0].name}.log"
     before = log.read_text(errors="replace").count("trainer: resumed from")
