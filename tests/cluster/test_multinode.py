@@ -76,6 +76,22 @@ def alert_for_seconds(name: str) -> dict[str, float]:
             for g in rules["groups"] for r in g["rules"] if r.get("alert") == name}
 
 
+def runs_after(series: list[dict], t0: float, label: str | None = None) -> dict:
+    """A range query's samples as runs of consecutive evaluations, in whole seconds
+    after `t0`: {label value (or ""): ["from-to", ...]}. Gaps of more than 2 s split."""
+    out: dict[str, list[str]] = {}
+    for s in series:
+        times = [round(float(t) - t0) for t, _ in s["values"]]
+        runs: list[list[int]] = []
+        for t in times:
+            if runs and t - runs[-1][1] <= 2:
+                runs[-1][1] = t
+            else:
+                runs.append([t, t])
+        out[s["metric"].get(label, "") if label else ""] = [f"{a}-{b}" for a, b in runs]
+    return out
+
+
 def test_a_link_slowed_on_its_far_side_slows_the_job_and_is_named(cl):
     """tbf on the bridge side of one node's link (4 Mbit/s): what reaches the node is
     slow, as behind a slow switch port or a peer's egress, and no agent's queue holds
@@ -114,12 +130,20 @@ def test_a_link_slowed_on_its_far_side_slows_the_job_and_is_named(cl):
         failed = cl.query(f"count_over_time({up}) - sum_over_time({up})")
         rtt = {s["metric"]["node"]: float(s["value"][1])
                for s in cl.query("clusterpulse:node_tcp_rtt_seconds")}
+        # when the evidence held, and when each severity's `for` started (again): a late
+        # naming tells a late first sign from a clock restarted by a gap
+        evidence = runs_after(cl.query(
+            f'clusterpulse:node_link_rtt_seconds{{node="{node.name}"}}{window}'), shaped_at)
+        pending = runs_after(cl.query(
+            f'ALERTS{{alertname="TrainingLinkCongested",alertstate="pending"}}{window}'),
+            shaped_at, "severity")
     finally:
         cl.bed.fix_link(node)
     print(f"far-side slow link named after {named_after:.0f} s (by severity, from the "
           f"shaping: {firing_after}); link RTT by node {rtt}; "
           f"{failed[0]['value'][1] if failed else 0} failed scrapes of its agent; "
-          f"straggler alerts: {[s['metric'] for s in stragglers]}")
+          f"straggler alerts: {[s['metric'] for s in stragglers]}; seconds after the shaping "
+          f"(from-to) of the RTT evidence {evidence}, of the pending alert {pending}")
     assert during > 3 * before, f"step {during:.3f}s on the slow link vs {before:.3f}s before"
     assert bw_during < bw_before / 3, f"all-reduce {bw_during:.3g} B/s vs {bw_before:.3g} before"
     assert named == {(node.name, "communication")}, named
