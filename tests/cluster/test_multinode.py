@@ -166,10 +166,10 @@ def paged_promptly(cl: TestbedCluster, target: str, alert: dict) -> str:
     """Asserts NodeAgentDown for `target` went pending at its first failed scrape in a
     row (the second at most: an evaluation may lag) or, where the rule held the target's
     last answer for late (behind a slow link, or on a loaded machine: answers of 0.5-1 s
-    against the testbed's 1 s timeout), once that answer was the late window old (an
-    evaluation more at most), never later: the first late-agent rule spared such a node
-    for a minute, and in CI a partition went unpaged for 60 s. From Prometheus's own
-    timestamps. Returns what it saw."""
+    against the testbed's 1 s timeout), once that answer was the late window old (5 s
+    more at most: evaluations lag on a loaded machine), not a minute later as the first
+    late-agent rule did, which left a partition unpaged for 60 s in CI. From
+    Prometheus's own timestamps. Returns what it saw."""
     active = _ts(alert["activeAt"])
     samples = cl.query(f'up{{instance="{target}"}}[3m]')[0]["values"]
     last_ok = max(t for t, v in samples if v == "1" and t <= active)
@@ -179,7 +179,7 @@ def paged_promptly(cl: TestbedCluster, target: str, alert: dict) -> str:
     seen = (f"pending {active - last_ok:.0f} s after the last answer, at failed scrape "
             f"{len(failed)}, {'late' if late else 'not late'}")
     if late:
-        assert failed and active - last_ok <= late_window_seconds() + 2, seen
+        assert failed and active - last_ok <= late_window_seconds() + 5, seen
     else:
         assert 1 <= len(failed) <= 2, seen
     return seen
