@@ -21,7 +21,7 @@ from clusterpulse.agent.faults import FaultError, load_scenario
 from clusterpulse.agent.httpsafe import tls_context
 from clusterpulse.agent.identity import still_running
 from clusterpulse.agent.logsetup import setup_logging
-from clusterpulse.agent.ranks import RankRegistry
+from clusterpulse.agent.ranks import RankRegistry, RankState
 from clusterpulse.agent.tokens import TokenError, Tokens
 
 if TYPE_CHECKING:
@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "'kubernetes' extra. Default: off")
     p.add_argument("--proc", type=Path, default=Path("/proc"),
                    help="procfs of the GPU processes' pid namespace, read for their user "
-                   "and Slurm job (in a container: the host's, with hostPID; default: /proc)")
+                   "and Slurm job, and for the ranks' sockets (in a container: the host's, "
+                   "with hostPID; default: /proc)")
     p.add_argument("--rank-grace", type=float, default=300.0,
                    help="seconds before a silent rank is forgotten (default: 300)")
     p.add_argument("--max-ranks", type=int, default=1024,
@@ -174,11 +175,15 @@ def make_backend(args: argparse.Namespace, ranks: RankRegistry) -> Backend:
         raise UsageError(str(err)) from None
 
 
+def live_ranks(ranks: RankRegistry) -> list[RankState]:
+    """The ranks whose process the kernel named and that still runs (a UDP sender's
+    process is unknown, and it is left out): the processes the agent may look into."""
+    return [r for r in ranks.snapshot() if r.pid > 0 and still_running(r.sender)]
+
+
 def rank_processes(ranks: RankRegistry, gpu: int) -> tuple[int, ...]:
-    """What a driver would list on a simulated GPU: the live rank processes bound to it,
-    by the pid the kernel named (a UDP sender's is unknown, and it is left out)."""
-    return tuple(sorted({r.pid for r in ranks.snapshot()
-                         if r.gpu == gpu and r.pid > 0 and still_running(r.sender)}))
+    """What a driver would list on a simulated GPU: the live rank processes bound to it."""
+    return tuple(sorted({r.pid for r in live_ranks(ranks) if r.gpu == gpu}))
 
 
 def make_pod_resources(target: str | None) -> PodResources | None:
@@ -241,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"cannot listen: {err.strerror or err} ({args.listen} / {args.telemetry})"
         ) from None
-    from clusterpulse.agent.links import NicCounters, NicSelection, QueueCounters
+    from clusterpulse.agent.links import NicCounters, NicSelection, QueueCounters, TcpPeerRtt
 
     sysfs = None if str(args.sysfs) == "none" else args.sysfs
     nics = NicSelection(tuple(args.nic), sysfs)
@@ -249,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
         agent.links.append(NicCounters(sysfs, nics))
     if not args.no_queues:
         agent.links.append(QueueCounters(nics))
+    agent.links.append(TcpPeerRtt(lambda: {(r.pid, r.sender.uid) for r in live_ranks(ranks)},
+                                  args.proc))
     agent.links.append(GpuAttribution(lambda: agent.snapshot.gpus, args.proc, pods))
     if pods is not None:
         pods.start()  # a first answer before serving; never blocks past its timeout

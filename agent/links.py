@@ -25,6 +25,15 @@ queues say nothing about the training fabric, and one congested veth made
 TrainingLinkCongested page for a node whose real link was idle. So by default only
 interfaces backed by a device (sysfs `device` link) and the RDMA ports are read;
 `--nic` names (or globs) more, e.g. a testbed node whose only link is a veth.
+
+A queue shows only the side of a link that is this node's own egress. When the slow
+side is the other one (the switch port toward this node, a peer's egress, an ingress
+policer) this node's queue is empty and the queue of the other side is where no agent
+looks. What sees both sides is the job's own TCP connections (`TcpPeerRtt`): a
+connection's smoothed RTT is the time from sending data to its acknowledgement, so a
+queue in front of a slow link delays it whichever way the data or the acknowledgements
+cross that link. Every connection of the node whose link is slow waits in that queue;
+a healthy node also talks to peers whose paths avoid it.
 """
 
 from __future__ import annotations
@@ -34,11 +43,14 @@ import json
 import logging
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from clusterpulse.agent import sockdiag
 
 log = logging.getLogger(__name__)
 PREFIX = "clusterpulse_"
@@ -257,3 +269,102 @@ class QueueCounters:
         yield held
         yield drops
         yield backlog
+
+
+# A connection whose last data left longer ago than this has no recent RTT: idle
+# connections (a gloo pair of ranks that are no ring neighbours, a rendezvous store)
+# keep the RTT of their last exchange, which says nothing about the link now.
+ACTIVE_WITHIN_S = 10.0
+# How long the socket inodes of a rank process are reused before its fds are listed
+# again: a job makes its connections when its process groups start.
+INODES_TTL_S = 10.0
+
+
+def socket_inodes(fd_dir: Path) -> set[int]:
+    """The inodes of the sockets a process holds open (`socket:[N]` links in its fd/).
+    Raises PermissionError where the process is not ours to look into."""
+    out = set()
+    for fd in fd_dir.iterdir():
+        try:
+            target = str(fd.readlink())
+        except FileNotFoundError:
+            continue  # closed while listed
+        if target.startswith("socket:["):
+            out.add(int(target[8:-1]))
+    return out
+
+
+class TcpPeerRtt:
+    """The smoothed RTT of the training ranks' TCP connections to each peer address,
+    read at scrape time over sock_diag (`agent.sockdiag`): slow-link evidence that sees
+    both sides of the link (see the module docstring).
+
+    `ranks` gives the (pid, uid) of the node's live, kernel-verified rank processes.
+    Their connections are the sockets their fd tables hold; where a process's fds
+    cannot be read (an agent without CAP_SYS_PTRACE under another user), every socket
+    of its uid counts instead. Per peer, the least RTT of the connections that sent
+    data within ACTIVE_WITHIN_S: the path's own delay plus what waits in its queues
+    (a connection carrying small messages adds the peer's delayed acknowledgement, up
+    to 40 ms; the least of them is the path). Connections to the node's own addresses
+    (ranks of one node) cross no link and are left out. Ranks in another network
+    namespace than the agent's (a Kubernetes pod without hostNetwork) are not seen.
+    """
+
+    def __init__(self, ranks: Callable[[], Iterable[tuple[int, int]]],
+                 proc: Path = Path("/proc"),
+                 read: Callable[[sockdiag.Wanted], list[sockdiag.TcpSocket]] = sockdiag.established,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ranks, self.proc, self.read, self.clock = ranks, proc, read, clock
+        self._inodes: dict[int, tuple[float, set[int]]] = {}  # pid -> (listed at, inodes)
+        self._warned = False
+
+    def _selection(self) -> tuple[set[int], set[int]]:
+        """The ranks' socket inodes, and the uids of ranks whose fds cannot be read."""
+        inodes: set[int] = set()
+        uids: set[int] = set()
+        now, live = self.clock(), dict(self.ranks())
+        for pid in list(self._inodes):
+            if pid not in live:
+                del self._inodes[pid]
+        for pid, uid in live.items():
+            hit = self._inodes.get(pid)
+            if hit is None or now - hit[0] > INODES_TTL_S:
+                try:
+                    hit = self._inodes[pid] = (now, socket_inodes(self.proc / str(pid) / "fd"))
+                except PermissionError:
+                    uids.add(uid)
+                    continue
+                except OSError:
+                    continue  # exited since the registry saw it
+            inodes |= hit[1]
+        return inodes, uids
+
+    def peers(self) -> dict[str, float]:
+        """Peer address -> the least RTT (seconds) of the ranks' active connections to it."""
+        inodes, uids = self._selection()
+        if not inodes and not uids:
+            return {}
+        try:
+            socks = self.read(lambda inode, uid: inode in inodes or uid in uids)
+        except OSError as err:
+            if not self._warned:
+                log.warning("cannot read TCP connections (sock_diag): %s", err)
+                self._warned = True
+            return {}
+        own = {s.local for s in socks}  # the addresses the ranks use: the node's
+        out: dict[str, float] = {}
+        for s in socks:
+            if s.remote not in own and s.last_data_sent_seconds <= ACTIVE_WITHIN_S \
+                    and s.rtt_seconds > 0:
+                out[s.remote] = min(s.rtt_seconds, out.get(s.remote, s.rtt_seconds))
+        return out
+
+    def families(self, node: str) -> Iterator:
+        rtt = GaugeMetricFamily(
+            PREFIX + "tcp_peer_rtt_seconds",
+            "Least smoothed round-trip time of the training ranks' TCP connections to the "
+            "peer that sent data in the last 10 s: the path's delay plus its queues, on "
+            "either side of a slow link.", labels=["node", "peer"])
+        for peer, seconds in sorted(self.peers().items()):
+            rtt.add_metric([node, peer], seconds)
+        yield rtt

@@ -21,7 +21,8 @@ examples:
 
 trace columns: {", ".join(REQUIRED)}
   optional: group (peer group, e.g. pipeline stage), comm_seconds, comm_bytes,
-  clock_ratio, thermal, power_brake, hw_slowdown, xid_recent, ecc_uncorrected_recent
+  clock_ratio, thermal, power_brake, hw_slowdown, gpu_idle, utilization, xid_recent,
+  ecc_uncorrected_recent
 output: {{"run", "rank", "node", "step", "peer_score", "self_score", "cause"}} per flag
 """
 

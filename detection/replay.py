@@ -7,7 +7,8 @@ have raised, each with its cause.
 Trace columns (one row per rank per step): run, step, rank, node, step_seconds,
 compute_seconds, data_seconds, sync_seconds; optional: group (peer group, e.g. the
 pipeline stage), comm_seconds, comm_bytes, clock_ratio, thermal, power_brake,
-hw_slowdown, xid_recent, ecc_uncorrected_recent.
+hw_slowdown, gpu_idle (0/1: NVML's reason), utilization (0..1), xid_recent,
+ecc_uncorrected_recent.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from clusterpulse.detection.scoring import ScoringConfig, StragglerScorer
 REQUIRED = ("run", "step", "rank", "node", "step_seconds", "compute_seconds", "data_seconds",
             "sync_seconds")
 OPTIONAL = ("comm_seconds", "comm_bytes", "clock_ratio", "thermal", "power_brake",
-            "hw_slowdown", "xid_recent", "ecc_uncorrected_recent")
+            "hw_slowdown", "gpu_idle", "utilization", "xid_recent", "ecc_uncorrected_recent")
 
 
 class TraceError(ValueError):

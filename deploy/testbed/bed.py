@@ -171,9 +171,16 @@ class Testbed:
         net.run("ip", "link", "set", node.host_veth, "up")
 
     def slow_link(self, node: Node, rate: str = "10mbit", burst: str = "32kbit",
-                  latency: str = "50ms") -> None:
-        """Token-bucket shaping (tc tbf) of both directions of the node's link."""
+                  latency: str = "50ms", side: str = "both") -> None:
+        """Token-bucket shaping (tc tbf) of the node's link: `side` "egress" shapes what
+        the node sends (its own eth0: the queue its agent reads), "ingress" what reaches
+        it (the bridge side, as a switch port toward the node or a peer's egress would:
+        a queue no agent sees), "both" the two."""
+        if side not in ("both", "ingress", "egress"):
+            raise TestbedError(f"side must be both, ingress or egress, got {side!r}")
         for where in ([], ["-n", node.netns]):
+            if side != "both" and (side == "egress") != bool(where):
+                continue
             dev = "eth0" if where else node.host_veth
             net.run("tc", *where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                     "burst", burst, "latency", latency)

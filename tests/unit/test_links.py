@@ -4,21 +4,30 @@ with clean metric names; virtual interfaces are skipped."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import socket
+import struct
 import subprocess
+import time
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from clusterpulse.agent import links, sockdiag
 from clusterpulse.agent.links import (
     NicCounters,
     NicSelection,
     QueueCounters,
     QueueStats,
+    TcpPeerRtt,
     parse_qdiscs,
     read_qdiscs,
 )
+from clusterpulse.agent.sockdiag import TcpSocket
 from tests.support.sysfs import make_crowded_net, make_sysfs
 
 
@@ -144,3 +153,144 @@ def test_nic_names_and_globs_add_interfaces_the_default_leaves_out(tmp_path):
     queues = QueueCounters(NicSelection(("eth0",), None),
                            read=lambda: parse_qdiscs(crowded_tc([*names, "eth0"])))
     assert set(queues.queues()) == {"eth0"}
+
+
+# --- the job's TCP connections: slow-link evidence from either side (issue #27) --------
+
+
+def test_sock_diag_reads_a_connections_rtt_as_ss_does():
+    """A real TCP connection: sock_diag finds it by its inode, with the smoothed RTT and
+    the time since it last sent data that `ss -ti` prints for it."""
+    server = socket.create_server(("127.0.0.1", 0))
+    with server, socket.create_connection(server.getsockname()) as client:
+        peer, _ = server.accept()
+        with peer:
+            for _ in range(20):
+                client.sendall(b"x" * 65536)
+                got = 0
+                while got < 65536:
+                    got += len(peer.recv(1 << 20))
+            time.sleep(0.3)
+            inode = os.fstat(client.fileno()).st_ino
+            found = sockdiag.established(lambda i, _: i == inode)  # decoded: this one only
+            assert inode in {s.inode for s in sockdiag.established()}
+            ss = subprocess.run(["ss", "-tinH", f"sport = :{client.getsockname()[1]}"],
+                                capture_output=True, text=True, timeout=30).stdout
+    assert len(found) == 1, found
+    s = found[0]
+    assert (s.local, s.remote, s.uid) == ("127.0.0.1", "127.0.0.1", os.getuid())
+    rtt_ms, last_ms = (float(re.search(rf"\b{k}:([\d.]+)", ss).group(1))
+                       for k in ("rtt", "lastsnd"))
+    assert s.rtt_seconds == pytest.approx(rtt_ms / 1e3, abs=1e-6), ss
+    assert 0.3 <= s.last_data_sent_seconds <= last_ms / 1e3 + 0.1, (s, ss)
+
+
+def _diag_message(family: int, src: bytes, dst: bytes, inode: int, rtt_us: int) -> bytes:
+    """One SOCK_DIAG_BY_FAMILY reply as the kernel lays it out, with a tcp_info."""
+    info = bytearray(232)
+    struct.pack_into("=I", info, sockdiag.TCPI_LAST_DATA_SENT, 1500)
+    struct.pack_into("=I", info, sockdiag.TCPI_RTT, rtt_us)
+    msg = (struct.pack("=BBBB", family, 1, 0, 0) + struct.pack("!HH16s16s", 1, 2, src, dst)
+           + struct.pack("=IQIIIII", 0, 0, 0, 0, 0, 1000, inode))
+    attr = struct.pack("=HH", 4 + len(info), sockdiag.INET_DIAG_INFO) + bytes(info)
+    body = msg + attr
+    return struct.pack("=IHHII", 16 + len(body), sockdiag.SOCK_DIAG_BY_FAMILY, 2, 1, 0) + body
+
+
+def test_sock_diag_replies_are_decoded_and_mapped_addresses_read_as_ipv4():
+    mapped = bytes(10) + b"\xff\xff" + bytes([10, 0, 0, 2])
+    v6 = socket.inet_pton(socket.AF_INET6, "fd00::3")
+    done = struct.pack("=IHHII", 20, sockdiag.NLMSG_DONE, 2, 1, 0) + bytes(4)
+    got = list(sockdiag.parse(_diag_message(socket.AF_INET6, mapped, mapped, 5, 125000)
+                              + _diag_message(socket.AF_INET6, v6, v6, 6, 300) + done))
+    assert got == [TcpSocket(5, 1000, "10.0.0.2", "10.0.0.2", 0.125, 1.5),
+                   TcpSocket(6, 1000, "fd00::3", "fd00::3", 0.0003, 1.5), None]
+    error = struct.pack("=IHHII", 20, sockdiag.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -2)
+    with pytest.raises(OSError):
+        list(sockdiag.parse(error))
+
+
+def _rank_fds(proc: Path, pid: int, inodes: list[int]) -> None:
+    fd = proc / str(pid) / "fd"
+    fd.mkdir(parents=True)
+    (fd / "0").symlink_to("/dev/null")
+    for i, inode in enumerate(inodes, start=3):
+        (fd / str(i)).symlink_to(f"socket:[{inode}]")
+
+
+def selecting(socks: list[TcpSocket]):
+    """A sock_diag reader over `socks` that keeps what its caller wants, as the kernel
+    dump is filtered."""
+    return lambda wanted: [s for s in socks if wanted(s.inode, s.uid)]
+
+
+def _sock(inode: int, remote: str, rtt: float, last_sent: float = 0.2, uid: int = 0,
+          local: str = "10.0.0.1") -> TcpSocket:
+    return TcpSocket(inode, uid, local, remote, rtt, last_sent)
+
+
+def test_the_ranks_active_connections_give_each_peer_its_least_rtt(tmp_path, monkeypatch):
+    """Rank 100's sockets are read from its fd table; rank 101's fds cannot be read (an
+    agent without CAP_SYS_PTRACE under another user), so its uid's sockets count. Per
+    peer the least RTT of the connections that sent data in the last 10 s; another
+    process's sockets, idle connections and the node's own addresses are left out."""
+    _rank_fds(tmp_path, 100, [11, 12, 13, 14])
+    _rank_fds(tmp_path, 101, [])
+    real = links.socket_inodes
+
+    def inodes(fd_dir: Path) -> set[int]:
+        if fd_dir.parent.name == "101":
+            raise PermissionError(13, "Permission denied")
+        return real(fd_dir)
+
+    monkeypatch.setattr(links, "socket_inodes", inodes)
+    socks = [_sock(11, "10.0.0.2", 0.30), _sock(12, "10.0.0.2", 0.25),   # one peer, 2 paths
+             _sock(13, "10.0.0.3", 0.0004, last_sent=30.0),              # idle since long
+             _sock(14, "10.0.0.1", 0.00002),                              # a rank of this node
+             _sock(20, "10.0.0.4", 0.5),                                  # not a rank's
+             _sock(30, "10.0.0.5", 0.0009, uid=1000)]                     # rank 101's user
+    rtt = TcpPeerRtt(lambda: {(100, 0), (101, 1000)}, tmp_path, read=selecting(socks))
+    assert rtt.peers() == {"10.0.0.2": 0.25, "10.0.0.5": 0.0009}
+    reg = CollectorRegistry()
+
+    class Collector:
+        def collect(self):
+            yield from rtt.families("n1")
+
+    reg.register(Collector())
+    text = generate_latest(reg).decode()
+    samples = {s.labels["peer"]: s.value for f in text_string_to_metric_families(text)
+               for s in f.samples if s.name == "clusterpulse_tcp_peer_rtt_seconds"}
+    assert samples == {"10.0.0.2": 0.25, "10.0.0.5": 0.0009}
+    r = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=text,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+
+
+def test_no_rank_no_reading_and_a_failing_read_is_logged_once(tmp_path, caplog):
+    calls = []
+    assert TcpPeerRtt(lambda: set(), tmp_path, read=lambda _: calls.append(1) or []).peers() == {}
+    assert calls == []  # nothing to select: the sockets are not even dumped
+    _rank_fds(tmp_path, 100, [11])
+
+    def broken(_: sockdiag.Wanted) -> list[TcpSocket]:
+        raise OSError(93, "Protocol not supported")
+
+    rtt = TcpPeerRtt(lambda: {(100, 0)}, tmp_path, read=broken)
+    assert rtt.peers() == {} and rtt.peers() == {}
+    assert sum("cannot read TCP connections" in r.message for r in caplog.records) == 1
+
+
+def test_a_ranks_fds_are_listed_again_only_after_a_while(tmp_path):
+    """A job makes its connections when its process groups start: the fd table of a
+    rank is listed once per INODES_TTL_S, not at every scrape."""
+    _rank_fds(tmp_path, 100, [11])
+    now = [0.0]
+    socks = [_sock(11, "10.0.0.2", 0.001), _sock(12, "10.0.0.3", 0.002)]
+    rtt = TcpPeerRtt(lambda: {(100, 0)}, tmp_path, read=selecting(socks), clock=lambda: now[0])
+    assert rtt.peers() == {"10.0.0.2": 0.001}
+    (tmp_path / "100" / "fd" / "4").symlink_to("socket:[12]")
+    now[0] = links.INODES_TTL_S / 2
+    assert rtt.peers() == {"10.0.0.2": 0.001}
+    now[0] = links.INODES_TTL_S + 1
+    assert rtt.peers() == {"10.0.0.2": 0.001, "10.0.0.3": 0.002}

@@ -92,3 +92,17 @@ def test_cause_chain_ignores_power_cap_alone_and_uses_clocks():
     assert attribute({**slow, "clock_ratio": 0.6}, peers) == "slow_clocks"
     assert attribute({**slow, "thermal": 1, "clock_ratio": 0.6}, peers) == "thermal_throttling"
     assert attribute({**slow, "xid_recent": 1}, peers) == "gpu_errors"
+
+
+def test_an_idle_gpus_low_clocks_are_not_slow_clocks():
+    """Issue #27: a GPU lowers its clocks when it idles (NVML's reason gpu_idle): a rank
+    starved of input, or waiting on a slow link, has an idle GPU with low clocks, and the
+    chain called it slow_clocks before its real cause. A busy GPU's low clocks still are."""
+    peers = {"own_seconds": 0.1, "data_seconds": 0.0}
+    starved = {"own_seconds": 0.13, "data_seconds": 0.03, "clock_ratio": 0.2}
+    assert attribute({**starved, "gpu_idle": 1}, peers) == "data_loading"
+    assert attribute({**starved, "utilization": 0.05}, peers) == "data_loading"
+    slow = {"own_seconds": 0.13, "data_seconds": 0.0, "clock_ratio": 0.45}
+    assert attribute({**slow, "utilization": 0.05}, peers) == "compute"
+    assert attribute({**slow, "gpu_idle": 0, "utilization": 0.98}, peers) == "slow_clocks"
+    assert attribute({**slow, "gpu_idle": 1, "hw_slowdown": 1}, peers) == "slow_clocks"
