@@ -167,6 +167,31 @@ def test_one_audit_row_per_action_names_the_person_and_puts_the_hash_last():
     assert not any(isinstance(v, float) and math.isnan(v) for v in frame["who"])
 
 
+def test_agent_records_written_before_their_request_join_it():
+    """The remediation policy's restart, as the demo's audit log holds it: each agent
+    wrote "delivered" before the policy wrote its request (it names the command ids the
+    agents answered). The Audit page showed 3 rows for the one action."""
+    recs = [
+        {"ts": 10.52, "who": "token", "on_behalf_of": "policy", "action": "restart",
+         "outcome": "delivered", "source": "agent", "node": "n0", "command": "n0-1"},
+        {"ts": 10.58, "who": "token", "on_behalf_of": "policy", "action": "restart",
+         "outcome": "delivered", "source": "agent", "node": "n1", "command": "n1-1"},
+        {"ts": 10.60, "who": "policy", "action": "restart", "outcome": "accepted",
+         "run": "demo", "why": "policy: RankHung -> restart", "source": "remediation",
+         "nodes": {"n0": "n0-1", "n1": "n1-1"}},
+        {"ts": 43.2, "who": "token", "on_behalf_of": "policy", "action": "restart",
+         "outcome": "completed", "source": "agent", "node": "n1", "command": "n1-1"},
+        {"ts": 55.0, "who": "token", "action": "fault:gpu_lost", "outcome": "applied",
+         "source": "agent", "node": "n1"},
+    ]
+    frame = auditview.actions(recs)
+    assert list(frame["action"]) == ["fault:gpu_lost", "restart"], frame
+    row = frame.iloc[1]
+    assert row["who"] == "policy" and row["records"] == 4 and row["outcome"] == "accepted"
+    assert row["nodes"] == "n0: delivered, n1: completed"
+    assert row["time (UTC)"] == pd.Timestamp(10.60, unit="s").floor("s")
+
+
 def test_the_newest_action_is_one_line_of_plain_text_from_the_log():
     """The Audit page says the newest action in words above its table. Every value is
     the log's: an operator's reason with a link, an image or HTML in it stays text,
