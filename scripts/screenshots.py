@@ -33,8 +33,9 @@ COLOURS = 96  # a palette: the pages are text, flat fills and a few chart colour
 # Node names: the demo's loopback nodes are sim-node-0 and sim-node-1.
 SHOTS: list[tuple[str, list[tuple[str, str, str]]]] = [
     ("detected: RankHung", [("run-hang.png", f"/run?run={RUN}", "Incident timeline")]),
-    ("detected: GpuDown", [("cluster.png", "/", "DOWN"),
-                           ("node-down.png", "/node?node=sim-node-1&gpu=0", "is DOWN")]),
+    ("detected: GpuDown", [  # it is back after 60 s
+        ("node-down.png", "/node?node=sim-node-1&gpu=0", "is DOWN"),
+        ("cluster.png", "/", "DOWN")]),
     ("detected: TrainingStraggler", [
         ("run.png", f"/run?run={RUN}", "cause:"),
         ("node.png", "/node?node=sim-node-0&gpu=0", "GPU 0 now:"),
