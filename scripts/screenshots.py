@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,8 +132,10 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             demo.kill()
     if pending:
-        print(f"screenshots: the demo ended before {[t for t, _ in pending]}", file=sys.stderr)
+        print(f"screenshots: the demo ended before {[t for t, _ in pending]}; its logs are "
+              f"in {state}", file=sys.stderr)
         return 1
+    shutil.rmtree(state, ignore_errors=True)
     return 0
 
 
