@@ -68,7 +68,7 @@ def shoot(browser, url: str, path: str, wait_for: str, dest: Path) -> None:
         # (twice: what is drawn late, the Run page's incident timeline, adds to it)
         for _ in range(2):
             page.wait_for_timeout(2500)  # charts draw after their script has loaded
-            tall = page.evaluate(TALL_JS)
+            tall = round(page.evaluate(TALL_JS))
             page.set_viewport_size({"width": WIDTH, "height": min(max(tall, 1100), MAX_HEIGHT)})
         page.wait_for_timeout(1000)
         raw = dest.with_suffix(".raw.png")
