@@ -29,7 +29,7 @@ def actions(records: list[dict]) -> pd.DataFrame:
     same command."""
     rows: list[dict] = []
     by_command: dict[str, dict] = {}
-    for r in records:
+    for r in _requests_first(records):
         command = r.get("command")
         row = by_command.get(command) if command else None
         if row is None:
@@ -56,6 +56,25 @@ def actions(records: list[dict]) -> pd.DataFrame:
                          "nodes": ", ".join(f"{n}: {s}" for n, s in sorted(row["states"].items()))}
                         for row in rows], columns=COLUMNS)
     return out.iloc[::-1].reset_index(drop=True)
+
+
+def _requests_first(records: list[dict]) -> list[dict]:
+    """`records` with each agent record of a requested command moved after the request:
+    an agent writes "delivered" as its command arrives, before the requester, waiting
+    for the command ids the agents answer, writes the request that names them (the
+    remediation policy's restarts in the demo read as 3 actions: the request and one
+    "delivered" per node)."""
+    requested: dict[str, int] = {}  # command id -> the index of the request naming it
+    for i, r in enumerate(records):
+        for ref in (r.get("nodes") or {}).values():
+            if isinstance(ref, str) and ref:
+                requested.setdefault(ref, i)
+
+    def place(i: int) -> tuple[int, int, int]:
+        j = requested.get(records[i].get("command") or "")
+        return (j, 1, i) if j is not None and j > i else (i, 0, i)
+
+    return [records[i] for i in sorted(range(len(records)), key=place)]
 
 
 def newest_line(frame: pd.DataFrame) -> str:

@@ -323,6 +323,48 @@ def node(prom_url: str, name: str, range_s: int, end: float | None = None) -> Re
     return _guard(f"node:{prom_url}:{name}:{range_s}:{end}", fetch)
 
 
+# The figures of one GPU's line on the Node page (its title in NODE_SERIES -> as read)
+GPU_NOW = ("temperature °C", "SM clock MHz", "utilization %", "power W")
+
+
+@dataclass
+class GpuNow:
+    """One GPU's latest figures (NODE_SERIES title -> value), the throttle reasons it
+    had in the window, and why it is down (None when it is up)."""
+
+    figures: dict[str, float]
+    throttled: list[str]
+    down: str | None
+
+
+@st.cache_data(ttl=5, show_spinner=False)
+def gpu_now(prom_url: str, name: str, gpu: str, range_s: int, end: float | None = None
+            ) -> Result:
+    """The Node page's line for the GPU a link opened it at, from one instant query: the
+    page's own fetch (`node`, 13 queries, 8 of them ranges, and their frames) took
+    0.15-0.3 s of the server under load before the line could be drawn. `gpu` is a
+    device index (digits), checked here: it comes from the URL and goes into PromQL."""
+    if not gpu.isdigit():
+        raise ValueError(f"gpu must be a device index, not {gpu!r}")
+    sel = f'"{name}",gpu="{gpu}"'
+    parts = {title: f"max ({NODE_SERIES[title].replace('NODE', sel)})" for title in GPU_NOW}
+    parts["throttle"] = (f"max by (reason) (max_over_time(clusterpulse_gpu_clock_event_active"
+                         f'{{node={sel},reason!="gpu_idle"}}[{int(range_s)}s])) == 1')
+    parts["down"] = f"max by (reason) (clusterpulse_gpu_down_reason{{node={sel}}})"
+
+    def fetch() -> GpuNow:
+        got = PrometheusClient(prom_url).query(_tagged(parts), at=end)
+        by_part: dict[str, list] = {}
+        for sample in got:
+            by_part.setdefault(sample.labels["part"], []).append(sample)
+        down = by_part.get("down", [])
+        return GpuNow({t: by_part[t][0].value for t in GPU_NOW if by_part.get(t)},
+                      sorted(x.labels.get("reason", "") for x in by_part.get("throttle", [])),
+                      down[0].labels.get("reason", "unknown") if down else None)
+
+    return _guard(f"gpu-now:{prom_url}:{name}:{gpu}:{range_s}:{end}", fetch)
+
+
 def _wide(rows, key: str) -> pd.DataFrame:
     frames = [pd.Series({pd.Timestamp(t, unit="s"): v for t, v in r.points},
                         name=f"{key} {r.labels.get(key, '?')}") for r in rows]

@@ -126,12 +126,14 @@ def show_status(result: Result, what: str = "Prometheus") -> bool:
     return result.value is not None
 
 
-def choose(label: str, names: Callable[[], Result], empty: str, param: str) -> str:
+def choose(label: str, names: Callable[[], Result], empty: str, param: str,
+           later: list[Callable[[], None]] | None = None) -> str:
     """A selector over names from Prometheus (`names` reads them), preselected by the
     URL's `param` (a deep link) and written back to it. While there are none (nothing
     reports yet, or Prometheus is down or slow at the page's first read) the page says
     so and reads again every refresh, reloading itself once there are: a page stopped
-    there waited for a manual reload forever."""
+    there waited for a manual reload forever. With `later`, the widget's place is kept
+    and it is drawn when the page calls what is appended there (see signin_box)."""
     first = names()
     if not first.value:
         _until_any(names, empty)
@@ -142,7 +144,14 @@ def choose(label: str, names: Callable[[], Result], empty: str, param: str) -> s
     if wanted is not None and wanted not in first.value:
         st.warning(f"{label} {wanted!r} from the link reports nothing now; showing another.")
         st.session_state.pop(key, None)
-    value = st.selectbox(label, first.value, key=key)
+    if later is None:
+        value = st.selectbox(label, first.value, key=key)
+    else:  # its place now, the widget after the page's first content (signin_box)
+        if st.session_state.get(key) not in first.value:
+            st.session_state.pop(key, None)  # what the widget then shows: the first
+        value = st.session_state.get(key, first.value[0])
+        slot = st.container()
+        later.append(lambda: slot.selectbox(label, first.value, key=key))
     _to_url(param, value)
     return value
 
@@ -185,12 +194,13 @@ def _until_any(names: Callable[[], Result], empty: str) -> None:
     waiting()
 
 
-def time_window() -> links.Window:
+def time_window(later: list[Callable[[], None]] | None = None) -> links.Window:
     """The sidebar's time picker (ranges, or a custom UTC window). A link's window is
     applied; otherwise the last one chosen is kept across pages (the range reset to
     15 min on every page change), and the URL always says which it is. The choice is
     kept outside the widgets (a page change gives them fresh state): their callbacks
-    store it before the page runs, and every run puts it back into them."""
+    store it before the page runs, and every run puts it back into them. With `later`,
+    the widgets are drawn when the page calls what it appends there."""
     ss, qp = st.session_state, st.query_params
     url = {k: qp[k] for k in links.WINDOW_KEYS if k in qp}
     last = ss.get("window_params")
@@ -203,15 +213,23 @@ def time_window() -> links.Window:
     if win.label == links.CUSTOM:
         start, end = win.bounds()
         ss["range_from"], ss["range_until"] = links.fmt_utc(start), links.fmt_utc(end)
-    st.sidebar.selectbox("Time range", [*links.RANGES, links.CUSTOM], key="range_choice",
-                         on_change=_window_chosen)
-    if win.label == links.CUSTOM:
-        st.sidebar.text_input("From (UTC)", key="range_from", on_change=_window_chosen,
-                              help="e.g. 2026-01-31T14:05")
-        st.sidebar.text_input("Until (UTC)", key="range_until", on_change=_window_chosen)
+    slot = st.sidebar.container()
+
+    def picker() -> None:
+        slot.selectbox("Time range", [*links.RANGES, links.CUSTOM], key="range_choice",
+                       on_change=_window_chosen)
+        if win.label == links.CUSTOM:
+            slot.text_input("From (UTC)", key="range_from", on_change=_window_chosen,
+                            help="e.g. 2026-01-31T14:05")
+            slot.text_input("Until (UTC)", key="range_until", on_change=_window_chosen)
+
+    if later is None:
+        picker()
+    else:  # after the page's first content (signin_box); its place is kept
+        later.append(picker)
     error = ss.pop("range_error", None)
     if error:
-        st.sidebar.error(error)
+        slot.error(error)
     ss["window_params"] = ss["window_url"] = win.params()
     for k in links.WINDOW_KEYS:
         if k not in win.params():
@@ -289,9 +307,18 @@ def _websocket_ends() -> tuple[tuple, tuple] | None:
     return tuple(peer[:2]), tuple(ours[:2])
 
 
-def operator() -> str | None:
-    """The signed-in operator's name, or None for a viewer. Renders the sign-in box."""
-    box = st.sidebar.container(border=True)
+def signin_box() -> DeltaGenerator:
+    """The sidebar's place for the sign-in box, kept at its top: a page draws its first
+    content, then the box (`operator(box)`). The form's text inputs are elements whose
+    code a browser loads on first use, and drawn first they came before the page's
+    figures on a first visit (docs/benchmarks.md)."""
+    return st.sidebar.container(border=True)
+
+
+def operator(box: DeltaGenerator | None = None) -> str | None:
+    """The signed-in operator's name, or None for a viewer. Renders the sign-in box, in
+    `box` (`signin_box()`) or at the sidebar's end."""
+    box = signin_box() if box is None else box
     oidc = _secrets_section("auth")
     if oidc:
         allowed = set((_secrets_section("operators_oidc") or {}).get("emails", []))

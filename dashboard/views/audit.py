@@ -18,8 +18,9 @@ HIDDEN_FROM_VIEWERS = ("sign-in", "authenticate", "webhook")
 @st.fragment
 def table() -> None:
     top = st.columns([1, 1, 1, 1])
-    if top[3].button("Refresh", icon=":material/refresh:"):
-        st.rerun(scope="fragment")
+    # a click reruns this fragment, which reads the log again (no st.rerun of its own:
+    # scope="fragment" raises where the click came with a whole page's run)
+    top[3].button("Refresh", icon=":material/refresh:")
     records = ui.audit_log().read(limit=2000)
     if operator is None:  # viewers: nothing about refused sign-ins or authentication
         records = [r for r in records if not (r.get("outcome") == "refused"

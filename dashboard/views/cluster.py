@@ -13,9 +13,13 @@ from clusterpulse.dashboard.incidents import alert_groups, run_alerts
 
 s = ui.settings()
 st.title("Cluster")
-ui.operator()
+signin = ui.signin_box()
 EVIDENCE = st.column_config.LinkColumn("evidence", display_text="open")
-metric = st.sidebar.selectbox("Heatmap metric", list(data.HEATMAP_METRICS), key="heat_metric")
+# the metric's selector is drawn after the figures (ui.signin_box), in its place here
+metric_slot = st.sidebar.container()
+if st.session_state.get("heat_metric") not in data.HEATMAP_METRICS:
+    st.session_state.pop("heat_metric", None)
+metric = st.session_state.get("heat_metric", next(iter(data.HEATMAP_METRICS)))
 
 
 @st.fragment(run_every=s.refresh_s)
@@ -99,3 +103,5 @@ def live() -> None:
 
 
 live()
+metric_slot.selectbox("Heatmap metric", list(data.HEATMAP_METRICS), key="heat_metric")
+ui.operator(signin)  # after the figures: see ui.signin_box

@@ -9,11 +9,15 @@ from clusterpulse.dashboard import data, explain, links, ui
 
 s = ui.settings()
 st.title("Node")
-ui.operator()
-win = ui.time_window()
+signin = ui.signin_box()
+later: list = []  # widgets drawn after the first content (ui.signin_box)
+win = ui.time_window(later)
 node = ui.choose("Node", lambda: data.node_names(s.prometheus_url), "No node reports yet.",
-                 "node")
+                 "node", later)
 focus = ui.url_param("gpu")  # a link to one GPU (an alert, a heatmap cell): it comes first
+if focus is not None and not focus.isdigit():  # it goes into PromQL (data.gpu_now)
+    st.warning(f"GPU {focus!r} from the link is not a GPU index; showing all GPUs.")
+    focus = None
 # The temperature the charts mark: GpuTemperatureHigh fires above it (throttling near)
 THROTTLE_C = 85.0
 # chart title -> (y axis title, threshold, its label)
@@ -47,30 +51,39 @@ NOW = {"temperature °C": "{:.0f} °C", "SM clock MHz": "SM clock {:,.0f} MHz",
        "utilization %": "utilization {:.0f} %", "power W": "{:.0f} W"}
 
 
-def now_line(d: dict, gpu: str, throttled: pd.DataFrame) -> str:
+def now_line(gpu: str, figures: dict[str, float], reasons: list[str]) -> str:
     """The GPU's latest figures and its throttle reasons in one line of text: it draws
     at once, where the charts below wait for the browser to load and draw them (a
     second or more on a first visit)."""
-    column = f"gpu {gpu}"
-    figures = []
-    for title, fmt in NOW.items():
+    shown = [fmt.format(figures[title]) for title, fmt in NOW.items() if title in figures]
+    return (f"**GPU {gpu} now:** {' · '.join(shown) or 'no figures reported'} · "
+            + (f"**throttled in this range:** {', '.join(reasons)}" if reasons
+               else "no throttling in this range"))
+
+
+def figures_of(d: dict, gpu: str) -> dict[str, float]:
+    """The GPU's last figures from the page's series (when data.gpu_now had none)."""
+    column, out = f"gpu {gpu}", {}
+    for title in NOW:
         frame = d["series"].get(title, pd.DataFrame())
         values = frame[column].dropna() if column in frame else pd.Series(dtype=float)
         if not values.empty:
-            figures.append(fmt.format(values.iloc[-1]))
-    reasons = sorted(set(throttled["reason"])) if not throttled.empty else []
-    return (f"**GPU {gpu} now:** {' · '.join(figures) or 'no figures reported'} · "
-            + (f"**throttled in this range:** {', '.join(reasons)}" if reasons
-               else "no throttling in this range"))
+            out[title] = float(values.iloc[-1])
+    return out
+
+
+def gpu_head(gpu: str, figures: dict[str, float], reasons: list[str]) -> None:
+    """The GPU's heading, its link to the whole node and its line: the page's first
+    content when a link opened it at this GPU."""
+    st.subheader(f"GPU {gpu}")
+    st.caption(f"[All GPUs of {node}]({links.page_url('node', {'node': node}, ui.keep())})")
+    st.markdown(now_line(gpu, figures, reasons))
 
 
 def gpu_evidence(d: dict, gpu: str) -> None:
     """One GPU's temperature, clocks and throttle reasons together, first on the page:
     the slow GPU's evidence took 6 clicks and ~150 s to gather."""
-    st.subheader(f"GPU {gpu}")
-    st.caption(f"[All GPUs of {node}]({links.page_url('node', {'node': node}, ui.keep())})")
     rows = throttle_rows(d, gpu)
-    st.markdown(now_line(d, gpu, rows))
     column = f"gpu {gpu}"
     cols = st.columns(2)
     for i, title in enumerate(("temperature °C", "SM clock MHz")):
@@ -83,14 +96,24 @@ def gpu_evidence(d: dict, gpu: str) -> None:
 
 @st.fragment(run_every=s.refresh_s)
 def live() -> None:
+    banners = st.container()  # down GPUs, first: filled once the page's data is in
+    now = None
+    if focus is not None:  # the link's GPU in a line from one query, before the page's 13
+        now = data.gpu_now(s.prometheus_url, node, focus, win.seconds, win.end).value
+        if now is not None and now.down is None:
+            gpu_head(focus, now.figures, now.throttled)
     result = data.node(s.prometheus_url, node, win.seconds, win.end)
     if not ui.show_status(result):
         return
     d = result.value
-    for gpu, reason in sorted(d["down"].items()):  # first: the rest of the page lacks it
-        st.error(f"GPU {gpu} is DOWN — {explain.down_reason(reason)}. It reports nothing "
-                 "else, so it is missing from the charts below.")
+    for gpu, reason in sorted(d["down"].items()):  # the rest of the page lacks them
+        banners.error(f"GPU {gpu} is DOWN — {explain.down_reason(reason)}. It reports "
+                      "nothing else, so it is missing from the charts below.")
     if focus is not None and focus not in d["down"]:
+        if now is None or now.down is not None:  # not drawn above: from the page's data
+            throttled = throttle_rows(d, focus)
+            gpu_head(focus, figures_of(d, focus),
+                     sorted(set(throttled["reason"])) if not throttled.empty else [])
         gpu_evidence(d, focus)
         st.subheader("All GPUs")
     cols = st.columns(2)
@@ -131,3 +154,6 @@ def live() -> None:
 
 
 live()
+for draw in later:
+    draw()
+ui.operator(signin)  # after the GPU's line and charts: see ui.signin_box

@@ -14,10 +14,11 @@ from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
 s = ui.settings()
 st.title("Run")
-who = ui.operator()
-win = ui.time_window()
+signin = ui.signin_box()
+later: list = []  # widgets drawn after the first content (ui.signin_box)
+win = ui.time_window(later)
 run = ui.choose("Run", lambda: data.run_names(s.prometheus_url), "No training run reports yet.",
-                "run")
+                "run", later)
 focus = ui.url_param("rank")  # a link to one rank (an alert, a heatmap cell)
 COLUMNS = {
     "flag": st.column_config.TextColumn("flag", width=100),
@@ -100,6 +101,9 @@ def live() -> None:
 
 
 live()
+for draw in later:
+    draw()
+who = ui.operator(signin)  # after the figures and the table: see ui.signin_box
 
 
 def incident_timeline() -> None:

@@ -167,6 +167,64 @@ def test_one_audit_row_per_action_names_the_person_and_puts_the_hash_last():
     assert not any(isinstance(v, float) and math.isnan(v) for v in frame["who"])
 
 
+def test_agent_records_written_before_their_request_join_it():
+    """The remediation policy's restart, as the demo's audit log holds it: each agent
+    wrote "delivered" before the policy wrote its request (it names the command ids the
+    agents answered). The Audit page showed 3 rows for the one action."""
+    recs = [
+        {"ts": 10.52, "who": "token", "on_behalf_of": "policy", "action": "restart",
+         "outcome": "delivered", "source": "agent", "node": "n0", "command": "n0-1"},
+        {"ts": 10.58, "who": "token", "on_behalf_of": "policy", "action": "restart",
+         "outcome": "delivered", "source": "agent", "node": "n1", "command": "n1-1"},
+        {"ts": 10.60, "who": "policy", "action": "restart", "outcome": "accepted",
+         "run": "demo", "why": "policy: RankHung -> restart", "source": "remediation",
+         "nodes": {"n0": "n0-1", "n1": "n1-1"}},
+        {"ts": 43.2, "who": "token", "on_behalf_of": "policy", "action": "restart",
+         "outcome": "completed", "source": "agent", "node": "n1", "command": "n1-1"},
+        {"ts": 55.0, "who": "token", "action": "fault:gpu_lost", "outcome": "applied",
+         "source": "agent", "node": "n1"},
+    ]
+    frame = auditview.actions(recs)
+    assert list(frame["action"]) == ["fault:gpu_lost", "restart"], frame
+    row = frame.iloc[1]
+    assert row["who"] == "policy" and row["records"] == 4 and row["outcome"] == "accepted"
+    assert row["nodes"] == "n0: delivered, n1: completed"
+    assert row["time (UTC)"] == pd.Timestamp(10.60, unit="s").floor("s")
+
+
+def test_the_audit_page_filters_by_person_and_refreshes(tmp_path, monkeypatch):
+    """Issue #28 item 6: filters and a refresh on the Audit page (its table was the
+    whole log, as it was when the page opened)."""
+    import json
+
+    from streamlit.testing.v1 import AppTest
+
+    from tests.support.ports import free_port
+    from tests.support.procs import REPO
+
+    log = tmp_path / "audit.jsonl"
+    records = [{"ts": 100.0, "who": "alice", "action": "checkpoint-restart", "why": "slow",
+                "outcome": "accepted", "run": "llm", "source": "dashboard"},
+               {"ts": 200.0, "who": "policy", "action": "restart", "why": "RankHung",
+                "outcome": "accepted", "run": "demo", "source": "remediation"}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(log))
+    monkeypatch.setenv("CLUSTERPULSE_PROMETHEUS_URL", f"http://127.0.0.1:{free_port()}")
+    at = AppTest.from_file(str(REPO / "dashboard" / "views" / "audit.py"), default_timeout=60)
+    at.run()
+    assert not at.exception, at.exception
+    assert list(at.dataframe[0].value["who"]) == ["policy", "alice"]
+    who = next(m for m in at.multiselect if m.label == "Who")
+    who.select("alice").run()
+    assert list(at.dataframe[0].value["who"]) == ["alice"]
+    assert any("**alice** checkpoint-restart" in m.value for m in at.markdown)
+    with log.open("a") as f:  # a new action by alice, after the page was drawn
+        f.write(json.dumps({**records[0], "ts": 300.0, "why": "again"}) + "\n")
+    next(b for b in at.button if b.label == "Refresh").click().run()
+    assert not at.exception, at.exception
+    assert list(at.dataframe[0].value["why"]) == ["again", "slow"]
+
+
 def test_the_newest_action_is_one_line_of_plain_text_from_the_log():
     """The Audit page says the newest action in words above its table. Every value is
     the log's: an operator's reason with a link, an image or HTML in it stays text,
