@@ -153,6 +153,18 @@ def jobs(samples: list) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["run", "step", "state"])
 
 
+def run_step(per_rank: dict[str, dict[str, float]]) -> tuple[str, str | None]:
+    """The Run page's Step figure and its caption. A restarted rank reports step 0
+    until it has loaded its checkpoint, so during every restart the figure read
+    "Step 0" (issue #28): a run whose ranks are all behind its last checkpoint is
+    restarting from it, as the Cluster page's Jobs table says (`jobs`)."""
+    step = max(per_rank["step"].values(), default=0)
+    ckpt = max(per_rank["checkpoint step"].values(), default=None)
+    if ckpt is not None and step < ckpt:
+        return "restarting", f"from checkpoint step {ckpt:.0f}"
+    return f"{step:.0f}", None
+
+
 @st.cache_data(ttl=5, show_spinner=False)
 def cluster(prom_url: str, am_url: str, metric: str) -> Result:
     def fetch() -> dict:

@@ -41,11 +41,13 @@ def live() -> None:
         return
     d = result.value
     per = d["per_rank"]
-    step = max(per["step"].values(), default=0)
+    step, step_note = data.run_step(per)
     ckpt_step = max(per["checkpoint step"].values(), default=None)
     ckpt_time = max(per["checkpoint time"].values(), default=None)
     c = st.columns(6)
-    ui.kpi(c[0], "Step", f"{step:.0f}")
+    ui.kpi(c[0], "Step", step)
+    if step_note:
+        c[0].caption(step_note)
     ui.kpi(c[1], "Steps / s", f"{d['step_rate']:.2f}",
            rate_against_usual(d["step_rate"], d["step_rate_usual"]))
     ui.kpi(c[2], "Loss", f"{per['loss'].get('0', float('nan')):.3f}")

@@ -70,3 +70,17 @@ def test_a_restarting_job_says_so_instead_of_step_0():
     new = jobs([Sample({"run": "c", "part": "restarting"}, 1.0)]).set_index("run")
     assert new.loc["c", "state"] == "starting" and pd.isna(new.loc["c", "step"])
     assert jobs([Sample({"run": "old", "part": "checkpoint"}, 50.0)]).empty
+
+
+def test_the_run_pages_step_says_restarting_instead_of_step_0():
+    """The screenshots of the demo's hang showed the Run page's Step figure at 0 while
+    the ranks restarted (the Jobs table above had been fixed, this figure not)."""
+    from clusterpulse.dashboard.data import run_step
+
+    restarting = {"step": {"0": 0.0, "1": 0.0}, "checkpoint step": {"0": 150.0, "1": 150.0}}
+    assert run_step(restarting) == ("restarting", "from checkpoint step 150")
+    # one rank already past its checkpoint: training again
+    assert run_step({"step": {"0": 151.0, "1": 0.0}, "checkpoint step": {"0": 150.0}}) == \
+        ("151", None)
+    assert run_step({"step": {"0": 42.0}, "checkpoint step": {}}) == ("42", None)
+    assert run_step({"step": {}, "checkpoint step": {}}) == ("0", None)
