@@ -111,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "request wait apart and hold none); more get 503 (default: 64)")
     p.add_argument("--audit-log", type=Path, help="JSON-lines audit log of control actions")
     p.add_argument("--state-dir", type=Path,
-                   help="directory for state that must survive agent restarts (XID counts, "
-                   "NVML backend); e.g. /var/lib/clusterpulse. Default: none (counts restart "
+                   help="directory for state that must survive agent restarts (XID counts and "
+                   "the GPUs seen, NVML backend; docs/agent.md); e.g. /var/lib/clusterpulse. "
+                   "Default: none (counts restart "
                    "at zero, so an XID just after an agent restart can be missed)")
     p.add_argument("--sysfs", type=Path, default=Path("/sys"),
                    help="sysfs root for NIC port health (InfiniBand/RoCE counters, Ethernet "
@@ -153,7 +154,8 @@ def make_backend(args: argparse.Namespace, ranks: RankRegistry) -> Backend:
 
         try:
             xid_state = args.state_dir / "xid-counts.json" if args.state_dir else None
-            return NvmlBackend(xid_state=xid_state)
+            gpu_state = args.state_dir / "gpus.json" if args.state_dir else None
+            return NvmlBackend(xid_state=xid_state, gpu_state=gpu_state)
         except BackendError as err:
             if args.backend == "nvml":
                 raise UsageError(str(err)) from None

@@ -61,14 +61,21 @@ class XidLedger:
         return dict(totals)
 
     def _save(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".xid-", suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump({u: {str(k): v for k, v in c.items()} for u, c in self._totals.items()
-                           if c}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except OSError as err:  # a full disk must not stop monitoring
-            log.warning("cannot write XID state %s: %s", self.path, err)
+        write_json_atomic(self.path, {u: {str(k): v for k, v in c.items()}
+                                      for u, c in self._totals.items() if c}, "XID state")
+
+
+def write_json_atomic(path: Path, data: object, what: str) -> None:
+    """Write `data` as JSON to `path` so that a crash leaves the old file or the new one,
+    never half of one (temporary file, fsync, rename); a failure is logged, not raised:
+    a full disk must not stop monitoring."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        log.warning("cannot write %s %s: %s", what, path, err)

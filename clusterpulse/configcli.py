@@ -46,6 +46,10 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("systemd", "systemd/clusterpulse-egress.default", "egress filter settings"),
     ("systemd", "systemd/prometheus-clusterpulse-scrape.conf",
      "prometheus.service drop-in: the group the egress filter lets through"),
+    ("slurm", "slurm/healthcheck.sh",
+     "slurm.conf HealthCheckProgram: drains a node with a GPU problem (executable)"),
+    ("slurm", "slurm/policy.toml", "remediation policy for Slurm: drain-node"),
+    ("slurm", "slurm/train.sbatch", "multi-node torchrun job with an agent step per node"),
     # Past one machine (docs/scaling.md): vmagent scrape shards, vmalert, VictoriaMetrics.
     ("victoriametrics", "victoriametrics/vmagent.yml",
      "scrape config for the vmagent shards (hashmod of each agent's address)"),
@@ -67,6 +71,9 @@ examples:
 
   # everything into /etc/clusterpulse (prometheus/, alertmanager/, local/policy.toml, ...)
   clusterpulse-config write /etc/clusterpulse
+
+  # a Slurm node: slurm.conf's HealthCheckProgram=/etc/clusterpulse/slurm/healthcheck.sh
+  clusterpulse-config write /etc/clusterpulse --only slurm
 
   # only the Prometheus rules, replacing older copies
   clusterpulse-config write /etc/prometheus/clusterpulse --only prometheus --force
@@ -119,7 +126,10 @@ def write(dest: Path, only: list[str] | None, force: bool) -> list[Path]:
     for path, rel in targets:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(_read(rel))
+            data = _read(rel)
+            path.write_bytes(data)
+            if data.startswith(b"#!"):  # a script: slurmd or systemd runs it as it lands
+                path.chmod(0o755)
         except OSError as err:
             raise UsageError(f"cannot write {path}: {err.strerror}") from err
         written.append(path)
@@ -130,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="clusterpulse-config",
         description="Write out the configuration shipped with ClusterPulse: Prometheus "
-        "rules, Alertmanager routing, the remediation policy, Grafana dashboards and "
-        "systemd units.",
+        "rules, Alertmanager routing, the remediation policy, Grafana dashboards, "
+        "systemd units and the Slurm health check.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{list,write,show}")

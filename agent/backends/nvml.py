@@ -11,7 +11,10 @@ A GPU is known by its UUID, not by NVML's index: after a re-initialisation the
 driver may enumerate one GPU fewer (one fell off the bus) and shift the others'
 indices, so each GPU keeps the `gpu` label it had when the agent first saw it, its
 unsupported metrics, and its XID counts; the lost one is exported as `missing` and
-re-probed until it returns.
+re-probed until it returns. With a state directory the GPUs seen are remembered
+(agent/gpuroster.py), so this holds across agent restarts too: a GPU lost before the
+restart is still exported, down, under its own label. A GPU with a new UUID in the PCI
+slot of a missing one is its replacement: it takes over the label.
 
 The `nvml` module is a constructor argument so that the same code runs against the
 real driver and against a fake at the pynvml API level on machines without a GPU.
@@ -32,6 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from clusterpulse.agent.backends import BackendError, CollectionFailed
+from clusterpulse.agent.gpuroster import GpuRoster, KnownGpu
 from clusterpulse.agent.sample import GpuSample, NvLinkSample, decode_clock_events
 from clusterpulse.agent.xidstate import XidLedger
 
@@ -86,6 +90,7 @@ class _Device:
     sm_clock_max_hertz: float | None = None
     memory_total_bytes: float | None = None
     missing: bool = False
+    probed: bool = True  # False: known from the roster only, static facts not read yet
     xid_counts: dict[int, int] = field(default_factory=dict)
     nvlinks: int = 0  # links found at start (0: no NVLink, or not supported)
     pcie_gen_max: float | None = None
@@ -108,10 +113,12 @@ class NvmlBackend:
     REINIT_RETRY_S = 5.0  # after a re-initialisation that failed
 
     def __init__(self, nvml: ModuleType | None = None, clock=time.monotonic,
-                 xid_state: Path | None = None) -> None:
+                 xid_state: Path | None = None, gpu_state: Path | None = None) -> None:
         self._nvml = nvml if nvml is not None else importlib.import_module("pynvml")
         # XID totals persisted across agent restarts (None: this process's counts only).
         self._xids = XidLedger(xid_state) if xid_state is not None else None
+        # The GPUs ever seen on this node (None: only those NVML lists at start).
+        self._roster = GpuRoster(gpu_state) if gpu_state is not None else None
         self._clock = clock
         self._unsupported: dict[tuple[str, str], str] = {}  # (uuid, metric) -> reason
         self._errors: collections.Counter[str] = collections.Counter()
@@ -124,6 +131,11 @@ class NvmlBackend:
         self._reinit_interval = self.REINIT_INTERVAL_S
         self._driver_version = ""
         self.calls = collections.Counter()  # NVML calls by function, for benchmarks
+        for known in self._roster.load() if self._roster is not None else ():
+            self._devices[known.uuid] = _Device(
+                index=known.index, handle=None, uuid=known.uuid, name=known.name,
+                pci_bus_id=known.pci_bus_id, missing=True, probed=False)
+            self._order.append(known.uuid)
         try:
             self._init()
         except self._nvml.NVMLError as err:
@@ -145,6 +157,7 @@ class NvmlBackend:
         self._driver_version = version.decode() if isinstance(version, bytes) else str(version)
         count = self._call("nvmlDeviceGetCount")
         seen: set[str] = set()
+        changed = False
         for index in range(count):
             try:
                 handle = self._call("nvmlDeviceGetHandleByIndex", index)
@@ -156,15 +169,42 @@ class NvmlBackend:
             seen.add(uuid)
             dev = self._devices.get(uuid)
             if dev is None:
-                dev = _Device(index=self._free_label(index), handle=handle, uuid=uuid)
+                dev = _Device(index=-1, handle=handle, uuid=uuid)
+                self._read_static(dev)
+                label = self._replaced_label(dev, seen)
+                dev.index = self._free_label(index) if label is None else label
                 self._devices[uuid] = dev
                 self._order.append(uuid)
+                changed = True
+            elif not dev.probed:  # remembered, and here again after the restart
+                dev.handle = handle
                 self._read_static(dev)
+                dev.probed = True
             dev.handle, dev.missing = handle, False
         for uuid, dev in self._devices.items():
             if uuid not in seen:
                 dev.missing = True
+        if changed and self._roster is not None:
+            self._roster.save([KnownGpu(d.uuid, d.index, d.pci_bus_id, d.name)
+                               for d in self._devices.values()])
         self._register_xid_events()
+
+    def _replaced_label(self, dev: _Device, seen: set[str]) -> int | None:
+        """A GPU new to the agent in the PCI slot of a known GPU that NVML no longer
+        lists is that GPU's replacement (a card swapped during maintenance): it takes
+        the old one's label, and the old one is forgotten. None if it is no such GPU."""
+        if not dev.pci_bus_id:
+            return None
+        for uuid, old in list(self._devices.items()):
+            if uuid not in seen and old.pci_bus_id.lower() == dev.pci_bus_id.lower():
+                log.warning("gpu %d: %s replaced by %s in PCI slot %s", old.index, uuid,
+                            dev.uuid, dev.pci_bus_id)
+                del self._devices[uuid]
+                self._order.remove(uuid)
+                for key in [k for k in self._unsupported if k[0] == uuid]:
+                    del self._unsupported[key]
+                return old.index
+        return None
 
     def _free_label(self, index: int) -> int:
         """The label for a GPU new to the agent: NVML's index, unless a known GPU (up

@@ -1,6 +1,8 @@
 #!/bin/sh
-# Slurm HealthCheckProgram for ClusterPulse nodes. In slurm.conf:
-#   HealthCheckProgram=/opt/clusterpulse/deploy/slurm/healthcheck.sh
+# Slurm HealthCheckProgram for ClusterPulse nodes. It ships in the package: on each
+# node `clusterpulse-config write /etc/clusterpulse --only slurm` writes it, executable,
+# to /etc/clusterpulse/slurm/healthcheck.sh. In slurm.conf:
+#   HealthCheckProgram=/etc/clusterpulse/slurm/healthcheck.sh
 #   HealthCheckInterval=60
 #   HealthCheckNodeState=ANY
 # slurmd runs it with an (almost) empty environment: only SLURMD_NODENAME is set, and

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -56,6 +58,31 @@ def test_config_write_copies_every_shipped_file(tmp_path: Path, capsys):
     assert configcli.main(["write", str(tmp_path)]) == 2
     assert "--force" in capsys.readouterr().err
     assert configcli.main(["write", str(tmp_path), "--force", "--only", "policy"]) == 0
+
+
+def test_the_slurm_health_check_the_docs_name_is_what_config_write_installs(tmp_path: Path):
+    """Review (issue #30): docs/deploy.md said no checkout is needed on any host, then
+    pointed slurm.conf at /opt/clusterpulse/deploy/slurm/healthcheck.sh, which only a
+    checkout has: slurmd would run a missing program and check no node. Every
+    HealthCheckProgram the docs and the script name must be what the documented
+    `clusterpulse-config write DIR --only slurm` puts there, executable and runnable."""
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    script = REPO / "deploy" / "slurm" / "healthcheck.sh"
+    named = re.findall(r"HealthCheckProgram=(/\S+?)[`\s]", docs + script.read_text())
+    assert len(named) >= 2, named
+    dest = re.search(r"`clusterpulse-config write (/\S+) --only slurm`", docs)
+    assert dest, "docs/deploy.md does not say how a node gets the health check"
+    assert configcli.main(["write", str(tmp_path), "--only", "slurm"]) == 0
+    for program in named:
+        rel = Path(program).relative_to(dest.group(1))  # ValueError: not where it lands
+        written = tmp_path / rel
+        assert written.read_bytes() == script.read_bytes(), program
+        assert os.access(written, os.X_OK), f"{program} is written without its x bit"
+    env = tmp_path / "env"
+    env.write_text(f"CLUSTERPULSE_HEALTHCHECK={shutil.which('echo')}\n")
+    r = subprocess.run([str(tmp_path / rel)], capture_output=True, text=True, timeout=30,
+                       env={"CLUSTERPULSE_HEALTHCHECK_ENV": str(env)})
+    assert (r.returncode, r.stdout) == (0, "--drain --detach\n"), r.stderr
 
 
 def test_written_config_passes_promtool_and_amtool_as_written(tmp_path: Path, capsys):

@@ -2,10 +2,14 @@
 tests that need a node whose GPU counters start where the test says: a node first seen
 with NVLink errors behind it (tests/integration/test_sharded_scrape.py).
 
-    python -m tests.fakes.nvml_agent [AGENT ARGS...] --nvlink-errors N
+    python -m tests.fakes.nvml_agent [AGENT ARGS...] [--nvlink-errors N] [--fake-gpus N]
+                                     [--lost-gpu I]
 
 --nvlink-errors N: GPU 0's NVLink 0 has counted N replay errors before the agent starts
-(flat from then on). Every other argument goes to the agent unchanged.
+(flat from then on). --fake-gpus N: the node has N GPUs (default 2). --lost-gpu I: GPU I
+(UUID GPU-fake-I) is off the bus before the agent starts, so NVML does not list it
+(tests/integration/test_healthcheck.py). Every other argument goes to the agent
+unchanged.
 """
 
 from __future__ import annotations
@@ -18,16 +22,28 @@ from clusterpulse.agent import cli
 from tests.fakes.fake_pynvml import FakeNvml
 
 
+def _take(argv: list[str], flag: str) -> tuple[int | None, list[str]]:
+    """The whole number after `flag` (None if absent) and argv without the two."""
+    if flag not in argv:
+        return None, argv
+    i = argv.index(flag)
+    if i + 1 == len(argv) or not argv[i + 1].isdigit():
+        raise ValueError(f"nvml_agent: {flag} needs a whole number")
+    return int(argv[i + 1]), argv[:i] + argv[i + 2:]
+
+
 def main(argv: list[str]) -> int:
-    errors = 0
-    if "--nvlink-errors" in argv:
-        i = argv.index("--nvlink-errors")
-        if i + 1 == len(argv) or not argv[i + 1].isdigit():
-            print("nvml_agent: --nvlink-errors needs a whole number", file=sys.stderr)
-            return 2
-        errors, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
-    fake = FakeNvml(gpus=2)
-    fake.gpus[0].nvlink_errors[(0, pynvml.NVML_NVLINK_ERROR_DL_REPLAY)] = errors
+    try:
+        errors, argv = _take(argv, "--nvlink-errors")
+        gpus, argv = _take(argv, "--fake-gpus")
+        lost, argv = _take(argv, "--lost-gpu")
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    fake = FakeNvml(gpus=2 if gpus is None else gpus)
+    fake.gpus[0].nvlink_errors[(0, pynvml.NVML_NVLINK_ERROR_DL_REPLAY)] = errors or 0
+    if lost is not None:
+        fake.gpus[lost].lost = True
     # The backend imports "pynvml" when it starts: it gets the fake.
     sys.modules["pynvml"] = fake  # type: ignore[assignment]
     return cli.main([*argv, "--backend", "nvml"])  # last: over a --backend sim before

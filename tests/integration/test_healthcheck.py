@@ -6,6 +6,7 @@ exit 0 healthy, 1 problem (with the reason on stdout), 2 unknown."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -134,3 +135,34 @@ def test_bad_arguments_are_one_line_errors():
                         "127.0.0.1:9477"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and "--agent must be an http:// or https:// URL" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_gpu_lost_before_an_agent_restart_is_still_a_problem_after_it(tmp_path):
+    """Review (issue #30): a GPU off the bus, then an agent restart (a DaemonSet rollout,
+    Restart=always) with the same --state-dir: the restarted agent listed the others,
+    all up, the next one relabelled, so the health check said OK and NPD/draino or
+    Slurm put the node with a dead GPU back into service. The real agent over the fake
+    NVML, run twice on one state directory."""
+    state = tmp_path / "state"
+    extra = ["--state-dir", str(state), "--fake-gpus", "4"]
+    proc, port, _ = start_agent_cli(tmp_path, "hc-restart", module="tests.fakes.nvml_agent",
+                                    extra=extra)
+    try:
+        wait_until(lambda: healthcheck(f"http://127.0.0.1:{port}").returncode == OK, 30,
+                   "the healthy node's check to say OK")
+    finally:
+        proc.stop()
+    proc, port, _ = start_agent_cli(tmp_path, "hc-restart", module="tests.fakes.nvml_agent",
+                                    extra=[*extra, "--lost-gpu", "2"])
+    try:
+        r = wait_until(lambda: (x := healthcheck(f"http://127.0.0.1:{port}")).returncode
+                       != UNKNOWN and x, 30, "the restarted agent's first collection")
+        metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    finally:
+        proc.stop()
+    assert r.returncode == PROBLEM and "GPU 2 down (missing)" in r.stdout, r.stdout + r.stderr
+    up = {m.group(1, 2): float(m.group(3)) for m in re.finditer(
+        r'^clusterpulse_gpu_up\{[^}]*gpu="(\d+)"[^}]*uuid="([^"]+)"[^}]*\} (\S+)$',
+        metrics, re.M)}
+    assert up == {("0", "GPU-fake-0"): 1, ("1", "GPU-fake-1"): 1,
+                  ("2", "GPU-fake-2"): 0, ("3", "GPU-fake-3"): 1}, up

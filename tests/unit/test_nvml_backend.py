@@ -1,6 +1,7 @@
 """The NVML backend against a fake at the pynvml API level."""
 
 import contextlib
+import json
 
 import pynvml
 import pytest
@@ -270,3 +271,65 @@ def test_link_health_nvlink_state_and_errors_and_pcie_width_against_max():
     fake.calls.clear()
     backend.collect()  # the PCIe-only board is not asked about NVLink again
     assert fake.calls["nvmlDeviceGetNvLinkState"] == 3
+
+
+def test_a_gpu_lost_before_an_agent_restart_stays_down_under_its_own_label(tmp_path):
+    """Review (issue #30): GPU 2 fell off the bus, then the agent restarted with its
+    --state-dir kept. The restarted agent listed 3 GPUs, all up, with GPU-fake-3
+    relabelled gpu="2": the health check said OK and the node went back into service.
+    Now the GPUs are remembered by UUID: the lost one is still exported, down, as
+    gpu="2", and the others keep their labels."""
+    state = tmp_path / "state"
+    fake = FakeNvml(gpus=4)
+    before = NvmlBackend(nvml=fake, xid_state=state / "xid-counts.json",
+                         gpu_state=state / "gpus.json")
+    fake.events.append((2, 79))
+    first = _labels(before.collect())
+    fake.gpus[2].lost = True
+    assert [(g.index, g.up) for g in before.collect()][2] == (2, False)
+    before.close()
+    after = NvmlBackend(nvml=fake, xid_state=state / "xid-counts.json",
+                        gpu_state=state / "gpus.json")  # the agent restarted
+    for _ in range(3):
+        s = after.collect()
+        assert _labels(s) == first
+        assert [(g.uuid, g.up, g.down_reason) for g in s] == [
+            ("GPU-fake-0", True, ""), ("GPU-fake-1", True, ""),
+            ("GPU-fake-2", False, "missing"), ("GPU-fake-3", True, "")]
+    assert s[2].xid_errors_total == {79: 1} and s[2].pci_bus_id == "00000000:03:00.0"
+    assert s[3].power_watts == 350.0  # the survivor's static facts are read again
+    fake.gpus[2].lost = False  # back (a reset): up again under its label
+    clock = Clock()
+    back = NvmlBackend(nvml=fake, clock=clock, gpu_state=state / "gpus.json")
+    assert _labels(s := back.collect()) == first and all(g.up for g in s)
+
+
+def test_a_replaced_card_takes_its_slots_label_and_an_operator_can_forget_a_gpu(tmp_path):
+    """After a dead card is swapped (a new UUID in the same PCI slot) the new card is
+    gpu="2", not gpu="4" beside a GPU 2 down for ever; a card removed for good stays
+    down until the operator deletes its entry from gpus.json (docs/agent.md)."""
+    roster = tmp_path / "gpus.json"
+    fake = FakeNvml(gpus=4)
+    NvmlBackend(nvml=fake, gpu_state=roster).close()
+    fake.gpus[2].uuid = "GPU-replacement"
+    s = NvmlBackend(nvml=fake, gpu_state=roster).collect()
+    assert _labels(s) == {"GPU-fake-0": 0, "GPU-fake-1": 1, "GPU-replacement": 2,
+                          "GPU-fake-3": 3} and all(g.up for g in s)
+    assert "GPU-fake-2" not in json.loads(roster.read_text())
+    fake.gpus[1].lost = True  # pulled for good, the node runs with three
+    assert not NvmlBackend(nvml=fake, gpu_state=roster).collect()[1].up
+    known = json.loads(roster.read_text())
+    del known["GPU-fake-1"]  # the operator, agent stopped
+    roster.write_text(json.dumps(known))
+    s = NvmlBackend(nvml=fake, gpu_state=roster).collect()
+    assert _labels(s) == {"GPU-fake-0": 0, "GPU-replacement": 2, "GPU-fake-3": 3}
+    assert all(g.up for g in s)
+
+
+def test_an_unreadable_gpu_roster_starts_from_nvml_without_failing(tmp_path):
+    roster = tmp_path / "gpus.json"
+    for bad in ("{not json", "[1, 2]", '{"GPU-x": {"gpu": "two"}, "GPU-y": {"gpu": 0}, '
+                '"GPU-z": {"gpu": 0}}'):
+        roster.write_text(bad)
+        s = NvmlBackend(nvml=FakeNvml(gpus=2), gpu_state=roster).collect()
+        assert [(g.uuid, g.up) for g in s if g.up] == [("GPU-fake-0", True), ("GPU-fake-1", True)]
