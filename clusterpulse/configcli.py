@@ -53,6 +53,8 @@ FILES: tuple[tuple[str, str, str], ...] = (
     # Past one machine (docs/scaling.md): vmagent scrape shards, vmalert, VictoriaMetrics.
     ("victoriametrics", "victoriametrics/vmagent.yml",
      "scrape config for the vmagent shards (hashmod of each agent's address)"),
+    ("victoriametrics", "victoriametrics/store-scrape.yml",
+     "the store's own scrape config: the remediation receiver on its host's loopback"),
     ("victoriametrics", "victoriametrics/clusterpulse-vmagent@.service",
      "scrape shard unit (instance = shard number)"),
     ("victoriametrics", "victoriametrics/clusterpulse-vmagent.default",

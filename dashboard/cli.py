@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prometheus", default="http://127.0.0.1:9090",
                    help="Prometheus-compatible API URL")
+    p.add_argument("--prometheus-password-file", type=Path,
+                   help="password for the store's basic auth (VictoriaMetrics past one "
+                   "machine, docs/scaling.md), as user --prometheus-user")
+    p.add_argument("--prometheus-user", default="clusterpulse")
     p.add_argument("--alertmanager", default="http://127.0.0.1:9093")
     p.add_argument("--alertmanager-password-file", type=Path,
                    help="password for Alertmanager's basic auth (its web config), as user "
@@ -73,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         env["CLUSTERPULSE_AGENT_TOKEN_FILE"] = str(a.token_file.resolve())
     if a.operators_file:
         env["CLUSTERPULSE_OPERATORS_FILE"] = str(a.operators_file.resolve())
+    if a.prometheus_password_file:
+        env["CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE"] = str(a.prometheus_password_file.resolve())
+        env["CLUSTERPULSE_PROMETHEUS_USER"] = a.prometheus_user
     if a.alertmanager_password_file:
         env["CLUSTERPULSE_ALERTMANAGER_PASSWORD_FILE"] = str(
             a.alertmanager_password_file.resolve())

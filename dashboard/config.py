@@ -23,17 +23,20 @@ class Settings:
     operators_file: Path | None
     alertmanager_user: str = "clusterpulse"
     alertmanager_password_file: Path | None = None
+    # The store's basic auth: VictoriaMetrics past one machine asks for it
+    # (docs/scaling.md); Prometheus as shipped needs none.
+    prometheus_user: str = "clusterpulse"
+    prometheus_password_file: Path | None = None
 
     def alertmanager_auth(self) -> tuple[str, str] | None:
         """Basic-auth credentials for Alertmanager's API, read per use (rotation needs
         no restart); None without a password file, or when it cannot be read."""
-        if self.alertmanager_password_file is None:
-            return None
-        try:
-            password = self.alertmanager_password_file.read_text().strip()
-        except OSError:
-            return None
-        return (self.alertmanager_user, password) if password else None
+        return _basic_auth(self.alertmanager_user, self.alertmanager_password_file)
+
+    def prometheus_auth(self) -> tuple[str, str] | None:
+        """Basic-auth credentials for the Prometheus API (the store), read per use like
+        Alertmanager's; None without a password file, or when it cannot be read."""
+        return _basic_auth(self.prometheus_user, self.prometheus_password_file)
     # where docs/ is published (a runbook link is this + "/runbooks.md#<alert>"); empty:
     # the Alerts page shows the runbook's text from the installed docs instead
     docs_url: str = ""
@@ -52,6 +55,7 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
     token = e.get("CLUSTERPULSE_AGENT_TOKEN_FILE")
     operators = e.get("CLUSTERPULSE_OPERATORS_FILE")
     am_password = e.get("CLUSTERPULSE_ALERTMANAGER_PASSWORD_FILE")
+    prom_password = e.get("CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE")
     return Settings(
         prometheus_url=e.get("CLUSTERPULSE_PROMETHEUS_URL", "http://127.0.0.1:9090"),
         alertmanager_url=e.get("CLUSTERPULSE_ALERTMANAGER_URL", "http://127.0.0.1:9093"),
@@ -61,8 +65,21 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         operators_file=Path(operators) if operators else None,
         alertmanager_user=e.get("CLUSTERPULSE_ALERTMANAGER_USER", "clusterpulse"),
         alertmanager_password_file=Path(am_password) if am_password else None,
+        prometheus_user=e.get("CLUSTERPULSE_PROMETHEUS_USER", "clusterpulse"),
+        prometheus_password_file=Path(prom_password) if prom_password else None,
         docs_url=e.get("CLUSTERPULSE_DOCS_URL", "").rstrip("/"),
     )
+
+
+def _basic_auth(user: str, password_file: Path | None) -> tuple[str, str] | None:
+    """(user, the file's password), or None without a file or a password in it."""
+    if password_file is None:
+        return None
+    try:
+        password = password_file.read_text().strip()
+    except OSError:
+        return None
+    return (user, password) if password else None
 
 
 def _seconds(env: dict[str, str] | os._Environ[str], name: str, default: str) -> float:

@@ -168,7 +168,7 @@ def run_step(per_rank: dict[str, dict[str, float]]) -> tuple[str, str | None]:
 @st.cache_data(ttl=5, show_spinner=False)
 def cluster(prom_url: str, am_url: str, metric: str) -> Result:
     def fetch() -> dict:
-        prom = PrometheusClient(prom_url)
+        prom = _prometheus(prom_url)
         _, unit, good_high = HEATMAP_METRICS[metric]
 
         def active_alerts() -> tuple[list, str]:
@@ -305,7 +305,7 @@ def gpu_link_health(wide: pd.DataFrame, down: dict[str, str] | None = None) -> p
 @st.cache_data(ttl=5, show_spinner=False)
 def node(prom_url: str, name: str, range_s: int, end: float | None = None) -> Result:
     def fetch() -> dict:
-        prom = PrometheusClient(prom_url)
+        prom = _prometheus(prom_url)
         ranged = _range_query(prom, range_s, end)
         sel = f'"{name}"'
         got = at_once({
@@ -365,7 +365,7 @@ def gpu_now(prom_url: str, name: str, gpu: str, range_s: int, end: float | None 
     parts["down"] = f"max by (reason) (clusterpulse_gpu_down_reason{{node={sel}}})"
 
     def fetch() -> GpuNow:
-        got = PrometheusClient(prom_url).query(_tagged(parts), at=end)
+        got = _prometheus(prom_url).query(_tagged(parts), at=end)
         by_part: dict[str, list] = {}
         for sample in got:
             by_part.setdefault(sample.labels["part"], []).append(sample)
@@ -385,13 +385,13 @@ def _wide(rows, key: str) -> pd.DataFrame:
 
 @st.cache_data(ttl=5, show_spinner=False)
 def node_names(prom_url: str) -> Result:
-    return _guard("node-names", lambda: sorted({s.labels["node"] for s in PrometheusClient(
+    return _guard("node-names", lambda: sorted({s.labels["node"] for s in _prometheus(
         prom_url).query("max by (node) (clusterpulse_agent_build_info)")}))
 
 
 @st.cache_data(ttl=5, show_spinner=False)
 def run_names(prom_url: str) -> Result:
-    return _guard("run-names", lambda: sorted({s.labels["run"] for s in PrometheusClient(
+    return _guard("run-names", lambda: sorted({s.labels["run"] for s in _prometheus(
         prom_url).query("clusterpulse:run_step")}))
 
 
@@ -406,7 +406,7 @@ def central_audit_heads_seen(prom_url: str, days: int = 7) -> Result:
     from clusterpulse.agent.audit import Head
 
     def fetch() -> list[Head]:
-        prom, end = PrometheusClient(prom_url), time.time()
+        prom, end = _prometheus(prom_url), time.time()
         heads: set[Head] = set()
         # one a minute over the days, and every second over the last hour: a record
         # rewritten a minute after it was written is there only at scrape resolution
@@ -450,7 +450,7 @@ PER_RANK = {"step": _T + "step", "score": _T + "straggler_score",
 @st.cache_data(ttl=5, show_spinner=False)
 def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Result:
     def fetch() -> dict:
-        prom = PrometheusClient(prom_url)
+        prom = _prometheus(prom_url)
         ranged = _range_query(prom, range_s, end)
         sel = f'run="{name}"'
         rate = f"sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}[1m]))"
@@ -497,7 +497,7 @@ def run_incidents(prom_url: str, name: str, range_s: int, audit_path: str,
     from clusterpulse.agent.audit import AuditLog
 
     def fetch() -> list:
-        prom = PrometheusClient(prom_url)
+        prom = _prometheus(prom_url)
         until = time.time() if end is None else end
         nodes, episodes, resumes = incident.inputs(prom, name, until - range_s, until,
                                                    max(1.0, range_s / 400))
@@ -513,7 +513,7 @@ def run_resume(prom_url: str, name: str) -> Result:
     from clusterpulse import incident
 
     return _guard(f"resume:{prom_url}:{name}",
-                  lambda: incident.latest_resume(PrometheusClient(prom_url), name))
+                  lambda: incident.latest_resume(_prometheus(prom_url), name))
 
 
 # -- alerts ---------------------------------------------------------------------------
@@ -522,7 +522,7 @@ def alerts(prom_url: str, am_url: str, range_s: int, end: float | None = None) -
     def fetch() -> dict:
         until = time.time() if end is None else end
         got = at_once({"active": _alertmanager(am_url).alerts, "hist": partial(
-            PrometheusClient(prom_url).query_range, 'ALERTS{alertstate="firing"}',
+            _prometheus(prom_url).query_range, 'ALERTS{alertstate="firing"}',
             until - range_s, until, max(5.0, range_s / 200))})
         active, hist = got["active"], got["hist"]
         history = [{"alert": r.labels.get("alertname"), "severity": r.labels.get("severity"),
@@ -535,6 +535,12 @@ def alerts(prom_url: str, am_url: str, range_s: int, end: float | None = None) -
         return {"active": active, "history": pd.DataFrame(history)}
 
     return _guard(f"alerts:{prom_url}:{range_s}:{end}", fetch)
+
+
+def _prometheus(prom_url: str) -> PrometheusClient:
+    """A client with the store's configured credentials (read at each use, like
+    Alertmanager's: never part of a cache key)."""
+    return PrometheusClient(prom_url, auth=config.from_env().prometheus_auth())
 
 
 def _alertmanager(am_url: str) -> AlertmanagerClient:

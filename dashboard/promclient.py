@@ -67,10 +67,15 @@ class Series:
 
 class PrometheusClient:
     def __init__(self, url: str, timeout_s: float = 5.0,
-                 session: requests.Session | None = None) -> None:
+                 session: requests.Session | None = None,
+                 auth: tuple[str, str] | None = None) -> None:
+        """`auth`: basic-auth (user, password), for a store that asks for it
+        (VictoriaMetrics past one machine, docs/scaling.md)."""
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.session = session or requests.Session()
+        if auth is not None:
+            self.session.auth = auth
         self.queries = 0  # issued, for benchmarks and the dashboard's footer
         self._count_lock = threading.Lock()
 

@@ -797,6 +797,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", type=Path, required=True, help="policy TOML file")
     p.add_argument("--listen", default="127.0.0.1:19495", help="webhook address")
     p.add_argument("--prometheus", default="http://127.0.0.1:9090")
+    p.add_argument("--prometheus-password-file", type=Path,
+                   help="password for the store's basic auth (VictoriaMetrics past one "
+                   "machine, docs/scaling.md), as user --prometheus-user")
+    p.add_argument("--prometheus-user", default="clusterpulse")
     p.add_argument("--token-file", type=Path, help="agents' control API token")
     p.add_argument("--webhook-token-file", type=Path, required=True,
                    help="tokens Alertmanager must present (bearer, or basic auth with the "
@@ -810,6 +814,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policy = Policy.load(a.policy)
         token = a.token_file.read_text().strip() if a.token_file else None
+        prom_auth = ((a.prometheus_user, a.prometheus_password_file.read_text().strip())
+                     if a.prometheus_password_file else None)
         hook_tokens, _ = Tokens.load(a.webhook_token_file)
     except (PolicyError, OSError, TokenError) as err:
         print(f"clusterpulse-remediate: error: {err}", file=sys.stderr)
@@ -817,8 +823,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         policy.dry_run = True
     host, _, port = a.listen.rpartition(":")
-    rem = Remediator(policy, PrometheusClient(a.prometheus), token, AuditLog(a.audit_log),
-                     a.history)
+    rem = Remediator(policy, PrometheusClient(a.prometheus, auth=prom_auth), token,
+                     AuditLog(a.audit_log), a.history)
     serve(rem, host or "127.0.0.1", int(port), hook_tokens)
     print(f"clusterpulse-remediate: listening on http://{a.listen}/alertmanager "
           f"({len(policy.rules)} rules, dry_run={policy.dry_run})", flush=True)

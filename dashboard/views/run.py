@@ -146,8 +146,9 @@ def request(who: str) -> None:
         return
     action, reason, sent = ss["kind"].split(" ")[0], ss.get("reason", ""), time.time()
     try:
-        results = actions.request_action(PrometheusClient(s.prometheus_url), run, action,
-                                         reason, who, s.agent_token(), ui.audit_log())
+        prom = PrometheusClient(s.prometheus_url, auth=s.prometheus_auth())
+        results = actions.request_action(prom, run, action, reason, who, s.agent_token(),
+                                         ui.audit_log())
     except (actions.ActionError, PrometheusError) as err:
         ss["action_message"] = ("error", f"Not sent: {err}")
         return

@@ -122,7 +122,8 @@ def _prometheus(tmp: Path, targets_dir: Path) -> Setup:
 
 def _with_vmalert(setup: Setup, tmp: Path) -> Setup:
     # Alerts are evaluated and counted; nothing listens for them (a healthy fleet sends none).
-    vmalert = VmAlert(tmp, setup.store.url, f"http://127.0.0.1:{free_port()}")
+    vmalert = VmAlert(tmp, setup.store.url, f"http://127.0.0.1:{free_port()}",
+                      password_file=setup.store.password_file)
     setup.procs["vmalert"], setup.vmalert = vmalert.proc, vmalert
 
     def rules() -> dict[str, tuple[float, float, float]]:
@@ -160,7 +161,8 @@ def _shards(tmp: Path, targets_dir: Path, name: str) -> Setup:
     store = victoria_metrics(tmp)
     setup = Setup(name, store, {"victoria-metrics": store.proc})
     for n in range(SHARDS):
-        shard = Shard(tmp, n, SHARDS, store.url, targets_dir)
+        shard = Shard(tmp, n, SHARDS, store.url, targets_dir,
+                      password_file=store.password_file)
         setup.procs[f"vmagent-{n}"] = shard.proc
     return setup
 
@@ -237,6 +239,10 @@ def _render(store: Store, store_pid: int,
     from clusterpulse.dashboard.promclient import PrometheusClient
 
     os.environ["CLUSTERPULSE_PROMETHEUS_URL"] = store.url
+    if store.password_file:  # VictoriaMetrics asks for its password (docs/scaling.md)
+        os.environ["CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE"] = str(store.password_file)
+    else:
+        os.environ.pop("CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE", None)
     os.environ["CLUSTERPULSE_ALERTMANAGER_URL"] = f"http://127.0.0.1:{free_port()}"
     app = str(REPO / "dashboard" / "app.py")
     AppTest.from_file(app, default_timeout=300).run()

@@ -105,8 +105,9 @@ def main(runs_n: int = 6, vmalert_flags: dict[str, str] | None = None) -> dict:
         vm = victoria_metrics(tmp)
         procs.append(vm)
         write_targets(tmp / "targets", [target])
-        procs.append(Shard(tmp, 0, 1, vm.url, tmp / "targets"))
-        vmalert = VmAlert(tmp, vm.url, "http://127.0.0.1:9", extra=vmalert_flags)
+        procs.append(Shard(tmp, 0, 1, vm.url, tmp / "targets", password_file=vm.password_file))
+        vmalert = VmAlert(tmp, vm.url, "http://127.0.0.1:9", extra=vmalert_flags,
+                          password_file=vm.password_file)
         procs.append(vmalert)
         runs = [Run(telemetry.removeprefix("unix:"), f"h{i}") for i in range(runs_n)]
         stop = threading.Event()

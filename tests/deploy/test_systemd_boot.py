@@ -12,6 +12,7 @@ number (195), so the unit's DevicePolicy= is checked against them."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
@@ -51,7 +52,7 @@ import sys, urllib.error, urllib.request
 url, token, body = sys.argv[1:4]
 req = urllib.request.Request(url, data=body.encode() or None)
 if token:
-    req.add_header("Authorization", "Bearer " + token)
+    req.add_header("Authorization", token if token.startswith("Basic ") else "Bearer " + token)
 try:
     with urllib.request.urlopen(req, timeout=10) as r:
         print(r.status); print(r.read().decode())
@@ -388,10 +389,16 @@ def test_the_victoriametrics_path_comes_up_scrapes_the_agent_and_evaluates_the_r
     if vm_version("vmalert") < KEEP_FIRING_FOR_SINCE:
         machine.sh(strip)
 
+    # The store asks for its user and password (made by the block, as shards and vmalert
+    # are given them).
+    password = machine.run(["cat", "/etc/clusterpulse/victoria-metrics-password"],
+                           check=True).stdout.strip()
+    store_auth = "Basic " + base64.b64encode(f"clusterpulse:{password}".encode()).decode()
+
     def query(expr: str) -> list[dict]:
         try:  # refused until the store listens
             code, body = http(machine, "http://127.0.0.1:8428/api/v1/query?query="
-                              + urllib.parse.quote(expr))
+                              + urllib.parse.quote(expr), store_auth)
         except MachineError:
             return []
         return json.loads(body)["data"]["result"] if code == 200 else []
@@ -413,6 +420,10 @@ def test_the_victoriametrics_path_comes_up_scrapes_the_agent_and_evaluates_the_r
             journals()
     up = query('up{job="clusterpulse"}')
     assert [(r["metric"]["instance"], r["value"][1]) for r in up] == [("127.0.0.1:9477", "1")]
+    # Without the password the store takes no query and no import.
+    assert http(machine, "http://127.0.0.1:8428/api/v1/query?query=up")[0] == 401
+    assert http(machine, "http://127.0.0.1:8428/api/v1/import/prometheus", "",
+                "clusterpulse_gpu_up 0\n")[0] == 401
     assert query(GPUS_IN_STORE)[0]["value"][1] == "8"
     rules = json.loads(http(machine, "http://127.0.0.1:8880/api/v1/rules")[1])
     errors = {r["name"]: r["lastError"] for g in rules["data"]["groups"] for r in g["rules"]

@@ -12,11 +12,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.support.procs import RULE_FILES
 from tests.support.victoria import (
     DEPLOY,
     KEEP_FIRING_FOR_SINCE,
+    STORE_SCRAPE_CONFIG,
+    STORE_USER,
     VMAGENT_CONFIG,
     binary,
     default_value,
@@ -50,11 +53,82 @@ def test_scrape_config_shards_every_job_by_address():
     per address: a node's series never split across shards)."""
     text = VMAGENT_CONFIG.read_text()
     jobs = re.findall(r"^  - job_name: (\S+)", text, re.M)
-    assert jobs == ["clusterpulse", "remediation"]
+    assert jobs == ["clusterpulse"]
     assert text.count("source_labels: [__address__]") == len(jobs)
     assert text.count("modulus: %{CLUSTERPULSE_SHARDS}") == len(jobs)
     assert text.count("regex: '%{CLUSTERPULSE_SHARD}'") == len(jobs)
     assert "scrape_interval: 5s" in text  # the recommended interval (docs/scaling.md)
+
+
+def _targets(config: Path) -> list[str]:
+    cfg = yaml.safe_load(config.read_text().replace("%{", "{"))
+    return [t for job in cfg["scrape_configs"] for sc in job.get("static_configs", [])
+            for t in sc["targets"]]
+
+
+LOOPBACK = re.compile(r"(127\.|localhost[:/]|\[::1\])")
+
+
+def test_no_shared_scrape_target_is_on_loopback_and_the_store_scrapes_its_own(
+        tmp_path: Path):
+    """Every shard loads vmagent.yml on its own host: a loopback target there is
+    scraped by whichever shard it hashes to, from that shard's loopback (the remediation
+    receiver's head was read only if the dashboard ran on shard 0's host). The receiver
+    is the store's own target (store-scrape.yml, victoria-metrics.default's
+    -promscrape.config), on the store's host as Alertmanager's webhook has it."""
+    assert [t for t in _targets(VMAGENT_CONFIG) if LOOPBACK.match(t)] == []
+    assert "static_configs" not in VMAGENT_CONFIG.read_text()  # no fixed host at all
+    assert _targets(STORE_SCRAPE_CONFIG) == ["127.0.0.1:19495"]
+    assert "-promscrape.config=/etc/victoria-metrics/scrape.yml" in \
+        shipped_flags("victoria-metrics.default")
+    flags = shipped_flags("victoria-metrics.default", storageDataPath=str(tmp_path / "vm"),
+                          **{"promscrape.config": str(STORE_SCRAPE_CONFIG)})
+    r = _run([binary("victoria-metrics"), *flags, "-promscrape.config.dryRun"])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_shards_reread_the_targets_as_often_as_their_config_says():
+    """vmagent.yml promises a new node is scraped within N s; vmagent's own default is
+    5 minutes. The binary takes the flag: the dry runs above pass the shipped flags."""
+    said = re.search(r"re-reads the files every (\d+) s", VMAGENT_CONFIG.read_text())
+    flags = [a for a in shipped_flags("clusterpulse-vmagent.default")
+             if a.startswith("-promscrape.fileSDCheckInterval=")]
+    assert said and flags == [f"-promscrape.fileSDCheckInterval={said.group(1)}s"], flags
+
+
+def _flags(default_file: str) -> dict[str, str]:
+    return dict(a.lstrip("-").split("=", 1) if "=" in a else (a.lstrip("-"), "")
+                for a in shipped_flags(default_file))
+
+
+def test_the_store_asks_for_credentials_and_the_shards_listen_on_loopback():
+    """The store listens on the network: every request but /health and /metrics needs
+    the user and its password, a delete also -deleteAuthKey, both secrets from the
+    environment of the installed file (-envflag.enable), none in the shipped one. A
+    shard takes writes on its port and forwards them with its credentials: loopback
+    only. What the store refuses, live: tests/integration/test_sharded_scrape.py."""
+    store = _flags("victoria-metrics.default")
+    assert store["httpAuth.username"] == STORE_USER and "envflag.enable" in store
+    assert "httpAuth.password" not in store and "deleteAuthKey" not in store
+    shipped = (DEPLOY / "victoria-metrics.default").read_text()
+    assert re.findall(r"^(?!#)\s*(httpAuth_password|deleteAuthKey)=", shipped, re.M) == []
+    shard = _flags("clusterpulse-vmagent.default")
+    assert LOOPBACK.match(shard["httpListenAddr"]), shard["httpListenAddr"]
+    assert shard["remoteWrite.basicAuth.username"] == STORE_USER
+    vmalert = _flags("clusterpulse-vmalert.default")
+    for url in ("datasource", "remoteWrite", "remoteRead"):
+        assert vmalert[f"{url}.basicAuth.username"] == STORE_USER
+    # The units hand each of them the store's password file as a credential.
+    credential = ("LoadCredential=victoria-metrics-password:"
+                  "/etc/clusterpulse/victoria-metrics-password")
+    for unit, urls in (("clusterpulse-vmagent@.service", ["remoteWrite"]),
+                       ("clusterpulse-vmalert.service",
+                        ["datasource", "remoteWrite", "remoteRead"])):
+        text = (DEPLOY / unit).read_text()
+        assert credential in text, unit
+        for url in urls:
+            assert f"-{url}.basicAuth.passwordFile=%d/victoria-metrics-password" in text, \
+                (unit, url)
 
 
 def test_vmalert_loads_the_shipped_rules_with_the_shipped_flags(tmp_path: Path):

@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import requests
 import yaml
 
 from clusterpulse.dashboard import data
@@ -60,6 +61,7 @@ SHARDS = int(default_value("clusterpulse-vmagent.default", "CLUSTERPULSE_SHARDS"
 def stack(tmp_path_factory):
     tmp: Path = tmp_path_factory.mktemp("sharded")
     procs: list = []
+    env = pytest.MonkeyPatch()
     fleet_port = free_port()
     fleet = subprocess.Popen(
         [sys.executable, "-m", "tests.bench.fleet_static", str(FLEET_NODES), str(FLEET_GPUS),
@@ -87,16 +89,20 @@ def stack(tmp_path_factory):
         write_targets(tmp / "targets", addresses)
         vm = victoria_metrics(tmp)
         procs.append(vm)
-        shards = [Shard(tmp, n, SHARDS, vm.url, tmp / "targets") for n in range(SHARDS)]
+        shards = [Shard(tmp, n, SHARDS, vm.url, tmp / "targets",
+                        password_file=vm.password_file) for n in range(SHARDS)]
         procs += shards
         sink = WebhookSink()
         am = Alertmanager(tmp, sink.url)
         procs.append(am)
-        vmalert = VmAlert(tmp, vm.url, am.url)
+        vmalert = VmAlert(tmp, vm.url, am.url, password_file=vm.password_file)
         procs.append(vmalert)
+        # The dashboard with the store's password, as its --prometheus-password-file.
+        env.setenv("CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE", str(vm.password_file))
         yield {"vm": vm, "shards": shards, "vmalert": vmalert, "am": am, "agent": agent,
                "addresses": addresses, "sink": sink}
     finally:
+        env.undo()
         for p in reversed(procs):
             p.stop()
         fleet.stdin.close()
@@ -122,6 +128,30 @@ def test_every_target_is_scraped_by_exactly_one_shard(stack):
           for r in vm.query('up{job="clusterpulse"}')}
     assert up == dict.fromkeys(stack["addresses"], "1")
     assert vm.scalar("count(clusterpulse_trainer_step)") == FLEET_NODES * FLEET_GPUS
+
+
+def test_the_store_takes_no_write_read_or_delete_without_its_credentials(stack):
+    """The store listens on the network as shipped (the shards write to it from other
+    hosts): without the user and password it refuses an import (a fake GPU down would
+    page GpuDown, and the remediation policy restarts the job), a query and a delete;
+    with them but without -deleteAuthKey's key it deletes nothing. The shards' writes,
+    with the password, are in (every GPU)."""
+    vm = stack["vm"]
+    wait_until(lambda: _gpus_in_store(vm), 60, "every GPU in VictoriaMetrics", interval=1)
+    http = requests.Session()
+    fake = 'clusterpulse_gpu_up{node="n0000",gpu="0",job="clusterpulse"} 0\n'
+    assert http.post(vm.url + "/api/v1/import/prometheus", data=fake, timeout=30)\
+        .status_code == 401
+    assert http.get(vm.url + "/api/v1/query", params={"query": "up"}, timeout=30)\
+        .status_code == 401
+    delete = {"match[]": "clusterpulse_gpu_up"}
+    url = vm.url + "/api/v1/admin/tsdb/delete_series"
+    assert http.post(url, params=delete, timeout=30).status_code == 401
+    assert http.post(url, params=delete, auth=vm.auth, timeout=30).status_code == 400
+    assert http.post(url, params={**delete, "authKey": "guess"}, auth=vm.auth,
+                     timeout=30).status_code == 400
+    assert vm.scalar("count(clusterpulse_gpu_up)") == GPUS
+    assert vm.query("clusterpulse_gpu_up == 0") == []
 
 
 def test_dashboard_reads_the_sharded_store_unchanged(stack):

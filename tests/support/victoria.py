@@ -22,6 +22,12 @@ from tests.support.procs import REPO, RULE_FILES, Proc, _http, wait_until
 
 DEPLOY = REPO / "deploy" / "victoriametrics"
 VMAGENT_CONFIG = DEPLOY / "vmagent.yml"
+STORE_SCRAPE_CONFIG = DEPLOY / "store-scrape.yml"
+# The store's user (-httpAuth.username in victoria-metrics.default), and the secrets the
+# installed copy of that file gets from docs/scaling.md (-envflag.enable): the test's own.
+STORE_USER = "clusterpulse"
+STORE_PASSWORD = "test-store-password"
+STORE_DELETE_KEY = "test-delete-key"
 # vmalert reads `keep_firing_for` from 1.92 on (VictoriaMetrics issue #4529); Debian 12
 # ships 1.79, which refuses the rule files with it ("unknown fields in rule").
 KEEP_FIRING_FOR_SINCE = (1, 92)
@@ -90,8 +96,13 @@ class Store:
     """A Prometheus-compatible HTTP API (Prometheus, VictoriaMetrics): what the
     dashboard and the tests query."""
 
-    def __init__(self, name: str, url: str, proc: Proc) -> None:
+    def __init__(self, name: str, url: str, proc: Proc,
+                 password_file: Path | None = None) -> None:
+        """`password_file`: the store asks for basic auth as STORE_USER with it (what
+        the shards, vmalert and the dashboard are given); None: no auth."""
         self.name, self.url, self.proc = name, url, proc
+        self.password_file = password_file
+        self.auth = (STORE_USER, password_file.read_text().strip()) if password_file else None
 
     def query(self, expr: str, timeout: float = 300) -> list[dict]:
         """An instant query; asked again (up to 3 times) when the store answers 503, as
@@ -99,7 +110,7 @@ class Store:
         on a busy machine."""
         for attempt in range(3):
             r = _http().get(self.url + "/api/v1/query", params={"query": expr},
-                            timeout=timeout)
+                            timeout=timeout, auth=self.auth)
             if r.status_code != 503 or attempt == 2:
                 break
             time.sleep(2)
@@ -114,20 +125,33 @@ class Store:
         self.proc.stop()
 
 
+def store_env(password: str = STORE_PASSWORD) -> dict[str, str]:
+    """The environment the store's unit gets from the installed
+    /etc/default/victoria-metrics (docs/scaling.md): its password and delete key."""
+    return {**os.environ, "httpAuth_password": password, "deleteAuthKey": STORE_DELETE_KEY}
+
+
 def victoria_metrics(tmp: Path, scrape_config: Path | None = None) -> Store:
-    """A single-node VictoriaMetrics with the shipped flags; with `scrape_config` it
-    also scrapes, as one machine without vmagent does."""
+    """A single-node VictoriaMetrics with the shipped flags and secrets in the
+    environment as installed; with `scrape_config` it scrapes that, as one machine
+    without vmagent does, else the shipped store-scrape.yml with a free port for the
+    remediation receiver (none runs here; another on this machine must not be read)."""
     port = free_port()
+    if scrape_config is None:
+        scrape_config = tmp / f"store-scrape-{port}.yml"
+        scrape_config.write_text(STORE_SCRAPE_CONFIG.read_text().replace(
+            "127.0.0.1:19495", f"127.0.0.1:{free_port()}"))
     flags = shipped_flags("victoria-metrics.default",
                           storageDataPath=str(tmp / f"vm-{port}"),
-                          httpListenAddr=f"127.0.0.1:{port}", **{"vmalert.proxyURL": None})
-    if scrape_config is not None:
-        flags.append(f"-promscrape.config={scrape_config}")
+                          httpListenAddr=f"127.0.0.1:{port}",
+                          **{"vmalert.proxyURL": None, "promscrape.config": str(scrape_config)})
+    password_file = tmp / f"vm-{port}-password"
+    password_file.write_text(STORE_PASSWORD + "\n")
     proc = Proc([binary("victoria-metrics"), *flags, "-loggerLevel=WARN"],
-                tmp / f"vm-{port}.log")
+                tmp / f"vm-{port}.log", env=store_env())
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: _http().get(url + "/health", timeout=2).ok, 60, "victoria-metrics ready")
-    return Store("VictoriaMetrics", url, proc)
+    return Store("VictoriaMetrics", url, proc, password_file)
 
 
 class Shard:
@@ -135,7 +159,10 @@ class Shard:
     of /etc/clusterpulse/targets."""
 
     def __init__(self, tmp: Path, shard: int, shards: int, store_url: str,
-                 targets_dir: Path, scrape_interval: str | None = None) -> None:
+                 targets_dir: Path, scrape_interval: str | None = None,
+                 password_file: Path | None = None) -> None:
+        """`password_file`: the store's password (Store.password_file), passed as the
+        unit passes its credential."""
         self.shard, self.port = shard, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = VMAGENT_CONFIG.read_text().replace("/etc/clusterpulse/targets",
@@ -150,6 +177,8 @@ class Shard:
                 "remoteWrite.url": store_url + "/api/v1/write",
                 "remoteWrite.tmpDataPath": str(tmp / f"vmagent-{shard}-queue"),
                 "httpListenAddr": f"127.0.0.1:{self.port}"})
+        if password_file is not None:  # clusterpulse-vmagent@.service's ExecStart
+            flags.append(f"-remoteWrite.basicAuth.passwordFile={password_file}")
         # As the unit sets them: the shard count from the default file, the shard from
         # the instance name (clusterpulse-vmagent@SHARD).
         env = {**os.environ, "CLUSTERPULSE_SHARD": str(shard),
@@ -174,9 +203,11 @@ class VmAlert:
     notifying `alertmanager_url`."""
 
     def __init__(self, tmp: Path, store_url: str, alertmanager_url: str,
-                 extra: dict[str, str] | None = None) -> None:
+                 extra: dict[str, str] | None = None,
+                 password_file: Path | None = None) -> None:
         """`extra`: flags given other values than the shipped ones (a benchmark trying
-        a change before it is shipped)."""
+        a change before it is shipped); `password_file`: the store's password, passed
+        for its three URLs as the unit passes its credential."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         rules = rule_files_for_vmalert(tmp)
@@ -187,6 +218,9 @@ class VmAlert:
                 "remoteRead.url": store_url, "notifier.url": alertmanager_url,
                 "notifier.basicAuth.username": None,
                 "httpListenAddr": f"127.0.0.1:{self.port}", **(extra or {})})
+        if password_file is not None:  # clusterpulse-vmalert.service's ExecStart
+            flags += [f"-{url}.basicAuth.passwordFile={password_file}"
+                      for url in ("datasource", "remoteWrite", "remoteRead")]
         self.proc = Proc([binary("vmalert"), *flags, *[f"-rule={p}" for p in rules],
                           "-loggerLevel=WARN"], tmp / f"vmalert-{self.port}.log")
         wait_until(lambda: _http().get(self.url + "/health", timeout=2).ok, 60,
