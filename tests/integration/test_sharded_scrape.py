@@ -246,6 +246,8 @@ def test_failed_saves_across_a_trainer_restart_page_on_victoriametrics(stack, tm
         lines.append(f"clusterpulse_trainer_checkpoint_last_timestamp_seconds{{{labels}}} 100 {ts}")
     _http().post(vm.url + "/api/v1/import/prometheus", data="\n".join(lines) + "\n",
                  timeout=30).raise_for_status()
+    # searchable now, not at the next flush of the store's in-memory parts (seconds)
+    _http().get(vm.url + "/internal/force_flush", timeout=30).raise_for_status()
     expr = _alert_rules(tmp_path)["CheckpointsFailing"]
 
     def paged() -> list[dict]:
