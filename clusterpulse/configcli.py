@@ -9,6 +9,7 @@ installation never depends on a git clone.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -64,7 +65,41 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("victoriametrics", "victoriametrics/victoria-metrics.default",
      "/etc/default/victoria-metrics: flags for Debian's victoria-metrics unit"),
 )
+# Written from a shipped file, not shipped as such: (group, path written, what, source).
+# vmalert's copy of the rules (docs/scaling.md, "Rules on vmalert"): one source of truth,
+# prometheus/*.rules.yml, turned into what vmalert evaluates as Prometheus does.
+GENERATED: tuple[tuple[str, str, str, str], ...] = (
+    ("victoriametrics", "victoriametrics/rules/clusterpulse.rules.yml",
+     "recording rules for vmalert (from prometheus/clusterpulse.rules.yml)",
+     "prometheus/clusterpulse.rules.yml"),
+    ("victoriametrics", "victoriametrics/rules/alerts.rules.yml",
+     "alerting rules for vmalert (from prometheus/alerts.rules.yml)",
+     "prometheus/alerts.rules.yml"),
+)
 GROUPS = sorted({g for g, _, _ in FILES})
+
+VMALERT_HEADER = """\
+# Written by `clusterpulse-config write` from {source}: edit that file and write again.
+# For vmalert (VictoriaMetrics), which would count otherwise: increase() is
+# increase_prometheus() (MetricsQL's increase() takes a series' first value for growth,
+# so a node or rank first seen with old counts was paged); keep_firing_for is left out
+# (vmalert before 1.92, e.g. Debian 12's 1.79, exits on it; those alerts then resolve at
+# the first evaluation that no longer holds).
+"""
+_INCREASE = re.compile(r"(?<![\w:])increase\(")
+_KEEP_FIRING = re.compile(r"^(\s*)(keep_firing_for:.*)$", re.M)
+
+
+def vmalert_rules(text: str, source: str) -> str:
+    """The Prometheus rule file `text` as vmalert must run it to count as Prometheus
+    does; comments are left as written (only rule lines change)."""
+    lines = []
+    for line in text.splitlines(keepends=True):
+        if not line.lstrip().startswith("#"):
+            line = _INCREASE.sub("increase_prometheus(", line)
+        lines.append(line)
+    body = _KEEP_FIRING.sub(r"\1# \2  (left out for vmalert < 1.92)", "".join(lines))
+    return VMALERT_HEADER.format(source=source) + body
 
 EXAMPLES = """\
 examples:
@@ -106,21 +141,34 @@ def shipped() -> list[tuple[str, str, str]]:
     return out
 
 
+def generated() -> list[tuple[str, str, str]]:
+    """The files written from shipped ones (GENERATED) whose source this installation
+    holds."""
+    have = {rel for _, rel, _ in shipped()}
+    return [(g, rel, what) for g, rel, what, src in GENERATED if src in have]
+
+
 def _read(rel: str) -> bytes:
+    for _, out, _, src in GENERATED:
+        if rel == out:
+            return vmalert_rules(_read(src).decode(), src).encode()
     node = _root()
     for part in rel.split("/"):
         node = node / part
     if not node.is_file():
-        known = ", ".join(r for _, r, _ in shipped())
+        known = ", ".join(r for _, r, _ in shipped() + generated())
         raise UsageError(f"no shipped file {rel!r}; known: {known}")
     return node.read_bytes()
 
 
 def write(dest: Path, only: list[str] | None, force: bool) -> list[Path]:
-    """Copy the shipped files under DEST; refuse to overwrite unless FORCE."""
-    chosen = [(g, r) for g, r, _ in shipped() if not only or g in only]
+    """Copy the shipped files under DEST; refuse to overwrite one that differs unless
+    FORCE. A file already as it would be written is no clash (written again as it is):
+    writing one group after everything was written (docs/scaling.md after
+    docs/deploy.md) must not ask for --force, which would also replace edited files."""
+    chosen = [(g, r) for g, r, _ in shipped() + generated() if not only or g in only]
     targets = [(dest / r, r) for _, r in chosen]
-    clash = [str(p) for p, _ in targets if p.exists()]
+    clash = [str(p) for p, r in targets if p.exists() and not _same(p, r)]
     if clash and not force:
         raise UsageError(f"{len(clash)} file(s) exist, e.g. {clash[0]}; pass --force to "
                          "replace them")
@@ -136,6 +184,14 @@ def write(dest: Path, only: list[str] | None, force: bool) -> list[Path]:
             raise UsageError(f"cannot write {path}: {err.strerror}") from err
         written.append(path)
     return written
+
+
+def _same(path: Path, rel: str) -> bool:
+    """Whether `path` already holds what `rel` would write there."""
+    try:
+        return path.read_bytes() == _read(rel)
+    except OSError:
+        return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "list":
-            for group, rel, what in shipped():
+            for group, rel, what in shipped() + generated():
                 print(f"{group:<13} {rel:<42} {what}")
         elif args.cmd == "write":
             for path in write(args.dir, args.only, args.force):

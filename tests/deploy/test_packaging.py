@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -55,9 +56,35 @@ def test_config_write_copies_every_shipped_file(tmp_path: Path, capsys):
         assert (tmp_path / rel).read_bytes() == (REPO / "deploy" / rel).read_bytes(), rel
     assert (tmp_path / "local/policy.toml").is_file()
     # A second write would clobber an operator's edits: refused without --force.
+    policy = tmp_path / "local/policy.toml"
+    policy.write_text(policy.read_text() + "# an operator's edit\n")
     assert configcli.main(["write", str(tmp_path)]) == 2
-    assert "--force" in capsys.readouterr().err
+    assert "1 file(s) exist" in capsys.readouterr().err
+    assert "an operator's edit" in policy.read_text()
     assert configcli.main(["write", str(tmp_path), "--force", "--only", "policy"]) == 0
+    assert "an operator's edit" not in policy.read_text()
+
+
+def test_the_documented_victoriametrics_install_runs_on_a_host_set_up_per_deploy_md(
+        tmp_path: Path, capsys):
+    """docs/deploy.md writes everything into /etc/clusterpulse; docs/scaling.md's systemd
+    block then writes `--only victoriametrics` there. Its clusterpulse-config lines, as
+    written (the directory moved to the test's), must run: they exited 2, "6 file(s)
+    exist ... pass --force", on files that already held what they would write. And they
+    give vmalert its own copy of the rules, where the shipped flags read them."""
+    etc = tmp_path / "etc-clusterpulse"
+    assert configcli.main(["write", str(etc)]) == 0  # docs/deploy.md
+    section = (REPO / "docs/scaling.md").read_text().split("### Installing it with systemd\n")[1]
+    (block,) = re.findall(r"```bash\n(.*?)```", section.split("\n### ", 1)[0], re.S)
+    lines = [shlex.split(x.replace("/etc/clusterpulse", str(etc)))
+             for x in block.splitlines() if x.startswith("clusterpulse-config ")]
+    assert lines, block
+    for argv in lines:
+        assert configcli.main(argv[1:]) == 0, capsys.readouterr().err
+    rules = sorted((etc / "victoriametrics/rules").glob("*.rules.yml"))
+    assert [p.name for p in rules] == ["alerts.rules.yml", "clusterpulse.rules.yml"]
+    assert "-rule=/etc/clusterpulse/victoriametrics/rules/*.rules.yml" in (
+        etc / "victoriametrics/clusterpulse-vmalert.default").read_text()
 
 
 def test_the_slurm_health_check_the_docs_name_is_what_config_write_installs(tmp_path: Path):

@@ -32,8 +32,6 @@ from deploy.testbed.machine import (
     stage_venv,
     unavailable,
 )
-from tests.support.victoria import KEEP_FIRING_FOR_SINCE
-from tests.support.victoria import version as vm_version
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -382,12 +380,11 @@ def test_the_victoriametrics_path_comes_up_scrapes_the_agent_and_evaluates_the_r
                "echo '127.0.0.1 victoria-metrics' >> /etc/hosts\n"
                "install -d /etc/clusterpulse/targets\n"
                "echo \"- targets: ['127.0.0.1:9477']\" > /etc/clusterpulse/targets/agents.yml")
-    install, strip = docs_commands("### Installing it with systemd", doc="scaling.md")
+    # One block: vmalert reads the rules clusterpulse-config writes for it (no sed).
+    (install,) = docs_commands("### Installing it with systemd", doc="scaling.md")
     machine.run(["sh", "-euc", f"export PATH={BIN}:$PATH\n" + install], check=True)
     machine.sh("sed -i 's/^CLUSTERPULSE_SHARDS=.*/CLUSTERPULSE_SHARDS=1/' "
                "/etc/default/clusterpulse-vmagent\nsystemctl restart clusterpulse-vmagent@0")
-    if vm_version("vmalert") < KEEP_FIRING_FOR_SINCE:
-        machine.sh(strip)
 
     # The store asks for its user and password (made by the block, as shards and vmalert
     # are given them).

@@ -131,18 +131,36 @@ def test_the_store_asks_for_credentials_and_the_shards_listen_on_loopback():
                 (unit, url)
 
 
-def test_vmalert_loads_the_shipped_rules_with_the_shipped_flags(tmp_path: Path):
-    rules = rule_files_for_vmalert(tmp_path)
-    flags = shipped_flags("clusterpulse-vmalert.default", rule=None)
-    r = _run([binary("vmalert"), *flags, *[f"-rule={p}" for p in rules], "-dryRun"])
+def test_vmalert_loads_the_rules_clusterpulse_config_writes_at_the_shipped_flags_path(
+        tmp_path: Path):
+    """The shipped flags read vmalert's copy of the rules (victoriametrics/rules/, made by
+    `clusterpulse-config write` from the Prometheus rules), and the installed vmalert
+    loads it as written. Before, they read prometheus/*.rules.yml, which vmalert 1.79
+    refuses (keep_firing_for: fatal, no alert goes out) until a manual sed that the next
+    `write --force` undid; and they counted with MetricsQL's increase()."""
+    (rule_glob,) = [a.split("=", 1)[1] for a in shipped_flags("clusterpulse-vmalert.default")
+                    if a.startswith("-rule=")]
+    assert rule_glob == "/etc/clusterpulse/victoriametrics/rules/*.rules.yml"
+    rules = rule_files_for_vmalert(tmp_path)  # clusterpulse-config write --only victoriametrics
+    assert [p.parent for p in rules] == [tmp_path / "config/victoriametrics/rules"] * 2
+    flags = shipped_flags("clusterpulse-vmalert.default",
+                          rule=str(tmp_path / "config/victoriametrics/rules/*.rules.yml"))
+    r = _run([binary("vmalert"), *flags, "-dryRun"])
     assert r.returncode == 0 and "fatal" not in r.stdout + r.stderr, r.stdout + r.stderr
+    # The same rules as Prometheus', and only the two changes: every increase( is
+    # increase_prometheus(, every keep_firing_for left out.
+    for source, copy in zip(sorted(RULE_FILES), rules, strict=True):
+        src, out = yaml.safe_load(source.read_text()), yaml.safe_load(copy.read_text())
+        src_rules = [r for g in src["groups"] for r in g["rules"]]
+        out_rules = [r for g in out["groups"] for r in g["rules"]]
+        assert len(src_rules) == len(out_rules)
+        for s, o in zip(src_rules, out_rules, strict=True):
+            s.pop("keep_firing_for", None)
+            s["expr"] = re.sub(r"(?<![\w:])increase\(", "increase_prometheus(", s["expr"])
+            assert s == o
+        assert "increase(" not in "".join(r["expr"] for r in out_rules)
     if version("vmalert") < KEEP_FIRING_FOR_SINCE:
-        # What the older vmalert refuses is keep_firing_for, and nothing else.
-        stripped = "".join(p.read_text() for p in rules)
-        shipped = "".join(p.read_text() for p in RULE_FILES)
-        assert "keep_firing_for" not in stripped and "keep_firing_for" in shipped
-        assert len(shipped.splitlines()) - len(stripped.splitlines()) == \
-            shipped.count("keep_firing_for:")
+        assert "keep_firing_for" in "".join(p.read_text() for p in RULE_FILES)
 
 
 def test_victoria_metrics_accepts_the_shipped_flags(tmp_path: Path):

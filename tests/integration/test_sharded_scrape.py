@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -27,12 +28,13 @@ import yaml
 from clusterpulse.dashboard import data
 from tests.bench.fleet_static import node_address
 from tests.support.ports import free_port
-from tests.support.procs import REPO, RULE_FILES, Alertmanager, start_agent_cli, wait_until
+from tests.support.procs import REPO, Alertmanager, _http, start_agent_cli, wait_until
 from tests.support.sysfs import make_sysfs
 from tests.support.victoria import (
     Shard,
     VmAlert,
     default_value,
+    rule_files_for_vmalert,
     victoria_metrics,
     write_targets,
 )
@@ -48,7 +50,7 @@ NEWCOMER_GPUS = 2  # tests/fakes/nvml_agent.py
 # downs and its eth0 4 carrier changes (> 0): each paged the newcomer with the old rules.
 # Its 105 NVLink errors (> GpuNvLinkErrors' 100) were not taken for growth there (they
 # would be on a counter still growing by 10 a scrape; docs/scaling.md): they show that
-# the rewritten rule pages nothing either.
+# vmalert's copy (increase_prometheus()) pages nothing either.
 NEWCOMER_SYMBOL_ERRORS = 9
 NEWCOMER_NVLINK_ERRORS = 105
 GPUS = FLEET_NODES * FLEET_GPUS + AGENT_GPUS + NEWCOMER_GPUS
@@ -213,19 +215,23 @@ NEWCOMER_COUNTERS = {
         NEWCOMER_NVLINK_ERRORS}
 
 
-def _alert_rules() -> dict[str, str]:
-    return {r["alert"]: r["expr"] for f in RULE_FILES
+def _alert_rules(tmp: Path) -> dict[str, str]:
+    """The alerts of vmalert's copy of the rules, as the stack's vmalert loads them
+    (`clusterpulse-config write --only victoriametrics`)."""
+    return {r["alert"]: r["expr"] for f in rule_files_for_vmalert(tmp)
             for g in yaml.safe_load(f.read_text())["groups"] for r in g["rules"]
             if "alert" in r}
 
 
-def test_a_node_first_seen_with_old_errors_and_flaps_pages_nothing_on_victoriametrics(stack):
+def test_a_node_first_seen_with_old_errors_and_flaps_pages_nothing_on_victoriametrics(
+        stack, tmp_path: Path):
     """A node whose counters grew before it was first seen (new, or back from an
     absence) has nothing to page: no error or flap happened while it was watched. On
     Prometheus increase() counts only growth between samples; MetricsQL's counted the
-    first value as growth, and vmalert paged NicLinkDegraded and GpuNvLinkErrors for it.
-    Every alert's expression is asked of VictoriaMetrics now: the query vmalert sends,
-    without `for`, so the earliest page counts."""
+    first value as growth, and vmalert paged NicLinkDegraded and GpuNvLinkErrors for it
+    (vmalert's copy of the rules says increase_prometheus()). Every alert's expression
+    is asked of VictoriaMetrics now: the query vmalert sends, without `for`, so the
+    earliest page counts."""
     vm, vmalert = stack["vm"], stack["vmalert"]
 
     def counters() -> dict[str, float]:
@@ -236,7 +242,7 @@ def test_a_node_first_seen_with_old_errors_and_flaps_pages_nothing_on_victoriame
         return out if out == NEWCOMER_COUNTERS else {}
 
     wait_until(counters, 60, "the newcomer's counters in VictoriaMetrics", interval=1)
-    rules = _alert_rules()
+    rules = _alert_rules(tmp_path)
     assert {"NicLinkDegraded", "GpuNvLinkErrors", "CheckpointsFailing",
             "AuditLogRewound"} <= set(rules)
     fired = {name: [x["metric"] for x in vm.query(expr)
@@ -248,3 +254,35 @@ def test_a_node_first_seen_with_old_errors_and_flaps_pages_nothing_on_victoriame
     # have seen the newcomer yet; waiting for it cost 30-40 s, so this is checked as
     # it stands, after the module's other tests (above: what vmalert would be told).
     assert [a for a in vmalert.alerts() if a["labels"].get("node") == NEWCOMER] == []
+
+
+def test_failed_saves_across_a_trainer_restart_page_on_victoriametrics(stack, tmp_path: Path):
+    """A run younger than the window: a save fails, the trainer restarts (its counter
+    back to 0 under the same labels), the next save fails, nothing committed between.
+    vmalert's CheckpointsFailing must count 2 failures, as Prometheus does (promtool:
+    "failed saves across a trainer restart page"). The portable `c - min_over_time(c[w])`
+    that was shipped counted 1 on both engines; MetricsQL's plain increase() counts the
+    first value too. Samples written into the store (a minute apart, the last a minute
+    ago); the alert's expression asked of it as vmalert asks. Runs last in the module:
+    vmalert pages this run, which the earlier tests' "nothing else fires" would see."""
+    vm = stack["vm"]
+    labels = 'run="vm-reset",rank="0",node="vm-reset-node",local_rank="0"'
+    now_ms = int(time.time()) * 1000
+    failures = [0, 0, 1, 1, 0, 0, 1, 1, 1, 1, 1]  # the restart: 1 -> 0
+    lines = []
+    for i, value in enumerate(failures):
+        ts = now_ms - (len(failures) - i) * 60_000
+        lines.append(f"clusterpulse_trainer_checkpoint_failures_total{{{labels}}} {value} {ts}")
+        lines.append(f"clusterpulse_trainer_checkpoint_last_timestamp_seconds{{{labels}}} 100 {ts}")
+    _http().post(vm.url + "/api/v1/import/prometheus", data="\n".join(lines) + "\n",
+                 timeout=30, auth=vm.auth).raise_for_status()
+    # searchable now, not at the next flush of the store's in-memory parts (seconds)
+    _http().get(vm.url + "/internal/force_flush", timeout=30, auth=vm.auth).raise_for_status()
+    expr = _alert_rules(tmp_path)["CheckpointsFailing"]
+
+    def paged() -> list[dict]:
+        return [x for x in vm.query(expr) if x["metric"].get("run") == "vm-reset"]
+
+    got = wait_until(paged, 30, "CheckpointsFailing for run vm-reset on VictoriaMetrics",
+                     interval=1)
+    assert [float(x["value"][1]) for x in got] == [2.0]

@@ -78,18 +78,15 @@ def version(name: str) -> tuple[int, int]:
 
 
 def rule_files_for_vmalert(tmp: Path) -> list[Path]:
-    """The shipped rule files as the installed vmalert accepts them: unchanged from 1.92
-    on; before it, without `keep_firing_for` (those four alerts then resolve on the
-    first evaluation that no longer holds, as they did before Prometheus 2.42).
-    docs/scaling.md says which vmalert to deploy."""
-    if version("vmalert") >= KEEP_FIRING_FOR_SINCE:
-        return list(RULE_FILES)
-    out = []
-    for path in RULE_FILES:
-        text = re.sub(r"^\s*keep_firing_for:.*\n", "", path.read_text(), flags=re.M)
-        (tmp / path.name).write_text(text)
-        out.append(tmp / path.name)
-    return out
+    """vmalert's rule files as an operator gets them: `clusterpulse-config write DIR
+    --only victoriametrics` (victoriametrics/rules/, made from the shipped Prometheus
+    rules: increase_prometheus(), no keep_firing_for). Written under `tmp`."""
+    from clusterpulse import configcli
+
+    written = configcli.write(tmp / "config", ["victoriametrics"], force=True)
+    rules = sorted(p for p in written if p.parent.name == "rules")
+    assert [p.name for p in rules] == sorted(p.name for p in RULE_FILES), rules
+    return rules
 
 
 class Store:
