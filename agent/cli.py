@@ -112,9 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--audit-log", type=Path, help="JSON-lines audit log of control actions")
     p.add_argument("--state-dir", type=Path,
                    help="directory for state that must survive agent restarts (XID counts and "
-                   "the GPUs seen, NVML backend; docs/agent.md); e.g. /var/lib/clusterpulse. "
-                   "Default: none (counts restart "
+                   "the GPUs seen with --remember-gpus, NVML backend; docs/agent.md); e.g. "
+                   "/var/lib/clusterpulse. Default: none (counts restart "
                    "at zero, so an XID just after an agent restart can be missed)")
+    p.add_argument("--remember-gpus", action="store_true",
+                   help="remember the node's GPUs by UUID in --state-dir (gpus.json) and "
+                   "report one that is missing at start down: only for the agent that sees "
+                   "every GPU of the node (the DaemonSet, the systemd unit), never for one "
+                   "scoped to a job's or a container's GPUs, which would report the others "
+                   "down (docs/agent.md). Default: off")
     p.add_argument("--sysfs", type=Path, default=Path("/sys"),
                    help="sysfs root for NIC port health (InfiniBand/RoCE counters, Ethernet "
                    "statistics); it also tells device-backed NICs from virtual ones. "
@@ -149,12 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
 def make_backend(args: argparse.Namespace, ranks: RankRegistry) -> Backend:
     from clusterpulse.agent.backends.sim import SimBackend
 
+    if args.remember_gpus and args.state_dir is None:
+        raise UsageError("--remember-gpus needs --state-dir (where the GPUs are remembered)")
     if args.backend in ("nvml", "auto"):
         from clusterpulse.agent.backends.nvml import NvmlBackend
 
         try:
             xid_state = args.state_dir / "xid-counts.json" if args.state_dir else None
-            gpu_state = args.state_dir / "gpus.json" if args.state_dir else None
+            # Only an agent told it sees the whole node keeps the roster: one scoped to
+            # a job's GPUs would report every other GPU of the node missing.
+            gpu_state = args.state_dir / "gpus.json" if args.remember_gpus else None
             return NvmlBackend(xid_state=xid_state, gpu_state=gpu_state)
         except BackendError as err:
             if args.backend == "nvml":

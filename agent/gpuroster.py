@@ -10,6 +10,10 @@ address and name, for the operator and for a card replaced in the same slot) in
 `gpus.json` under `--state-dir`, written atomically whenever it changes. A GPU in the
 roster that NVML does not list is reported down (`missing`) until it comes back, or
 until an operator removes it from the file (docs/agent.md, "A GPU that is gone").
+
+Kept only with `--remember-gpus`, which the node-level deploy files pass: the roster is
+the whole node's, so an agent that sees only some GPUs (a Slurm job step under
+ConstrainDevices, a container given a subset) would report all the others missing.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ A GPU is known by its UUID, not by NVML's index: after a re-initialisation the
 driver may enumerate one GPU fewer (one fell off the bus) and shift the others'
 indices, so each GPU keeps the `gpu` label it had when the agent first saw it, its
 unsupported metrics, and its XID counts; the lost one is exported as `missing` and
-re-probed until it returns. With a state directory the GPUs seen are remembered
+re-probed until it returns. With a roster (`gpu_state`: the CLI's --remember-gpus, for
+an agent that sees the whole node) the GPUs seen are remembered
 (agent/gpuroster.py), so this holds across agent restarts too: a GPU lost before the
 restart is still exported, down, under its own label. A GPU with a new UUID in the PCI
 slot of a missing one is its replacement: it takes over the label.

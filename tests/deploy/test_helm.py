@@ -300,3 +300,17 @@ def test_every_flag_in_the_pods_is_one_the_program_knows(default):
         assert out.returncode == 0, out.stderr
         known = set(re.findall(r"--[\w.-]+", out.stdout + out.stderr))
         assert not sorted(f for f in used if f not in known), program
+
+
+def test_the_agent_remembers_gpus_unless_told_it_sees_only_some(default):
+    """The DaemonSet's agent sees every GPU of its node: --remember-gpus keeps a GPU lost
+    before a restart down. agent.rememberGpus=false (an agent given only some GPUs)
+    drops the flag, or it would report the node's other GPUs missing (docs/agent.md)."""
+    def agent_args(objects: list[dict]) -> list[str]:
+        (ds,) = by_kind(objects, "DaemonSet")
+        (c,) = ds["spec"]["template"]["spec"]["containers"]
+        return c["args"]
+
+    assert "--remember-gpus" in agent_args(default)
+    assert "--state-dir" in (off := agent_args(render({"agent": {"rememberGpus": False}})))
+    assert "--remember-gpus" not in off

@@ -77,6 +77,7 @@ def test_agent_image_runs_non_root_and_serves_metrics(container, tmp_path: Path)
     # /run/clusterpulse, and the test passed a UDP port and never saw it.
     cmd = list(cfg["Cmd"])
     assert cmd[:2] == ["--backend", "nvml"] and "--state-dir" in cmd, cmd
+    assert "--remember-gpus" in cmd, cmd  # the image's default is the node agent
     port = free_port()
     cmd[1] = "sim"
     cmd[cmd.index("--listen") + 1] = f"127.0.0.1:{port}"

@@ -223,6 +223,8 @@ def test_agent_asks_the_kubelet_which_pod_holds_each_gpu_through_a_read_only_mou
     (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
     assert vol["hostPath"]["path"] == mount["mountPath"]
     assert pod["hostPID"] is True  # /proc/PID of every process on a GPU: its user and job
+    # the node's agent sees every GPU: one lost before a restart stays down (docs/agent.md)
+    assert "--state-dir" in agent["args"] and "--remember-gpus" in agent["args"]
 
 
 def test_alertmanager_is_the_projects_with_basic_auth_and_the_dashboard_reads_it():

@@ -100,6 +100,9 @@ def test_units_take_the_token_as_a_credential_and_log_where_systemd_creates():
         assert (UNITS / f"{unit.stem}.default").is_file()
     agent = (UNITS / "clusterpulse-agent.service").read_text()
     assert "AmbientCapabilities=CAP_KILL" in agent and "CapabilityBoundingSet=CAP_KILL" in agent
+    # the node's agent sees every GPU: one lost before a restart stays down (docs/agent.md)
+    assert "--state-dir /var/lib/clusterpulse --remember-gpus" in _exec_start(
+        UNITS / "clusterpulse-agent.service")
 
 
 @pytest.mark.parametrize("unit", DAEMONS, ids=lambda p: p.name)

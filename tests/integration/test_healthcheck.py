@@ -142,9 +142,10 @@ def test_a_gpu_lost_before_an_agent_restart_is_still_a_problem_after_it(tmp_path
     Restart=always) with the same --state-dir: the restarted agent listed the others,
     all up, the next one relabelled, so the health check said OK and NPD/draino or
     Slurm put the node with a dead GPU back into service. The real agent over the fake
-    NVML, run twice on one state directory."""
+    NVML, run twice on one state directory, with --remember-gpus as the node-level
+    deploy files pass it."""
     state = tmp_path / "state"
-    extra = ["--state-dir", str(state), "--fake-gpus", "4"]
+    extra = ["--state-dir", str(state), "--remember-gpus", "--fake-gpus", "4"]
     proc, port, _ = start_agent_cli(tmp_path, "hc-restart", module="tests.fakes.nvml_agent",
                                     extra=extra)
     try:

@@ -2,6 +2,9 @@
 
 import contextlib
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pynvml
 import pytest
@@ -9,6 +12,8 @@ import pytest
 from clusterpulse.agent.backends import BackendError, CollectionFailed
 from clusterpulse.agent.backends.nvml import FIELDS, NvmlBackend, error_kind
 from tests.fakes.fake_pynvml import FakeNvml
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Clock:
@@ -333,3 +338,68 @@ def test_an_unreadable_gpu_roster_starts_from_nvml_without_failing(tmp_path):
         roster.write_text(bad)
         s = NvmlBackend(nvml=FakeNvml(gpus=2), gpu_state=roster).collect()
         assert [(g.uuid, g.up) for g in s if g.up] == [("GPU-fake-0", True), ("GPU-fake-1", True)]
+
+
+def _agent_backend(monkeypatch, fake: FakeNvml, *flags: str) -> NvmlBackend:
+    """The backend the real agent CLI builds from `flags`, over the fake NVML."""
+    from clusterpulse.agent import cli
+    from clusterpulse.agent.ranks import RankRegistry
+
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    args = cli.build_parser().parse_args(["--backend", "nvml", *flags])
+    backend = cli.make_backend(args, RankRegistry())
+    assert isinstance(backend, NvmlBackend)
+    return backend
+
+
+def test_an_agent_scoped_to_a_jobs_gpus_reports_no_other_gpu_down(tmp_path, monkeypatch):
+    """Review #30b: Slurm with ConstrainDevices, the job-step agent (train.sbatch) sees
+    only its job's GPUs. With the --state-dir a previous node-level agent filled, it
+    exported the node's other GPUs down (missing): GpuDown, the Slurm policy drained
+    the node. Only --remember-gpus (the node-level deploy files) keeps the roster; the
+    XID counts in --state-dir still survive the job-step agent's restarts."""
+    state = str(tmp_path / "state")
+    _agent_backend(monkeypatch, FakeNvml(gpus=8), "--state-dir", state,
+                   "--remember-gpus").close()  # the node agent, with all 8, before
+    job = FakeNvml(gpus=8)
+    for g in job.gpus[4:]:
+        g.lost = True  # not in this job's device cgroup: NVML does not list them
+    step = _agent_backend(monkeypatch, job, "--state-dir", state)
+    job.events.append((2, 79))
+    s = step.collect()
+    assert [(g.uuid, g.up) for g in s] == [(f"GPU-fake-{i}", True) for i in range(4)]
+    step.close()
+    again = _agent_backend(monkeypatch, job, "--state-dir", state)  # restarted
+    assert again.collect()[2].xid_errors_total == {79: 1}
+    assert sorted(json.loads((tmp_path / "state" / "gpus.json").read_text())) == [
+        f"GPU-fake-{i}" for i in range(8)]  # the node agent's roster is left alone
+
+
+def test_the_node_agents_flag_remembers_a_gpu_lost_before_a_restart(tmp_path, monkeypatch):
+    """The node-level setting (--state-dir with --remember-gpus, as the DaemonSet, chart,
+    image and systemd unit pass it) still keeps a GPU lost before a restart down."""
+    flags = ("--state-dir", str(tmp_path / "state"), "--remember-gpus")
+    fake = FakeNvml(gpus=4)
+    _agent_backend(monkeypatch, fake, *flags).close()
+    fake.gpus[2].lost = True
+    s = _agent_backend(monkeypatch, fake, *flags).collect()
+    assert [(g.uuid, g.up, g.down_reason) for g in s] == [
+        ("GPU-fake-0", True, ""), ("GPU-fake-1", True, ""),
+        ("GPU-fake-2", False, "missing"), ("GPU-fake-3", True, "")]
+
+
+def test_remember_gpus_without_a_state_dir_is_a_one_line_error(monkeypatch):
+    from clusterpulse.agent import cli
+
+    with pytest.raises(cli.UsageError, match="--remember-gpus needs --state-dir"):
+        _agent_backend(monkeypatch, FakeNvml(gpus=1), "--remember-gpus")
+
+
+def test_the_slurm_job_step_agent_refuses_to_remember_gpus(tmp_path):
+    """train.sbatch's agent is a job step: with ConstrainDevices it sees the job's GPUs
+    only, so --remember-gpus in AGENT_ARGS is refused before anything starts."""
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "t",
+           "CKPT": str(tmp_path), "AGENT_ARGS": "--backend auto --remember-gpus"}
+    r = subprocess.run(["bash", str(REPO / "deploy" / "slurm" / "train.sbatch")], env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--remember-gpus is for the node-level agent" in r.stderr
