@@ -64,6 +64,8 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("victoriametrics", "victoriametrics/clusterpulse-vmalert.default", "vmalert flags"),
     ("victoriametrics", "victoriametrics/victoria-metrics.default",
      "/etc/default/victoria-metrics: flags for Debian's victoria-metrics unit"),
+    ("victoriametrics", "victoriametrics/victoria-metrics-secrets.conf",
+     "victoria-metrics.service drop-in: the store's secrets from a root-only file"),
 )
 # Written from a shipped file, not shipped as such: (group, path written, what, source).
 # vmalert's copy of the rules (docs/scaling.md, "Rules on vmalert"): one source of truth,

@@ -75,7 +75,7 @@ def test_the_documented_victoriametrics_install_runs_on_a_host_set_up_per_deploy
     etc = tmp_path / "etc-clusterpulse"
     assert configcli.main(["write", str(etc)]) == 0  # docs/deploy.md
     section = (REPO / "docs/scaling.md").read_text().split("### Installing it with systemd\n")[1]
-    (block,) = re.findall(r"```bash\n(.*?)```", section.split("\n### ", 1)[0], re.S)
+    block = "\n".join(re.findall(r"```bash\n(.*?)```", section.split("\n### ", 1)[0], re.S))
     lines = [shlex.split(x.replace("/etc/clusterpulse", str(etc)))
              for x in block.splitlines() if x.startswith("clusterpulse-config ")]
     assert lines, block
