@@ -64,6 +64,8 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("victoriametrics", "victoriametrics/clusterpulse-vmalert.default", "vmalert flags"),
     ("victoriametrics", "victoriametrics/victoria-metrics.default",
      "/etc/default/victoria-metrics: flags for Debian's victoria-metrics unit"),
+    ("victoriametrics", "victoriametrics/victoria-metrics-secrets.conf",
+     "victoria-metrics.service drop-in: the store's secrets from a root-only file"),
 )
 # Written from a shipped file, not shipped as such: (group, path written, what, source).
 # vmalert's copy of the rules (docs/scaling.md, "Rules on vmalert"): one source of truth,
@@ -79,27 +81,35 @@ GENERATED: tuple[tuple[str, str, str, str], ...] = (
 GROUPS = sorted({g for g, _, _ in FILES})
 
 VMALERT_HEADER = """\
-# Written by `clusterpulse-config write` from {source}: edit that file and write again.
+# Written by `clusterpulse-config write DIR` from {source}: DIR/{rel} when that file
+# exists (so an edit there reaches vmalert), else the package's copy. To change a rule,
+# edit DIR/{rel} and run `clusterpulse-config write DIR --only victoriametrics --force`.
 # For vmalert (VictoriaMetrics), which would count otherwise: increase() is
 # increase_prometheus() (MetricsQL's increase() takes a series' first value for growth,
 # so a node or rank first seen with old counts was paged); keep_firing_for is left out
 # (vmalert before 1.92, e.g. Debian 12's 1.79, exits on it; those alerts then resolve at
 # the first evaluation that no longer holds).
 """
-_INCREASE = re.compile(r"(?<![\w:])increase\(")
+# A call of increase, whatever the spacing before its parenthesis (`increase (x[5m])` is
+# PromQL too); not a name that ends in increase (`foo_increase(`, `job:increase(`).
+_INCREASE = re.compile(r"(?<![\w:])increase\s*\(")
+# A YAML or PromQL comment: `#` at the start of a line or after whitespace.
+_COMMENT = re.compile(r"(^|\s)#")
 _KEEP_FIRING = re.compile(r"^(\s*)(keep_firing_for:.*)$", re.M)
 
 
-def vmalert_rules(text: str, source: str) -> str:
+def vmalert_rules(text: str, source: str, rel: str | None = None) -> str:
     """The Prometheus rule file `text` as vmalert must run it to count as Prometheus
-    does; comments are left as written (only rule lines change)."""
+    does; comments are left as written (only the code before a `#` changes), so that
+    a comment that mentions increase() is not rewritten into a false statement."""
     lines = []
     for line in text.splitlines(keepends=True):
-        if not line.lstrip().startswith("#"):
-            line = _INCREASE.sub("increase_prometheus(", line)
-        lines.append(line)
+        m = _COMMENT.search(line)
+        code, comment = (line[:m.start()], line[m.start():]) if m else (line, "")
+        lines.append(_INCREASE.sub("increase_prometheus(", code) + comment)
     body = _KEEP_FIRING.sub(r"\1# \2  (left out for vmalert < 1.92)", "".join(lines))
-    return VMALERT_HEADER.format(source=source) + body
+    return VMALERT_HEADER.format(source=source, rel=rel or source) + body
+
 
 EXAMPLES = """\
 examples:
@@ -148,10 +158,21 @@ def generated() -> list[tuple[str, str, str]]:
     return [(g, rel, what) for g, rel, what, src in GENERATED if src in have]
 
 
-def _read(rel: str) -> bytes:
+def _read(rel: str, dest: Path | None = None) -> bytes:
+    """What `write` puts at DEST/`rel`. vmalert's copy of a rule file is made from
+    DEST/prometheus/<file> when that exists: the docs tell an operator to edit the
+    installed Prometheus rules and write again, and a copy made from the package would
+    silently drop the edit (Prometheus and vmalert running different rules)."""
     for _, out, _, src in GENERATED:
         if rel == out:
-            return vmalert_rules(_read(src).decode(), src).encode()
+            installed = dest / src if dest is not None else None
+            if installed is not None and installed.is_file():
+                try:
+                    text = installed.read_text()
+                except (OSError, UnicodeDecodeError) as err:
+                    raise UsageError(f"cannot read {installed}: {err}") from err
+                return vmalert_rules(text, str(installed), src).encode()
+            return vmalert_rules(_read(src).decode(), f"the package's {src}", src).encode()
     node = _root()
     for part in rel.split("/"):
         node = node / part
@@ -168,7 +189,7 @@ def write(dest: Path, only: list[str] | None, force: bool) -> list[Path]:
     docs/deploy.md) must not ask for --force, which would also replace edited files."""
     chosen = [(g, r) for g, r, _ in shipped() + generated() if not only or g in only]
     targets = [(dest / r, r) for _, r in chosen]
-    clash = [str(p) for p, r in targets if p.exists() and not _same(p, r)]
+    clash = [str(p) for p, r in targets if p.exists() and not _same(p, r, dest)]
     if clash and not force:
         raise UsageError(f"{len(clash)} file(s) exist, e.g. {clash[0]}; pass --force to "
                          "replace them")
@@ -176,7 +197,7 @@ def write(dest: Path, only: list[str] | None, force: bool) -> list[Path]:
     for path, rel in targets:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            data = _read(rel)
+            data = _read(rel, dest)
             path.write_bytes(data)
             if data.startswith(b"#!"):  # a script: slurmd or systemd runs it as it lands
                 path.chmod(0o755)
@@ -186,10 +207,10 @@ def write(dest: Path, only: list[str] | None, force: bool) -> list[Path]:
     return written
 
 
-def _same(path: Path, rel: str) -> bool:
+def _same(path: Path, rel: str, dest: Path) -> bool:
     """Whether `path` already holds what `rel` would write there."""
     try:
-        return path.read_bytes() == _read(rel)
+        return path.read_bytes() == _read(rel, dest)
     except OSError:
         return False
 

@@ -75,7 +75,7 @@ def test_the_documented_victoriametrics_install_runs_on_a_host_set_up_per_deploy
     etc = tmp_path / "etc-clusterpulse"
     assert configcli.main(["write", str(etc)]) == 0  # docs/deploy.md
     section = (REPO / "docs/scaling.md").read_text().split("### Installing it with systemd\n")[1]
-    (block,) = re.findall(r"```bash\n(.*?)```", section.split("\n### ", 1)[0], re.S)
+    block = "\n".join(re.findall(r"```bash\n(.*?)```", section.split("\n### ", 1)[0], re.S))
     lines = [shlex.split(x.replace("/etc/clusterpulse", str(etc)))
              for x in block.splitlines() if x.startswith("clusterpulse-config ")]
     assert lines, block
@@ -85,6 +85,43 @@ def test_the_documented_victoriametrics_install_runs_on_a_host_set_up_per_deploy
     assert [p.name for p in rules] == ["alerts.rules.yml", "clusterpulse.rules.yml"]
     assert "-rule=/etc/clusterpulse/victoriametrics/rules/*.rules.yml" in (
         etc / "victoriametrics/clusterpulse-vmalert.default").read_text()
+
+
+def test_an_edit_to_the_installed_prometheus_rules_reaches_vmalerts_copy(
+        tmp_path: Path, capsys):
+    """docs/scaling.md and the copy's header: edit DIR/prometheus/*.rules.yml and write
+    again. The copy was made from the package's rules, so the edit never reached vmalert
+    (Prometheus and vmalert silently ran different rules). Without DIR/prometheus the
+    copy comes from the package, and its header names the file it came from."""
+    assert configcli.main(["write", str(tmp_path)]) == 0
+    src = tmp_path / "prometheus/alerts.rules.yml"
+    copy = tmp_path / "victoriametrics/rules/alerts.rules.yml"
+    assert "for: 7m" not in src.read_text()
+    src.write_text(src.read_text().replace("for: 2m", "for: 7m", 1))
+    assert configcli.main(["write", str(tmp_path), "--only", "victoriametrics"]) == 2
+    assert "pass --force" in capsys.readouterr().err  # the copy is stale: a clash
+    assert configcli.main(["write", str(tmp_path), "--only", "victoriametrics",
+                           "--force"]) == 0
+    assert "for: 7m" in copy.read_text()
+    assert f"from {src}:" in copy.read_text().splitlines()[0]
+    bare = tmp_path / "bare"
+    assert configcli.main(["write", str(bare), "--only", "victoriametrics"]) == 0
+    text = (bare / "victoriametrics/rules/alerts.rules.yml").read_text()
+    assert "from the package's prometheus/alerts.rules.yml" in text.splitlines()[0]
+    assert "for: 7m" not in text
+
+
+def test_vmalerts_copy_rewrites_every_call_of_increase_and_no_comment():
+    """`increase (x[5m])` is PromQL as much as `increase(x[5m])`: it was left as
+    MetricsQL's increase() (a node first seen with old counts paged). Names that end in
+    increase and comments stay as written."""
+    text = ("  - expr: increase (a[5m]) + increase\t(b[1m]) + my_increase(c) "
+            "+ job:increase(d)  # increase( stays\n"
+            "    # increase (x) in a comment line stays\n")
+    assert configcli.vmalert_rules(text, "t.yml").endswith(
+        "\n  - expr: increase_prometheus(a[5m]) + increase_prometheus(b[1m]) + my_increase(c) "
+        "+ job:increase(d)  # increase( stays\n"
+        "    # increase (x) in a comment line stays\n")
 
 
 def test_the_slurm_health_check_the_docs_name_is_what_config_write_installs(tmp_path: Path):

@@ -380,8 +380,12 @@ def test_the_victoriametrics_path_comes_up_scrapes_the_agent_and_evaluates_the_r
                "echo '127.0.0.1 victoria-metrics' >> /etc/hosts\n"
                "install -d /etc/clusterpulse/targets\n"
                "echo \"- targets: ['127.0.0.1:9477']\" > /etc/clusterpulse/targets/agents.yml")
-    # One block: vmalert reads the rules clusterpulse-config writes for it (no sed).
-    (install,) = docs_commands("### Installing it with systemd", doc="scaling.md")
+    # Every host's block, then the store's, shard 0's (SHARD=0 as written) and the rules
+    # host's, in the docs' order: vmalert reads the rules clusterpulse-config writes for
+    # it (no sed), the store its secrets through the drop-in.
+    blocks = docs_commands("### Installing it with systemd", doc="scaling.md")
+    assert len(blocks) == 4, blocks
+    install = "\n".join(blocks)
     machine.run(["sh", "-euc", f"export PATH={BIN}:$PATH\n" + install], check=True)
     machine.sh("sed -i 's/^CLUSTERPULSE_SHARDS=.*/CLUSTERPULSE_SHARDS=1/' "
                "/etc/default/clusterpulse-vmagent\nsystemctl restart clusterpulse-vmagent@0")
@@ -422,6 +426,12 @@ def test_the_victoriametrics_path_comes_up_scrapes_the_agent_and_evaluates_the_r
     assert http(machine, "http://127.0.0.1:8428/api/v1/import/prometheus", "",
                 "clusterpulse_gpu_up 0\n")[0] == 401
     assert query(GPUS_IN_STORE)[0]["value"][1] == "8"
+    # The keys came through the drop-in, not Debian's conffile: the password alone does
+    # not get /flags (1.79 served it to anyone without -flagsAuthKey).
+    assert http(machine, "http://127.0.0.1:8428/flags", store_auth)[0] == 401
+    conffile = machine.run(["cat", "/etc/default/victoria-metrics"], check=True).stdout
+    assert password not in conffile
+    assert re.findall(r"^(?!#)\s*\w+(?:password|AuthKey)=", conffile, re.M | re.I) == []
     rules = json.loads(http(machine, "http://127.0.0.1:8880/api/v1/rules")[1])
     errors = {r["name"]: r["lastError"] for g in rules["data"]["groups"] for r in g["rules"]
               if r["lastError"]}

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.procs import RULE_FILES
+from tests.support.procs import REPO, RULE_FILES
 from tests.support.victoria import (
     DEPLOY,
     KEEP_FIRING_FOR_SINCE,
+    STORE_KEYS,
     STORE_SCRAPE_CONFIG,
     STORE_USER,
     VMAGENT_CONFIG,
@@ -129,6 +130,34 @@ def test_the_store_asks_for_credentials_and_the_shards_listen_on_loopback():
         for url in urls:
             assert f"-{url}.basicAuth.passwordFile=%d/victoria-metrics-password" in text, \
                 (unit, url)
+
+
+def test_the_store_gets_every_key_from_a_root_only_file_through_the_drop_in():
+    """docs/scaling.md's store block makes the secrets file that the shipped drop-in
+    loads: the password and a key for each thing the password alone must not do (1.79
+    served /flags and /debug/pprof/* to anyone, and the password alone took snapshots,
+    deleted them and force-merged). Every name is a flag of the installed
+    victoria-metrics, the same the live test gives the store (STORE_KEYS), and none is
+    in Debian's conffile /etc/default/victoria-metrics, which the block replaces."""
+    section = (REPO / "docs/scaling.md").read_text().split(
+        "### Installing it with systemd\n")[1].split("\n### ", 1)[0]
+    (line,) = [x for x in re.findall(r"```bash\n(.*?)```", section, re.S)
+               for x in x.splitlines() if "victoria-metrics-secrets)" in x]
+    names = re.findall(r"(?:'|\\n)(\w+)=%s", line)
+    assert names == ["httpAuth_password", *STORE_KEYS], names
+    assert "umask 077" in line and "[ -s /etc/clusterpulse/victoria-metrics-secrets ]" in line
+    dropin = (DEPLOY / "victoria-metrics-secrets.conf").read_text()
+    assert re.findall(r"^EnvironmentFile=(.*)$", dropin, re.M) == [
+        "/etc/clusterpulse/victoria-metrics-secrets"]
+    assert ("victoria-metrics-secrets.conf /etc/systemd/system/victoria-metrics.service.d/"
+            in section)
+    r = _run([binary("victoria-metrics"), "-help"])
+    help_text = r.stdout + r.stderr
+    for name in names:
+        assert re.search(rf"^  -{name.replace('_', '.')} ", help_text, re.M), name
+    shipped = (DEPLOY / "victoria-metrics.default").read_text()
+    assert re.findall(r"^(?!#)\s*\w+(?:password|AuthKey)=", shipped, re.M | re.I) == []
+    assert "/etc/default/victoria-metrics" not in line
 
 
 def test_vmalert_loads_the_rules_clusterpulse_config_writes_at_the_shipped_flags_path(

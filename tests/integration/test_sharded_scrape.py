@@ -31,6 +31,7 @@ from tests.support.ports import free_port
 from tests.support.procs import REPO, Alertmanager, _http, start_agent_cli, wait_until
 from tests.support.sysfs import make_sysfs
 from tests.support.victoria import (
+    STORE_KEYS,
     Shard,
     VmAlert,
     default_value,
@@ -136,8 +137,9 @@ def test_the_store_takes_no_write_read_or_delete_without_its_credentials(stack):
     """The store listens on the network as shipped (the shards write to it from other
     hosts): without the user and password it refuses an import (a fake GPU down would
     page GpuDown, and the remediation policy restarts the job), a query and a delete;
-    with them but without -deleteAuthKey's key it deletes nothing. The shards' writes,
-    with the password, are in (every GPU)."""
+    with them but without -deleteAuthKey's key it deletes nothing, and without the other
+    keys it serves no /flags or /debug/pprof, takes no snapshot and no force merge. The
+    shards' writes, with the password, are in (every GPU)."""
     vm = stack["vm"]
     wait_until(lambda: _gpus_in_store(vm), 60, "every GPU in VictoriaMetrics", interval=1)
     http = requests.Session()
@@ -152,6 +154,18 @@ def test_the_store_takes_no_write_read_or_delete_without_its_credentials(stack):
     assert http.post(url, params=delete, auth=vm.auth, timeout=30).status_code == 400
     assert http.post(url, params={**delete, "authKey": "guess"}, auth=vm.auth,
                      timeout=30).status_code == 400
+    # What the password alone must not do either: the store's flags and profiles are
+    # its keys' only (1.79 served both to anyone, no password asked), snapshots (their
+    # delete_all) and force merges need their keys.
+    for path in ("/flags", "/debug/pprof/", "/debug/pprof/heap"):
+        assert http.get(vm.url + path, timeout=30).status_code == 401, path
+        assert http.get(vm.url + path, auth=vm.auth, timeout=30).status_code == 401, path
+    for path in ("/snapshot/list", "/snapshot/create", "/snapshot/delete_all",
+                 "/internal/force_merge"):
+        assert http.get(vm.url + path, timeout=30).status_code == 401, path
+        assert http.get(vm.url + path, auth=vm.auth, timeout=30).status_code == 400, path
+    assert http.get(vm.url + "/flags", params={"authKey": STORE_KEYS["flagsAuthKey"]},
+                    timeout=30).status_code == 200  # the key is what opens it
     assert vm.scalar("count(clusterpulse_gpu_up)") == GPUS
     assert vm.query("clusterpulse_gpu_up == 0") == []
 

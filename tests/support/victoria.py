@@ -28,6 +28,12 @@ STORE_SCRAPE_CONFIG = DEPLOY / "store-scrape.yml"
 STORE_USER = "clusterpulse"
 STORE_PASSWORD = "test-store-password"
 STORE_DELETE_KEY = "test-delete-key"
+# The keys for what the password alone must not do (docs/security.md): the secrets file
+# docs/scaling.md makes has these names, each a flag of victoria-metrics read from the
+# environment.
+STORE_KEYS = {"deleteAuthKey": STORE_DELETE_KEY, "snapshotAuthKey": "test-snapshot-key",
+              "forceMergeAuthKey": "test-force-merge-key", "pprofAuthKey": "test-pprof-key",
+              "flagsAuthKey": "test-flags-key"}
 # vmalert reads `keep_firing_for` from 1.92 on (VictoriaMetrics issue #4529); Debian 12
 # ships 1.79, which refuses the rule files with it ("unknown fields in rule").
 KEEP_FIRING_FOR_SINCE = (1, 92)
@@ -123,9 +129,9 @@ class Store:
 
 
 def store_env(password: str = STORE_PASSWORD) -> dict[str, str]:
-    """The environment the store's unit gets from the installed
-    /etc/default/victoria-metrics (docs/scaling.md): its password and delete key."""
-    return {**os.environ, "httpAuth_password": password, "deleteAuthKey": STORE_DELETE_KEY}
+    """The environment the store's unit gets from its secrets file through the drop-in
+    victoria-metrics-secrets.conf (docs/scaling.md): its password and keys."""
+    return {**os.environ, "httpAuth_password": password, **STORE_KEYS}
 
 
 def victoria_metrics(tmp: Path, scrape_config: Path | None = None) -> Store:

@@ -174,3 +174,36 @@ def test_readme_framework_snippets_are_the_jobs_ci_runs(job, name):
     blocks = re.findall(rf"<!-- {re.escape(job)} -->\n```python\n(.*?)```",
                         (REPO / "README.md").read_text(), re.S)
     assert blocks == [excerpt(REPO / job, name)]
+
+
+# A drop-in docs/scaling.md gives a ClusterPulse unit for the VictoriaMetrics store:
+# its path, the credential it loads, and the ARGS it tells the admin to set.
+DROP_IN = re.compile(r"# /etc/systemd/system/(clusterpulse-[\w-]+)\.service\.d/[\w.-]+\.conf\n"
+                     r"\[Service\]\nLoadCredential=([\w-]+):(\S+)\n"
+                     r"# /etc/default/\1: ARGS=\"\.\.\. (.*?)\"\n```", re.S)
+
+
+@pytest.mark.parametrize("unit", ["clusterpulse-dashboard", "clusterpulse-remediate"])
+def test_scaling_md_points_every_store_reader_at_the_store_with_flags_it_knows(unit, capsys):
+    """On the VictoriaMetrics path the dashboard and clusterpulse-remediate must read the
+    store with its password: remediate was left at its default 127.0.0.1:9090, so its
+    check that an alert still fires failed closed and remediation never acted. Each
+    drop-in loads the password as a credential, and its ARGS name flags the program
+    knows (its --help), the password file at that credential's path."""
+    from clusterpulse.dashboard import cli as dashboard_cli
+    from clusterpulse.dashboard import remediation
+
+    mains = {"clusterpulse-dashboard": dashboard_cli.main,
+             "clusterpulse-remediate": remediation.main}
+    found = {m[0]: m[1:] for m in DROP_IN.findall((REPO / "docs/scaling.md").read_text())}
+    assert unit in found, sorted(found)
+    credential, source, args = found[unit]
+    assert source == "/etc/clusterpulse/victoria-metrics-password"
+    argv = shlex.split(args.replace("\n#", " "))
+    assert argv == ["--prometheus", "http://victoria-metrics:8428", "--prometheus-password-file",
+                    f"/run/credentials/{unit}.service/{credential}"], argv
+    with pytest.raises(SystemExit):
+        mains[unit](["--help"])
+    help_text = capsys.readouterr().out
+    for flag in argv[::2]:
+        assert re.search(rf"(^|\s){re.escape(flag)}\b", help_text), (unit, flag)
