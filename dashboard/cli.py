@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from clusterpulse.dashboard import auth
+from clusterpulse.dashboard import auth, config
 
 EXAMPLES = """\
 examples:
@@ -17,6 +17,8 @@ examples:
   clusterpulse-dashboard --port 8501 --operators-file /etc/clusterpulse/operators.toml \\
       --token-file /etc/clusterpulse/token --audit-log /var/log/clusterpulse/audit.jsonl
   clusterpulse-dashboard --address 127.0.0.1 --trusted-proxy 127.0.0.1   # behind nginx
+  clusterpulse-dashboard --prometheus http://victoria-metrics:8428 \
+      --prometheus-password-file /etc/clusterpulse/victoria-metrics-password
 """
 
 
@@ -43,10 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prometheus", default="http://127.0.0.1:9090",
                    help="Prometheus-compatible API URL")
-    p.add_argument("--prometheus-password-file", type=Path,
-                   help="password for the store's basic auth (VictoriaMetrics past one "
-                   "machine, docs/scaling.md), as user --prometheus-user")
-    p.add_argument("--prometheus-user", default="clusterpulse")
+    config.add_store_auth(p)
     p.add_argument("--alertmanager", default="http://127.0.0.1:9093")
     p.add_argument("--alertmanager-password-file", type=Path,
                    help="password for Alertmanager's basic auth (its web config), as user "
@@ -66,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     if not (math.isfinite(a.refresh) and a.refresh > 0):  # 0 or inf: every view stands still
         p.error(f"--refresh must be a number of seconds > 0, not {a.refresh:g}")
     if a.operators_file and not operators_usable(a.operators_file):
+        return 2
+    try:  # a password file that cannot be read: said now, not as 401 on every page
+        config.store_auth(a)
+        config.basic_auth(a.alertmanager_user, a.alertmanager_password_file,
+                          "--alertmanager-password-file")
+    except config.SettingsError as err:
+        print(f"clusterpulse-dashboard: error: {err}", file=sys.stderr)
         return 2
     env = {"CLUSTERPULSE_PROMETHEUS_URL": a.prometheus,
            "CLUSTERPULSE_ALERTMANAGER_URL": a.alertmanager,

@@ -3,8 +3,10 @@ cluster). Credentials never come from here: see dashboard/auth.py."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +32,16 @@ class Settings:
 
     def alertmanager_auth(self) -> tuple[str, str] | None:
         """Basic-auth credentials for Alertmanager's API, read per use (rotation needs
-        no restart); None without a password file, or when it cannot be read."""
-        return _basic_auth(self.alertmanager_user, self.alertmanager_password_file)
+        no restart); None without a password file. SettingsError when the file cannot
+        be read: silently sent without credentials, every page said 401."""
+        return basic_auth(self.alertmanager_user, self.alertmanager_password_file,
+                          "CLUSTERPULSE_ALERTMANAGER_PASSWORD_FILE")
 
     def prometheus_auth(self) -> tuple[str, str] | None:
         """Basic-auth credentials for the Prometheus API (the store), read per use like
-        Alertmanager's; None without a password file, or when it cannot be read."""
-        return _basic_auth(self.prometheus_user, self.prometheus_password_file)
+        Alertmanager's; None without a password file; SettingsError as above."""
+        return basic_auth(self.prometheus_user, self.prometheus_password_file,
+                          "CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE")
     # where docs/ is published (a runbook link is this + "/runbooks.md#<alert>"); empty:
     # the Alerts page shows the runbook's text from the installed docs instead
     docs_url: str = ""
@@ -71,15 +76,43 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
     )
 
 
-def _basic_auth(user: str, password_file: Path | None) -> tuple[str, str] | None:
-    """(user, the file's password), or None without a file or a password in it."""
+def basic_auth(user: str, password_file: Path | None,
+               setting: str = "--prometheus-password-file") -> tuple[str, str] | None:
+    """(user, the file's password), or None without a file or a password in it.
+    SettingsError, one line naming the file, when it cannot be read: sent without
+    credentials, a store or Alertmanager behind basic auth answers 401 to everything
+    and nothing said the file was the cause (`setting` says where it was given)."""
     if password_file is None:
         return None
     try:
         password = password_file.read_text().strip()
-    except OSError:
-        return None
+    except (OSError, UnicodeDecodeError) as err:
+        why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise SettingsError(f"{setting}: cannot read the password file {password_file}: "
+                            f"{why}") from None
     return (user, password) if password else None
+
+
+def add_store_auth(p: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
+    """--prometheus-password-file and --prometheus-user, for every command that reads
+    the store (the dashboard, clusterpulse-ctl, clusterpulse-remediate): VictoriaMetrics
+    past one machine asks for basic auth (docs/scaling.md). Defaults from the
+    dashboard's variables, so one environment serves them all."""
+    p.add_argument("--prometheus-password-file", type=Path, metavar="FILE",
+                   default=env.get("CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE") or None,
+                   help="password for the store's basic auth (VictoriaMetrics past one "
+                   "machine, docs/scaling.md), as user --prometheus-user (default: "
+                   "$CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE; none: no auth)")
+    p.add_argument("--prometheus-user", metavar="NAME",
+                   default=env.get("CLUSTERPULSE_PROMETHEUS_USER") or "clusterpulse",
+                   help="the store's basic-auth user (default: "
+                   "$CLUSTERPULSE_PROMETHEUS_USER, else clusterpulse)")
+
+
+def store_auth(a: argparse.Namespace) -> tuple[str, str] | None:
+    """The store's credentials from add_store_auth's options (SettingsError: the
+    password file cannot be read)."""
+    return basic_auth(a.prometheus_user, a.prometheus_password_file)
 
 
 def _seconds(env: dict[str, str] | os._Environ[str], name: str, default: str) -> float:

@@ -19,12 +19,15 @@ from pathlib import Path
 
 from clusterpulse.agent import protocol
 from clusterpulse.agent.audit import AuditLog
-from clusterpulse.dashboard import actions, auth
+from clusterpulse.dashboard import actions, auth, config
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
 EXAMPLES = """\
 examples:
   export CLUSTERPULSE_PROMETHEUS_URL=http://127.0.0.1:9090   # or --prometheus URL
+  # a store behind basic auth (VictoriaMetrics past one machine, docs/scaling.md):
+  export CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE=/etc/clusterpulse/victoria-metrics-password
+  #   or --prometheus-password-file FILE [--prometheus-user NAME]
   export CLUSTERPULSE_AGENT_TOKEN_FILE=/etc/clusterpulse/token   # or --token-file FILE
   clusterpulse-ctl restart --run llama-7b --graceful --reason "straggler on node-7" --wait
   clusterpulse-ctl restart --run llama-7b --hard --reason "rank 12 hung"
@@ -32,7 +35,8 @@ examples:
   clusterpulse-ctl agents --run llama-7b
   clusterpulse-ctl hash-password            # for the dashboard's operators file (asks twice)
   clusterpulse-ctl hash-password --bcrypt < alertmanager-password   # Alertmanager web.yml
-environment: CLUSTERPULSE_PROMETHEUS_URL, CLUSTERPULSE_AGENT_TOKEN_FILE, CLUSTERPULSE_AUDIT_LOG
+environment: CLUSTERPULSE_PROMETHEUS_URL, CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE,
+  CLUSTERPULSE_PROMETHEUS_USER, CLUSTERPULSE_AGENT_TOKEN_FILE, CLUSTERPULSE_AUDIT_LOG
 """
 
 
@@ -86,6 +90,7 @@ def build_parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser
                                                    "http://127.0.0.1:9090"),
                    help="Prometheus API URL, to find the run's agents (default: "
                    "$CLUSTERPULSE_PROMETHEUS_URL, else http://127.0.0.1:9090)")
+    config.add_store_auth(p, env)
     p.add_argument("--token-file", type=Path, default=env.get("CLUSTERPULSE_AGENT_TOKEN_FILE"),
                    help="the agents' control API token file, needed by restart and evict "
                    "(default: $CLUSTERPULSE_AGENT_TOKEN_FILE)")
@@ -180,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(auth.bcrypt_hash(pw) if a.bcrypt else auth.hash_password(pw))
         return 0
-    prom = PrometheusClient(a.prometheus)
+    try:
+        prom = PrometheusClient(a.prometheus, auth=config.store_auth(a))
+    except config.SettingsError as err:  # unreadable password file: not 401 from the store
+        print(f"clusterpulse-ctl: error: {err}", file=sys.stderr)
+        return 2
     try:
         if a.cmd == "agents":
             for node, url in sorted(actions.agents_for_run(prom, a.run).items()):

@@ -59,7 +59,7 @@ _last_good: dict[str, Result] = {}
 def _guard(key: str, fn: Callable[[], Any]) -> Result:
     try:
         value = fn()
-    except (PrometheusError, AlertmanagerUnavailable) as err:
+    except (PrometheusError, AlertmanagerUnavailable, config.SettingsError) as err:
         last = _last_good.get(key)
         return Result(last.value if last else None, stale=True, error=str(err),
                       fetched_at=last.fetched_at if last else 0.0)

@@ -82,6 +82,7 @@ from clusterpulse.agent.httpsafe import (
 from clusterpulse.agent.logsetup import setup_logging
 from clusterpulse.agent.tokens import TokenError, Tokens
 from clusterpulse.agent.validate import is_number, read_toml, unknown_keys
+from clusterpulse.dashboard import config
 from clusterpulse.dashboard.actions import (
     ACTIONS,
     ActionError,
@@ -787,6 +788,9 @@ examples:
       --prometheus http://127.0.0.1:9090 --token-file /etc/clusterpulse/token \\
       --webhook-token-file /etc/clusterpulse/webhook-token
   clusterpulse-remediate --policy policy.toml --webhook-token-file hook-token --dry-run
+  clusterpulse-remediate --policy policy.toml --webhook-token-file hook-token \
+      --prometheus http://victoria-metrics:8428 \
+      --prometheus-password-file /etc/clusterpulse/victoria-metrics-password
 """
 
 
@@ -797,10 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", type=Path, required=True, help="policy TOML file")
     p.add_argument("--listen", default="127.0.0.1:19495", help="webhook address")
     p.add_argument("--prometheus", default="http://127.0.0.1:9090")
-    p.add_argument("--prometheus-password-file", type=Path,
-                   help="password for the store's basic auth (VictoriaMetrics past one "
-                   "machine, docs/scaling.md), as user --prometheus-user")
-    p.add_argument("--prometheus-user", default="clusterpulse")
+    config.add_store_auth(p)
     p.add_argument("--token-file", type=Path, help="agents' control API token")
     p.add_argument("--webhook-token-file", type=Path, required=True,
                    help="tokens Alertmanager must present (bearer, or basic auth with the "
@@ -814,10 +815,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policy = Policy.load(a.policy)
         token = a.token_file.read_text().strip() if a.token_file else None
-        prom_auth = ((a.prometheus_user, a.prometheus_password_file.read_text().strip())
-                     if a.prometheus_password_file else None)
+        prom_auth = config.store_auth(a)
         hook_tokens, _ = Tokens.load(a.webhook_token_file)
-    except (PolicyError, OSError, TokenError) as err:
+    except (PolicyError, OSError, TokenError, config.SettingsError) as err:
         print(f"clusterpulse-remediate: error: {err}", file=sys.stderr)
         return 2
     if a.dry_run:

@@ -26,9 +26,14 @@ TIME_TITLE = "time (UTC)"
 
 def settings() -> config.Settings:
     """Read per run (cheap), so a changed environment takes effect; a setting the
-    dashboard cannot run with stops the page with its name, not a traceback."""
+    dashboard cannot run with stops the page with its name, not a traceback. The
+    password files are read here too: one that cannot be read stops the page naming
+    it, where the store and Alertmanager used to answer 401 on every panel."""
     try:
-        return config.from_env()
+        s = config.from_env()
+        s.prometheus_auth()
+        s.alertmanager_auth()
+        return s
     except config.SettingsError as err:
         st.error(f"Dashboard setting: {err}", icon=":material/settings:")
         st.stop()

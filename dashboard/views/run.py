@@ -8,7 +8,7 @@ import time
 import pandas as pd
 import streamlit as st
 
-from clusterpulse.dashboard import actions, data, links, ui
+from clusterpulse.dashboard import actions, config, data, links, ui
 from clusterpulse.dashboard.incidents import hang_incident, rank_tables, rate_against_usual
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
@@ -149,7 +149,7 @@ def request(who: str) -> None:
         prom = PrometheusClient(s.prometheus_url, auth=s.prometheus_auth())
         results = actions.request_action(prom, run, action, reason, who, s.agent_token(),
                                          ui.audit_log())
-    except (actions.ActionError, PrometheusError) as err:
+    except (actions.ActionError, PrometheusError, config.SettingsError) as err:
         ss["action_message"] = ("error", f"Not sent: {err}")
         return
     ss["reason"] = ""

@@ -259,6 +259,20 @@ def test_a_bad_setting_is_named_on_the_page_not_a_traceback(refresh, monkeypatch
     assert any(f"CLUSTERPULSE_REFRESH_S={refresh!r}" in e.value for e in at.error), at.error
 
 
+@pytest.mark.parametrize("var", ["CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE",
+                                 "CLUSTERPULSE_ALERTMANAGER_PASSWORD_FILE"])
+def test_a_password_file_that_cannot_be_read_is_named_on_the_page(var, monkeypatch, tmp_path):
+    """It was sent as no credentials: a store or Alertmanager behind basic auth
+    answered 401 on every panel, and the page asked whether it was a Prometheus API."""
+    missing = tmp_path / "no-such-password"
+    monkeypatch.setenv(var, str(missing))
+    at = app(monkeypatch, f"http://127.0.0.1:{free_port()}", tmp_path)
+    assert not at.exception, at.exception
+    assert [e.value for e in at.error] == [
+        f"Dashboard setting: {var}: cannot read the password file {missing}: "
+        "No such file or directory"]
+
+
 def test_operator_sign_in_uses_hashed_credentials(prom_with_data, monkeypatch, tmp_path):
     from clusterpulse.dashboard.auth import hash_password
 

@@ -15,6 +15,7 @@ Ethernet carrier changes): a new node that must page nothing on VictoriaMetrics.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -25,13 +26,14 @@ import pytest
 import requests
 import yaml
 
-from clusterpulse.dashboard import data
+from clusterpulse.dashboard import ctl, data
 from tests.bench.fleet_static import node_address
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Alertmanager, _http, start_agent_cli, wait_until
 from tests.support.sysfs import make_sysfs
 from tests.support.victoria import (
     STORE_KEYS,
+    STORE_USER,
     Shard,
     VmAlert,
     default_value,
@@ -180,6 +182,27 @@ def test_dashboard_reads_the_sharded_store_unchanged(stack):
     assert len(d["heat"]) == GPUS  # fewer nodes than the heatmap's 64: every GPU drawn
     assert dict(zip(d["nodes"]["node"], d["nodes"]["up"], strict=True)) == {
         **{f"n{i:04d}": 1 for i in range(FLEET_NODES)}, VICTIM: 1, NEWCOMER: 1}
+
+
+def test_ctl_finds_a_runs_agents_in_the_store_with_its_password(stack, monkeypatch, capsys):
+    """clusterpulse-ctl reads the store the dashboard reads, with the same settings: the
+    password file from CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE (set by the stack, as for
+    the dashboard) or --prometheus-password-file. It ignored both: `agents`, `restart`
+    and `evict` failed with 401 on this path."""
+    vm = stack["vm"]
+    wait_until(lambda: _gpus_in_store(vm), 60, "every GPU in VictoriaMetrics", interval=1)
+    monkeypatch.setenv("CLUSTERPULSE_PROMETHEUS_URL", vm.url)
+    want = {f"n{i:04d}": f"http://{stack['addresses'][i]}" for i in range(RUN_NODES)}
+    assert ctl.main(["agents", "--run", "job-000"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out.splitlines()
+    assert dict(line.split("\t") for line in out) == want
+    password_file = os.environ["CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE"]
+    monkeypatch.delenv("CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE")  # back after the test
+    assert ctl.main(["--prometheus-password-file", password_file, "--prometheus-user",
+                     STORE_USER, "agents", "--run", "job-000"]) == 0
+    assert dict(line.split("\t") for line in capsys.readouterr().out.splitlines()) == want
+    assert ctl.main(["agents", "--run", "job-000"]) == 1  # without it: the store's 401
+    assert "401" in capsys.readouterr().err
 
 
 def test_vmalert_records_and_a_dead_node_pages_through_it(stack):

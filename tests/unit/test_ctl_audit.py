@@ -87,3 +87,21 @@ def test_the_default_audit_log_is_in_the_state_directory(isolated, monkeypatch):
     assert restart(isolated) == 1
     assert len(records(isolated / "shared.jsonl")) == 1
     assert list((isolated / "cwd").iterdir()) == []  # nothing in the working directory
+
+
+def test_a_store_password_file_that_cannot_be_read_is_an_error_naming_it(
+        isolated, monkeypatch, capsys):
+    """The store's password file as the dashboard takes it (CLUSTERPULSE_PROMETHEUS_
+    PASSWORD_FILE, or --prometheus-password-file): ctl ignored the variable and had no
+    option, so a store behind basic auth answered 401. One that cannot be read is one
+    line naming it, before anything is asked of the store or an agent."""
+    missing = isolated / "no-such-password"
+    monkeypatch.setenv("CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE", str(missing))
+    assert ctl.main(["agents", "--run", "job"]) == 2
+    assert capsys.readouterr() == ("", "clusterpulse-ctl: error: --prometheus-password-file: "
+                                   f"cannot read the password file {missing}: No such file "
+                                   "or directory\n")
+    monkeypatch.delenv("CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE")
+    assert restart(isolated, "--prometheus-password-file", str(isolated / "cwd")) == 2
+    assert capsys.readouterr().err.endswith(f"{isolated / 'cwd'}: Is a directory\n")
+    assert not (isolated / "home").exists()  # nothing requested, so nothing audited

@@ -117,7 +117,8 @@ def no_exec(monkeypatch):
         raise Exec(args)
 
     monkeypatch.setattr(cli.os, "execv", execv)
-    for name in ("CLUSTERPULSE_OPERATORS_FILE", "CLUSTERPULSE_AUDIT_LOG"):
+    for name in ("CLUSTERPULSE_OPERATORS_FILE", "CLUSTERPULSE_AUDIT_LOG",
+                 "CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -135,6 +136,19 @@ def test_the_dashboard_refuses_to_start_with_an_unusable_operators_file(
     assert cli.main(["--operators-file", str(broken_toml)]) == 2
     (error,) = capsys.readouterr().err.splitlines()
     assert "line 2" in error and "not starting" in error, error
+
+
+@pytest.mark.parametrize("option", ["--prometheus-password-file",
+                                    "--alertmanager-password-file"])
+def test_the_dashboard_refuses_to_start_with_a_password_file_it_cannot_read(
+        tmp_path, no_exec, capsys, option):
+    """One line naming the file, at start: it used to start and send no credentials,
+    and every page said 401."""
+    missing = tmp_path / "no-such-password"
+    assert cli.main([option, str(missing)]) == 2
+    assert capsys.readouterr().err == (f"clusterpulse-dashboard: error: {option}: cannot "
+                                       f"read the password file {missing}: No such file "
+                                       "or directory\n")
 
 
 def test_the_dashboard_starts_saying_which_entries_it_skips(tmp_path, no_exec, capsys):

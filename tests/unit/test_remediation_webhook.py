@@ -12,6 +12,7 @@ import requests
 
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.tokens import Tokens
+from clusterpulse.dashboard import remediation
 from clusterpulse.dashboard.promclient import PrometheusClient
 from clusterpulse.dashboard.remediation import (
     PayloadError,
@@ -512,3 +513,16 @@ def test_an_action_refused_because_an_agent_could_not_answer_is_retried(tmp_path
     (d,) = rem.handle({"alerts": [alert()]})  # Alertmanager's retry (max 1 per window)
     assert d["outcome"] == "acted", d
     assert calls == ["asked", "asked"]
+
+
+def test_a_store_password_file_that_cannot_be_read_is_an_error_naming_it(tmp_path, capsys):
+    """The same option and message as the dashboard's and clusterpulse-ctl's (one piece
+    of code): not a traceback, nor a store answering 401 to every check."""
+    (tmp_path / "hook-token").write_text(HOOK + "\n")
+    missing = tmp_path / "no-such-password"
+    assert remediation.main(["--policy", str(REPO / "deploy/local/policy.toml"),
+                             "--webhook-token-file", str(tmp_path / "hook-token"),
+                             "--prometheus-password-file", str(missing)]) == 2
+    assert capsys.readouterr().err == ("clusterpulse-remediate: error: "
+                                       "--prometheus-password-file: cannot read the password "
+                                       f"file {missing}: No such file or directory\n")
