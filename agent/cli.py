@@ -167,12 +167,9 @@ def make_backend(args: argparse.Namespace, ranks: RankRegistry) -> Backend:
             gpu_state = args.state_dir / "gpus.json" if args.remember_gpus else None
             return NvmlBackend(xid_state=xid_state, gpu_state=gpu_state)
         except BackendError as err:
-            if args.backend == "nvml":
-                raise UsageError(str(err)) from None
-            raise UsageError(
-                "no NVIDIA driver found, so --backend auto cannot read GPUs. To run with "
-                "simulated GPUs: clusterpulse-agent --backend sim --gpus 8"
-            ) from None
+            # NVML's own reason, for auto too: a driver/library mismatch is not "no
+            # driver", and a broken driver must not read as a machine without GPUs.
+            raise UsageError(str(err)) from None
     scenario = []
     if args.scenario is not None:
         try:

@@ -403,3 +403,19 @@ def test_the_slurm_job_step_agent_refuses_to_remember_gpus(tmp_path):
     r = subprocess.run(["bash", str(REPO / "deploy" / "slurm" / "train.sbatch")], env=env,
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "--remember-gpus is for the node-level agent" in r.stderr
+
+
+def test_auto_says_why_nvml_could_not_start(monkeypatch):
+    """Review of #30: with --backend auto any NVML start failure, a driver/library
+    mismatch included, read "no NVIDIA driver found" and the real reason was dropped:
+    a node with a broken driver looked like one without GPUs."""
+    from clusterpulse.agent import cli
+    from clusterpulse.agent.ranks import RankRegistry
+
+    mismatch = pynvml.NVMLError_LibRmVersionMismatch
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(init_error=mismatch))
+    args = cli.build_parser().parse_args(["--backend", "auto"])
+    with pytest.raises(cli.UsageError) as err:
+        cli.make_backend(args, RankRegistry())
+    assert "lib_rm_version_mismatch" in str(err.value), err.value
+    assert "--backend sim" in str(err.value), err.value
