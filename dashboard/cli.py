@@ -39,6 +39,20 @@ def operators_usable(path: Path) -> bool:
     return True
 
 
+def streamlit_command(app: Path, address: str, port: int) -> list[str]:
+    """The Streamlit server the dashboard runs as (also the bare page its timing is
+    compared with in tests/e2e: the same server, only the app differs)."""
+    return [sys.executable, "-m", "streamlit", "run", str(app),
+            f"--server.address={address}", f"--server.port={port}",
+            "--server.headless=true", "--browser.gatherUsageStats=false",
+            "--server.fileWatcherType=none",
+            # no full garbage collection after every page run and every refresh: it held
+            # the one Python process 0.1-0.8 s each time (110,000 objects, 2 busy cores),
+            # just when the browser asks it for the scripts to draw what the run sent;
+            # Python's own collector still runs
+            "--runner.postScriptGC=false"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="clusterpulse-dashboard", description=__doc__,
                                 epilog=EXAMPLES,
@@ -94,15 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("streamlit") is None:  # before exec: clusterpulse.entry
         raise ModuleNotFoundError("No module named 'streamlit'", name="streamlit")
     app = Path(__file__).with_name("app.py")
-    args = [sys.executable, "-m", "streamlit", "run", str(app),
-            f"--server.address={a.address}", f"--server.port={a.port}",
-            "--server.headless=true", "--browser.gatherUsageStats=false",
-            "--server.fileWatcherType=none",
-            # no full garbage collection after every page run and every refresh: it held
-            # the one Python process 0.1-0.8 s each time (110,000 objects, 2 busy cores),
-            # just when the browser asks it for the scripts to draw what the run sent;
-            # Python's own collector still runs
-            "--runner.postScriptGC=false"]
+    args = streamlit_command(app, a.address, a.port)
     os.execv(sys.executable, args)
     return 0  # not reached
 

@@ -20,6 +20,7 @@ import requests
 
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.dashboard.auth import hash_password
+from clusterpulse.dashboard.cli import streamlit_command
 from clusterpulse.dashboard.ui import KPI_KEY
 from tests.support.ports import free_port
 from tests.support.procs import REPO, Proc, wait_until
@@ -53,12 +54,17 @@ def start_dashboard(stack: Stack, tmp) -> tuple[Proc, str]:
                  str(tmp / "audit.jsonl"), "--refresh", "2"], tmp / f"dashboard-{port}.log",
                 cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: requests.get(url + "/_stcore/health", timeout=1).ok, 60, "dashboard")
-    except BaseException:
-        dash.stop()
-        raise
+    _wait_served(dash, url, "dashboard")
     return dash, url
+
+
+def _wait_served(proc: Proc, url: str, what: str) -> None:
+    """Until the Streamlit server at `url` answers its health check; stopped if not."""
+    try:
+        wait_until(lambda: requests.get(url + "/_stcore/health", timeout=1).ok, 60, what)
+    except BaseException:
+        proc.stop()
+        raise
 
 
 @pytest.fixture(scope="module")
@@ -433,16 +439,9 @@ def start_bare_streamlit(tmp: Path) -> tuple[Proc, str]:
     app = tmp / "bare_app.py"
     app.write_text(BARE_APP)
     port = free_port()
-    proc = Proc([sys.executable, "-m", "streamlit", "run", str(app), "--server.address=127.0.0.1",
-                 f"--server.port={port}", "--server.headless=true",
-                 "--browser.gatherUsageStats=false", "--server.fileWatcherType=none",
-                 "--runner.postScriptGC=false"], tmp / f"bare-{port}.log", cwd=tmp)
+    proc = Proc(streamlit_command(app, "127.0.0.1", port), tmp / f"bare-{port}.log", cwd=tmp)
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: requests.get(url + "/_stcore/health", timeout=1).ok, 60, "bare app")
-    except BaseException:
-        proc.stop()
-        raise
+    _wait_served(proc, url, "bare app")
     return proc, url
 
 
