@@ -145,14 +145,13 @@ def test_a_torchrun_started_ahead_runs_only_when_told(tmp_path):
     done): it runs torchrun when told, and ends without running it when the launcher
     closes the pipe (the launcher ended, or needed no relaunch)."""
     held = _held_torchrun(tmp_path / "held")
+    told_nothing = _held_torchrun(tmp_path / "told-nothing")  # started together: one wait
     time.sleep(1)
-    assert held.proc.poll() is None  # held, not run
+    assert held.proc.poll() is None and told_nothing.proc.poll() is None  # held, not run
     proc = held.go()
     assert proc is held.proc and proc.wait(timeout=120) == 0
     assert "usage:" in (tmp_path / "held").read_text()  # torchrun ran: its --help
 
-    told_nothing = _held_torchrun(tmp_path / "told-nothing")
-    time.sleep(1)
     told_nothing._close_pipe()  # the launcher gone (even killed): the pipe closes
     assert told_nothing.proc.wait(timeout=120) == 0  # it ends quietly, torchrun not run
     assert "usage:" not in (tmp_path / "told-nothing").read_text()
