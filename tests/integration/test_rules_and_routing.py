@@ -4,9 +4,12 @@ unit tests for every alert, routing tests, and inhibition in a real Alertmanager
 from __future__ import annotations
 
 import datetime
+import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,23 +61,22 @@ ORDERS = ["dependencies first", "dependencies last"]
 
 
 @pytest.fixture(scope="module")
-def promtool_runs(tmp_path_factory) -> dict[str, list[subprocess.Popen]]:
+def promtool_runs(tmp_path_factory) -> Iterator[dict[str, list[Future]]]:
     """Every rule test file in both group orders, each its own `promtool test rules`,
-    all started at once (promtool checks its files one after another on one core; the
-    slowest file, not the sum of all ten, is the wait). Per order: one process a file."""
+    as many at once as there are cores (promtool checks its files one after another on
+    one core; ten at once on 2 cores starved the other test worker for half a minute).
+    Per order: one run a file, its CompletedProcess."""
     assert shutil.which("promtool"), "promtool is not installed (the test command installs it)"
     files = sorted((PROM / "tests").glob("*_test.yml"))
-    runs = {}
-    for order in ORDERS:
-        into = tmp_path_factory.mktemp(order.replace(" ", "-"))
-        runs[order] = [subprocess.Popen(["promtool", "test", "rules", copy], cwd=REPO,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True)
-                       for copy in in_group_order(files, order == "dependencies last", into)]
-    yield runs
-    for proc in (p for procs in runs.values() for p in procs):
-        proc.kill()
-        proc.communicate()
+    # promtool runs every rule over hours of test time: minutes on a loaded machine
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        runs = {}
+        for order in ORDERS:
+            into = tmp_path_factory.mktemp(order.replace(" ", "-"))
+            runs[order] = [pool.submit(subprocess.run, ["promtool", "test", "rules", copy],
+                                       cwd=REPO, capture_output=True, text=True, timeout=600)
+                           for copy in in_group_order(files, order == "dependencies last", into)]
+        yield runs
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -85,11 +87,10 @@ def test_promtool_unit_tests_pass_and_cover_every_alert(order, promtool_runs):
         assert yaml.safe_load(f.read_text())["rule_files"][0].endswith(
             "clusterpulse.rules.yml"), f
     assert len(promtool_runs[order]) == len(files)
-    for proc in promtool_runs[order]:
-        # promtool runs every rule over hours of test time: minutes on a loaded machine
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0 and "FAILED" not in stdout, stdout + stderr
-        assert stdout.count("SUCCESS") == 1, stdout  # its one file
+    for run_ in promtool_runs[order]:
+        r = run_.result()
+        assert r.returncode == 0 and "FAILED" not in r.stdout, r.stdout + r.stderr
+        assert r.stdout.count("SUCCESS") == 1, r.stdout  # its one file
     alerts = {rule["alert"] for g in yaml.safe_load((PROM / "alerts.rules.yml").read_text())
               ["groups"] for rule in g["rules"] if "alert" in rule}
     tests = [case for f in files for case in yaml.safe_load(f.read_text())["tests"]]
