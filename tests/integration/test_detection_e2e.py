@@ -34,7 +34,7 @@ def test_stragglers_are_named_with_their_cause_and_reach_the_webhook(stack):
     """Rank 3 is slowed in software (cause: compute); then, in a second run, GPU 1 of
     node-a overheats, thermal-throttles, and its rank is named with cause
     thermal_throttling."""
-    stack.start_job("strag", steps=3000, trainer_args=[
+    strag = stack.start_job("strag", steps=3000, trainer_args=[
         "--sim-compute-seconds", "0.1", "--inject", "slow:rank=3:step=1:factor=1.8"])
     try:
         wait_until(lambda: len(stack.prom.query('clusterpulse_trainer_step{run="strag"}')) == 4,
@@ -48,11 +48,12 @@ def test_stragglers_are_named_with_their_cause_and_reach_the_webhook(stack):
         wait_until(lambda: any(x["labels"].get("alertname") == "TrainingStraggler"
                                for x in stack.sink.alerts()), 30, "webhook delivery")
 
-        stack.stop_jobs()
-
         # A second run, all ranks busy (no software straggler they all wait for), so
         # a GPU that loses its cooling heats up and throttles as it would under load.
+        # It starts while the first run stops (its imports and rendezvous overlap the
+        # first run's exit); the first run is gone before the GPU overheats.
         stack.start_job("thermal", steps=3000, trainer_args=["--sim-compute-seconds", "0.1"])
+        stack.stop_jobs(strag)
         wait_until(lambda: len(stack.prom.query(
             'clusterpulse_trainer_step{run="thermal"}')) == 4, 90, "4 ranks of run thermal")
         hot_node = stack.nodes[0]
