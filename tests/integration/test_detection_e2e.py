@@ -157,10 +157,10 @@ def test_a_long_checkpoint_a_restart_and_a_clean_finish_never_page(stack):
 def test_a_rank_stuck_in_init_pages_the_job_after_the_absolute_timeout(tmp_path):
     """Rank 1 never joins the process group; the other 3 wait for it in init. No rank
     has a step time or a collective count, so no root can be told: JobStalled pages
-    the job once every rank is past the absolute timeout (20 s here, set as an operator
+    the job once every rank is past the absolute timeout (10 s here, set as an operator
     sets it), and RankHung pages no one. Ranks used to send nothing before the process
     group and the model existed: an init hang showed no rank at all."""
-    s = Stack.start(tmp_path, hang_timeout_s=20)
+    s = Stack.start(tmp_path, hang_timeout_s=10)
     start = time.time()
     try:
         s.start_job("init", steps=100, trainer_args=["--inject", "init_hang:rank=1"])
