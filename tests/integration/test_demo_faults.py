@@ -40,14 +40,14 @@ kind = "gpu_lost"
 node = 1
 gpu = 0
 seconds = 25
-after_s = 5
+after_s = 1
 
 [[fault]]
 kind = "gpu_overheat"
 node = 0
 gpu = 0
-seconds = 60
-after_s = 5
+seconds = 45
+after_s = 1
 """
 
 # The shipped policy with a compressed rate-limit window and wait: the overheated

@@ -34,7 +34,7 @@ def test_stragglers_are_named_with_their_cause_and_reach_the_webhook(stack):
     """Rank 3 is slowed in software (cause: compute); then, in a second run, GPU 1 of
     node-a overheats, thermal-throttles, and its rank is named with cause
     thermal_throttling."""
-    stack.start_job("strag", steps=3000, trainer_args=[
+    strag = stack.start_job("strag", steps=3000, trainer_args=[
         "--sim-compute-seconds", "0.1", "--inject", "slow:rank=3:step=1:factor=1.8"])
     try:
         wait_until(lambda: len(stack.prom.query('clusterpulse_trainer_step{run="strag"}')) == 4,
@@ -48,11 +48,12 @@ def test_stragglers_are_named_with_their_cause_and_reach_the_webhook(stack):
         wait_until(lambda: any(x["labels"].get("alertname") == "TrainingStraggler"
                                for x in stack.sink.alerts()), 30, "webhook delivery")
 
-        stack.stop_jobs()
-
         # A second run, all ranks busy (no software straggler they all wait for), so
         # a GPU that loses its cooling heats up and throttles as it would under load.
+        # It starts while the first run stops (its imports and rendezvous overlap the
+        # first run's exit); the first run is gone before the GPU overheats.
         stack.start_job("thermal", steps=3000, trainer_args=["--sim-compute-seconds", "0.1"])
+        stack.stop_jobs(strag)
         wait_until(lambda: len(stack.prom.query(
             'clusterpulse_trainer_step{run="thermal"}')) == 4, 90, "4 ranks of run thermal")
         hot_node = stack.nodes[0]
@@ -156,10 +157,10 @@ def test_a_long_checkpoint_a_restart_and_a_clean_finish_never_page(stack):
 def test_a_rank_stuck_in_init_pages_the_job_after_the_absolute_timeout(tmp_path):
     """Rank 1 never joins the process group; the other 3 wait for it in init. No rank
     has a step time or a collective count, so no root can be told: JobStalled pages
-    the job once every rank is past the absolute timeout (20 s here, set as an operator
+    the job once every rank is past the absolute timeout (10 s here, set as an operator
     sets it), and RankHung pages no one. Ranks used to send nothing before the process
     group and the model existed: an init hang showed no rank at all."""
-    s = Stack.start(tmp_path, hang_timeout_s=20)
+    s = Stack.start(tmp_path, hang_timeout_s=10)
     start = time.time()
     try:
         s.start_job("init", steps=100, trainer_args=["--inject", "init_hang:rank=1"])

@@ -37,23 +37,27 @@ BASE = ["--preset", "tiny", "--steps", str(STEPS), "--ckpt-every", "10", "--agen
         "--collective-timeout", "120"]
 
 
-def _run(tmp_path, name: str, nnodes: int, extra: list[str], max_restarts: int,
-         prewarm_after: float | None = None) -> tuple:
+def _start(tmp_path, name: str, nnodes: int, extra: list[str], max_restarts: int,
+           prewarm_after: float | None = None) -> list[subprocess.Popen]:
     ckpt = tmp_path / name
     args = [*BASE, "--ckpt-dir", str(ckpt), "--summary-json", str(ckpt / "summary.json"),
             *extra]
     port = free_port()
-    procs = [start_logged(launcher_cmd(4 // nnodes, max_restarts, args, nnodes=nnodes,
-                                       rdzv_port=port, prewarm_after=prewarm_after),
-                          tmp_path / f"{name}-{i}.log", tmp_path)
-             for i in range(nnodes)]
+    return [start_logged(launcher_cmd(4 // nnodes, max_restarts, args, nnodes=nnodes,
+                                      rdzv_port=port, prewarm_after=prewarm_after),
+                         tmp_path / f"{name}-{i}.log", tmp_path)
+            for i in range(nnodes)]
+
+
+def _finish(tmp_path, name: str, procs: list[subprocess.Popen]) -> tuple:
     try:
         codes = [p.wait(timeout=900) for p in procs]
     finally:
         for p in procs:
             stop_group(p)
-    logs = [(tmp_path / f"{name}-{i}.log").read_text(errors="replace") for i in range(nnodes)]
-    summary_path = ckpt / "summary.json"
+    logs = [(tmp_path / f"{name}-{i}.log").read_text(errors="replace")
+            for i in range(len(procs))]
+    summary_path = tmp_path / name / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return codes, logs, summary
 
@@ -62,13 +66,20 @@ def test_dead_rank_before_init_and_graceful_restarts_outside_the_failure_budget(
     """Also the relaunches' torchruns started ahead (held with their imports done:
     --prewarm-after) count the attempts as the ranks agree them: the injections below
     fire in the attempt they name."""
-    codes, logs, summary = _run(tmp_path, "faults", 2, [
-        "--inject", "init_crash:rank=1",
-        "--inject", "graceful:step=8",
-        "--inject", "graceful:step=18:attempt=1",
-        "--inject", "graceful:step=27:attempt=2",
-        "--inject", "crash:rank=2:step=33:mode=sigkill:attempt=3",
-    ], max_restarts=2, prewarm_after=0.5)
+    # The uninterrupted reference run is independent of the faulted one: they run side
+    # by side (own checkpoints, own rendezvous port) instead of one after the other.
+    clean_procs = _start(tmp_path, "clean", 1, [], max_restarts=0)
+    try:
+        fault_procs = _start(tmp_path, "faults", 2, [
+            "--inject", "init_crash:rank=1",
+            "--inject", "graceful:step=8",
+            "--inject", "graceful:step=18:attempt=1",
+            "--inject", "graceful:step=27:attempt=2",
+            "--inject", "crash:rank=2:step=33:mode=sigkill:attempt=3",
+        ], max_restarts=2, prewarm_after=0.5)
+        codes, logs, summary = _finish(tmp_path, "faults", fault_procs)
+    finally:
+        clean_codes, clean_logs, clean = _finish(tmp_path, "clean", clean_procs)
     assert codes == [0, 0], "\n\n".join(x[-4000:] for x in logs)
     for launcher_log in logs:  # the three relaunches took over torchruns started ahead
         assert launcher_log.count("torchrun again: one started ahead, its imports done") == 3
@@ -81,7 +92,6 @@ def test_dead_rank_before_init_and_graceful_restarts_outside_the_failure_budget(
                       ("checkpoint-restart", 30, 0), ("failure", 30, 3)], summary["restarts"]
     assert summary["world_size"] == 4
 
-    clean_codes, clean_logs, clean = _run(tmp_path, "clean", 1, [], max_restarts=0)
     assert clean_codes == [0], clean_logs[0][-4000:]
     assert clean["restarts"] == []
     assert summary["param_sha256"] == clean["param_sha256"]

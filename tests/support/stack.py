@@ -75,11 +75,13 @@ class Stack:
         return s
 
     def start_job(self, run: str, steps: int, ranks_per_node: int = 2,
-                  trainer_args: list[str] | None = None) -> None:
+                  trainer_args: list[str] | None = None) -> list[subprocess.Popen]:
         """One clusterpulse-train per node (c10d rendezvous on loopback, a fresh store per
         round, graceful restarts relaunched outside the failure budget), each rank
-        sending telemetry to its node's agent, exactly as on a real two-node cluster."""
+        sending telemetry to its node's agent, exactly as on a real two-node cluster.
+        Returns the run's launchers (for stop_jobs)."""
         endpoint = f"127.0.0.1:{free_port()}"
+        started = []
         for node in self.nodes:
             cmd = [sys.executable, "-m", "clusterpulse.trainer.launch",
                    "--nproc", str(ranks_per_node), "--nnodes", str(len(self.nodes)),
@@ -88,9 +90,11 @@ class Stack:
                    "--ckpt-dir", str(self.tmp / run), "--run-id", run,
                    "--agent", node.telemetry, *(trainer_args or [])]
             log = open(self.tmp / f"{run}-{node.name}.log", "wb")  # noqa: SIM115
-            self.jobs.append(subprocess.Popen(
+            started.append(subprocess.Popen(
                 cmd, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}))
+        self.jobs += started
+        return started
 
     def firing(self, alertname: str) -> list[dict]:
         r = requests.get(self.prom.url + "/api/v1/alerts", timeout=5).json()
@@ -127,21 +131,23 @@ class Stack:
                 f"{n}={v.get(n, '-')}" for n in series) for k, v in sorted(rows.items())]
         return "\n".join(lines)
 
-    def stop_jobs(self) -> None:
+    def stop_jobs(self, jobs: list[subprocess.Popen] | None = None) -> None:
         """As the local cluster stops: the launchers' groups, then every descendant still
         alive (a hung rank defers SIGTERM and sits in a session of its own, so a
-        launcher killed before torchrun reaped it would orphan it)."""
-        family = descendants([p.pid for p in self.jobs if p.poll() is None])
-        for p in self.jobs:
+        launcher killed before torchrun reaped it would orphan it). `jobs`: only these
+        launchers (one run's, as start_job returned them); default: every job."""
+        jobs = list(self.jobs if jobs is None else jobs)
+        family = descendants([p.pid for p in jobs if p.poll() is None])
+        for p in jobs:
             if p.poll() is None:
                 os.killpg(p.pid, 15)
-        for p in self.jobs:
+        for p in jobs:
             try:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, 9)
                 p.wait()
-        self.jobs.clear()
+        self.jobs = [p for p in self.jobs if p not in jobs]
         for pid in family:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
