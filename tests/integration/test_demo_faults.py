@@ -46,7 +46,7 @@ after_s = 1
 kind = "gpu_overheat"
 node = 0
 gpu = 0
-seconds = 45
+seconds = 60
 after_s = 1
 """
 
