@@ -22,6 +22,7 @@ import time
 import pytest
 
 from clusterpulse import incident
+from clusterpulse.dashboard import auditview
 from clusterpulse.dashboard.promclient import PrometheusClient
 from clusterpulse.dashboard.remediation import Policy
 from deploy.testbed.faults import EXPECT, TAKEN, expected_action
@@ -142,3 +143,10 @@ def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
     taken = [r["action"] for r in audit if r.get("source") == "remediation"
              and r.get("outcome") in TAKEN]
     assert taken == ["restart", "restart"], audit
+    # Every action on the Audit page names who took it: the demo's own faults their
+    # player, the restarts the policy (each client has a token of its own; with one
+    # token for all, the faults read `token`).
+    rows = auditview.actions(audit)
+    assert set(rows["who"]) == {"fault-player", "policy"}, rows[["who", "action"]]
+    faults = rows["action"].str.startswith("fault:")
+    assert faults.any() and set(rows.loc[faults, "who"]) == {"fault-player"}, rows
