@@ -62,11 +62,10 @@ def _audit(tmp_path) -> list[dict]:
             (tmp_path / "state" / "audit.jsonl").read_text().splitlines()]
 
 
-def _page_inputs(base: int, end: float) -> tuple[set[str], list, list]:
+def _page_inputs(base: int, end: float) -> tuple[set[str], set, list, list]:
     """What the Run page reads at the 1 h range (its query step: 9 s)."""
-    nodes, episodes, resumes = incident.inputs(PrometheusClient(f"http://127.0.0.1:{base + 90}"),
-                                               "demo", end - 3600, end, 3600 / 400)
-    return nodes, episodes, resumes
+    return incident.inputs(PrometheusClient(f"http://127.0.0.1:{base + 90}"),
+                           "demo", end - 3600, end, 3600 / 400)
 
 
 def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
@@ -102,8 +101,9 @@ def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
         done.wait(timeout=1500)
         # the Run page's incidents (dashboard/data.py run_incidents), over the last hour
         end = time.time()
-        nodes, episodes, resumes = _page_inputs(base, end)
-        page = incident.build("demo", nodes, episodes, _audit(tmp_path), resumes)
+        nodes, gpus, episodes, resumes = _page_inputs(base, end)
+        page = incident.build("demo", nodes, episodes, _audit(tmp_path), resumes, gpus=gpus,
+                              until=end)
     finally:
         p.send_signal(signal.SIGINT)
         p.wait(timeout=90)
