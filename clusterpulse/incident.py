@@ -64,6 +64,18 @@ ACTION_AFTER_S = 120.0
 # incident of another GPU (two GPUs lost 9 minutes apart were one incident, chained by
 # the first one's XID alert, which fires for 10 minutes), a rank's none of another rank.
 SUBJECTS = ("gpu", "rank")
+# Alerts on a count over a long window (an XID or ECC error in the last 10 minutes):
+# they keep firing long after their fault, so they hold an incident open for later
+# alerts only as long as a root may join (ROOT_JOIN_S). Held open by a lost GPU's XID
+# alert, a straggler minutes after the GPU was back joined its incident on the page,
+# after the demo had printed it.
+LINGERING = frozenset({"GpuCriticalXid", "GpuEccUncorrectable"})
+
+
+def _open_until(ep: AlertEpisode) -> float:
+    """Until when `ep` holds its incident open: for later alerts to join, for actions."""
+    return min(ep.last_seen, ep.active_at + ROOT_JOIN_S) if ep.name in LINGERING \
+        else ep.last_seen
 # The trainer series of the resume record (agent/exporter.py RANK_SERIES).
 RESUME_SERIES = {"step": "clusterpulse_trainer_resume_step",
                  "recomputed": "clusterpulse_trainer_resume_steps_recomputed",
@@ -107,6 +119,7 @@ class Incident:
     acted_at: float | None = None
     actor: str = ""
     resume: Resume | None = None
+    open_until: float = 0.0  # until when it takes later alerts and actions (_open_until)
 
     @property
     def recomputed(self) -> int:
@@ -165,7 +178,7 @@ def concerns(run: str, nodes: set[str], labels: dict,
 
 def _joins(ep: AlertEpisode, g: list[AlertEpisode], gap_s: float) -> bool:
     """Whether `ep` is another alert of the fault of group `g` (see `group`)."""
-    if ep.active_at > max(e.last_seen for e in g) + gap_s:
+    if ep.active_at > max(_open_until(e) for e in g) + gap_s:
         return False  # the group no longer fires
     nodes = {e.node for e in g} - {""}
     if ep.node and nodes and ep.node not in nodes:
@@ -226,7 +239,8 @@ def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Se
         g.sort(key=lambda e: (root_rank(e.name), e.active_at))
         names = list(dict.fromkeys(e.name for e in g))
         out.append(Incident(run, g[0].name, _where(g[0].labels), names,
-                            min(e.active_at for e in g), max(e.last_seen for e in g)))
+                            min(e.active_at for e in g), max(e.last_seen for e in g),
+                            open_until=max(_open_until(e) for e in g)))
     out.sort(key=lambda i: i.detected_at)
     acts = sorted((r for r in audit if r.get("run") == run and r.get("outcome") in TAKEN
                    and (sources is None or r.get("source") in sources)),
@@ -234,7 +248,7 @@ def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Se
     shown_until = float("inf") if until is None else until
     for i, inc in enumerate(out):
         nxt = out[i + 1].detected_at if i + 1 < len(out) else float("inf")
-        last = min(nxt, inc.ended_at + ACTION_AFTER_S, shown_until)
+        last = min(nxt, max(inc.open_until, inc.detected_at) + ACTION_AFTER_S, shown_until)
         act = next((r for r in acts if inc.detected_at <= r.get("ts", 0.0) < last
                     and _acts_for(r, inc)), None)
         if act is not None:

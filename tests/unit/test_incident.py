@@ -227,3 +227,19 @@ def test_an_action_long_after_an_incident_or_past_the_range_is_not_its_action():
     soon = [{**late[0], "ts": T0 + 200}]
     assert _shown(eps, 0, soon)[0].action == "checkpoint-restart"
     assert _shown(eps, 0, soon, until=190)[0].action is None  # after the range's end
+
+
+def test_a_lost_gpus_xid_alert_does_not_hold_its_incident_open_for_ten_minutes():
+    """GpuCriticalXid fires for the 10 minutes its count looks back: a straggler of a
+    rank on that node 4 minutes after the GPU was back joined the lost GPU's incident
+    (the page then differed from the line the demo had printed)."""
+    eps = [_ep("GpuDown", 100, 125, node="sim-node-1", gpu="0"),
+           _ep("GpuCriticalXid", 101, 700, node="sim-node-1", gpu="0", xid="79"),
+           _ep("TrainingStraggler", 360, 420, run=RUN, node="sim-node-1", rank="2")]
+    items = _shown(eps, 0)
+    assert [(i.cause, i.alerts) for i in items] == [
+        ("GpuDown", ["GpuDown", "GpuCriticalXid"]), ("TrainingStraggler", ["TrainingStraggler"])]
+    # and an operator's restart 8 minutes after the loss is not the lost GPU's action
+    late = [{"ts": T0 + 600, "who": "dashboard", "action": "restart", "outcome": "accepted",
+             "run": RUN, "source": "dashboard"}]
+    assert _shown(eps[:2], 0, late)[0].action is None
