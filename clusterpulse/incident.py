@@ -49,6 +49,33 @@ TAKEN = frozenset({"accepted", "partial", "acted", "already_drained"})
 # last firing sample, as Prometheus recorded it whatever the query step): a gap would
 # join the next fault, played seconds after the last one resolved, to it.
 JOIN_GAP_S = 0.0
+# An alert nearer the root than every alert of an incident (a GPU down, after the
+# stragglers and a hung-rank blip of a loaded machine) is a new fault unless it began
+# within this long of the incident's first alert and on its node: alerts of one fault
+# start within the rule groups' evaluation intervals of each other (the per-GPU groups
+# run every 15-30 s). Joined to whatever fired before it, a lost GPU was "detected" 35 s
+# before it was lost in one time range and at its loss in another.
+ROOT_JOIN_S = 30.0
+# An action counts for an incident only while the incident fires or this long after
+# its last alert: an operator's restart 11 minutes after a straggler had resolved was
+# shown as that straggler's action, at +827 s.
+ACTION_AFTER_S = 120.0
+# The labels that name what an alert is about on its node: a GPU's alert joins no
+# incident of another GPU (two GPUs lost 9 minutes apart were one incident, chained by
+# the first one's XID alert, which fires for 10 minutes), a rank's none of another rank.
+SUBJECTS = ("gpu", "rank")
+# Alerts on a count over a long window (an XID or ECC error in the last 10 minutes):
+# they keep firing long after their fault, so they hold an incident open for later
+# alerts only as long as a root may join (ROOT_JOIN_S). Held open by a lost GPU's XID
+# alert, a straggler minutes after the GPU was back joined its incident on the page,
+# after the demo had printed it.
+LINGERING = frozenset({"GpuCriticalXid", "GpuEccUncorrectable"})
+
+
+def _open_until(ep: AlertEpisode) -> float:
+    """Until when `ep` holds its incident open: for later alerts to join, for actions."""
+    return min(ep.last_seen, ep.active_at + ROOT_JOIN_S) if ep.name in LINGERING \
+        else ep.last_seen
 # The trainer series of the resume record (agent/exporter.py RANK_SERIES).
 RESUME_SERIES = {"step": "clusterpulse_trainer_resume_step",
                  "recomputed": "clusterpulse_trainer_resume_steps_recomputed",
@@ -92,6 +119,7 @@ class Incident:
     acted_at: float | None = None
     actor: str = ""
     resume: Resume | None = None
+    open_until: float = 0.0  # until when it takes later alerts and actions (_open_until)
 
     @property
     def recomputed(self) -> int:
@@ -135,25 +163,49 @@ def _where(labels: dict) -> str:
     return out
 
 
-def concerns(run: str, nodes: set[str], labels: dict) -> bool:
+def concerns(run: str, nodes: set[str], labels: dict,
+             gpus: set[tuple[str, str]] | None = None) -> bool:
     """Whether an alert is about `run`: its own run label, or a node alert on a node
-    where the run has ranks."""
+    where the run has ranks; with `gpus` (node, GPU) of its ranks, a GPU's alert only
+    for a GPU one of them uses (a lost GPU no rank ran on is not the run's incident)."""
     if labels.get("run"):
         return labels["run"] == run
-    return labels.get("alertname") in NODE_ALERTS and labels.get("node") in nodes
+    if labels.get("alertname") not in NODE_ALERTS or labels.get("node") not in nodes:
+        return False
+    gpu = labels.get("gpu")
+    return gpus is None or gpu is None or (labels["node"], gpu) in gpus
+
+
+def _joins(ep: AlertEpisode, g: list[AlertEpisode], gap_s: float) -> bool:
+    """Whether `ep` is another alert of the fault of group `g` (see `group`)."""
+    if ep.active_at > max(_open_until(e) for e in g) + gap_s:
+        return False  # the group no longer fires
+    nodes = {e.node for e in g} - {""}
+    if ep.node and nodes and ep.node not in nodes:
+        return False
+    for subject in SUBJECTS:  # the same GPU or rank, where both name one on that node
+        mine = ep.labels.get(subject)
+        theirs = {e.labels[subject] for e in g if subject in e.labels and e.node == ep.node}
+        if mine is not None and theirs and mine not in theirs:
+            return False
+    if root_rank(ep.name) < min(root_rank(e.name) for e in g):  # a root come later
+        return ep.active_at <= min(e.active_at for e in g) + ROOT_JOIN_S and \
+            (not ep.node or nodes <= {ep.node})
+    return True
 
 
 def group(episodes: Iterable[AlertEpisode], gap_s: float = JOIN_GAP_S,
           ) -> list[list[AlertEpisode]]:
-    """Alerts of one fault together: an episode joins a group when it starts while the
-    group fires (or within `gap_s` of its end) and is on the same node, or one of the
-    two names no node (a job-level alert such as JobStalled)."""
+    """Alerts of one fault together: an episode joins the latest group that still fires
+    (or fired within `gap_s`), on the same node or where one of the two names no node
+    (a job-level alert such as JobStalled), about the same GPU or rank where both name
+    one; an alert nearer the root than the whole group joins it only as its root (on
+    its node, within ROOT_JOIN_S of its start). What an incident holds thus depends on
+    the alerts around its fault, not on where a time range begins."""
     groups: list[list[AlertEpisode]] = []
     for ep in sorted(episodes, key=lambda e: (e.active_at, root_rank(e.name))):
         for g in reversed(groups):
-            end = max(e.last_seen for e in g)
-            nodes = {e.node for e in g} - {""}
-            if ep.active_at <= end + gap_s and (not ep.node or not nodes or ep.node in nodes):
+            if _joins(ep, g, gap_s):
                 g.append(ep)
                 break
         else:
@@ -161,30 +213,48 @@ def group(episodes: Iterable[AlertEpisode], gap_s: float = JOIN_GAP_S,
     return groups
 
 
+def _acts_for(record: dict, inc: Incident) -> bool:
+    """A policy's action names the alert it acted on ("policy: GpuDown -> restart"):
+    it is the action of an incident with that alert only. An operator's names none."""
+    why = str(record.get("why", ""))
+    if record.get("who") != "policy" or not why.startswith("policy: ") or " -> " not in why:
+        return True
+    return why[len("policy: "):].split(" -> ", 1)[0] in inc.alerts
+
+
 def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Sequence[dict],
           resumes: Sequence[Resume], sources: set[str] | None = None,
-          gap_s: float = JOIN_GAP_S) -> list[Incident]:
+          gap_s: float = JOIN_GAP_S, gpus: set[tuple[str, str]] | None = None,
+          until: float | None = None) -> list[Incident]:
     """The run's incidents, oldest first. An incident takes the first action taken on
-    the run (audit outcome in TAKEN; from `sources` only, if given) and the first
-    trainer resume record at or after its detection and before the next incident."""
-    mine = [e for e in episodes if concerns(run, nodes, {"alertname": e.name, **e.labels})]
+    the run (audit outcome in TAKEN; from `sources` only, if given) after its detection,
+    while it fires or within ACTION_AFTER_S of its end, before the next incident and
+    before `until` (the end of the time range shown), and the policy's only if it named
+    one of its alerts; and the first trainer resume record at or after its detection
+    and before the next incident. `gpus`: see `concerns`."""
+    mine = [e for e in episodes
+            if concerns(run, nodes, {"alertname": e.name, **e.labels}, gpus)]
     out = []
     for g in group(mine, gap_s):
         g.sort(key=lambda e: (root_rank(e.name), e.active_at))
         names = list(dict.fromkeys(e.name for e in g))
         out.append(Incident(run, g[0].name, _where(g[0].labels), names,
-                            min(e.active_at for e in g), max(e.last_seen for e in g)))
+                            min(e.active_at for e in g), max(e.last_seen for e in g),
+                            open_until=max(_open_until(e) for e in g)))
     out.sort(key=lambda i: i.detected_at)
     acts = sorted((r for r in audit if r.get("run") == run and r.get("outcome") in TAKEN
                    and (sources is None or r.get("source") in sources)),
                   key=lambda r: r.get("ts", 0.0))
+    shown_until = float("inf") if until is None else until
     for i, inc in enumerate(out):
-        until = out[i + 1].detected_at if i + 1 < len(out) else float("inf")
-        act = next((r for r in acts if inc.detected_at <= r.get("ts", 0.0) < until), None)
+        nxt = out[i + 1].detected_at if i + 1 < len(out) else float("inf")
+        last = min(nxt, max(inc.open_until, inc.detected_at) + ACTION_AFTER_S, shown_until)
+        act = next((r for r in acts if inc.detected_at <= r.get("ts", 0.0) < last
+                    and _acts_for(r, inc)), None)
         if act is not None:
             inc.action, inc.acted_at, inc.actor = act.get("action"), act["ts"], act.get("who", "")
         inc.resume = next((r for r in sorted(resumes, key=lambda r: r.at)
-                           if inc.detected_at <= r.at < until), None)
+                           if inc.detected_at <= r.at < min(nxt, shown_until)), None)
     return out
 
 
@@ -252,10 +322,10 @@ def resumes_from(step: Sequence[tuple[float, float]], recomputed: Sequence[tuple
 
 
 def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: float,
-           ) -> tuple[set[str], list[AlertEpisode], list[Resume]]:
-    """What `build` needs from Prometheus over [start, end]: the run's nodes, its alert
-    episodes and the trainer's resume records. The Run page and the demo's printout
-    both read them here, so both show the same incidents."""
+           ) -> tuple[set[str], set[tuple[str, str]], list[AlertEpisode], list[Resume]]:
+    """What `build` needs from Prometheus over [start, end]: the run's nodes and (node,
+    GPU) pairs, its alert episodes and the trainer's resume records. The Run page and
+    the demo's printout both read them here, so both show the same incidents."""
     from clusterpulse.dashboard.promclient import at_once  # the client's own module
 
     def ranged(expr: str) -> list:
@@ -269,14 +339,17 @@ def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: f
     # after the other they took the sum (the Run page's timeline, every refresh)
     for_state, firing = alert_queries(step_s)
     got = at_once({
-        "nodes": partial(prom.query, f'max by (node) (max_over_time(clusterpulse_trainer_'
-                         f'rank_info{{run="{run}"}}[{max(1, int(end - start))}s]))', at=end),
+        "nodes": partial(prom.query, f'max by (node, gpu) (max_over_time(clusterpulse_'
+                         f'trainer_rank_info{{run="{run}"}}[{max(1, int(end - start))}s]))',
+                         at=end),
         "for_state": partial(ranged, for_state), "firing": partial(ranged, firing),
         **{k: partial(one, f'max({m}{{run="{run}"}})') for k, m in RESUME_SERIES.items()}})
     nodes = {s.labels.get("node", "") for s in got["nodes"]}
+    gpus = {(s.labels.get("node", ""), s.labels["gpu"]) for s in got["nodes"]
+            if s.labels.get("gpu")}
     episodes = episodes_from(got["for_state"], got["firing"])
     resumes = resumes_from(*(got[k] for k in RESUME_SERIES))
-    return nodes, episodes, resumes
+    return nodes, gpus, episodes, resumes
 
 
 def latest_resume(prom: PrometheusClient, run: str) -> Resume | None:

@@ -499,10 +499,10 @@ def run_incidents(prom_url: str, name: str, range_s: int, audit_path: str,
     def fetch() -> list:
         prom = _prometheus(prom_url)
         until = time.time() if end is None else end
-        nodes, episodes, resumes = incident.inputs(prom, name, until - range_s, until,
-                                                   max(1.0, range_s / 400))
+        nodes, gpus, episodes, resumes = incident.inputs(prom, name, until - range_s, until,
+                                                         max(1.0, range_s / 400))
         audit = AuditLog(Path(audit_path)).read(5000) if audit_path else []
-        return incident.build(name, nodes, episodes, audit, resumes)
+        return incident.build(name, nodes, episodes, audit, resumes, gpus=gpus, until=until)
 
     return _guard(f"incidents:{prom_url}:{name}:{range_s}:{end}", fetch)
 

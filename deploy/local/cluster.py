@@ -39,9 +39,9 @@ from clusterpulse.dashboard.remediation import Policy, PolicyError  # noqa: E402
 from deploy.local.stack import (  # noqa: E402
     AM_USER,
     Stack,
+    client_tokens,
     duration_s,
     rank_pids,
-    secret_file,
     start_central,
     telemetry_socket,
     wait_http,
@@ -195,9 +195,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def start_loopback(args: argparse.Namespace, stack: Stack, state: Path, token_file: Path,
+def start_loopback(args: argparse.Namespace, stack: Stack, state: Path,
                    ) -> tuple[dict[str, str], LocalTarget, list[str], str]:
     """Agents on loopback ports, the central stack, the job: the demo without root."""
+    token_file, clients = client_tokens(state)
     port = args.base_port
     names, ports, cmds = [], [], []
     for i in range(args.nodes):
@@ -215,14 +216,16 @@ def start_loopback(args: argparse.Namespace, stack: Stack, state: Path, token_fi
         names.append(node)
         ports.append(http)
         cmds.append(cmd)
-    central = start_central(stack, state, [f"127.0.0.1:{p}" for p in ports], token_file,
+    central = start_central(stack, state, [f"127.0.0.1:{p}" for p in ports],
+                            clients["remediation"],
                             port + 90, port + 93, port + 95, scrape_interval=args.scrape_interval,
                             policy=args.policy)
     urls = {f"agent {i}": f"http://127.0.0.1:{p}/metrics" for i, p in enumerate(ports)}
     urls.update(central.urls())
     if not args.no_job:
         start_job(stack, args, state, port)
-    target = LocalTarget(stack, names, ports, token_file.read_text().strip(), cmds)
+    target = LocalTarget(stack, names, ports, clients["fault-player"].read_text().strip(),
+                         cmds)
     return urls, target, names, central.prometheus
 
 
@@ -242,7 +245,6 @@ def start_testbed(args: argparse.Namespace, state: Path, exits: contextlib.ExitS
     exits.callback(cl.stop)
     port = args.base_port
     cl.start(prom_port=port + 90, am_port=port + 93, remediation_port=port + 95)
-    (state / "agent-token-path").write_text(str(cl.token_file))
     if not args.no_job:
         cl.start_job(RUN, trainer_args(args, state), ranks_per_node=args.ranks_per_node,
                      min_nodes=max(1, args.nodes - 1) if args.nodes > 1 else None, max_restarts=100)
@@ -294,7 +296,6 @@ def main(argv: list[str] | None = None) -> int:
               f"(owner uid {owner.st_uid}, mode {owner.st_mode & 0o777:o}); pick another",
               file=sys.stderr)
         return 2
-    token_file = secret_file(state / "agent-token")
     port = args.base_port
     stopping = False
 
@@ -312,10 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.testbed:
                 urls, target, names, prometheus, stack = start_testbed(args, state, exits)
-                token_path = Path((state / "agent-token-path").read_text())
             else:
-                urls, target, names, prometheus = start_loopback(args, stack, state, token_file)
-                token_path = token_file
+                urls, target, names, prometheus = start_loopback(args, stack, state)
         except (RuntimeError, OSError) as err:
             print(f"demo: {err}", file=sys.stderr)
             return 2
@@ -325,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.start("dashboard", [
                 sys.executable, "-m", "clusterpulse.dashboard.cli", "--prometheus", prometheus,
                 "--alertmanager", f"http://127.0.0.1:{port + 93}", "--port", str(port + 80),
-                "--token-file", str(token_path), "--operators-file",
+                "--token-file", str(state / "dashboard-token"), "--operators-file",
                 str(state / "operators.toml"), "--audit-log", str(state / "audit.jsonl"),
                 "--alertmanager-password-file", str(state / "alertmanager-password")])
             urls["dashboard"] = f"http://127.0.0.1:{port + 80}"

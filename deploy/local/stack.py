@@ -195,6 +195,23 @@ def secret_file(path: Path) -> Path:
     return path
 
 
+# The clients of the agents' control API, each with a token of its own: the agents'
+# token file names them (agent/tokens.py), so every record in the audit log names who
+# acted. One token for all read `token` on the Audit page for the demo's own faults.
+CLIENTS = ("dashboard", "remediation", "fault-player")
+
+
+def client_tokens(state: Path) -> tuple[Path, dict[str, Path]]:
+    """The agents' token file (`PRINCIPAL TOKEN` per client) and each client's own token
+    file, under `state`. A client's token is kept across runs; the agents' file is
+    rewritten from them each time."""
+    own = {client: secret_file(state / f"{client}-token") for client in CLIENTS}
+    agents = state / "agent-tokens"
+    write_secret(agents, "".join(f"{client} {path.read_text().strip()}\n"
+                                 for client, path in own.items()))
+    return agents, own
+
+
 AM_USER = "clusterpulse"
 
 

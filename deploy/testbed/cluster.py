@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import secrets
 import signal
 import subprocess
 import sys
@@ -33,11 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterpulse.agent.tokens import write_secret
 from deploy.local.stack import (
     REPO,
     Central,
     Stack,
+    client_tokens,
     free_port,
     rank_pids,
     start_central,
@@ -85,8 +84,8 @@ class TestbedCluster:
         self.policy = policy or REPO / "deploy" / "local" / "policy.toml"
         self.scenarios = scenarios or {}
         self.stack = Stack(state)
-        self.token = secrets.token_hex(24)
-        self.token_file = state / "agent-token"
+        self.token = ""  # the fault player's (the testbed's own calls), set by start()
+        self.token_file = state / "agent-tokens"
         self.central: Central | None = None
         self.jobs: dict[str, Job] = {}
         self.started_at = time.time()
@@ -106,12 +105,13 @@ class TestbedCluster:
     def start(self, prom_port: int = 0, am_port: int = 0,
               remediation_port: int = 0) -> TestbedCluster:
         self.state.mkdir(parents=True, exist_ok=True)
-        write_secret(self.token_file, self.token)
+        self.token_file, clients = client_tokens(self.state)
+        self.token = clients["fault-player"].read_text().strip()
         for node in self.bed.nodes:
             self.start_agent(node)
         self.central = start_central(
             self.stack, self.state, [self.agent_target(n) for n in self.bed.nodes],
-            self.token_file, prom_port or free_port(), am_port or free_port(),
+            clients["remediation"], prom_port or free_port(), am_port or free_port(),
             remediation_port or free_port(), scrape_interval=self.scrape_interval,
             policy=self.policy)
         for node in self.bed.nodes:

@@ -23,6 +23,9 @@ from clusterpulse.dashboard.promclient import PrometheusError
 from clusterpulse.incident import Incident
 from deploy.testbed.faults import EXPECT, TESTBED_ONLY, Fault, Observer, Outcome, Target, play, undo
 
+# How long the printout waits, after a restart, for the trainer's resume record.
+RESUME_WAIT_S = 30.0
+
 
 class ScenarioError(ValueError):
     """The scenario file is invalid; the message names the problem."""
@@ -106,8 +109,14 @@ class Driver(threading.Thread):
 
     def _incident(self, o: Outcome) -> None:
         """The fault's incident, once its alerts are over: the line the dashboard's
-        timeline shows for it (clusterpulse/incident.py)."""
+        timeline shows for it (clusterpulse/incident.py). After a restart, once the
+        trainer's resume record has been scraped too (up to RESUME_WAIT_S): on a loaded
+        machine the line was printed without it, and the page showed it later."""
         inc = self._read_incident(o)
+        until = time.time() + RESUME_WAIT_S
+        while inc is not None and inc.action in ("restart", "checkpoint-restart") \
+                and inc.resume is None and time.time() < until and not self.stop_event.wait(2):
+            inc = self._read_incident(o)
         if inc is not None:
             self.say(f"  incident: {inc.line()}")
 

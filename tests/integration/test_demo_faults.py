@@ -22,6 +22,7 @@ import time
 import pytest
 
 from clusterpulse import incident
+from clusterpulse.dashboard import auditview
 from clusterpulse.dashboard.promclient import PrometheusClient
 from clusterpulse.dashboard.remediation import Policy
 from deploy.testbed.faults import EXPECT, TAKEN, expected_action
@@ -61,11 +62,10 @@ def _audit(tmp_path) -> list[dict]:
             (tmp_path / "state" / "audit.jsonl").read_text().splitlines()]
 
 
-def _page_inputs(base: int, end: float) -> tuple[set[str], list, list]:
+def _page_inputs(base: int, end: float) -> tuple[set[str], set, list, list]:
     """What the Run page reads at the 1 h range (its query step: 9 s)."""
-    nodes, episodes, resumes = incident.inputs(PrometheusClient(f"http://127.0.0.1:{base + 90}"),
-                                               "demo", end - 3600, end, 3600 / 400)
-    return nodes, episodes, resumes
+    return incident.inputs(PrometheusClient(f"http://127.0.0.1:{base + 90}"),
+                           "demo", end - 3600, end, 3600 / 400)
 
 
 def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
@@ -101,8 +101,9 @@ def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
         done.wait(timeout=1500)
         # the Run page's incidents (dashboard/data.py run_incidents), over the last hour
         end = time.time()
-        nodes, episodes, resumes = _page_inputs(base, end)
-        page = incident.build("demo", nodes, episodes, _audit(tmp_path), resumes)
+        nodes, gpus, episodes, resumes = _page_inputs(base, end)
+        page = incident.build("demo", nodes, episodes, _audit(tmp_path), resumes, gpus=gpus,
+                              until=end)
     finally:
         p.send_signal(signal.SIGINT)
         p.wait(timeout=90)
@@ -142,3 +143,10 @@ def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
     taken = [r["action"] for r in audit if r.get("source") == "remediation"
              and r.get("outcome") in TAKEN]
     assert taken == ["restart", "restart"], audit
+    # Every action on the Audit page names who took it: the demo's own faults their
+    # player, the restarts the policy (each client has a token of its own; with one
+    # token for all, the faults read `token`).
+    rows = auditview.actions(audit)
+    assert set(rows["who"]) == {"fault-player", "policy"}, rows[["who", "action"]]
+    faults = rows["action"].str.startswith("fault:")
+    assert faults.any() and set(rows.loc[faults, "who"]) == {"fault-player"}, rows

@@ -100,10 +100,29 @@ def test_the_demos_secret_files_are_created_private(tmp_path, no_chmod):
     from deploy.local.cluster import operator_password
     from deploy.local.stack import secret_file
 
-    assert mode(secret_file(tmp_path / "agent-token")) == 0o600
     assert mode(secret_file(tmp_path / "webhook-token")) == 0o600
     operator_password(tmp_path)
     assert mode(tmp_path / "operators.toml") == 0o600
+
+
+def test_each_demo_client_has_its_own_token_the_agents_name(tmp_path, no_chmod):
+    """The demo gave one token to the dashboard, the policy and its fault player: the
+    audit log signed the faults `token`. Each client now holds its own, private; the
+    agents' file names every client by its token, and a run reuses the tokens."""
+    from clusterpulse.agent.tokens import Tokens
+    from deploy.local.stack import CLIENTS, client_tokens
+
+    agents, own = client_tokens(tmp_path)
+    assert set(own) == set(CLIENTS) == {"dashboard", "remediation", "fault-player"}
+    tokens, others_read = Tokens.load(agents)
+    assert not others_read and mode(agents) == 0o600
+    for client, path in own.items():
+        assert mode(path) == 0o600
+        assert tokens.match(path.read_text().strip()) == client
+    again, own_again = client_tokens(tmp_path)
+    assert {c: p.read_text() for c, p in own_again.items()} == \
+        {c: p.read_text() for c, p in own.items()}
+    assert again.read_text() == agents.read_text()
 
 
 def test_the_readmes_token_command_creates_it_private(tmp_path):
