@@ -261,8 +261,18 @@ def _window_chosen() -> None:
 
 
 def keep() -> dict[str, str]:
-    """The current window's URL parameters, for links to other pages."""
-    return dict(st.session_state.get("window_params") or {})
+    """The current window's URL parameters, for links to other pages: the session's,
+    else a valid one in the URL. The Cluster page has no picker: opened from a link
+    with `range=1h`, its heatmap cells opened the Node page at 15 min."""
+    kept = st.session_state.get("window_params")
+    if kept:
+        return dict(kept)
+    url = {k: st.query_params[k] for k in links.WINDOW_KEYS if k in st.query_params}
+    try:
+        links.window(url)
+    except links.LinkError:
+        return {}
+    return url
 
 
 def _secrets_section(name: str) -> dict | None:

@@ -160,6 +160,22 @@ def test_a_link_opens_the_node_page_at_its_gpu_and_the_window_is_kept(
     assert any("range='fortnight'" in w.value for w in at.sidebar.warning), at.sidebar.warning
 
 
+def test_the_cluster_pages_links_keep_the_window_of_the_link_that_opened_it(
+        prom_with_data, monkeypatch, tmp_path):
+    """Found in review: the Cluster page (no time picker) opened from a link with
+    `range=1h`; a click on a heatmap cell opened the Node page at 15 min."""
+    import pyarrow as pa
+
+    prom, _ = prom_with_data
+    at = app(monkeypatch, prom.url, tmp_path)
+    at.query_params["range"] = "1h"
+    at.run()
+    assert not at.exception, at.exception
+    (heat,) = [e for e in charts(at) if e.proto.data.data]
+    urls = pa.ipc.open_stream(heat.proto.data.data).read_all().column("url").to_pylist()
+    assert urls and all("range=1h" in u and u.startswith("node?") for u in urls), urls[:3]
+
+
 # Element kinds whose code a browser loads when the first of them appears, and draws
 # with or after the others of its first screen: widgets, tables, charts.
 LAZY = {"text_input", "selectbox", "arrow_data_frame", "arrow_vega_lite_chart", "radio",
