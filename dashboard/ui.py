@@ -391,12 +391,22 @@ DOWN_FILL = "#d9d9d9"
 def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
             reverse: bool = False, height: int | None = None,
             y_order: list[str] | None = None) -> None:
-    """A node x GPU (or rank x time) heatmap. With a `state` column, cells whose state
-    is not "ok" are drawn grey, marked DOWN and named in the tooltip: a down GPU reports
-    no value and was a blank cell. With a `url` column, a click on a cell opens its
-    evidence (dashboard/links.py). Every row and column is labelled: Vega drops labels
+    """Draw `heatmap_spec`'s chart of `frame` (its arguments are that function's)."""
+    _chart(frame, heatmap_spec(frame, x, y, value, title, scheme, reverse, height, y_order))
+
+
+def heatmap_spec(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
+                 reverse: bool = False, height: int | None = None,
+                 y_order: list[str] | None = None) -> dict:
+    """A node x GPU (or rank x time) heatmap's Vega-Lite spec. With a `state` column,
+    cells whose state is not "ok" are drawn grey, marked DOWN and named in the tooltip:
+    a down GPU reports no value and was a blank cell. With a `url` column, a click
+    anywhere on a cell opens its evidence (dashboard/links.py): the DOWN word is a mark
+    of its own over the cell, and without the link of its own only the cell's edge
+    around the word opened it. Every row and column is labelled: Vega drops labels
     that would overlap, and rank 2's row of a short chart had none."""
     has_state = "state" in frame.columns
+
     position = {
         "x": {"field": x, "type": "ordinal", "sort": None, "title": x, "axis": {
             "labelOverlap": "parity", "labelAngle": 0 if frame[x].nunique() <= 16 else -90}},
@@ -406,7 +416,8 @@ def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
                {"field": value, "type": "quantitative", "format": ".2f", "title": title},
                *([{"field": "state", "type": "nominal"}] if has_state else [])]
     link = {"href": {"field": "url", "type": "nominal"}} if "url" in frame.columns else {}
-    spec: dict = {"mark": {"type": "rect", "cursor": "pointer" if link else "default"},
+    cursor = "pointer" if link else "default"
+    spec: dict = {"mark": {"type": "rect", "cursor": cursor},
                   "encoding": {**position, "tooltip": tooltip, **link, "color": {
                       "field": value, "type": "quantitative", "title": title,
                       "scale": {"scheme": scheme, "reverse": reverse}}}}
@@ -414,13 +425,14 @@ def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
         down = [{"filter": "datum.state !== 'ok'"}]
         spec = {"layer": [
             {**spec, "transform": [{"filter": "datum.state === 'ok'"}]},
-            {"mark": {"type": "rect", "color": DOWN_FILL, "stroke": "black"},
+            {"mark": {"type": "rect", "color": DOWN_FILL, "stroke": "black", "cursor": cursor},
              "encoding": {**position, "tooltip": tooltip, **link}, "transform": down},
-            {"mark": {"type": "text", "text": "DOWN", "fontWeight": "bold", "color": "black"},
-             "encoding": position, "transform": down}]}
+            {"mark": {"type": "text", "text": "DOWN", "fontWeight": "bold", "color": "black",
+                      "cursor": cursor},
+             "encoding": {**position, "tooltip": tooltip, **link}, "transform": down}]}
     if height:
         spec["height"] = height
-    _chart(frame, spec)
+    return spec
 
 
 # Axis and legend text dark enough to read: Streamlit's theme greys both to 3.7:1
