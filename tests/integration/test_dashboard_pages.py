@@ -231,6 +231,12 @@ def test_a_lost_gpu_is_down_on_the_heatmap_and_the_node_page(prom_with_data, mon
     assert at.selectbox(key="heat_metric").value == "temperature"
     spec = next(e.proto.spec for e in charts(at))
     assert '"DOWN"' in spec and "viridis" in spec
+    # GPU columns in numeric order in every layer, and a colour scale fixed round the
+    # throttle line (a relative one drew 63 °C as bright as 89 °C)
+    layers = json.loads(spec)["layer"]
+    assert all(m["encoding"]["x"]["sort"] == [0, 1, 2, 3] for m in layers)
+    assert layers[0]["encoding"]["color"]["scale"]["domain"] == [30, 95]
+    assert any(c.value.startswith("Colours on a fixed scale, 30-95 °C") for c in at.caption)
     words = [c.value for c in at.caption if c.value.startswith("Temperature (°C) of 7 GPU")]
     assert words and "1 GPU(s) DOWN: node-b GPU 3 (gpu_is_lost)" in words[0], at.caption
     at.switch_page("views/node.py").run()

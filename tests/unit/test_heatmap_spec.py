@@ -44,3 +44,39 @@ def test_a_heatmap_without_urls_has_no_links():
     spec = ui.heatmap_spec(cluster_cells().drop(columns="url"), "gpu", "node", "value", "°C")
     assert all("href" not in m["encoding"] and m["mark"].get("cursor", "default") == "default"
                for m in layers(spec))
+
+
+def colour_scale(spec: dict) -> dict:
+    return next(m for m in layers(spec) if "color" in m["encoding"])["encoding"]["color"]["scale"]
+
+
+def test_a_colour_means_the_same_temperature_on_every_load():
+    """A normal 63 °C was the same bright colour as a throttling 89 °C when those two
+    were the extremes of the values shown: the scale is fixed round the throttle line."""
+    from clusterpulse.dashboard.data import GPU_THROTTLE_C, HEATMAP_DOMAINS, HEATMAP_METRICS
+
+    low, high = HEATMAP_DOMAINS["temperature"]
+    assert low < 63 < GPU_THROTTLE_C < 89 < high
+    assert HEATMAP_DOMAINS["utilization"] == (0, 100)
+    assert set(HEATMAP_DOMAINS) <= set(HEATMAP_METRICS)
+    spec = ui.heatmap_spec(cluster_cells(), "gpu", "node", "value", "°C",
+                           domain=HEATMAP_DOMAINS["temperature"])
+    assert colour_scale(spec) == {"scheme": ui.SCALE, "reverse": False,
+                                  "domain": [low, high], "clamp": True}
+    # and without one (power: its range depends on the GPU) the scale spans the values
+    assert "domain" not in colour_scale(ui.heatmap_spec(cluster_cells(), "gpu", "node",
+                                                        "value", "W"))
+
+
+def test_gpu_columns_are_in_numeric_order_whichever_is_down():
+    """node-a's GPU 2 down: the ok layer had 0, 1, 3 and the down layer 2, and the axis
+    read 0, 1, 3, 2. The order is given, the same for every layer."""
+    cells = cluster_cells()
+    spec = ui.heatmap_spec(cells, "gpu", "node", "value", "°C",
+                           x_order=sorted({int(g) for g in cells["gpu"]}))
+    for m in layers(spec):
+        assert m["encoding"]["x"]["sort"] == [0, 1, 2, 3]
+        assert m["encoding"]["y"]["sort"] == ["node-a", "node-b", "node-c"]
+    ten = pd.DataFrame({"node": ["a"] * 3, "gpu": [10, 2, 1], "value": [1.0, 2.0, 3.0]})
+    assert ui.heatmap_spec(ten, "gpu", "node", "value", "x", x_order=[1, 2, 10]
+                           )["encoding"]["x"]["sort"] == [1, 2, 10]
