@@ -4,6 +4,7 @@ what the URL selects (dashboard/links.py), charts with units, and the operator l
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import time
@@ -381,6 +382,20 @@ def operators() -> auth.Operators:
     ops = auth.load_operators(settings().operators_file, _secrets_section("operators"))
     auth.REPORTED.report(ops)
     return ops
+
+
+# What a table shows for a missing value: Streamlit's grid writes "None", which read as
+# a value (the straggler table's cells during a restart). st.dataframe's `placeholder`
+# says otherwise where this Streamlit has it (pyproject.toml's floor may not).
+MISSING = "—"
+_HAS_PLACEHOLDER = "placeholder" in inspect.signature(st.dataframe).parameters
+
+
+def table(data, **kwargs) -> None:
+    """st.dataframe(data, **kwargs), its missing values shown as MISSING."""
+    if _HAS_PLACEHOLDER:
+        kwargs.setdefault("placeholder", MISSING)
+    st.dataframe(data, **kwargs)
 
 
 # Colour-blind safe (perceptually uniform, readable in grey); down cells are not on it.

@@ -126,7 +126,8 @@ def incident_timeline() -> None:
     table = pd.DataFrame([i.row() for i in items])
     table["detected"] = pd.to_datetime(table["detected"], unit="s").dt.strftime("%H:%M:%S")
     table = table.rename(columns={"detected": "detected (UTC)"})
-    st.dataframe(table, hide_index=True, width="stretch")
+    ui.table(table, hide_index=True, width="stretch", column_config={
+        "resumed from step": st.column_config.NumberColumn("resumed from step", format="%d")})
     st.caption(incident.summary(items))
 
 
