@@ -74,9 +74,10 @@ def live() -> None:
         st.caption(f"Rank {focus}, the link's, is highlighted.")
         shown = table.style.apply(lambda row: ["background-color: #fff3b0" if row["rank"] == focus
                                                else "" for _ in row], axis=1)
-    st.dataframe(shown, hide_index=True, width="stretch", column_config=COLUMNS)
+    # during a restart a rank reports no figures yet: its cells read "None" (ui.table)
+    ui.table(shown, hide_index=True, width="stretch", column_config=COLUMNS)
     with st.expander("Internals (process, local rank, raw seconds)"):
-        st.dataframe(internal, hide_index=True, width="stretch")
+        ui.table(internal, hide_index=True, width="stretch")
     left, right = st.columns(2)
     with left:
         st.markdown("**Compute time per rank (s)** · click a cell for its rank")

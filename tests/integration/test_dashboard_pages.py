@@ -108,6 +108,8 @@ def test_run_page_flags_the_straggler_with_its_evidence(prom_with_data, monkeypa
     assert top["bus MB/s"] == pytest.approx(400)
     internal = at.dataframe[1].value.set_index("rank")  # raw seconds, behind an expander
     assert internal.loc["3", "all-reduce s"] == 0.05 and "pid" in internal.columns
+    # a rank with no figures yet (a restart) reads a dash, not Streamlit's "None"
+    assert at.dataframe[0].proto.placeholder == at.dataframe[1].proto.placeholder == "—"
     assert list(table["bus MB/s"].iloc[1:]) == pytest.approx([200] * 3)
     # the median rank's, once the rule has seen both nodes' scrapes (evaluated between
     # them it is the median of node-b's two ranks: 3e8, a fresh-machine run saw it)
