@@ -122,6 +122,26 @@ def test_run_page_flags_the_straggler_with_its_evidence(prom_with_data, monkeypa
     assert not at.button or all(b.label != "Request" for b in at.button)
 
 
+def test_a_past_window_says_which_parts_of_the_run_page_are_now(prom_with_data, monkeypatch,
+                                                                tmp_path):
+    """The KPI row and straggler table are Prometheus's latest values whatever the
+    window: on a custom past window they read as if they were of it."""
+    import time as _time
+
+    from clusterpulse.dashboard import links
+
+    prom, _ = prom_with_data
+    at = app(monkeypatch, prom.url, tmp_path)
+    now = _time.time()
+    at.query_params.update({"range": links.CUSTOM, "from": links.fmt_utc(now - 3600),
+                            "until": links.fmt_utc(now - 60)})
+    at.switch_page("views/run.py").run()
+    assert not at.exception, at.exception
+    note = [c.value for c in at.caption if "are **now**" in c.value]
+    assert note and "the chosen window" in note[0] and links.fmt_utc(now - 60) in note[0]
+    at.query_params.clear()
+
+
 def test_node_page_shows_per_gpu_series(prom_with_data, monkeypatch, tmp_path):
     prom, _ = prom_with_data
     at = app(monkeypatch, prom.url, tmp_path)

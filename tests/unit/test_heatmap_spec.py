@@ -80,3 +80,16 @@ def test_gpu_columns_are_in_numeric_order_whichever_is_down():
     ten = pd.DataFrame({"node": ["a"] * 3, "gpu": [10, 2, 1], "value": [1.0, 2.0, 3.0]})
     assert ui.heatmap_spec(ten, "gpu", "node", "value", "x", x_order=[1, 2, 10]
                            )["encoding"]["x"]["sort"] == [1, 2, 10]
+
+
+def test_the_compute_heatmap_covers_the_whole_window_in_at_most_40_columns():
+    """It drew the last 40 points (`comp.tail(40)`): 6 min of a custom 6 h window."""
+    times = pd.date_range("2026-01-31T14:00", periods=720, freq="30s")  # 6 h
+    comp = pd.DataFrame({"rank 0": 0.15, "rank 3": [0.15] * 360 + [0.3] * 360}, index=times)
+    got = heat.time_buckets(comp)
+    assert len(got) == heat.TIME_COLUMNS == 40
+    assert got.index[0] == times[0] and got.index[-1] > times[-30]  # both ends of the window
+    assert got.index.is_monotonic_increasing
+    assert list(got["rank 3"]) == [0.15] * 20 + [0.3] * 20  # each column the mean of its points
+    short = comp.iloc[:12]
+    assert heat.time_buckets(short) is short  # nothing to bucket
