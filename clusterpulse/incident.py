@@ -137,7 +137,10 @@ class Incident:
 
     def row(self) -> dict:
         """The timeline's table row: clock times, and offsets from detection that are
-        the same for any time range and refresh (both ends are recorded timestamps)."""
+        the same for any time range and refresh (both ends are recorded timestamps).
+        "resumed from step" is the step or None, never the "-" of the text columns: a
+        column of both is no Arrow type, and the Run page logged an ArrowTypeError on
+        every render (the page shows None as a dash)."""
         def rel(t: float | None) -> str:
             return "-" if t is None else f"+{t - self.detected_at:.0f} s"
 
@@ -145,7 +148,7 @@ class Incident:
                 "alerts": ", ".join(self.alerts), "detected": self.detected_at,
                 "action": f"{self.action} {rel(self.acted_at)}" if self.action else "-",
                 "by": self.actor or "-",
-                "resumed from step": "-" if self.resume is None else self.resume.step,
+                "resumed from step": None if self.resume is None else self.resume.step,
                 "resumed": "-" if self.resume is None else rel(self.resume.at),
                 "steps recomputed": self.recomputed}
 

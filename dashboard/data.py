@@ -39,6 +39,18 @@ HEATMAP_METRICS = {
     "errors": ("sum by (node, gpu) (clusterpulse:gpu_xid_recent{sel}) or "
                "0 * max by (node, gpu) (clusterpulse_gpu_up{sel})", "XIDs / 10 min", False),
 }
+# The temperature GpuTemperatureHigh fires above (deploy/prometheus/alerts.rules.yml):
+# throttling is near. The Node page's charts mark it; the heatmap's scale is built round it.
+GPU_THROTTLE_C = 85.0
+# metric -> the heatmap's fixed colour range (values beyond it take its end colour), so
+# that a colour means one value on every load: over the values shown, a normal 63 °C was
+# as bright as a throttling 89 °C whenever they were the extremes. Temperature: 30 °C
+# (idle) to 95 °C, 10 over the throttle line, so 85 °C sits near the top; the percentages
+# their natural 0-100. Power (its range depends on the GPU model) and XID counts have no
+# such range and keep a scale over the values shown.
+HEATMAP_DOMAINS: dict[str, tuple[float, float]] = {
+    "temperature": (30.0, GPU_THROTTLE_C + 10), "utilization": (0.0, 100.0),
+    "memory": (0.0, 100.0), "clocks": (0.0, 100.0)}
 # The heatmap shows at most this many nodes, those at the bad end of the metric
 # (Prometheus picks them: topk/bottomk). 2,048 rows of 8 cells help nobody, and
 # fetching and drawing 16,384 cells every refresh took the page tens of seconds.

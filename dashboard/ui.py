@@ -4,6 +4,7 @@ what the URL selects (dashboard/links.py), charts with units, and the operator l
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import time
@@ -393,6 +394,20 @@ def operators() -> auth.Operators:
     return ops
 
 
+# What a table shows for a missing value: Streamlit's grid writes "None", which read as
+# a value (the straggler table's cells during a restart). st.dataframe's `placeholder`
+# says otherwise where this Streamlit has it (pyproject.toml's floor may not).
+MISSING = "—"
+_HAS_PLACEHOLDER = "placeholder" in inspect.signature(st.dataframe).parameters
+
+
+def table(data, **kwargs) -> None:
+    """st.dataframe(data, **kwargs), its missing values shown as MISSING."""
+    if _HAS_PLACEHOLDER:
+        kwargs.setdefault("placeholder", MISSING)
+    st.dataframe(data, **kwargs)
+
+
 # Colour-blind safe (perceptually uniform, readable in grey); down cells are not on it.
 SCALE = "viridis"
 DOWN_FILL = "#d9d9d9"
@@ -400,37 +415,65 @@ DOWN_FILL = "#d9d9d9"
 
 def heatmap(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
             reverse: bool = False, height: int | None = None,
-            y_order: list[str] | None = None) -> None:
-    """A node x GPU (or rank x time) heatmap. With a `state` column, cells whose state
-    is not "ok" are drawn grey, marked DOWN and named in the tooltip: a down GPU reports
-    no value and was a blank cell. With a `url` column, a click on a cell opens its
-    evidence (dashboard/links.py). Every row and column is labelled: Vega drops labels
-    that would overlap, and rank 2's row of a short chart had none."""
+            y_order: list | None = None, x_order: list | None = None,
+            domain: tuple[float, float] | None = None) -> None:
+    """Draw `heatmap_spec`'s chart of `frame` (its arguments are that function's)."""
+    _chart(frame, heatmap_spec(frame, x, y, value, title, scheme, reverse, height, y_order,
+                               x_order, domain))
+
+
+def heatmap_spec(frame, x: str, y: str, value: str, title: str, scheme: str = SCALE,
+                 reverse: bool = False, height: int | None = None,
+                 y_order: list | None = None, x_order: list | None = None,
+                 domain: tuple[float, float] | None = None) -> dict:
+    """A node x GPU (or rank x time) heatmap's Vega-Lite spec. With a `state` column,
+    cells whose state is not "ok" are drawn grey, marked DOWN and named in the tooltip:
+    a down GPU reports no value and was a blank cell. With a `url` column, a click
+    anywhere on a cell opens its evidence (dashboard/links.py): the DOWN word is a mark
+    of its own over the cell, and without the link of its own only the cell's edge
+    around the word opened it. Every row and column is labelled: Vega drops labels
+    that would overlap, and rank 2's row of a short chart had none.
+
+    Rows and columns come in `y_order` / `x_order`, else in the frame's order: the
+    ok and down cells are separate layers, and Vega orders a layered axis by layer
+    (GPUs 0, 1, 3, 2 when GPU 2 was down). `domain`: the colour scale's fixed range,
+    values beyond it clamped to its ends, so that a colour means the same value on
+    every load (a relative scale drew a normal 63 °C as bright as a throttling 89 °C
+    when those were the extremes); without it the scale spans the values shown."""
     has_state = "state" in frame.columns
+
+    def order(field: str, given: list | None) -> list:
+        return list(given) if given is not None else list(dict.fromkeys(frame[field].tolist()))
+
     position = {
-        "x": {"field": x, "type": "ordinal", "sort": None, "title": x, "axis": {
+        "x": {"field": x, "type": "ordinal", "sort": order(x, x_order), "title": x, "axis": {
             "labelOverlap": "parity", "labelAngle": 0 if frame[x].nunique() <= 16 else -90}},
-        "y": {"field": y, "type": "ordinal", "sort": y_order, "title": y,
+        "y": {"field": y, "type": "ordinal", "sort": order(y, y_order), "title": y,
               "axis": {"labelOverlap": False}}}
     tooltip = [{"field": x, "type": "nominal"}, {"field": y, "type": "nominal"},
                {"field": value, "type": "quantitative", "format": ".2f", "title": title},
                *([{"field": "state", "type": "nominal"}] if has_state else [])]
     link = {"href": {"field": "url", "type": "nominal"}} if "url" in frame.columns else {}
-    spec: dict = {"mark": {"type": "rect", "cursor": "pointer" if link else "default"},
+    cursor = "pointer" if link else "default"
+    scale: dict = {"scheme": scheme, "reverse": reverse}
+    if domain is not None:
+        scale.update(domain=list(domain), clamp=True)
+    spec: dict = {"mark": {"type": "rect", "cursor": cursor},
                   "encoding": {**position, "tooltip": tooltip, **link, "color": {
                       "field": value, "type": "quantitative", "title": title,
-                      "scale": {"scheme": scheme, "reverse": reverse}}}}
+                      "scale": scale}}}
     if has_state:
         down = [{"filter": "datum.state !== 'ok'"}]
         spec = {"layer": [
             {**spec, "transform": [{"filter": "datum.state === 'ok'"}]},
-            {"mark": {"type": "rect", "color": DOWN_FILL, "stroke": "black"},
+            {"mark": {"type": "rect", "color": DOWN_FILL, "stroke": "black", "cursor": cursor},
              "encoding": {**position, "tooltip": tooltip, **link}, "transform": down},
-            {"mark": {"type": "text", "text": "DOWN", "fontWeight": "bold", "color": "black"},
-             "encoding": position, "transform": down}]}
+            {"mark": {"type": "text", "text": "DOWN", "fontWeight": "bold", "color": "black",
+                      "cursor": cursor},
+             "encoding": {**position, "tooltip": tooltip, **link}, "transform": down}]}
     if height:
         spec["height"] = height
-    _chart(frame, spec)
+    return spec
 
 
 # Axis and legend text dark enough to read: Streamlit's theme greys both to 3.7:1

@@ -58,9 +58,16 @@ def live() -> None:
             st.caption(f"The {shown} of {len(nodes)} nodes with the "
                        f"{'lowest' if good_high else 'highest'} {metric} "
                        f"(at most {d['heat_nodes']} are drawn), and every node or GPU down.")
+        domain = data.HEATMAP_DOMAINS.get(metric)
         ui.heatmap(cells, "gpu", "node", "value", d["unit"], reverse=good_high,
-                   height=max(120, 22 * shown))
-        st.caption("Click a cell for that GPU's charts.")
+                   height=max(120, 22 * shown), domain=domain,
+                   x_order=sorted({int(g) for g in cells["gpu"]}),
+                   y_order=sorted(set(cells["node"])))
+        scale = (f"Colours on a fixed scale, {domain[0]:.0f}-{domain[1]:.0f} {d['unit']}"
+                 + (f" (GpuTemperatureHigh fires above {data.GPU_THROTTLE_C:.0f} °C)"
+                    if metric == "temperature" else "")
+                 if domain else "Colours span the values shown")
+        st.caption(f"{scale}. Click a cell for that GPU's charts.")
         # the same picture in words, for screen readers (and a glance)
         st.caption(hmap.summary(cells, metric, d["unit"], good_high))
     st.subheader("Unhealthy GPUs and nodes")

@@ -19,7 +19,7 @@ if focus is not None and not focus.isdigit():  # it goes into PromQL (data.gpu_n
     st.warning(f"GPU {focus!r} from the link is not a GPU index; showing all GPUs.")
     focus = None
 # The temperature the charts mark: GpuTemperatureHigh fires above it (throttling near)
-THROTTLE_C = 85.0
+THROTTLE_C = data.GPU_THROTTLE_C
 # chart title -> (y axis title, threshold, its label)
 AXES = {"temperature °C": ("temperature (°C)", THROTTLE_C,
                            f"GpuTemperatureHigh: {THROTTLE_C:.0f} °C, throttling near"),

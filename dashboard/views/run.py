@@ -9,6 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from clusterpulse.dashboard import actions, config, data, links, ui
+from clusterpulse.dashboard import heat as hmap
 from clusterpulse.dashboard.incidents import hang_incident, rank_tables, rate_against_usual
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
@@ -34,6 +35,16 @@ COLUMNS = {
 }
 
 
+def window_note(win: links.Window) -> str:
+    """What a custom past window changes on this page, in words: the figures and the
+    straggler table are Prometheus's latest values whatever the window, and they were
+    shown under a window of an hour ago as if they were of it."""
+    start, end = (links.fmt_utc(t) for t in win.bounds())
+    return (f"The figures above, the hang line and the straggler table are **now**; the "
+            f"compute heatmap, the loss and restart charts and the incident timeline are "
+            f"the chosen window, {start} to {end} UTC.")
+
+
 @st.fragment(run_every=s.refresh_s)
 def live() -> None:
     result = data.run(s.prometheus_url, run, win.seconds, win.end)
@@ -44,6 +55,8 @@ def live() -> None:
     step, step_note = data.run_step(per)
     ckpt_step = max(per["checkpoint step"].values(), default=None)
     ckpt_time = max(per["checkpoint time"].values(), default=None)
+    if win.end is not None:  # a past window: say which parts of the page are of it
+        st.caption(window_note(win))
     c = st.columns(6)
     ui.kpi(c[0], "Step", step)
     if step_note:
@@ -74,18 +87,21 @@ def live() -> None:
         st.caption(f"Rank {focus}, the link's, is highlighted.")
         shown = table.style.apply(lambda row: ["background-color: #fff3b0" if row["rank"] == focus
                                                else "" for _ in row], axis=1)
-    st.dataframe(shown, hide_index=True, width="stretch", column_config=COLUMNS)
+    # during a restart a rank reports no figures yet: its cells read "None" (ui.table)
+    ui.table(shown, hide_index=True, width="stretch", column_config=COLUMNS)
     with st.expander("Internals (process, local rank, raw seconds)"):
-        st.dataframe(internal, hide_index=True, width="stretch")
+        ui.table(internal, hide_index=True, width="stretch")
     left, right = st.columns(2)
     with left:
         st.markdown("**Compute time per rank (s)** · click a cell for its rank")
         comp = d["compute"]
         if not comp.empty:
-            long = comp.tail(40).reset_index(names="time").melt(
+            long = hmap.time_buckets(comp).reset_index(names="time").melt(
                 id_vars="time", var_name="rank", value_name="seconds").dropna()
             long = long.sort_values("time", kind="stable")  # columns in time order
-            long["time"] = long["time"].dt.strftime("%H:%M:%S")
+            span = (comp.index.max() - comp.index.min()).total_seconds()
+            long["time"] = long["time"].dt.strftime("%m-%d %H:%M" if span > 86400
+                                                    else "%H:%M:%S")
             long["url"] = [links.page_url("run", {"run": run, "rank": r.split(" ")[-1]},
                                           ui.keep()) for r in long["rank"]]
             ui.heatmap(long.rename(columns={"time": ui.TIME_TITLE}), ui.TIME_TITLE, "rank",
@@ -126,7 +142,8 @@ def incident_timeline() -> None:
     table = pd.DataFrame([i.row() for i in items])
     table["detected"] = pd.to_datetime(table["detected"], unit="s").dt.strftime("%H:%M:%S")
     table = table.rename(columns={"detected": "detected (UTC)"})
-    st.dataframe(table, hide_index=True, width="stretch")
+    ui.table(table, hide_index=True, width="stretch", column_config={
+        "resumed from step": st.column_config.NumberColumn("resumed from step", format="%d")})
     st.caption(incident.summary(items))
 
 

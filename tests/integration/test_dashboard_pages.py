@@ -108,6 +108,8 @@ def test_run_page_flags_the_straggler_with_its_evidence(prom_with_data, monkeypa
     assert top["bus MB/s"] == pytest.approx(400)
     internal = at.dataframe[1].value.set_index("rank")  # raw seconds, behind an expander
     assert internal.loc["3", "all-reduce s"] == 0.05 and "pid" in internal.columns
+    # a rank with no figures yet (a restart) reads a dash, not Streamlit's "None"
+    assert at.dataframe[0].proto.placeholder == at.dataframe[1].proto.placeholder == "—"
     assert list(table["bus MB/s"].iloc[1:]) == pytest.approx([200] * 3)
     # the median rank's, once the rule has seen both nodes' scrapes (evaluated between
     # them it is the median of node-b's two ranks: 3e8, a fresh-machine run saw it)
@@ -118,6 +120,26 @@ def test_run_page_flags_the_straggler_with_its_evidence(prom_with_data, monkeypa
     # A viewer sees no action form.
     assert any("Viewers are read-only" in i.value for i in at.info)
     assert not at.button or all(b.label != "Request" for b in at.button)
+
+
+def test_a_past_window_says_which_parts_of_the_run_page_are_now(prom_with_data, monkeypatch,
+                                                                tmp_path):
+    """The KPI row and straggler table are Prometheus's latest values whatever the
+    window: on a custom past window they read as if they were of it."""
+    import time as _time
+
+    from clusterpulse.dashboard import links
+
+    prom, _ = prom_with_data
+    at = app(monkeypatch, prom.url, tmp_path)
+    now = _time.time()
+    at.query_params.update({"range": links.CUSTOM, "from": links.fmt_utc(now - 3600),
+                            "until": links.fmt_utc(now - 60)})
+    at.switch_page("views/run.py").run()
+    assert not at.exception, at.exception
+    note = [c.value for c in at.caption if "are **now**" in c.value]
+    assert note and "the chosen window" in note[0] and links.fmt_utc(now - 60) in note[0]
+    at.query_params.clear()
 
 
 def test_node_page_shows_per_gpu_series(prom_with_data, monkeypatch, tmp_path):
@@ -247,6 +269,12 @@ def test_a_lost_gpu_is_down_on_the_heatmap_and_the_node_page(prom_with_data, mon
     assert at.selectbox(key="heat_metric").value == "temperature"
     spec = next(e.proto.spec for e in charts(at))
     assert '"DOWN"' in spec and "viridis" in spec
+    # GPU columns in numeric order in every layer, and a colour scale fixed round the
+    # throttle line (a relative one drew 63 °C as bright as 89 °C)
+    layers = json.loads(spec)["layer"]
+    assert all(m["encoding"]["x"]["sort"] == [0, 1, 2, 3] for m in layers)
+    assert layers[0]["encoding"]["color"]["scale"]["domain"] == [30, 95]
+    assert any(c.value.startswith("Colours on a fixed scale, 30-95 °C") for c in at.caption)
     words = [c.value for c in at.caption if c.value.startswith("Temperature (°C) of 7 GPU")]
     assert words and "1 GPU(s) DOWN: node-b GPU 3 (gpu_is_lost)" in words[0], at.caption
     at.switch_page("views/node.py").run()

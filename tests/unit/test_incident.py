@@ -243,3 +243,19 @@ def test_a_lost_gpus_xid_alert_does_not_hold_its_incident_open_for_ten_minutes()
     late = [{"ts": T0 + 600, "who": "dashboard", "action": "restart", "outcome": "accepted",
              "run": RUN, "source": "dashboard"}]
     assert _shown(eps[:2], 0, late)[0].action is None
+
+
+def test_the_timeline_table_is_one_arrow_table_with_and_without_a_resume():
+    """"resumed from step" held "-" beside integers: no Arrow type is both, and the Run
+    page logged an ArrowTypeError on every render. The demo's lines are unchanged."""
+    import pandas as pd
+    import pyarrow as pa
+
+    items = incidents_at(0, 900, 1.0)
+    rows = [i.row() for i in items]
+    assert [r["resumed from step"] for r in rows] == [150, 735, None]
+    table = pa.Table.from_pandas(pd.DataFrame(rows))  # raised ArrowTypeError
+    assert pa.types.is_integer(table.schema.field("resumed from step").type) or \
+        pa.types.is_floating(table.schema.field("resumed from step").type)
+    assert "resumed from step 150 (9 steps recomputed)" in items[0].line()
+    assert "resumed" not in items[2].line()
