@@ -149,6 +149,11 @@ def render_conf(cluster: str, run_dir: Path, ctl_host: str, ctl_addr: str, ctl_p
         "MailProg=/bin/true",
         # Whole nodes per job (one training job owns its nodes), backfill scheduling.
         "SchedulerType=sched/backfill", "SelectType=select/linear",
+        # A requeued job becomes eligible at its BeginTime (cred_expire, below), an event
+        # no scheduler wakes up for: the backfill loop runs only after a job or node
+        # change (at most every 30 s by default), the main loop every 60 s, and the job
+        # started 10 to 30 s after it could. Three nodes cost nothing to look at every 2 s.
+        "SchedulerParameters=bf_interval=2,sched_interval=2",
         "ReturnToService=2",  # a node that stopped answering comes back by itself...
         "SlurmctldTimeout=30", "SlurmdTimeout=30",
         # ... but a node drained with a reason stays drained until resumed.
