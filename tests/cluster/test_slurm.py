@@ -172,7 +172,9 @@ def test_usr1_before_time_limit_requeues_and_resumes_from_checkpoint(slurm):
     # KillWait grace (no step done before the signal is recomputed).
     assert step > before >= 20
     assert "USR1: time limit or preemption near, requeueing" in out.read_text()
-    slurm.run("scancel", job)  # proven; the remaining steps would only cost CI time
+    # Proven; the remaining steps would only cost CI time, and so would a graceful
+    # cancel's SIGTERM checkpoint (up to KillWait): SIGKILL the steps and the script.
+    slurm.run("scancel", "--signal=KILL", job)
     wait_state(slurm, job, DONE, 120, out)
 
 
@@ -213,7 +215,7 @@ def test_failing_gpu_drains_node_and_requeued_job_runs_on_the_rest(slurm, bed, m
     info = wait_state(slurm, job, ("RUNNING", *DONE), 180, out)
     assert bad.name not in slurm.hostnames(info["NodeList"])
     assert resumed_step(slurm, job, out) >= 10
-    slurm.run("scancel", job)
+    slurm.run("scancel", "--signal=KILL", job)  # as the USR1 test's: nothing left to see
     wait_state(slurm, job, DONE, 120, out)
     # It stays drained: XID 79 is counted since the driver loaded, and only a GPU reset
     # (or a reboot) clears it, as on real hardware.
