@@ -69,13 +69,17 @@ def unavailable() -> str | None:
 def write_health_check(run_dir: Path, healthcheck: Path, agent_url: str) -> Path:
     """A HealthCheckProgram for this run: the shipped deploy/slurm/healthcheck.sh with
     an env file in the cluster's run directory (slurmd passes no environment but
-    SLURMD_NODENAME, and HealthCheckProgram takes no arguments)."""
+    SLURMD_NODENAME, and HealthCheckProgram takes no arguments). Each run appends
+    "NODE STATUS" to healthcheck.log in the run directory (`SlurmCluster.health_checks`):
+    what a test waits for instead of a number of seconds."""
     env = run_dir / "healthcheck.env"
     env.write_text(f"CLUSTERPULSE_HEALTHCHECK={healthcheck}\n"
                    f"CLUSTERPULSE_AGENT_URL={agent_url}\nSLURM_CONF={run_dir / 'slurm.conf'}\n")
     program = run_dir / "healthcheck"
-    program.write_text(f"#!/bin/sh\nCLUSTERPULSE_HEALTHCHECK_ENV={env} exec "
-                       f"{REPO / 'deploy/slurm/healthcheck.sh'}\n")
+    program.write_text(f"#!/bin/sh\nCLUSTERPULSE_HEALTHCHECK_ENV={env} "
+                       f"{REPO / 'deploy/slurm/healthcheck.sh'}\nrc=$?\n"
+                       f'echo "$SLURMD_NODENAME $rc" >> {run_dir / "healthcheck.log"}\n'
+                       "exit $rc\n")
     program.chmod(0o755)
     return program
 
@@ -145,6 +149,11 @@ def render_conf(cluster: str, run_dir: Path, ctl_host: str, ctl_addr: str, ctl_p
         "MailProg=/bin/true",
         # Whole nodes per job (one training job owns its nodes), backfill scheduling.
         "SchedulerType=sched/backfill", "SelectType=select/linear",
+        # A requeued job becomes eligible at its BeginTime (cred_expire, below), an event
+        # no scheduler wakes up for: the backfill loop runs only after a job or node
+        # change (at most every 30 s by default), the main loop every 60 s, and the job
+        # started 10 to 30 s after it could. Three nodes cost nothing to look at every 2 s.
+        "SchedulerParameters=bf_interval=2,sched_interval=2",
         "ReturnToService=2",  # a node that stopped answering comes back by itself...
         "SlurmctldTimeout=30", "SlurmdTimeout=30",
         # ... but a node drained with a reason stays drained until resumed.
@@ -284,6 +293,14 @@ class SlurmCluster:
     def node_reason(self, node: str) -> str:
         out = self.run("sinfo", "-h", "-n", node, "-o", "%E", check=False)
         return out.strip()
+
+    def health_checks(self, node: str) -> list[int]:
+        """The exit status of each HealthCheckProgram run on `node` so far, oldest first
+        (0 healthy, 1 a problem, 2 unknown); only with a health check configured."""
+        path = self.run_dir / "healthcheck.log"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [int(rc) for name, rc in (line.split() for line in lines if
+                                         len(line.split()) == 2) if name == node]
 
     def wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

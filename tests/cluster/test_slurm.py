@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ SBATCH = REPO / "deploy/slurm/train.sbatch"
 VENV = Path(sys.executable).parent.parent
 LONG_JOB = "--preset tiny --steps 400 --ckpt-every 10 --log-every 5 --sim-compute-seconds 0.1"
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+HEALTH_INTERVAL = 5  # s: slurm.conf HealthCheckInterval
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def slurm(bed, tmp_path_factory):
                    60, f"service agent on {n.name}")
     cluster = SlurmCluster.on_testbed(bed, run / "slurm",
                                       health_check_agent="http://127.0.0.1:9400",
-                                      health_interval=10, kill_wait=30)
+                                      health_interval=HEALTH_INTERVAL, kill_wait=30)
     yield cluster
     cluster.stop()
 
@@ -172,7 +172,9 @@ def test_usr1_before_time_limit_requeues_and_resumes_from_checkpoint(slurm):
     # KillWait grace (no step done before the signal is recomputed).
     assert step > before >= 20
     assert "USR1: time limit or preemption near, requeueing" in out.read_text()
-    slurm.run("scancel", job)  # proven; the remaining steps would only cost CI time
+    # Proven; the remaining steps would only cost CI time, and so would a graceful
+    # cancel's SIGTERM checkpoint (up to KillWait): SIGKILL the steps and the script.
+    slurm.run("scancel", "--signal=KILL", job)
     wait_state(slurm, job, DONE, 120, out)
 
 
@@ -213,7 +215,7 @@ def test_failing_gpu_drains_node_and_requeued_job_runs_on_the_rest(slurm, bed, m
     info = wait_state(slurm, job, ("RUNNING", *DONE), 180, out)
     assert bad.name not in slurm.hostnames(info["NodeList"])
     assert resumed_step(slurm, job, out) >= 10
-    slurm.run("scancel", job)
+    slurm.run("scancel", "--signal=KILL", job)  # as the USR1 test's: nothing left to see
     wait_state(slurm, job, DONE, 120, out)
     # It stays drained: XID 79 is counted since the driver loaded, and only a GPU reset
     # (or a reboot) clears it, as on real hardware.
@@ -233,13 +235,19 @@ def test_health_check_leaves_a_node_whose_agent_is_gone_and_resumes_one_it_drain
                    f"service agent on {node.name}")
 
     def kill_agent() -> None:
+        """SIGKILL the node's service agent; return once two health checks of the node
+        have run since (the first after the kill may have begun before it: not
+        counted), each of them unknown (exit 2)."""
         (pid,) = bed.find(node, "-m", "clusterpulse.agent", "0.0.0.0:9400")
+        start = len(slurm.health_checks(node.name)) + 1
         bed.kill_process(pid)
+        ran = wait_until(lambda: (c := slurm.health_checks(node.name)[start:])[1:] and c,
+                         12 * HEALTH_INTERVAL, f"two health checks of {node.name}")
+        assert set(ran) == {2}, ran
 
     # No agent (an agent rollout, or the agent run only as a job step): unknown, and a
-    # monitoring hiccup drains nothing over 2.5 HealthCheckIntervals.
+    # monitoring hiccup drains nothing over two whole HealthCheckIntervals.
     kill_agent()
-    time.sleep(25)
     assert slurm.node_states().get(node.name, "").rstrip("*") == "idle"
     assert slurm.node_reason(node.name) in ("", "none")  # sinfo %E: none when unset
     # A real problem drains it; the agent gone again is still unknown and changes
@@ -252,7 +260,6 @@ def test_health_check_leaves_a_node_whose_agent_is_gone_and_resumes_one_it_drain
                f"{node.name} drained by its health check")
     assert slurm.node_reason(node.name).startswith("clusterpulse: GPU 0 down")
     kill_agent()
-    time.sleep(25)
     assert slurm.node_reason(node.name).startswith("clusterpulse: GPU 0 down")
     service_agent("3")  # a fresh simulated node: every GPU answers
     wait_until(lambda: slurm.node_states().get(node.name, "").rstrip("*") == "idle", 120,
