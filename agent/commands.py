@@ -18,11 +18,19 @@ joining the process group or loading the checkpoint is not resuming); or escalat
 (then completed or failed); or failed (a leave whose ranks left and none came back
 fails at its deadline without escalating: nothing is left to signal; so does a
 command whose ranks all finished cleanly before they acknowledged it).
+
+One restart of a run at a time: while a restart command of a run is in flight (not
+completed or failed, its deadline not passed) a new one is refused (`InFlight`),
+whoever asks. Two operators (or an operator and the remediation policy) each asking
+for a restart had the second kill the processes the first had just started. A
+graceful command that is stuck escalates by itself at its deadline; `escalate` does
+it sooner, for whoever names that command.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import signal
 import threading
@@ -75,6 +83,32 @@ class Command:
         }
 
 
+class InFlight(Exception):
+    """A restart of the run is already in flight on this node: a second one would kill
+    the processes the first has just started. `command` is the one in flight."""
+
+    def __init__(self, command: Command, message: str) -> None:
+        super().__init__(message)
+        self.command = command
+
+
+def in_flight_message(cmd: Command, node: str, now: float) -> str:
+    """What a refused caller is told: the command in flight (action, who, when, state)
+    and what to do instead, so that a second operator knows a restart is under way."""
+    who = cmd.requested_by + (f" on behalf of {cmd.on_behalf_of}" if cmd.on_behalf_of else "")
+    when = datetime.datetime.fromtimestamp(cmd.created_unix, datetime.UTC).strftime("%H:%M:%S")
+    if cmd.action == "checkpoint-restart" and cmd.state != "escalated":
+        then = ("; it escalates to a hard restart by itself at its deadline, or at once "
+                f"with POST /v1/commands/{cmd.id}/escalate (clusterpulse-ctl escalate "
+                f"--run {cmd.run} --command {cmd.id} --reason ...)")
+    else:
+        then = ""
+    return (f"a restart of run {cmd.run!r} is already in flight on node {node}: command "
+            f"{cmd.id} ({cmd.action}, requested by {who} at {when} UTC, state {cmd.state}, "
+            f"deadline in {max(0.0, cmd.deadline - now):.0f} s); not restarted twice: ask "
+            f"again once it has completed or failed{then}")
+
+
 class CommandBook:
     """The node's commands. Deadlines and SIGKILL follow-ups run on `clock`, a
     monotonic clock: on the wall clock an NTP step or a VM resume forward escalated
@@ -96,6 +130,8 @@ class CommandBook:
     def submit(self, run: str, action: str, reason: str, requested_by: str,
                deadline_s: float, on_behalf_of: str | None = None,
                leave_s: float = 0.0) -> Command:
+        """Record a command and start it (a hard restart signals at once). Raises
+        InFlight, audited as refused, while another restart of the run is in flight."""
         now, now_unix = self._clock(), self._wall_clock()
         # Not the departed (none of them comes back), and only ranks whose live process
         # and uid the kernel vouched for: a process the agent could not verify may have
@@ -110,13 +146,23 @@ class CommandBook:
             targets={r.rank: r.restarts for r in ranks},
             owners={r.rank: r.sender for r in ranks},
         )
-        with self._lock:
-            if len(self._commands) >= MAX_COMMANDS:  # forget the oldest finished ones
+        with self._lock:  # the check and the entry under one lock: two at once, one wins
+            running = self._in_flight(run, now)
+            if running is not None:
+                refused = InFlight(running, in_flight_message(running, self._node, now))
+            elif len(self._commands) >= MAX_COMMANDS:  # forget the oldest finished ones
                 done = [c.id for c in self._commands.values()
                         if c.state in ("completed", "failed")]
                 for cid in done[: len(done) // 2 + 1]:
                     del self._commands[cid]
-            self._commands[cmd.id] = cmd
+            if running is None:
+                self._commands[cmd.id] = cmd
+        if running is not None:
+            self._audit.write(requested_by, action, reason, "refused", run=run,
+                              node=self._node, source="agent", in_flight=running.id,
+                              detail=str(refused),
+                              **({"on_behalf_of": on_behalf_of} if on_behalf_of else {}))
+            raise refused
         if not ranks:  # one record for this outcome, written by _finish
             why = (f"no ranks of run {run!r} are known on this node" if not known else
                    f"no rank of run {run!r} on this node comes from a process the kernel "
@@ -128,6 +174,39 @@ class CommandBook:
             self._terminate(cmd)
         self._audit.write(requested_by, action, reason, cmd.state, run=run, command=cmd.id,
                           node=self._node, source="agent", **self._signals(cmd))
+        return cmd
+
+    def _in_flight(self, run: str, now: float) -> Command | None:
+        """The run's restart command still under way (the lock held), if any. Past its
+        deadline a command is over (the next tick fails or escalates it)."""
+        for c in self._commands.values():
+            if (c.run == run and c.action in protocol.ACTIONS
+                    and c.state not in ("completed", "failed") and now < c.deadline):
+                return c
+        return None
+
+    def escalate(self, cid: str, requested_by: str, reason: str,
+                 on_behalf_of: str | None = None) -> Command:
+        """Escalate an open graceful command to a hard restart now, as its deadline
+        would: the way to force a hard restart over a graceful one that is stuck. It
+        names the command it overrides, and is audited as who asked; only the processes
+        the command targeted are signalled. Raises LookupError (no such command) or
+        ValueError (not an open, unescalated checkpoint-restart)."""
+        with self._lock:
+            cmd = self._commands.get(cid)
+            if cmd is None:
+                raise LookupError(f"no command {cid[:160]!r}")
+            if cmd.action != "checkpoint-restart" or cmd.state not in ("pending", "delivered"):
+                raise ValueError(f"command {cid} is a {cmd.action} in state {cmd.state}: only "
+                                 "a pending or delivered checkpoint-restart can be escalated")
+            now = self._clock()
+            self._terminate(cmd)
+            cmd.deadline = now + max(60.0, cmd.deadline - cmd.created)
+        signals = self._signals(cmd)  # the escalation's own on_behalf_of, not the command's
+        signals.pop("on_behalf_of", None)
+        self._audit.write(requested_by, "restart", f"escalated: {reason}", "escalated",
+                          run=cmd.run, command=cmd.id, node=self._node, source="agent",
+                          **signals, **({"on_behalf_of": on_behalf_of} if on_behalf_of else {}))
         return cmd
 
     @staticmethod

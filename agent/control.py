@@ -8,6 +8,10 @@ operator), never as the principal. Failed authentication is audited too (at most
 `AUTH_FAILURES_PER_MIN` records a minute, so a flood cannot fill the disk; the rest
 are counted). Handlers return (status, body) and never raise on bad input: the body's
 "error" names the problem.
+
+A restart of a run that already has one in flight on this node is refused with 409:
+"error" names the command in flight and "in_flight" is that command. A stuck graceful
+one is forced to a hard restart by naming it: POST /v1/commands/<id>/escalate.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from clusterpulse.agent import protocol
 from clusterpulse.agent.backends.sim import SimBackend
+from clusterpulse.agent.commands import InFlight
 from clusterpulse.agent.faults import FAULT_KINDS, FaultError, parse_fault
 from clusterpulse.agent.httpsafe import HttpError, parse_json_object
 from clusterpulse.agent.tokens import Tokens
@@ -99,6 +104,8 @@ class ControlApi:
                 return self._inject(payload, principal)
             case "POST", ["runs", run, "actions"]:
                 return self._action(run, payload, principal)
+            case "POST", ["commands", cid, "escalate"]:
+                return self._escalate(cid, payload, principal)
             case "GET", ["commands"]:
                 return 200, {"commands": [c.to_json() for c in self.agent.commands.all()]}
             case "GET", ["commands", cid]:
@@ -165,9 +172,26 @@ class ControlApi:
             return 400, {"error": f"'leave_s' (seconds this node sits the restart out) must "
                                   f"be a number in 0..{protocol.MAX_LEAVE_S}, and only with "
                                   "checkpoint-restart"}
-        cmd = self.agent.commands.submit(run, action, reason.strip()[:500], principal,
-                                         deadline, leave_s=leave, **_on_behalf(payload))
+        try:
+            cmd = self.agent.commands.submit(run, action, reason.strip()[:500], principal,
+                                             deadline, leave_s=leave, **_on_behalf(payload))
+        except InFlight as busy:  # one restart at a time: the caller learns which
+            return 409, {"error": str(busy), "in_flight": busy.command.to_json()}
         return (202 if cmd.state != "failed" else 409), cmd.to_json()
+
+    def _escalate(self, cid: str, payload: dict, principal: str) -> Response:
+        """Force a stuck graceful command to a hard restart now (its deadline would)."""
+        reason = payload.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            return 400, {"error": "'reason' is required: say why, it goes to the audit log"}
+        try:
+            cmd = self.agent.commands.escalate(cid, principal, reason.strip()[:500],
+                                               **_on_behalf(payload))
+        except LookupError as err:
+            return 404, {"error": str(err.args[0])}
+        except ValueError as err:
+            return 409, {"error": str(err)}
+        return 202, cmd.to_json()
 
 
 def _on_behalf(payload: dict) -> dict[str, str]:

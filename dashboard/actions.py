@@ -46,6 +46,23 @@ class NodeResult:
     command: str = ""
     state: str = ""
     error: str = ""
+    # the agent refused: a restart of the run is already in flight there (this is it)
+    in_flight: dict | None = None
+
+
+def all_in_flight(results: list[NodeResult]) -> bool:
+    """True when every node refused because a restart of the run is already under way
+    there: nothing was done, and what to tell the asker is that restart, not a failure."""
+    return bool(results) and all(r.in_flight is not None for r in results)
+
+
+def follow_in_flight(results: list[NodeResult]) -> list[NodeResult]:
+    """The restarts in flight that refused these results, as results to follow
+    (command_states): a refused asker is shown the restart already under way, its
+    progress included, rather than only told no."""
+    return [NodeResult(r.node, r.agent, True, str(r.in_flight.get("id", "")),
+                       str(r.in_flight.get("state", ""))) if r.in_flight is not None else r
+            for r in results]
 
 
 def agent_tls() -> str | bool:
@@ -134,7 +151,11 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
     `alert`: the labels of the alert a policy acts on, kept in the audit record (which
     rank on which node the action was for); `one_owner`: do nothing when the run's
     ranks are reported by processes of more than one user (`rank_owners`: the policy,
-    which acts on what ranks reported; an operator decides for themselves)."""
+    which acts on what ranks reported; an operator decides for themselves).
+
+    An agent with a restart of the run in flight refuses another (HTTP 409, its result's
+    `in_flight`); when every node refused so, the request is audited as "refused": no
+    action was taken."""
     if action not in ACTIONS:
         raise ActionError(f"action must be one of {', '.join(ACTIONS)}")
     if not reason.strip():
@@ -175,18 +196,54 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
                               json=payload)
             body = r.json()
             ok = r.status_code == 202
+            running = body.get("in_flight") if r.status_code == 409 else None
             results.append(NodeResult(node, url, ok, body.get("id", ""), body.get("state", ""),
                                       "" if ok else body.get("error") or body.get("detail")
-                                      or f"HTTP {r.status_code}"))
+                                      or f"HTTP {r.status_code}",
+                                      running if isinstance(running, dict) else None))
         except (requests.RequestException, ValueError) as err:
             results.append(NodeResult(node, url, False, error=f"unreachable: {type(err).__name__}"))
     accepted = sum(r.ok for r in results)
     outcome = "accepted" if accepted == len(results) else (
-        "partial" if accepted else "failed")
+        "partial" if accepted else "refused" if all_in_flight(results) else "failed")
     audit.write(who, audited_as or action, reason, outcome, run=run, source=source,
                 nodes={r.node: (r.command or r.error) for r in results},
                 **({"leave_s": leave_s} if leave_s else {}), **({"alert": alert} if alert else {}))
     return results
+
+
+def escalate_command(prom: PrometheusClient, run: str, command: str, reason: str, who: str,
+                     token: str | None, audit: AuditLog, source: str = "cli") -> NodeResult:
+    """Escalate a graceful restart in flight (`command`, as the refusal of a second
+    restart named it) to a hard restart now, on the agent that holds it: the one way to
+    force a hard restart over it, and it names what it overrides. Audited as `who`."""
+    if not reason.strip():
+        raise ActionError("a reason is required; it goes to the audit log")
+    if not token:
+        raise ActionError("no agent token configured (CLUSTERPULSE_AGENT_TOKEN_FILE)")
+    agents = agents_for_run(prom, run)
+    # command ids are NODE-UNIXTIME-N: the longest node name that prefixes it holds it
+    holders = sorted((n for n in agents if command.startswith(f"{n}-")), key=len)
+    if not holders:
+        raise ActionError(f"no agent of run {run!r} holds command {command!r}")
+    node = holders[-1]
+    node_token = token_for(token, node)
+    if node_token is None:
+        raise ActionError(f"no token for node {node} in the agent token file")
+    try:
+        r = requests.post(f"{agents[node]}/v1/commands/{command}/escalate", timeout=5,
+                          verify=agent_tls(), headers={"Authorization": f"Bearer {node_token}"},
+                          json={"reason": reason, "requested_by": who})
+        body = r.json()
+        ok = r.status_code == 202
+        result = NodeResult(node, agents[node], ok, command, body.get("state", ""),
+                            "" if ok else body.get("error") or f"HTTP {r.status_code}")
+    except (requests.RequestException, ValueError) as err:
+        result = NodeResult(node, agents[node], False, command,
+                            error=f"unreachable: {type(err).__name__}")
+    audit.write(who, "escalate", reason, "accepted" if result.ok else "failed", run=run,
+                source=source, nodes={node: command if result.ok else result.error})
+    return result
 
 
 def command_states(results: list[NodeResult], token: str | None) -> list[NodeResult]:

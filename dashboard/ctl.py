@@ -31,6 +31,8 @@ examples:
   export CLUSTERPULSE_AGENT_TOKEN_FILE=/etc/clusterpulse/token   # or --token-file FILE
   clusterpulse-ctl restart --run llama-7b --graceful --reason "straggler on node-7" --wait
   clusterpulse-ctl restart --run llama-7b --hard --reason "rank 12 hung"
+  # a graceful restart in flight that is stuck: hard now (the id its refusal named)
+  clusterpulse-ctl escalate --run llama-7b --command node-7-1764927000-3 --reason "hung"
   clusterpulse-ctl evict --run llama-7b --node node-7 --for 600 --reason "NIC trained down"
   clusterpulse-ctl agents --run llama-7b
   clusterpulse-ctl hash-password            # for the dashboard's operators file (asks twice)
@@ -109,6 +111,12 @@ def build_parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser
     r.add_argument("--reason", required=True)
     r.add_argument("--wait", action="store_true", help="follow until the ranks resume")
     r.add_argument("--timeout", type=float, default=300)
+    x = sub.add_parser("escalate", help="make a graceful restart in flight a hard one now "
+                       "(a second restart is refused while one is in flight)")
+    x.add_argument("--run", required=True)
+    x.add_argument("--command", required=True,
+                   help="the command in flight, as the refused request named it")
+    x.add_argument("--reason", required=True)
     e = sub.add_parser("evict", help="graceful restart that one node sits out (elastic jobs "
                        "under clusterpulse-train; see docs/trainer.md)")
     e.add_argument("--run", required=True)
@@ -136,7 +144,7 @@ def parse(argv: list[str] | None, env: Mapping[str, str] = os.environ) -> argpar
     a = p.parse_args(argv)
     if a.cmd == "evict" and not 1 <= a.leave_s <= protocol.MAX_LEAVE_S:
         p.error(f"evict --for: seconds in 1..{protocol.MAX_LEAVE_S} (longer: drain the node)")
-    if a.cmd in ("restart", "evict") and a.token_file is None:
+    if a.cmd in ("restart", "evict", "escalate") and a.token_file is None:
         p.error(f"{a.cmd} needs the agents' token: --token-file FILE or "
                 "CLUSTERPULSE_AGENT_TOKEN_FILE")
     return a
@@ -197,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         token = a.token_file.read_text().strip() if a.token_file else None
         who = f"{caller()}@cli"
+        if a.cmd == "escalate":
+            res = actions.escalate_command(prom, a.run, a.command, a.reason, who, token,
+                                           AuditLog(a.audit_log))
+            print(f"{res.node}: {'escalated ' + res.command if res.ok else 'FAILED: ' + res.error}")
+            return 0 if res.ok else 1
         if a.cmd == "evict":
             results = actions.request_action(prom, a.run, "checkpoint-restart", a.reason, who,
                                              token, AuditLog(a.audit_log), source="cli",

@@ -38,7 +38,9 @@ Alerts without a `run` label (a lost GPU) act on the runs with ranks on that nod
 (and GPU), found through Prometheus. An alert waiting for `sustained_s` is acted on
 only if Prometheus still has it firing then. Every decision taken (acted, dry run,
 rate-limited, failed) is audited, and every notification is kept for the dashboard's
-history.
+history. A restart the agents refuse because one of the run is already in flight (an
+operator's, say) is the decision "in_flight", audited "refused": no action was taken,
+and it keeps the run's rate-limit slot all the same (the run was just restarted).
 
 The webhook can restart jobs, so it only takes authenticated notifications: a bearer
 token or basic auth (password = a token) from --webhook-token-file, both of which
@@ -87,6 +89,7 @@ from clusterpulse.dashboard.actions import (
     ACTIONS,
     ActionError,
     OwnersUnknown,
+    all_in_flight,
     recent_rank_info,
     request_action,
 )
@@ -491,6 +494,10 @@ class Remediator:
                 results = request_action(self.prom, run, rule.action, why, "policy",
                                          self.token, self.audit, source="remediation",
                                          alert=labels, one_owner=True)
+            if all_in_flight(results):  # someone's restart is under way: not taken twice
+                return {**base, "outcome": "in_flight",
+                        "detail": "; ".join(f"{r.node}: {r.error}" for r in results),
+                        "nodes": {r.node: r.error for r in results}}
             ok = all(r.ok for r in results)
             return {**base, "outcome": "acted" if ok else "partial",
                     "nodes": {r.node: r.command or r.error for r in results}}

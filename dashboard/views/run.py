@@ -169,6 +169,14 @@ def request(who: str) -> None:
     except (actions.ActionError, PrometheusError, config.SettingsError) as err:
         ss["action_message"] = ("error", f"Not sent: {err}")
         return
+    if actions.all_in_flight(results):  # another session's (or the policy's) restart
+        ss["action_message"] = ("error", "Not sent: " + "; ".join(r.error for r in results))
+        running = results[0].in_flight or {}
+        ss["last_action"] = {"run": run, "results": actions.follow_in_flight(results),
+                             "at": running.get("created_unix", sent),
+                             "action": f"{running.get('action', '?')} (already in flight)",
+                             "reason": running.get("reason", "")}
+        return
     ss["reason"] = ""
     ss["last_action"] = {"run": run, "results": results, "at": sent, "action": action,
                          "reason": reason}

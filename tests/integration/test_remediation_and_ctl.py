@@ -357,7 +357,16 @@ def test_ctl_restart_and_agents(cluster):
     assert r.returncode == 2 and "evict --for: seconds in 1..3600" in r.stderr
     r = ctl("evict", "--run", "job", "--node", "node-z", "--for", "60", "--reason", "link")
     assert r.returncode == 1 and "has no ranks on node-z" in r.stderr
+    # the graceful restart above is in flight: a second restart of "job" is refused,
+    # naming it (one at a time on a node); the eviction goes to another run
+    graceful = json.loads((tmp / "ctl.jsonl").read_text().splitlines()[0])["nodes"]["node-r"]
     r = ctl("evict", "--run", "job", "--node", "node-r", "--for", "60", "--reason", "link")
+    assert r.returncode == 1 and "already in flight" in r.stdout and graceful in r.stdout, r
+    with RankProcess(_telemetry[len("unix:"):], [{"type": "step", "run": "job2", "rank": 0,
+                                                  "local_rank": 0, "gpu": 0, "step": 3}]):
+        wait_until(lambda: prom.query('clusterpulse_trainer_rank_info{run="job2"}'), 30,
+                   "job2 scraped")
+        r = ctl("evict", "--run", "job2", "--node", "node-r", "--for", "60", "--reason", "link")
     assert r.returncode == 0 and "node-r: accepted node-r-" in r.stdout
     cid = r.stdout.split("accepted ")[1].split()[0]
     cmd = requests.get(f"http://127.0.0.1:{port}/v1/commands/{cid}", timeout=5,

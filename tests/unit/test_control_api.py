@@ -438,12 +438,15 @@ def test_a_leave_whose_node_gave_way_fails_and_says_why(sim_agent):
     used to say "completed, all ranks resumed"."""
     s = connect(sim_agent.socket_path)
     _rank(s, step=1, restarts=0)
-    ids = []
-    for _ in range(2):
+
+    def evict() -> str:
         r = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart",
                                                     "reason": "link", "leave_s": 60})
-        ids.append(r.json()["id"])
-    said, lost = ids
+        assert r.status_code == 202, r.text
+        return r.json()["id"]
+
+    # one node's agent stands for each: one command of the run at a time on a node
+    said = evict()
     exchange(s, type="event", event="leave_refused", run="r1", rank=0, local_rank=0,
              command=said, reason="others_leaving")
     sim_agent.agent.collect_once()
@@ -451,6 +454,7 @@ def test_a_leave_whose_node_gave_way_fails_and_says_why(sim_agent):
     assert status["state"] == "failed", status
     assert "other nodes leave the job at the same restart" in status["detail"]
     assert "it restarted with the job instead" in status["detail"]
+    lost = evict()
     s.close()
     sim_agent.agent.ranks.of_run("r1")[0].sender = Sender()  # the old process exited
     with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r1", "rank": 0,
@@ -533,3 +537,82 @@ def test_a_graceful_restart_of_a_run_that_finishes_first_is_not_escalated(sim_ag
     assert [a.get("outcome") for a in audit if a.get("command") == cid][-1] == "failed", audit
     assert not any(a.get("outcome") == "escalated" for a in audit), audit
     s.close()
+
+
+def test_a_second_restart_while_one_is_in_flight_is_refused_and_names_it(sim_agent):
+    """Review finding: two operator tabs each asked for a restart of one run, 6 s apart;
+    both were accepted and the second killed the processes the first had just started,
+    and the second tab never learnt a restart was under way. The agent refuses any
+    restart of a run while one is in flight, with 409 naming it, whoever asks."""
+    with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "r1", "rank": 0,
+                                              "step": 5}]) as rank:
+        first = sim_agent.post("/v1/runs/r1/actions", {"action": "checkpoint-restart",
+                                                        "reason": "slow",
+                                                        "requested_by": "alice"})
+        assert first.status_code == 202
+        cid = first.json()["id"]
+        for action in ("restart", "checkpoint-restart"):
+            r = sim_agent.post("/v1/runs/r1/actions", {"action": action, "reason": "hung",
+                                                        "requested_by": "bob"})
+            assert r.status_code == 409, r.text
+            error = r.json()["error"]
+            assert "already in flight" in error and cid in error, error
+            assert "checkpoint-restart, requested by token on behalf of alice" in error, error
+            assert "state pending" in error and " UTC" in error, error
+            assert r.json()["in_flight"]["id"] == cid
+        assert rank.p.poll() is None, "the refused restart signalled the rank"
+        assert [c["id"] for c in sim_agent.get("/v1/commands").json()["commands"]] == [cid]
+        refused = _audit(sim_agent)[-1]
+        assert refused["outcome"] == "refused" and refused["in_flight"] == cid
+        assert refused["on_behalf_of"] == "bob" and refused["action"] == "checkpoint-restart"
+        # Forcing a hard restart over the stuck graceful one names it (audited as who
+        # asked); it is the same command, escalated, never a second one beside it.
+        r = sim_agent.post(f"/v1/commands/{cid}/escalate", {"requested_by": "bob"})
+        assert r.status_code == 400 and "'reason'" in r.json()["error"]
+        r = sim_agent.post(f"/v1/commands/{cid}/escalate", {"reason": "stuck",
+                                                             "requested_by": "bob"})
+        assert r.status_code == 202 and r.json()["state"] == "escalated", r.text
+        assert rank.p.wait(timeout=10) == -15
+        escalated = _audit(sim_agent)[-1]
+        assert escalated["outcome"] == "escalated" and escalated["on_behalf_of"] == "bob"
+        assert escalated["signalled_pids"] == [rank.pid] and escalated["command"] == cid
+        r = sim_agent.post(f"/v1/commands/{cid}/escalate", {"reason": "again"})
+        assert r.status_code == 409 and "escalated" in r.json()["error"]
+        assert sim_agent.post("/v1/commands/nope/escalate", {"reason": "x"}).status_code == 404
+        r = sim_agent.post("/v1/runs/r1/actions", {"action": "restart", "reason": "again"})
+        assert r.status_code == 409 and "state escalated" in r.json()["error"]
+
+
+def test_a_restart_is_accepted_again_once_the_one_in_flight_is_over():
+    """In flight means not completed or failed and not past its deadline: after it, the
+    next restart of the run goes ahead; another run is never held up by it."""
+    from clusterpulse.agent.audit import AuditLog
+    from clusterpulse.agent.commands import CommandBook, InFlight
+    from clusterpulse.agent.ranks import RankRegistry
+
+    mono = [1000.0]
+    old = Sender(pid=10**7 + 1, uid=0, start_time=1, verified=True)  # no such process
+    alive = {old}
+    ranks = RankRegistry(clock=lambda: mono[0], alive=lambda s: s in alive)
+    for run in ("r1", "r2"):
+        ranks.update({"v": 1, "type": "step", "run": run, "rank": 0, "local_rank": 0,
+                      "gpu": 0, "step": 5}, None, old)
+    book = CommandBook(ranks, AuditLog(None), "n", clock=lambda: mono[0])
+    first = book.submit("r1", "restart", "hung", "op", deadline_s=60)
+    assert first.state == "delivered"
+    with pytest.raises(InFlight, match=f"command {first.id} \\(restart, requested by op"):
+        book.submit("r1", "checkpoint-restart", "slow", "policy", deadline_s=60)
+    assert book.submit("r2", "restart", "hung", "op", deadline_s=60).state == "delivered"
+    # torchrun restarted the rank: a new process that stepped -> completed
+    alive.discard(old)
+    new = Sender(pid=10**7 + 2, uid=0, start_time=2, verified=True)
+    alive.add(new)
+    ranks.update({"v": 1, "type": "step", "run": "r1", "rank": 0, "local_rank": 0,
+                  "gpu": 0, "step": 6, "restarts": 1}, None, new)
+    book.tick()
+    assert first.state == "completed", first.detail
+    second = book.submit("r1", "restart", "hung again", "op", deadline_s=10)
+    assert second.state == "delivered"
+    mono[0] += 10  # past its deadline: over, whatever the next tick makes of it
+    third = book.submit("r1", "checkpoint-restart", "slow", "op", deadline_s=10)
+    assert third.state == "pending"

@@ -1,0 +1,73 @@
+"""One restart of a run at a time, as each client sees it: a second dashboard session,
+the remediation policy and clusterpulse-ctl are refused (the agent's 409) with the
+restart in flight named, and none of them records the refusal as an action taken.
+
+Review finding: two operator tabs each requested a hard restart of one run, 6 s apart;
+both were accepted, the second killed the processes the first had just started, and
+80 s later the policy restarted the run a third time."""
+
+from __future__ import annotations
+
+import pytest
+
+from clusterpulse import incident
+from clusterpulse.agent.audit import AuditLog
+from clusterpulse.dashboard import actions, ctl
+from clusterpulse.dashboard.promclient import PrometheusClient
+from clusterpulse.dashboard.remediation import Policy, Remediator, Rule
+from tests.conftest import TOKEN
+from tests.support.ranksock import RankProcess
+
+
+@pytest.fixture
+def run_on_agent(sim_agent, monkeypatch):
+    """Run "demo" with one live rank on the sim agent, found there by every client."""
+    monkeypatch.setattr(actions, "agents_for_run",
+                        lambda _prom, _run, lookback="": {sim_agent.agent.node: sim_agent.url})
+    with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "demo", "rank": 0,
+                                              "step": 5}]) as rank:
+        yield sim_agent, rank
+
+
+def test_every_client_is_refused_a_second_restart_and_told_which_is_in_flight(
+        run_on_agent, tmp_path, monkeypatch, capsys):
+    agent, rank = run_on_agent
+    prom = PrometheusClient("http://127.0.0.1:9")  # agents_for_run is the stub above
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    (first,) = actions.request_action(prom, "demo", "checkpoint-restart", "slow", "alice",
+                                      TOKEN, audit)
+    assert first.ok, first
+    # the second tab
+    (second,) = actions.request_action(prom, "demo", "restart", "hung", "bob", TOKEN, audit)
+    assert not second.ok and second.in_flight is not None
+    assert second.in_flight["id"] == first.command
+    assert first.command in second.error and "on behalf of alice" in second.error
+    assert "already in flight" in second.error and "state pending" in second.error
+    assert actions.all_in_flight([second])
+    # what the tab follows instead: the restart in flight
+    (followed,) = actions.follow_in_flight([second])
+    assert followed.ok and followed.command == first.command
+    assert actions.command_states([followed], TOKEN)[0].state == "pending"
+    # the policy: not an action taken (the audit), and its decision says why
+    monkeypatch.setattr(Remediator, "_unconfirmed", lambda *_a: None)  # Prometheus agrees
+    rem = Remediator(Policy([Rule("RankHung", "restart")]), prom, TOKEN, audit)
+    (d,) = rem.handle({"alerts": [{"status": "firing", "startsAt": "2026-01-01T00:00:00Z",
+                                   "labels": {"alertname": "RankHung", "run": "demo"}}]})
+    assert d["outcome"] == "in_flight" and first.command in d["detail"], d
+    # clusterpulse-ctl
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    cli = ["--token-file", str(token_file), "--audit-log", str(tmp_path / "cli.jsonl")]
+    assert ctl.main([*cli, "restart", "--run", "demo", "--hard", "--reason", "hung"]) == 1
+    assert first.command in capsys.readouterr().out
+    assert rank.p.poll() is None, "a refused restart signalled the rank"
+    requests_ = [r for r in audit.read() if r.get("source") in ("dashboard", "remediation")]
+    assert [(r["who"], r["outcome"]) for r in requests_] == [
+        ("alice", "accepted"), ("bob", "refused"), ("policy", "refused")]
+    assert not {r["outcome"] for r in requests_[1:]} & incident.TAKEN
+    # an operator forces the hard restart by naming the graceful one in flight
+    assert ctl.main([*cli, "escalate", "--run", "demo", "--command", first.command,
+                     "--reason", "stuck"]) == 0
+    assert f"escalated {first.command}" in capsys.readouterr().out
+    assert rank.p.wait(timeout=10) == -15
+    assert agent.get(f"/v1/commands/{first.command}").json()["state"] == "escalated"
