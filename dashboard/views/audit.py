@@ -41,6 +41,8 @@ def table() -> None:
                "lines of the action (the request and each agent's states); `prev`: the "
                "hash chaining each line to the one before.")
     st.dataframe(frame, hide_index=True, width="stretch", column_config={
+        # "checkpoint-restart" read "checkpc" at 1400 px
+        "action": st.column_config.TextColumn("action", width="medium"),
         "prev": st.column_config.TextColumn("prev (hash)", width="small")})
 
 

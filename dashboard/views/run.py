@@ -142,7 +142,10 @@ def incident_timeline() -> None:
     table = pd.DataFrame([i.row() for i in items])
     table["detected"] = pd.to_datetime(table["detected"], unit="s").dt.strftime("%H:%M:%S")
     table = table.rename(columns={"detected": "detected (UTC)"})
+    # wide enough for "checkpoint-restart +827 s" and three alert names (cut at 1400 px)
     ui.table(table, hide_index=True, width="stretch", column_config={
+        "action": st.column_config.TextColumn("action", width="medium"),
+        "alerts": st.column_config.TextColumn("alerts", width="large"),
         "resumed from step": st.column_config.NumberColumn("resumed from step", format="%d")})
     st.caption(incident.summary(items))
 
