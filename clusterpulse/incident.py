@@ -166,20 +166,31 @@ def _where(labels: dict) -> str:
     return out
 
 
-def concerns(run: str, nodes: set[str], labels: dict,
-             gpus: set[tuple[str, str]] | None = None) -> bool:
+# (node, rank) -> the GPUs that rank used on that node in the time range (rank_info)
+RankGpus = dict[tuple[str, str], set[str]]
+
+
+def concerns(run: str, nodes: set[str], labels: dict, ranks: RankGpus | None = None) -> bool:
     """Whether an alert is about `run`: its own run label, or a node alert on a node
-    where the run has ranks; with `gpus` (node, GPU) of its ranks, a GPU's alert only
-    for a GPU one of them uses (a lost GPU no rank ran on is not the run's incident)."""
+    where the run has ranks; with `ranks`, a GPU's alert only for a GPU one of them
+    uses (a lost GPU no rank ran on is not the run's incident)."""
     if labels.get("run"):
         return labels["run"] == run
     if labels.get("alertname") not in NODE_ALERTS or labels.get("node") not in nodes:
         return False
     gpu = labels.get("gpu")
-    return gpus is None or gpu is None or (labels["node"], gpu) in gpus
+    return ranks is None or gpu is None or any(
+        node == labels["node"] and gpu in used for (node, _), used in ranks.items())
 
 
-def _joins(ep: AlertEpisode, g: list[AlertEpisode], gap_s: float) -> bool:
+def _gpus_of(ep: AlertEpisode, ranks: RankGpus) -> set[str]:
+    """The GPUs an alert is about: its own label, else its rank's on its node."""
+    if "gpu" in ep.labels:
+        return {ep.labels["gpu"]}
+    return set(ranks.get((ep.node, ep.labels["rank"]), ())) if "rank" in ep.labels else set()
+
+
+def _joins(ep: AlertEpisode, g: list[AlertEpisode], gap_s: float, ranks: RankGpus) -> bool:
     """Whether `ep` is another alert of the fault of group `g` (see `group`)."""
     if ep.active_at > max(_open_until(e) for e in g) + gap_s:
         return False  # the group no longer fires
@@ -191,6 +202,12 @@ def _joins(ep: AlertEpisode, g: list[AlertEpisode], gap_s: float) -> bool:
         theirs = {e.labels[subject] for e in g if subject in e.labels and e.node == ep.node}
         if mine is not None and theirs and mine not in theirs:
             return False
+    # a rank's alert and a GPU's: the same GPU, the one the rank used (a hung rank on
+    # GPU 0 joined a lost GPU 1 on its node)
+    mine_gpus = _gpus_of(ep, ranks)
+    theirs_gpus = set().union(*(_gpus_of(e, ranks) for e in g if e.node == ep.node))
+    if mine_gpus and theirs_gpus and not mine_gpus & theirs_gpus:
+        return False
     if root_rank(ep.name) < min(root_rank(e.name) for e in g):  # a root come later
         return ep.active_at <= min(e.active_at for e in g) + ROOT_JOIN_S and \
             (not ep.node or nodes <= {ep.node})
@@ -198,17 +215,18 @@ def _joins(ep: AlertEpisode, g: list[AlertEpisode], gap_s: float) -> bool:
 
 
 def group(episodes: Iterable[AlertEpisode], gap_s: float = JOIN_GAP_S,
-          ) -> list[list[AlertEpisode]]:
+          ranks: RankGpus | None = None) -> list[list[AlertEpisode]]:
     """Alerts of one fault together: an episode joins the latest group that still fires
     (or fired within `gap_s`), on the same node or where one of the two names no node
     (a job-level alert such as JobStalled), about the same GPU or rank where both name
-    one; an alert nearer the root than the whole group joins it only as its root (on
-    its node, within ROOT_JOIN_S of its start). What an incident holds thus depends on
-    the alerts around its fault, not on where a time range begins."""
+    one (a rank's GPU from `ranks`); an alert nearer the root than the whole group joins
+    it only as its root (on its node, within ROOT_JOIN_S of its start). What an
+    incident holds thus depends on the alerts around its fault, not on where a time
+    range begins."""
     groups: list[list[AlertEpisode]] = []
     for ep in sorted(episodes, key=lambda e: (e.active_at, root_rank(e.name))):
         for g in reversed(groups):
-            if _joins(ep, g, gap_s):
+            if _joins(ep, g, gap_s, ranks or {}):
                 g.append(ep)
                 break
         else:
@@ -227,18 +245,20 @@ def _acts_for(record: dict, inc: Incident) -> bool:
 
 def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Sequence[dict],
           resumes: Sequence[Resume], sources: set[str] | None = None,
-          gap_s: float = JOIN_GAP_S, gpus: set[tuple[str, str]] | None = None,
+          gap_s: float = JOIN_GAP_S, ranks: RankGpus | None = None,
           until: float | None = None) -> list[Incident]:
     """The run's incidents, oldest first. An incident takes the first action taken on
     the run (audit outcome in TAKEN; from `sources` only, if given) after its detection,
     while it fires or within ACTION_AFTER_S of its end, before the next incident and
     before `until` (the end of the time range shown), and the policy's only if it named
-    one of its alerts; and the first trainer resume record at or after its detection
-    and before the next incident. `gpus`: see `concerns`."""
+    one of its alerts; and the first trainer resume record in the same span, after its
+    action if it has one (a resume of an operator's restart 7 minutes after a hang had
+    resolved read as the hang's). `ranks`: the GPUs the run's ranks used (`concerns`,
+    `group`)."""
     mine = [e for e in episodes
-            if concerns(run, nodes, {"alertname": e.name, **e.labels}, gpus)]
+            if concerns(run, nodes, {"alertname": e.name, **e.labels}, ranks)]
     out = []
-    for g in group(mine, gap_s):
+    for g in group(mine, gap_s, ranks):
         g.sort(key=lambda e: (root_rank(e.name), e.active_at))
         names = list(dict.fromkeys(e.name for e in g))
         out.append(Incident(run, g[0].name, _where(g[0].labels), names,
@@ -256,8 +276,9 @@ def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Se
                     and _acts_for(r, inc)), None)
         if act is not None:
             inc.action, inc.acted_at, inc.actor = act.get("action"), act["ts"], act.get("who", "")
+        since = inc.detected_at if inc.acted_at is None else inc.acted_at
         inc.resume = next((r for r in sorted(resumes, key=lambda r: r.at)
-                           if inc.detected_at <= r.at < min(nxt, shown_until)), None)
+                           if since <= r.at < last), None)
     return out
 
 
@@ -325,10 +346,10 @@ def resumes_from(step: Sequence[tuple[float, float]], recomputed: Sequence[tuple
 
 
 def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: float,
-           ) -> tuple[set[str], set[tuple[str, str]], list[AlertEpisode], list[Resume]]:
-    """What `build` needs from Prometheus over [start, end]: the run's nodes and (node,
-    GPU) pairs, its alert episodes and the trainer's resume records. The Run page and
-    the demo's printout both read them here, so both show the same incidents."""
+           ) -> tuple[set[str], RankGpus, list[AlertEpisode], list[Resume]]:
+    """What `build` needs from Prometheus over [start, end]: the run's nodes and the
+    GPUs its ranks used, its alert episodes and the trainer's resume records. The Run
+    page and the demo's printout both read them here, so both show the same incidents."""
     from clusterpulse.dashboard.promclient import at_once  # the client's own module
 
     def ranged(expr: str) -> list:
@@ -342,17 +363,20 @@ def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: f
     # after the other they took the sum (the Run page's timeline, every refresh)
     for_state, firing = alert_queries(step_s)
     got = at_once({
-        "nodes": partial(prom.query, f'max by (node, gpu) (max_over_time(clusterpulse_'
+        "nodes": partial(prom.query, f'max by (node, rank, gpu) (max_over_time(clusterpulse_'
                          f'trainer_rank_info{{run="{run}"}}[{max(1, int(end - start))}s]))',
                          at=end),
         "for_state": partial(ranged, for_state), "firing": partial(ranged, firing),
         **{k: partial(one, f'max({m}{{run="{run}"}})') for k, m in RESUME_SERIES.items()}})
     nodes = {s.labels.get("node", "") for s in got["nodes"]}
-    gpus = {(s.labels.get("node", ""), s.labels["gpu"]) for s in got["nodes"]
-            if s.labels.get("gpu")}
+    ranks: RankGpus = {}
+    for s in got["nodes"]:
+        if s.labels.get("gpu") and s.labels.get("rank"):
+            ranks.setdefault((s.labels.get("node", ""), s.labels["rank"]), set()).add(
+                s.labels["gpu"])
     episodes = episodes_from(got["for_state"], got["firing"])
     resumes = resumes_from(*(got[k] for k in RESUME_SERIES))
-    return nodes, gpus, episodes, resumes
+    return nodes, ranks, episodes, resumes
 
 
 def latest_resume(prom: PrometheusClient, run: str) -> Resume | None:

@@ -29,7 +29,11 @@ def actions(records: list[dict]) -> pd.DataFrame:
     same command."""
     rows: list[dict] = []
     by_command: dict[str, dict] = {}
+    refusals: list[dict] = []
     for r in _requests_first(records):
+        if _is_refusal(r):  # joined to its request below, which the log holds after it
+            refusals.append(r)
+            continue
         command = r.get("command")
         row = by_command.get(command) if command else None
         if row is None:
@@ -51,11 +55,36 @@ def actions(records: list[dict]) -> pd.DataFrame:
             row["states"][r["node"]] = r.get("outcome", "")
             if row["who"] in ("token", "") and r.get("on_behalf_of"):
                 row["who"] = r["on_behalf_of"]
+    for r in refusals:
+        row = next((row for row in rows if row["run"] == r.get("run") and row["source"] != "agent"
+                    and r.get("node") in row["states"]
+                    and 0 <= row["ts"] - r.get("ts", 0.0) <= REFUSAL_JOIN_S), None)
+        if row is None:
+            rows.append(row := {"ts": r.get("ts", 0.0), "who": person(r),
+                                "action": r.get("action", ""), "run": r.get("run", ""),
+                                "outcome": r.get("outcome", ""), "why": r.get("why", ""),
+                                "source": r.get("source", ""), "states": {}, "records": 0,
+                                "detail": _detail(r), "prev": r.get("prev", "")})
+        row["records"] += 1
+        row["states"][r["node"]] = r.get("outcome", "")
+    rows.sort(key=lambda row: row["ts"])
     out = pd.DataFrame([{**{k: v for k, v in row.items() if k not in ("ts", "states")},
                          "time (UTC)": pd.Timestamp(row["ts"], unit="s").floor("s"),
                          "nodes": ", ".join(f"{n}: {s}" for n, s in sorted(row["states"].items()))}
                         for row in rows], columns=COLUMNS)
     return out.iloc[::-1].reset_index(drop=True)
+
+
+# An agent refuses a restart while one of the run is in flight before the requester,
+# waiting for every agent's answer, writes its request: it joins the first request for
+# its run and node written within this long after it (one refused click read as three
+# rows: the request, "sim-node-0: refused", "sim-node-1: refused").
+REFUSAL_JOIN_S = 30.0
+
+
+def _is_refusal(record: dict) -> bool:
+    return record.get("source") == "agent" and bool(record.get("in_flight")) \
+        and not record.get("command") and bool(record.get("node"))
 
 
 def _requests_first(records: list[dict]) -> list[dict]:

@@ -501,20 +501,43 @@ def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Res
     return _guard(f"run:{prom_url}:{name}:{range_s}:{end}", fetch)
 
 
+# The incident timeline reads this much before the window too, and shows each incident
+# that fired in the window whole: a custom window that began between a lost GPU's
+# GpuDown and the end of its XID alert showed "GpuCriticalXid ..., no action".
+INCIDENT_LOOKBACK_S = 600
+# Its query step: at most 30 s (two episodes of one alert in one step are read as one:
+# at the 24 h range's step of 216 s a rank's two hangs 46 s apart were one incident, and
+# which one changed with each refresh), and no more than 10,000 points a series (under
+# Prometheus's 11,000).
+INCIDENT_MAX_STEP_S = 30.0
+
+
+def incident_step(span_s: float) -> float:
+    return max(1.0, span_s / 10_000, min(span_s / 400, INCIDENT_MAX_STEP_S))
+
+
+def fired_since(items: list, start: float) -> list:
+    """The incidents (read from before `start`, whole) that still fired at or after it."""
+    return [i for i in items if i.ended_at >= start]
+
+
 @st.cache_data(ttl=5, show_spinner=False)
 def run_incidents(prom_url: str, name: str, range_s: int, audit_path: str,
                   end: float | None = None) -> Result:
-    """The run's incidents over the page's window (clusterpulse/incident.py)."""
+    """The run's incidents that fired in the page's window, each whole
+    (clusterpulse/incident.py)."""
     from clusterpulse import incident
     from clusterpulse.agent.audit import AuditLog
 
     def fetch() -> list:
         prom = _prometheus(prom_url)
         until = time.time() if end is None else end
-        nodes, gpus, episodes, resumes = incident.inputs(prom, name, until - range_s, until,
-                                                         max(1.0, range_s / 400))
+        span = range_s + INCIDENT_LOOKBACK_S
+        nodes, ranks, episodes, resumes = incident.inputs(prom, name, until - span, until,
+                                                         incident_step(span))
         audit = AuditLog(Path(audit_path)).read(5000) if audit_path else []
-        return incident.build(name, nodes, episodes, audit, resumes, gpus=gpus, until=until)
+        return fired_since(incident.build(name, nodes, episodes, audit, resumes, ranks=ranks,
+                                          until=until), until - range_s)
 
     return _guard(f"incidents:{prom_url}:{name}:{range_s}:{end}", fetch)
 

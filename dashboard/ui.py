@@ -4,6 +4,7 @@ what the URL selects (dashboard/links.py), charts with units, and the operator l
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
@@ -262,18 +263,21 @@ def _window_chosen() -> None:
 
 
 def keep() -> dict[str, str]:
-    """The current window's URL parameters, for links to other pages: the session's,
-    else a valid one in the URL. The Cluster page has no picker: opened from a link
-    with `range=1h`, its heatmap cells opened the Node page at 15 min."""
-    kept = st.session_state.get("window_params")
-    if kept:
-        return dict(kept)
-    url = {k: st.query_params[k] for k in links.WINDOW_KEYS if k in st.query_params}
-    try:
-        links.window(url)
-    except links.LinkError:
-        return {}
-    return url
+    """The current window's URL parameters, for links to other pages."""
+    return dict(st.session_state.get("window_params") or {})
+
+
+def window_from_link() -> None:
+    """On a page without a picker (Cluster): a link's valid window becomes the
+    session's, as `time_window` does, so the page's links and the pages the sidebar
+    opens keep it. Opened with `range=1h`, its heatmap cells and the sidebar's pages
+    opened at 15 min."""
+    ss, qp = st.session_state, st.query_params
+    url = {k: qp[k] for k in links.WINDOW_KEYS if k in qp}
+    if not url or url == ss.get("window_url"):
+        return
+    with contextlib.suppress(links.LinkError):  # a bad one: the default, as elsewhere
+        ss["window_params"] = ss["window_url"] = links.window(url).params()
 
 
 def _secrets_section(name: str) -> dict | None:

@@ -14,6 +14,7 @@ from clusterpulse.dashboard.incidents import alert_groups, run_alerts
 s = ui.settings()
 st.title("Cluster")
 signin = ui.signin_box()
+ui.window_from_link()  # no picker here: a link's window is kept for the other pages
 EVIDENCE = st.column_config.LinkColumn("evidence", display_text="open")
 # the metric's selector is drawn after the figures (ui.signin_box), in its place here
 metric_slot = st.sidebar.container()

@@ -320,9 +320,9 @@ class Observer:
 
         now = time.time()
         since = o.fault.at - 2  # activeAt is whole seconds
-        nodes, gpus, episodes, resumes = incident.inputs(PrometheusClient(self.prometheus),
+        nodes, ranks, episodes, resumes = incident.inputs(PrometheusClient(self.prometheus),
                                                          self.run, since, now, 1.0)
-        found = incident.build(self.run, nodes, episodes, self.audit(0), resumes, gpus=gpus,
+        found = incident.build(self.run, nodes, episodes, self.audit(0), resumes, ranks=ranks,
                                until=now)
         # its own, else one it joined (alerts of an earlier fault still firing on the node)
         return next((i for i in found if i.detected_at >= since),

@@ -196,6 +196,10 @@ def test_the_cluster_pages_links_keep_the_window_of_the_link_that_opened_it(
     (heat,) = [e for e in charts(at) if e.proto.data.data]
     urls = pa.ipc.open_stream(heat.proto.data.data).read_all().column("url").to_pylist()
     assert urls and all("range=1h" in u and u.startswith("node?") for u in urls), urls[:3]
+    # and the pages the sidebar opens from there (found in the second review)
+    at.switch_page("views/alerts.py").run()
+    assert not at.exception, at.exception
+    assert at.selectbox(key="range_choice").value == "1 h"
 
 
 # Element kinds whose code a browser loads when the first of them appears, and draws

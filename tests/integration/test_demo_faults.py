@@ -22,7 +22,7 @@ import time
 import pytest
 
 from clusterpulse import incident
-from clusterpulse.dashboard import auditview
+from clusterpulse.dashboard import auditview, data
 from clusterpulse.dashboard.promclient import PrometheusClient
 from clusterpulse.dashboard.remediation import Policy
 from deploy.testbed.faults import EXPECT, TAKEN, expected_action
@@ -62,10 +62,11 @@ def _audit(tmp_path) -> list[dict]:
             (tmp_path / "state" / "audit.jsonl").read_text().splitlines()]
 
 
-def _page_inputs(base: int, end: float) -> tuple[set[str], set, list, list]:
-    """What the Run page reads at the 1 h range (its query step: 9 s)."""
+def _page_inputs(base: int, end: float) -> tuple[set[str], dict, list, list]:
+    """What the Run page reads at the 1 h range (dashboard/data.py run_incidents)."""
+    span = 3600 + data.INCIDENT_LOOKBACK_S
     return incident.inputs(PrometheusClient(f"http://127.0.0.1:{base + 90}"),
-                           "demo", end - 3600, end, 3600 / 400)
+                           "demo", end - span, end, data.incident_step(span))
 
 
 def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
@@ -101,8 +102,8 @@ def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
         done.wait(timeout=1500)
         # the Run page's incidents (dashboard/data.py run_incidents), over the last hour
         end = time.time()
-        nodes, gpus, episodes, resumes = _page_inputs(base, end)
-        page = incident.build("demo", nodes, episodes, _audit(tmp_path), resumes, gpus=gpus,
+        nodes, ranks, episodes, resumes = _page_inputs(base, end)
+        page = incident.build("demo", nodes, episodes, _audit(tmp_path), resumes, ranks=ranks,
                               until=end)
     finally:
         p.send_signal(signal.SIGINT)

@@ -274,3 +274,29 @@ def test_a_top_row_figure_is_markdown_and_a_heading_with_its_delta_as_a_badge():
                       r":red-badge[:material/arrow_downward: \-12 % vs 15 min]"]
     assert [m.help for m in at.markdown if m.value == "Goodput"] == [
         "time on steps that count / wall time"]
+
+
+def test_a_restart_refused_for_one_in_flight_is_one_row():
+    """Found in the second review: one refused click read as three rows ("admin restart
+    refused", "sim-node-1: refused", "sim-node-0: refused"): each agent writes its
+    refusal (naming the restart in flight, no command of its own) before the request."""
+    recs = [
+        {"ts": 20.10, "who": "dashboard", "on_behalf_of": "admin", "action": "restart",
+         "outcome": "refused", "run": "demo", "source": "agent", "node": "n0",
+         "in_flight": "n0-20-1"},
+        {"ts": 20.12, "who": "dashboard", "on_behalf_of": "admin", "action": "restart",
+         "outcome": "refused", "run": "demo", "source": "agent", "node": "n1",
+         "in_flight": "n1-20-1"},
+        {"ts": 20.20, "who": "admin", "action": "restart", "outcome": "refused", "run": "demo",
+         "why": "second tab", "source": "dashboard",
+         "nodes": {"n0": "a restart is in flight", "n1": "a restart is in flight"}},
+        # another run's refusal, minutes later, stays its own row
+        {"ts": 400.0, "who": "policy", "action": "restart", "outcome": "refused",
+         "run": "other", "source": "agent", "node": "n0", "in_flight": "n0-390-2"},
+    ]
+    frame = auditview.actions(recs)
+    assert len(frame) == 2, frame
+    row = frame.iloc[1]
+    assert row["who"] == "admin" and row["records"] == 3 and row["outcome"] == "refused"
+    assert row["nodes"] == "n0: refused, n1: refused"
+    assert frame.iloc[0]["run"] == "other"

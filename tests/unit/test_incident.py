@@ -162,15 +162,20 @@ def test_the_alert_queries_cover_each_step_whole():
 
 
 # -- found by a review on a loaded machine (load ~38): extra alerts around the faults --
+# the demo's ranks: two a node, on GPUs 0 and 1
+RANK_GPUS = {("sim-node-0", "0"): {"0"}, ("sim-node-0", "1"): {"1"},
+             ("sim-node-1", "2"): {"0"}, ("sim-node-1", "3"): {"1"}}
+
+
 def _ep(name: str, at: float, last: float, **labels: str) -> AlertEpisode:
     return AlertEpisode(name, {"alertname": name, **labels}, T0 + at, T0 + last)
 
 
 def _shown(episodes: list[AlertEpisode], start: float, audit=(), until: float = 10_000,
-           gpus=None) -> list[incident.Incident]:
+           ranks=None, resumes=()) -> list[incident.Incident]:
     """What a time range from `start` shows: the episodes that fired in it."""
     return build(RUN, NODES, [e for e in episodes if e.last_seen >= T0 + start], list(audit),
-                 [], gpus=gpus, until=T0 + until)
+                 list(resumes), ranks=ranks, until=T0 + until)
 
 
 def test_a_gpu_lost_after_unrelated_alerts_is_its_own_incident_in_every_range():
@@ -213,8 +218,7 @@ def test_two_gpus_lost_minutes_apart_on_one_node_are_two_incidents():
 def test_a_lost_gpu_no_rank_of_the_run_used_is_not_the_runs_incident():
     eps = [_ep("GpuDown", 100, 160, node="sim-node-0", gpu="2"),
            _ep("GpuDown", 300, 360, node="sim-node-0", gpu="0")]
-    gpus = {("sim-node-0", "0"), ("sim-node-0", "1"), ("sim-node-1", "0"), ("sim-node-1", "1")}
-    assert [i.where for i in _shown(eps, 0, gpus=gpus)] == ["sim-node-0 GPU 0"]
+    assert [i.where for i in _shown(eps, 0, ranks=RANK_GPUS)] == ["sim-node-0 GPU 0"]
 
 
 def test_an_action_long_after_an_incident_or_past_the_range_is_not_its_action():
@@ -259,3 +263,51 @@ def test_the_timeline_table_is_one_arrow_table_with_and_without_a_resume():
         pa.types.is_floating(table.schema.field("resumed from step").type)
     assert "resumed from step 150 (9 steps recomputed)" in items[0].line()
     assert "resumed" not in items[2].line()
+
+
+def test_a_ranks_alert_joins_no_incident_of_another_gpu_than_its_own():
+    """Found in the second review: a hung rank on GPU 0 joined a lost GPU 1 on its node
+    ("GpuDown on n1 GPU 1 (with RankHung)"), a straggler on GPU 1 the heat of GPU 0."""
+    eps = [_ep("GpuDown", 100, 160, node="sim-node-1", gpu="1"),
+           _ep("RankHung", 110, 150, run=RUN, node="sim-node-1", rank="2"),
+           _ep("GpuThermalSlowdown", 300, 400, node="sim-node-0", gpu="0"),
+           _ep("TrainingStraggler", 320, 390, run=RUN, node="sim-node-0", rank="1"),
+           _ep("TrainingStraggler", 330, 390, run=RUN, node="sim-node-0", rank="0")]
+    items = _shown(eps, 0, ranks=RANK_GPUS)
+    assert [(i.cause, i.where, i.alerts) for i in items] == [
+        ("GpuDown", "sim-node-1 GPU 1", ["GpuDown"]),
+        ("RankHung", "sim-node-1 rank 2", ["RankHung"]),
+        ("GpuThermalSlowdown", "sim-node-0 GPU 0", ["GpuThermalSlowdown", "TrainingStraggler"]),
+        ("TrainingStraggler", "sim-node-0 rank 1", ["TrainingStraggler"])], \
+        [i.line() for i in items]
+
+
+def test_a_resume_long_after_an_incident_is_not_its_resume_at_any_range():
+    """Found in the second review: a hang with no action at 09:57 showed "resumed from
+    step 3605, +446 s", the resume of an operator's restart 7 minutes later."""
+    eps = [_ep("RankHung", 100, 130, run=RUN, node="sim-node-1", rank="3")]
+    later = [Resume(3605, 0, T0 + 546)]
+    assert _shown(eps, 0, resumes=later)[0].resume is None
+    soon = [Resume(40, 2, T0 + 140)]
+    assert _shown(eps, 0, resumes=soon)[0].resume == soon[0]
+    # after an action, the resume of that action, not one before it
+    act = [{"ts": T0 + 120, "who": "policy", "why": "policy: RankHung -> restart",
+            "action": "restart", "outcome": "accepted", "run": RUN, "source": "remediation"}]
+    before = [Resume(30, 1, T0 + 110), Resume(41, 0, T0 + 131)]
+    assert _shown(eps, 0, act, resumes=before)[0].resume == before[1]
+
+
+def test_a_window_that_begins_inside_an_incident_shows_it_whole():
+    """Found in the second review: a custom window that began after the lost GPU's
+    GpuDown had resolved, while its XID alert still fired, showed "GpuCriticalXid ...,
+    action -". The page reads INCIDENT_LOOKBACK_S before its window and shows each
+    incident that fired in it, whole, at a step of at most 30 s."""
+    from clusterpulse.dashboard import data
+
+    start, end = 380, 900  # GpuDown fired until 362, its XID until 420
+    span = end - start + data.INCIDENT_LOOKBACK_S
+    shown = data.fired_since(incidents_at(end - span, end, data.incident_step(span)), T0 + start)
+    assert [(i.cause, i.alerts, i.action) for i in shown] == [
+        ("GpuDown", ["GpuDown", "GpuCriticalXid"], "restart"),
+        ("GpuThermalSlowdown", ["GpuThermalSlowdown", "TrainingStraggler"], None)]
+    assert [data.incident_step(s) for s in (3600, 86400, 604800)] == [9.0, 30.0, 60.48]
