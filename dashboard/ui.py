@@ -495,12 +495,20 @@ def _chart(frame, spec: dict) -> None:
     st.vega_lite_chart(frame, {**spec, "config": READABLE}, width="stretch")
 
 
+def _natural(name: str) -> list:
+    """'gpu 10' after 'gpu 2': the numbers in a name compared as numbers."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+            for part in re.split(r"(\d+)", name) if part]
+
+
 def line_chart(frame, y_title: str, threshold: float | None = None,
-               threshold_label: str = "", height: int = 240) -> None:
+               threshold_label: str = "", height: int = 240, counts: bool = False) -> None:
     """A time series chart that says what it shows: the y axis's quantity and unit, the
     time axis in 24-hour UTC (it read '03:56 … 04 PM' beside 24-hour tables), and a
     dashed line at the threshold that matters (the throttle temperature). `frame`: one
-    column per series, indexed by time."""
+    column per series, indexed by time. Series in natural order ('gpu 2' before 'gpu
+    10') on a categorical scale whose neighbours differ in hue (Streamlit's own drew
+    GPUs 2 and 3 red and pink); `counts`: whole-number ticks (restarts read 0.5)."""
     long = frame.rename_axis("time").reset_index().melt(
         id_vars="time", var_name="series", value_name="value").dropna()
     span = (long["time"].max() - long["time"].min()).total_seconds() if len(long) else 0
@@ -509,11 +517,14 @@ def line_chart(frame, y_title: str, threshold: float | None = None,
         "labelOverlap": True}}
     big = bool(long["value"].abs().max() >= 1e4) if len(long) else False
     y = {"field": "value", "type": "quantitative", "title": y_title,
-         "axis": {"format": "~s"} if big else {}}
+         "axis": {"format": "~s"} if big else {"tickMinStep": 1, "format": "d"} if counts
+         else {}}
     one = long["series"].nunique() <= 1  # one line needs no legend ("run ?")
     spec: dict = {"mark": {"type": "line"}, "encoding": {
         "x": x, "y": y,
         "color": {"field": "series", "type": "nominal", "title": None,
+                  "sort": sorted(map(str, long["series"].unique()), key=_natural),
+                  "scale": {"scheme": "tableau10"},
                   "legend": None if one else {"orient": "right"}},
         "tooltip": [{"field": "time", "type": "temporal", "format": "%H:%M:%S",
                      "title": TIME_TITLE}, {"field": "series", "type": "nominal"},

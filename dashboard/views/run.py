@@ -31,7 +31,9 @@ COLUMNS = {
     "data wait ms": st.column_config.NumberColumn("data wait ms", format="%.0f"),
     "bus MB/s": st.column_config.NumberColumn("bus MB/s", format="%.0f"),
     "heartbeat age s": st.column_config.NumberColumn("heartbeat age s", format="%.1f"),
-    "evidence": st.column_config.LinkColumn("evidence", display_text="GPU charts"),
+    # wide enough for its text (it read "GPU ch" under "evidenc" at 1400 px)
+    "evidence": st.column_config.LinkColumn("evidence", display_text="GPU charts",
+                                            width="medium"),
 }
 
 
@@ -113,7 +115,7 @@ def live() -> None:
             ui.line_chart(d["loss"], "loss (mean of ranks)", height=200)
         st.markdown("**Restarts over time**")
         if not d["restarts"].empty:
-            ui.line_chart(d["restarts"], "restarts (count)", height=170)
+            ui.line_chart(d["restarts"], "restarts (count)", height=170, counts=True)
     blocking = max(per["checkpoint blocking s"].values(), default=0.0)
     st.caption(f"Checkpoint blocking (last): {blocking * 1e3:.0f} ms · {d['queries']} queries")
 
@@ -146,6 +148,7 @@ def incident_timeline() -> None:
     ui.table(table, hide_index=True, width="stretch", column_config={
         "action": st.column_config.TextColumn("action", width="medium"),
         "alerts": st.column_config.TextColumn("alerts", width="large"),
+        "by": st.column_config.TextColumn("by", width="small"),
         "resumed from step": st.column_config.NumberColumn("resumed from step", format="%d")})
     st.caption(incident.summary(items))
 

@@ -300,3 +300,21 @@ def test_a_restart_refused_for_one_in_flight_is_one_row():
     assert row["who"] == "admin" and row["records"] == 3 and row["outcome"] == "refused"
     assert row["nodes"] == "n0: refused, n1: refused"
     assert frame.iloc[0]["run"] == "other"
+
+
+def test_line_charts_order_series_naturally_on_a_scale_of_distinct_hues(monkeypatch):
+    """Found in the second review: GPUs 2 and 3 were red and pink (Streamlit's palette),
+    'gpu 10' sorted before 'gpu 2', and the restarts axis had ticks at 0.5."""
+    from clusterpulse.dashboard import ui
+
+    drawn = []
+    monkeypatch.setattr(ui, "_chart", lambda frame, spec: drawn.append(spec))
+    t = pd.date_range("2026-12-05 10:00", periods=3, freq="min")
+    ui.line_chart(pd.DataFrame({f"gpu {i}": [1.0, 2.0, 3.0] for i in (10, 2, 1)}, index=t),
+                  "temperature (°C)")
+    ui.line_chart(pd.DataFrame({"run": [0.0, 1.0, 1.0]}, index=t), "restarts (count)",
+                  counts=True)
+    color = drawn[0]["encoding"]["color"]
+    assert color["sort"] == ["gpu 1", "gpu 2", "gpu 10"]
+    assert color["scale"] == {"scheme": "tableau10"}
+    assert drawn[1]["encoding"]["y"]["axis"] == {"tickMinStep": 1, "format": "d"}
