@@ -476,6 +476,9 @@ def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Res
             "evidence": partial(prom.query, f"max by (rank) (clusterpulse:rank_gpu{{{sel}}} * on "
                                 "(node, gpu) group_left () max by (node, gpu) "
                                 "(clusterpulse_gpu_temperature_celsius))"),
+            # ranks whose GPU is down: their own series look healthy or are absent
+            "gpu_down": partial(prom.query, f"max by (rank) (clusterpulse:rank_gpu{{{sel}}} "
+                                "and on (node, gpu) (clusterpulse_gpu_up == 0))"),
             "compute": partial(ranged,
                                f"max by (rank) (clusterpulse_trainer_compute_seconds{{{sel}}})"),
             "loss": partial(ranged, f"avg (clusterpulse_trainer_loss{{{sel}}})"),
@@ -491,6 +494,7 @@ def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Res
         return {"ranks": _frame(got["ranks"], "info"), "per_rank": per_rank,
                 "causes": {s.labels["rank"]: s.labels.get("cause", "") for s in got["causes"]},
                 "gpu_temp": {s.labels["rank"]: s.value for s in got["evidence"]},
+                "gpu_down": {s.labels["rank"] for s in got["gpu_down"]},
                 "blocked": {s.labels["rank"]: f"{s.labels.get('op', '')} #{s.value:.0f}"
                             for s in got["blocked"]},
                 "compute": _wide(got["compute"], "rank"), "loss": _wide(got["loss"], "run"),

@@ -51,6 +51,9 @@ def hang_incident(d: dict) -> HangIncident | None:
     return HangIncident(roots, waiters, nodes)
 
 
+GPU_DOWN = "GPU DOWN"  # the Run table's flag for a rank whose GPU is down, first
+
+
 def straggler_flag(score: float | None, flagged: float | None, threshold: float = 1.1) -> str:
     """The scorer's decision when the rank reports it, else score over the threshold."""
     if flagged is not None and flagged == flagged:
@@ -88,13 +91,16 @@ def rank_tables(d: dict, keep: dict[str, str] | None = None,
         out[f"{col} ms"] = out[f"{col} s"] * 1e3
     out["GPU °C"] = out["rank"].map(d["gpu_temp"])
     flagged = out["rank"].map(per.get("flagged", {}))
-    out["flag"] = [straggler_flag(sc, fl) for sc, fl in zip(out["score"], flagged, strict=True)]
-    out["cause"] = [d["causes"].get(r, "") if f else "" for r, f in
+    down = d.get("gpu_down", set())  # a rank on a lost GPU scored 1.00x, its °C a dash
+    out["flag"] = [GPU_DOWN if r in down else straggler_flag(sc, fl)
+                   for r, sc, fl in zip(out["rank"], out["score"], flagged, strict=True)]
+    out["cause"] = [d["causes"].get(r, "") if f == "STRAGGLER" else "" for r, f in
                     zip(out["rank"], out["flag"], strict=True)]
     out["evidence"] = [links.page_url("node", {"node": n, "gpu": g}, keep)
                        for n, g in zip(out["node"], out["gpu"], strict=True)]
     out["_order"] = out["rank"].map(lambda r: int(r) if str(r).isdigit() else 1 << 30)
-    out = out.sort_values(["flag", "score", "_order"], ascending=[False, False, True])
+    out["_flag"] = out["flag"].map({GPU_DOWN: 0, "STRAGGLER": 1}).fillna(2)
+    out = out.sort_values(["_flag", "score", "_order"], ascending=[True, False, True])
     return out[RANK_COLUMNS].reset_index(drop=True), out[INTERNAL_COLUMNS].sort_values(
         "rank", key=lambda c: c.map(lambda r: int(r) if str(r).isdigit() else 1 << 30)
     ).reset_index(drop=True)

@@ -10,7 +10,12 @@ import streamlit as st
 
 from clusterpulse.dashboard import actions, config, data, links, ui
 from clusterpulse.dashboard import heat as hmap
-from clusterpulse.dashboard.incidents import hang_incident, rank_tables, rate_against_usual
+from clusterpulse.dashboard.incidents import (
+    GPU_DOWN,
+    hang_incident,
+    rank_tables,
+    rate_against_usual,
+)
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
 s = ui.settings()
@@ -78,7 +83,10 @@ def live() -> None:
     table, internal = rank_tables(d, ui.keep())
     # the answer in words first: a line draws at once, where the table below waits for
     # the browser to load its grid (a second or more on a first visit)
-    for _, r in table[table["flag"] != ""].iterrows():
+    for _, r in table[table["flag"] == GPU_DOWN].iterrows():
+        st.error(f"Rank {r['rank']} on {r['node']}: its GPU {r['gpu']} is DOWN. "
+                 f"[Its GPU's charts]({r['evidence']})")
+    for _, r in table[table["flag"] == "STRAGGLER"].iterrows():
         st.warning(f"Rank {r['rank']} on {r['node']} GPU {r['gpu']} is {r['score']:.2f}x the "
                    f"typical rank — cause: **{r['cause'] or 'not named'}** (GPU at "
                    f"{r['GPU °C']:.0f} °C, data wait {r['data wait ms']:.0f} ms, sync wait "

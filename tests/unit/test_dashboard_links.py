@@ -318,3 +318,13 @@ def test_line_charts_order_series_naturally_on_a_scale_of_distinct_hues(monkeypa
     assert color["sort"] == ["gpu 1", "gpu 2", "gpu 10"]
     assert color["scale"] == {"scheme": "tableau10"}
     assert drawn[1]["encoding"]["y"]["axis"] == {"tickMinStep": 1, "format": "d"}
+
+
+def test_a_rank_whose_gpu_is_down_is_flagged_first():
+    """Found in the second review: while its GPU was lost, rank 0's row read score
+    1.00x, heartbeat 0.0 and a dash for GPU °C: the dash hid the lost GPU."""
+    d = run_data() | {"gpu_down": {"0"}}
+    table, _ = rank_tables(d, {})
+    assert list(table["rank"])[:2] == ["0", "3"], table
+    assert list(table["flag"])[:2] == ["GPU DOWN", "STRAGGLER"]
+    assert table.iloc[0]["cause"] == ""
