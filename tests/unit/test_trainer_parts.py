@@ -601,9 +601,6 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.set_num_threads(1)
 store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world,
                       is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
-# What was imported lives to the end: each gc.collect() below scans only what the loop
-# made (the model, its reducer, their cycles), not torch's ~250k objects (0.25 s each).
-gc.freeze()
 for start in range(int(sys.argv[1])):  # a loop's graceful leave, as Pulse.boundary's
     dist.init_process_group("gloo", store=dist.PrefixStore(f"start-{start}", store),
                             rank=rank, world_size=world)
