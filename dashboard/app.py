@@ -17,22 +17,8 @@ PAGES = Path(__file__).parent / "views"
 st.set_page_config(page_title="ClusterPulse", page_icon=":material/monitor_heart:",
                    layout="wide")
 ui.readable_text()
-# The Cluster page is the default, served at `/`; Streamlit still reserves a default
-# page's own path, and answers that path with "Page not found". `/cluster` (what one
-# types after /node and /run) opens it through a hidden page that switches to it, the
-# link's window kept; the reserved path is one nobody types.
-CLUSTER = st.Page(PAGES / "cluster.py", title="Cluster", icon=":material/dns:", default=True,
-                  url_path="overview")
-
-
-def _to_cluster() -> None:
-    """/cluster: the Cluster page at `/`, with the URL's parameters (its window)."""
-    st.switch_page(CLUSTER, query_params=st.query_params.to_dict())
-
-
 nav = st.navigation([
-    CLUSTER,
-    st.Page(_to_cluster, title="Cluster", url_path="cluster", visibility="hidden"),
+    st.Page(PAGES / "cluster.py", title="Cluster", icon=":material/dns:", default=True),
     st.Page(PAGES / "node.py", title="Node", icon=":material/memory:"),
     st.Page(PAGES / "run.py", title="Run", icon=":material/model_training:"),
     st.Page(PAGES / "alerts.py", title="Alerts", icon=":material/notifications:"),

@@ -205,17 +205,6 @@ def test_cluster_page_shows_live_data(env):
     p.screenshot(path=ARTIFACTS / "cluster.png", full_page=True)
 
 
-def test_slash_cluster_opens_the_cluster_page_with_the_links_window(env):
-    """/cluster showed Streamlit's "Page not found" over the default page: the Cluster
-    page is served at `/`. It opens that page now, at `/`, the window kept."""
-    p = page(env)
-    goto(p, env["url"] + "/cluster?range=1h")
-    shows(p, "Nodes up", evidence=lambda: dashboard_log(env))
-    p.wait_for_url("**/?range=1h")
-    assert p.get_by_text("Page not found").count() == 0
-    assert _navigation(p) == NAVIGATION, _navigation(p)  # the hidden page is not listed
-
-
 def test_straggler_is_flagged_with_its_cause_and_viewers_cannot_act(env):
     p = page(env)
     goto(p, env["url"] + "/run")
