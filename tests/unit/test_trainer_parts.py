@@ -1395,6 +1395,20 @@ time.sleep(600)
 """
 
 
+def _store_host() -> tuple[int, subprocess.Popen]:
+    """A process holding a TCPStore on a free port, and the port. Another test's process
+    can take the port between `free_port` and the bind (EADDRINUSE in a fresh machine's
+    run): then it is tried on another."""
+    for _ in range(3):
+        port = free_port()
+        host = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)],
+                                stdout=subprocess.PIPE, text=True)
+        if host.stdout.readline().strip() == "up":
+            return port, host
+        host.wait(timeout=30)
+    raise AssertionError("no TCPStore came up on three free ports")
+
+
 @pytest.mark.parametrize("store_back", [True, False])
 def test_a_standby_whose_round_ended_waits_held_for_the_jobs_nodes(tmp_path, capsys,
                                                                    store_back):
@@ -1404,11 +1418,8 @@ def test_a_standby_whose_round_ended_waits_held_for_the_jobs_nodes(tmp_path, cap
     held torchrun ends unused."""
     from clusterpulse.trainer.launch import Rendezvous, Standby, run
 
-    port = free_port()
-    host = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)],
-                            stdout=subprocess.PIPE, text=True)
+    port, host = _store_host()
     try:
-        assert host.stdout.readline().strip() == "up"
         _store, member = _rendezvous_member("held", port)
         endpoint = ("127.0.0.1", port)
         count = tmp_path / "count"
