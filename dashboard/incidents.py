@@ -98,12 +98,16 @@ def rank_tables(d: dict, keep: dict[str, str] | None = None,
                     zip(out["rank"], out["flag"], strict=True)]
     out["evidence"] = [links.page_url("node", {"node": n, "gpu": g}, keep)
                        for n, g in zip(out["node"], out["gpu"], strict=True)]
-    out["_order"] = out["rank"].map(lambda r: int(r) if str(r).isdigit() else 1 << 30)
+    out["_order"] = out["rank"].map(_rank_order)
     out["_flag"] = out["flag"].map({GPU_DOWN: 0, "STRAGGLER": 1}).fillna(2)
     out = out.sort_values(["_flag", "score", "_order"], ascending=[True, False, True])
     return out[RANK_COLUMNS].reset_index(drop=True), out[INTERNAL_COLUMNS].sort_values(
-        "rank", key=lambda c: c.map(lambda r: int(r) if str(r).isdigit() else 1 << 30)
-    ).reset_index(drop=True)
+        "rank", key=lambda c: c.map(_rank_order)).reset_index(drop=True)
+
+
+def _rank_order(rank: object) -> int:
+    """Ranks in numeric order ('10' after '2'), anything else last."""
+    return int(rank) if str(rank).isdigit() else 1 << 30
 
 
 def rate_against_usual(now: float, usual: float | None) -> str | None:
