@@ -32,21 +32,25 @@ class LinkError(ValueError):
 
 @dataclass(frozen=True)
 class Window:
-    """A time window: the last `seconds` up to now, or [start, end] (custom)."""
+    """A time window: the last `seconds` up to now, [start, end] (custom), or from
+    `start` up to now (custom without `until`: an alert notification's link while the
+    alert fires, which must still show its start when opened an hour later)."""
 
     label: str
     seconds: int
     end: float | None = None  # None: up to now
+    start: float | None = None  # set only for a custom window up to now
 
     def bounds(self, now: float | None = None) -> tuple[float, float]:
         end = self.end if self.end is not None else (time.time() if now is None else now)
-        return end - self.seconds, end
+        return (self.start if self.start is not None else end - self.seconds), end
 
     def params(self) -> dict[str, str]:
         """The window as query parameters (empty for the default: short URLs)."""
-        if self.label == CUSTOM and self.end is not None:
+        if self.label == CUSTOM:
             start, end = self.bounds()
-            return {"range": CUSTOM, "from": fmt_utc(start), "until": fmt_utc(end)}
+            return {"range": CUSTOM, "from": fmt_utc(start),
+                    **({"until": fmt_utc(end)} if self.end is not None else {})}
         return {} if self.label == DEFAULT_RANGE else {"range": _SLUG[self.label]}
 
 
@@ -61,7 +65,7 @@ def parse_utc(text: str, name: str) -> float:
         raise LinkError(f"{name}={text!r}: expected a UTC time like 2026-01-31T14:05") from None
 
 
-def window(params: dict[str, str]) -> Window:
+def window(params: dict[str, str], now: float | None = None) -> Window:
     """The window a URL asks for; LinkError names a parameter it cannot use."""
     slug = params.get("range", _SLUG[DEFAULT_RANGE])
     label = _LABEL.get(slug)
@@ -69,9 +73,16 @@ def window(params: dict[str, str]) -> Window:
         raise LinkError(f"range={slug!r}: expected one of {', '.join(_SLUG.values())}")
     if label != CUSTOM:
         return Window(label, RANGES[label])
-    if not params.get("from") or not params.get("until"):
-        raise LinkError("range=custom needs both from= and until= (UTC, 2026-01-31T14:05)")
-    start, end = parse_utc(params["from"], "from"), parse_utc(params["until"], "until")
+    if not params.get("from"):
+        raise LinkError("range=custom needs from= (UTC, 2026-01-31T14:05), and until= "
+                        "unless it runs up to now")
+    start = parse_utc(params["from"], "from")
+    if not params.get("until"):
+        now = time.time() if now is None else now
+        if start >= now:
+            raise LinkError(f"from={params['from']!r} is in the future")
+        return Window(CUSTOM, int(now - start), None, start)
+    end = parse_utc(params["until"], "until")
     if end <= start:
         raise LinkError(f"until={params['until']!r} is not after from={params['from']!r}")
     return Window(CUSTOM, int(end - start), end)

@@ -219,7 +219,8 @@ def time_window(later: list[Callable[[], None]] | None = None) -> links.Window:
     ss["range_choice"] = win.label
     if win.label == links.CUSTOM:
         start, end = win.bounds()
-        ss["range_from"], ss["range_until"] = links.fmt_utc(start), links.fmt_utc(end)
+        ss["range_from"] = links.fmt_utc(start)
+        ss["range_until"] = links.fmt_utc(end) if win.end is not None else ""
     slot = st.sidebar.container()
 
     def picker() -> None:
@@ -228,7 +229,8 @@ def time_window(later: list[Callable[[], None]] | None = None) -> links.Window:
         if win.label == links.CUSTOM:
             slot.text_input("From (UTC)", key="range_from", on_change=_window_chosen,
                             help="e.g. 2026-01-31T14:05")
-            slot.text_input("Until (UTC)", key="range_until", on_change=_window_chosen)
+            slot.text_input("Until (UTC)", key="range_until", on_change=_window_chosen,
+                            placeholder="now", help="empty: up to now")
 
     if later is None:
         picker()
@@ -252,10 +254,9 @@ def _window_chosen() -> None:
     if choice != links.CUSTOM:
         ss["window_params"] = links.Window(choice, links.RANGES[choice]).params()
         return
-    now = time.time()
     params = {"range": links.CUSTOM,
-              "from": ss.get("range_from") or links.fmt_utc(now - 3600),
-              "until": ss.get("range_until") or links.fmt_utc(now)}
+              "from": ss.get("range_from") or links.fmt_utc(time.time() - 3600),
+              "until": ss.get("range_until") or ""}  # empty: up to now
     try:
         ss["window_params"] = links.window(params).params()
     except links.LinkError as err:

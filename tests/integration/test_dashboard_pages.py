@@ -142,6 +142,31 @@ def test_a_past_window_says_which_parts_of_the_run_page_are_now(prom_with_data, 
     at.query_params.clear()
 
 
+def test_a_firing_alerts_link_opens_a_window_from_its_start_up_to_now(
+        prom_with_data, monkeypatch, tmp_path):
+    """A notification of a firing alert links `range=custom&from=…` (no until:
+    deploy/alertmanager/examples/clusterpulse.tmpl): the page shows the alert's start
+    up to now, live (no past-window note), and the window stays open across pages."""
+    import time as _time
+
+    from clusterpulse.dashboard import links
+
+    prom, _ = prom_with_data
+    at = app(monkeypatch, prom.url, tmp_path)
+    since = links.fmt_utc(_time.time() - 1800)
+    at.query_params.update({"run": "llm", "range": links.CUSTOM, "from": since})
+    at.switch_page("views/run.py").run()
+    assert not at.exception, at.exception
+    assert at.selectbox(key="range_choice").value == links.CUSTOM
+    assert at.text_input(key="range_from").value == since
+    assert at.text_input(key="range_until").value == ""  # up to now
+    assert not [c.value for c in at.caption if "are **now**" in c.value]
+    at.switch_page("views/node.py").run()
+    assert not at.exception, at.exception
+    assert at.query_params["from"] in (since, [since]) and "until" not in at.query_params
+    at.query_params.clear()
+
+
 def test_node_page_shows_per_gpu_series(prom_with_data, monkeypatch, tmp_path):
     prom, _ = prom_with_data
     at = app(monkeypatch, prom.url, tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -223,6 +224,66 @@ def test_a_down_node_inhibits_its_gpu_and_rank_alerts_in_a_real_alertmanager(tmp
         hook = wait_until(lambda: [auth for path, auth in sink.auth if "oncall" not in path],
                           20, "remediation webhook delivery")
         assert set(hook) == {f"Bearer {am.webhook_token}"}
+    finally:
+        am.stop()
+        sink.stop()
+
+
+def test_a_notification_links_to_the_evidence_over_the_alerts_own_time(tmp_path):
+    """The Slack example's text, rendered by a real Alertmanager with the shipped
+    template: the link opens the alert's page at its rank over its own time (a link to
+    the last 15 minutes showed nothing of it an hour later), up to now while it fires,
+    to 5 minutes after its end once resolved."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    from clusterpulse.dashboard import links
+
+    sink = WebhookSink()
+    example = yaml.safe_load((AM / "examples" / "email-slack.yml").read_text())
+    slack = next(r for r in example["receivers"] if r["name"] == "oncall-slack")
+    url_file = tmp_path / "slack-url"
+    url_file.write_text(sink.url)
+    slack["slack_configs"][0]["api_url_file"] = str(url_file)
+    config = {"templates": [str(AM / "examples" / "clusterpulse.tmpl")],
+              "route": {"receiver": "oncall-slack", "group_by": ["alertname"],
+                        "group_wait": "0s", "group_interval": "1s"},
+              "receivers": [slack]}
+    am = Alertmanager(tmp_path, sink.url, yaml.safe_dump(config))
+    try:
+        started = datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=33)
+        alert = {"labels": {"alertname": "RankHung", "severity": "critical", "run": "llm",
+                            "rank": "3", "node": "n2"},
+                 "annotations": {"summary": "Rank 3 of run llm has made no progress",
+                                 "dashboard_url": "run?run=llm&rank=3",
+                                 "runbook_url": "docs/runbooks.md#rankhung"},
+                 "startsAt": started.isoformat()}
+
+        def link(n: int) -> tuple[str, dict[str, str]]:
+            texts = wait_until(lambda: [a["text"] for p in sink.received
+                                        for a in p.get("attachments", [])][n:] or None,
+                               30, f"Slack notification {n + 1}")
+            url = re.search(r"<([^|>]+)\|evidence>", texts[0])
+            assert url, texts[0]
+            parts = urlsplit(url.group(1))
+            assert parts.netloc == "clusterpulse.example.com", url.group(1)
+            return parts.path, dict(parse_qsl(parts.query))
+
+        requests.post(am.url + "/api/v2/alerts", timeout=5, json=[alert]).raise_for_status()
+        page, params = link(0)
+        assert page == "/run" and params["run"] == "llm" and params["rank"] == "3", params
+        firing = links.window(params)
+        start, end = firing.bounds()
+        assert firing.end is None and "until" not in params  # up to now, while it fires
+        assert start == started.timestamp() // 60 * 60 - 600, params
+
+        ended = datetime.datetime.now(datetime.UTC)
+        requests.post(am.url + "/api/v2/alerts", timeout=5,
+                      json=[{**alert, "endsAt": ended.isoformat()}]).raise_for_status()
+        page, params = link(1)
+        resolved = links.window(params)
+        start, end = resolved.bounds()
+        assert page == "/run" and start == started.timestamp() // 60 * 60 - 600, params
+        assert end == (ended.timestamp() + 300) // 60 * 60, params
     finally:
         am.stop()
         sink.stop()

@@ -127,17 +127,17 @@ class Prometheus:
 
 
 class Alertmanager:
-    """A real Alertmanager on loopback, with the project's config, webhook URLs
-    pointed at `webhook_url`."""
+    """A real Alertmanager on loopback, with the project's config (or `config`), webhook
+    URLs pointed at `webhook_url`."""
 
-    def __init__(self, tmp: Path, webhook_url: str) -> None:
+    def __init__(self, tmp: Path, webhook_url: str, config: str | None = None) -> None:
         binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
         assert binary, "prometheus-alertmanager is not installed (the test command installs it)"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.dir = tmp / f"am-{self.port}"
         self.dir.mkdir()
-        config = (REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text()
+        config = config or (REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text()
         config = config.replace("http://127.0.0.1:19495/alertmanager", webhook_url)
         config = config.replace("http://127.0.0.1:19496/page", webhook_url + "?oncall=1")
         # the remediation webhook's credentials, as clusterpulse-remediate would check them

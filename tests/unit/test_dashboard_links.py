@@ -28,6 +28,14 @@ def test_the_window_comes_from_the_url_and_goes_back_into_links():
     assert custom.seconds == 1800 and links.fmt_utc(custom.end) == "2026-01-31T14:30"
     assert custom.params() == {"range": "custom", "from": "2026-01-31T14:00",
                                "until": "2026-01-31T14:30"}
+    # from a time up to now (an alert notification's link while it fires): the start
+    # stays where the link put it, whenever it is opened and however often refreshed
+    since = links.window({"range": "custom", "from": "2026-01-31T14:00"},
+                         now=links.parse_utc("2026-01-31T15:00", "now"))
+    assert since.end is None and since.seconds == 3600
+    assert links.fmt_utc(since.bounds(now=links.parse_utc("2026-01-31T16:00", "now"))[0]) \
+        == "2026-01-31T14:00"
+    assert since.params() == {"range": "custom", "from": "2026-01-31T14:00"}
     # a link to another page keeps the window
     assert links.page_url("node", {"node": "n 1", "gpu": 3}, hour.params()) == \
         "node?node=n+1&gpu=3&range=1h"
@@ -35,7 +43,8 @@ def test_the_window_comes_from_the_url_and_goes_back_into_links():
 
 @pytest.mark.parametrize(("params", "named"), [
     ({"range": "fortnight"}, "range='fortnight'"),
-    ({"range": "custom", "from": "2026-01-31T14:00"}, "needs both from= and until="),
+    ({"range": "custom", "until": "2026-01-31T14:30"}, "needs from="),
+    ({"range": "custom", "from": "2999-01-31T14:00"}, "in the future"),
     ({"range": "custom", "from": "yesterday", "until": "2026-01-31T14:30"}, "from='yesterday'"),
     ({"range": "custom", "from": "2026-01-31T15:00", "until": "2026-01-31T14:30"},
      "is not after"),
