@@ -6,6 +6,7 @@ follow the commands to completion, and audit everything. Shared by the dashboard
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,6 +64,23 @@ def follow_in_flight(results: list[NodeResult]) -> list[NodeResult]:
     return [NodeResult(r.node, r.agent, True, str(r.in_flight.get("id", "")),
                        str(r.in_flight.get("state", ""))) if r.in_flight is not None else r
             for r in results]
+
+
+def refusal_status(answer: str, asked_at: float, followed: list[NodeResult]
+                   ) -> tuple[str, str]:
+    """What a refused asker reads beside the restart it now follows, as that restart
+    moves on: ("error", ...) while it runs, ("info", ...) once it has ended. The agent's
+    answer ("... state pending, deadline in 58 s ...") was shown once, as it was at the
+    refusal, and still said so after the restart had completed."""
+    when = time.strftime("%H:%M:%S", time.gmtime(asked_at))
+    states = {r.state for r in followed if r.ok}
+    if followed and all(r.state in ("completed", "failed") or not r.ok for r in followed):
+        ended = "completed" if states == {"completed"} else "ended (see the table)"
+        return ("info", f"Your request at {when} UTC was not sent: a restart of this run was "
+                        f"already in flight, and it has since {ended}. Ask again if the run "
+                        "still needs a restart.")
+    return ("error", f"Not sent (the agent's answer at {when} UTC): {answer}. Its progress "
+                     "is below.")
 
 
 def agent_tls() -> str | bool:

@@ -184,12 +184,12 @@ def request(who: str) -> None:
         ss["action_message"] = ("error", f"Not sent: {err}")
         return
     if actions.all_in_flight(results):  # another session's (or the policy's) restart
-        ss["action_message"] = ("error", "Not sent: " + "; ".join(r.error for r in results))
         running = results[0].in_flight or {}
         ss["last_action"] = {"run": run, "results": actions.follow_in_flight(results),
                              "at": running.get("created_unix", sent),
                              "action": f"{running.get('action', '?')} (already in flight)",
-                             "reason": running.get("reason", "")}
+                             "reason": running.get("reason", ""),
+                             "refused": "; ".join(r.error for r in results), "asked_at": sent}
         return
     ss["reason"] = ""
     ss["last_action"] = {"run": run, "results": results, "at": sent, "action": action,
@@ -216,6 +216,9 @@ if last and last["run"] == run:
     def progress() -> None:
         results = actions.command_states(last["results"], s.agent_token())
         done = all(r.state in ("completed", "failed") or not r.ok for r in results)
+        if last.get("refused"):  # refreshed with the restart it follows
+            kind, text = actions.refusal_status(last["refused"], last["asked_at"], results)
+            (st.error if kind == "error" else st.info)(text)
         st.dataframe(pd.DataFrame([{"node": r.node, "command": r.command or "-",
                                     "state": r.state if r.ok else "not sent",
                                     "detail": r.error} for r in results]),

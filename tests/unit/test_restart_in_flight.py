@@ -48,6 +48,8 @@ def test_every_client_is_refused_a_second_restart_and_told_which_is_in_flight(
     (followed,) = actions.follow_in_flight([second])
     assert followed.ok and followed.command == first.command
     assert actions.command_states([followed], TOKEN)[0].state == "pending"
+    kind, said = actions.refusal_status(second.error, 0, actions.command_states([followed], TOKEN))
+    assert kind == "error" and said.startswith("Not sent") and first.command in said, said
     # the policy: not an action taken (the audit), and its decision says why
     monkeypatch.setattr(Remediator, "_unconfirmed", lambda *_a: None)  # Prometheus agrees
     rem = Remediator(Policy([Rule("RankHung", "restart")]), prom, TOKEN, audit)
@@ -71,3 +73,20 @@ def test_every_client_is_refused_a_second_restart_and_told_which_is_in_flight(
     assert f"escalated {first.command}" in capsys.readouterr().out
     assert rank.p.wait(timeout=10) == -15
     assert agent.get(f"/v1/commands/{first.command}").json()["state"] == "escalated"
+
+
+def test_the_refused_tab_says_when_the_restart_it_follows_has_ended():
+    """The refusal was shown once as the agent said it ("state pending, deadline in
+    58 s") and still said so after the restart it named had completed."""
+    answer = "a restart of run 'demo' is already in flight on node n1: command c1 (...)"
+
+    def node(state: str) -> actions.NodeResult:
+        return actions.NodeResult("n1", "http://n1", True, "c1", state)
+
+    running = actions.refusal_status(answer, 0, [node("delivered"), node("completed")])
+    assert running == ("error", f"Not sent (the agent's answer at 00:00:00 UTC): {answer}. "
+                                "Its progress is below.")
+    kind, done = actions.refusal_status(answer, 0, [node("completed"), node("completed")])
+    assert kind == "info" and "has since completed" in done and "Ask again" in done
+    kind, failed = actions.refusal_status(answer, 0, [node("completed"), node("failed")])
+    assert kind == "info" and "ended (see the table)" in failed
