@@ -23,5 +23,6 @@ nav = st.navigation([
     st.Page(PAGES / "run.py", title="Run", icon=":material/model_training:"),
     st.Page(PAGES / "alerts.py", title="Alerts", icon=":material/notifications:"),
     st.Page(PAGES / "audit.py", title="Audit", icon=":material/receipt_long:"),
+    st.Page(PAGES / "runbooks.py", title="Runbooks", icon=":material/menu_book:"),
 ])
 nav.run()

@@ -46,7 +46,8 @@ def incident(group: list, now: float) -> None:
             for a in group]
     box.dataframe(coloured(pd.DataFrame(rows)), hide_index=True, width="stretch",
                   column_config=COLUMNS,
-                  column_order=[c for c in rows[0] if c != "runbook" or s.docs_url])
+                  column_order=[c for c in rows[0]
+                                if c != "runbook" or any(r["runbook"] for r in rows)])
     if not s.docs_url:
         for url in dict.fromkeys(a.annotations.get("runbook_url", "") for a in group):
             body = runbooks.text(url)

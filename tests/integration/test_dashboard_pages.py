@@ -167,6 +167,30 @@ def test_a_firing_alerts_link_opens_a_window_from_its_start_up_to_now(
     at.query_params.clear()
 
 
+def test_a_runbook_link_opens_the_alerts_section_in_the_dashboard(prom_with_data, monkeypatch,
+                                                                  tmp_path):
+    """An alert's runbook_url (docs/runbooks.md#gpudown) is a repository path no browser
+    opens; without published docs it links here (runbooks.link), and a notification can
+    too (clusterpulse.tmpl's clusterpulse.runbook_url)."""
+    from clusterpulse.dashboard import runbooks
+
+    prom, _ = prom_with_data
+    at = app(monkeypatch, prom.url, tmp_path)
+    at.query_params["alert"] = "gpudown"
+    at.switch_page("views/runbooks.py").run()
+    assert not at.exception, at.exception
+    assert at.selectbox(key="runbook").value == "gpudown"
+    assert any(m.value == runbooks.text("#gpudown") for m in at.markdown), at.markdown
+    at.selectbox(key="runbook").select("rankhung").run()  # another section, in the URL
+    assert any(m.value == runbooks.text("#rankhung") for m in at.markdown)
+    assert at.query_params["alert"] in ("rankhung", ["rankhung"])
+    at.query_params["alert"] = "nosuchalert"
+    at.run()
+    assert not at.exception, at.exception
+    assert any("alert='nosuchalert'" in w.value for w in at.warning), at.warning
+    at.query_params.clear()
+
+
 def test_node_page_shows_per_gpu_series(prom_with_data, monkeypatch, tmp_path):
     prom, _ = prom_with_data
     at = app(monkeypatch, prom.url, tmp_path)

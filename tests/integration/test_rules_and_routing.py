@@ -264,6 +264,9 @@ def test_a_notification_links_to_the_evidence_over_the_alerts_own_time(tmp_path)
                                30, f"Slack notification {n + 1}")
             url = re.search(r"<([^|>]+)\|evidence>", texts[0])
             assert url, texts[0]
+            # its runbook: the dashboard's page at the alert's section
+            assert "<https://clusterpulse.example.com/runbooks?alert=rankhung|runbook>" \
+                in texts[0], texts[0]
             parts = urlsplit(url.group(1))
             assert parts.netloc == "clusterpulse.example.com", url.group(1)
             return parts.path, dict(parse_qsl(parts.query))

@@ -74,7 +74,10 @@ def test_every_alert_rule_carries_a_dashboard_link_and_a_runbook_section():
         assert runbooks.text(r["annotations"]["runbook_url"]), r["alert"]
     assert runbooks.link("docs/runbooks.md#gpudown", "https://docs.example/cp") == \
         "https://docs.example/cp/runbooks.md#gpudown"
-    assert runbooks.link("docs/runbooks.md#gpudown", "") is None
+    # without published docs: the dashboard's Runbooks page at that section
+    assert runbooks.link("docs/runbooks.md#gpudown", "") == "runbooks?alert=gpudown"
+    assert runbooks.link("docs/runbooks.md#no-such-alert", "") is None
+    assert runbooks.link("", "") is None
 
 
 # -- the Run table ---------------------------------------------------------------------
