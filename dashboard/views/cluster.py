@@ -32,7 +32,7 @@ def live() -> None:
     nodes = d["nodes"]
     n_up = int(nodes["up"].sum()) if not nodes.empty else 0
     active = [a for a in d["alerts"] if a.state == "active"]
-    c = st.columns(5)
+    c = ui.kpi_row(5)
     ui.kpi(c[0], "Nodes up", f"{n_up} / {len(nodes)}")
     ui.kpi(c[1], "Healthy GPUs", f"{d['gpus_up']} / {d['gpus_total']}")
     ui.kpi(c[2], "Critical alerts", sum(a.severity == "critical" for a in active))

@@ -64,7 +64,7 @@ def live() -> None:
     ckpt_time = max(per["checkpoint time"].values(), default=None)
     if win.end is not None:  # a past window: say which parts of the page are of it
         st.caption(window_note(win))
-    c = st.columns(6)
+    c = ui.kpi_row(6)
     ui.kpi(c[0], "Step", step)
     if step_note:
         c[0].caption(step_note)
@@ -134,6 +134,38 @@ for draw in later:
 who = ui.operator(signin)  # after the figures and the table: see ui.signin_box
 
 
+# The timeline fits the page at a 1024 px window with the sidebar open (564 px): its nine
+# columns of Incident.row() took 1309 px there, and "action" and "by" were behind a
+# horizontal scroll. Its columns hold their facts in words, in widths that sum to less
+# (stretched on a wider page), each cell up to three lines (Streamlit wraps a cell's
+# text only in rows taller than 4 rem); the alerts of each fault beside its root are
+# in the expander below it.
+TIMELINE_ROW_PX = 68
+TIMELINE_COLUMNS = {
+    "detected (UTC)": st.column_config.TextColumn("detected (UTC)", width=100),
+    "incident": st.column_config.TextColumn("incident", width=160,
+                                            help="the root alert, where it fired"),
+    "action": st.column_config.TextColumn("action", width=150,
+                                          help="the first action taken on it: offset, who"),
+    "resumed": st.column_config.TextColumn("resumed", width=140,
+                                           help="the trainer's own resume record"),
+    "alerts": st.column_config.TextColumn("alerts", width=140),
+    "steps recomputed": st.column_config.NumberColumn("steps recomputed", width=120),
+}
+
+
+def timeline_row(row: dict) -> tuple[dict, dict]:
+    """An Incident.row() as the timeline's row and its expander's row."""
+    detected = time.strftime("%H:%M:%S", time.gmtime(row["detected"]))
+    action = row["action"] if row["by"] == "-" else f"{row['action']} by {row['by']}"
+    resumed = "-" if row["resumed from step"] is None else (
+        f"from step {row['resumed from step']} at {row['resumed']}, "
+        f"{row['steps recomputed']} steps recomputed")
+    head = {"detected (UTC)": detected, "incident": f"{row['incident']} on {row['where']}"}
+    return ({**head, "action": action, "resumed": resumed},
+            {**head, "alerts": row["alerts"], "steps recomputed": row["steps recomputed"]})
+
+
 def incident_timeline() -> None:
     """One row per fault (its alerts grouped, the root named), the action from the
     audit log, and where the trainer says it resumed from: clusterpulse/incident.py,
@@ -149,15 +181,12 @@ def incident_timeline() -> None:
     if not items:
         st.caption("No incident in this time range.")
         return
-    table = pd.DataFrame([i.row() for i in items])
-    table["detected"] = pd.to_datetime(table["detected"], unit="s").dt.strftime("%H:%M:%S")
-    table = table.rename(columns={"detected": "detected (UTC)"})
-    # wide enough for "checkpoint-restart +827 s" and three alert names (cut at 1400 px)
-    ui.table(table, hide_index=True, width="stretch", column_config={
-        "action": st.column_config.TextColumn("action", width="medium"),
-        "alerts": st.column_config.TextColumn("alerts", width="large"),
-        "by": st.column_config.TextColumn("by", width="small"),
-        "resumed from step": st.column_config.NumberColumn("resumed from step", format="%d")})
+    rows = [timeline_row(i.row()) for i in items]
+    ui.table(pd.DataFrame([r for r, _ in rows]), hide_index=True, width="stretch",
+             row_height=TIMELINE_ROW_PX, column_config=TIMELINE_COLUMNS)
+    with st.expander("Every alert of each incident, steps recomputed"):
+        ui.table(pd.DataFrame([r for _, r in rows]), hide_index=True, width="stretch",
+                 row_height=TIMELINE_ROW_PX, column_config=TIMELINE_COLUMNS)
     st.caption(incident.summary(items))
 
 
