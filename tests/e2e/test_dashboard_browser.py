@@ -223,7 +223,7 @@ def test_operator_checkpoint_restart_resumes_with_zero_steps_lost(env):
     p.get_by_role("textbox", name="Password").fill(PASSWORD)
     p.get_by_role("button", name="Sign in").click()
     shows(p, "Operator: ops", may_reload=False)  # a reload signs out
-    p.get_by_role("link", name="Run").click()
+    p.get_by_role("link", name="Run", exact=True).click()
     shows(p, p.get_by_label("Reason (audited)"), may_reload=False)
     p.get_by_label("Reason (audited)").fill("e2e: straggler on rank 3")
     p.get_by_text("I confirm: restart run web").click()
@@ -301,7 +301,7 @@ def test_a_page_opened_while_prometheus_is_down_fills_in_when_it_is_back(env):
         dash.stop()
 
 
-NAVIGATION = ["Cluster", "Node", "Run", "Alerts", "Audit"]  # app.py's st.navigation
+NAVIGATION = ["Cluster", "Node", "Run", "Alerts", "Audit", "Runbooks"]  # app.py's st.navigation
 
 
 def _navigation(p: Page) -> list[str]:
