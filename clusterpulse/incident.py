@@ -150,7 +150,8 @@ class Incident:
                 "by": self.actor or "-",
                 "resumed from step": None if self.resume is None else self.resume.step,
                 "resumed": "-" if self.resume is None else rel(self.resume.at),
-                "steps recomputed": self.recomputed}
+                # None without a resume record: nothing known, not "0 recomputed"
+                "steps recomputed": None if self.resume is None else self.resume.recomputed}
 
 
 def root_rank(name: str) -> int:
@@ -284,8 +285,11 @@ def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Se
 
 def summary(items: Sequence[Incident]) -> str:
     """The timeline's caption: incidents and the steps the trainer says it redid."""
-    return (f"{len(items)} incident(s), {sum(i.recomputed for i in items)} steps recomputed in "
-            "all (as the trainer recorded each resume)")
+    resumed = [i for i in items if i.resume is not None]
+    if not resumed:  # "0 steps recomputed" read as a fact where nothing was recorded
+        return f"{len(items)} incident(s), no restart resumed in this range"
+    return (f"{len(items)} incident(s), {sum(i.recomputed for i in resumed)} steps recomputed "
+            f"in all over {len(resumed)} resume(s) (as the trainer recorded each)")
 
 
 # -- from Prometheus's answers (plain data: labels and points) ------------------------

@@ -66,21 +66,29 @@ def follow_in_flight(results: list[NodeResult]) -> list[NodeResult]:
             for r in results]
 
 
-def refusal_status(answer: str, asked_at: float, followed: list[NodeResult]
+def refusal_status(refused: list[NodeResult], asked_at: float, followed: list[NodeResult]
                    ) -> tuple[str, str]:
     """What a refused asker reads beside the restart it now follows, as that restart
-    moves on: ("error", ...) while it runs, ("info", ...) once it has ended. The agent's
-    answer ("... state pending, deadline in 58 s ...") was shown once, as it was at the
-    refusal, and still said so after the restart had completed."""
+    moves on: ("error", ...) while it runs, ("info", ...) once it has ended. The agents'
+    answers were shown as they were at the refusal, each node's in full (~900
+    characters for two nodes), and still said "state delivered, deadline in 118 s" long
+    after; the restart is named once here, its state is the table's."""
     when = time.strftime("%H:%M:%S", time.gmtime(asked_at))
-    states = {r.state for r in followed if r.ok}
+    running = next((r.in_flight for r in refused if r.in_flight), {})
+    who = running.get("on_behalf_of") or running.get("requested_by") or "?"
+    since = time.strftime("%H:%M:%S", time.gmtime(running.get("created_unix") or asked_at))
+    named = (f"a {running.get('action', 'restart')} of this run requested by {who} at {since} "
+             f"UTC (command {running.get('id', '?')}) was already in flight")
     if followed and all(r.state in ("completed", "failed") or not r.ok for r in followed):
-        ended = "completed" if states == {"completed"} else "ended (see the table)"
-        return ("info", f"Your request at {when} UTC was not sent: a restart of this run was "
-                        f"already in flight, and it has since {ended}. Ask again if the run "
-                        "still needs a restart.")
-    return ("error", f"Not sent (the agent's answer at {when} UTC): {answer}. Its progress "
-                     "is below.")
+        ended = ("completed" if {r.state for r in followed if r.ok} == {"completed"}
+                 else "ended (see the table)")
+        return ("info", f"Your request at {when} UTC was not sent: {named}, and it has since "
+                        f"{ended}. Ask again if the run still needs a restart.")
+    hint = (" To make it a hard restart now: `clusterpulse-ctl escalate --run "
+            f"{running.get('run', '…')} --command {running.get('id', '…')} --reason …`."
+            if running.get("action") == "checkpoint-restart" else "")
+    return ("error", f"Not sent at {when} UTC: {named}; a run is not restarted twice. Its "
+                     f"progress is below.{hint}")
 
 
 def agent_tls() -> str | bool:

@@ -218,7 +218,7 @@ def request(who: str) -> None:
                              "at": running.get("created_unix", sent),
                              "action": f"{running.get('action', '?')} (already in flight)",
                              "reason": running.get("reason", ""),
-                             "refused": "; ".join(r.error for r in results), "asked_at": sent}
+                             "refused": results, "asked_at": sent}
         return
     ss["reason"] = ""
     ss["last_action"] = {"run": run, "results": results, "at": sent, "action": action,

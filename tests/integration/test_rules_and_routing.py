@@ -277,7 +277,7 @@ def test_a_notification_links_to_the_evidence_over_the_alerts_own_time(tmp_path)
         firing = links.window(params)
         start, end = firing.bounds()
         assert firing.end is None and "until" not in params  # up to now, while it fires
-        assert start == started.timestamp() // 60 * 60 - 600, params
+        assert start == started.timestamp() // 60 * 60 - 1200, params
 
         ended = datetime.datetime.now(datetime.UTC)
         requests.post(am.url + "/api/v2/alerts", timeout=5,
@@ -285,7 +285,7 @@ def test_a_notification_links_to_the_evidence_over_the_alerts_own_time(tmp_path)
         page, params = link(1)
         resolved = links.window(params)
         start, end = resolved.bounds()
-        assert page == "/run" and start == started.timestamp() // 60 * 60 - 600, params
+        assert page == "/run" and start == started.timestamp() // 60 * 60 - 1200, params
         assert end == (ended.timestamp() + 300) // 60 * 60, params
     finally:
         am.stop()

@@ -96,8 +96,13 @@ def test_resumed_step_and_recomputed_steps_are_the_trainers_own():
     items = incidents_at(0, 900, 1.0)
     assert [(i.resume.step, i.recomputed) if i.resume else None for i in items] == [
         (150, 9), (735, 0), None]
-    assert incident.summary(items) == ("3 incident(s), 9 steps recomputed in all (as the "
-                                       "trainer recorded each resume)")
+    assert incident.summary(items) == ("3 incident(s), 9 steps recomputed in all over 2 "
+                                       "resume(s) (as the trainer recorded each)")
+    # the thermal incident resumed nothing: no number, not "0 recomputed" (a review read
+    # "steps recomputed 0" on a row with no restart, and "0 ... in all" for a range
+    # that held only the hang before its restart)
+    assert items[2].row()["steps recomputed"] is None
+    assert incident.summary(items[2:]) == "1 incident(s), no restart resumed in this range"
     # every fault that restarted has its action, from the audit log, taken ones only
     assert [(i.action, i.acted_at) for i in items] == [
         ("restart", T0 + 92.4), ("restart", T0 + 331.7), (None, None)]

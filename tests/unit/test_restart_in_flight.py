@@ -48,8 +48,9 @@ def test_every_client_is_refused_a_second_restart_and_told_which_is_in_flight(
     (followed,) = actions.follow_in_flight([second])
     assert followed.ok and followed.command == first.command
     assert actions.command_states([followed], TOKEN)[0].state == "pending"
-    kind, said = actions.refusal_status(second.error, 0, actions.command_states([followed], TOKEN))
+    kind, said = actions.refusal_status([second], 0, actions.command_states([followed], TOKEN))
     assert kind == "error" and said.startswith("Not sent") and first.command in said, said
+    assert "requested by alice" in said and "escalate" in said, said  # graceful: a way out
     # the policy: not an action taken (the audit), and its decision says why
     monkeypatch.setattr(Remediator, "_unconfirmed", lambda *_a: None)  # Prometheus agrees
     rem = Remediator(Policy([Rule("RankHung", "restart")]), prom, TOKEN, audit)
@@ -76,17 +77,22 @@ def test_every_client_is_refused_a_second_restart_and_told_which_is_in_flight(
 
 
 def test_the_refused_tab_says_when_the_restart_it_follows_has_ended():
-    """The refusal was shown once as the agent said it ("state pending, deadline in
-    58 s") and still said so after the restart it named had completed."""
-    answer = "a restart of run 'demo' is already in flight on node n1: command c1 (...)"
+    """The refusal was shown as each agent said it ("state delivered, deadline in
+    118 s", ~900 characters for two nodes) and still said so after the restart it named
+    had completed: now the restart is named once, its state is the progress table's."""
+    running = {"id": "c1", "run": "demo", "action": "restart", "requested_by": "dashboard",
+               "on_behalf_of": "alice", "created_unix": 3600.0, "state": "delivered"}
+    refused = [actions.NodeResult(n, f"http://{n}", False, error="... state delivered ...",
+                                  in_flight=running) for n in ("n1", "n2")]
 
     def node(state: str) -> actions.NodeResult:
         return actions.NodeResult("n1", "http://n1", True, "c1", state)
 
-    running = actions.refusal_status(answer, 0, [node("delivered"), node("completed")])
-    assert running == ("error", f"Not sent (the agent's answer at 00:00:00 UTC): {answer}. "
-                                "Its progress is below.")
-    kind, done = actions.refusal_status(answer, 0, [node("completed"), node("completed")])
+    kind, said = actions.refusal_status(refused, 3700, [node("delivered"), node("completed")])
+    assert (kind, said) == ("error", "Not sent at 01:01:40 UTC: a restart of this run "
+                            "requested by alice at 01:00:00 UTC (command c1) was already in "
+                            "flight; a run is not restarted twice. Its progress is below.")
+    kind, done = actions.refusal_status(refused, 3700, [node("completed"), node("completed")])
     assert kind == "info" and "has since completed" in done and "Ask again" in done
-    kind, failed = actions.refusal_status(answer, 0, [node("completed"), node("failed")])
+    kind, failed = actions.refusal_status(refused, 3700, [node("completed"), node("failed")])
     assert kind == "info" and "ended (see the table)" in failed
