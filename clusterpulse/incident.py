@@ -85,12 +85,14 @@ RESUME_SERIES = {"step": "clusterpulse_trainer_resume_step",
 @dataclass(frozen=True)
 class AlertEpisode:
     """One firing of one alert: `active_at` is Prometheus's activeAt (when its
-    condition first held), `last_seen` its last firing sample."""
+    condition first held), `last_seen` its last firing sample, `fired_at` its first
+    (when it paged: after its rule's `for`), None where not read."""
 
     name: str
     labels: dict = field(hash=False, compare=False)
     active_at: float
     last_seen: float
+    fired_at: float | None = None
 
     @property
     def node(self) -> str:
@@ -113,13 +115,17 @@ class Incident:
     cause: str  # the root alert
     where: str  # its node, and rank or GPU
     alerts: list[str]  # every alert of the fault, root first
-    detected_at: float  # the earliest activeAt of its alerts
+    detected_at: float  # the earliest activeAt of its alerts: when the fault began
     ended_at: float  # the last firing sample of any of them
     action: str | None = None
     acted_at: float | None = None
     actor: str = ""
     resume: Resume | None = None
     open_until: float = 0.0  # until when it takes later alerts and actions (_open_until)
+    # the first firing sample of any of its alerts: when it paged. The timeline showed
+    # only when a condition first held (a GpuTemperatureHigh pending for its `for` of
+    # 1 min) as "detected", 41 s before anything paged.
+    paged_at: float | None = None
 
     @property
     def recomputed(self) -> int:
@@ -129,11 +135,13 @@ class Incident:
         """One line for the demo's printout and the page's summary."""
         act = (f"; {self.action} by {self.actor or '?'} +{self.acted_at - self.detected_at:.0f} s"
                if self.action and self.acted_at is not None else "; no action")
+        paged = "" if self.paged_at is None else \
+            f"; paged +{self.paged_at - self.detected_at:.0f} s"
         res = (f"; resumed from step {self.resume.step} ({self.resume.recomputed} steps "
                "recomputed)" if self.resume else "")
         also = [a for a in self.alerts if a != self.cause]
         return (f"{self.cause} on {self.where}" + (f" (with {', '.join(also)})" if also else "")
-                + act + res)
+                + paged + act + res)
 
     def row(self) -> dict:
         """The timeline's table row: clock times, and offsets from detection that are
@@ -146,6 +154,7 @@ class Incident:
 
         return {"incident": self.cause, "where": self.where,
                 "alerts": ", ".join(self.alerts), "detected": self.detected_at,
+                "paged": rel(self.paged_at),
                 "action": f"{self.action} {rel(self.acted_at)}" if self.action else "-",
                 "by": self.actor or "-",
                 "resumed from step": None if self.resume is None else self.resume.step,
@@ -262,9 +271,12 @@ def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Se
     for g in group(mine, gap_s, ranks):
         g.sort(key=lambda e: (root_rank(e.name), e.active_at))
         names = list(dict.fromkeys(e.name for e in g))
+        # paged: its alerts' first firing, unknown if any's is (it fired before the range)
+        fired = [e.fired_at for e in g]
         out.append(Incident(run, g[0].name, _where(g[0].labels), names,
                             min(e.active_at for e in g), max(e.last_seen for e in g),
-                            open_until=max(_open_until(e) for e in g)))
+                            open_until=max(_open_until(e) for e in g),
+                            paged_at=None if None in fired else min(fired)))
     out.sort(key=lambda i: i.detected_at)
     acts = sorted((r for r in audit if r.get("run") == run and r.get("outcome") in TAKEN
                    and (sources is None or r.get("source") in sources)),
@@ -296,11 +308,15 @@ def summary(items: Sequence[Incident]) -> str:
 Series = Sequence[tuple[dict, Sequence[tuple[float, float]]]]
 
 
-def episodes_from(for_state: Series, firing: Series) -> list[AlertEpisode]:
-    """Episodes from the two range queries of `alert_queries`: ALERTS_FOR_STATE (value:
-    activeAt, one value per episode whatever the step) and the time of the last firing
-    sample in each step. An episode counts once one of its samples fired (a pending
-    alert that never fired is no incident), and it ends at its last firing sample.
+def episodes_from(for_state: Series, firing: Series, first_firing: Series = (),
+                  since: float = -math.inf) -> list[AlertEpisode]:
+    """Episodes from the range queries of `alert_queries`: ALERTS_FOR_STATE (value:
+    activeAt, one value per episode whatever the step), the time of the last firing
+    sample in each step and of the first. An episode counts once one of its samples
+    fired (a pending alert that never fired is no incident), it ends at its last firing
+    sample and paged at its first (exact at any step: each step's earliest), unless that
+    is at or before `since`, the query's first point: the step it covers may begin
+    before the range, in an episode that fired earlier (then unknown, None).
 
     Both queries cover each step whole. Plain samples at the Run page's 9 s step (1 h)
     missed a JobStalled that fired for 4 s between two of them, while the demo's 1 s
@@ -313,6 +329,9 @@ def episodes_from(for_state: Series, firing: Series) -> list[AlertEpisode]:
     fired: dict[tuple, list[float]] = {}
     for labels, points in firing:
         fired.setdefault(key(labels), []).extend(v for _, v in points)
+    firsts: dict[tuple, list[float]] = {}
+    for labels, points in first_firing:
+        firsts.setdefault(key(labels), []).extend(v for _, v in points)
     out = []
     for labels, points in for_state:
         times = sorted(set(fired.get(key(labels), [])))
@@ -322,19 +341,24 @@ def episodes_from(for_state: Series, firing: Series) -> list[AlertEpisode]:
             seen = [t for t in times if active <= t < nxt]
             if seen:
                 clean = {k: v for k, v in labels.items() if k != "__name__"}
-                out.append(AlertEpisode(clean.get("alertname", ""), clean, active, max(seen)))
+                first = min((t for t in firsts.get(key(labels), []) if active <= t < nxt),
+                            default=None)
+                out.append(AlertEpisode(clean.get("alertname", ""), clean, active, max(seen),
+                                        first if first is not None and first > since else None))
     return out
 
 
-def alert_queries(step_s: float) -> tuple[str, str]:
-    """The two range queries of `episodes_from` at `step_s`: each point covers the step
-    before it (range selectors are open at the start, so consecutive points cover every
-    sample once), the first with the latest activeAt there, the second with the time of
-    the last firing sample there (a 1 s subquery: rules are evaluated every second at
-    the most; `timestamp` of a plain selector is the sample's own time)."""
+def alert_queries(step_s: float) -> tuple[str, str, str]:
+    """The three range queries of `episodes_from` at `step_s`: each point covers the
+    step before it (range selectors are open at the start, so consecutive points cover
+    every sample once), the first with the latest activeAt there, the others with the
+    time of the last and of the first firing sample there (a 1 s subquery: rules are
+    evaluated every second at the most; `timestamp` of a plain selector is the sample's
+    own time)."""
     window = f"{max(1, math.ceil(step_s * 1000))}ms"
-    return (f"max_over_time(ALERTS_FOR_STATE[{window}])",
-            f'max_over_time(timestamp(ALERTS{{alertstate="firing"}})[{window}:1s])')
+    fired = f'timestamp(ALERTS{{alertstate="firing"}})[{window}:1s]'
+    return (f"max_over_time(ALERTS_FOR_STATE[{window}])", f"max_over_time({fired})",
+            f"min_over_time({fired})")
 
 
 def resumes_from(step: Sequence[tuple[float, float]], recomputed: Sequence[tuple[float, float]],
@@ -363,14 +387,15 @@ def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: f
         rows = ranged(expr)
         return list(rows[0][1]) if rows else []
 
-    # the six queries are independent: asked at once, they take the slowest, where one
+    # the seven queries are independent: asked at once, they take the slowest, where one
     # after the other they took the sum (the Run page's timeline, every refresh)
-    for_state, firing = alert_queries(step_s)
+    for_state, firing, first_firing = alert_queries(step_s)
     got = at_once({
         "nodes": partial(prom.query, f'max by (node, rank, gpu) (max_over_time(clusterpulse_'
                          f'trainer_rank_info{{run="{run}"}}[{max(1, int(end - start))}s]))',
                          at=end),
         "for_state": partial(ranged, for_state), "firing": partial(ranged, firing),
+        "first_firing": partial(ranged, first_firing),
         **{k: partial(one, f'max({m}{{run="{run}"}})') for k, m in RESUME_SERIES.items()}})
     nodes = {s.labels.get("node", "") for s in got["nodes"]}
     ranks: RankGpus = {}
@@ -378,7 +403,7 @@ def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: f
         if s.labels.get("gpu") and s.labels.get("rank"):
             ranks.setdefault((s.labels.get("node", ""), s.labels["rank"]), set()).add(
                 s.labels["gpu"])
-    episodes = episodes_from(got["for_state"], got["firing"])
+    episodes = episodes_from(got["for_state"], got["firing"], got["first_firing"], start)
     resumes = resumes_from(*(got[k] for k in RESUME_SERIES))
     return nodes, ranks, episodes, resumes
 

@@ -142,9 +142,11 @@ who = ui.operator(signin)  # after the figures and the table: see ui.signin_box
 # in the expander below it.
 TIMELINE_ROW_PX = 68
 TIMELINE_COLUMNS = {
-    "detected (UTC)": st.column_config.TextColumn("detected (UTC)", width=100),
-    "incident": st.column_config.TextColumn("incident", width=160,
-                                            help="the root alert, where it fired"),
+    "began (UTC)": st.column_config.TextColumn(
+        "began (UTC)", width=100, help="when the first of its alerts' conditions held"),
+    "incident": st.column_config.TextColumn(
+        "incident", width=160, help="the root alert, where it fired, and when it paged (its "
+        "alerts' first firing, after their rules' `for`)"),
     "action": st.column_config.TextColumn("action", width=150,
                                           help="the first action taken on it: offset, who"),
     "resumed": st.column_config.TextColumn("resumed", width=140,
@@ -161,7 +163,8 @@ def timeline_row(row: dict) -> tuple[dict, dict]:
     resumed = "-" if row["resumed from step"] is None else (
         f"from step {row['resumed from step']} at {row['resumed']}, "
         f"{row['steps recomputed']} steps recomputed")
-    head = {"detected (UTC)": detected, "incident": f"{row['incident']} on {row['where']}"}
+    paged = "" if row["paged"] == "-" else f", paged {row['paged']}"
+    head = {"began (UTC)": detected, "incident": f"{row['incident']} on {row['where']}{paged}"}
     return ({**head, "action": action, "resumed": resumed},
             {**head, "alerts": row["alerts"], "steps recomputed": row["steps recomputed"]})
 

@@ -58,7 +58,7 @@ def prometheus_answers(start: float, end: float, step: float, alerts=ALERTS):
     def window(t: float, first: float, last: float) -> list[float]:
         return [T0 + s for s in range(int(first), int(last) + 1) if t - step < T0 + s <= t]
 
-    for_state, firing = [], []
+    for_state, firing, first = [], [], []
     for labels, active, fired, last in alerts:
         pts = [(t, T0 + active) for t in times if window(t, active, last)]
         if pts:
@@ -66,6 +66,8 @@ def prometheus_answers(start: float, end: float, step: float, alerts=ALERTS):
         fpts = [(t, max(w)) for t in times if (w := window(t, fired, last))]
         if fpts:
             firing.append(({"alertstate": "firing", **labels}, fpts))
+            first.append(({"alertstate": "firing", **labels},
+                          [(t, min(w)) for t in times if (w := window(t, fired, last))]))
     series = {"step": [], "recomputed": [], "at": []}
     for step_, redo, at, ends in RESUMES:
         for t in times:
@@ -73,12 +75,12 @@ def prometheus_answers(start: float, end: float, step: float, alerts=ALERTS):
                 series["step"].append((t, float(step_)))
                 series["recomputed"].append((t, float(redo)))
                 series["at"].append((t, T0 + at))
-    return for_state, firing, series
+    return for_state, firing, first, series
 
 
 def incidents_at(start: float, end: float, step: float, alerts=ALERTS) -> list[incident.Incident]:
-    for_state, firing, s = prometheus_answers(start, end, step, alerts)
-    return build(RUN, NODES, episodes_from(for_state, firing), AUDIT,
+    for_state, firing, first, s = prometheus_answers(start, end, step, alerts)
+    return build(RUN, NODES, episodes_from(for_state, firing, first, T0 + start), AUDIT,
                  resumes_from(s["step"], s["recomputed"], s["at"]))
 
 
@@ -114,9 +116,20 @@ def test_resumed_step_and_recomputed_steps_are_the_trainers_own():
 def test_the_same_rows_for_any_range_step_and_refresh(start, end, step):
     """The page's range sets the query step (1 h: 9 s); each refresh moves the window."""
     rows = [i.row() for i in incidents_at(start, end, step)]
-    assert rows == [i.row() for i in incidents_at(0, 900, 1.0)]
+    whole = [i.row() for i in incidents_at(0, 900, 1.0)]
+    # when it paged is read only where the range holds its first firing (the page reads
+    # 10 min before its window for that): else it is unknown ("-"), never a later time
+    late = [n for n, r in enumerate(whole) if T0 + start >= r["detected"]]
+    assert [r["paged"] for n, r in enumerate(rows) if n in late] == ["-"] * len(late)
+    assert [{**r, "paged": None} for r in rows] == [{**r, "paged": None} for r in whole]
+    assert [r["paged"] for n, r in enumerate(rows) if n not in late] == \
+        [r["paged"] for n, r in enumerate(whole) if n not in late]
     assert rows[0]["action"] == "restart +52 s" and rows[0]["resumed from step"] == 150
     assert rows[1]["action"] == "restart +32 s" and rows[1]["resumed from step"] == 735
+    # when it paged (its first alert's first firing), not only when a condition began
+    # to hold: the thermal fault's GpuThermalSlowdown was pending 10 s (a review read a
+    # GpuTemperatureHigh's pending start as "detected", 41 s before anything paged)
+    assert [r["paged"] for r in whole] == ["+8 s", "+0 s", "+10 s"]
 
 
 def test_alerts_of_other_runs_and_of_nodes_the_run_does_not_use_are_left_out():
@@ -127,8 +140,9 @@ def test_alerts_of_other_runs_and_of_nodes_the_run_does_not_use_are_left_out():
 
 def test_one_line_for_the_demo_and_the_page():
     first = incidents_at(0, 900, 1.0)[0]
-    assert first.line() == ("RankHung on sim-node-1 rank 2 (with JobStalled); restart by "
-                            "remediation +52 s; resumed from step 150 (9 steps recomputed)")
+    assert first.line() == ("RankHung on sim-node-1 rank 2 (with JobStalled); paged +8 s; "
+                            "restart by remediation +52 s; resumed from step 150 (9 steps "
+                            "recomputed)")
 
 
 def test_a_pending_alert_that_never_fired_is_no_incident():
@@ -160,9 +174,10 @@ def test_an_alert_that_fired_for_less_than_the_query_step_is_still_on_the_page(s
 
 
 def test_the_alert_queries_cover_each_step_whole():
-    for_state, firing = incident.alert_queries(9.0)
+    for_state, firing, first = incident.alert_queries(9.0)
     assert for_state == "max_over_time(ALERTS_FOR_STATE[9000ms])"
     assert firing == 'max_over_time(timestamp(ALERTS{alertstate="firing"})[9000ms:1s])'
+    assert first == 'min_over_time(timestamp(ALERTS{alertstate="firing"})[9000ms:1s])'
     assert incident.alert_queries(4.5)[0].endswith("[4500ms])")
 
 
