@@ -144,7 +144,10 @@ JOBS = ('label_replace(max by (run) (clusterpulse_trainer_step), "part", "step",
         'max by (run) (clusterpulse_trainer_phase{phase="restarting"} or '
         f'clusterpulse_trainer_phase{{phase="start"}} * {_RANK} '
         '(clusterpulse_trainer_step == 0)), "part", "restarting", "", "") or label_replace('
-        'max by (run) (clusterpulse_trainer_checkpoint_last_step), "part", "checkpoint", "", "")')
+        'max by (run) (clusterpulse_trainer_checkpoint_last_step), "part", "checkpoint", "", "") '
+        # where each run's ranks are: a GPU's or node's alert is the run's too (`placement`)
+        'or label_replace(max by (run, node, rank, gpu) (clusterpulse_trainer_rank_info), '
+        '"part", "placement", "", "")')
 
 
 def jobs(samples: list) -> pd.DataFrame:
@@ -152,7 +155,8 @@ def jobs(samples: list) -> pd.DataFrame:
     is blank and its state says which checkpoint it restarts from."""
     parts: dict[str, dict[str, float]] = {}
     for x in samples:
-        parts.setdefault(x.labels.get("part", ""), {})[x.labels.get("run", "")] = x.value
+        if x.labels.get("part") != "placement":
+            parts.setdefault(x.labels.get("part", ""), {})[x.labels.get("run", "")] = x.value
     rows = []
     steps, restarting = parts.get("step", {}), parts.get("restarting", {})
     for run in sorted(set(steps) | set(restarting)):  # a run still loading is running too
@@ -163,6 +167,22 @@ def jobs(samples: list) -> pd.DataFrame:
         else:
             rows.append({"run": run, "step": steps[run], "state": "training"})
     return pd.DataFrame(rows, columns=["run", "step", "state"])
+
+
+def placement(samples: list) -> dict[str, tuple[set[str], dict]]:
+    """Per run, its nodes and the GPUs its ranks use ((node, rank) -> GPUs), from JOBS's
+    placement part: what `incident.concerns` needs to tell a node's or GPU's alert as a
+    run's."""
+    out: dict[str, tuple[set[str], dict]] = {}
+    for x in samples:
+        if x.labels.get("part") != "placement":
+            continue
+        nodes, ranks = out.setdefault(x.labels.get("run", ""), (set(), {}))
+        node = x.labels.get("node", "")
+        nodes.add(node)
+        if x.labels.get("gpu"):
+            ranks.setdefault((node, x.labels.get("rank", "")), set()).add(x.labels["gpu"])
+    return out
 
 
 def run_step(per_rank: dict[str, dict[str, float]]) -> tuple[str, str | None]:
@@ -203,6 +223,7 @@ def cluster(prom_url: str, am_url: str, metric: str) -> Result:
                 "gpus_total": sum(counts.values()), "heat": _frame(heat_rows), "unit": unit,
                 "good_high": good_high, "heat_nodes": HEATMAP_NODES,
                 "down": _frame(got["down"]), "runs": jobs(got["runs"]),
+                "placement": placement(got["runs"]),
                 "goodput": _frame(got["goodput"], "goodput"), "alerts": alerts,
                 "am_error": am_error, "queries": prom.queries}
 

@@ -147,16 +147,26 @@ def alert_groups(alerts: list, now: float) -> list[list]:
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
 
-def run_alerts(alerts: list) -> dict[str, str]:
+def run_alerts(alerts: list, placement: dict[str, tuple[set[str], dict]] | None = None
+               ) -> dict[str, str]:
     """Per run, its active alerts as the Jobs table shows them, critical first
     ("JobStalled (critical), CheckpointStale (warning)"). A job-level alert names no
     node: the cluster page said "Critical alerts 1" beside "All nodes and GPUs
-    healthy" for 9 minutes, with the alert nowhere on the page."""
+    healthy" for 9 minutes, with the alert nowhere on the page. With `placement`
+    (data.placement), a node's or GPU's alert is also the run's whose ranks are there
+    (incident.concerns): the demo's job read "training", no alert, while its rank's GPU
+    was down."""
+    from clusterpulse.incident import concerns
+
     order = {"critical": 0, "warning": 1}
     by_run: dict[str, list] = {}
     for a in alerts:
         if a.labels.get("run"):
             by_run.setdefault(a.labels["run"], []).append(a)
+            continue
+        for run, (nodes, ranks) in (placement or {}).items():
+            if concerns(run, nodes, {**a.labels, "alertname": a.name}, ranks):
+                by_run.setdefault(run, []).append(a)
     return {run: ", ".join(dict.fromkeys(
                 f"{a.name} ({a.severity})"
                 for a in sorted(items, key=lambda a: (order.get(a.severity, 2), a.name))))

@@ -90,11 +90,12 @@ def live() -> None:
                          "problem", width="large")})
     else:
         st.success("All nodes and GPUs healthy.")
-    of_jobs = run_alerts(active)
+    of_jobs = run_alerts(active, d["placement"])
     job_only = [a for a in active if a.labels.get("run") and "node" not in a.labels]
     if job_only:  # the KPI above counts them: say where they are
         st.warning(f"{len(job_only)} alert(s) concern jobs, not nodes or GPUs: "
-                   f"{', '.join(sorted(of_jobs))} (the Jobs table below).")
+                   f"{', '.join(sorted({a.labels['run'] for a in job_only}))} (the Jobs "
+                   "table below).")
     if not runs.empty:
         st.subheader("Jobs")
         jobs = runs.merge(d["goodput"], on="run", how="left") \

@@ -11,9 +11,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from clusterpulse.dashboard import auditview, links, runbooks
+from clusterpulse.dashboard import auditview, data, links, runbooks
 from clusterpulse.dashboard.amclient import Alert
 from clusterpulse.dashboard.incidents import ago, alert_groups, rank_tables, rate_against_usual
+from clusterpulse.dashboard.promclient import Sample
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -150,6 +151,18 @@ def test_a_jobs_alerts_are_on_its_row_of_the_jobs_table():
     ])
     assert got == {"llm": "JobStalled (critical), CheckpointStale (warning)",
                    "other": "RankHung (critical)"}
+    # a GPU's alert is the run's whose rank uses it (the demo's job read "training", no
+    # alert, while its rank's GPU was down); a GPU no rank uses is no run's
+    placement = data.placement([
+        Sample({"part": "placement", "run": "other", "node": "n2", "rank": "3", "gpu": "1"}, 1),
+        Sample({"part": "placement", "run": "llm", "node": "n1", "rank": "0", "gpu": "0"}, 1),
+        Sample({"part": "step", "run": "llm"}, 5)])
+    got = run_alerts([
+        alert("GpuDown", "critical", "2026-01-31T14:01:00Z", node="n2", gpu="1"),
+        alert("GpuDown", "critical", "2026-01-31T14:01:00Z", node="n2", gpu="2"),
+        alert("RankHung", "critical", "2026-01-31T14:02:00Z", run="other", rank="3",
+              node="n2")], placement)
+    assert got == {"other": "GpuDown (critical), RankHung (critical)"}
 
 
 # -- audit -----------------------------------------------------------------------------
