@@ -487,6 +487,11 @@ def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Res
         ranged = _range_query(prom, range_s, end)
         sel = f'run="{name}"'
         rate = f"sum (rate(clusterpulse_trainer_steps_total{{{sel},rank='0'}}[1m]))"
+        # ranks whose GPU is down: their own series look healthy (the last step's
+        # figures, kept) or are absent. Now for the table, over the window for the
+        # compute heatmap, which drew such a rank's stale step time as a healthy cell.
+        down = (f"max by (rank) (clusterpulse:rank_gpu{{{sel}}} "
+                "and on (node, gpu) (clusterpulse_gpu_up == 0))")
         got = at_once({
             "ranks": partial(prom.query, f"max by (run, rank, node, local_rank, gpu, pid) "
                              f"(clusterpulse_trainer_rank_info{{{sel}}})"),
@@ -497,11 +502,10 @@ def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Res
             "evidence": partial(prom.query, f"max by (rank) (clusterpulse:rank_gpu{{{sel}}} * on "
                                 "(node, gpu) group_left () max by (node, gpu) "
                                 "(clusterpulse_gpu_temperature_celsius))"),
-            # ranks whose GPU is down: their own series look healthy or are absent
-            "gpu_down": partial(prom.query, f"max by (rank) (clusterpulse:rank_gpu{{{sel}}} "
-                                "and on (node, gpu) (clusterpulse_gpu_up == 0))"),
+            "gpu_down": partial(prom.query, down),
             "compute": partial(ranged,
                                f"max by (rank) (clusterpulse_trainer_compute_seconds{{{sel}}})"),
+            "compute_down": partial(ranged, down),
             "loss": partial(ranged, f"avg (clusterpulse_trainer_loss{{{sel}}})"),
             "rate": partial(prom.query, rate),
             # its own recent baseline: a rate alone says nothing of whether it is slow
@@ -518,7 +522,9 @@ def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Res
                 "gpu_down": {s.labels["rank"] for s in got["gpu_down"]},
                 "blocked": {s.labels["rank"]: f"{s.labels.get('op', '')} #{s.value:.0f}"
                             for s in got["blocked"]},
-                "compute": _wide(got["compute"], "rank"), "loss": _wide(got["loss"], "run"),
+                "compute": _wide(got["compute"], "rank"),
+                "compute_down": _wide(got["compute_down"], "rank"),
+                "loss": _wide(got["loss"], "run"),
                 "step_rate": rate_now[0].value if rate_now else 0.0,
                 "step_rate_usual": usual[0].value if usual else None,
                 "restarts": _wide(got["restarts"], "run"), "queries": prom.queries}

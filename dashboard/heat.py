@@ -72,3 +72,62 @@ def time_buckets(frame: pd.DataFrame, most: int = TIME_COLUMNS) -> pd.DataFrame:
     out.index = frame.index[pd.Series(group).drop_duplicates().index]
     return out
 
+
+
+RANK_GPU_DOWN = "GPU down"  # a compute heatmap cell's state while its rank's GPU is down
+
+
+def rank_cells(compute: pd.DataFrame, down: pd.DataFrame, most: int = TIME_COLUMNS
+               ) -> pd.DataFrame:
+    """The Run page's compute heatmap: time, rank ("rank N"), seconds, state ("ok" or
+    RANK_GPU_DOWN) and word (the cell the DOWN word is drawn on), in at most `most` time
+    columns (`time_buckets`).
+
+    `compute`: each rank's compute seconds by time; `down`: 1 where the rank's GPU was
+    down (a query's points, absent elsewhere). A rank keeps reporting its last step's
+    figures once its GPU is lost, so its latest cell was drawn in the brightest colour
+    as if healthy while the banner above said its GPU was DOWN: a column where its GPU
+    was down at any point is a down cell, with no value (the figure is stale), drawn
+    even where the rank reported nothing. The word is on the last cell of each stretch
+    of down cells only: a column of a 40-column chart is narrower than the word, and
+    one on each cell overlapped into a smear. Cells with no value and no down state
+    (the rank reported no step then: a restart, or before it began) stay blank."""
+    index = compute.index.union(down.index)
+    ranks = sorted(set(compute.columns) | set(down.columns), key=lambda r: int(r.split()[-1]))
+    values = time_buckets(compute.reindex(index=index, columns=ranks), most)
+    was_down = time_buckets((down.reindex(index=index, columns=ranks) > 0).astype(float),
+                            most) > 0
+    word = was_down & ~was_down.shift(-1, fill_value=False).astype(bool)
+
+    def long(frame: pd.DataFrame, name: str) -> pd.DataFrame:  # a row per time and rank
+        return frame.reset_index(names="time").melt(id_vars="time", var_name="rank",
+                                                    value_name=name)
+
+    out = long(values.mask(was_down), "seconds").assign(down=long(was_down, "d")["d"],
+                                                        word=long(word, "w")["w"])
+    out = out[out["down"] | out["seconds"].notna()].sort_values("time", kind="stable")
+    out["state"] = out["down"].map({True: RANK_GPU_DOWN, False: "ok"})
+    return out[["time", "rank", "seconds", "state", "word"]].reset_index(drop=True)
+
+
+def rank_summary(c: pd.DataFrame) -> str:
+    """The compute heatmap in words: its slowest and fastest rank (each rank's latest
+    healthy cell), and each rank whose GPU was down, with whether it still is."""
+    columns = c["time"].nunique()
+    parts = [f"Compute time (s) of {c['rank'].nunique()} rank(s) in {columns} time column(s)"]
+    latest = c[c["state"] == "ok"].dropna(subset=["seconds"]).groupby("rank").last()
+    if not latest.empty:
+        order = latest["seconds"].sort_values()
+        parts.append(f"slowest: {order.index[-1]} at {order.iloc[-1]:.2f} s; fastest: "
+                     f"{order.index[0]} at {order.iloc[0]:.2f} s (each rank's latest "
+                     "healthy cell)")
+    last_time = c["time"].max()
+    down = c[c["state"] != "ok"]
+    if len(down):
+        parts.append(f"{down['rank'].nunique()} rank(s) with their GPU DOWN: " + "; ".join(
+            f"{rank} in {len(cells)} of {columns} column(s)"
+            + (", the latest included" if (cells["time"] == last_time).any() else "")
+            for rank, cells in down.groupby("rank", sort=False)))
+    else:
+        parts.append("no rank's GPU down")
+    return ". ".join(parts) + "."

@@ -460,7 +460,11 @@ def heatmap_spec(frame, x: str, y: str, value: str, title: str, scheme: str = SC
     (GPUs 0, 1, 3, 2 when GPU 2 was down). `domain`: the colour scale's fixed range,
     values beyond it clamped to its ends, so that a colour means the same value on
     every load (a relative scale drew a normal 63 °C as bright as a throttling 89 °C
-    when those were the extremes); without it the scale spans the values shown."""
+    when those were the extremes); without it the scale spans the values shown.
+
+    With a boolean `word` column (the Run page's rank x time chart: heat.rank_cells) the
+    DOWN word is drawn on those down cells only, ending at the cell's centre, over the
+    down cells before it: a time column is narrower than the word."""
     has_state = "state" in frame.columns
 
     def order(field: str, given: list | None) -> list:
@@ -485,13 +489,15 @@ def heatmap_spec(frame, x: str, y: str, value: str, title: str, scheme: str = SC
                       "scale": scale}}}
     if has_state:
         down = [{"filter": "datum.state !== 'ok'"}]
+        some = "word" in frame.columns
         spec = {"layer": [
             {**spec, "transform": [{"filter": "datum.state === 'ok'"}]},
             {"mark": {"type": "rect", "color": DOWN_FILL, "stroke": "black", "cursor": cursor},
              "encoding": {**position, "tooltip": tooltip, **link}, "transform": down},
             {"mark": {"type": "text", "text": "DOWN", "fontWeight": "bold", "color": "black",
-                      "cursor": cursor},
-             "encoding": {**position, "tooltip": tooltip, **link}, "transform": down}]}
+                      "cursor": cursor, **({"align": "right"} if some else {})},
+             "encoding": {**position, "tooltip": tooltip, **link},
+             "transform": down + ([{"filter": "datum.word"}] if some else [])}]}
     if height:
         spec["height"] = height
     return spec

@@ -104,12 +104,11 @@ def live() -> None:
     left, right = st.columns(2)
     with left:
         st.markdown("**Compute time per rank (s)** · click a cell for its rank")
-        comp = d["compute"]
-        if not comp.empty:
-            long = hmap.time_buckets(comp).reset_index(names="time").melt(
-                id_vars="time", var_name="rank", value_name="seconds").dropna()
-            long = long.sort_values("time", kind="stable")  # columns in time order
-            span = (comp.index.max() - comp.index.min()).total_seconds()
+        comp, down = d["compute"], d["compute_down"]
+        if not comp.empty or not down.empty:
+            long = hmap.rank_cells(comp, down)  # in time order, the down cells marked
+            words = hmap.rank_summary(long)  # of the times, before they are labels
+            span = (long["time"].max() - long["time"].min()).total_seconds()
             long["time"] = long["time"].dt.strftime("%m-%d %H:%M" if span > 86400
                                                     else "%H:%M:%S")
             long["url"] = [links.page_url("run", {"run": run, "rank": r.split(" ")[-1]},
@@ -117,6 +116,11 @@ def live() -> None:
             ui.heatmap(long.rename(columns={"time": ui.TIME_TITLE}), ui.TIME_TITLE, "rank",
                        "seconds", "compute s", height=110 + 24 * long["rank"].nunique(),
                        y_order=sorted(long["rank"].unique(), key=lambda r: int(r.split()[-1])))
+            st.caption("Grey cells marked DOWN: the rank's GPU was down then (its step "
+                       "time, the last it reported, is not drawn). Blank cells: the rank "
+                       "reported no step then (a restart, or before it began).")
+            # the same picture in words, for screen readers (and a glance)
+            st.caption(words)
     with right:
         st.markdown("**Loss**")
         if not d["loss"].empty:

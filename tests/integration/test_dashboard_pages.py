@@ -32,8 +32,15 @@ def prom_with_data(tmp_path_factory):
     prom = Prometheus(tmp, [f"127.0.0.1:{port}" for _, port, _ in agents], rule_files=rules)
     socks = [connect(telemetry[len("unix:"):]) for _, _, telemetry in agents]
 
-    def report(**rank0):
-        """One step of every rank; `rank0`: more fields for rank 0 (a resume record)."""
+    def report(lost: bool = False, **rank0):
+        """One step of every rank; `rank0`: more fields for rank 0 (a resume record).
+        With `lost`, also a step of run `lost`'s only rank, on node-b's lost GPU 3 (its
+        last step time, 0.4 s, reads as healthy): run `llm`'s ranks stay on good GPUs."""
+        if lost:
+            socks[1].send(protocol.encode({
+                "type": "step", "run": "lost", "rank": 0, "local_rank": 0, "gpu": 3,
+                "pid": 2, "world_size": 1, "step": 7, "loss": 3.0, "step_seconds": 0.4,
+                "compute_seconds": 0.4, "restarts": 0}))
         for i, sock in enumerate(socks):
             for local in (0, 1):
                 rank = 2 * i + local
@@ -340,6 +347,41 @@ def test_a_lost_gpu_is_down_on_the_heatmap_and_the_node_page(prom_with_data, mon
     assert "nan" not in " ".join(links["PCIe"]) + " ".join(links["NVLinks up"])
     xid = next(d.value for d in at.dataframe if "xid" in d.value.columns)
     assert "fallen off the bus" in xid.set_index("xid").loc["79", "meaning"]
+
+
+def test_the_compute_heatmap_marks_a_rank_down_while_its_gpu_is_lost(prom_with_data,
+                                                                      monkeypatch, tmp_path):
+    """In the demo the banner said rank 2's GPU was DOWN and the table flagged it, while the compute
+    heatmap drew its latest cell in the brightest colour (its last step time) as if it
+    were healthy. Its cells while its GPU is down are marked DOWN, as on the Cluster
+    page's heatmap, and said in words. (Run `lost` has one rank, on node-b's GPU 3.)"""
+    import pyarrow as pa
+
+    from clusterpulse.dashboard import ui
+
+    prom, report = prom_with_data
+
+    def down_a_while() -> bool:  # over a few of the page's 4.5 s steps (15 min window)
+        report(lost=True)
+        return bool(prom.query('count_over_time((clusterpulse:rank_gpu{run="lost"} and on '
+                               '(node, gpu) (clusterpulse_gpu_up == 0))[1m:1s]) >= 12'))
+    wait_until(down_a_while, 60, "run lost's rank on the lost GPU for 12 s")
+    st.cache_data.clear()
+    at = app(monkeypatch, prom.url, tmp_path)
+    at.query_params.update({"run": "lost"})
+    at.switch_page("views/run.py").run()
+    assert not at.exception, at.exception
+    assert any(e.value.startswith("Rank 0 on node-b: its GPU 3 is DOWN") for e in at.error)
+    (heat,) = [e for e in charts(at) if '"rank"' in e.proto.spec]
+    spec = json.loads(heat.proto.spec)
+    word = next((m for m in spec.get("layer", []) if m["mark"]["type"] == "text"), None)
+    assert word and word["mark"]["text"] == "DOWN", spec
+    cells = pa.ipc.open_stream(heat.proto.data.data).read_all().to_pandas()
+    latest = cells[cells[ui.TIME_TITLE] == cells[ui.TIME_TITLE].iloc[-1]]
+    assert list(latest["state"]) == ["GPU down"], cells.tail()  # not its 0.4 s as healthy
+    assert (cells["state"] == "GPU down").sum() >= 2, cells  # each column it was down in
+    words = [c.value for c in at.caption if "GPU DOWN" in c.value]
+    assert words and "rank 0" in words[0], [c.value for c in at.caption]
 
 
 def test_prometheus_down_shows_a_banner_not_a_traceback(monkeypatch, tmp_path):

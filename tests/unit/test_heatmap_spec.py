@@ -93,3 +93,26 @@ def test_the_compute_heatmap_covers_the_whole_window_in_at_most_40_columns():
     assert list(got["rank 3"]) == [0.15] * 20 + [0.3] * 20  # each column the mean of its points
     short = comp.iloc[:12]
     assert heat.time_buckets(short) is short  # nothing to bucket
+
+
+def test_a_rank_is_down_in_each_column_its_gpu_was_down_and_the_word_ends_each_stretch():
+    """The compute heatmap drew a rank on a lost GPU in the brightest colour (the last
+    step time it kept reporting) while the page's banner said its GPU was DOWN."""
+    times = pd.date_range("2026-01-31T14:00", periods=10, freq="5s")
+    comp = pd.DataFrame({"rank 0": 0.15, "rank 2": [0.15] * 3 + [float("nan")] * 2
+                         + [0.4] * 5}, index=times)
+    down = pd.DataFrame({"rank 2": 1.0}, index=times[[1, 6, 7, 8, 9]])
+    cells = heat.rank_cells(comp, down)
+    two = cells[cells["rank"] == "rank 2"].set_index("time")
+    assert list(two["state"]) == ["ok", heat.RANK_GPU_DOWN, "ok", "ok"] + [
+        heat.RANK_GPU_DOWN] * 4
+    assert times[3] not in two.index and times[4] not in two.index  # a restart: blank
+    assert two["seconds"].where(two["state"] != "ok").isna().all()  # not its stale 0.4 s
+    assert list(two.index[two["word"]]) == [times[1], times[9]]  # the end of each stretch
+    assert not cells[cells["rank"] == "rank 0"]["word"].any()
+    spec = ui.heatmap_spec(cells, "time", "rank", "seconds", "compute s")
+    word = next(m for m in layers(spec) if m["mark"]["type"] == "text")
+    assert word["mark"]["text"] == "DOWN" and word["transform"][-1] == {"filter": "datum.word"}
+    text = heat.rank_summary(cells)
+    assert "1 rank(s) with their GPU DOWN: rank 2 in 5 of 10 column(s), the latest included" \
+        in text, text
