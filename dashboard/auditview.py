@@ -75,6 +75,32 @@ def actions(records: list[dict]) -> pd.DataFrame:
     return out.iloc[::-1].reset_index(drop=True)
 
 
+# The table's columns as the page shows them: the actions table fits the page at a
+# 1024 px window with the sidebar open (564 px), where its eleven columns took 1623 px
+# and scrolled sideways at 1400 px too, "sim-node-1: refu…" the last of its nodes in
+# view. What an on-call reads (when, who, what, how it ended on each node, why) is in
+# five columns of text that wraps; the log's bookkeeping (source, records, detail,
+# hash) is in a table of its own.
+SHOWN = ["time (UTC)", "who", "action", "outcome", "why"]
+BOOKKEEPING = ["time (UTC)", "source", "records", "detail", "prev"]
+
+
+def shown(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """`frame` (as `actions` gives it) as the page's two tables, SHOWN and BOOKKEEPING:
+    the time as text (it wraps between the date and the time), the run with the
+    action ("checkpoint-restart on run web") and each node's outcome with the
+    action's ("accepted; node-a: completed, node-b: completed")."""
+    when = frame["time (UTC)"].map(lambda t: t.strftime("%Y-%m-%d %H:%M:%S"))
+    action = [f"{a} on run {r}" if r else a for a, r in zip(frame["action"], frame["run"],
+                                                                strict=True)]
+    outcome = [f"{o}; {n}" if n else o for o, n in zip(frame["outcome"], frame["nodes"],
+                                                       strict=True)]
+    main = pd.DataFrame({"time (UTC)": when, "who": frame["who"], "action": action,
+                         "outcome": outcome, "why": frame["why"]}, columns=SHOWN)
+    rest = frame[BOOKKEEPING].assign(**{"time (UTC)": when})
+    return main.reset_index(drop=True), rest.reset_index(drop=True)
+
+
 # An agent refuses a restart while one of the run is in flight before the requester,
 # waiting for every agent's answer, writes its request: it joins the first request for
 # its run and node written within this long after it (one refused click read as three

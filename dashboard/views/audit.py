@@ -13,6 +13,19 @@ operator = ui.operator()
 # which needs neither, waited for both.
 chain = st.container()
 HIDDEN_FROM_VIEWERS = ("sign-in", "authenticate", "webhook")
+# Widths that sum to less than the page at a 1024 px window with the sidebar open (564
+# px), stretched on a wider one; a cell's text wraps over up to three lines (Streamlit
+# wraps only in rows taller than 4 rem): auditview.SHOWN.
+ROW_PX = 68
+COLUMNS = {
+    "time (UTC)": st.column_config.TextColumn("time (UTC)", width=85),
+    "who": st.column_config.TextColumn("who", width=60),
+    # "checkpoint-restart" read "checkpc" at 1400 px
+    "action": st.column_config.TextColumn("action", width=135),
+    "outcome": st.column_config.TextColumn("outcome", width=140,
+                                           help="the action's, then each node's"),
+    "why": st.column_config.TextColumn("why", width=120),
+}
 
 
 @st.fragment
@@ -37,13 +50,18 @@ def table() -> None:
             frame = frame[frame[col].isin(chosen)]
     if not frame.empty:  # the answer in words first: the table's code loads after it
         st.markdown(auditview.newest_line(frame))
-    st.caption(f"{len(frame)} action(s), newest first; times in UTC. `records`: the log's "
-               "lines of the action (the request and each agent's states); `prev`: the "
-               "hash chaining each line to the one before.")
-    st.dataframe(frame, hide_index=True, width="stretch", column_config={
-        # "checkpoint-restart" read "checkpc" at 1400 px
-        "action": st.column_config.TextColumn("action", width="medium"),
-        "prev": st.column_config.TextColumn("prev (hash)", width="small")})
+    st.caption(f"{len(frame)} action(s), newest first; times in UTC. `outcome`: the "
+               "action's, then each node's.")
+    main, rest = auditview.shown(frame)
+    st.dataframe(main, hide_index=True, width="stretch", row_height=ROW_PX,
+                 column_config=COLUMNS)
+    with st.expander("Source, records and hash of each action"):
+        st.caption("`records`: the log's lines of the action (the request and each "
+                   "agent's states); `prev`: the hash chaining each line to the one before.")
+        st.dataframe(rest, hide_index=True, width="stretch", column_config={
+            "time (UTC)": COLUMNS["time (UTC)"],
+            "prev": st.column_config.TextColumn("prev (hash)", width="small")},
+            row_height=ROW_PX)
 
 
 table()

@@ -85,9 +85,16 @@ def live() -> None:
         table = pd.DataFrame(rows)
         table["evidence"] = [links.evidence({"node": r["node"], "gpu": r["gpu"]}, ui.keep())
                              for r in rows]
-        st.dataframe(table, hide_index=True, width="stretch",
-                     column_config={"evidence": EVIDENCE, "problem": st.column_config.TextColumn(
-                         "problem", width="large")})
+        # widths that sum to less than the page at a 1024 px window with the sidebar
+        # open (564 px; a 400 px "problem" scrolled it 16 px), stretched on a wider
+        # one; a long problem wraps over up to three lines (Streamlit wraps only in
+        # rows taller than 4 rem)
+        st.dataframe(table, hide_index=True, width="stretch", row_height=68, column_config={
+            "node": st.column_config.TextColumn("node", width=90),
+            "gpu": st.column_config.TextColumn("gpu", width=45),
+            "problem": st.column_config.TextColumn("problem", width=330),
+            "evidence": st.column_config.LinkColumn("evidence", display_text="open",
+                                                    width=60)})
     else:
         st.success("All nodes and GPUs healthy.")
     of_jobs = run_alerts(active, d["placement"])

@@ -30,6 +30,25 @@ AXES = {"temperature °C": ("temperature (°C)", THROTTLE_C,
         "NVLink tx MB/s": ("NVLink transmit (MB/s)", None, "")}
 
 
+# The interconnect table fits the page at a 1024 px window with the sidebar open (564
+# px), where it scrolled 71 px sideways and "health" was out of view: shorter headers
+# (the window in their help), fixed widths that sum to less (stretched on a wider page),
+# PCIe's and health's text wrapping over up to three lines (Streamlit wraps only in
+# rows taller than 4 rem).
+LINK_ROW_PX = 68
+LINK_COLUMNS = {
+    "gpu": st.column_config.TextColumn("gpu", width=45),
+    "PCIe": st.column_config.TextColumn("PCIe", width=125,
+                                        help="as trained (its maximum)"),
+    "NVLinks up": st.column_config.TextColumn("NVLinks up", width=85),
+    "NVLink errors (10 min)": st.column_config.NumberColumn(
+        "NVLink errors", width=95, format="%.0f", help="in the last 10 min"),
+    "PCIe replays (10 min)": st.column_config.NumberColumn(
+        "PCIe replays", width=95, format="%.0f", help="in the last 10 min"),
+    "health": st.column_config.TextColumn("health", width=95),
+}
+
+
 def chart(title: str, frame: pd.DataFrame) -> None:
     st.markdown(f"**{title}**")
     if frame.empty:
@@ -145,7 +164,8 @@ def live() -> None:
         bad = links[links["health"] != "ok"]
         for _, r in bad.iterrows():
             st.warning(f"GPU {r['gpu']}: {r['health']}")
-        st.dataframe(links, hide_index=True, width="stretch")
+        st.dataframe(links, hide_index=True, width="stretch", column_config=LINK_COLUMNS,
+                     row_height=LINK_ROW_PX)
     st.markdown("**Network ports** (InfiniBand/RoCE and Ethernet, from sysfs)")
     if d["nics"].empty:
         st.caption("No physical network ports reported.")

@@ -26,20 +26,32 @@ win = ui.time_window(later)
 run = ui.choose("Run", lambda: data.run_names(s.prometheus_url), "No training run reports yet.",
                 "run", later)
 focus = ui.url_param("rank")  # a link to one rank (an alert, a heatmap cell)
+# The straggler table fits the page at a 1024 px window with the sidebar open (564 px):
+# its 13 columns took 1083 px, "compu…" was the last one in view there and at 1400 px
+# "evidence" read "GPU ch…". It shows what an on-call decides on and where: flag,
+# cause, score, rank, node, GPU and its evidence, in fixed widths that sum to less
+# (stretched on a wider page); each rank's temperature and times are in the expander
+# below it (the flagged ranks' in the line above it too).
 COLUMNS = {
-    "flag": st.column_config.TextColumn("flag", width=100),
-    "score": st.column_config.NumberColumn("score", format="%.2fx",
+    "flag": st.column_config.TextColumn("flag", width=90),
+    "cause": st.column_config.TextColumn("cause", width=120),
+    "score": st.column_config.NumberColumn("score", format="%.2fx", width=60,
                                            help="compute time / the typical rank's"),
+    "rank": st.column_config.TextColumn("rank", width=50),
+    "node": st.column_config.TextColumn("node", width=85),
+    "gpu": st.column_config.TextColumn("gpu", width=45),
     "GPU °C": st.column_config.NumberColumn("GPU °C", format="%.0f"),
     "compute ms": st.column_config.NumberColumn("compute ms", format="%.0f"),
     "sync wait ms": st.column_config.NumberColumn("sync wait ms", format="%.0f"),
     "data wait ms": st.column_config.NumberColumn("data wait ms", format="%.0f"),
     "bus MB/s": st.column_config.NumberColumn("bus MB/s", format="%.0f"),
     "heartbeat age s": st.column_config.NumberColumn("heartbeat age s", format="%.1f"),
-    # wide enough for its text (it read "GPU ch" under "evidenc" at 1400 px)
     "evidence": st.column_config.LinkColumn("evidence", display_text="GPU charts",
-                                            width="medium"),
+                                            width=85),
 }
+SHOWN = ["flag", "cause", "score", "rank", "node", "gpu", "evidence"]
+TIMINGS = ["rank", "GPU °C", "compute ms", "sync wait ms", "data wait ms", "bus MB/s",
+           "heartbeat age s"]
 
 
 def window_note(win: links.Window) -> str:
@@ -98,9 +110,12 @@ def live() -> None:
         shown = table.style.apply(lambda row: ["background-color: #fff3b0" if row["rank"] == focus
                                                else "" for _ in row], axis=1)
     # during a restart a rank reports no figures yet: its cells read "None" (ui.table)
-    ui.table(shown, hide_index=True, width="stretch", column_config=COLUMNS)
-    with st.expander("Internals (process, local rank, raw seconds)"):
+    ui.table(shown, hide_index=True, width="stretch", column_config=COLUMNS,
+             column_order=SHOWN)
+    with st.expander("Temperatures, times and internals (process, local rank, raw seconds)"):
         ui.table(internal, hide_index=True, width="stretch")
+        ui.table(table, hide_index=True, width="stretch", column_config=COLUMNS,
+                 column_order=TIMINGS)
     left, right = st.columns(2)
     with left:
         st.markdown("**Compute time per rank (s)** · click a cell for its rank")

@@ -217,6 +217,26 @@ def test_agent_records_written_before_their_request_join_it():
     assert row["time (UTC)"] == pd.Timestamp(10.60, unit="s").floor("s")
 
 
+def test_the_audit_tables_say_when_who_what_how_it_ended_and_why_in_five_columns():
+    """The Audit page's table had eleven columns (1623 px) and cut its nodes at 1400 px
+    ("sim-node-1: refu…"): the page shows five, the run with the action and each
+    node's outcome with the action's; the log's bookkeeping is in a table of its own."""
+    frame = auditview.actions([
+        {"ts": 100.0, "who": "alice", "action": "checkpoint-restart", "why": "slow",
+         "outcome": "accepted", "run": "llm", "source": "dashboard",
+         "nodes": {"a": "c1", "b": "c2"}, "prev": "0" * 64},
+        {"ts": 200.0, "who": "bob", "action": "drain-node", "outcome": "acted",
+         "source": "remediation", "prev": "1" * 64}])
+    main, rest = auditview.shown(frame)
+    assert list(main.columns) == auditview.SHOWN
+    assert list(main["action"]) == ["drain-node", "checkpoint-restart on run llm"]
+    assert list(main["outcome"]) == ["acted", "accepted; a: accepted, b: accepted"]
+    assert list(main["time (UTC)"]) == ["1970-01-01 00:03:20", "1970-01-01 00:01:40"]
+    assert list(rest.columns) == auditview.BOOKKEEPING and rest["prev"][1] == "0" * 64
+    empty = auditview.shown(frame.iloc[0:0])[0]
+    assert empty.empty and list(empty.columns) == auditview.SHOWN
+
+
 def test_the_audit_page_filters_by_person_and_refreshes(tmp_path, monkeypatch):
     """Issue #28 item 6: filters and a refresh on the Audit page (its table was the
     whole log, as it was when the page opened)."""
