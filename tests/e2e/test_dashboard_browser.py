@@ -614,16 +614,17 @@ NARROW_JS = """() => ({
 })"""
 
 
-# Each page the narrow test opens -> the tables it must find there (by a column of
-# theirs) once the fixture's data is in: the Run page's incident timeline and
-# straggler table, the Alerts page's history, the Audit page's actions, the Node
-# page's links. Every other table a page draws (the Cluster page's unhealthy GPUs,
-# the Alerts page's active incidents) is measured too where it is drawn.
-NARROW_PAGES = {"Cluster": ("", []),
-                "Run": ("/run?run=web", ["incident", "flag"]),
-                "Alerts": ("/alerts", ["labels"]),
-                "Audit": ("/audit", ["who"]),
-                "Node": ("/node?node=node-b", ["health"])}
+# Each page the narrow test opens -> the tables it waits for there once the fixture's
+# data is in, by a column of theirs that is in view on any page (a grid names only the
+# columns it draws), and how many tables it then has at least: the Run page's incident
+# timeline and straggler table, the Alerts page's incident and history, the Audit
+# page's actions, the Node page's links. Every table a page draws (the Cluster page's
+# unhealthy GPUs and jobs too) is measured.
+NARROW_PAGES = {"Cluster": ("", [], 0),
+                "Run": ("/run?run=web", ["incident", "flag"], 2),
+                "Alerts": ("/alerts", ["alert"], 2),
+                "Audit": ("/audit", ["who"], 1),
+                "Node": ("/node?node=node-b", ["PCIe"], 1)}
 
 
 def test_the_pages_fit_a_1024_px_window(env):
@@ -649,7 +650,7 @@ def test_the_pages_fit_a_1024_px_window(env):
         "TrainingStraggler firing for run web")
     failures, report = [], {}
     for width in (1024, 1400):
-        for name, (path, required) in NARROW_PAGES.items():
+        for name, (path, required, count) in NARROW_PAGES.items():
             p = env["browser"].new_page(viewport={"width": width, "height": 900})
             p.set_default_timeout(60_000)
             NETWORK_ABORTS[p] = []
@@ -660,15 +661,18 @@ def test_the_pages_fit_a_1024_px_window(env):
                 shows(p, _table_with(column)(p), 240_000,
                       lambda: straggler_evidence(env["stack"]) + dashboard_log(env))
                 _table_with(column)(p).locator(".dvn-scroller").wait_for()
+            if count:
+                p.locator('[data-testid="stDataFrame"] .dvn-scroller').nth(count - 1).wait_for()
             p.wait_for_timeout(1500)  # the fragment's next draw: the layout settled
             measured = report[f"{name} at {width} px"] = p.evaluate(NARROW_JS)
             if name in ("Cluster", "Run"):
                 assert measured["figures"], (name, measured)
             failures += [f"{name} at {width} px: figure {f['value']!r} on {f['lines']} lines"
                          for f in measured["figures"] if f["lines"] >= 1.5]
+            # a table in a closed expander has no grid (null): it is not on the page
             failures += [f"{name} at {width} px: a table scrolls sideways: {t}"
                          for t in measured["tables"]
-                         if t["overflow_px"] is None or t["overflow_px"] > 1]
+                         if t["overflow_px"] is not None and t["overflow_px"] > 1]
             p.screenshot(path=ARTIFACTS / f"narrow-{name.lower()}-{width}.png", full_page=True)
             p.context.close()
     print(json.dumps(report, indent=1))
