@@ -315,7 +315,8 @@ class AgentCollector(Collector):
             age.add_metric(lb, round(a.ranks.age(r), 3))
             if r.sender.verified:  # a UDP sender's pid is unknown: no claim either way
                 alive.add_metric(lb, 1.0 if still_running(r.sender) else 0.0)
-            restarts.add_metric(lb, r.restarts)
+            if r.restarts_known:  # a default 0 is no count (RankState.restarts_known)
+                restarts.add_metric(lb, r.restarts)
             if (p99 := r.step_intervals.p99()) is not None:
                 pace.add_metric(lb, round(p99, 3))
         yield from (info, step, steps, age, alive, restarts, phase, blocked, pace)

@@ -109,6 +109,10 @@ class RankState:
     values: dict[str, float] = field(default_factory=dict)
     step: int = -1
     restarts: int = 0
+    # whether the trainer has said its restart count: until then (a rank that reports
+    # before its process group is up sends none) 0 is a default, not a count, and
+    # exported it made a moved rank's new series read 0 then 4 (RestartLoop: "4 restarts")
+    restarts_known: bool = False
     steps_total: int = 0
     last_counted_step: int = -1
     # Steps completed by the process that holds the rank now: a restarted process has
@@ -231,6 +235,7 @@ class RankRegistry:
         for name in ("local_rank", "world_size", "gpu", "restarts"):
             if name in msg:
                 setattr(r, name, msg[name])
+        r.restarts_known = r.restarts_known or "restarts" in msg
         if "gpu_uuids" in msg:
             r.gpu_uuids = tuple(msg["gpu_uuids"])
         r.last_seen = now

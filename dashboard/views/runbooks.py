@@ -17,7 +17,8 @@ if not titles:
                "there.")
     st.stop()
 keys = list(titles)
-wanted = st.query_params.get("alert", "")
+# an anchor is lower case ("gpudown"); a link may name the alert as it is ("GpuDown")
+wanted = st.query_params.get("alert", "").lower()
 if wanted and wanted not in titles:
     st.warning(f"No runbook for alert={wanted!r}: pick one below.")
 if "runbook" not in st.session_state or (wanted in titles and wanted != st.session_state.get(

@@ -191,6 +191,9 @@ def test_a_runbook_link_opens_the_alerts_section_in_the_dashboard(prom_with_data
     at.selectbox(key="runbook").select("rankhung").run()  # another section, in the URL
     assert any(m.value == runbooks.text("#rankhung") for m in at.markdown)
     assert at.query_params["alert"] in ("rankhung", ["rankhung"])
+    at.query_params["alert"] = "GpuDown"  # the alert's own name, not only its anchor
+    at.run()
+    assert at.selectbox(key="runbook").value == "gpudown", at.warning
     at.query_params["alert"] = "nosuchalert"
     at.run()
     assert not at.exception, at.exception

@@ -329,6 +329,15 @@ def test_agent_replies_with_gpu_slowdown_and_exports_rank_series(sim_agent):
     assert f"clusterpulse_trainer_process_alive{labels} 1.0" in text
     # one step: no interval yet, so no pace (the rules fall back to the step time)
     assert "clusterpulse_trainer_step_interval_p99_seconds{" not in text
+    # a rank that has not said its restart count (before its process group is up) has
+    # no restarts series: a default 0 read as "0 restarts" then its count (RestartLoop)
+    second = exchange(s, type="step", run="r1", rank=2, local_rank=0, gpu=0, pid=1, step=1)
+    assert second["type"] == "agent", second
+    step = 'clusterpulse_trainer_step{local_rank="0",node="node-a",rank="2",run="r1"}'
+    wait_for(lambda: step in sim_agent.get("/metrics", token=None).text, "rank 2's series")
+    text = sim_agent.get("/metrics", token=None).text
+    assert 'clusterpulse_trainer_restarts_total{local_rank="0",node="node-a",rank="2",run="r1"}' \
+        not in text
 
 
 def test_the_step_interval_p99_is_exported_once_a_rank_has_one(sim_agent):
