@@ -14,17 +14,19 @@ operator = ui.operator()
 chain = st.container()
 HIDDEN_FROM_VIEWERS = ("sign-in", "authenticate", "webhook")
 # Widths that sum to less than the page at a 1024 px window with the sidebar open (564
-# px), stretched on a wider one; a cell's text wraps over up to three lines (Streamlit
-# wraps only in rows taller than 4 rem): auditview.SHOWN.
-ROW_PX = 68
+# px), stretched on a wider one; a cell's text wraps over up to four lines (Streamlit
+# wraps only in rows taller than 4 rem): auditview.SHOWN. Four lines, and "who" wide
+# enough for "fault-player": at 1024 px, three lines of 140 px cut a two-node outcome
+# after "sim-node-1:" and 60 px broke "fault-pl ayer".
+ROW_PX = 88
 COLUMNS = {
     "time (UTC)": st.column_config.TextColumn("time (UTC)", width=85),
-    "who": st.column_config.TextColumn("who", width=60),
+    "who": st.column_config.TextColumn("who", width=85),
     # "checkpoint-restart" read "checkpc" at 1400 px
     "action": st.column_config.TextColumn("action", width=135),
     "outcome": st.column_config.TextColumn("outcome", width=140,
                                            help="the action's, then each node's"),
-    "why": st.column_config.TextColumn("why", width=120),
+    "why": st.column_config.TextColumn("why", width=95),
 }
 
 

@@ -36,6 +36,14 @@ AXES = {"temperature °C": ("temperature (°C)", THROTTLE_C,
 # PCIe's and health's text wrapping over up to three lines (Streamlit wraps only in
 # rows taller than 4 rem).
 LINK_ROW_PX = 68
+# XID and ECC tables: narrow figures, the XID's meaning wrapping (under 564 px in all)
+EVENT_COLUMNS = {
+    "gpu": st.column_config.TextColumn("gpu", width=45),
+    "xid": st.column_config.TextColumn("xid", width=45),
+    "kind": st.column_config.TextColumn("kind", width=120),
+    "count": st.column_config.NumberColumn("count", width=60, format="%.0f"),
+    "meaning": st.column_config.TextColumn("meaning", width=300),
+}
 LINK_COLUMNS = {
     "gpu": st.column_config.TextColumn("gpu", width=45),
     "PCIe": st.column_config.TextColumn("PCIe", width=125,
@@ -145,16 +153,18 @@ def live() -> None:
         st.dataframe(rows, hide_index=True, width="stretch")
     else:
         st.caption("No throttling in this range.")
-    c1, c2 = st.columns(2)
     # statements, not `a if c else b` expressions: Streamlit's magic renders an
-    # expression's value, and that of st.dataframe/st.caption is st itself (its help)
-    for col, title, frame in ((c1, "XID errors (last 10 min)", d["xid"]),
-                              (c2, "ECC error counters", d["ecc"])):
-        col.markdown(f"**{title}**")
+    # expression's value, and that of st.dataframe/st.caption is st itself (its help).
+    # One under the other, the page's width each: side by side, half of a 1024 px window's
+    # page, the XID table scrolled sideways by 282 px and cut "GPU has fallen off th…".
+    for title, frame in (("XID errors (last 10 min)", d["xid"]),
+                         ("ECC error counters", d["ecc"])):
+        st.markdown(f"**{title}**")
         if frame.empty:
-            col.caption("none")
+            st.caption("none")
         else:
-            col.dataframe(frame, hide_index=True)
+            st.dataframe(frame, hide_index=True, width="stretch", column_config=EVENT_COLUMNS,
+                         row_height=LINK_ROW_PX)
     st.subheader("Links")
     st.markdown("**GPU interconnect** (PCIe as trained against its maximum, NVLinks)")
     links = d["gpu_links"]
