@@ -27,7 +27,7 @@ from clusterpulse.trainer.checkpoint import find_latest_valid
 from deploy.local.stack import rank_pids
 from tests.conftest import start_agent
 from tests.support.ports import free_port
-from tests.support.procs import REPO, wait_until
+from tests.support.procs import REPO, wait_for_text, wait_until
 from tests.support.torchrun import launcher_cmd, start_logged, stop_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -201,7 +201,7 @@ def test_a_signal_to_the_launchers_process_group_checkpoints_then_exits(tmp_path
             "--sim-compute-seconds", "0.02", "--log-every", "10", "--ckpt-dir", str(ckpt)]
     p = start_logged(launcher_cmd(2, 0, args, cold_start=cold), log, tmp_path)
     try:
-        wait_until(lambda: "step 20/" in log.read_text(errors="replace"), 180, "training")
+        wait_for_text(log, "step 20/", 180, "training")
         assert len(rank_pids([p.pid])) == 2
         os.killpg(p.pid, sig)
         assert p.wait(timeout=120) == 128 + sig, log.read_text(errors="replace")[-3000:]

@@ -41,6 +41,17 @@ def wait_until(check: Callable[[], object], timeout: float, what: str, interval:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last error: {last_err}")
 
 
+def wait_for_text(path: Path, text: str, timeout: float, what: str) -> None:
+    """Wait until the log at `path` says `text`; on a timeout the failure shows the
+    log's end (a cold-started job that never reached step 20 on a clean machine left
+    only "timed out waiting for training" to go on)."""
+    try:
+        wait_until(lambda: text in path.read_text(errors="replace"), timeout, what)
+    except AssertionError as err:
+        tail = path.read_text(errors="replace")[-3000:] if path.exists() else "(no log)"
+        raise AssertionError(f"{err}\n--- the end of {path} ---\n{tail}") from None
+
+
 class Proc:
     def __init__(self, args: list[str], log: Path, **kw) -> None:
         self.args = args
