@@ -73,7 +73,6 @@ def time_buckets(frame: pd.DataFrame, most: int = TIME_COLUMNS) -> pd.DataFrame:
     return out
 
 
-
 RANK_GPU_DOWN = "GPU down"  # a compute heatmap cell's state while its rank's GPU is down
 
 
