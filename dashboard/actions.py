@@ -66,6 +66,12 @@ def follow_in_flight(results: list[NodeResult]) -> list[NodeResult]:
             for r in results]
 
 
+def ended(results: list[NodeResult]) -> bool:
+    """Whether a restart's every node has finished with it (completed or failed), or
+    was never reached: the Run page's progress stops waiting, a refusal says so."""
+    return all(r.state in ("completed", "failed") or not r.ok for r in results)
+
+
 def refusal_status(refused: list[NodeResult], asked_at: float, followed: list[NodeResult]
                    ) -> tuple[str, str]:
     """What a refused asker reads beside the restart it now follows, as that restart
@@ -79,11 +85,11 @@ def refusal_status(refused: list[NodeResult], asked_at: float, followed: list[No
     since = time.strftime("%H:%M:%S", time.gmtime(running.get("created_unix") or asked_at))
     named = (f"a {running.get('action', 'restart')} of this run requested by {who} at {since} "
              f"UTC (command {running.get('id', '?')}) was already in flight")
-    if followed and all(r.state in ("completed", "failed") or not r.ok for r in followed):
-        ended = ("completed" if {r.state for r in followed if r.ok} == {"completed"}
-                 else "ended (see the table)")
+    if followed and ended(followed):
+        how = ("completed" if {r.state for r in followed if r.ok} == {"completed"}
+               else "ended (see the table)")
         return ("info", f"Your request at {when} UTC was not sent: {named}, and it has since "
-                        f"{ended}. Ask again if the run still needs a restart.")
+                        f"{how}. Ask again if the run still needs a restart.")
     hint = (" To make it a hard restart now: `clusterpulse-ctl escalate --run "
             f"{running.get('run', '…')} --command {running.get('id', '…')} --reason …`."
             if running.get("action") == "checkpoint-restart" else "")

@@ -266,7 +266,7 @@ if last and last["run"] == run:
     @st.fragment(run_every=2)
     def progress() -> None:
         results = actions.command_states(last["results"], s.agent_token())
-        done = all(r.state in ("completed", "failed") or not r.ok for r in results)
+        done = actions.ended(results)
         if last.get("refused"):  # refreshed with the restart it follows
             kind, text = actions.refusal_status(last["refused"], last["asked_at"], results)
             (st.error if kind == "error" else st.info)(text)
