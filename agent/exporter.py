@@ -106,13 +106,15 @@ RANK_SERIES: list[tuple[str, str, str, bool]] = [
      "Steps made before the restart past the resumed step, done again (rank 0).", False),
     ("resume_timestamp_seconds", "trainer_resume_timestamp_seconds",
      "Unix time this process resumed (rank 0).", False),
-    ("collectives_entered_total", "trainer_collectives_entered",
-     "Collectives the rank has entered (sequence number; the hang root entered fewer).", True),
     ("collectives_completed_total", "trainer_collectives_completed",
      "Collectives the rank has completed.", True),
 ]
 
 PREFIX = "clusterpulse_"
+# Hang detection's evidence (progress_families): also served alone on /metrics/progress.
+PROGRESS_FAMILIES = tuple(PREFIX + n for n in (
+    "trainer_heartbeat_age_seconds", "trainer_process_alive", "trainer_phase",
+    "trainer_blocked_collective", "trainer_collectives_entered_total"))
 
 
 # A rank that finished is nobody's straggler: its last score and flag, exported for the
@@ -269,6 +271,7 @@ class AgentCollector(Collector):
     def _rank_series(self) -> Iterable:
         a, node = self.agent, self.agent.node
         ranks = a.ranks.snapshot()
+        yield from progress_families(a, ranks)
 
         def labels(r) -> list[str]:
             return [r.run, str(r.rank), node, str(r.local_rank)]
@@ -280,46 +283,26 @@ class AgentCollector(Collector):
                                  labels=RANK_LABELS)
         steps = CounterMetricFamily(PREFIX + "trainer_steps", "Steps completed (this process).",
                                     labels=RANK_LABELS)
-        age = GaugeMetricFamily(PREFIX + "trainer_heartbeat_age_seconds",
-                                "Seconds since the rank last completed a step.",
-                                labels=RANK_LABELS)
-        alive = GaugeMetricFamily(PREFIX + "trainer_process_alive",
-                                  "1 if the rank's process exists on this node.",
-                                  labels=RANK_LABELS)
         restarts = CounterMetricFamily(PREFIX + "trainer_restarts",
                                        "Restarts of the rank's worker group (torchrun).",
                                        labels=RANK_LABELS)
-        phase = GaugeMetricFamily(PREFIX + "trainer_phase",
-                                  "1 for what the rank is doing now (sync = waiting for peers).",
-                                  labels=[*RANK_LABELS, "phase"])
         pace = GaugeMetricFamily(PREFIX + "trainer_step_interval_p99_seconds",
                                  "99th percentile of the times between the rank's last "
                                  f"completed steps (at most {STEP_INTERVALS_KEPT}), as the agent "
                                  "saw them: the step and what the loop does between steps "
                                  "(an evaluation). The steady hang threshold is based on it.",
                                  labels=RANK_LABELS)
-        blocked = GaugeMetricFamily(PREFIX + "trainer_blocked_collective",
-                                    "Sequence number of the collective the rank waits in, "
-                                    "by operation (absent when not blocked).",
-                                    labels=[*RANK_LABELS, "op"])
         for r in ranks:
             lb = labels(r)
-            phase.add_metric([*lb, r.phase], 1.0)
-            if r.collective and r.phase not in (EXITED, RESTARTING):
-                blocked.add_metric([*lb, r.collective],
-                                   r.values.get("collectives_completed_total", 0.0) + 1)
             info.add_metric([*lb, str(r.gpu), str(r.pid), str(r.world_size)], 1.0)
             if r.step >= 0:
                 step.add_metric(lb, r.step)
             steps.add_metric(lb, r.steps_total)
-            age.add_metric(lb, round(a.ranks.age(r), 3))
-            if r.sender.verified:  # a UDP sender's pid is unknown: no claim either way
-                alive.add_metric(lb, 1.0 if still_running(r.sender) else 0.0)
             if r.restarts_known:  # a default 0 is no count (RankState.restarts_known)
                 restarts.add_metric(lb, r.restarts)
             if (p99 := r.step_intervals.p99()) is not None:
                 pace.add_metric(lb, round(p99, 3))
-        yield from (info, step, steps, age, alive, restarts, phase, blocked, pace)
+        yield from (info, step, steps, restarts, pace)
         for key, name, help_text, counter in RANK_SERIES:
             cls = CounterMetricFamily if counter else GaugeMetricFamily
             fam = cls(PREFIX + name, help_text, labels=RANK_LABELS)
@@ -327,3 +310,52 @@ class AgentCollector(Collector):
                 if key in r.values and not (key in JUDGEMENT and r.phase == EXITED):
                     fam.add_metric(labels(r), r.values[key])
             yield fam
+
+
+class ProgressCollector(Collector):
+    """The ranks' progress alone (PROGRESS_FAMILIES), served on /metrics/progress."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator:
+        yield from progress_families(self.agent, self.agent.ranks.snapshot())
+
+
+def progress_families(agent: Agent, ranks: list) -> Iterator:
+    """What hang detection reads, in one place for /metrics and /metrics/progress.
+
+    Prometheus scrapes these every second on their own path and every other series at
+    the scrape interval (5 s shipped): a hang is named within max(15 s, 3 x the p99
+    step) only if its evidence is at most a second old (docs/detection.md, Hang
+    latency), and scraping every GPU series that often would cost 5x the samples.
+    """
+    node = agent.node
+    age = GaugeMetricFamily(PREFIX + "trainer_heartbeat_age_seconds",
+                            "Seconds since the rank last completed a step.",
+                            labels=RANK_LABELS)
+    alive = GaugeMetricFamily(PREFIX + "trainer_process_alive",
+                              "1 if the rank's process exists on this node.",
+                              labels=RANK_LABELS)
+    phase = GaugeMetricFamily(PREFIX + "trainer_phase",
+                              "1 for what the rank is doing now (sync = waiting for peers).",
+                              labels=[*RANK_LABELS, "phase"])
+    blocked = GaugeMetricFamily(PREFIX + "trainer_blocked_collective",
+                                "Sequence number of the collective the rank waits in, "
+                                "by operation (absent when not blocked).",
+                                labels=[*RANK_LABELS, "op"])
+    entered = CounterMetricFamily(PREFIX + "trainer_collectives_entered",
+                                  "Collectives the rank has entered (sequence number; the "
+                                  "hang root entered fewer).", labels=RANK_LABELS)
+    for r in ranks:
+        lb = [r.run, str(r.rank), node, str(r.local_rank)]
+        phase.add_metric([*lb, r.phase], 1.0)
+        if r.collective and r.phase not in (EXITED, RESTARTING):
+            blocked.add_metric([*lb, r.collective],
+                               r.values.get("collectives_completed_total", 0.0) + 1)
+        age.add_metric(lb, round(agent.ranks.age(r), 3))
+        if r.sender.verified:  # a UDP sender's pid is unknown: no claim either way
+            alive.add_metric(lb, 1.0 if still_running(r.sender) else 0.0)
+        if "collectives_entered_total" in r.values:
+            entered.add_metric(lb, r.values["collectives_entered_total"])
+    yield from (age, alive, phase, blocked, entered)

@@ -1,4 +1,5 @@
-"""HTTP front door of the agent: /metrics, /healthz and the /v1/ control API.
+"""HTTP front door of the agent: /metrics (and /metrics/progress), /healthz and the /v1/
+control API.
 
 Built on agent.httpsafe: Content-Length checked and bodies capped before anything is
 read, the bearer token checked before the body is read, read timeouts, a connection
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from clusterpulse.agent.control import ControlApi, Tokens
-from clusterpulse.agent.exporter import AgentCollector
+from clusterpulse.agent.exporter import AgentCollector, ProgressCollector
 from clusterpulse.agent.httpsafe import (
     MAX_CONNECTIONS,
     HttpError,
@@ -38,6 +39,8 @@ def make_server(agent: Agent, host: str, port: int, token: str | Tokens | None,
                 max_connections: int = MAX_CONNECTIONS) -> SafeServer:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AgentCollector(agent))
+    progress = CollectorRegistry(auto_describe=False)
+    progress.register(ProgressCollector(agent))
     control = ControlApi(agent, token)
     cache: dict[str, tuple[int, bytes]] = {}  # content type -> (cycle, body)
     cache_lock = threading.Lock()
@@ -72,6 +75,11 @@ def make_server(agent: Agent, host: str, port: int, token: str | Tokens | None,
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 self.send_bytes(200, *render(self.headers.get("Accept", "")))
+            elif path == "/metrics/progress":
+                # hang detection's evidence alone, scraped every second: rendered at
+                # each request (a few series per rank), so ages are never a cycle old
+                encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
+                self.send_bytes(200, encoder(progress), ctype)
             elif path in ("/healthz", "/"):
                 snap = agent.snapshot
                 stopped = agent.stopped_threads()

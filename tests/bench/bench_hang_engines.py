@@ -21,7 +21,6 @@ a change before shipping it). Prints one line per run and the summary as JSON.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,68 +28,14 @@ import threading
 import time
 from pathlib import Path
 
-from clusterpulse.agent import protocol
+from tests.support.hangruns import STEP_S, Run, firing_runs
 from tests.support.procs import RULE_FILES, Prometheus, _http, start_agent_cli
 from tests.support.victoria import Shard, VmAlert, victoria_metrics, write_targets
 
-STEP_S = 0.2
 WARM_S = 60.0  # the chain of recorded rules, 5 links at 5 s on vmalert, and the p99
 STAGGER_S = 7.0  # not a multiple of the 5 s cycles
 POLL_S = 0.25
 GIVE_UP_S = 120.0
-
-
-class Run:
-    """Two ranks of one run, each on its own connection to the agent (their sender is
-    this process: alive)."""
-
-    def __init__(self, path: str, name: str) -> None:
-        self.name, self.step = name, 0
-        self.hang, self.last_step_at = False, 0.0
-        self.socks = []
-        for _ in range(2):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            s.connect(path)
-            self.socks.append(s)
-
-    def _send(self, rank: int, msg: dict) -> None:
-        self.socks[rank].send(protocol.encode({
-            "v": protocol.VERSION, "run": self.name, "rank": rank, "local_rank": rank,
-            "gpu": rank, "world_size": 2, **msg}))
-
-    def tick(self) -> None:
-        """One step of both ranks; once hung, rank 0 waits in the collective rank 1
-        never entered, both still heartbeating."""
-        if not self.hang:
-            self.step += 1
-            for r in range(2):
-                self._send(r, {"type": "step", "step": self.step, "step_seconds": STEP_S,
-                               "compute_seconds": 0.15, "sync_wait_seconds": 0.03,
-                               "data_wait_seconds": 0.01,
-                               "collectives_entered_total": 2.0 * self.step,
-                               "collectives_completed_total": 2.0 * self.step,
-                               "straggler_score": 1.0, "straggler_flagged": 0.0})
-                self._send(r, {"type": "heartbeat", "step": self.step,
-                               "phase": "forward_backward", "phase_seconds": 0.1,
-                               "collectives_entered_total": 2.0 * self.step,
-                               "collectives_completed_total": 2.0 * self.step})
-            self.last_step_at = time.time()
-            return
-        waited = time.time() - self.last_step_at
-        self._send(0, {"type": "heartbeat", "step": self.step, "phase": "sync",
-                       "phase_seconds": waited, "collective": "all_reduce",
-                       "collectives_entered_total": 2.0 * self.step + 1,
-                       "collectives_completed_total": 2.0 * self.step})
-        self._send(1, {"type": "heartbeat", "step": self.step, "phase": "forward_backward",
-                       "phase_seconds": waited,
-                       "collectives_entered_total": 2.0 * self.step,
-                       "collectives_completed_total": 2.0 * self.step})
-
-
-def firing_runs(alerts: list[dict]) -> set[str]:
-    return {a["labels"].get("run") for a in alerts
-            if a["labels"].get("alertname", a.get("name")) == "RankHung"
-            and a.get("state") == "firing"}
 
 
 def main(runs_n: int = 6, vmalert_flags: dict[str, str] | None = None) -> dict:
@@ -100,7 +45,7 @@ def main(runs_n: int = 6, vmalert_flags: dict[str, str] | None = None) -> dict:
         agent, port, telemetry = start_agent_cli(tmp, "hb", gpus=4)
         procs.append(agent)
         target = f"127.0.0.1:{port}"
-        prom = Prometheus(tmp, [target], rule_files=list(RULE_FILES), scrape_interval="5s")
+        prom = Prometheus(tmp, [target], rule_files=list(RULE_FILES), shipped=True)
         procs.append(prom)
         vm = victoria_metrics(tmp)
         procs.append(vm)

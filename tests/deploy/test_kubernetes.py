@@ -211,6 +211,7 @@ def test_prometheus_rule_carries_every_source_rule_with_an_interval():
         for g in yaml.safe_load((REPO / "deploy" / "prometheus" / src).read_text())["groups"]:
             assert got[g["name"]] == g.get("interval", "5s"), g["name"]
     assert got["clusterpulse-training"] == got["clusterpulse-availability"] == "5s"
+    assert got["clusterpulse-progress"] == got["clusterpulse-hangs"] == "1s"  # the hangs
 
 
 def test_agent_asks_the_kubelet_which_pod_holds_each_gpu_through_a_read_only_mount():

@@ -54,7 +54,7 @@ def test_scrape_config_shards_every_job_by_address():
     per address: a node's series never split across shards)."""
     text = VMAGENT_CONFIG.read_text()
     jobs = re.findall(r"^  - job_name: (\S+)", text, re.M)
-    assert jobs == ["clusterpulse"]
+    assert jobs == ["clusterpulse", "rank-progress"]  # a node's progress on its shard too
     assert text.count("source_labels: [__address__]") == len(jobs)
     assert text.count("modulus: %{CLUSTERPULSE_SHARDS}") == len(jobs)
     assert text.count("regex: '%{CLUSTERPULSE_SHARD}'") == len(jobs)

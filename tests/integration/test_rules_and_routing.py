@@ -127,7 +127,7 @@ def test_the_hang_margin_reads_the_age_no_earlier_than_the_threshold():
     evaluation. Read in the margin's own query, after the threshold, the age is from the
     same scrape or a later one, and leaving a long-threshold phase restarts the age."""
     (group,) = [g for g in yaml.safe_load((PROM / "clusterpulse.rules.yml").read_text())
-                ["groups"] if g["name"] == "clusterpulse-recording"]
+                ["groups"] if g["name"] == "clusterpulse-progress"]
     order = [r.get("record") for r in group["rules"]]
     margin = group["rules"][order.index("clusterpulse:rank_hang_margin_seconds")]["expr"]
     assert "clusterpulse_trainer_heartbeat_age_seconds" in margin, margin

@@ -95,14 +95,49 @@ def start_agent_cli(tmp: Path, node: str, gpus: int = 4, token_file: Path | None
 
 
 class Prometheus:
+    """A real Prometheus on loopback. `shipped`: with deploy/prometheus/prometheus.example.yml
+    as shipped (its intervals and jobs: the agent at 5 s, the ranks' progress at 1 s),
+    only its targets, rule files and Alertmanager replaced; otherwise one job at
+    `scrape_interval`."""
+
     def __init__(self, tmp: Path, targets: list[str], rule_files: list[Path] | None = None,
-                 alertmanager: str | None = None, scrape_interval: str = "1s") -> None:
+                 alertmanager: str | None = None, scrape_interval: str = "1s",
+                 shipped: bool = False) -> None:
         binary = shutil.which("prometheus")
         assert binary, "prometheus is not installed (the test command installs it)"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.dir = tmp / f"prom-{self.port}"
         self.dir.mkdir()
+        if shipped:
+            self._write_shipped(targets, rule_files or [], alertmanager)
+        else:
+            self._write(targets, rule_files, alertmanager, scrape_interval)
+        self.args = [binary, f"--config.file={self.dir / 'prometheus.yml'}",
+                     f"--storage.tsdb.path={self.dir / 'data'}",
+                     f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"]
+        self.start()
+
+    def _write_shipped(self, targets: list[str], rule_files: list[Path],
+                       alertmanager: str | None) -> None:
+        import yaml
+
+        cfg = yaml.safe_load((REPO / "deploy" / "prometheus" / "prometheus.example.yml")
+                             .read_text())
+        cfg["rule_files"] = [str(p) for p in rule_files]
+        if alertmanager:
+            cfg["alerting"] = {"alertmanagers": [{"static_configs": [
+                {"targets": [alertmanager]}]}]}
+        else:
+            del cfg["alerting"]
+        cfg["scrape_configs"] = [job for job in cfg["scrape_configs"]
+                                 if job["job_name"] != "remediation"]
+        for job in cfg["scrape_configs"]:
+            job["static_configs"] = [{"targets": targets}]
+        (self.dir / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+
+    def _write(self, targets: list[str], rule_files: list[Path] | None,
+               alertmanager: str | None, scrape_interval: str) -> None:
         lines = [
             "global:", f"  scrape_interval: {scrape_interval}",
             f"  evaluation_interval: {scrape_interval}",
@@ -115,10 +150,6 @@ class Prometheus:
         lines += ["scrape_configs:", "  - job_name: clusterpulse", "    static_configs:",
                   f"      - targets: {targets!r}"]
         (self.dir / "prometheus.yml").write_text("\n".join(lines) + "\n")
-        self.args = [binary, f"--config.file={self.dir / 'prometheus.yml'}",
-                     f"--storage.tsdb.path={self.dir / 'data'}",
-                     f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"]
-        self.start()
 
     def start(self) -> None:
         """(Re)start on the same port and data: an outage the dashboard must survive."""
