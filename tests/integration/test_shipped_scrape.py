@@ -30,12 +30,12 @@ def test_the_shipped_scrape_reads_progress_every_second_and_names_a_hang(tmp_pat
 
     threading.Thread(target=loop, daemon=True).start()
     try:
-        def intervals() -> dict[str, tuple[str, str]]:
+        def jobs() -> dict[str, tuple[str, str]]:
             targets = _http().get(prom.url + "/api/v1/targets", timeout=5).json()["data"]
             return {t["labels"]["job"]: (t["scrapeInterval"], t["scrapeUrl"].split("/", 3)[3])
                     for t in targets["activeTargets"]}
 
-        intervals = wait_until(lambda: len(got := intervals()) == 2 and got, 30,
+        intervals = wait_until(lambda: len(got := jobs()) == 2 and got, 30,
                                "both scrape jobs discovered")
         assert intervals == {"clusterpulse": ("5s", "metrics"),
                              "rank-progress": ("1s", "metrics/progress")}, intervals
