@@ -47,6 +47,7 @@ from transformers import TrainingArguments as Args
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from clusterpulse.detection.state import STATE_FILE
 from clusterpulse.integrations.steps import OpenStep
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.parallel import init_distributed
@@ -95,8 +96,12 @@ class ClusterPulseCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         if self.pulse is None:
             info = init_distributed()  # the Trainer's group (or ours); the agreed attempt
+            # the straggler baselines beside the checkpoints, as the reference trainer
+            # keeps them: a slow GPU's history outlives the job's restarts
             self.pulse = Pulse(run=self.run, agent=self.agent, restarts=info.attempt,
-                               consensus_every=self.consensus_every)
+                               consensus_every=self.consensus_every,
+                               straggler_state=os.path.join(args.output_dir, STATE_FILE)
+                               if args.output_dir else None)
             wrapped = self.trainer.model_wrapped
             if isinstance(wrapped, DistributedDataParallel):
                 self.pulse.attach_ddp(wrapped)

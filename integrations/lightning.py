@@ -49,6 +49,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
+from clusterpulse.detection.state import STATE_FILE
 from clusterpulse.integrations.steps import OpenStep
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.parallel import agreed_attempt, init_distributed
@@ -134,8 +135,11 @@ class ClusterPulseCallback(pl.Callback):
         if stage != "fit" or self.pulse is not None:
             return
         info = init_distributed()  # the group Lightning made or found; the agreed attempt
+        # the straggler baselines beside the graceful save, as the reference trainer
+        # keeps them: a slow GPU's history outlives the job's restarts
         self.pulse = Pulse(run=self.run, agent=self.agent, restarts=info.attempt,
-                           consensus_every=self.consensus_every)
+                           consensus_every=self.consensus_every,
+                           straggler_state=self.checkpoint.parent / STATE_FILE)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pulse = self._pulse()

@@ -104,6 +104,9 @@ class Consensus:
         if self.state_path is not None and self.exchanges % self.save_every == 0 \
                 and (not dist.is_initialized() or dist.get_rank() == 0):
             try:
+                # the checkpoint folder may not exist yet (HF makes output_dir at its
+                # first save)
+                self.state_path.parent.mkdir(parents=True, exist_ok=True)
                 straggler_state.save(self.state_path, self.scorer.state())
             except OSError as err:
                 log.warning("straggler state not saved to %s: %s", self.state_path, err)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from clusterpulse.detection import state as straggler_state
+from clusterpulse.detection.state import STATE_FILE
 from tests.support.framework_faults import (
     assert_last_resume_loaded_only_its_batches,
     run_through_faults,
@@ -55,3 +57,6 @@ def test_hf_trainer_job_through_stragglers_graceful_restart_and_crash(tmp_path: 
         first = re.search(r"trained rank=0 step=(\d+)", text[m.end():])
         assert first and int(first[1]) == int(m[1]) + 1, (m[0], first and first[0])
     assert_last_resume_loaded_only_its_batches(text, int(m[1]), BATCHES, BATCH_SIZE)
+    # the straggler baselines of both GPUs outlive the job's restarts (rank 0 writes
+    # them beside the checkpoints; each start reads them)
+    assert len(straggler_state.load(tmp_path / "out" / STATE_FILE)) == WORLD

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DistributedSampler
 
+from clusterpulse.detection import state as straggler_state
+from clusterpulse.detection.state import STATE_FILE
 from tests.support.framework_faults import (
     assert_last_resume_loaded_only_its_batches,
     run_through_faults,
@@ -66,3 +68,6 @@ def test_lightning_job_through_stragglers_graceful_restart_and_crash(tmp_path: P
     for r, s, _ in trained:
         last[r] = s
     assert last == {0: BATCHES, 1: BATCHES}
+    # the straggler baselines of both GPUs outlive the job's restarts (rank 0 writes
+    # them beside the checkpoints; each start reads them)
+    assert len(straggler_state.load(tmp_path / "ckpts" / STATE_FILE)) == WORLD
