@@ -60,6 +60,12 @@ class Consensus:
     state_path: Path | None = None  # straggler baselines per GPU, kept across restarts
     identity: str = ""  # this rank's hardware (hardware_identity)
     save_every: int = 20  # exchanges between writes of state_path (by rank 0)
+    # This rank's peer group (e.g. "stage2" of a pipeline): ranks doing the same work,
+    # scored against each other. Pipeline stages differ by design: in one group the
+    # costliest stage's every rank was a straggler from step 1 (past the 1.3x gross
+    # rule), and a re-ranking restart that moved a GPU to a costlier stage flagged its
+    # node for good (its baseline belongs to the GPU). Empty: one group, all ranks.
+    peer_group: str = ""
 
     def record(self, compute_seconds: float) -> None:
         self._window.append(compute_seconds)
@@ -122,22 +128,42 @@ class Consensus:
 
 
     def _new_scorer(self, world: int) -> StragglerScorer:
-        """Collective when keeping state (every rank makes its scorer at the same
-        exchange): each rank's hardware identity, gathered once."""
+        """Collective (every rank makes its scorer at the same exchange): each rank's
+        hardware identity and peer group, gathered once."""
         config = ScoringConfig(every=self.every)
-        if self.state_path is None:
-            return StragglerScorer(world, config=config)
-        keys: list[str] = [self.identity]
+        mine = [self.identity, self.peer_group]
+        rows = [mine]
         if dist.is_initialized() and world > 1:
             gathered: list[object] = [None] * world
-            dist.all_gather_object(gathered, self.identity, group=self.group)
-            keys = [str(k) for k in gathered]
-        scorer = StragglerScorer(world, config=config, keys=keys)
+            dist.all_gather_object(gathered, mine, group=self.group)
+            rows = [list(r) for r in gathered]  # type: ignore[call-overload]
+        groups = peer_groups([str(g) for _, g in rows])
+        if self.state_path is None:
+            return StragglerScorer(world, groups=groups, config=config)
+        scorer = StragglerScorer(world, groups=groups, config=config,
+                                 keys=[str(k) for k, _ in rows])
         try:
             scorer.load_state(straggler_state.load(self.state_path))
         except ValueError as err:
             log.warning("%s: %s; learning afresh", self.state_path, err)
         return scorer
+
+
+def peer_groups(labels: list[str]) -> list[int] | None:
+    """The scorer's group of each rank from their labels; None: one group of all ranks.
+    A rank is scored against the median of its group, so each group needs two ranks at
+    least (alone, a rank is its own median and nothing about it shows): with a label no
+    other rank shares (a pipeline without data parallelism), all ranks stay one group,
+    each against its own history, as before there were groups."""
+    counts = {g: labels.count(g) for g in labels}
+    if len(counts) <= 1:
+        return None
+    if min(counts.values()) < 2:
+        log.warning("straggler peer groups %s: a group of one rank cannot be compared; "
+                    "scoring all ranks as one group", dict(sorted(counts.items())))
+        return None
+    order = sorted(counts)
+    return [order.index(g) for g in labels]
 
 
 def straggler_scores(medians: list[float]) -> list[float] | None:

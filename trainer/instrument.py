@@ -233,7 +233,8 @@ class Pulse:
                  restarts: int | None = None, consensus_every: int = 5,
                  group: dist.ProcessGroup | None = None, catch_sigterm: bool = True,
                  before_process_group: bool = False,
-                 straggler_state: str | os.PathLike[str] | None = None) -> None:
+                 straggler_state: str | os.PathLike[str] | None = None,
+                 peer_group: str | None = None) -> None:
         require_supported()  # UnsupportedTorch names the versions, before anything runs
         env = os.environ
         self.run = check_run_id(run)
@@ -291,6 +292,9 @@ class Pulse:
         self.preempt_agreed = False
         self.consensus = Consensus(every=consensus_every, group=group if group is not None
                                    or not self._joined else _cpu_group())
+        # ranks doing the same work (a pipeline stage), scored against each other; the
+        # same on every rank that shares it, given on every rank or on none
+        self.consensus.peer_group = peer_group or ""
         if straggler_state is not None:  # a GPU's straggler history outlives the job's starts
             self.consensus.state_path = Path(straggler_state)
             self.consensus.identity = hardware_identity(self.gpu)
