@@ -34,6 +34,12 @@ connection's smoothed RTT is the time from sending data to its acknowledgement, 
 queue in front of a slow link delays it whichever way the data or the acknowledgements
 cross that link. Every connection of the node whose link is slow waits in that queue;
 a healthy node also talks to peers whose paths avoid it.
+
+A link that drops rather than queues (a policer, a shallow switch buffer, a bad optic)
+adds little to the RTT; the connections retransmit instead. The sender counts a lost
+segment (tcp_info total_retrans, less the retransmissions the receiver reports as
+duplicates: dsack_dups), so a node's egress loss shows in its own connections and its
+ingress loss in its peers' connections to it: the rule joins the two by address.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import json
 import logging
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -280,6 +287,27 @@ ACTIVE_WITHIN_S = 10.0
 INODES_TTL_S = 10.0
 
 
+# A peer none of the ranks' connections has led to for this long loses its counters
+# (a long-lived agent on a shared cluster meets many peers over weeks).
+PEER_FORGET_S = 600.0
+
+
+@dataclass
+class PeerSegments:
+    """What the ranks' connections to one peer counted (segments), totals that only grow."""
+
+    data_sent: int = 0
+    retransmitted: int = 0
+    duplicates: int = 0  # retransmissions the peer already had (D-SACK)
+
+
+@dataclass(frozen=True)
+class PeerReading:
+    rtt: dict[str, float]  # peer -> least RTT of the active connections (seconds)
+    segments: dict[str, PeerSegments]
+    addresses: set[str]  # this node's addresses, as its connections to other nodes use them
+
+
 def socket_inodes(fd_dir: Path) -> set[int]:
     """The inodes of the sockets a process holds open (`socket:[N]` links in its fd/).
     Raises PermissionError where the process is not ours to look into."""
@@ -308,14 +336,25 @@ class TcpPeerRtt:
     to 40 ms; the least of them is the path). Connections to the node's own addresses
     (ranks of one node) cross no link and are left out. Ranks in another network
     namespace than the agent's (a Kubernetes pod without hostNetwork) are not seen.
+
+    Per peer too, counters of the data segments the connections sent, of those sent
+    again and of the retransmissions the peer reported it already had (D-SACK): the
+    rest were lost. Each connection's growth since the last read is added to its peer's
+    totals, so they only grow while connections come and go (a job's restart). And the
+    node's own addresses that its connections to other nodes use, so that a rule finds
+    which node another node's `peer` is.
     """
 
     def __init__(self, ranks: Callable[[], Iterable[tuple[int, int]]],
                  proc: Path = Path("/proc"),
                  read: Callable[[sockdiag.Wanted], list[sockdiag.TcpSocket]] = sockdiag.established,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.ranks, self.proc, self.read, self.clock = ranks, proc, read, clock
+        self.ranks, self.proc, self.read_sockets, self.clock = ranks, proc, read, clock
         self._inodes: dict[int, tuple[float, set[int]]] = {}  # pid -> (listed at, inodes)
+        self._conns: dict[int, tuple[str, int, int, int]] = {}  # inode -> peer, its counts
+        self._totals: dict[str, PeerSegments] = {}
+        self._peer_seen: dict[str, float] = {}  # peer -> when a connection to it was last seen
+        self._lock = threading.Lock()  # two scrapes at once (two Prometheus) add each growth once
         self._warned = False
 
     def _selection(self) -> tuple[set[int], set[int]]:
@@ -339,32 +378,92 @@ class TcpPeerRtt:
             inodes |= hit[1]
         return inodes, uids
 
-    def peers(self) -> dict[str, float]:
-        """Peer address -> the least RTT (seconds) of the ranks' active connections to it."""
+    def read(self) -> PeerReading:
+        """One sock_diag read of the ranks' connections: each peer's RTT, its counters
+        (accumulated over connections, see `PeerSegments`), the node's own addresses."""
+        with self._lock:
+            return self._read()
+
+    def _read(self) -> PeerReading:
         inodes, uids = self._selection()
         if not inodes and not uids:
-            return {}
+            return PeerReading({}, self._counters(self.clock(), []), set())
         try:
-            socks = self.read(lambda inode, uid: inode in inodes or uid in uids)
+            socks = self.read_sockets(lambda inode, uid: inode in inodes or uid in uids)
         except OSError as err:
             if not self._warned:
                 log.warning("cannot read TCP connections (sock_diag): %s", err)
                 self._warned = True
-            return {}
+            return PeerReading({}, self._counters(self.clock(), []), set())
         own = {s.local for s in socks}  # the addresses the ranks use: the node's
-        out: dict[str, float] = {}
-        for s in socks:
-            if s.remote not in own and s.last_data_sent_seconds <= ACTIVE_WITHIN_S \
-                    and s.rtt_seconds > 0:
-                out[s.remote] = min(s.rtt_seconds, out.get(s.remote, s.rtt_seconds))
-        return out
+        rtt: dict[str, float] = {}
+        links = [s for s in socks if s.remote not in own]
+        for s in links:
+            if s.last_data_sent_seconds <= ACTIVE_WITHIN_S and s.rtt_seconds > 0:
+                rtt[s.remote] = min(s.rtt_seconds, rtt.get(s.remote, s.rtt_seconds))
+        return PeerReading(rtt, self._counters(self.clock(), links), {s.local for s in links})
+
+    def _counters(self, now: float, links: list[sockdiag.TcpSocket]) -> dict[str, PeerSegments]:
+        """Per peer, what its connections counted since the agent first saw each: a
+        connection's counters are its own and end with it (a job's restart makes new
+        ones), so each one's growth is added to its peer's running totals."""
+        seen: dict[int, tuple[str, int, int, int]] = {}
+        for s in links:
+            now_counts = (s.data_segments_sent, s.retransmitted_segments,
+                          s.duplicate_retransmissions)
+            _, *before = self._conns.get(s.inode, (s.remote, 0, 0, 0))
+            total = self._totals.setdefault(s.remote, PeerSegments())
+            grew = [max(0, a - b) for a, b in zip(now_counts, before, strict=True)]
+            total.data_sent += grew[0]
+            total.retransmitted += grew[1]
+            total.duplicates += grew[2]
+            self._peer_seen[s.remote] = now
+            seen[s.inode] = (s.remote, *now_counts)
+        self._conns = seen
+        for peer, at in list(self._peer_seen.items()):
+            if now - at > PEER_FORGET_S:
+                del self._peer_seen[peer], self._totals[peer]
+        return dict(self._totals)
+
+    def peers(self) -> dict[str, float]:
+        """Peer address -> the least RTT (seconds) of the ranks' active connections to it."""
+        return self.read().rtt
 
     def families(self, node: str) -> Iterator:
+        got = self.read()
         rtt = GaugeMetricFamily(
             PREFIX + "tcp_peer_rtt_seconds",
             "Least smoothed round-trip time of the training ranks' TCP connections to the "
             "peer that sent data in the last 10 s: the path's delay plus its queues, on "
             "either side of a slow link.", labels=["node", "peer"])
-        for peer, seconds in sorted(self.peers().items()):
+        for peer, seconds in sorted(got.rtt.items()):
             rtt.add_metric([node, peer], seconds)
         yield rtt
+        labels = ["node", "peer"]
+        sent = CounterMetricFamily(
+            PREFIX + "tcp_peer_data_segments_sent",
+            "Segments carrying data that the training ranks' TCP connections sent to the "
+            "peer, retransmissions included (tcp_info data_segs_out).", labels=labels)
+        again = CounterMetricFamily(
+            PREFIX + "tcp_peer_retransmitted_segments",
+            "Segments the training ranks' TCP connections to the peer sent again (tcp_info "
+            "total_retrans): lost on the way, or acknowledged late.", labels=labels)
+        dups = CounterMetricFamily(
+            PREFIX + "tcp_peer_duplicate_retransmissions",
+            "Retransmissions the peer reported it had already received (D-SACK, tcp_info "
+            "dsack_dups): sent again although nothing was lost.", labels=labels)
+        for peer, c in sorted(got.segments.items()):
+            sent.add_metric([node, peer], c.data_sent)
+            again.add_metric([node, peer], c.retransmitted)
+            dups.add_metric([node, peer], c.duplicates)
+        yield sent
+        yield again
+        yield dups
+        addresses = GaugeMetricFamily(
+            PREFIX + "tcp_local_address_info",
+            "1 for each address of this node that the training ranks' connections to other "
+            "nodes use: which node a peer address of another node's series is.",
+            labels=["node", "address"])
+        for address in sorted(got.addresses):
+            addresses.add_metric([node, address], 1)
+        yield addresses

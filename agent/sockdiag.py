@@ -1,10 +1,11 @@
 """TCP connections and their kernel-measured round-trip times, read like `ss -ti` does.
 
 The kernel keeps, for every TCP socket, a `struct tcp_info`: the smoothed RTT of the
-data it sent (tcpi_rtt), when it last sent data, its retransmissions and more. `ss -ti` reads
-it over a NETLINK_SOCK_DIAG socket (inet_diag); so does this module, without a
-subprocess: one dump per address family of the established sockets of the caller's
-network namespace, asking for INET_DIAG_INFO. No privilege is needed for that.
+data it sent (tcpi_rtt), when it last sent data, the data segments it sent and how many
+it sent again (retransmissions; those the peer reports it already had: D-SACK) and
+more. `ss -ti` reads it over a NETLINK_SOCK_DIAG socket (inet_diag); so does this
+module, without a subprocess: one dump per address family of the established sockets
+of the caller's network namespace, asking for INET_DIAG_INFO. No privilege is needed.
 
 Only the fields this project reads are decoded, at the offsets of the kernel's UAPI
 (linux/inet_diag.h, linux/tcp.h), which only ever grows at its end.
@@ -38,8 +39,13 @@ _MSG_TAIL = struct.Struct("=IQIIII")  # if, cookie, expires, rqueue, wqueue, uid
 _INODE = struct.Struct("=I")
 _RTATTR = struct.Struct("=HH")
 MSG_SIZE = 4 + _SOCKID.size + _MSG_TAIL.size + _INODE.size  # 72
-# struct tcp_info offsets (bytes): tcpi_last_data_sent (ms ago), tcpi_rtt (us)
+# struct tcp_info offsets (bytes): tcpi_last_data_sent (ms ago), tcpi_rtt (us),
+# tcpi_total_retrans (segments retransmitted over the connection's life, Linux 2.6.x),
+# tcpi_data_segs_out (segments sent that carried data, retransmissions included, 4.6),
+# tcpi_dsack_dups (retransmissions the peer reported as duplicates with a D-SACK: sent
+# again, yet not lost, 4.19)
 TCPI_LAST_DATA_SENT, TCPI_RTT = 44, 68
+TCPI_TOTAL_RETRANS, TCPI_DATA_SEGS_OUT, TCPI_DSACK_DUPS = 100, 156, 216
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,9 @@ class TcpSocket:
     remote: str
     rtt_seconds: float  # smoothed RTT of the data it sent
     last_data_sent_seconds: float  # how long ago it last sent data
+    retransmitted_segments: int = 0  # tcpi_total_retrans: segments it sent again
+    data_segments_sent: int = 0  # tcpi_data_segs_out (0 on a kernel before 4.6)
+    duplicate_retransmissions: int = 0  # tcpi_dsack_dups (0 on a kernel before 4.19)
 
 
 def _address(family: int, raw: bytes) -> str:
@@ -95,6 +104,7 @@ def _socket(data: bytes, at: int, end: int, inode: int, uid: int) -> TcpSocket:
     family = data[at]
     _, _, src, dst = _SOCKID.unpack_from(data, at + 4)
     rtt = last_sent = 0.0
+    counts = [0, 0, 0]  # total_retrans, data_segs_out, dsack_dups
     off = at + MSG_SIZE
     while off + _RTATTR.size <= end:
         alen, atype = _RTATTR.unpack_from(data, off)
@@ -105,8 +115,12 @@ def _socket(data: bytes, at: int, end: int, inode: int, uid: int) -> TcpSocket:
             (last,) = struct.unpack_from("=I", data, info + TCPI_LAST_DATA_SENT)
             (rtt_us,) = struct.unpack_from("=I", data, info + TCPI_RTT)
             rtt, last_sent = rtt_us / 1e6, last / 1e3
+            for i, field_at in enumerate((TCPI_TOTAL_RETRANS, TCPI_DATA_SEGS_OUT, TCPI_DSACK_DUPS)):
+                if size >= field_at + 4:  # an older kernel's shorter tcp_info: left at 0
+                    (counts[i],) = struct.unpack_from("=I", data, info + field_at)
         off += (alen + 3) & ~3
-    return TcpSocket(inode, uid, _address(family, src), _address(family, dst), rtt, last_sent)
+    return TcpSocket(inode, uid, _address(family, src), _address(family, dst), rtt, last_sent,
+                     *counts)
 
 
 def established(wanted: Wanted | None = None) -> list[TcpSocket]:

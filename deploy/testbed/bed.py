@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import threading
@@ -103,6 +104,7 @@ class Testbed:
         self.sysctl_missing: list[str] = []  # node tuning this kernel lacks (NODE_SYSCTL)
         self._up = False
         self._old_sigterm = None
+        self._drops: dict[str, list[tuple[Node, list[str]]]] = {}  # drop_packets' rules
 
     # -- building ---------------------------------------------------------------------
 
@@ -190,6 +192,36 @@ class Testbed:
         for where in ([], ["-n", node.netns]):
             dev = "eth0" if where else node.host_veth
             net.run("tc", *where, "qdisc", "del", "dev", dev, "root", check=False)
+
+    def drop_packets(self, node: Node, probability: float, side: str = "both") -> None:
+        """Random loss on the node's link (iptables' statistic match), as a policer or a
+        shallow switch buffer drops: `side` "ingress" loses what reaches the node (its
+        INPUT), "egress" what it sends, lost where its peers receive it (a drop in its
+        own OUTPUT is an error its TCP is told of and sends again, no loss on a wire),
+        "both" the two. `fix_drops` removes it; the rules go with the namespaces too."""
+        if side not in ("both", "ingress", "egress"):
+            raise TestbedError(f"side must be both, ingress or egress, got {side!r}")
+        if not 0 < probability < 1:
+            raise TestbedError(f"probability must be in (0, 1), got {probability!r}")
+        if shutil.which("iptables") is None:
+            raise TestbedError("iptables is needed to drop packets")
+        rules = []
+        if side != "egress":
+            rules.append((node, []))
+        if side != "ingress":
+            rules += [(peer, ["-s", node.ip]) for peer in self.nodes if peer is not node]
+        for where, match in rules:
+            rule = ["INPUT", *match, "-m", "statistic", "--mode", "random",
+                    "--probability", f"{probability:g}", "-j", "DROP"]
+            out = where.run(["iptables", "-I", *rule])
+            if out.returncode != 0:
+                raise TestbedError(f"iptables on {where.name}: {out.stderr.strip()}")
+            self._drops.setdefault(node.netns, []).append((where, rule))
+
+    def fix_drops(self, node: Node) -> None:
+        """Remove the loss of `drop_packets` (no error if there is none)."""
+        for where, rule in self._drops.pop(node.netns, []):
+            where.run(["iptables", "-D", *rule])
 
     def kill_process(self, pid: int, sig: int = signal.SIGKILL) -> None:
         """Signal one process (e.g. SIGKILL an agent, SIGSTOP a rank: a hung rank)."""

@@ -183,13 +183,57 @@ def test_sock_diag_reads_a_connections_rtt_as_ss_does():
                        for k in ("rtt", "lastsnd"))
     assert s.rtt_seconds == pytest.approx(rtt_ms / 1e3, abs=1e-6), ss
     assert 0.3 <= s.last_data_sent_seconds <= last_ms / 1e3 + 0.1, (s, ss)
+    # ss prints "retrans:<now>/<total>" and "dsack_dups:" only where not 0
+    data_segs = int(re.search(r"\bdata_segs_out:(\d+)", ss).group(1))
+    retrans = re.search(r"\bretrans:\d+/(\d+)", ss)
+    dups = re.search(r"\bdsack_dups:(\d+)", ss)
+    assert s.data_segments_sent == data_segs >= 20, ss  # 20 writes of 64 KiB at least
+    assert s.retransmitted_segments == (int(retrans.group(1)) if retrans else 0), ss
+    assert s.duplicate_retransmissions == (int(dups.group(1)) if dups else 0), ss
 
 
-def _diag_message(family: int, src: bytes, dst: bytes, inode: int, rtt_us: int) -> bytes:
-    """One SOCK_DIAG_BY_FAMILY reply as the kernel lays it out, with a tcp_info."""
-    info = bytearray(232)
-    struct.pack_into("=I", info, sockdiag.TCPI_LAST_DATA_SENT, 1500)
-    struct.pack_into("=I", info, sockdiag.TCPI_RTT, rtt_us)
+# struct tcp_info of linux/tcp.h (6.x) up to tcpi_snd_wnd, field by field: a layout
+# written out here, not the module's offsets, so that a wrong offset fails the test
+TCP_INFO_FIELDS = (
+    [(n, "B") for n in ("state", "ca_state", "retransmits", "probes", "backoff", "options",
+                        "wscale", "flags")]
+    + [(n, "I") for n in ("rto", "ato", "snd_mss", "rcv_mss", "unacked", "sacked", "lost",
+                          "retrans", "fackets", "last_data_sent", "last_ack_sent",
+                          "last_data_recv", "last_ack_recv", "pmtu", "rcv_ssthresh", "rtt",
+                          "rttvar", "snd_ssthresh", "snd_cwnd", "advmss", "reordering",
+                          "rcv_rtt", "rcv_space", "total_retrans")]
+    + [(n, "Q") for n in ("pacing_rate", "max_pacing_rate", "bytes_acked", "bytes_received")]
+    + [(n, "I") for n in ("segs_out", "segs_in", "notsent_bytes", "min_rtt", "data_segs_in",
+                          "data_segs_out")]
+    + [(n, "Q") for n in ("delivery_rate", "busy_time", "rwnd_limited", "sndbuf_limited")]
+    + [(n, "I") for n in ("delivered", "delivered_ce")]
+    + [(n, "Q") for n in ("bytes_sent", "bytes_retrans")]
+    + [(n, "I") for n in ("dsack_dups", "reord_seen", "rcv_ooopack", "snd_wnd")])
+
+
+def tcp_info(**fields: int) -> bytes:
+    """A struct tcp_info with the named fields set (the rest 0): 232 bytes."""
+    names = [n for n, _ in TCP_INFO_FIELDS]
+    assert set(fields) <= set(names), fields
+    return struct.pack("=" + "".join(t for _, t in TCP_INFO_FIELDS),
+                       *(fields.get(n, 0) for n in names))
+
+
+def test_the_offsets_read_are_those_of_the_kernels_tcp_info():
+    assert len(tcp_info()) == 232  # sizeof(struct tcp_info) up to tcpi_snd_wnd (5.4+)
+    for name, offset in (("last_data_sent", sockdiag.TCPI_LAST_DATA_SENT),
+                         ("rtt", sockdiag.TCPI_RTT),
+                         ("total_retrans", sockdiag.TCPI_TOTAL_RETRANS),
+                         ("data_segs_out", sockdiag.TCPI_DATA_SEGS_OUT),
+                         ("dsack_dups", sockdiag.TCPI_DSACK_DUPS)):
+        assert tcp_info(**{name: 0xABCDEF}).index(struct.pack("=I", 0xABCDEF)) == offset, name
+
+
+def _diag_message(family: int, src: bytes, dst: bytes, inode: int, rtt_us: int,
+                  info_size: int = 232, **counts: int) -> bytes:
+    """One SOCK_DIAG_BY_FAMILY reply as the kernel lays it out, with a tcp_info
+    (`info_size` bytes of it: an older kernel's is shorter)."""
+    info = tcp_info(last_data_sent=1500, rtt=rtt_us, **counts)[:info_size]
     msg = (struct.pack("=BBBB", family, 1, 0, 0) + struct.pack("!HH16s16s", 1, 2, src, dst)
            + struct.pack("=IQIIIII", 0, 0, 0, 0, 0, 1000, inode))
     attr = struct.pack("=HH", 4 + len(info), sockdiag.INET_DIAG_INFO) + bytes(info)
@@ -210,6 +254,26 @@ def test_sock_diag_replies_are_decoded_and_mapped_addresses_read_as_ipv4():
         list(sockdiag.parse(error))
 
 
+def test_sock_diag_reads_the_segments_sent_and_retransmitted():
+    """tcpi_total_retrans, tcpi_data_segs_out and tcpi_dsack_dups at their places in the
+    kernel's tcp_info; where the kernel's tcp_info ends before a field (4.4 has no
+    data_segs_out, 4.14 no dsack_dups) it reads 0. The retransmissions of the moment
+    (tcpi_retrans, tcpi_retransmits) and the segments with no data are not taken."""
+    v4 = bytes([10, 0, 0, 2]) + bytes(12)
+    counts = dict(total_retrans=41, data_segs_out=9000, dsack_dups=5, retrans=3,
+                  retransmits=2, segs_out=12000, bytes_retrans=999)
+    full, = [s for s in sockdiag.parse(_diag_message(socket.AF_INET, v4, v4, 5, 300, **counts))]
+    assert (full.retransmitted_segments, full.data_segments_sent,
+            full.duplicate_retransmissions) == (41, 9000, 5)
+    assert full.rtt_seconds == 0.0003 and full.last_data_sent_seconds == 1.5
+    for size, expect in ((104, (41, 0, 0)), (160, (41, 9000, 0)), (100, (0, 0, 0))):
+        s, = sockdiag.parse(_diag_message(socket.AF_INET, v4, v4, 5, 300, info_size=size,
+                                          **counts))
+        assert (s.retransmitted_segments, s.data_segments_sent,
+                s.duplicate_retransmissions) == expect, size
+        assert s.rtt_seconds == 0.0003
+
+
 def _rank_fds(proc: Path, pid: int, inodes: list[int]) -> None:
     fd = proc / str(pid) / "fd"
     fd.mkdir(parents=True)
@@ -225,8 +289,9 @@ def selecting(socks: list[TcpSocket]):
 
 
 def _sock(inode: int, remote: str, rtt: float, last_sent: float = 0.2, uid: int = 0,
-          local: str = "10.0.0.1") -> TcpSocket:
-    return TcpSocket(inode, uid, local, remote, rtt, last_sent)
+          local: str = "10.0.0.1", counts: tuple[int, int, int] = (0, 0, 0)) -> TcpSocket:
+    """counts: retransmitted segments, data segments sent, duplicate retransmissions."""
+    return TcpSocket(inode, uid, local, remote, rtt, last_sent, *counts)
 
 
 def test_the_ranks_active_connections_give_each_peer_its_least_rtt(tmp_path, monkeypatch):
@@ -294,3 +359,57 @@ def test_a_ranks_fds_are_listed_again_only_after_a_while(tmp_path):
     assert rtt.peers() == {"10.0.0.2": 0.001}
     now[0] = links.INODES_TTL_S + 1
     assert rtt.peers() == {"10.0.0.2": 0.001, "10.0.0.3": 0.002}
+
+
+def test_each_peers_segment_counters_only_grow_as_connections_come_and_go(tmp_path):
+    """A connection's counters start at 0 and end with it; per peer the agent adds each
+    connection's growth, so the peer's counters only grow: a closed connection keeps
+    what it counted, a new one adds all of its own. Idle connections count (nothing
+    grows), connections between the node's own addresses do not. The node's addresses
+    that reach other nodes are exported, for the rule that finds which node a peer is.
+    A peer with no connection for PEER_FORGET_S is forgotten."""
+    now = [100.0]
+    _rank_fds(tmp_path, 100, [11, 12, 13, 14, 15])
+    socks = [_sock(11, "10.0.0.2", 0.001, counts=(4, 100, 1)),
+             _sock(12, "10.0.0.2", 0.002, counts=(0, 50, 0)),
+             _sock(13, "10.0.0.1", 0.00002, counts=(9, 900, 0), local="10.0.0.1"),
+             _sock(14, "10.0.0.3", 0.001, last_sent=30.0, counts=(0, 10, 0))]
+    rtt = TcpPeerRtt(lambda: {(100, 0)}, tmp_path, read=selecting(socks), clock=lambda: now[0])
+
+    def counts() -> dict[str, tuple[int, int, int]]:
+        got = rtt.read()
+        assert got.addresses == {"10.0.0.1"}
+        return {p: (c.data_sent, c.retransmitted, c.duplicates) for p, c in got.segments.items()}
+
+    assert counts() == {"10.0.0.2": (150, 4, 1), "10.0.0.3": (10, 0, 0)}
+    socks[0] = _sock(11, "10.0.0.2", 0.001, counts=(6, 110, 1))  # grew
+    del socks[1]  # closed: what it counted stays
+    socks.append(_sock(15, "10.0.0.2", 0.001, counts=(1, 20, 0)))  # new: all of it
+    assert counts() == {"10.0.0.2": (180, 7, 1), "10.0.0.3": (10, 0, 0)}
+    assert counts() == {"10.0.0.2": (180, 7, 1), "10.0.0.3": (10, 0, 0)}  # nothing grew
+    socks[:] = [s for s in socks if s.remote != "10.0.0.3"]
+    now[0] += links.PEER_FORGET_S - 1
+    assert set(counts()) == {"10.0.0.2", "10.0.0.3"}
+    now[0] += 2
+    assert set(counts()) == {"10.0.0.2"}
+
+    reg = CollectorRegistry()
+
+    class Collector:
+        def collect(self):
+            yield from rtt.families("n1")
+
+    reg.register(Collector())
+    text = generate_latest(reg).decode()
+    samples = {(s.name, s.labels.get("peer") or s.labels.get("address")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples
+               if not s.name.endswith("_created")}
+    assert samples == {
+        ("clusterpulse_tcp_peer_rtt_seconds", "10.0.0.2"): 0.001,
+        ("clusterpulse_tcp_peer_data_segments_sent_total", "10.0.0.2"): 180,
+        ("clusterpulse_tcp_peer_retransmitted_segments_total", "10.0.0.2"): 7,
+        ("clusterpulse_tcp_peer_duplicate_retransmissions_total", "10.0.0.2"): 1,
+        ("clusterpulse_tcp_local_address_info", "10.0.0.1"): 1}
+    r = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=text,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
