@@ -288,6 +288,18 @@ def selecting(socks: list[TcpSocket]):
     return lambda wanted: [s for s in socks if wanted(s.inode, s.uid)]
 
 
+def _exposition(rtt: TcpPeerRtt) -> str:
+    """What the agent's /metrics says of these peers (node n1)."""
+    reg = CollectorRegistry()
+
+    class Collector:
+        def collect(self):
+            yield from rtt.families("n1")
+
+    reg.register(Collector())
+    return generate_latest(reg).decode()
+
+
 def _sock(inode: int, remote: str, rtt: float, last_sent: float = 0.2, uid: int = 0,
           local: str = "10.0.0.1", counts: tuple[int, int, int] = (0, 0, 0)) -> TcpSocket:
     """counts: retransmitted segments, data segments sent, duplicate retransmissions."""
@@ -316,14 +328,7 @@ def test_the_ranks_active_connections_give_each_peer_its_least_rtt(tmp_path, mon
              _sock(30, "10.0.0.5", 0.0009, uid=1000)]                     # rank 101's user
     rtt = TcpPeerRtt(lambda: {(100, 0), (101, 1000)}, tmp_path, read=selecting(socks))
     assert rtt.peers() == {"10.0.0.2": 0.25, "10.0.0.5": 0.0009}
-    reg = CollectorRegistry()
-
-    class Collector:
-        def collect(self):
-            yield from rtt.families("n1")
-
-    reg.register(Collector())
-    text = generate_latest(reg).decode()
+    text = _exposition(rtt)
     samples = {s.labels["peer"]: s.value for f in text_string_to_metric_families(text)
                for s in f.samples if s.name == "clusterpulse_tcp_peer_rtt_seconds"}
     assert samples == {"10.0.0.2": 0.25, "10.0.0.5": 0.0009}
@@ -393,14 +398,7 @@ def test_each_peers_segment_counters_only_grow_as_connections_come_and_go(tmp_pa
     now[0] += 2
     assert set(counts()) == {"10.0.0.2"}
 
-    reg = CollectorRegistry()
-
-    class Collector:
-        def collect(self):
-            yield from rtt.families("n1")
-
-    reg.register(Collector())
-    text = generate_latest(reg).decode()
+    text = _exposition(rtt)
     samples = {(s.name, s.labels.get("peer") or s.labels.get("address")): s.value
                for f in text_string_to_metric_families(text) for s in f.samples
                if not s.name.endswith("_created")}
