@@ -102,9 +102,13 @@ def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
         done.wait(timeout=1500)
         # the Run page's incidents (dashboard/data.py run_incidents), over the last hour
         end = time.time()
-        nodes, ranks, episodes, resumes = _page_inputs(base, end)
-        page = incident.build("demo", nodes, episodes, _audit(tmp_path), resumes, ranks=ranks,
-                              until=end)
+        try:
+            nodes, ranks, episodes, resumes = _page_inputs(base, end)
+            page = incident.build("demo", nodes, episodes, _audit(tmp_path), resumes,
+                                  ranks=ranks, until=end)
+        except Exception as err:  # the demo's own output says more: shown with it
+            raise AssertionError(f"the page could not be built ({err!r}); the demo "
+                                 "printed:\n" + "\n".join(lines)) from err
     finally:
         p.send_signal(signal.SIGINT)
         p.wait(timeout=90)
