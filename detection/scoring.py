@@ -25,24 +25,34 @@ against its own history alone a job-wide slowdown is. Here:
 Three gaps that per-step scoring left (issue #27), closed here:
 
 - **Cost, not typical step.** The window above winsorises single steps, so a rank 2x
-  slow every third step scored ~1.05 while the job ran 1.33x slower. A second, longer
-  window (`cost_window`, 50 steps) scores what the rank adds to the job's time: the
-  mean of its per-step time relative to its peers, each step capped at `cost_cap` and
-  the two worst steps of the window dropped (a page fault or a checkpoint write must
-  not count; slowness that recurs does, however it is spread over steps). This cost
-  score has its own baseline (learnt slowly: a creeping degradation is not absorbed)
-  and the same self/noise test.
+  slow every third step scored ~1.05 while the job ran 1.33x slower. Two longer
+  windows score what the rank adds to the job's time: the mean of its per-step time
+  relative to its peers, without the worst `cost_drop` (5) CONSECUTIVE steps of the
+  window (a blip of one evaluation interval, of any size and wherever it falls, a
+  checkpoint write, never counts; slowness that recurs does, however it is spread over
+  steps). The long window (`cost_window`, 100 steps, each step capped at `cost_cap`,
+  10x) sees rare large slow steps: 1 in 20 at 5x, an 8 s input stall every 40th 1 s
+  step. The fast one (its newest `cost_fast`, 50 steps, capped at 3x and also without
+  its 2 worst single steps: random pauses) flags frequent ones sooner. Both are judged
+  against one cost baseline (learnt slowly: a creeping degradation is not absorbed)
+  with the same self/noise test, the fast one's noise scaled to its length.
 - **Peers from step 1.** A rank whose cost is `peer_outlier` (1.12x) above its peer
   group's median *and* `peer_z` robust standard deviations out (the group's MAD: a
   group of unequal pipeline stages has a wide spread and never triggers this) is a
   straggler whatever its history (after `peer_confirm` evaluations in a row): a job
-  that starts on a bad GPU is the common case.
+  that starts on a bad GPU is the common case (both cost windows; the long one is
+  partial until it fills, so this is judged from step `cost_fast`).
   With `keys` (one hardware identity per rank, host and GPU UUID) the baselines are
   saved with `state()` and read back with `load_state()` after a restart: it is the
   hardware that is slow, and a relearnt baseline would call it normal.
 - **Stable evidence.** A flag turns on after `confirm` consecutive evaluations (counted
   in steps, not seconds: one evaluation of a job with 30 s steps is 150 s) and off only
-  after `release` evaluations without even half the evidence: one incident, one flag.
+  after `release` evaluations without even half the evidence (all of it for the long
+  cost window, which is slow by itself): one incident, one flag. Evidence from `m`
+  (the self and gross tests) counts towards turning a flag on only if the newest
+  `every` steps and the rest of the window each carry at least half of it (its halves
+  if `every` > window / 2): otherwise the 10-step window, which spans two evaluations,
+  let one 5-step blip confirm itself.
 
 Input per step is the rank's own time: its step time minus the time it waited for
 peers (compute + data loading + its own communication). Using total own time rather
@@ -91,11 +101,26 @@ class ScoringConfig:
     noise_floor: float = 0.005  # log units: below this, noise estimates are not trusted
     baseline_alpha: float = 0.05  # per evaluation, for the baseline and the noise
     # The cost score: what the rank adds to the job's time over `cost_window` steps.
-    cost_window: int = 50
-    cost_cap: float = 3.0  # one step counts at most 3x a peer's time (2 steps of cost)
-    # The worst steps of the window not counted: with 1, three random 3x pauses in 50
-    # steps (GC, page faults; unaligned) flagged a healthy rank in the benchmark.
-    cost_drop: int = 2
+    # 100, not 50: one slow step in 20 or 40 (a 5x step, an 8 s input stall on 1 s
+    # steps) is 2-5 steps of a window, too few to tell from chance in 50.
+    cost_window: int = 100
+    # One step counts at most 10x a peer's time (9 steps of cost). 3x hid rare large
+    # slow steps: 1 in 20 at 5x (the job 17 % slower) scored 1.05.
+    cost_cap: float = 10.0
+    # The worst `cost_drop` CONSECUTIVE steps of the window are not counted (at the
+    # consensus interval, 5: one evaluation's blip of any size, wherever it falls, never
+    # counts; slowness that recurs does). Dropping the worst 2 single steps instead
+    # both counted a 5-step blip and hid 1 slow step in 20.
+    cost_drop: int = 5
+    # The same score over the newest `cost_fast` steps too (the previous cost score:
+    # each step capped at `cost_fast_cap`, and besides the worst `cost_drop` consecutive
+    # steps the `cost_fast_drop` worst single steps dropped), judged against the same
+    # baseline with its own (wider) noise: the long window alone flagged a rank 2x slow
+    # every 5th step after 61 steps (median), not 42. Capped at 10x and without the
+    # single drops, three random 3x pauses in 40 steps flagged a healthy rank.
+    cost_fast: int = 50
+    cost_fast_cap: float = 3.0
+    cost_fast_drop: int = 2
     # The cost baseline learns 10x slower than the short one: a ramp from 1.0 to 1.3 over
     # 2,000 steps lagged it by ~1 % only, and was never flagged before ~1.25x.
     cost_alpha: float = 0.005
@@ -117,10 +142,14 @@ class ScoringConfig:
                 or self.gross_threshold <= self.peer_threshold:
             raise ValueError("self_threshold > 1, peer_threshold >= 1, z > 0 and "
                              "gross_threshold > peer_threshold required")
-        if self.cost_drop < 0 or self.cost_window < 3 + self.cost_drop or self.cost_cap <= 1 \
+        if self.cost_drop < 0 or self.cost_fast_drop < 0 \
+                or self.cost_fast < 3 + 2 * self.cost_drop + self.cost_fast_drop \
+                or self.cost_window < self.cost_fast or self.cost_cap <= 1 \
+                or self.cost_fast_cap <= 1 \
                 or self.peer_outlier <= 1 or self.peer_z <= 0 or self.confirm < 1 \
                 or self.release < 1 or self.peer_confirm < 1:
-            raise ValueError("cost_drop >= 0, cost_window >= 3 + cost_drop, cost_cap > 1, "
+            raise ValueError("cost_drop, cost_fast_drop >= 0, cost_window >= cost_fast >= "
+                             "3 + 2 cost_drop + cost_fast_drop, cost_cap, cost_fast_cap > 1, "
                              "peer_outlier > 1, peer_z > 0, confirm, release and "
                              "peer_confirm >= 1 required")
 
@@ -158,12 +187,14 @@ class _Track:
             self.var = np.maximum(w.var(axis=0), self.floor ** 2)
             self.warm = []
 
-    def excess(self, x: np.ndarray, z: float, threshold: float,
-               pooled: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    def excess(self, x: np.ndarray, z: float, threshold: float, pooled: float = 0.0,
+               scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """(x - baseline, the limit it must exceed): log(threshold) or z noise sds,
-        the noise per rank, pooled across ranks and `pooled` (a current spread)."""
+        the noise per rank and pooled across ranks (times `scale`: x is a shorter
+        average than the one learnt), and `pooled` (a current spread)."""
         assert self.base is not None and self.var is not None
-        sigma = np.sqrt(np.maximum(self.var, max(float(np.median(self.var)), pooled ** 2)))
+        var = self.var * scale ** 2
+        sigma = np.sqrt(np.maximum(var, max(float(np.median(var)), pooled ** 2)))
         return x - self.base, np.maximum(math.log(threshold), z * sigma)
 
     def update(self, x: np.ndarray, calm: np.ndarray) -> None:
@@ -282,16 +313,45 @@ class StragglerScorer:
                 out = self._evaluate()
         return out
 
-    def _cost_score(self) -> np.ndarray:
-        """log of the mean per-step time relative to peers over the cost window, each
-        step capped, the worst `cost_drop` steps dropped; NaN until the window is full."""
+    def _cost_score(self) -> tuple[np.ndarray, np.ndarray]:
+        """log of the mean per-step time relative to peers over the cost window and over
+        its newest `cost_fast` steps, capped and dropped as configured; NaN until
+        `cost_fast` steps are in (the long window is partial up to `cost_window`: a
+        straggler from step 1 is judged after `cost_fast` steps)."""
         c = self.config
-        if len(self._ratios) < c.cost_window:
-            return np.full(self.ranks, np.nan)
+        if len(self._ratios) < c.cost_fast:
+            nan = np.full(self.ranks, np.nan)
+            return nan, nan
         r = np.stack(self._ratios)
-        worst = np.partition(r, len(r) - c.cost_drop - 1, axis=0)[len(r) - c.cost_drop:] \
-            if c.cost_drop else np.zeros((0, self.ranks))
-        return np.log((r.sum(axis=0) - worst.sum(axis=0)) / (len(r) - c.cost_drop))
+        fast = np.minimum(r[-c.cost_fast:], c.cost_fast_cap)
+        return (self._trimmed_mean(r, c.cost_drop, 0),
+                self._trimmed_mean(fast, c.cost_drop, c.cost_fast_drop))
+
+    @staticmethod
+    def _trimmed_mean(r: np.ndarray, run: int, single: int) -> np.ndarray:
+        """log of the per-rank mean of r (steps x ranks) without its worst `run`
+        consecutive steps and then its worst `single` steps."""
+        n, total = len(r), r.sum(axis=0)
+        if run:
+            sums = r[run - 1:].copy()  # sums[j]: steps j .. j + run - 1
+            for i in range(run - 1):
+                sums += r[i:len(r) - run + 1 + i]
+            start = sums.argmax(axis=0)
+            total = total - sums[start, np.arange(r.shape[1])]
+            n -= run
+            if single:  # the run's steps out of the single choice
+                k = np.arange(len(r))[:, None]
+                r = np.where((k >= start) & (k < start + run), 0.0, r)
+        if single:
+            total = total - np.partition(r, len(r) - single, axis=0)[len(r) - single:].sum(axis=0)
+            n -= single
+        return np.log(total / n)
+
+    @staticmethod
+    def _winsorised(rows: np.ndarray, spread: float) -> np.ndarray:
+        """Per rank, the mean of rows clipped at 4 spreads around the rank's median."""
+        level = np.median(rows, axis=0)
+        return level + np.clip(rows - level, -4 * spread, 4 * spread).mean(axis=0)
 
     def _evaluate(self) -> Scores:
         c = self.config
@@ -302,17 +362,27 @@ class StragglerScorer:
         dev = window - level
         spread = np.median(np.abs(dev)) * 1.4826 + 1e-6  # pooled over ranks and steps
         m = level + np.clip(dev, -4 * spread, 4 * spread).mean(axis=0)
-        cost = self._cost_score()
+        cost, fast = self._cost_score()
         full = bool(np.isfinite(cost[0]))
-        on = m > math.log(c.gross_threshold)
-        hold = m > math.log(c.gross_threshold) / 2
+        gross = math.log(c.gross_threshold)
+        gross_on = m > gross  # ... if its parts agree (below)
+        self_on = None
+        on = np.zeros(self.ranks, dtype=bool)
+        hold = m > gross / 2
         d = np.zeros(self.ranks)
         if full:  # against the peers now, whatever the history
-            med, sd = _group_stats(cost, self._groups)
-            p_lim = np.maximum(math.log(c.peer_outlier), c.peer_z * np.maximum(sd, c.peer_floor))
-            self._peer_on = np.where(cost - med > p_lim, self._peer_on + 1, 0)
+            peer_out = np.zeros(self.ranks, dtype=bool)
+            # A flag is held on half the evidence of the fast window but on all of the
+            # long one's: held on half, a straggler's 100 slow steps kept it on ~100 steps
+            # after it recovered, and a relapse 90 steps later was no new incident.
+            for x, keep in ((cost, 1.0), (fast, 0.5)):
+                med, sd = _group_stats(x, self._groups)
+                p_lim = np.maximum(math.log(c.peer_outlier),
+                                   c.peer_z * np.maximum(sd, c.peer_floor))
+                peer_out |= x - med > p_lim
+                hold |= x - med > keep * p_lim
+            self._peer_on = np.where(peer_out, self._peer_on + 1, 0)
             on |= self._peer_on >= c.peer_confirm
-            hold |= cost - med > p_lim / 2
         warm = self.steps < c.warmup_steps or self._short.base is None
         if warm:
             self._short.learn_warm(m, self.steps >= c.warmup_steps)
@@ -325,19 +395,40 @@ class StragglerScorer:
         else:
             d, lim = self._short.excess(m, c.z, c.self_threshold)
             slower = m > math.log(c.peer_threshold)
-            on |= (d > lim) & slower
+            self_on = (d > lim) & slower  # ... if its parts agree (below)
             hold |= (d > lim / 2) & (m > 0)
             calm = d < lim / 2
             if full:
                 # The noise of the cost score is also read across ranks now: a slow
                 # score over overlapping windows learns too little of it in a warm-up.
+                # The fast window's noise: the long one's scaled by sqrt(window ratio).
                 assert self._cost.base is not None
-                shift = cost - self._cost.base
-                spread = 1.4826 * float(np.median(np.abs(shift - np.median(shift))))
-                dc, lim_c = self._cost.excess(cost, c.z, c.self_threshold, pooled=spread)
-                on |= (dc > lim_c) & (cost > math.log(c.peer_threshold))
-                hold |= dc > lim_c / 2
-                calm &= dc < lim_c / 2
+                for x, scale, keep in ((cost, 1.0, 1.0),
+                                       (fast, math.sqrt(c.cost_window / c.cost_fast), 0.5)):
+                    shift = x - self._cost.base
+                    across = 1.4826 * float(np.median(np.abs(shift - np.median(shift))))
+                    dc, lim_c = self._cost.excess(x, c.z, c.self_threshold, pooled=across,
+                                                  scale=scale)
+                    on |= (dc > lim_c) & (x > math.log(c.peer_threshold))
+                    hold |= dc > keep * lim_c
+                    calm &= dc < lim_c / 2
+        # The 10-step evidence counts only if the newest `every` steps (new since the last
+        # evaluation) and the rest of the window each carry at least half of it: the
+        # confirming evaluations then cover more than `every` steps, and a one-evaluation
+        # blip, of any size and wherever it falls, is never confirmed (it touches at most
+        # two parts, and `confirm` = 2 evaluations need three). Each part winsorised
+        # around its own median: around the window's, a blip filling half the window
+        # would lift the healthy part to the clip. (With `every` > window / 2, as
+        # `--consensus-every 10`, the parts are halves.) Computed only when needed.
+        need = gross_on if self_on is None else gross_on | self_on
+        if need.any():
+            fresh = min(c.every, len(window) // 2)
+            part = np.minimum(self._winsorised(window[-fresh:], spread),
+                              self._winsorised(window[:-fresh], spread))
+            on |= gross_on & (part > gross / 2)
+            if self_on is not None:
+                assert self._short.base is not None
+                on |= self_on & (part - self._short.base > lim / 2)
         self._on = np.where(on, self._on + 1, 0)
         self._off = np.where(hold, 0, self._off + 1)
         self.flagged = np.where(self.flagged, self._off < c.release, self._on >= c.confirm)
@@ -347,4 +438,5 @@ class StragglerScorer:
             self._short.update(m, calm)
             if full:
                 self._cost.update(cost, calm)
-        return Scores(self.steps, np.exp(m), np.exp(d), self.flagged.copy(), np.exp(cost))
+        return Scores(self.steps, np.exp(m), np.exp(d), self.flagged.copy(),
+                      np.exp(np.fmax(cost, fast)))

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from clusterpulse.detection.causes import attribute
-from clusterpulse.detection.scoring import StragglerScorer
+from clusterpulse.detection.scoring import ScoringConfig, StragglerScorer
 from tests.bench.bench_detection import EVERY
 from tests.bench.detection_baseline_scorer import StragglerScorer as PreviousScorer
 from tests.bench.table import Row
@@ -93,7 +93,7 @@ def _cause(detector: str, own: np.ndarray, data: np.ndarray, rank: int, step: in
     """Ours: means over the cost window (detection.replay); previous: medians over 10."""
     if detector == "NVRx rule":
         return ""
-    n, agg = (50, np.mean) if detector == "ours" else (10, np.median)
+    n, agg = (ScoringConfig().cost_window, np.mean) if detector == "ours" else (10, np.median)
     lo = max(0, step - n)
     peers = np.delete(np.arange(own.shape[1]), rank)
     mine = {"own_seconds": agg(own[lo:step, rank]), "data_seconds": agg(data[lo:step, rank])}

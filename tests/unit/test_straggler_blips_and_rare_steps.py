@@ -1,0 +1,90 @@
+"""A review of issue #27's scorer (2026-12-05) found, on the real scorer: a blip of one
+evaluation interval (5 steps) on a healthy rank flagged it (the 10-step window spans two
+evaluations, so one blip confirmed itself, and the flag then held 6 evaluations: 900 s
+at 30 s steps); rare large slow steps (1 in 20 at 5x, input stalls 8x every 40th step:
+the job 15-17 % slower) were never flagged (each step capped at 3x, the worst 2 steps of
+a 50-step window dropped); and a bursty straggler's flag turned on once per burst.
+Each case here failed on that scorer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clusterpulse.detection.replay import replay
+from clusterpulse.detection.scoring import StragglerScorer
+from tests.support.straggler_traces import BASE, background, healthy_data, job_slowdown, rows
+
+RANKS = 32
+SLOW = 5
+EVERY = 5
+
+
+def on_events(own: np.ndarray) -> dict[int, list[int]]:
+    """{rank: steps where its flag turned on}, fed 5 steps per exchange as the trainer."""
+    scorer = StragglerScorer(own.shape[1])
+    out: dict[int, list[int]] = {}
+    was = np.zeros(own.shape[1], dtype=bool)
+    for t in range(0, len(own), EVERY):
+        s = scorer.observe(own[t:t + EVERY])
+        if s is not None:
+            for r in np.nonzero(s.flagged & ~was)[0]:
+                out.setdefault(int(r), []).append(s.step)
+            was = s.flagged.copy()
+    return out
+
+
+@pytest.mark.parametrize("factor", [1.5, 3.0, 10.0])
+def test_a_one_evaluation_blip_never_flags_wherever_it_falls(factor):
+    """5 slow steps (one evaluation interval) at any phase between evaluations: the
+    short and gross paths need evidence in more than one interval's steps, and the cost
+    scores drop the worst 5 consecutive steps."""
+    for phase in range(EVERY):
+        own = background(np.random.default_rng(11 + phase), 400, RANKS, "ar1")
+        own[200 + phase:205 + phase, SLOW] *= factor
+        assert on_events(own) == {}, (factor, phase)
+
+
+def test_slowness_over_two_intervals_is_still_a_straggler():
+    """What the blip rule must not cost: a rank 1.5x slow from step 201 on is flagged
+    within 15 steps, once."""
+    own = background(np.random.default_rng(3), 400, RANKS, "ar1")
+    own[200:, SLOW] *= 1.5
+    got = on_events(own)
+    assert list(got) == [SLOW] and len(got[SLOW]) == 1 and got[SLOW][0] <= 215, got
+
+
+def test_rare_large_slow_steps_are_flagged_by_what_they_cost_the_job():
+    """1 slow step in 20 at 5x: the job runs ~17 % slower; a 3x cap scored it ~1.05."""
+    own = background(np.random.default_rng(5), 600, RANKS, "ar1")
+    healthy = own.copy()
+    k = np.arange(600 - 200)
+    own[200:, SLOW] *= np.where(k % 20 == 19, 5.0, 1.0)
+    assert job_slowdown(own[200:], healthy[200:]) >= 1.15
+    got = on_events(own)
+    assert list(got) == [SLOW] and len(got[SLOW]) == 1 and 200 < got[SLOW][0] <= 300, got
+
+
+def test_rare_long_input_stalls_are_flagged_as_data_loading():
+    """An 8-step input stall every 40th step (8 s on 1 s steps): the job ~17 % slower."""
+    rng = np.random.default_rng(6)
+    own = background(rng, 700, RANKS, "ar1")
+    healthy = own.copy()
+    data = healthy_data(700, RANKS)
+    stall = np.where(np.arange(700 - 200) % 40 == 39, 8.0 * BASE, 0.0)
+    own[200:, SLOW] += stall
+    data[200:, SLOW] += stall
+    assert job_slowdown(own[200:], healthy[200:]) >= 1.15
+    got = [f.as_dict() for f in replay(rows(own, data))]
+    assert [(f["rank"], f["cause"]) for f in got] == [(SLOW, "data_loading")], got
+    assert 200 < got[0]["step"] <= 300
+
+
+def test_a_bursty_straggler_is_one_incident():
+    """2x for 20 of every 120 steps (the job ~14 % slower): its flag turned on at every
+    burst (5-6 times in 600 steps); the long cost window holds it between bursts."""
+    own = background(np.random.default_rng(8), 900, RANKS, "ar1")
+    k = np.arange(900 - 200)
+    own[200:, SLOW] *= np.where(k % 120 < 20, 2.0, 1.0)
+    got = on_events(own)
+    assert list(got) == [SLOW] and len(got[SLOW]) == 1 and got[SLOW][0] <= 230, got
