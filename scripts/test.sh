@@ -6,10 +6,8 @@
 # mostly waits on the download).
 # Extra arguments go to pytest and run that selection only, on the main venv, e.g.
 # `scripts/test.sh -m "not slow"`. Two test files run at a time (a file's tests stay
-# together: they share their module's stack or testbed), handed out in the order
-# tests/conftest.py gives them, the long files first (--no-loadscope-reorder, pytest-xdist
-# 3.8+: xdist's own order, most tests first, left the files of one long test for last);
-# PYTEST_WORKERS=0 runs everything in this one process, e.g. to debug.
+# together: they share their module's stack or testbed); PYTEST_WORKERS=0 runs
+# everything in this one process, e.g. to debug.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -20,12 +18,12 @@ if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
 if [ $# -gt 0 ]; then
-  exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
+  exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
 fi
 scripts/test-oldest-torch.sh --prepare > artifacts/oldest-torch-setup.log 2>&1 &
 prepare=$!
 status=0
-.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder || status=$?
+.venv/bin/python -m pytest -n "$workers" --dist loadfile || status=$?
 if ! wait "$prepare"; then
   echo "test: the oldest torch's venv could not be built:" >&2
   tail -n 20 artifacts/oldest-torch-setup.log >&2

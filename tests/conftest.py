@@ -37,33 +37,7 @@ def _has_nvidia_gpu() -> bool:
         return False
 
 
-def _longest_files_first(items: list) -> None:
-    """Order the files so that the long ones start first, each file's tests in their own
-    order. The test command runs two files at a time (pytest-xdist --dist loadfile
-    --no-loadscope-reorder, scripts/test.sh) and hands the files out in this order as a
-    worker frees up. xdist's own order, most tests first, put the files of one or two
-    long tests last (the demo's faults, ~150 s; the testbed's eviction and restart, the
-    local cluster, the HF and Lightning jobs): one worker ran the last of them while the
-    other had nothing left. Now the files with a slow test go first (most slow tests
-    first), then those that start real processes, then the rest: the many short files
-    fill in at the end."""
-    files: dict[str, list] = {}
-    for item in items:
-        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-
-    def cost(entry: tuple[int, tuple[str, list]]) -> tuple[int, int, int, int]:
-        index, (_, of) = entry
-        slow = sum(1 for item in of if item.get_closest_marker("slow"))
-        procs = any(item.get_closest_marker(m) for item in of
-                    for m in ("integration", "e2e", "cluster"))
-        return (0 if slow else 1 if procs else 2), -slow, -len(of), index
-
-    items[:] = [item for _, (_, of) in sorted(enumerate(files.items()), key=cost)
-                for item in of]
-
-
 def pytest_collection_modifyitems(config, items):
-    _longest_files_first(items)
     if _has_nvidia_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU and driver (nvidia-smi -L failed)")
