@@ -30,7 +30,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # the trainer's runtime dependencies and the test tools these tests use; the project
   # itself from this checkout (no build: its package is the repository's root)
   "$venv/bin/pip" install -q "numpy>=1.24" "prometheus-client>=0.20" "nvidia-ml-py>=12.535" \
-    "requests>=2.31" "pytest>=8" "pytest-xdist>=3.8" "pyyaml>=6" "hypothesis>=6.100" \
+    "requests>=2.31" "pytest>=8" "pytest-xdist>=3.6" "pyyaml>=6" "hypothesis>=6.100" \
     2> >(grep -v "is ignored: it is neither" >&2)
   "$venv/bin/python" - <<'PY'
 import pathlib, site
