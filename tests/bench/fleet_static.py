@@ -12,8 +12,9 @@ and sizes are the agent's own. The values do not change from one scrape to the n
 
 Each node has its own address, as agents on real nodes do: node i listens on
 `node_address(i)` (127.100.x.y: all of 127.0.0.0/8 is the loopback interface on Linux),
-every node on the same port, /metrics. A scraper that shards targets by `__address__`
-(deploy/victoriametrics/vmagent.yml) then spreads them as it would spread real nodes.
+every node on the same port, /metrics and /metrics/progress. A scraper that shards
+targets by `__address__` (deploy/victoriametrics/vmagent.yml) then spreads them as it
+would spread real nodes.
 Bodies are gzipped once (scrapers ask for gzip), served by asyncio with HTTP keep-alive
 from several processes sharing each socket (SO_REUSEPORT). Prints the node count when
 ready; stops when stdin closes.
@@ -38,7 +39,7 @@ from clusterpulse.agent import protocol
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.backends.sim import SimBackend
 from clusterpulse.agent.core import Agent
-from clusterpulse.agent.exporter import AgentCollector
+from clusterpulse.agent.exporter import AgentCollector, ProgressCollector
 from clusterpulse.agent.identity import Sender, start_time
 from clusterpulse.agent.ranks import RankRegistry
 
@@ -71,9 +72,10 @@ def _step(rank: int, step: int, world: int) -> dict:
             "collectives_entered_total": 40.0 * step, "collectives_completed_total": 40.0 * step}
 
 
-def template(gpus: int, world: int) -> str:
-    """One node's exposition: G simulated GPUs, a rank on each that has made STEPS steps
-    and sent a heartbeat. The ranks' sender is this process, as the kernel names it, so
+def template(gpus: int, world: int) -> dict[bytes, str]:
+    """One node's exposition by path (/metrics, and /metrics/progress, the ranks'
+    progress alone, as the agent serves it): G simulated GPUs, a rank on each that has
+    made STEPS steps and sent a heartbeat. The ranks' sender is this process, as the kernel names it, so
     that the agent exports them as alive (a real rank's socket is verified the same way)."""
     clock = [time.monotonic()]  # steps 0.41 s apart, as _step reports them
     ranks = RankRegistry(clock=lambda: clock[0])
@@ -98,35 +100,40 @@ def template(gpus: int, world: int) -> str:
         heartbeat(r, STEPS)
     clock[0] -= 0.2  # the last step ended 0.2 s ago (its heartbeat age)
     agent.collect_once()
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(AgentCollector(agent))
-    return generate_latest(registry).decode()
-
-
-def pages(nodes: int, gpus: int, run_nodes: int) -> dict[str, bytes]:
-    """Each node's gzipped /metrics by its address: node i is `nNNNN`, its GPUs' UUIDs
-    carry its number, its ranks are i*G.. of run `job-NNN` (runs of `run_nodes` nodes;
-    rank numbers count within the run)."""
-    text = template(gpus, run_nodes * gpus).encode()
     out = {}
-    for i in range(nodes):
-        base = (i % run_nodes) * gpus
-        body = (text.replace(TEMPLATE_NODE.encode(), f"n{i:04d}".encode())
-                .replace(b'uuid="GPU-', f'uuid="GPU-{i:04d}-'.encode())
-                .replace(TEMPLATE_RUN.encode(), f"job-{i // run_nodes:03d}".encode()))
-        body = _RANK.sub(lambda m, b=base: b'rank="%d"' % (b + int(m.group(1))), body)
-        out[node_address(i)] = gzip.compress(body, 1)
+    for path, collector in ((b"/metrics", AgentCollector(agent)),
+                            (b"/metrics/progress", ProgressCollector(agent))):
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(collector)
+        out[path] = generate_latest(registry).decode()
     return out
 
 
-async def serve(port: int, bodies: dict[str, bytes], ready: int) -> None:
+def pages(nodes: int, gpus: int, run_nodes: int) -> dict[str, dict[bytes, bytes]]:
+    """Each node's gzipped pages (by path) by its address: node i is `nNNNN`, its GPUs'
+    UUIDs carry its number, its ranks are i*G.. of run `job-NNN` (runs of `run_nodes`
+    nodes; rank numbers count within the run)."""
+    texts = {path: text.encode() for path, text in template(gpus, run_nodes * gpus).items()}
+    out: dict[str, dict[bytes, bytes]] = {}
+    for i in range(nodes):
+        base = (i % run_nodes) * gpus
+        for path, text in texts.items():
+            body = (text.replace(TEMPLATE_NODE.encode(), f"n{i:04d}".encode())
+                    .replace(b'uuid="GPU-', f'uuid="GPU-{i:04d}-'.encode())
+                    .replace(TEMPLATE_RUN.encode(), f"job-{i // run_nodes:03d}".encode()))
+            body = _RANK.sub(lambda m, b=base: b'rank="%d"' % (b + int(m.group(1))), body)
+            out.setdefault(node_address(i), {})[path] = gzip.compress(body, 1)
+    return out
+
+
+async def serve(port: int, bodies: dict[str, dict[bytes, bytes]], ready: int) -> None:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        body = bodies.get(writer.get_extra_info("sockname")[0])
+        paths = bodies.get(writer.get_extra_info("sockname")[0], {})
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                path = head.split(b" ", 2)[1].split(b"?", 1)[0]
-                if body is None or path != b"/metrics":
+                body = paths.get(head.split(b" ", 2)[1].split(b"?", 1)[0])
+                if body is None:
                     writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
                 else:
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4"
