@@ -75,8 +75,9 @@ def _step(rank: int, step: int, world: int) -> dict:
 def template(gpus: int, world: int) -> dict[bytes, str]:
     """One node's exposition by path (/metrics, and /metrics/progress, the ranks'
     progress alone, as the agent serves it): G simulated GPUs, a rank on each that has
-    made STEPS steps and sent a heartbeat. The ranks' sender is this process, as the kernel names it, so
-    that the agent exports them as alive (a real rank's socket is verified the same way)."""
+    made STEPS steps and sent a heartbeat. The ranks' sender is this process, as the
+    kernel names it, so that the agent exports them as alive (a real rank's socket is
+    verified the same way)."""
     clock = [time.monotonic()]  # steps 0.41 s apart, as _step reports them
     ranks = RankRegistry(clock=lambda: clock[0])
     agent = Agent(SimBackend(gpus=gpus, node=TEMPLATE_NODE, activity=ranks.activity),
