@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
-import numpy as np
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from clusterpulse.trainer.consensus import Consensus, peer_groups
+from clusterpulse.trainer.consensus import peer_groups
+from tests.support.procs import REPO
 
 STAGE_COST = [1.0, 1.0, 1.4, 1.4]  # two pipeline stages, two data-parallel ranks each
 STEPS = 300
@@ -30,32 +29,49 @@ def test_labels_make_groups_only_where_each_has_two_ranks():
 
 CASES = {"one": (False, -1), "healthy": (True, -1), "slow": (True, 3)}  # grouped, slow rank
 
-
-def _worker(rank: int, world: int, store: str, out: str) -> None:
-    """Each case in turn on one process group (a process start costs seconds)."""
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world)
-    seen = {}
-    for name, (grouped, slow) in CASES.items():
-        c = Consensus(every=5, peer_group=f"stage{rank // 2}" if grouped else "")
-        rng = np.random.default_rng(rank)
-        flagged: set[int] = set()
-        for step in range(1, STEPS + 1):
-            late = slow == rank and step > 150  # a straggler inside the costly stage
-            c.record(STAGE_COST[rank] * rng.gamma(400, 1 / 400) * (1.2 if late else 1.0))
-            if c.due(step):
-                c.exchange(False, world)
-                if c.last is not None:
-                    flagged |= {int(r) for r in np.nonzero(c.last.flagged)[0]}
-        seen[name] = sorted(flagged)
-    Path(f"{out}.{rank}").write_text(json.dumps(seen))
-    dist.destroy_process_group()
+# Each rank a process of its own (a subprocess, not multiprocessing's spawn: that re-runs
+# the parent's __main__, which in a test worker may be another test's script), each case
+# in turn on one process group (a process start costs seconds).
+WORKER = """
+import json, sys
+from pathlib import Path
+import numpy as np
+import torch.distributed as dist
+from clusterpulse.trainer.consensus import Consensus
+from tests.unit.test_peer_groups import CASES, STAGE_COST, STEPS
+rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+seen = {}
+for name, (grouped, slow) in CASES.items():
+    c = Consensus(every=5, peer_group=f"stage{rank // 2}" if grouped else "")
+    rng = np.random.default_rng(rank)
+    flagged = set()
+    for step in range(1, STEPS + 1):
+        late = slow == rank and step > 150  # a straggler inside the costly stage
+        c.record(STAGE_COST[rank] * rng.gamma(400, 1 / 400) * (1.2 if late else 1.0))
+        if c.due(step):
+            c.exchange(False, world)
+            if c.last is not None:
+                flagged |= {int(r) for r in np.nonzero(c.last.flagged)[0]}
+    seen[name] = sorted(flagged)
+Path(f"{out}.{rank}").write_text(json.dumps(seen))
+dist.destroy_process_group()
+"""
 
 
 def test_a_costlier_stage_is_no_straggler_and_its_straggler_is_found(tmp_path):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     out = str(tmp_path / "flagged")
-    mp.spawn(_worker, args=(4, str(tmp_path / "store"), out), nprocs=4)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    ranks = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), "4",
+                               str(tmp_path / "store"), out], env=env, cwd=REPO,
+                              stderr=subprocess.PIPE, text=True) for r in range(4)]
+    try:
+        errors = [r.communicate(timeout=300)[1] for r in ranks]
+    finally:
+        for r in ranks:
+            r.kill()
+    assert [r.returncode for r in ranks] == [0] * 4, errors
     seen = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(4)]
     # one group: the costlier stage's ranks are "stragglers" for the whole run
     assert [s["one"] for s in seen] == [[2, 3]] * 4
