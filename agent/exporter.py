@@ -274,7 +274,7 @@ class AgentCollector(Collector):
         yield from progress_families(a, ranks)
 
         def labels(r) -> list[str]:
-            return [r.run, str(r.rank), node, str(r.local_rank)]
+            return rank_labels(r, node)
 
         info = GaugeMetricFamily(PREFIX + "trainer_rank_info",
                                  "Rank identity and GPU binding; value is always 1.",
@@ -310,6 +310,11 @@ class AgentCollector(Collector):
                 if key in r.values and not (key in JUDGEMENT and r.phase == EXITED):
                     fam.add_metric(labels(r), r.values[key])
             yield fam
+
+
+def rank_labels(r, node: str) -> list[str]:
+    """A rank's RANK_LABELS values, for every rank family of both paths."""
+    return [r.run, str(r.rank), node, str(r.local_rank)]
 
 
 class ProgressCollector(Collector):
@@ -348,7 +353,7 @@ def progress_families(agent: Agent, ranks: list) -> Iterator:
                                   "Collectives the rank has entered (sequence number; the "
                                   "hang root entered fewer).", labels=RANK_LABELS)
     for r in ranks:
-        lb = [r.run, str(r.rank), node, str(r.local_rank)]
+        lb = rank_labels(r, node)
         phase.add_metric([*lb, r.phase], 1.0)
         if r.collective and r.phase not in (EXITED, RESTARTING):
             blocked.add_metric([*lb, r.collective],
