@@ -64,6 +64,12 @@ def inject(own: np.ndarray, data: np.ndarray, ranks: list[int], kind: str,
         stall[k % 4 == 3] = 0.8 * BASE
     elif kind == "input stall 20x every 10th step":  # 2 s on a 1 s step, scaled
         stall[k % 10 == 9] = 2.0 * BASE
+    elif kind == "input stall 80x every 40th step":  # 8 s on a 1 s step, scaled
+        stall[k % 40 == 39] = 8.0 * BASE
+    elif kind == "5x on 1 of 20 steps":
+        factor[k % 20 == 19] = 5.0
+    elif kind == "3x for 10 of every 100 steps":  # bursts: one straggler, one incident
+        factor[k % 100 < 10] = 3.0
     elif kind == "ramp to 1.3x":
         factor[:] = 1.0 + 0.3 * np.minimum(k / ramp_steps, 1.0)
     else:
