@@ -324,40 +324,18 @@ class StragglerScorer:
             return nan, nan
         r = np.stack(self._ratios)
         fast = np.minimum(r[-c.cost_fast:], c.cost_fast_cap)
-        return (self._recurring_mean(r, c.cost_drop),
+        return (self._trimmed_mean(r, c.cost_drop, 0),
                 self._trimmed_mean(fast, c.cost_drop, c.cost_fast_drop))
 
     @staticmethod
-    def _run_sums(r: np.ndarray, run: int) -> np.ndarray:
-        """sums[j]: per rank, the sum of steps j .. j + run - 1 of r."""
-        sums = r[run - 1:].copy()
-        for i in range(run - 1):
-            sums += r[i:len(r) - run + 1 + i]
-        return sums
-
-    @classmethod
-    def _recurring_mean(cls, r: np.ndarray, run: int) -> np.ndarray:
-        """log of the per-rank mean of r (steps x ranks) with its worst `run` consecutive
-        steps replaced by its worst `run` steps apart from them: slowness that happened
-        once counts no more than the window's next worst stretch, slowness that recurs
-        counts in full (dropping the worst run instead halved two stalls in a window)."""
-        if not run:
-            return np.log(r.mean(axis=0))
-        sums = cls._run_sums(r, run)
-        cols = np.arange(r.shape[1])
-        first = sums.argmax(axis=0)
-        j = np.arange(len(sums))[:, None]
-        apart = np.where(np.abs(j - first) >= run, sums, -np.inf).max(axis=0)
-        second = np.where(np.isfinite(apart), apart, sums[first, cols])
-        return np.log((r.sum(axis=0) - sums[first, cols] + second) / len(r))
-
-    @classmethod
-    def _trimmed_mean(cls, r: np.ndarray, run: int, single: int) -> np.ndarray:
+    def _trimmed_mean(r: np.ndarray, run: int, single: int) -> np.ndarray:
         """log of the per-rank mean of r (steps x ranks) without its worst `run`
         consecutive steps and then its worst `single` steps."""
         n, total = len(r), r.sum(axis=0)
         if run:
-            sums = cls._run_sums(r, run)
+            sums = r[run - 1:].copy()  # sums[j]: steps j .. j + run - 1
+            for i in range(run - 1):
+                sums += r[i:len(r) - run + 1 + i]
             start = sums.argmax(axis=0)
             total = total - sums[start, np.arange(r.shape[1])]
             n -= run

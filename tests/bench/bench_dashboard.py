@@ -15,6 +15,7 @@ import requests
 from streamlit.testing.v1 import AppTest
 
 from tests.bench.table import Row
+from tests.support.pages import kpis
 from tests.support.ports import free_port
 from tests.support.procs import REPO, RULE_FILES, Prometheus, wait_until
 
@@ -54,7 +55,7 @@ def run() -> list[Row]:
             app = str(REPO / "dashboard" / "app.py")
             data.cluster.clear()
             cold, at = _view(app)
-            metrics = {m.label: m.value for m in at.metric}
+            metrics = kpis(at)
             assert metrics["Healthy GPUs"] == f"{NODES * GPUS} / {NODES * GPUS}", metrics
             queries = data.cluster(prom.url, os.environ["CLUSTERPULSE_ALERTMANAGER_URL"],
                                    "utilization").value["queries"]

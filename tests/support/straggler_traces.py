@@ -7,7 +7,7 @@ rank's step as long as the slowest's.
 Noise models differ in kind, not only in size, so that no threshold is tuned to one
 generator: AR(1) jitter (rho 0.5), heavy-tailed (Student t, 3 degrees of freedom)
 jitter, unaligned single-rank pauses, job-wide pauses, and a "hardware lottery" of GPUs
-4-7 % slower for life.
+4-7 % slower for life; and, apart (`gc`), rare larger single-rank pauses.
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ def background(rng: np.random.Generator, steps: int, ranks: int, noise: str = "a
     if noise == "pauses":  # unaligned: one rank stalls 3x now and then (GC, page faults)
         x[rng.random((steps, ranks)) < 2e-3] *= 3.0
         x[np.arange(steps) % 97 == 96] *= 4.0  # aligned: job-wide pauses
+    if noise == "gc":  # rare larger pauses on one rank (a garbage collection, a page-in):
+        # 1-2 steps at 2-8x, one in 500 steps per rank (a hostile review's model)
+        for r in range(ranks):
+            for t in rng.integers(0, steps - 2, rng.poisson(steps / 500)):
+                x[t:t + rng.integers(1, 3), r] *= rng.uniform(2.0, 8.0)
     if noise == "lottery":  # 2.5 % of GPUs 4-7 % slower for life
         lot = rng.random(ranks) < 0.025
         x[:, lot] *= rng.uniform(1.04, 1.07, int(lot.sum()))
