@@ -145,6 +145,7 @@ def test_alertmanager_config_and_examples_are_valid():
 @pytest.mark.parametrize("labels,receivers", [
     (["severity=critical", "alertname=GpuDown", "node=n1"], "oncall,remediation"),
     (["severity=critical", "alertname=RankHung", "run=r1"], "oncall,remediation"),
+    (["severity=critical", "alertname=JobStalled", "run=r1"], "oncall,remediation"),
     (["severity=warning", "alertname=TrainingStraggler", "run=r1"], "remediation"),
     # XIDs the application causes (45 on every kill) reach the history, not the pager.
     (["severity=warning", "alertname=GpuApplicationXid", "node=n1", "xid=45"], "remediation"),
@@ -224,6 +225,40 @@ def test_a_down_node_inhibits_its_gpu_and_rank_alerts_in_a_real_alertmanager(tmp
         hook = wait_until(lambda: [auth for path, auth in sink.auth if "oncall" not in path],
                           20, "remediation webhook delivery")
         assert set(hook) == {f"Bearer {am.webhook_token}"}
+    finally:
+        am.stop()
+        sink.stop()
+
+
+def test_a_cut_off_node_pages_once_though_its_stall_fires_first(tmp_path):
+    """A node cut off: JobStalled fires first (the node's 1 s progress scrape fails at
+    once), JobNodeUnreachable up to ~10 s later, and inhibits it; with JobStalled paged
+    at once (critical, group_wait 0 s) the on-call got both. Now JobStalled waits 20 s
+    for an explanation; a stall nothing explains still pages."""
+    sink = WebhookSink()
+    am = Alertmanager(tmp_path, sink.url)
+    try:
+        now = datetime.datetime.now(datetime.UTC).isoformat()
+
+        def alert(**labels):
+            return {"labels": {"severity": "critical", **labels},
+                    "annotations": {"summary": "test"}, "startsAt": now}
+
+        def pages() -> set[tuple[str, str]]:
+            return {(a["labels"]["alertname"], a["labels"]["run"])
+                    for (path, _), payload in zip(sink.auth, sink.received, strict=True)
+                    if "oncall" in path for a in payload.get("alerts", [])}
+
+        requests.post(am.url + "/api/v2/alerts", timeout=5, json=[
+            alert(alertname="JobStalled", run="cut"), alert(alertname="JobStalled", run="hung")
+        ]).raise_for_status()
+        time.sleep(8)  # the cut node's main scrape times out; JobNodeUnreachable's `for`
+        requests.post(am.url + "/api/v2/alerts", timeout=5, json=[
+            alert(alertname="JobNodeUnreachable", run="cut", node="n3")]).raise_for_status()
+        wait_until(lambda: {("JobNodeUnreachable", "cut"), ("JobStalled", "hung")} <= pages(),
+                   60, "the cut node's page and the unexplained stall's")
+        time.sleep(2)  # both JobStalled groups flushed together: nothing more comes
+        assert pages() == {("JobNodeUnreachable", "cut"), ("JobStalled", "hung")}, pages()
     finally:
         am.stop()
         sink.stop()
