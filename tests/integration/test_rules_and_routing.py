@@ -252,7 +252,7 @@ def test_a_cut_off_node_pages_once_though_its_stall_fires_first(tmp_path):
         requests.post(am.url + "/api/v2/alerts", timeout=5, json=[
             alert(alertname="JobStalled", run="cut"), alert(alertname="JobStalled", run="hung")
         ]).raise_for_status()
-        time.sleep(8)  # the cut node's main scrape times out; JobNodeUnreachable's `for`
+        time.sleep(3)  # the cut node's main scrape times out; JobNodeUnreachable's `for`
         requests.post(am.url + "/api/v2/alerts", timeout=5, json=[
             alert(alertname="JobNodeUnreachable", run="cut", node="n3")]).raise_for_status()
         wait_until(lambda: {("JobNodeUnreachable", "cut"), ("JobStalled", "hung")} <= pages(),
