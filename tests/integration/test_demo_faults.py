@@ -129,8 +129,8 @@ def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
         assert "recovered: step" in block, block
         (printed,) = [x.split("incident: ", 1)[1] for x in block.splitlines()
                       if x.startswith("  incident:")]
-        assert printed == page[n].line(), (printed, page[n].line())
-    assert len(page) == 3, [i.line() for i in page]  # one incident per fault
+        assert printed == page[n].line(), (printed, [i.line() for i in page], out)
+    assert len(page) == 3, ([i.line() for i in page], out)  # one incident per fault
     # where the trainer's log says it resumed from, after each restart, is the page's
     # (rank 0 prints it; which node holds rank 0 may change with each attempt)
     log = "\n".join(f.read_text() for f in (tmp_path / "state").glob("trainer-node-*.log"))
