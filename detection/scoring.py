@@ -32,8 +32,14 @@ Three gaps that per-step scoring left (issue #27), closed here:
   checkpoint write, never counts; slowness that recurs does, however it is spread over
   steps). The long window (`cost_window`, 100 steps, each step capped at `cost_cap`,
   10x) sees rare large slow steps: 1 in 20 at 5x, an 8 s input stall every 40th 1 s
-  step. The fast one (its newest `cost_fast`, 50 steps, capped at 3x and also without
-  its 2 worst single steps: random pauses) flags frequent ones sooner. Both are judged
+  step. Two such steps in 100 are also what a healthy rank's two one-off pauses (a GC,
+  a page-in) are, so its evidence counts where it outlasts dropping the worst 5
+  consecutive steps apart from those too (slowness more frequent than two pauses), or
+  where the window before it (the evaluation `cost_window` steps earlier) carried half
+  of it as well (a rate of slow steps that lasts): 2-3 stalls per window are then
+  named within two windows, not one. The fast one (its newest `cost_fast`, 50 steps,
+  capped at 3x and also without its 2 worst single steps: random pauses) flags frequent
+  ones sooner. Both are judged
   against one cost baseline (learnt slowly: a creeping degradation is not absorbed)
   with the same self/noise test, the fast one's noise scaled to its length.
 - **Peers from step 1.** A rank whose cost is `peer_outlier` (1.12x) above its peer
@@ -234,6 +240,8 @@ class StragglerScorer:
         self._groups = [np.nonzero(g == k)[0] for k in np.unique(g)]
         self._rows: collections.deque[np.ndarray] = collections.deque(maxlen=c.window)
         self._ratios: collections.deque[np.ndarray] = collections.deque(maxlen=c.cost_window)
+        # (step, long cost) of the evaluations in the last cost window: the window before
+        self._past_costs: collections.deque[tuple[int, np.ndarray]] = collections.deque()
         self.steps = 0
         self._since_eval = 0
         self._short = _Track(c.baseline_alpha, c.noise_floor)
@@ -313,39 +321,66 @@ class StragglerScorer:
                 out = self._evaluate()
         return out
 
-    def _cost_score(self) -> tuple[np.ndarray, np.ndarray]:
+    def _cost_score(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """log of the mean per-step time relative to peers over the cost window and over
-        its newest `cost_fast` steps, capped and dropped as configured; NaN until
-        `cost_fast` steps are in (the long window is partial up to `cost_window`: a
-        straggler from step 1 is judged after `cost_fast` steps)."""
+        its newest `cost_fast` steps, capped and dropped as configured, and the long one
+        also without its second worst 5 consecutive steps; NaN until `cost_fast` steps
+        are in (the long window is partial up to `cost_window`: a straggler from step 1
+        is judged after `cost_fast` steps)."""
         c = self.config
         if len(self._ratios) < c.cost_fast:
             nan = np.full(self.ranks, np.nan)
-            return nan, nan
+            return nan, nan, nan
         r = np.stack(self._ratios)
         fast = np.minimum(r[-c.cost_fast:], c.cost_fast_cap)
-        return (self._trimmed_mean(r, c.cost_drop, 0),
-                self._trimmed_mean(fast, c.cost_drop, c.cost_fast_drop))
+        cost, cost_less2 = self._trimmed_means(r, c.cost_drop, runs=2)
+        (fast_cost,) = self._trimmed_means(fast, c.cost_drop, single=c.cost_fast_drop)
+        return cost, fast_cost, cost_less2
+
+    def _prior_cost(self, cost: np.ndarray) -> np.ndarray:
+        """The long cost of the window before the current one (the newest evaluation at
+        least `cost_window` steps ago; NaN before there is one), and `cost` kept for
+        later evaluations."""
+        c, past = self.config, self._past_costs
+        while len(past) > 1 and past[1][0] <= self.steps - c.cost_window:
+            past.popleft()
+        prior = past[0][1] if past and past[0][0] <= self.steps - c.cost_window \
+            else np.full(self.ranks, np.nan)
+        if np.isfinite(cost[0]) and len(self._ratios) == c.cost_window:
+            past.append((self.steps, cost))
+        return prior
 
     @staticmethod
-    def _trimmed_mean(r: np.ndarray, run: int, single: int) -> np.ndarray:
-        """log of the per-rank mean of r (steps x ranks) without its worst `run`
-        consecutive steps and then its worst `single` steps."""
-        n, total = len(r), r.sum(axis=0)
-        if run:
+    def _trimmed_means(r: np.ndarray, run: int, runs: int = 1,
+                       single: int = 0) -> list[np.ndarray]:
+        """Per rank, log of the mean of r (steps x ranks) without its worst `run`
+        consecutive steps, then also without the worst `run` consecutive steps apart
+        from those, ... (`runs` means, one after each drop), the first also without its
+        worst `single` steps besides (only with `runs` = 1)."""
+        n, total, means = len(r), r.sum(axis=0), []
+        if not run:
+            runs = 1
+        else:
             sums = r[run - 1:].copy()  # sums[j]: steps j .. j + run - 1
             for i in range(run - 1):
                 sums += r[i:len(r) - run + 1 + i]
-            start = sums.argmax(axis=0)
-            total = total - sums[start, np.arange(r.shape[1])]
-            n -= run
-            if single:  # the run's steps out of the single choice
-                k = np.arange(len(r))[:, None]
-                r = np.where((k >= start) & (k < start + run), 0.0, r)
-        if single:
-            total = total - np.partition(r, len(r) - single, axis=0)[len(r) - single:].sum(axis=0)
-            n -= single
-        return np.log(total / n)
+            j, cols = np.arange(len(sums))[:, None], np.arange(r.shape[1])
+        for i in range(runs):
+            if run:
+                start = sums.argmax(axis=0)
+                total = total - sums[start, cols]
+                n -= run
+                if i + 1 < runs:  # windows overlapping this one are out of the next choice
+                    sums = np.where(np.abs(j - start) < run, -np.inf, sums)
+                if single:  # the run's steps out of the single choice
+                    k = np.arange(len(r))[:, None]
+                    r = np.where((k >= start) & (k < start + run), 0.0, r)
+            if single:
+                total = total - np.partition(r, len(r) - single, axis=0)[len(r) - single:].sum(
+                    axis=0)
+                n -= single
+            means.append(np.log(total / n))
+        return means
 
     @staticmethod
     def _winsorised(rows: np.ndarray, spread: float) -> np.ndarray:
@@ -362,8 +397,9 @@ class StragglerScorer:
         dev = window - level
         spread = np.median(np.abs(dev)) * 1.4826 + 1e-6  # pooled over ranks and steps
         m = level + np.clip(dev, -4 * spread, 4 * spread).mean(axis=0)
-        cost, fast = self._cost_score()
+        cost, fast, cost_less2 = self._cost_score()
         full = bool(np.isfinite(cost[0]))
+        prior = self._prior_cost(cost)
         gross = math.log(c.gross_threshold)
         gross_on = m > gross  # ... if its parts agree (below)
         self_on = None
@@ -379,7 +415,12 @@ class StragglerScorer:
                 med, sd = _group_stats(x, self._groups)
                 p_lim = np.maximum(math.log(c.peer_outlier),
                                    c.peer_z * np.maximum(sd, c.peer_floor))
-                peer_out |= x - med > p_lim
+                out = x - med > p_lim
+                if x is cost and out.any():
+                    p_med, _ = _group_stats(prior, self._groups)
+                    s_med, _ = _group_stats(cost_less2, self._groups)
+                    out &= (prior - p_med > p_lim / 2) | (cost_less2 - s_med > p_lim)
+                peer_out |= out
                 hold |= x - med > keep * p_lim
             self._peer_on = np.where(peer_out, self._peer_on + 1, 0)
             on |= self._peer_on >= c.peer_confirm
@@ -409,7 +450,11 @@ class StragglerScorer:
                     across = 1.4826 * float(np.median(np.abs(shift - np.median(shift))))
                     dc, lim_c = self._cost.excess(x, c.z, c.self_threshold, pooled=across,
                                                   scale=scale)
-                    on |= (dc > lim_c) & (x > math.log(c.peer_threshold))
+                    evidence = (dc > lim_c) & (x > math.log(c.peer_threshold))
+                    if x is cost:
+                        evidence &= (prior - self._cost.base > lim_c / 2) \
+                            | (cost_less2 - self._cost.base > lim_c)
+                    on |= evidence
                     hold |= dc > keep * lim_c
                     calm &= dc < lim_c / 2
         # The 10-step evidence counts only if the newest `every` steps (new since the last

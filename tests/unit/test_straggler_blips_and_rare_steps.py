@@ -55,18 +55,23 @@ def test_slowness_over_two_intervals_is_still_a_straggler():
 
 
 def test_rare_large_slow_steps_are_flagged_by_what_they_cost_the_job():
-    """1 slow step in 20 at 5x: the job runs ~17 % slower; a 3x cap scored it ~1.05."""
+    """1 slow step in 20 at 5x: the job runs ~17 % slower; a 3x cap scored it ~1.05.
+    Found once its window holds enough of them to be more than two pauses (the worst 2
+    stretches of 5 steps dropped: one full window and the confirmation, 120 steps)."""
     own = background(np.random.default_rng(5), 600, RANKS, "ar1")
     healthy = own.copy()
     k = np.arange(600 - 200)
     own[200:, SLOW] *= np.where(k % 20 == 19, 5.0, 1.0)
     assert job_slowdown(own[200:], healthy[200:]) >= 1.15
     got = on_events(own)
-    assert list(got) == [SLOW] and len(got[SLOW]) == 1 and 200 < got[SLOW][0] <= 300, got
+    assert list(got) == [SLOW] and len(got[SLOW]) == 1 and 200 < got[SLOW][0] <= 320, got
 
 
 def test_rare_long_input_stalls_are_flagged_as_data_loading():
-    """An 8-step input stall every 40th step (8 s on 1 s steps): the job ~17 % slower."""
+    """An 8-step input stall every 40th step (8 s on 1 s steps): the job ~17 % slower.
+    Two or three stalls in a 100-step window are what two pauses of a healthy rank are,
+    so the window before must carry half the evidence too: within two windows and the
+    confirmation (220 steps), not one (test_rare_pauses_of_healthy_ranks_are_not_flagged)."""
     rng = np.random.default_rng(6)
     own = background(rng, 700, RANKS, "ar1")
     healthy = own.copy()
@@ -77,7 +82,7 @@ def test_rare_long_input_stalls_are_flagged_as_data_loading():
     assert job_slowdown(own[200:], healthy[200:]) >= 1.15
     got = [f.as_dict() for f in replay(rows(own, data))]
     assert [(f["rank"], f["cause"]) for f in got] == [(SLOW, "data_loading")], got
-    assert 200 < got[0]["step"] <= 300
+    assert 200 < got[0]["step"] <= 420
 
 
 def test_a_bursty_straggler_is_one_incident():
@@ -88,3 +93,19 @@ def test_a_bursty_straggler_is_one_incident():
     own[200:, SLOW] *= np.where(k % 120 < 20, 2.0, 1.0)
     got = on_events(own)
     assert list(got) == [SLOW] and len(got[SLOW]) == 1 and got[SLOW][0] <= 230, got
+
+
+def test_rare_pauses_of_healthy_ranks_are_not_flagged():
+    """Healthy ranks with one-off pauses of 1-2 steps at 2-8x, one in 500 steps per rank
+    (a garbage collection, a page-in: a hostile review's model). Two of them in one
+    100-step window, 10x-capped, looked like a rank adding 10-15 % to the job: the long
+    cost window flagged 15-21 healthy ranks per million rank-steps. Now its evidence
+    counts where it outlasts the worst two 5-step stretches (slowness that recurs more
+    often than two pauses), or where the window before it carried half of it too (a
+    pause rate that lasts): under 1 per million (2 M rank-steps here; the scorer before
+    this turned 38 flags on)."""
+    flagged = 0
+    for seed in (27, 28):
+        own = background(np.random.default_rng(seed), 4000, 256, "gc")
+        flagged += sum(len(steps) for steps in on_events(own).values())
+    assert flagged <= 2, flagged
