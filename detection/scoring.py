@@ -354,33 +354,31 @@ class StragglerScorer:
     def _trimmed_means(r: np.ndarray, run: int, runs: int = 1,
                        single: int = 0) -> list[np.ndarray]:
         """Per rank, log of the mean of r (steps x ranks) without its worst `run`
-        consecutive steps, then also without the worst `run` consecutive steps apart
-        from those, ... (`runs` means, one after each drop), the first also without its
-        worst `single` steps besides (only with `runs` = 1)."""
+        consecutive steps; with `runs` = 2 also without the worst `run` consecutive steps
+        apart from those (one mean after each drop); with `single` (one run only) also
+        without its worst `single` steps besides the run."""
+        assert runs >= 1 and (runs == 1 or not single) and (run or runs == 1)
         n, total, means = len(r), r.sum(axis=0), []
         if not run:
-            runs = 1
+            means.append(total)
         else:
             sums = r[run - 1:].copy()  # sums[j]: steps j .. j + run - 1
             for i in range(run - 1):
                 sums += r[i:len(r) - run + 1 + i]
             j, cols = np.arange(len(sums))[:, None], np.arange(r.shape[1])
-        for i in range(runs):
-            if run:
+            for i in range(runs):
                 start = sums.argmax(axis=0)
                 total = total - sums[start, cols]
-                n -= run
+                means.append(total)
                 if i + 1 < runs:  # windows overlapping this one are out of the next choice
                     sums = np.where(np.abs(j - start) < run, -np.inf, sums)
-                if single:  # the run's steps out of the single choice
-                    k = np.arange(len(r))[:, None]
-                    r = np.where((k >= start) & (k < start + run), 0.0, r)
-            if single:
-                total = total - np.partition(r, len(r) - single, axis=0)[len(r) - single:].sum(
-                    axis=0)
-                n -= single
-            means.append(np.log(total / n))
-        return means
+            if single:  # the run's steps out of the single choice
+                k = np.arange(len(r))[:, None]
+                r = np.where((k >= start) & (k < start + run), 0.0, r)
+        if single:
+            means[-1] = means[-1] - np.partition(r, len(r) - single, axis=0)[len(r) - single:].sum(
+                axis=0)
+        return [np.log(t / (n - (i + 1) * run - single)) for i, t in enumerate(means)]
 
     @staticmethod
     def _winsorised(rows: np.ndarray, spread: float) -> np.ndarray:
