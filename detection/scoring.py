@@ -355,12 +355,13 @@ class StragglerScorer:
                        single: int = 0) -> list[np.ndarray]:
         """Per rank, log of the mean of r (steps x ranks) without its worst `run`
         consecutive steps; with `runs` = 2 also without the worst `run` consecutive steps
-        apart from those (one mean after each drop); with `single` (one run only) also
-        without its worst `single` steps besides the run."""
-        assert runs >= 1 and (runs == 1 or not single) and (run or runs == 1)
+        apart from those (one mean after each drop; NaN where no such steps are left);
+        with `single` (one run only) also without its worst `single` steps besides the
+        run. With `run` 0 nothing is dropped, however many `runs`."""
+        assert runs >= 1 and (runs == 1 or not single)
         n, total, means = len(r), r.sum(axis=0), []
         if not run:
-            means.append(total)
+            means = [total] * runs
         else:
             sums = r[run - 1:].copy()  # sums[j]: steps j .. j + run - 1
             for i in range(run - 1):
@@ -368,7 +369,8 @@ class StragglerScorer:
             j, cols = np.arange(len(sums))[:, None], np.arange(r.shape[1])
             for i in range(runs):
                 start = sums.argmax(axis=0)
-                total = total - sums[start, cols]
+                worst = sums[start, cols]
+                total = total - np.where(np.isfinite(worst), worst, np.nan)
                 means.append(total)
                 if i + 1 < runs:  # windows overlapping this one are out of the next choice
                     sums = np.where(np.abs(j - start) < run, -np.inf, sums)

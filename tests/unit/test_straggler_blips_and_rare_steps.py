@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from clusterpulse.detection.replay import replay
-from clusterpulse.detection.scoring import StragglerScorer
+from clusterpulse.detection.scoring import ScoringConfig, StragglerScorer
 from tests.support.straggler_traces import BASE, background, healthy_data, job_slowdown, rows
 
 RANKS = 32
@@ -20,9 +20,9 @@ SLOW = 5
 EVERY = 5
 
 
-def on_events(own: np.ndarray) -> dict[int, list[int]]:
+def on_events(own: np.ndarray, config: ScoringConfig | None = None) -> dict[int, list[int]]:
     """{rank: steps where its flag turned on}, fed 5 steps per exchange as the trainer."""
-    scorer = StragglerScorer(own.shape[1])
+    scorer = StragglerScorer(own.shape[1], config=config or ScoringConfig())
     out: dict[int, list[int]] = {}
     was = np.zeros(own.shape[1], dtype=bool)
     for t in range(0, len(own), EVERY):
@@ -109,3 +109,13 @@ def test_rare_pauses_of_healthy_ranks_are_not_flagged():
         own = background(np.random.default_rng(seed), 4000, 256, "gc")
         flagged += sum(len(steps) for steps in on_events(own).values())
     assert flagged <= 2, flagged
+
+
+def test_a_scorer_that_drops_no_steps_still_scores():
+    """`ScoringConfig(cost_drop=0)`, which the library allows: the long window's second
+    drop has nothing to drop and the window's own evidence counts as before (the
+    two-pause rule raised an unpacking error at the first cost evaluation)."""
+    own = background(np.random.default_rng(4), 400, RANKS, "ar1")
+    own[200:, SLOW] *= 1.5
+    got = on_events(own, ScoringConfig(cost_drop=0))
+    assert list(got) == [SLOW] and len(got[SLOW]) == 1 and got[SLOW][0] <= 215, got
