@@ -5,10 +5,8 @@ Everything after `--` goes to the trainer (`python -m clusterpulse.trainer --hel
 `--script`, to your script.
 
 What it adds to torchrun, and why:
-- `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` on several nodes: a fresh store per
-  rendezvous round, so a restart never reads a dead peer's address (pytorch#135712;
-  see trainer.parallel). One node keeps the agent's store, prefixed per restart: a
-  fresh store's port is picked free and bound later, which another process can take.
+- `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: a fresh store per rendezvous round, so a
+  restart never reads a dead peer's address (pytorch#135712; see trainer.parallel).
 - Graceful restarts outside the failure budget: torchrun counts every non-zero worker
   exit as a failure, so graceful checkpoint-restarts used to spend `--max-restarts`.
   Here a rank leaving for a graceful restart writes this launcher's relaunch file
@@ -521,14 +519,7 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
     all) and, with hot spares, after each round this node stood by (`Standby`);
     torchrun's exit code. Each torchrun that runs `prewarm_after` s (0: never) has the
     next one started, held (`Prewarmed`)."""
-    env = dict(env if env is not None else os.environ)
-    if rdzv is not None:  # several nodes: a fresh store per round (pytorch#135712)
-        env[SHARE_STORE_ENV] = "1"
-    # One node keeps torch's default: the ranks use the store the agent bound (port 0,
-    # the kernel's choice) under a prefix per restart (trainer.parallel), exact on one
-    # node. A fresh store there is a port the agent picks free, closes and hands rank 0
-    # to bind: anything on the node that takes it meanwhile failed the launch with
-    # EADDRINUSE (the tutorial test, on a clean machine with other tests beside it).
+    env = {**(env if env is not None else os.environ), SHARE_STORE_ENV: "1"}
     stop: list[int] = []
     child: subprocess.Popen | None = None
     prewarmed: Prewarmed | None = None

@@ -27,10 +27,20 @@ rank's crash (torchrun at INFO, 2026-12-03): 0.4 s until torchrun saw its worker
    each node reads the state up to 1/interval times a second (5 instead of 1), from
    the rendezvous' own store (not the one the ranks use).
 
-Both change torch's private parts (checked for torch 2.6 to 2.13): `_delay` of the
+3. Each rendezvous round gives the ranks a fresh store (the launcher sets
+   TORCH_DISABLE_SHARE_RDZV_TCP_STORE, pytorch#135712), on a port torch finds free by
+   binding port 0 and closing it, which rank 0 binds again later. Port 0 draws from
+   the kernel's ephemeral range, which every other process's outgoing connection and
+   bind(0) draw from too: on a clean machine with other tests beside it, one took the
+   port in between and the launch failed with EADDRINUSE. Here the port is a free one
+   below that range (`port_below_ephemeral`), which only a bind to that very number
+   can take.
+
+All change torch's private parts (checked for torch 2.6 to 2.13): `_delay` of the
 dynamic rendezvous, whose polling call passes one second, and its state holder's cache
-duration (one second); the formatter on torch's log handlers. Where those are not
-there, torch runs as it is, and the log says so once (torch_support.fallback).
+duration (one second); the formatter on torch's log handlers; the `get_free_port` the
+rendezvous' store info is built with. Where those are not there, torch runs as it is,
+and the log says so once (torch_support.fallback).
 """
 
 from __future__ import annotations
@@ -39,6 +49,9 @@ import copy
 import logging
 import math
 import os
+import random
+import socket
+from pathlib import Path
 
 from clusterpulse.trainer import spares
 from clusterpulse.trainer.torch_support import fallback
@@ -49,6 +62,8 @@ GO = b"go\n"
 TORCH_POLL_S = 1.0  # what torch's rendezvous passes to _delay when it polls
 NODES_AT_TORCH_POLL = 256  # the job size from which the poll is torch's own
 MIN_POLL_S = 0.05
+PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10000  # below: well-known and registered services
 
 
 def rendezvous_poll_s(nodes: int) -> float:
@@ -61,6 +76,7 @@ def rendezvous_poll_s(nodes: int) -> float:
 def prepare() -> None:
     """Apply this module's changes in the torchrun process, before torchrun runs."""
     render_tracebacks_plainly()
+    store_ports_below_ephemeral()
     interval = poll_interval(os.environ.get(RDZV_POLL_ENV, ""))
     if interval is not None:
         poll_rendezvous_every(interval)
@@ -136,6 +152,37 @@ def poll_rendezvous_every(interval: float) -> None:
     init._clusterpulse_torch = torch_init  # type: ignore[attr-defined]
     dr._delay = poll
     holder.__init__ = init  # type: ignore[method-assign]
+
+
+def port_below_ephemeral(tries: int = 64) -> int:
+    """A port free now between LOWEST_PORT and the kernel's ephemeral range (3. above),
+    or, where that cannot be read or found, one the kernel gives (torch's own)."""
+    try:
+        low = int(PORT_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for port in random.sample(range(LOWEST_PORT, low), min(tries, max(low - LOWEST_PORT, 0))):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def store_ports_below_ephemeral() -> None:
+    """The fresh store of each rendezvous round on `port_below_ephemeral` (idempotent)."""
+    try:
+        from torch.distributed.elastic.rendezvous import api
+    except ImportError:
+        api = None
+    if not callable(getattr(api, "get_free_port", None)):
+        fallback("rendezvous api.get_free_port", "the ranks' store port is torch's own choice")
+        return
+    api.get_free_port = port_below_ephemeral  # type: ignore[union-attr]
 
 
 def take_hold() -> int | None:

@@ -201,8 +201,8 @@ def test_a_signal_to_the_launchers_process_group_checkpoints_then_exits(tmp_path
             "--sim-compute-seconds", "0.02", "--log-every", "10", "--ckpt-dir", str(ckpt)]
     p = start_logged(launcher_cmd(2, 0, args, cold_start=cold), log, tmp_path)
     try:
-        # no retry for a port race: one node's ranks meet on the store the launcher's
-        # agent holds (test_clean_start.py)
+        # no retry for a port race: a round's store is on a port below the kernel's
+        # ephemeral range (test_clean_start.py)
         wait_for_text(log, "step 20/", 180, "training")
         assert len(rank_pids([p.pid])) == 2
         os.killpg(p.pid, sig)
