@@ -33,8 +33,12 @@ rank's crash (torchrun at INFO, 2026-12-03): 0.4 s until torchrun saw its worker
    the kernel's ephemeral range, which every other process's outgoing connection and
    bind(0) draw from too: on a clean machine with other tests beside it, one took the
    port in between and the launch failed with EADDRINUSE. Here the port is a free one
-   below that range (`port_below_ephemeral`), which only a bind to that very number
-   can take.
+   below that range and below Kubernetes' NodePorts (30000-32767), outside torch's own
+   defaults (29400, 29500) and the local demo's ports (`port_below_ephemeral`), which
+   only a bind to that very number can take. The trade: the store holds a port of the
+   range where services listen on fixed ports, for the round (hours); a service started
+   on that very port meanwhile cannot bind it. `STORE_PORTS_ENV` ("LOW-HIGH") sets the
+   range where a node has such services.
 
 All change torch's private parts (checked for torch 2.6 to 2.13): `_delay` of the
 dynamic rendezvous, whose polling call passes one second, and its state holder's cache
@@ -63,7 +67,12 @@ TORCH_POLL_S = 1.0  # what torch's rendezvous passes to _delay when it polls
 NODES_AT_TORCH_POLL = 256  # the job size from which the poll is torch's own
 MIN_POLL_S = 0.05
 PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+STORE_PORTS_ENV = "CLUSTERPULSE_STORE_PORTS"  # "LOW-HIGH": where a round's store may listen
 LOWEST_PORT = 10000  # below: well-known and registered services
+HIGHEST_PORT = 29999  # from 30000: Kubernetes NodePorts (kube-proxy redirects them)
+# torch's default rendezvous and store ports; the local demo's (--base-port and the
+# next 97) and its screenshots'
+NOT_STORE_PORTS = ((29400, 29400), (29500, 29500), (19400, 19497), (24400, 24497))
 
 
 def rendezvous_poll_s(nodes: int) -> float:
@@ -154,20 +163,43 @@ def poll_rendezvous_every(interval: float) -> None:
     holder.__init__ = init  # type: ignore[method-assign]
 
 
-def port_below_ephemeral(tries: int = 64) -> int:
-    """A port free now between LOWEST_PORT and the kernel's ephemeral range (3. above),
-    or, where that cannot be read or found, one the kernel gives (torch's own)."""
+def store_port_range() -> tuple[int, int] | None:
+    """The ports a round's store may take (inclusive): `STORE_PORTS_ENV`, else from
+    LOWEST_PORT to below the kernel's ephemeral range and HIGHEST_PORT; None where
+    there is none (an ephemeral range from below LOWEST_PORT, no /proc)."""
+    given = os.environ.get(STORE_PORTS_ENV, "")
+    if given:
+        low, _, high = given.partition("-")
+        if low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535:
+            return int(low), int(high)
+        logging.getLogger(__name__).warning(
+            "%s=%r is not LOW-HIGH (1024-65535): the default range", STORE_PORTS_ENV, given)
     try:
-        low = int(PORT_RANGE.read_text().split()[0])
+        ephemeral = int(PORT_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        low = 0
-    for port in random.sample(range(LOWEST_PORT, low), min(tries, max(low - LOWEST_PORT, 0))):
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
+        return None
+    high = min(ephemeral - 1, HIGHEST_PORT)
+    return (LOWEST_PORT, high) if high >= LOWEST_PORT else None
+
+
+def port_below_ephemeral(tries: int = 64) -> int:
+    """A port free now in `store_port_range()` outside NOT_STORE_PORTS (3. above), or,
+    where there is none, one the kernel gives (torch's own choice, said once)."""
+    span = store_port_range()
+    if span is not None:
+        for port in random.sample(range(span[0], span[1] + 1), min(tries, span[1] + 1 - span[0])):
+            if any(a <= port <= b for a, b in NOT_STORE_PORTS):
                 continue
-            return port
+            with socket.socket() as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+                return port
+    logging.getLogger(__name__).info(
+        "no free port for the ranks' store in %s: the kernel's choice, from its ephemeral "
+        "range (set %s=LOW-HIGH)", span or "a range below the ephemeral ports",
+        STORE_PORTS_ENV)
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
