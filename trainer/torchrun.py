@@ -60,6 +60,7 @@ from pathlib import Path
 from clusterpulse.trainer import spares
 from clusterpulse.trainer.torch_support import fallback
 
+log = logging.getLogger(__name__)
 RDZV_POLL_ENV = "CLUSTERPULSE_RDZV_POLL_S"  # the rendezvous' poll, set by the launcher
 HOLD_FD_ENV = "CLUSTERPULSE_HOLD_FD"  # a torchrun started ahead of its turn waits on it
 GO = b"go\n"
@@ -172,7 +173,7 @@ def store_port_range() -> tuple[int, int] | None:
         low, _, high = given.partition("-")
         if low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535:
             return int(low), int(high)
-        logging.getLogger(__name__).warning(
+        log.warning(
             "%s=%r is not LOW-HIGH (1024-65535): the default range", STORE_PORTS_ENV, given)
     try:
         ephemeral = int(PORT_RANGE.read_text().split()[0])
@@ -184,7 +185,7 @@ def store_port_range() -> tuple[int, int] | None:
 
 def port_below_ephemeral(tries: int = 64) -> int:
     """A port free now in `store_port_range()` outside NOT_STORE_PORTS (3. above), or,
-    where there is none, one the kernel gives (torch's own choice, said once)."""
+    where there is none, one the kernel gives (torch's own choice, said in the log)."""
     span = store_port_range()
     if span is not None:
         for port in random.sample(range(span[0], span[1] + 1), min(tries, span[1] + 1 - span[0])):
@@ -196,7 +197,7 @@ def port_below_ephemeral(tries: int = 64) -> int:
                 except OSError:
                     continue
                 return port
-    logging.getLogger(__name__).info(
+    log.info(
         "no free port for the ranks' store in %s: the kernel's choice, from its ephemeral "
         "range (set %s=LOW-HIGH)", span or "a range below the ephemeral ports",
         STORE_PORTS_ENV)

@@ -36,7 +36,6 @@ def test_warm_script_start_prints_no_warnings(tmp_path):
     assert not WARNING.search(r.stderr), r.stderr
 
 
-
 # A rank that says the port its process group met on.
 SAYS_ITS_PORT = """\
 import os
