@@ -122,6 +122,17 @@ class PrometheusClient:
         return [Series(s["metric"], [(float(t), float(v)) for t, v in s["values"]])
                 for s in data["result"]]
 
+    def alerts(self) -> list[dict]:
+        """The alerts Prometheus's rules have active (/api/v1/alerts), each with its
+        labels, state and, while `keep_firing_for` holds it after its condition ended,
+        `keepFiringSince`: what the ALERTS series cannot tell. Raises PrometheusError
+        where there is no such API (a store, not a rule evaluator)."""
+        data = self._get("/api/v1/alerts", {})
+        alerts = data.get("alerts") if isinstance(data, dict) else None
+        if not isinstance(alerts, list):
+            raise PrometheusError(f"{self.url}/api/v1/alerts has no list of alerts")
+        return [a for a in alerts if isinstance(a, dict)]
+
     def ready(self) -> bool:
         try:
             return self.session.get(self.url + "/-/ready", timeout=self.timeout_s).ok

@@ -250,6 +250,7 @@ class Remediator:
     # runs on (bounded: entries go when the alert resolves or is acted on)
     _first_seen: dict[tuple, float] = field(default_factory=dict)
     _refusals: list[float] = field(default_factory=list)
+    _said_no_alerts_api: bool = False
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
     def handle(self, payload: dict) -> list[dict]:
@@ -345,7 +346,7 @@ class Remediator:
         if waiting is not None:
             return {"node": node, "alert": rule.alert, "action": rule.action, **waiting}
         if not self.policy.dry_run:
-            refused = self._unconfirmed(rule, alert, "")
+            refused = self._unconfirmed(rule, alert, "", ("node", node), recheck)
             if refused is not None:
                 return {"node": node, "alert": rule.alert, "action": rule.action, **refused}
         return Drainer(self.policy.drain, self.audit, self.policy.dry_run).decide(alert)
@@ -391,18 +392,40 @@ class Remediator:
                 return {"outcome": "decided", "detail": "decided already"}
         return None
 
-    def _unconfirmed(self, rule: Rule, alert: dict, run: str) -> dict | None:
+    def _unconfirmed(self, rule: Rule, alert: dict, run: str, subject: tuple[str, str],
+                     recheck: bool = False) -> dict | None:
         """None when Prometheus has this alert firing, so the policy may act; else the
         decision, audited. A notification is only a claim: anyone who can reach an
         Alertmanager's API can post one (a forged RankHung killed a victim's ranks 2 s
         later), so every automatic action first asks Prometheus, and does nothing
-        when Prometheus cannot answer (the notification comes again: retry)."""
+        when Prometheus cannot answer (the notification comes again: retry).
+
+        Firing is not enough where `keep_firing_for` holds the alert after its condition
+        ended: JobNodeUnreachable held 10 s after a cut healed, the job had already gone
+        on with a spare, and the policy's restart took the returned node back in (the
+        hot-spare test on a clean machine). Such an alert waits (`tick` asks again): it
+        is acted on if its condition holds again, dropped when it resolves."""
         firing = self._firing_now(alert, rule)
         if firing:
-            return None
+            held = self._held_since(alert, rule)
+            if held is None:
+                return None
+            key = (subject, *_identity(alert))
+            with self._lock:  # sustained already (past _still_waiting): it stays so
+                self._first_seen.setdefault(key, self.clock() - rule.sustained_s)
+                self._waiting[key] = (rule, subject, alert)
+            return {"outcome": "waiting", "detail": "its condition ended "
+                    f"{max(0.0, time.time() - held):.0f} s ago and Prometheus holds it "
+                    "firing (keep_firing_for): acting only if it holds again"}
         if firing is None:
             return {**self._failed(rule, alert, run, "Prometheus cannot confirm the alert "
                                    "fires: not acting blind"), "retry": True}
+        if recheck:  # one this policy kept waiting (held, above) has ended
+            with self._lock:
+                key = (subject, *_identity(alert))
+                self._waiting.pop(key, None)
+                self._first_seen.pop(key, None)
+            return {"outcome": "resolved", "detail": "no longer firing in Prometheus"}
         detail = ("Prometheus has no such alert firing (ALERTS): a forged or stale "
                   "notification")
         self.audit.write("policy", rule.action, f"policy: {rule.alert} -> {rule.action}",
@@ -410,22 +433,50 @@ class Remediator:
                          detail=detail, alert=alert.get("labels", {}))
         return {"outcome": "refused", "detail": detail}
 
-    def _firing_now(self, alert: dict, rule: Rule | None = None) -> bool | None:
-        """Whether Prometheus has this alert firing now (its ALERTS series, on the
-        labels that name what it is about and those the rule matched it on); None when
-        Prometheus cannot be asked."""
+    def _subject(self, alert: dict, rule: Rule | None) -> dict[str, str]:
+        """The labels Prometheus's copy of the alert must have: those that name what it
+        is about and those the rule matched it on; not severity unless the rule chose by
+        it (alert relabelling may rewrite it on the way to Alertmanager)."""
         labels = alert.get("labels", {})
         matched = {name for name, _ in rule.match} if rule else set()
-        # not on severity unless the rule chose by it: alert relabelling may rewrite it
-        # on the way to Alertmanager
         keys = dict.fromkeys(("alertname", *SUBJECT_LABELS, *sorted(matched)))
-        sel = ",".join(f'{k}="{promql_string(str(labels[k]))}"'
-                       for k in keys if k in labels and (k != "severity" or k in matched))
+        return {k: str(labels[k]) for k in keys
+                if k in labels and (k != "severity" or k in matched)}
+
+    def _firing_now(self, alert: dict, rule: Rule | None = None) -> bool | None:
+        """Whether Prometheus has this alert firing now (its ALERTS series, on
+        `_subject`'s labels); None when Prometheus cannot be asked."""
+        sel = ",".join(f'{k}="{promql_string(v)}"' for k, v in self._subject(alert, rule).items())
         try:
             return bool(self.prom.query(f'ALERTS{{alertstate="firing",{sel}}}'))
         except PrometheusError as err:
-            log.warning("cannot check that %s still fires: %s", labels, err)
+            log.warning("cannot check that %s still fires: %s", alert.get("labels", {}), err)
             return None
+
+    def _held_since(self, alert: dict, rule: Rule | None) -> float | None:
+        """When Prometheus began to hold this alert firing after its condition ended
+        (`keepFiringSince` of every firing copy of it); None while the condition of one
+        copy holds, or where Prometheus's alerts API cannot be read (a store without a
+        rule evaluator, e.g. VictoriaMetrics' vmselect: ALERTS alone decides, said once)."""
+        want = self._subject(alert, rule)
+        try:
+            active = self.prom.alerts()
+        except PrometheusError as err:
+            if not self._said_no_alerts_api:
+                self._said_no_alerts_api = True
+                log.warning("cannot tell an alert held by keep_firing_for from one whose "
+                            "condition holds (acting on ALERTS alone): %s", err)
+            return None
+        held: list[float] = []
+        for a in active:
+            labels = a.get("labels") if isinstance(a.get("labels"), dict) else {}
+            if a.get("state") != "firing" or any(labels.get(k) != v for k, v in want.items()):
+                continue
+            since = _parse_time(a.get("keepFiringSince"))
+            if since is None:
+                return None
+            held.append(since)
+        return min(held) if held else None
 
     def _runs(self, labels: dict) -> list[str]:
         """The runs an alert is about: its own `run` label, or the live runs with ranks
@@ -455,7 +506,7 @@ class Remediator:
         if waiting is not None:
             return {**base, **waiting}
         if not self.policy.dry_run:
-            refused = self._unconfirmed(rule, alert, run)
+            refused = self._unconfirmed(rule, alert, run, ("run", run), recheck)
             if refused is not None:
                 return {**base, **refused}
         now = self.clock()
@@ -538,7 +589,8 @@ class Remediator:
                          "refused", client=client, source="remediation")
 
     def tick(self) -> list[dict]:
-        """Decide again on alerts still firing that were waiting to be sustained."""
+        """Decide again on alerts still firing that were waiting to be sustained, or
+        held by keep_firing_for (`_unconfirmed`)."""
         with self._lock:
             waiting = list(self._waiting.values())
         return [self._decide(rule, subject, alert, recheck=True) if kind == "run"
