@@ -405,24 +405,32 @@ class Remediator:
         on with a spare, and the policy's restart took the returned node back in (the
         hot-spare test on a clean machine). Such an alert waits (`tick` asks again): it
         is acted on if its condition holds again, dropped when it resolves."""
+        key = (subject, *_identity(alert))
         firing = self._firing_now(alert, rule)
         if firing:
-            held = self._held_since(alert, rule)
-            if held is None:
-                return None
-            key = (subject, *_identity(alert))
-            with self._lock:  # sustained already (past _still_waiting): it stays so
+            unheld = self._why_not_now(alert, rule)
+            with self._lock:
+                if unheld is None:  # claimed: a waiting copy of it is decided now, once
+                    self._waiting.pop(key, None)
+                    claimed = self._first_seen.pop(key, None) is not None
+                    if recheck and not rule.sustained_s and not claimed:
+                        return {"outcome": "decided", "detail": "decided already"}
+                    return None
+                # sustained already (past _still_waiting): it stays so
                 self._first_seen.setdefault(key, self.clock() - rule.sustained_s)
                 self._waiting[key] = (rule, subject, alert)
-            return {"outcome": "waiting", "detail": "its condition ended "
-                    f"{max(0.0, time.time() - held):.0f} s ago and Prometheus holds it "
-                    "firing (keep_firing_for): acting only if it holds again"}
+            return {"outcome": "waiting", "detail": unheld}
         if firing is None:
+            if recheck:  # waiting already: asked again at the next tick, not audited each
+                with self._lock:
+                    self._first_seen.setdefault(key, self.clock() - rule.sustained_s)
+                    self._waiting[key] = (rule, subject, alert)
+                return {"outcome": "waiting", "detail": "Prometheus cannot confirm the "
+                        "alert fires: asking again"}
             return {**self._failed(rule, alert, run, "Prometheus cannot confirm the alert "
                                    "fires: not acting blind"), "retry": True}
         if recheck:  # one this policy kept waiting (held, above) has ended
             with self._lock:
-                key = (subject, *_identity(alert))
                 self._waiting.pop(key, None)
                 self._first_seen.pop(key, None)
             return {"outcome": "resolved", "detail": "no longer firing in Prometheus"}
@@ -453,15 +461,19 @@ class Remediator:
             log.warning("cannot check that %s still fires: %s", alert.get("labels", {}), err)
             return None
 
-    def _held_since(self, alert: dict, rule: Rule | None) -> float | None:
-        """When Prometheus began to hold this alert firing after its condition ended
-        (`keepFiringSince` of every firing copy of it); None while the condition of one
-        copy holds, or where Prometheus's alerts API cannot be read (a store without a
-        rule evaluator, e.g. VictoriaMetrics' vmselect: ALERTS alone decides, said once)."""
+    def _why_not_now(self, alert: dict, rule: Rule | None) -> str | None:
+        """None when the condition of a firing copy of this alert holds now (Prometheus's
+        alerts API: no `keepFiringSince`); else why the policy waits: every copy is held
+        after its condition ended, or none is firing there (it ended between the two
+        questions, or an HA replica answered), or the API failed for now. Where there is
+        no such API (a store without a rule evaluator, e.g. VictoriaMetrics' vmselect)
+        ALERTS alone decides, said once."""
         want = self._subject(alert, rule)
         try:
             active = self.prom.alerts()
         except PrometheusError as err:
+            if err.transient:
+                return f"Prometheus's alerts API failed ({err}): asking again"
             if not self._said_no_alerts_api:
                 self._said_no_alerts_api = True
                 log.warning("cannot tell an alert held by keep_firing_for from one whose "
@@ -476,7 +488,10 @@ class Remediator:
             if since is None:
                 return None
             held.append(since)
-        return min(held) if held else None
+        if not held:
+            return "Prometheus's alerts API has no firing copy of it: asking again"
+        return (f"its condition ended {max(0.0, time.time() - min(held)):.0f} s ago and "
+                "Prometheus holds it firing (keep_firing_for): acting only if it holds again")
 
     def _runs(self, labels: dict) -> list[str]:
         """The runs an alert is about: its own `run` label, or the live runs with ranks

@@ -21,60 +21,71 @@ from clusterpulse.dashboard.remediation import Policy, Remediator, Rule
 from tests.support.procs import Prometheus, wait_until
 
 pytestmark = pytest.mark.integration
-LABELS = {"alertname": "JobNodeUnreachable", "run": "job", "node": "n2",
-          "severity": "critical"}
-HOLD_S = 4
+BACK_S = 3  # n3's condition comes back this long after it ended, within its hold
 
 
-def write_rule(path: Path, until: float) -> None:
-    """JobNodeUnreachable for run "job" on n2 while time() < `until`, held HOLD_S after."""
-    path.write_text(
-        "groups:\n- name: held\n  interval: 1s\n  rules:\n"
-        "  - alert: JobNodeUnreachable\n"
-        f"    expr: vector(1) and on () (vector(time()) < {until})\n"
-        f"    keep_firing_for: {HOLD_S}s\n"
-        "    labels: {run: job, node: n2, severity: critical}\n")
+def write_rules(path: Path, until: float) -> None:
+    """JobNodeUnreachable for run "job": on n2 while time() < `until`, then held 5 s
+    (resolves); on n3 too, and again from `until` + BACK_S, held 30 s (never resolves)."""
+    rule = ("  - alert: JobNodeUnreachable\n    expr: vector(1) and on () ({cond})\n"
+            "    keep_firing_for: {hold}\n"
+            "    labels: {{run: job, node: {node}, severity: critical}}\n")
+    path.write_text("groups:\n- name: held\n  interval: 1s\n  rules:\n"
+                    + rule.format(cond=f"vector(time()) < {until}", hold="5s", node="n2")
+                    + rule.format(cond=f"vector(time()) < {until} or vector(time()) > "
+                                  f"{until + BACK_S}", hold="30s", node="n3"))
 
 
-def firing_in(prom: Prometheus) -> list[dict]:
-    return prom.query('ALERTS{alertname="JobNodeUnreachable",alertstate="firing"}')
+def notification(*nodes: str) -> dict:
+    return {"alerts": [{"status": "firing", "startsAt": "2026-12-06T00:00:00Z", "labels": {
+        "alertname": "JobNodeUnreachable", "run": "job", "node": n, "severity": "critical"}}
+        for n in nodes]}
 
 
-def test_an_alert_held_after_its_condition_ended_waits_and_is_dropped(tmp_path):
+def copies(prom: Prometheus) -> dict[str, bool]:
+    """node -> whether Prometheus holds its firing alert (keepFiringSince)."""
+    return {a["labels"]["node"]: bool(a.get("keepFiringSince"))
+            for a in PrometheusClient(prom.url).alerts() if a["state"] == "firing"}
+
+
+def test_an_alert_held_after_its_condition_ended_waits_then_acts_once_or_is_dropped(tmp_path):
     rules = tmp_path / "held.rules.yml"
-    write_rule(rules, 0)
+    write_rules(rules, 0)
     prom = Prometheus(tmp_path, [], [rules])
     try:
-        until = time.time() + 5  # from now: a slow start must not eat the firing part
-        write_rule(rules, until)
+        until = time.time() + 4  # from now: a slow start must not eat the firing part
+        write_rules(rules, until)
         requests.post(prom.url + "/-/reload", timeout=10).raise_for_status()
         audit = AuditLog(tmp_path / "audit.jsonl")
 
-        def remediator() -> Remediator:  # each hears of the alert first when it is asked
+        def remediator() -> Remediator:  # each hears of the alerts first when it is asked
             return Remediator(Policy([Rule("JobNodeUnreachable", "restart")]),
                               PrometheusClient(prom.url), "agent-token-0123456789", audit)
 
-        notification = {"alerts": [{"status": "firing", "labels": LABELS,
-                                    "startsAt": "2026-12-06T00:00:00Z"}]}
-        wait_until(lambda: firing_in(prom), 10, "the alert firing while its condition holds")
-        assert time.time() < until, "Prometheus fired it only after its condition ended"
+        wait_until(lambda: copies(prom) == {"n2": False, "n3": False}, 10,
+                   "both alerts firing while their conditions hold")
+        assert time.time() < until, "Prometheus fired them only after their conditions ended"
         # while it holds, the policy acts (no agent knows run "job": the act fails)
-        (acted,) = remediator().handle(notification)
-        assert acted["outcome"] == "failed" and "waiting" not in acted, acted
-        # its condition ended; Prometheus holds it firing (ALERTS says firing too)
-        wait_until(lambda: any(a.get("keepFiringSince")
-                               for a in PrometheusClient(prom.url).alerts()), 10,
-                   "Prometheus holding the alert (keepFiringSince)")
-        assert firing_in(prom), "ALERTS no longer says firing: the case is gone"
+        (acted,) = remediator().handle(notification("n2"))
+        assert acted["outcome"] == "failed", acted
+        # both conditions ended; Prometheus holds both firing, as ALERTS says
+        wait_until(lambda: copies(prom) == {"n2": True, "n3": True}, 10, "both held")
         rem = remediator()
-        (held,) = rem.handle(notification)
-        assert held["outcome"] == "waiting" and "keep_firing_for" in held["detail"], held
-        assert [d["outcome"] for d in rem.tick()] == ["waiting"]  # still held
-        # the hold ends: the alert resolves, and the policy drops it without acting
-        wait_until(lambda: not firing_in(prom), 15, "the held alert resolved")
+        decisions = rem.handle(notification("n2", "n3"))
+        assert [d["outcome"] for d in decisions] == ["waiting"] * 2, decisions
+        assert all("keep_firing_for" in d["detail"] for d in decisions), decisions
+        # n3's condition holds again: acted on once, at the next tick, not at every tick
+        wait_until(lambda: copies(prom).get("n3") is False, 10, "n3's condition back")
+        assert sorted(d["outcome"] for d in rem.tick()) == ["failed", "waiting"]
+        assert audit.read()[-1]["alert"]["node"] == "n3"  # the act (failed) was n3's
+        assert [d["outcome"] for d in rem.tick()] == ["waiting"]  # n2 alone
+        # n2's hold ends: it resolves, and the policy drops it without acting
+        wait_until(lambda: "n2" not in copies(prom), 15, "n2's held alert resolved")
         assert [(d["outcome"], d["detail"]) for d in rem.tick()] == [
             ("resolved", "no longer firing in Prometheus")]
         assert rem.tick() == []
-        assert [r["outcome"] for r in audit.read() if r["who"] == "policy"] == ["failed"]
+        assert [r["outcome"] for r in audit.read() if r["who"] == "policy"] == ["failed"] * 2
+        assert [r["alert"]["node"] for r in audit.read() if r["who"] == "policy"] == [
+            "n2", "n3"]
     finally:
         prom.stop()
