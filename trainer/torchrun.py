@@ -27,10 +27,24 @@ rank's crash (torchrun at INFO, 2026-12-03): 0.4 s until torchrun saw its worker
    each node reads the state up to 1/interval times a second (5 instead of 1), from
    the rendezvous' own store (not the one the ranks use).
 
-Both change torch's private parts (checked for torch 2.6 to 2.13): `_delay` of the
+3. Each rendezvous round gives the ranks a fresh store (the launcher sets
+   TORCH_DISABLE_SHARE_RDZV_TCP_STORE, pytorch#135712), on a port torch finds free by
+   binding port 0 and closing it, which rank 0 binds again later. Port 0 draws from
+   the kernel's ephemeral range, which every other process's outgoing connection and
+   bind(0) draw from too: on a clean machine with other tests beside it, one took the
+   port in between and the launch failed with EADDRINUSE. Here the port is a free one
+   below that range and below Kubernetes' NodePorts (30000-32767), outside torch's own
+   defaults (29400, 29500) and the local demo's ports (`port_below_ephemeral`), which
+   only a bind to that very number can take. The trade: the store holds a port of the
+   range where services listen on fixed ports, for the round (hours); a service started
+   on that very port meanwhile cannot bind it. `STORE_PORTS_ENV` ("LOW-HIGH") sets the
+   range where a node has such services.
+
+All change torch's private parts (checked for torch 2.6 to 2.13): `_delay` of the
 dynamic rendezvous, whose polling call passes one second, and its state holder's cache
-duration (one second); the formatter on torch's log handlers. Where those are not
-there, torch runs as it is, and the log says so once (torch_support.fallback).
+duration (one second); the formatter on torch's log handlers; the `get_free_port` the
+rendezvous' store info is built with. Where those are not there, torch runs as it is,
+and the log says so once (torch_support.fallback).
 """
 
 from __future__ import annotations
@@ -39,16 +53,27 @@ import copy
 import logging
 import math
 import os
+import random
+import socket
+from pathlib import Path
 
 from clusterpulse.trainer import spares
 from clusterpulse.trainer.torch_support import fallback
 
+log = logging.getLogger(__name__)
 RDZV_POLL_ENV = "CLUSTERPULSE_RDZV_POLL_S"  # the rendezvous' poll, set by the launcher
 HOLD_FD_ENV = "CLUSTERPULSE_HOLD_FD"  # a torchrun started ahead of its turn waits on it
 GO = b"go\n"
 TORCH_POLL_S = 1.0  # what torch's rendezvous passes to _delay when it polls
 NODES_AT_TORCH_POLL = 256  # the job size from which the poll is torch's own
 MIN_POLL_S = 0.05
+PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+STORE_PORTS_ENV = "CLUSTERPULSE_STORE_PORTS"  # "LOW-HIGH": where a round's store may listen
+LOWEST_PORT = 10000  # below: well-known and registered services
+HIGHEST_PORT = 29999  # from 30000: Kubernetes NodePorts (kube-proxy redirects them)
+# torch's default rendezvous and store ports; the local demo's (--base-port and the
+# next 97) and its screenshots'
+NOT_STORE_PORTS = ((29400, 29400), (29500, 29500), (19400, 19497), (24400, 24497))
 
 
 def rendezvous_poll_s(nodes: int) -> float:
@@ -61,6 +86,7 @@ def rendezvous_poll_s(nodes: int) -> float:
 def prepare() -> None:
     """Apply this module's changes in the torchrun process, before torchrun runs."""
     render_tracebacks_plainly()
+    store_ports_below_ephemeral()
     interval = poll_interval(os.environ.get(RDZV_POLL_ENV, ""))
     if interval is not None:
         poll_rendezvous_every(interval)
@@ -136,6 +162,60 @@ def poll_rendezvous_every(interval: float) -> None:
     init._clusterpulse_torch = torch_init  # type: ignore[attr-defined]
     dr._delay = poll
     holder.__init__ = init  # type: ignore[method-assign]
+
+
+def store_port_range() -> tuple[int, int] | None:
+    """The ports a round's store may take (inclusive): `STORE_PORTS_ENV`, else from
+    LOWEST_PORT to below the kernel's ephemeral range and HIGHEST_PORT; None where
+    there is none (an ephemeral range from below LOWEST_PORT, no /proc)."""
+    given = os.environ.get(STORE_PORTS_ENV, "")
+    if given:
+        low, _, high = given.partition("-")
+        if low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535:
+            return int(low), int(high)
+        log.warning(
+            "%s=%r is not LOW-HIGH (1024-65535): the default range", STORE_PORTS_ENV, given)
+    try:
+        ephemeral = int(PORT_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    high = min(ephemeral - 1, HIGHEST_PORT)
+    return (LOWEST_PORT, high) if high >= LOWEST_PORT else None
+
+
+def port_below_ephemeral(tries: int = 64) -> int:
+    """A port free now in `store_port_range()` outside NOT_STORE_PORTS (3. above), or,
+    where there is none, one the kernel gives (torch's own choice, said in the log)."""
+    span = store_port_range()
+    if span is not None:
+        for port in random.sample(range(span[0], span[1] + 1), min(tries, span[1] + 1 - span[0])):
+            if any(a <= port <= b for a, b in NOT_STORE_PORTS):
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+                return port
+    log.info(
+        "no free port for the ranks' store in %s: the kernel's choice, from its ephemeral "
+        "range (set %s=LOW-HIGH)", span or "a range below the ephemeral ports",
+        STORE_PORTS_ENV)
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def store_ports_below_ephemeral() -> None:
+    """The fresh store of each rendezvous round on `port_below_ephemeral` (idempotent)."""
+    try:
+        from torch.distributed.elastic.rendezvous import api
+    except ImportError:
+        api = None
+    if not callable(getattr(api, "get_free_port", None)):
+        fallback("rendezvous api.get_free_port", "the ranks' store port is torch's own choice")
+        return
+    api.get_free_port = port_below_ephemeral  # type: ignore[union-attr]
 
 
 def take_hold() -> int | None:

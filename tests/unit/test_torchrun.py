@@ -5,6 +5,7 @@ allows, on torch's own rendezvous and store."""
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
 import subprocess
@@ -251,3 +252,36 @@ def test_a_round_no_node_counted_still_gets_a_new_attempt_number(tmp_path):
         seen.append(sorted(re.findall(r"rank=\d attempt=\d+", out.stdout)))
     assert seen == [["rank=0 attempt=0", "rank=1 attempt=0"],
                     ["rank=0 attempt=1", "rank=1 attempt=1"]], seen
+
+
+def test_a_rounds_store_port_range_avoids_ephemeral_nodeports_and_can_be_set(
+        tmp_path, monkeypatch, caplog):
+    """Where a round's store may listen (trainer/torchrun.py, 3.): below the kernel's
+    ephemeral range and Kubernetes' NodePorts, or what the operator sets; nothing where
+    the ephemeral range starts below it, and a port the kernel gives then."""
+    from clusterpulse.trainer import torchrun as tr
+
+    monkeypatch.delenv(tr.STORE_PORTS_ENV, raising=False)
+    ranges = tmp_path / "ip_local_port_range"
+    monkeypatch.setattr(tr, "PORT_RANGE", ranges)
+    ranges.write_text("32768\t60999\n")
+    assert tr.store_port_range() == (10000, 29999)
+    ranges.write_text("20000\t60999\n")
+    assert tr.store_port_range() == (10000, 19999)
+    ranges.write_text("1024\t65535\n")
+    assert tr.store_port_range() is None
+    with caplog.at_level(logging.INFO, logger=tr.__name__):
+        assert tr.port_below_ephemeral() >= 1024  # the kernel's choice, said
+    assert "CLUSTERPULSE_STORE_PORTS=LOW-HIGH" in caplog.text
+    monkeypatch.setenv(tr.STORE_PORTS_ENV, "41000-41009")
+    assert tr.store_port_range() == (41000, 41009)
+    assert 41000 <= tr.port_below_ephemeral() <= 41009
+    monkeypatch.setenv(tr.STORE_PORTS_ENV, "41000")
+    with caplog.at_level(logging.WARNING, logger=tr.__name__):
+        assert tr.store_port_range() is None  # the default, from a range file starting at 1024
+    assert "is not LOW-HIGH" in caplog.text
+    ranges.unlink()
+    monkeypatch.delenv(tr.STORE_PORTS_ENV)
+    assert tr.store_port_range() is None
+    monkeypatch.setenv(tr.STORE_PORTS_ENV, "19400-19497")  # all of them the demo's: none
+    assert tr.port_below_ephemeral() not in range(19400, 19498)
