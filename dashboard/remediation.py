@@ -561,6 +561,11 @@ class Remediator:
                                          self.token, self.audit, source="remediation",
                                          alert=labels, one_owner=True)
             if all_in_flight(results):  # someone's restart is under way: not taken twice
+                # nothing was done: the run's slot is free again (with the default one
+                # action per 15 min, an operator's restart in flight cost the policy its
+                # only slot, and a hang after that restart waited out the window)
+                with self._lock, contextlib.suppress(ValueError):
+                    self._acted.get(run, []).remove(now)
                 return {**base, "outcome": "in_flight",
                         "detail": "; ".join(f"{r.node}: {r.error}" for r in results),
                         "nodes": {r.node: r.error for r in results}}

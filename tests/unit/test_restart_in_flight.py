@@ -57,6 +57,12 @@ def test_every_client_is_refused_a_second_restart_and_told_which_is_in_flight(
     (d,) = rem.handle({"alerts": [{"status": "firing", "startsAt": "2026-01-01T00:00:00Z",
                                    "labels": {"alertname": "RankHung", "run": "demo"}}]})
     assert d["outcome"] == "in_flight" and first.command in d["detail"], d
+    # nothing was done, so the run's one action per window is still the policy's: another
+    # alert meets the restart in flight too, not the rate limit
+    (d,) = rem.handle({"alerts": [{"status": "firing", "startsAt": "2026-01-01T00:01:00Z",
+                                   "labels": {"alertname": "RankHung", "run": "demo",
+                                              "rank": "0"}}]})
+    assert d["outcome"] == "in_flight", d
     # clusterpulse-ctl
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -66,7 +72,7 @@ def test_every_client_is_refused_a_second_restart_and_told_which_is_in_flight(
     assert rank.p.poll() is None, "a refused restart signalled the rank"
     requests_ = [r for r in audit.read() if r.get("source") in ("dashboard", "remediation")]
     assert [(r["who"], r["outcome"]) for r in requests_] == [
-        ("alice", "accepted"), ("bob", "refused"), ("policy", "refused")]
+        ("alice", "accepted"), ("bob", "refused"), ("policy", "refused"), ("policy", "refused")]
     assert not {r["outcome"] for r in requests_[1:]} & incident.TAKEN
     # an operator forces the hard restart by naming the graceful one in flight
     assert ctl.main([*cli, "escalate", "--run", "demo", "--command", first.command,
