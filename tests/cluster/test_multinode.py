@@ -208,6 +208,12 @@ def test_partition_is_detected_and_heals_without_duplicate_ranks(cl):
     assert len(steps) == 3
 
 
+def alert_runs(series: list[dict], t0: float) -> dict:
+    """An ALERTS range query as {"node/alertstate/evidence": runs_after's runs}."""
+    return {"/".join(s["metric"].get(k, "-") for k in ("node", "alertstate", "evidence")):
+            runs_after([s], t0)[""] for s in series}
+
+
 def per_path(series: list[dict], pick, digits: int) -> dict:
     """(node, peer) -> `pick` of a range query's values, rounded."""
     return {(s["metric"]["node"], s["metric"]["peer"]):
@@ -244,6 +250,7 @@ def test_a_link_that_drops_packets_is_named_by_its_retransmissions(cl):
         window = f"[{int(time.time() - dropped_at) + 1}s]"
         ratios = cl.query(f"clusterpulse:node_tcp_loss_ratio{window}")
         paths = cl.query(f"clusterpulse:tcp_peer_loss_ratio{window}")
+        pending = cl.query(f'ALERTS{{alertname="TrainingLinkCongested"}}{window}')
         sends = cl.query("sum by (node, peer) (rate(clusterpulse_tcp_peer_data_segments_sent_total"
                          f"[30s])){window[:-1]}:1s]")
         rtt = {s["metric"]["node"]: float(s["value"][1])
@@ -268,9 +275,10 @@ def test_a_link_that_drops_packets_is_named_by_its_retransmissions(cl):
           f"it after {alone} s; peak loss ratio by node and side "
           f"{ {k: round(v, 4) for k, v in sorted(peak.items())} }; link RTT by node {rtt}")
     # per path: its peak ratio, and the fewest segments/s it sent (a path under the rule's
-    # 4/s is left out of its node's sides)
+    # 5/s is left out of its node's sides)
     print(f"paths (node, peer): peak loss ratio {per_path(paths, max, 4)}; "
-          f"least segments/s {per_path(sends, min, 0)}")
+          f"least segments/s {per_path(sends, min, 0)}; TrainingLinkCongested by labels, "
+          f"seconds after the drop (from-to) {alert_runs(pending, dropped_at)}")
     assert named == {(node.name, "communication")}, named
     assert min(firing_after.values()) <= 60, firing_after
     assert set(alone) == {"sent", "received"} and max(alone.values()) <= 60, alone
