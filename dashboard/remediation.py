@@ -416,15 +416,12 @@ class Remediator:
                     if recheck and not rule.sustained_s and not claimed:
                         return {"outcome": "decided", "detail": "decided already"}
                     return None
-                # sustained already (past _still_waiting): it stays so
-                self._first_seen.setdefault(key, self.clock() - rule.sustained_s)
-                self._waiting[key] = (rule, subject, alert)
+                self._keep_waiting(key, rule, subject, alert)
             return {"outcome": "waiting", "detail": unheld}
         if firing is None:
             if recheck:  # waiting already: asked again at the next tick, not audited each
                 with self._lock:
-                    self._first_seen.setdefault(key, self.clock() - rule.sustained_s)
-                    self._waiting[key] = (rule, subject, alert)
+                    self._keep_waiting(key, rule, subject, alert)
                 return {"outcome": "waiting", "detail": "Prometheus cannot confirm the "
                         "alert fires: asking again"}
             return {**self._failed(rule, alert, run, "Prometheus cannot confirm the alert "
@@ -440,6 +437,13 @@ class Remediator:
                          "refused", **({"run": run} if run else {}), source="remediation",
                          detail=detail, alert=alert.get("labels", {}))
         return {"outcome": "refused", "detail": detail}
+
+    def _keep_waiting(self, key: tuple, rule: Rule, subject: tuple[str, str],
+                      alert: dict) -> None:
+        """Keep an alert past its sustained_s (if any) for `tick` to decide again: it
+        stays sustained. Called under the lock."""
+        self._first_seen.setdefault(key, self.clock() - rule.sustained_s)
+        self._waiting[key] = (rule, subject, alert)
 
     def _subject(self, alert: dict, rule: Rule | None) -> dict[str, str]:
         """The labels Prometheus's copy of the alert must have: those that name what it
