@@ -72,6 +72,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -337,6 +338,20 @@ def _sit_out(request: str, longest_s: float, stop: list[int]) -> float:
          "then rejoining")
     _wait(seconds, stop)
     return seconds
+
+
+def _say_sitting_out(rdzv: Rendezvous, back: threading.Event, stop: list[int]) -> None:
+    """Tell the job's new round, once its store is back, that this node sits it out
+    (`spares.announce_sitting_out`), from a thread beside the sit-out, until `back`:
+    a standby takes the place before the round's last call ends only when a node said
+    so, and the job's own nodes, late ones too, get theirs back first."""
+    def announce() -> None:
+        while not stop and not back.is_set():
+            if spares.announce_sitting_out(rdzv.endpoint, rdzv.run_id):
+                return
+            back.wait(0.2)
+
+    threading.Thread(target=announce, name="sitting-out", daemon=True).start()
 
 
 def _rejoin_when_running(rdzv: Rendezvous, pid: int, within_s: float, stop: list[int]) -> None:
@@ -605,7 +620,11 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                     _say(f"graceful restart {relaunches}: relaunching (the failure budget "
                          "is untouched)")
                     if leave_file.exists():
+                        sitting_out = threading.Event()
+                        if standby is not None and rdzv is not None:
+                            _say_sitting_out(rdzv, sitting_out, stop)
                         sat_out = _sit_out(leave_file.read_text(), longest_leave, stop)
+                        sitting_out.set()  # back: a later round is not sat out
                         if sat_out and rdzv is not None:
                             _rejoin_when_running(rdzv, child.pid, min(
                                 longest_leave - sat_out, max(sat_out, RESTART_ALLOWANCE_S)),

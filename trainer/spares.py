@@ -79,6 +79,10 @@ JOIN_WHEN_ROOM_ENV = "CLUSTERPULSE_JOIN_WHEN_ROOM_FILE"
 # (`room_in`): the job's own nodes get their places back first, and a place left free
 # (an evicted node's) is still taken in this round, not the next.
 STANDBY_JOIN_MARGIN_S = 2.0
+# A counter in the new round's store of the nodes that sit that round out (an evicted
+# node's launcher adds to it: `announce_sitting_out`), by round: the place a standby may
+# take before the last call ends (`room_in`).
+SITTING_OUT_KEY = "clusterpulse.sitting_out.{run_id}.{round}"
 
 
 def install() -> None:
@@ -188,7 +192,9 @@ def _wait_for_room(handler, within_s: float | None) -> None:  # type: ignore[no-
             state = handler._state_holder.state
             # closed on this node's own new store: the job's nodes closed it (the job is
             # over), not the old round's store (`room_in`); torch's join says so
-            if state.closed or room_in(state, STANDBY_JOIN_MARGIN_S):
+            freed = _sitting_out(handler._state_holder._backend._store,
+                                 handler._settings.run_id, state)
+            if state.closed or room_in(state, STANDBY_JOIN_MARGIN_S, freed):
                 return
             time.sleep(0.2)
     except AttributeError:  # another torch: join, as torchrun would
@@ -253,61 +259,101 @@ def room_for_a_standby(endpoint: tuple[str, int], run_id: str,
     """Whether a standby whose round ended (the job restarted gracefully) joins the new
     round now (`room_in`), read from the store at `endpoint`: None when it does not
     answer (its host restarting, or the job over); no state yet: not yet."""
-    state = _rendezvous_state(endpoint, run_id)
+    state, freed = _rendezvous_state(endpoint, run_id, with_sitting_out=True)
     if state is _NO_ANSWER:
         return None
     if state is None or state is _UNREADABLE:
         return state is _UNREADABLE  # join, as torchrun would
-    return room_in(state, margin_s)
+    return room_in(state, margin_s, freed)
 
 
-def room_in(state, margin_s: float) -> bool:  # type: ignore[no-untyped-def]
+def room_in(state, margin_s: float, sitting_out: int | None) -> bool:  # type: ignore[no-untyped-def]
     """Whether the new round `state` has room for a standby: it is complete (full: the
     standby stands by again; short of the maximum: the job takes it in, as any late
-    node), or it has the job's minimum and its last call ends within `margin_s` (a
-    place the job's own nodes left, e.g. an evicted node's). Until then the job's own
-    nodes get their places back first: with every torchrun started ahead of its turn
-    (trainer/launch.py, Prewarmed) the standby was as quick as they were, took a place,
-    and a job node became the standby, on torch's first come, first served. A closed
-    round is the one that ended (its store's host has not restarted yet)."""
+    node), or it has the job's minimum, a node of the job sits it out (`sitting_out`
+    of them said so: an evicted node's place) and its last call ends within
+    `margin_s`, so that the place is taken in this round, not by one more restart.
+    Until then the job's own nodes get their places back first: with every torchrun
+    started ahead of its turn (trainer/launch.py, Prewarmed) the standby was as quick
+    as they were, took a place, and a job node became the standby, on torch's first
+    come, first served; without the count a job node more than the last call less the
+    margin (3 s) behind the others lost its place too (CI, on a loaded machine).
+    `sitting_out` None: the count cannot be read (another torch), the margin alone
+    decides. A closed round is the one that ended (its store's host has not restarted
+    yet)."""
     try:
         if state.closed:
             return False
         if state.complete:
             return True
         deadline = state.deadline
-        return deadline is not None and (
+        return deadline is not None and sitting_out != 0 and (
             deadline - datetime.now(UTC)).total_seconds() <= margin_s
     except (AttributeError, TypeError):
         return True
+
+
+def announce_sitting_out(endpoint: tuple[str, int], run_id: str) -> bool:
+    """Count this node, leaving the job for a while (an eviction), as sitting out the
+    round forming at `endpoint` (`room_in`: a standby takes its place in that round).
+    False while there is no such round yet: the store's host has not restarted, or its
+    state is the round that ended (closed)."""
+    from torch.distributed import TCPStore
+
+    state = _rendezvous_state(endpoint, run_id)
+    try:
+        if state in (None, _NO_ANSWER, _UNREADABLE) or state.closed:
+            return False
+        store = TCPStore(endpoint[0], endpoint[1], is_master=False,
+                         timeout=timedelta(seconds=2), wait_for_workers=False)
+        store.add(SITTING_OUT_KEY.format(run_id=run_id, round=state.round), 1)
+    except (AttributeError, RuntimeError, TimeoutError, OSError, ValueError):
+        return False
+    return True
+
+
+def _sitting_out(store, run_id: str, state) -> int | None:  # type: ignore[no-untyped-def]
+    """How many nodes said they sit out `state`'s round, from `store`; None when it
+    cannot be read."""
+    try:
+        key = SITTING_OUT_KEY.format(run_id=run_id, round=state.round)
+        return int(store.get(key)) if store.check([key]) else 0
+    except (AttributeError, RuntimeError, TimeoutError, OSError, ValueError):
+        return None
 
 
 _UNREADABLE = object()  # a rendezvous state this torch version does not know
 _NO_ANSWER = object()  # the store did not answer
 
 
-def _rendezvous_state(endpoint: tuple[str, int], run_id: str) -> Any:
+def _rendezvous_state(endpoint: tuple[str, int], run_id: str,
+                      with_sitting_out: bool = False) -> Any:
     """torch's rendezvous state for `run_id` as every torchrun unpickles it from the
     store at `endpoint`; _NO_ANSWER when the store does not answer, None when it holds
-    none yet, _UNREADABLE when it cannot be read."""
+    none yet, _UNREADABLE when it cannot be read. `with_sitting_out`: a pair, the
+    state and how many nodes sit its round out (`_sitting_out`)."""
     from torch.distributed import TCPStore
 
     key = f"torch.rendezvous.{run_id}"
+    state: Any = None
+    store = None
     try:
         store = TCPStore(endpoint[0], endpoint[1], is_master=False,
                          timeout=timedelta(seconds=2), wait_for_workers=False)
-        if not store.check([key]):
-            return None
-        raw = store.get(key)
+        raw = store.get(key) if store.check([key]) else _NO_STATE
     except (RuntimeError, TimeoutError, OSError, ValueError):  # not answering (yet)
-        return _NO_ANSWER
-    if raw == _NO_STATE:
-        return None
-    try:
-        return pickle.loads(b64decode(raw, validate=True))
-    except (binascii.Error, ValueError, pickle.UnpicklingError, EOFError, AttributeError,
-            ImportError, TypeError, KeyError, IndexError):
-        return _UNREADABLE
+        state = _NO_ANSWER
+        raw = _NO_STATE
+    if raw != _NO_STATE:
+        try:
+            state = pickle.loads(b64decode(raw, validate=True))
+        except (binascii.Error, ValueError, pickle.UnpicklingError, EOFError,
+                AttributeError, ImportError, TypeError, KeyError, IndexError):
+            state = _UNREADABLE
+    if not with_sitting_out:
+        return state
+    real = state not in (None, _NO_ANSWER, _UNREADABLE)
+    return state, _sitting_out(store, run_id, state) if real else None
 
 
 _NO_STATE = b"Y2FuaW1hZGFt"  # torch's C10dRendezvousBackend's sentinel: no state yet

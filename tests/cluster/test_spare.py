@@ -97,6 +97,18 @@ def action(cl: TestbedCluster, name: str, **body) -> dict:
                     {"action": "checkpoint-restart", "reason": "test", **body})
 
 
+def launcher_lines(cl: TestbedCluster, last: int = 8) -> str:
+    """Each node's last lines from its launcher and its rank 0 (why a node stood by or
+    joined), for a failure's message."""
+    out = []
+    for n in cl.bed.nodes:
+        lines = [line for line in (cl.state / f"{RUN}-{n.name}.log").read_text(
+            errors="replace").splitlines()
+            if line.startswith(("clusterpulse-train:", "trainer: resumed"))]
+        out.append(f"{n.name}: " + " | ".join(lines[-last:]))
+    return "\n".join(out)
+
+
 def started_ahead(cl: TestbedCluster, name: str) -> bool:
     """Whether the node's launcher holds its next torchrun, started ahead (--prewarm-after)."""
     node = next(n for n in cl.bed.nodes if n.name == name)
@@ -118,7 +130,7 @@ def test_the_spare_outlives_a_graceful_restart_of_the_job(cl):
     # the spare's torchrun ended with the round; its launcher started it again
     wait_until(lambda: "standing by" in log.read_text(errors="replace"), 60,
                f"{spare} standing by again")
-    assert launcher_alive(cl, spare) and standby(cl) == spare
+    assert launcher_alive(cl, spare) and standby(cl) == spare, launcher_lines(cl)
 
 
 def test_a_crash_restarts_the_job_once(cl):

@@ -27,12 +27,21 @@ def _run(tmp_path: Path, mode: str) -> dict[int, dict[str, float]]:
     return run_ranks(tmp_path, mode, RANKS, SLOW, STEPS)
 
 
-def _others_stay_normal(figures: dict[int, dict[str, float]]) -> None:
+def _others_stay_normal(figures: dict[int, dict[str, float]], slow_extra_s: float) -> None:
     """The ranks not slowed: their compute near the work they do, not stretched by the
-    wait for the straggler (that is sync wait), and they are not stragglers."""
+    wait for the straggler (that is sync wait), and they are not stragglers.
+
+    "The work they do" is the slow rank's compute less its extra (`slow_extra_s`: the
+    delay it computes, none for a data straggler), not WORK_S: every rank's compute
+    also holds its step's CPU work (forward, backward, the hooks), ~9 ms a step of
+    mode accumulate on a quiet machine here and 15 ms on a loaded one (CI: 55 ms
+    against a 52 ms bound, with no wait in it). The ranks share the machine, so the
+    slow rank carries the same; a wait counted as compute (half the delay, each of
+    accumulate's two waits) still stands out over it."""
+    own_work = figures[SLOW]["compute_seconds"] - slow_extra_s
     for rank in set(figures) - {SLOW}:
         v = figures[rank]
-        assert v["compute_seconds"] < WORK_S + 0.3 * DELAY_S, figures
+        assert v["compute_seconds"] < own_work + 0.3 * DELAY_S, figures
         assert v["sync_wait_seconds"] > 0.6 * DELAY_S, figures
         assert v["straggler_score"] < 1.15, figures
 
@@ -42,7 +51,7 @@ def test_a_compute_straggler_stands_out_alone_with_buffers_broadcast(tmp_path):
     slow = figures[SLOW]
     assert slow["compute_seconds"] > WORK_S + 0.7 * DELAY_S, figures
     assert slow["straggler_score"] > 1.5, figures
-    _others_stay_normal(figures)
+    _others_stay_normal(figures, DELAY_S)
 
 
 def test_a_data_straggler_is_found_with_its_cause(tmp_path):
@@ -51,8 +60,10 @@ def test_a_data_straggler_is_found_with_its_cause(tmp_path):
     assert slow["straggler_score"] > 1.5, figures  # its own time: compute + data
     # the alert's cause: data_loading when over 20 % of the step waits for input
     assert slow["data_wait_seconds"] / slow["step_seconds"] > 0.2, figures
-    assert slow["compute_seconds"] < WORK_S + 0.3 * DELAY_S, figures
-    _others_stay_normal(figures)
+    # not its data wait: its compute is its peers' (the same work), not 40 ms over it
+    peers = min(v["compute_seconds"] for r, v in figures.items() if r != SLOW)
+    assert slow["compute_seconds"] < peers + 0.3 * DELAY_S, figures
+    _others_stay_normal(figures, 0.0)
 
 
 def test_a_wait_in_the_models_own_forward_collective_is_sync_wait(tmp_path):
@@ -63,7 +74,7 @@ def test_a_wait_in_the_models_own_forward_collective_is_sync_wait(tmp_path):
     slow = figures[SLOW]
     assert slow["compute_seconds"] > WORK_S + 0.7 * DELAY_S, figures
     assert slow["straggler_score"] > 1.5, figures
-    _others_stay_normal(figures)
+    _others_stay_normal(figures, DELAY_S)
 
 
 def test_waits_in_every_all_reduce_of_a_step_and_in_the_optimizer_are_sync_wait(tmp_path):
@@ -78,7 +89,7 @@ def test_waits_in_every_all_reduce_of_a_step_and_in_the_optimizer_are_sync_wait(
     slow = figures[SLOW]
     assert slow["compute_seconds"] > WORK_S + 0.7 * DELAY_S, figures
     assert slow["straggler_score"] > 1.5, figures
-    _others_stay_normal(figures)
+    _others_stay_normal(figures, DELAY_S)
     grads = sum(p.numel() * p.element_size() for p in CausalBlock().parameters())
     for v in figures.values():
         assert v["comm_bytes"] == 2 * ring_allreduce_bytes(grads, RANKS), figures

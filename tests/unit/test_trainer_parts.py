@@ -1282,9 +1282,11 @@ def _write_state(member, change: Callable[[object], None]) -> None:
 def test_a_standby_joins_a_new_round_once_the_jobs_own_nodes_had_their_places():
     """What a standby whose round ended reads (spares.room_for_a_standby), from torch's
     rendezvous state on a real store: a full or complete round takes it (to stand by
-    again, or as a late node); a round at its minimum only near its last call's end,
-    when the job's own nodes have had the time to come back; a closed round is the old
-    one. It used to join at once and, as quick as the job's nodes, took one's place."""
+    again, or as a late node); a round at its minimum only near its last call's end
+    and only when a node said it sits the round out (an evicted node's launcher:
+    spares.announce_sitting_out); a closed round is the old one. It used to join at
+    once and, as quick as the job's nodes, took one's place; then, near the last
+    call's end, it took the place of a job node 3 s late (CI, loaded)."""
     from datetime import UTC, datetime, timedelta
 
     from clusterpulse.trainer import spares
@@ -1296,6 +1298,7 @@ def test_a_standby_joins_a_new_round_once_the_jobs_own_nodes_had_their_places():
     store, member = _rendezvous_member("room")
     endpoint = ("127.0.0.1", store.port)
     assert spares.room_for_a_standby(endpoint, "room", 2.0) is False  # no state yet
+    assert not spares.announce_sitting_out(endpoint, "room")  # no round to sit out yet
     node = type(member._this_node)
 
     def join(addr: str):
@@ -1307,12 +1310,17 @@ def test_a_standby_joins_a_new_round_once_the_jobs_own_nodes_had_their_places():
     _write_state(member, lambda s: setattr(s, "deadline", datetime.now(UTC) + timedelta(seconds=5)))
     assert spares.room_for_a_standby(endpoint, "room", 2.0) is False  # the third may come
     _write_state(member, lambda s: setattr(s, "deadline", datetime.now(UTC) + timedelta(seconds=1)))
+    assert spares.room_for_a_standby(endpoint, "room", 2.0) is False  # a job node late
+    assert spares.announce_sitting_out(endpoint, "room")  # an evicted one's launcher
     assert spares.room_for_a_standby(endpoint, "room", 2.0) is True  # a place left free
+    _write_state(member, lambda s: setattr(s, "round", s.round + 1))  # a later round
+    assert spares.room_for_a_standby(endpoint, "room", 2.0) is False  # nobody sits it out
     _write_state(member, lambda s: setattr(s, "deadline", None))
     _write_state(member, lambda s: setattr(s, "complete", True))
     assert spares.room_for_a_standby(endpoint, "room", 2.0) is True
     member.set_closed()  # the round that ended, its host not restarted yet
     assert spares.room_for_a_standby(endpoint, "room", 2.0) is False
+    assert not spares.announce_sitting_out(endpoint, "room")  # nor sat out
     store.set("torch.rendezvous.room", "not a state")  # another torch's: join, as torch would
     assert spares.room_for_a_standby(endpoint, "room", 2.0) is True
 
