@@ -326,25 +326,29 @@ def longest_leave_s(a: argparse.Namespace) -> float:
         return 300.0
 
 
-def _sit_out(request: str, longest_s: float, stop: list[int]) -> float:
-    """Wait what the ranks' leave file asks (seconds), at most `longest_s`; the
-    seconds asked (0 for a malformed request, which is ignored)."""
+def _leave_seconds(request: str, longest_s: float) -> float:
+    """The seconds the ranks' leave file asks, at most `longest_s` (0 for a malformed
+    request, which is ignored)."""
     try:
-        seconds = min(float(request.split()[0]), longest_s)
+        return max(0.0, min(float(request.split()[0]), longest_s))
     except (IndexError, ValueError):
         _say(f"ignoring a malformed leave request {request!r}")
         return 0.0
+
+
+def _sit_out(seconds: float, stop: list[int]) -> None:
     _say(f"leaving the job for {seconds:.0f} s (the other nodes go on without this one), "
          "then rejoining")
     _wait(seconds, stop)
-    return seconds
 
 
 def _say_sitting_out(rdzv: Rendezvous, back: threading.Event, stop: list[int]) -> None:
     """Tell the job's new round, once its store is back, that this node sits it out
-    (`spares.announce_sitting_out`), from a thread beside the sit-out, until `back`:
-    a standby takes the place before the round's last call ends only when a node said
-    so, and the job's own nodes, late ones too, get theirs back first."""
+    (`spares.announce_sitting_out`), from a thread beside the sit-out, until `back`
+    (set once the node rejoins, not when its sit-out ends: a sit-out of a second ends
+    before the store's host is back): a standby takes the place before the round's
+    last call ends only when a node said so, and the job's own nodes, late ones too,
+    get theirs back first."""
     def announce() -> None:
         while not stop and not back.is_set():
             if spares.announce_sitting_out(rdzv.endpoint, rdzv.run_id):
@@ -619,16 +623,18 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                     attempts_before = next_attempt_base(attempts_before, marker)
                     _say(f"graceful restart {relaunches}: relaunching (the failure budget "
                          "is untouched)")
-                    if leave_file.exists():
-                        sitting_out = threading.Event()
+                    sat_out = _leave_seconds(leave_file.read_text(), longest_leave) \
+                        if leave_file.exists() else 0.0
+                    if sat_out:
+                        back = threading.Event()
                         if standby is not None and rdzv is not None:
-                            _say_sitting_out(rdzv, sitting_out, stop)
-                        sat_out = _sit_out(leave_file.read_text(), longest_leave, stop)
-                        sitting_out.set()  # back: a later round is not sat out
-                        if sat_out and rdzv is not None:
+                            _say_sitting_out(rdzv, back, stop)
+                        _sit_out(sat_out, stop)
+                        if rdzv is not None:  # out until the job runs without it
                             _rejoin_when_running(rdzv, child.pid, min(
                                 longest_leave - sat_out, max(sat_out, RESTART_ALLOWANCE_S)),
                                 stop)
+                        back.set()  # into the job's rounds again: none of them sat out
                     continue
                 if standby is None:
                     return rc

@@ -192,7 +192,8 @@ def _wait_for_room(handler, within_s: float | None) -> None:  # type: ignore[no-
             state = handler._state_holder.state
             # closed on this node's own new store: the job's nodes closed it (the job is
             # over), not the old round's store (`room_in`); torch's join says so
-            freed = _sitting_out(handler._state_holder._backend._store,
+            backend = getattr(handler._state_holder, "_backend", None)
+            freed = _sitting_out(getattr(backend, "_store", None),
                                  handler._settings.run_id, state)
             if state.closed or room_in(state, STANDBY_JOIN_MARGIN_S, freed):
                 return
@@ -313,13 +314,19 @@ def announce_sitting_out(endpoint: tuple[str, int], run_id: str) -> bool:
 
 
 def _sitting_out(store, run_id: str, state) -> int | None:  # type: ignore[no-untyped-def]
-    """How many nodes said they sit out `state`'s round, from `store`; None when it
-    cannot be read."""
+    """How many nodes said they sit out `state`'s round, from `store`: 0 when the store
+    does not answer (no room yet: asked again at the next poll, within the hold);
+    None for another torch's rendezvous, where the margin alone decides."""
     try:
         key = SITTING_OUT_KEY.format(run_id=run_id, round=state.round)
-        return int(store.get(key)) if store.check([key]) else 0
-    except (AttributeError, RuntimeError, TimeoutError, OSError, ValueError):
+    except AttributeError:
         return None
+    if store is None:
+        return None
+    try:
+        return int(store.get(key)) if store.check([key]) else 0
+    except (RuntimeError, TimeoutError, OSError, ValueError):
+        return 0
 
 
 _UNREADABLE = object()  # a rendezvous state this torch version does not know

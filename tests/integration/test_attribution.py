@@ -42,6 +42,9 @@ def _others_stay_normal(figures: dict[int, dict[str, float]], slow_extra_s: floa
     for rank in set(figures) - {SLOW}:
         v = figures[rank]
         assert v["compute_seconds"] < own_work + 0.3 * DELAY_S, figures
+        # and against the work itself, loosely (a defect that put the wait into every
+        # rank's compute, the slow one's too, keeps the two alike: review)
+        assert v["compute_seconds"] < WORK_S + 0.7 * DELAY_S, figures
         assert v["sync_wait_seconds"] > 0.6 * DELAY_S, figures
         assert v["straggler_score"] < 1.15, figures
 
@@ -63,6 +66,7 @@ def test_a_data_straggler_is_found_with_its_cause(tmp_path):
     # not its data wait: its compute is its peers' (the same work), not 40 ms over it
     peers = min(v["compute_seconds"] for r, v in figures.items() if r != SLOW)
     assert slow["compute_seconds"] < peers + 0.3 * DELAY_S, figures
+    assert slow["compute_seconds"] < WORK_S + 0.7 * DELAY_S, figures
     _others_stay_normal(figures, 0.0)
 
 

@@ -1250,6 +1250,49 @@ def test_a_node_back_from_a_leave_rejoins_only_once_the_job_runs_without_it():
     assert spares.running_without(endpoint, "back", ("127.0.0.2", me.pid))
 
 
+def test_an_evicted_node_of_a_job_with_spares_counts_itself_out_of_the_new_round(tmp_path):
+    """The launcher of a node evicted from a job with hot spares (a 1 s leave) counts
+    itself in the new round's store as sitting it out (spares.announce_sitting_out):
+    the place a standby takes before the last call ends (spares.room_in); without the
+    count the standby leaves the job's late nodes their places. A 1 s sit-out ends
+    before the new round exists, so the count is said until the node rejoins (it
+    rejoins once the job runs without it), not only while it sits out (review)."""
+    from datetime import UTC, datetime, timedelta
+
+    from clusterpulse.trainer import spares
+
+    store, member = _rendezvous_member("out")
+    node = type(member._this_node)
+    key = spares.SITTING_OUT_KEY.format(run_id="out", round=0)
+    child = ("import os, sys\nfrom clusterpulse.trainer.restart import request_relaunch\n"
+             "if os.environ['CLUSTERPULSE_ATTEMPTS_BEFORE'] == '0':\n"
+             "    sys.exit(request_relaunch(1))\nsys.exit(0)\n")
+    launcher = ("import sys\nfrom clusterpulse.trainer.launch import Rendezvous, Standby, run"
+                f"\nsys.exit(run(sys.argv[1:], None, 60, Standby(('127.0.0.1', {store.port}), "
+                f"host=False, return_s=5), Rendezvous(('127.0.0.1', {store.port}), 'out', "
+                "'127.0.0.1'), prewarm_after=0))")
+    with open(tmp_path / "err", "w") as err:
+        p = subprocess.Popen([sys.executable, "-c", launcher, sys.executable, "-c", child],
+                             env={**os.environ, "PYTHONPATH": str(REPO)},
+                             stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_until(lambda: "leaving the job for 1 s" in (tmp_path / "err").read_text(), 60,
+                   "the sit-out")
+        time.sleep(2)  # past the sit-out, and no round yet: nothing counted
+        assert not store.check([key])
+        _write_state(member, lambda s: (  # the new round forms, without the node
+            s.participants.update({node("10.0.0.1", 1, 0): 0, node("10.0.0.2", 1, 0): 1}),
+            setattr(s, "deadline", datetime.now(UTC) + timedelta(seconds=5))))
+        wait_until(lambda: store.check([key]), 30, "the node counted as sitting out")
+        assert int(store.get(key)) == 1
+        assert p.poll() is None  # still out: the job does not run without it yet
+        _write_state(member, lambda s: setattr(s, "complete", True))
+        assert p.wait(timeout=60) == 0, (tmp_path / "err").read_text()
+    finally:
+        p.kill()
+    assert int(store.get(key)) == 1  # once
+
+
 def _rendezvous_member(run_id: str, port: int = 0, min_nodes: int = 2, max_nodes: int = 3):
     """A real store (this process's, or a client of the one at `port`) and a torch
     rendezvous handler on it, whose state a test writes."""
