@@ -209,8 +209,8 @@ def test_partition_is_detected_and_heals_without_duplicate_ranks(cl):
 
 
 def alert_runs(series: list[dict], t0: float) -> dict:
-    """An ALERTS range query as {"node/alertstate/evidence": runs_after's runs}."""
-    return {"/".join(s["metric"].get(k, "-") for k in ("node", "alertstate", "evidence")):
+    """An ALERTS range query as {"node/alertstate/severity": runs_after's runs}."""
+    return {"/".join(s["metric"].get(k, "-") for k in ("node", "alertstate", "severity")):
             runs_after([s], t0)[""] for s in series}
 
 
@@ -262,7 +262,8 @@ def test_a_link_that_drops_packets_is_named_by_its_retransmissions(cl):
     named = {(a["labels"]["node"], a["labels"]["cause"]) for a in alerts}
     firing_after = {a["labels"]["severity"]: round(
         _ts(a["activeAt"]) + fors[a["labels"]["severity"]] - dropped_at) for a in alerts}
-    evidence = {a["labels"].get("evidence", "rtt/queue") for a in alerts}
+    evidence = {a["annotations"]["summary"].partition(": ")[2].split(" while ")[0]
+                for a in alerts}
     # each side of each node: its peak ratio, and when the lossy node's first passed 1 %
     peak = {(s["metric"]["node"], s["metric"]["side"]): max(float(v) for _, v in s["values"])
             for s in ratios}
