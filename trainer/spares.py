@@ -260,12 +260,12 @@ def room_for_a_standby(endpoint: tuple[str, int], run_id: str,
     """Whether a standby whose round ended (the job restarted gracefully) joins the new
     round now (`room_in`), read from the store at `endpoint`: None when it does not
     answer (its host restarting, or the job over); no state yet: not yet."""
-    state, freed = _rendezvous_state(endpoint, run_id, with_sitting_out=True)
+    state, store = _read_rendezvous(endpoint, run_id)
     if state is _NO_ANSWER:
         return None
     if state is None or state is _UNREADABLE:
         return state is _UNREADABLE  # join, as torchrun would
-    return room_in(state, margin_s, freed)
+    return room_in(state, margin_s, _sitting_out(store, run_id, state))
 
 
 def room_in(state, margin_s: float, sitting_out: int | None) -> bool:  # type: ignore[no-untyped-def]
@@ -299,14 +299,12 @@ def announce_sitting_out(endpoint: tuple[str, int], run_id: str) -> bool:
     round forming at `endpoint` (`room_in`: a standby takes its place in that round).
     False while there is no such round yet: the store's host has not restarted, or its
     state is the round that ended (closed)."""
-    from torch.distributed import TCPStore
-
-    state = _rendezvous_state(endpoint, run_id)
+    state, store = _read_rendezvous(endpoint, run_id)
+    if store is None or state is None or state is _UNREADABLE:
+        return False
     try:
-        if state in (None, _NO_ANSWER, _UNREADABLE) or state.closed:
+        if state.closed:
             return False
-        store = TCPStore(endpoint[0], endpoint[1], is_master=False,
-                         timeout=timedelta(seconds=2), wait_for_workers=False)
         store.add(SITTING_OUT_KEY.format(run_id=run_id, round=state.round), 1)
     except (AttributeError, RuntimeError, TimeoutError, OSError, ValueError):
         return False
@@ -333,34 +331,32 @@ _UNREADABLE = object()  # a rendezvous state this torch version does not know
 _NO_ANSWER = object()  # the store did not answer
 
 
-def _rendezvous_state(endpoint: tuple[str, int], run_id: str,
-                      with_sitting_out: bool = False) -> Any:
+def _rendezvous_state(endpoint: tuple[str, int], run_id: str) -> Any:
     """torch's rendezvous state for `run_id` as every torchrun unpickles it from the
     store at `endpoint`; _NO_ANSWER when the store does not answer, None when it holds
-    none yet, _UNREADABLE when it cannot be read. `with_sitting_out`: a pair, the
-    state and how many nodes sit its round out (`_sitting_out`)."""
+    none yet, _UNREADABLE when it cannot be read."""
+    return _read_rendezvous(endpoint, run_id)[0]
+
+
+def _read_rendezvous(endpoint: tuple[str, int], run_id: str) -> tuple[Any, Any]:
+    """`_rendezvous_state`'s state, and the store client it was read with (None when
+    the store did not answer): for the keys beside it (`SITTING_OUT_KEY`)."""
     from torch.distributed import TCPStore
 
     key = f"torch.rendezvous.{run_id}"
-    state: Any = None
-    store = None
     try:
         store = TCPStore(endpoint[0], endpoint[1], is_master=False,
                          timeout=timedelta(seconds=2), wait_for_workers=False)
         raw = store.get(key) if store.check([key]) else _NO_STATE
     except (RuntimeError, TimeoutError, OSError, ValueError):  # not answering (yet)
-        state = _NO_ANSWER
-        raw = _NO_STATE
-    if raw != _NO_STATE:
-        try:
-            state = pickle.loads(b64decode(raw, validate=True))
-        except (binascii.Error, ValueError, pickle.UnpicklingError, EOFError,
-                AttributeError, ImportError, TypeError, KeyError, IndexError):
-            state = _UNREADABLE
-    if not with_sitting_out:
-        return state
-    real = state not in (None, _NO_ANSWER, _UNREADABLE)
-    return state, _sitting_out(store, run_id, state) if real else None
+        return _NO_ANSWER, None
+    if raw == _NO_STATE:
+        return None, store
+    try:
+        return pickle.loads(b64decode(raw, validate=True)), store
+    except (binascii.Error, ValueError, pickle.UnpicklingError, EOFError, AttributeError,
+            ImportError, TypeError, KeyError, IndexError):
+        return _UNREADABLE, store
 
 
 _NO_STATE = b"Y2FuaW1hZGFt"  # torch's C10dRendezvousBackend's sentinel: no state yet
