@@ -43,8 +43,7 @@ def cluster(tmp_path):
                      "    expr: max by (run, rank, node) (clusterpulse_trainer_step{run=\"job\"})"
                      " >= 0\n"
                      "  - alert: TrainingLinkCongested\n"
-                     "    expr: label_replace(max by (node) (clusterpulse_agent_build_info), "
-                     "\"device\", \"eth0\", \"\", \"\")\n")
+                     "    expr: max by (node) (clusterpulse_agent_build_info)\n")
     prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"], rule_files=[rules])
     # the rank: a live process the agent knows from the kernel's credentials
     rank = RankProcess(telemetry[len("unix:"):], [{
@@ -316,9 +315,8 @@ def test_evict_node_asks_the_alerts_node_alone_to_sit_the_restart_out(cluster):
                            "[evict]\nleave_s = 45\n")
     audit = AuditLog(tmp / "audit.jsonl")
     rem = Remediator(Policy.load(policy_file), PrometheusClient(prom.url), TOKEN, audit)
-    fires(prom, 'alertname="TrainingLinkCongested",node="node-r",device="eth0"')
-    (d,) = rem.handle({"alerts": [firing("TrainingLinkCongested", node="node-r",
-                                         device="eth0")]})
+    fires(prom, 'alertname="TrainingLinkCongested",node="node-r"')
+    (d,) = rem.handle({"alerts": [firing("TrainingLinkCongested", node="node-r")]})
     assert d["outcome"] == "acted" and d["action"] == "evict-node", d
     cid = d["nodes"]["node-r"]
     cmd = requests.get(f"http://127.0.0.1:{port}/v1/commands/{cid}", timeout=5,

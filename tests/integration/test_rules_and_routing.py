@@ -178,16 +178,16 @@ def test_a_down_node_inhibits_its_gpu_and_rank_alerts_in_a_real_alertmanager(tmp
              alert(alertname="AgentCollectionStale", severity="critical", node="n2"),
              # n3's link halves its run's pace (critical): its own warning is noise
              alert(alertname="TrainingLinkCongested", severity="critical", node="n3",
-                   device="eth0", cause="communication")],
+                   cause="communication")],
             [alert(alertname="RankHung", severity="critical", node="n1", run="r1", rank="2"),
              alert(alertname="RankHung", severity="critical", node="n2", run="r1", rank="5")],
             [alert(alertname="GpuDown", severity="critical", node="n1", gpu="3"),
              alert(alertname="JobStalled", severity="critical", run="r1"),
              alert(alertname="GpuThermalSlowdown", severity="warning", node="n2", gpu="0"),
              alert(alertname="TrainingLinkCongested", severity="warning", node="n3",
-                   device="eth0", cause="communication"),
+                   cause="communication"),
              alert(alertname="TrainingLinkCongested", severity="warning", node="n4",
-                   device="eth0", cause="communication")],
+                   cause="communication")],
         ]
         known = 0
         for layer in layers:

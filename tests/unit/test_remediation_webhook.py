@@ -153,7 +153,7 @@ def test_the_first_rule_whose_labels_fit_decides_and_a_hardware_straggler_is_not
         assert slurm.rule_for(straggler(cause)).action == "drain-node"
         rule = spares.rule_for(straggler(cause))  # out at once: a spare takes its place
         assert (rule.action, rule.sustained_s) == ("evict-node", 0)
-    link = {"alertname": "TrainingLinkCongested", "node": "n1", "device": "eth0"}
+    link = {"alertname": "TrainingLinkCongested", "node": "n1"}
     assert local.rule_for(link).sustained_s == 120
     assert (spares.rule_for(link).action, spares.rule_for(link).sustained_s) == ("evict-node", 0)
     assert local.rule_for({"alertname": "TrainingStraggler", "run": "r"}) is None  # no cause
