@@ -6,9 +6,7 @@
 # mostly waits on the download).
 # Extra arguments go to pytest and run that selection only, on the main venv, e.g.
 # `scripts/test.sh -m "not slow"`. Two test files run at a time (a file's tests stay
-# together: they share their module's stack or testbed), the files of long tests first
-# (tests/conftest.py orders them; --no-loadscope-reorder keeps that order: xdist's own,
-# most tests first, left the longest single tests for last); PYTEST_WORKERS=0 runs
+# together: they share their module's stack or testbed); PYTEST_WORKERS=0 runs
 # everything in this one process, e.g. to debug.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,12 +18,12 @@ if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
 if [ $# -gt 0 ]; then
-  exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
+  exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
 fi
 scripts/test-oldest-torch.sh --prepare > artifacts/oldest-torch-setup.log 2>&1 &
 prepare=$!
 status=0
-.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder || status=$?
+.venv/bin/python -m pytest -n "$workers" --dist loadfile || status=$?
 if ! wait "$prepare"; then
   echo "test: the oldest torch's venv could not be built:" >&2
   tail -n 20 artifacts/oldest-torch-setup.log >&2

@@ -37,36 +37,7 @@ def _has_nvidia_gpu() -> bool:
         return False
 
 
-def _long_files_first(items: list) -> None:
-    """Order the files so that those of a few long tests start first, each file's tests
-    in their own order. The test command runs two files at a time (pytest-xdist --dist
-    loadfile --no-loadscope-reorder, scripts/test.sh) and hands the files out in this
-    order as a worker frees up. xdist's own order, most tests first, left the files of
-    one long test for last (the demo's faults, ~160 s; the testbed's eviction, 80 s):
-    one worker ran them while the other had nothing left, ~3 minutes of the suite on a
-    clean Debian, where the suite then ran past its 30 minutes. Now the files with a
-    slow test go first (most slow tests first), then those that start real processes,
-    then the rest, the many short files filling in at the end. The browser tests are not
-    among the first: started beside the oldest torch's venv build (a CUDA build
-    unpacked in the background), the Alerts page's table once never drew there."""
-    files: dict[str, list] = {}
-    for item in items:
-        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-
-    def cost(entry: tuple[int, tuple[str, list]]) -> tuple[int, int, int, int]:
-        index, (_, of) = entry
-        slow = sum(1 for item in of if item.get_closest_marker("slow"))
-        browser = any(item.get_closest_marker("e2e") for item in of)
-        procs = any(item.get_closest_marker(m) for item in of
-                    for m in ("integration", "e2e", "cluster"))
-        return (0 if slow and not browser else 1 if procs else 2), -slow, -len(of), index
-
-    items[:] = [item for _, (_, of) in sorted(enumerate(files.items()), key=cost)
-                for item in of]
-
-
 def pytest_collection_modifyitems(config, items):
-    _long_files_first(items)
     if _has_nvidia_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU and driver (nvidia-smi -L failed)")
