@@ -76,8 +76,9 @@ def test_chart_lints_clean_and_renders_valid_objects(default, example):
         assert {o["kind"] for o in objects} == {
             "ServiceAccount", "DaemonSet", "PodMonitor", "PrometheusRule", "ConfigMap",
             "PersistentVolumeClaim", "Deployment", "Service", "PodDisruptionBudget",
-            "NetworkPolicy", "StatefulSet"}
-        assert {o["metadata"]["namespace"] for o in objects} == {NS}
+            "NetworkPolicy", "StatefulSet", "CSIDriver"}
+        assert {o["metadata"]["namespace"] for o in objects if o["kind"] != "CSIDriver"} \
+            == {NS}
         _validate_all(objects)
 
 
@@ -154,11 +155,13 @@ def test_images_are_pinned_by_digest_when_one_is_set(default, example):
         return {c["image"] for pod in pod_specs(objects)
                 for c in pod["containers"] + pod.get("initContainers", [])}
     assert images(default) == {"clusterpulse-agent:0.1.0", "clusterpulse-dashboard:0.1.0",
-                               "quay.io/prometheus/alertmanager:v0.28.1"}
+                               "quay.io/prometheus/alertmanager:v0.28.1",
+                               "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.13.0"}
     values = yaml.safe_load(EXAMPLE.read_text())
     assert images(example) == {
         f"registry.example.com/gpu-platform/{values['images'][c]['repository']}"
-        f"@{values['images'][c]['digest']}" for c in ("agent", "dashboard", "alertmanager")}
+        f"@{values['images'][c]['digest']}"
+        for c in ("agent", "dashboard", "alertmanager", "registrar")}
     tagged = render({"images": {"agent": {"repository": "clusterpulse-agent", "tag": "0.2.0"}}})
     assert "clusterpulse-agent:0.2.0" in images(tagged)
 
@@ -192,10 +195,14 @@ def test_example_values_reach_the_objects(example):
                 if o["kind"] in ("PodMonitor", "PrometheusRule")}
     assert labelled == {"PodMonitor": "kube-prometheus-stack",
                         "PrometheusRule": "kube-prometheus-stack"}
-    agent, am, dash = pod_specs(example)
+    agent, am, csi, dash = pod_specs(example)
     assert [v["secret"]["secretName"] for v in am["volumes"] if "secret" in v] == [
         "clusterpulse-alertmanager-password", "clusterpulse-webhook-token"]
     assert agent["runtimeClassName"] == "nvidia"
+    # the CSI plugin runs where the agent does: its socket directory is on those nodes
+    assert (csi["nodeSelector"], csi["tolerations"]) == (agent["nodeSelector"],
+                                                         agent["tolerations"])
+    assert "runtimeClassName" not in csi  # it reads no GPU
     assert agent["nodeSelector"]["node-role.example.com/training"] == "true"
     assert {"key": "dedicated", "operator": "Equal", "value": "training",
             "effect": "NoSchedule"} in agent["tolerations"]
@@ -252,11 +259,13 @@ def test_optional_parts_can_be_left_out_and_what_remains_is_valid():
                       "remediation": {"enabled": False},
                       "alertmanager": {"url": "http://am.monitoring:9093",
                                        "server": {"enabled": False}},
-                      "networkPolicy": {"enabled": False},
+                      "networkPolicy": {"enabled": False}, "csi": {"enabled": False},
                       "dashboard": {"podDisruptionBudget": {"enabled": False}}},
                      release="gpu")
     assert {o["kind"] for o in objects} == {
         "ServiceAccount", "DaemonSet", "PersistentVolumeClaim", "Deployment", "Service"}
+    assert [o["metadata"]["name"] for o in by_kind(objects, "DaemonSet")] == \
+        ["gpu-clusterpulse-agent"]
     _validate_all(objects)
     (dash,) = by_kind(objects, "Deployment")
     assert dash["metadata"]["name"] == "gpu-clusterpulse-dashboard"
@@ -282,15 +291,18 @@ def test_every_flag_in_the_pods_is_one_the_program_knows(default):
     --flag in the containers' args must be in the program's --help."""
     values = yaml.safe_load(EXAMPLE.read_text())
     flags: dict[str, set[str]] = {}
-    named = {"agent": "clusterpulse-agent", "alertmanager": "prometheus-alertmanager"}
+    named = {"agent": "clusterpulse-agent", "alertmanager": "prometheus-alertmanager",
+             "csi": "clusterpulse-csi"}
     for objects in (default, render(values)):
         for pod in pod_specs(objects):
             for c in pod["containers"]:
+                if c["name"] == "registrar":  # Kubernetes' sidecar: not installed here
+                    continue
                 args = c["args"]
                 program = named.get(c["name"], args[0])
                 flags.setdefault(program, set()).update(
                     a.split("=")[0] for a in args if a.startswith("--"))
-    assert set(flags) == {"clusterpulse-agent", "clusterpulse-dashboard",
+    assert set(flags) == {"clusterpulse-agent", "clusterpulse-dashboard", "clusterpulse-csi",
                           "clusterpulse-remediate", "prometheus-alertmanager"}
     for program, used in flags.items():
         path = shutil.which(program) if program == "prometheus-alertmanager" else \
@@ -307,7 +319,8 @@ def test_the_agent_remembers_gpus_unless_told_it_sees_only_some(default):
     before a restart down. agent.rememberGpus=false (an agent given only some GPUs)
     drops the flag, or it would report the node's other GPUs missing (docs/agent.md)."""
     def agent_args(objects: list[dict]) -> list[str]:
-        (ds,) = by_kind(objects, "DaemonSet")
+        (ds,) = [d for d in by_kind(objects, "DaemonSet")
+                 if d["metadata"]["name"].endswith("-agent")]
         (c,) = ds["spec"]["template"]["spec"]["containers"]
         return c["args"]
 

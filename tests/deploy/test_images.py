@@ -133,6 +133,14 @@ def test_agent_image_runs_non_root_and_serves_metrics(container, tmp_path: Path)
     out = subprocess.run(["buildah", "run", "--isolation", "chroot", ctr, "--", "tc", "-s",
                           "-j", "qdisc", "show"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("["), out.stdout + out.stderr
+    # The CSI node plugin (deploy/kubernetes/base/csi.yaml) runs from this image: its
+    # command and the kubernetes extra it serves gRPC with.
+    out = subprocess.run(["buildah", "run", "--isolation", "chroot", ctr, "--", "python3",
+                          "-c", "from clusterpulse.agent.csi_v1 import csi_pb2_grpc; "
+                          "import shutil; print(shutil.which('clusterpulse-csi'))"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("/clusterpulse-csi"), \
+        out.stdout + out.stderr
 
 
 def test_dashboard_image_has_the_dashboard_and_remediation(container):

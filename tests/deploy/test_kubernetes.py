@@ -12,6 +12,8 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
+from tests.support import podsecurity
+
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "kubernetes"
 VERSIONS = ("1.29.0", "1.33.0")
@@ -133,10 +135,19 @@ def test_pods_are_locked_down_and_bounded():
         for c in pod["containers"] + pod.get("initContainers", []):
             sc = c["securityContext"]
             assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
-            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
+            propagation = {m.get("mountPropagation") for m in c.get("volumeMounts", [])}
+            if (w["metadata"]["name"], c["name"]) == ("clusterpulse-csi", "csi"):
+                # The one privileged container: it mounts into the kubelet's pod
+                # directories, seen by the kubelet through Bidirectional propagation.
+                assert sc["privileged"] is True and sc["readOnlyRootFilesystem"]
+                assert "Bidirectional" in propagation
+            else:
+                assert not sc.get("privileged") and "Bidirectional" not in propagation
+                assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
             assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["name"]
             assert {"cpu", "memory"} <= set(c["resources"]["limits"]), c["name"]
-    agent = next(w for w in workloads if w["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    agent = next(w for w in workloads if w["metadata"]["name"] == "clusterpulse-agent")[
+        "spec"]["template"]["spec"]
     assert agent["priorityClassName"] == "system-node-critical"
     assert agent["containers"][0]["securityContext"]["capabilities"]["add"] == ["KILL"]
     assert any(t["key"] == "nvidia.com/gpu" for t in agent["tolerations"])
@@ -158,7 +169,7 @@ def test_pods_are_locked_down_and_bounded():
 # Streamlit's own, the remediation receiver's /healthz; Alertmanager's port (every path
 # of its, /-/ready too, asks for the password).
 PROBES = {"agent": "/healthz", "dashboard": "/_stcore/health", "remediation": "/healthz",
-          "alertmanager": "tcp"}
+          "alertmanager": "tcp", "csi": "/healthz", "registrar": "/healthz"}
 WORKLOADS = ("DaemonSet", "Deployment", "StatefulSet")
 
 
@@ -260,3 +271,84 @@ def test_alertmanager_is_the_projects_with_basic_auth_and_the_dashboard_reads_it
     assert rule["ports"] == [{"port": 9093, "protocol": "TCP"}]
     assert [list(f) for f in rule["from"]] == [["namespaceSelector", "podSelector"],
                                                 ["podSelector"]]
+
+
+EXAMPLE_JOB = K8S / "examples" / "training-job.yaml"
+
+
+def _training_pod() -> tuple[dict, dict]:
+    docs = _docs(EXAMPLE_JOB.read_text())
+    ns = next(d for d in docs if d["kind"] == "Namespace")
+    job = next(d for d in docs if d["kind"] == "Job")
+    return ns, job["spec"]["template"]["spec"]
+
+
+def test_a_training_pod_needs_no_privilege_to_reach_the_agent():
+    """Issue #25 item 5: training pods needed the hostPath /run/clusterpulse, which Pod
+    Security "baseline" refuses, so every training namespace had to be `privileged`.
+    The example job reaches the agent through the CSI driver's inline volume instead,
+    and meets baseline (its namespace enforces it) and restricted."""
+    _validate_all(_docs(EXAMPLE_JOB.read_text()))
+    ns, pod = _training_pod()
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
+    assert podsecurity.baseline(pod) == [] and podsecurity.restricted(pod) == []
+    # ... and the agent is where the rank looks: the CSI volume, mounted read-only, holds
+    # the socket file the agent's --telemetry names.
+    objects = _base_objects()
+    (driver,) = [o for o in objects if o["kind"] == "CSIDriver"]
+    (trainer,) = pod["containers"]
+    (volume,) = [v for v in pod["volumes"] if "csi" in v]
+    assert volume["csi"] == {"driver": driver["metadata"]["name"], "readOnly": True}
+    (mount,) = [m for m in trainer["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True
+    env = {e["name"]: e["value"] for e in trainer["env"]}
+    agent = next(o for o in objects if o["metadata"]["name"] == "clusterpulse-agent"
+                 and o["kind"] == "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    telemetry = agent["args"][agent["args"].index("--telemetry") + 1]
+    assert env["CLUSTERPULSE_AGENT"] == f"unix:{mount['mountPath']}/" \
+        f"{telemetry.rsplit('/', 1)[1]}"
+    # The way the README used to give (the hostPath, read-only) is what baseline refuses.
+    old = {**pod, "volumes": [{"name": volume["name"], "hostPath": {
+        "path": "/run/clusterpulse", "type": "Directory"}} if v is volume else v
+        for v in pod["volumes"]]}
+    assert podsecurity.baseline(old) == ["hostPath volumes: volume 'clusterpulse'"]
+
+
+def test_the_csi_plugin_publishes_the_agents_socket_directory():
+    """The driver serves inline volumes only, and its plugin publishes the host
+    directory the agent's socket is in, where the kubelet's registrar says it listens."""
+    objects = _base_objects()
+    (driver,) = [o for o in objects if o["kind"] == "CSIDriver"]
+    assert driver["spec"]["volumeLifecycleModes"] == ["Ephemeral"]
+    assert driver["spec"]["attachRequired"] is False
+    sets = {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objects
+            if o["kind"] == "DaemonSet"}
+    agent, plugin = sets["clusterpulse-agent"], sets["clusterpulse-csi"]
+
+    def host_path(pod: dict, container: dict, flag_value: str) -> str:
+        """The host path behind a path in the container (through its volume mounts)."""
+        vols = {v["name"]: v for v in pod["volumes"]}
+        for m in container["volumeMounts"]:
+            if flag_value == m["mountPath"] or flag_value.startswith(m["mountPath"] + "/"):
+                return vols[m["name"]]["hostPath"]["path"] + flag_value[len(m["mountPath"]):]
+        raise AssertionError(f"{flag_value} is in no volume of {container['name']}")
+
+    def flag(container: dict, name: str) -> str:
+        args = container["args"]
+        for i, a in enumerate(args):
+            if a == name:
+                return args[i + 1]
+            if a.startswith(name + "="):
+                return a.split("=", 1)[1]
+        raise AssertionError(f"{container['name']} has no {name}")
+
+    csi, registrar = plugin["containers"]
+    socket = flag(agent["containers"][0], "--telemetry").removeprefix("unix:")
+    assert host_path(plugin, csi, flag(csi, "--socket-dir")) == \
+        host_path(agent, agent["containers"][0], socket.rsplit("/", 1)[0])
+    endpoint = flag(csi, "--endpoint").removeprefix("unix://")
+    assert host_path(plugin, csi, endpoint) == flag(registrar, "--kubelet-registration-path")
+    assert flag(registrar, "--csi-address") == endpoint
+    assert driver["metadata"]["name"] in flag(registrar, "--kubelet-registration-path")
+    pods = next(m for m in csi["volumeMounts"] if m.get("mountPropagation") == "Bidirectional")
+    assert host_path(plugin, csi, pods["mountPath"]) == "/var/lib/kubelet/pods"

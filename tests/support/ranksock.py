@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from clusterpulse.agent import protocol
@@ -52,14 +53,15 @@ class RankProcess:
     The last message must be one the agent answers (replies drain until a pause)."""
 
     def __init__(self, path: str, msgs: list[dict], user: int | None = None,
-                 ignore_sigterm: bool = False) -> None:
+                 ignore_sigterm: bool = False, wrap: Sequence[str] = ()) -> None:
         # Another user may not be able to run this venv's interpreter (under a private
-        # home); the sender needs the standard library only.
-        python = sys.executable if user is None else SYSTEM_PYTHON
+        # home); the sender needs the standard library only. `wrap`: a command the
+        # sender runs under (namespaces, dropped privileges), which then does the same.
+        python = sys.executable if user is None and not wrap else SYSTEM_PYTHON
         # ignore_sigterm: a hung rank whose SIGTERM handler only sets a flag
         script = ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                   if ignore_sigterm else "") + _SENDER
-        self.p = subprocess.Popen([python, "-c", script, path], stdin=subprocess.PIPE,
+        self.p = subprocess.Popen([*wrap, python, "-c", script, path], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, user=user)
         assert self.p.stdout is not None and self.p.stdin is not None
         self.p.stdin.write(json.dumps(msgs) + "\n")

@@ -21,6 +21,7 @@ SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
 # What each command needs beyond the agent's dependencies (None: nothing).
 EXTRA = {"clusterpulse-agent": None, "clusterpulse-config": None,
          "clusterpulse-healthcheck": None, "clusterpulse-audit": None,
+         "clusterpulse-csi": None,  # grpc only once it serves: tests/integration/test_csi.py
          "clusterpulse-train": "trainer",
          "clusterpulse-dashboard": "dashboard", "clusterpulse-ctl": "dashboard",
          "clusterpulse-remediate": "dashboard", "clusterpulse-detect": "dashboard"}
