@@ -6,6 +6,7 @@ import argparse
 import functools
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -60,6 +61,11 @@ class UsageError(Exception):
     """Bad command-line input; printed as one line, exit code 2."""
 
 
+# A node's name as hosts, Kubernetes and Slurm give it. A quote or a backslash would
+# break the alert templates that query the node's evidence by its label.
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}")
+
+
 def parse_addr(text: str, what: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -87,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["auto", "nvml", "sim"], default="auto",
                    help="GPU source; auto = NVML when a driver is present (default: auto)")
     p.add_argument("--node", default=socket.gethostname(),
-                   help="node label on every series (default: hostname)")
+                   help="node label on every series: a host name (letters, digits, "
+                        "'.', '-', '_', ':') (default: hostname)")
     # 9477, not 9400: dcgm-exporter, often on the same GPU nodes, owns 9400.
     p.add_argument("--listen", default="127.0.0.1:9477",
                    help="HTTP address for /metrics and /v1/ (default: 127.0.0.1:9477)")
@@ -220,6 +227,10 @@ def run(args: argparse.Namespace) -> int:
     from clusterpulse.agent.core import Agent
     from clusterpulse.agent.server import make_server, serve_in_thread
 
+    if not NODE_NAME.fullmatch(args.node):
+        raise UsageError(f"--node must be a host name (letters, digits, '.', '-', '_', ':'; "
+                         f"at most 253), got {args.node[:300]!r}: the name goes into every "
+                         "series and into the alerts' PromQL")
     if args.interval <= 0:
         raise UsageError("--interval must be > 0 seconds")
     host, port = parse_addr(args.listen, "--listen")
