@@ -6,7 +6,12 @@ Kubernetes' own answer for a node-local socket is a CSI driver serving an *ephem
 inline volume* (the way SPIFFE's CSI driver hands pods the SPIRE Workload API): the pod
 names the driver in its volumes, a kind of volume baseline and restricted both admit,
 and the kubelet asks this plugin, on the node, to publish the volume at the pod's
-target path. The plugin bind-mounts the agent's socket directory there, read-only.
+target path. The plugin bind-mounts the agent's socket directory there, and serves only
+volumes the pod marks `readOnly: true`, so that the kubelet mounts it read-only into the
+containers: a pod cannot replace the socket and impersonate the agent. The bind itself
+is left read-write, as SPIFFE's driver learnt to (spiffe-csi#42): a read-only bind on
+the host keeps the container runtime from relabelling it on SELinux nodes, and the
+flags of a remount would not reach the kubelet's copy of the mount anyway.
 
 Identity is unchanged by it: the rank connects to the same Unix socket, so the kernel
 still names the connecting process (pid in the agent's, the host's, PID namespace, its
@@ -47,9 +52,7 @@ DEFAULT_ENDPOINT = f"unix:///var/lib/kubelet/plugins/{DRIVER}/csi.sock"
 EPHEMERAL = "csi.storage.k8s.io/ephemeral"  # set by the kubelet for inline volumes
 POD = "csi.storage.k8s.io/pod.name"
 NAMESPACE = "csi.storage.k8s.io/pod.namespace"
-# mount(2) flags (linux/mount.h)
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND = 32, 4096
+MS_BIND = 4096  # mount(2) (linux/mount.h)
 
 EXAMPLES = """\
 examples:
@@ -72,22 +75,10 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
-def _mount(source: str, target: str, flags: int) -> None:
-    if _libc().mount(source.encode(), target.encode(), None, flags, None) != 0:
+def bind(source: str, target: str) -> None:
+    if _libc().mount(source.encode(), target.encode(), None, MS_BIND, None) != 0:
         err = ctypes.get_errno()
-        raise MountError(err, f"mount {source} on {target}: {os.strerror(err)}")
-
-
-def bind_read_only(source: str, target: str) -> None:
-    """Bind `source` on `target`, then make that mount read-only, nosuid, nodev and
-    noexec (a bind takes none of these flags in the same call)."""
-    _mount(source, target, MS_BIND)
-    try:
-        _mount(source, target, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
-               | MS_NOEXEC)
-    except MountError:
-        unmount(target)  # never leave a writable bind behind
-        raise
+        raise MountError(err, f"mount --bind {source} {target}: {os.strerror(err)}")
 
 
 def unmount(target: str) -> None:
@@ -119,10 +110,17 @@ class Publisher:
 
     def publish(self, target: str) -> None:
         with self._lock:
+            made = not os.path.isdir(target)
             Path(target).mkdir(mode=0o755, parents=True, exist_ok=True)
             if is_mount_point(target):
                 return  # published already: the kubelet retries after a timeout
-            bind_read_only(self.socket_dir, target)
+            try:
+                bind(self.socket_dir, target)
+            except OSError:
+                if made:  # a failed publish leaves nothing behind (the CSI spec)
+                    with contextlib.suppress(OSError):
+                        os.rmdir(target)
+                raise
 
     def unpublish(self, target: str) -> None:
         with self._lock:
@@ -232,8 +230,13 @@ def serve(endpoint: str, socket_dir: str, node_id: str, version: str):
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     rpc.add_IdentityServicer_to_server(identity, server)
     rpc.add_NodeServicer_to_server(node, server)
-    if not server.add_insecure_port(f"unix://{path}"):
-        raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {endpoint}")
+    try:
+        bound = server.add_insecure_port(f"unix://{path}")
+    except RuntimeError:  # grpc's word for a socket it could not bind
+        bound = 0
+    if not bound:
+        raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {endpoint} (the directory "
+                      "must be writable by this user, the path at most 107 bytes)")
     server.start()
     return server
 
@@ -292,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"clusterpulse-csi needs the kubernetes extra ({err.name} is missing): "
               "pip install 'clusterpulse[kubernetes]'", file=sys.stderr)
         return 2
+    stop = threading.Event()  # set before serving: a SIGTERM at start is not lost
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         server = serve(args.endpoint, args.socket_dir, args.node_id, __version__)
         if args.health_listen:
@@ -301,11 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log.info("serving %s for node %s on %s (publishing %s)", DRIVER, args.node_id,
              args.endpoint, args.socket_dir)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    server.stop(5).wait()
+    while not stop.wait(1):
+        pass
+    server.stop(2).wait(10)
     return 0
 
 

@@ -56,6 +56,9 @@ def by_kind(objects: list[dict], kind: str) -> list[dict]:
     return [o for o in objects if o["kind"] == kind]
 
 
+CLUSTER_WIDE = {"CSIDriver", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+
+
 def policy_map(objects: list[dict]) -> dict:
     (cm,) = [o for o in by_kind(objects, "ConfigMap") if "policy.toml" in o["data"]]
     return cm
@@ -76,8 +79,9 @@ def test_chart_lints_clean_and_renders_valid_objects(default, example):
         assert {o["kind"] for o in objects} == {
             "ServiceAccount", "DaemonSet", "PodMonitor", "PrometheusRule", "ConfigMap",
             "PersistentVolumeClaim", "Deployment", "Service", "PodDisruptionBudget",
-            "NetworkPolicy", "StatefulSet", "CSIDriver"}
-        assert {o["metadata"]["namespace"] for o in objects if o["kind"] != "CSIDriver"} \
+            "NetworkPolicy", "StatefulSet", "CSIDriver", "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding"}
+        assert {o["metadata"]["namespace"] for o in objects if o["kind"] not in CLUSTER_WIDE} \
             == {NS}
         _validate_all(objects)
 
@@ -229,6 +233,9 @@ def test_objects_match_the_kustomize_base_where_both_say_the_same(default):
         by_kind(base, "PrometheusRule")[0]["spec"]
     assert by_kind(default, "PodMonitor")[0]["spec"]["podMetricsEndpoints"] == \
         by_kind(base, "PodMonitor")[0]["spec"]["podMetricsEndpoints"]
+    for kind in sorted(CLUSTER_WIDE):  # the CSI driver and who may mount it
+        assert [o["spec"] for o in by_kind(default, kind)] == \
+            [o["spec"] for o in by_kind(base, kind)], kind
     policy = policy_map(default)["data"]["policy.toml"]
     source = (REPO / "deploy" / "local" / "policy.toml").read_text()
     assert policy.rstrip("\n").endswith(source.rstrip("\n"))

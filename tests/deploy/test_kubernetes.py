@@ -74,12 +74,20 @@ def _check_operator_object(obj: dict) -> None:
         raise AssertionError(f"unexpected custom resource {kind}")
 
 
+# Kinds that came later than the oldest version validated: (apiVersion, kind) -> since.
+SINCE = {("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"): (1, 30),
+         ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"): (1, 30)}
+
+
 def _validate_all(objects: list[dict]) -> None:
     for obj in objects:
         if obj["apiVersion"].startswith("monitoring.coreos.com/"):
             _check_operator_object(obj)
             continue
+        since = SINCE.get((obj["apiVersion"], obj["kind"]), (0, 0))
         for version in VERSIONS:
+            if tuple(map(int, version.split(".")[:2])) < since:
+                continue
             try:
                 kv.validate(obj, version, strict=True)
             except kv.ValidationError as err:
@@ -134,16 +142,17 @@ def test_pods_are_locked_down_and_bounded():
         assert pod["securityContext"].get("runAsUser", 0) != 0 or w["kind"] == "DaemonSet"
         for c in pod["containers"] + pod.get("initContainers", []):
             sc = c["securityContext"]
-            assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
             propagation = {m.get("mountPropagation") for m in c.get("volumeMounts", [])}
             if (w["metadata"]["name"], c["name"]) == ("clusterpulse-csi", "csi"):
                 # The one privileged container: it mounts into the kubelet's pod
-                # directories, seen by the kubelet through Bidirectional propagation.
+                # directories, seen by the kubelet through Bidirectional propagation, as
+                # root (the image's user is 65534, which keeps no capability).
                 assert sc["privileged"] is True and sc["readOnlyRootFilesystem"]
-                assert "Bidirectional" in propagation
-            else:
-                assert not sc.get("privileged") and "Bidirectional" not in propagation
-                assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
+                assert sc["runAsUser"] == 0 and "Bidirectional" in propagation
+                continue
+            assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+            assert not sc.get("privileged") and "Bidirectional" not in propagation
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
             assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["name"]
             assert {"cpu", "memory"} <= set(c["resources"]["limits"]), c["name"]
     agent = next(w for w in workloads if w["metadata"]["name"] == "clusterpulse-agent")[
@@ -352,3 +361,72 @@ def test_the_csi_plugin_publishes_the_agents_socket_directory():
     assert driver["metadata"]["name"] in flag(registrar, "--kubelet-registration-path")
     pods = next(m for m in csi["volumeMounts"] if m.get("mountPropagation") == "Bidirectional")
     assert host_path(plugin, csi, pods["mountPath"]) == "/var/lib/kubelet/pods"
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A label selector's meaning (matchLabels and the four matchExpressions operators)."""
+    ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok &= {"In": key in labels and labels[key] in values,
+               "NotIn": key not in labels or labels[key] not in values,
+               "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+    return ok
+
+
+def test_only_namespaces_an_admin_labelled_may_mount_the_agents_socket():
+    """Review: with the CSI volume, a pod of any namespace, at any Pod Security level, could
+    reach the agent, and one with a run owner's uid would count as that run's. The
+    admission policy (evaluated here with a CEL implementation; no API server runs here)
+    refuses the volume outside namespaces labelled clusterpulse.io/telemetry=true."""
+    import celpy
+
+    objects = _base_objects()
+    (policy,) = [o for o in objects if o["kind"] == "ValidatingAdmissionPolicy"]
+    (binding,) = [o for o in objects if o["kind"] == "ValidatingAdmissionPolicyBinding"]
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    rules = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert any(r["resources"] == ["pods"] and "CREATE" in r["operations"] for r in rules)
+    env = celpy.Environment()
+    checks = [env.program(env.compile(v["expression"])) for v in policy["spec"]["validations"]]
+
+    def admitted(pod_spec: dict, ns_labels: dict[str, str]) -> bool:
+        if not _selects(binding["spec"]["matchResources"]["namespaceSelector"], ns_labels):
+            return True  # the binding does not apply there
+        obj = celpy.json_to_cel({"spec": pod_spec})
+        return all(bool(p.evaluate({"object": obj})) for p in checks)
+
+    ns, pod = _training_pod()
+    labels = ns["metadata"]["labels"]
+    assert admitted(pod, labels)
+    unlabelled = {k: v for k, v in labels.items() if k != "clusterpulse.io/telemetry"}
+    assert not admitted(pod, unlabelled)
+    assert not admitted(pod, {**labels, "clusterpulse.io/telemetry": "false"})
+    other_csi = {**pod, "volumes": [{"name": "x", "csi": {"driver": "secrets-store.csi.k8s.io"}}]}
+    for fine in (other_csi, {**pod, "volumes": [{"name": "x", "emptyDir": {}}]},
+                 {k: v for k, v in pod.items() if k != "volumes"}):
+        assert admitted(fine, unlabelled)
+
+
+@pytest.mark.parametrize(("change", "control"), [
+    ({"hostNetwork": True}, "host namespaces"),
+    ({"containers": [{"name": "t", "securityContext": {"privileged": True}}]}, "privileged"),
+    ({"containers": [{"name": "t", "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]},
+     "capabilities"),
+    ({"containers": [{"name": "t", "ports": [{"containerPort": 80, "hostPort": 80}]}]},
+     "hostPorts"),
+    ({"containers": [{"name": "t", "readinessProbe": {"httpGet": {"host": "10.0.0.1",
+                                                                  "port": 80}}}]},
+     "host probes"),
+    ({"securityContext": {"seccompProfile": {"type": "Unconfined"}}}, "seccompProfile"),
+    ({"securityContext": {"sysctls": [{"name": "kernel.msgmax", "value": "1"}]}}, "sysctls"),
+])
+def test_the_pod_security_check_names_each_baseline_control(change, control):
+    """The checker the example is held to is not vacuous: each baseline control it
+    reads refuses a pod that breaks it."""
+    (problem,) = podsecurity.baseline({"containers": [{"name": "t"}], **change})
+    assert problem.startswith(control), problem
+    assert podsecurity.baseline({"containers": [{"name": "t"}]}, {
+        "container.apparmor.security.beta.kubernetes.io/t": "unconfined"})

@@ -2,15 +2,18 @@
 
 No hostPath, no hostNetwork, no hostPID: the pod's volume is an ephemeral inline CSI
 volume of ClusterPulse's node plugin (agent/csi.py), which bind-mounts the agent's
-socket directory, read-only, at the target path the kubelet gives it. Here the plugin
-is the real CLI process, serving the CSI spec's own proto on a Unix socket; the test
-calls it as the kubelet does (the one stand-in: no kubelet runs here). The "pod" is a
-process in its own network and PID namespaces, as another uid, that sees the socket
-only through the published volume: the agent names it by the kernel's word (its host
-pid and uid) and a hard restart reaches it.
+socket directory at the target path the kubelet gives it. Here the plugin is the real
+CLI process, serving the CSI spec's own proto on a Unix socket; the test calls it as
+the kubelet does (the one stand-in: no kubelet runs here).
 
-Mounts need root; the plugin runs in a mount namespace of its own, so nothing it
-mounts outlives the test.
+The mounts are laid out as on a node: a "node" mount namespace whose pod directory is
+a shared mount (the kubelet's view); the plugin in a mount namespace of its own that
+shares it (Bidirectional propagation, as the DaemonSet's); and a "pod" that bind-mounts
+the published target read-only at /run/clusterpulse in a mount namespace of its own, as
+a container runtime does for a `readOnly: true` volume, in its own network and PID
+namespaces, as another uid. The agent names that pod's rank by the kernel's word (its
+host pid and uid) and a hard restart reaches it. Nothing outlives the test: the node
+namespace goes with its last process. Mounts need root.
 """
 
 from __future__ import annotations
@@ -34,33 +37,65 @@ from tests.support.ranksock import RankProcess
 
 pytestmark = pytest.mark.integration
 needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("unshare"),
-    reason="mounting in a mount namespace of its own needs root and unshare")
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"),
+    reason="mount namespaces need root, unshare and nsenter")
 NOBODY = 65534
 
 
 @pytest.fixture
-def plugin():
-    """The plugin CLI in a private mount namespace, its gRPC stubs, and its pid."""
+def node():
+    """A scratch directory (traversable by the pod's uid) and a "node" mount namespace
+    (its pid) in which the kubelet's pod directory, base/pods, is a shared mount."""
     base = Path(tempfile.mkdtemp(prefix="cp-csi-", dir="/tmp"))
-    os.chmod(base, 0o755)  # the pod's uid must traverse to its volume
-    endpoint = f"unix://{base}/plugin/csi.sock"
+    os.chmod(base, 0o755)
+    (base / "pods").mkdir(mode=0o755)
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep",
+                               "600"])
+    wait_until(lambda: os.readlink(f"/proc/{holder.pid}/ns/mnt")
+               != os.readlink("/proc/self/ns/mnt"), 10, "the node's mount namespace")
+    shared = in_ns(holder.pid, "sh", "-c", 'mount --bind "$0" "$0" && mount --make-shared "$0"',
+                   str(base / "pods"))
+    assert shared.returncode == 0, shared.stderr
     log = open(base / "plugin.log", "w")  # noqa: SIM115 (closed below)
-    yield base, endpoint, log
+    yield base, holder.pid, log
+    holder.kill()
+    holder.wait()
     log.close()
     shutil.rmtree(base, ignore_errors=True)
 
 
-def start_plugin(base: Path, endpoint: str, log, socket_dir: str,
-                 *extra: str) -> subprocess.Popen:
+def in_ns(pid: int, *cmd: str) -> subprocess.CompletedProcess:
+    """`cmd` in the mount namespace of process `pid`."""
+    return subprocess.run(["nsenter", "--target", str(pid), "--mount", "--", *cmd],
+                          capture_output=True, text=True, timeout=30)
+
+
+def start_plugin(base: Path, node_pid: int, log, socket_dir: str,
+                 *extra: str) -> tuple[subprocess.Popen, str]:
+    """The plugin in a mount namespace of its own, child of the node's: its mounts
+    under the shared pod directory reach the node's (Bidirectional propagation)."""
+    endpoint = f"unix://{base}/plugin/csi.sock"
     p = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", sys.executable, "-m",
+        ["nsenter", "--target", str(node_pid), "--mount", "--",
+         "unshare", "--mount", "--propagation", "unchanged", sys.executable, "-m",
          "clusterpulse.agent.csi", "--endpoint", endpoint, "--node-id", "k8s-a",
          "--socket-dir", socket_dir, *extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     wait_until(lambda: p.poll() is not None or (base / "plugin" / "csi.sock").exists(), 30,
                "the plugin's socket")
     assert p.poll() is None, (base / "plugin.log").read_text()
-    return p
+    return p, endpoint
+
+
+def stop_plugin(proc: subprocess.Popen, base: Path) -> int:
+    """SIGTERM, as the kubelet stops a pod; its exit status."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("the plugin did not stop on SIGTERM within 20 s; its log:\n"
+                             + (base / "plugin.log").read_text()) from None
 
 
 def publish_request(target: str, **over) -> pb.NodePublishVolumeRequest:
@@ -78,75 +113,86 @@ def publish_request(target: str, **over) -> pb.NodePublishVolumeRequest:
     return pb.NodePublishVolumeRequest(**fields)
 
 
-def in_plugin_ns(pid: int, *cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["nsenter", "--target", str(pid), "--mount", "--", *cmd],
-                          capture_output=True, text=True, timeout=30)
+def mount_options(pid: int, path: Path) -> set[str] | None:
+    """The options of the mount at `path` as process `pid`'s namespace sees it."""
+    r = in_ns(pid, "findmnt", "--noheadings", "--output", "OPTIONS", "--mountpoint", str(path))
+    if r.returncode != 0:
+        return None
+    (line,) = r.stdout.splitlines()  # one mount there: a retried publish stacks none
+    return set(line.strip().split(","))
 
 
 @needs_root
-def test_a_pod_without_host_path_sends_telemetry_is_verified_and_restarted(plugin, sim_agent):
-    base, endpoint, log = plugin
+def test_a_pod_without_host_path_sends_telemetry_is_verified_and_restarted(node, sim_agent):
+    base, node_pid, log = node
     socket_dir = os.path.dirname(sim_agent.socket_path)
     health = free_port()
-    proc = start_plugin(base, endpoint, log, socket_dir, "--health-listen", f"127.0.0.1:{health}")
+    proc, endpoint = start_plugin(base, node_pid, log, socket_dir,
+                                  "--health-listen", f"127.0.0.1:{health}")
     try:
         assert requests.get(f"http://127.0.0.1:{health}/healthz", timeout=5).status_code == 200
         channel = grpc.insecure_channel(endpoint)
-        identity, node = rpc.IdentityStub(channel), rpc.NodeStub(channel)
+        identity, plugin = rpc.IdentityStub(channel), rpc.NodeStub(channel)
         info = identity.GetPluginInfo(pb.GetPluginInfoRequest(), timeout=10)
         assert info.name == csi.DRIVER and info.vendor_version
         assert identity.Probe(pb.ProbeRequest(), timeout=10).ready.value
-        assert node.NodeGetInfo(pb.NodeGetInfoRequest(), timeout=10).node_id == "k8s-a"
+        assert plugin.NodeGetInfo(pb.NodeGetInfoRequest(), timeout=10).node_id == "k8s-a"
         # The kubelet's pod directory; it creates the parents, the plugin the mount point.
         target = base / "pods" / "6f1c0e" / "volumes" / "kubernetes.io~csi" / "cp" / "mount"
         target.parent.mkdir(parents=True)
-        for d in (base / "pods", *list(target.parents)[:4]):
+        for d in list(target.parents)[:4]:
             os.chmod(d, 0o755)
-        node.NodePublishVolume(publish_request(str(target)), timeout=10)
-        node.NodePublishVolume(publish_request(str(target)), timeout=10)  # a retry: no-op
+        plugin.NodePublishVolume(publish_request(str(target)), timeout=10)
+        plugin.NodePublishVolume(publish_request(str(target)), timeout=10)  # a retry: no-op
         assert not os.path.ismount(target)  # nothing leaked into this mount namespace
-        mounts = in_plugin_ns(proc.pid, "findmnt", "--noheadings", "--output", "OPTIONS",
-                              str(target))
-        assert mounts.returncode == 0, mounts.stderr
-        assert len(mounts.stdout.splitlines()) == 1, mounts.stdout  # the retry stacked none
-        assert {"ro", "nosuid", "nodev", "noexec"} <= set(mounts.stdout.strip().split(",")), \
-            mounts.stdout
-        # Read-only even for root: a pod cannot replace the socket and impersonate the agent.
-        touch = in_plugin_ns(proc.pid, "touch", f"{target}/agent.sock")
-        assert touch.returncode != 0 and "Read-only" in touch.stderr, touch
+        # The kubelet (the node's namespace) sees it, and read-write there: a read-only
+        # bind on the host could not be relabelled on SELinux nodes (spiffe-csi#42).
+        seen = mount_options(node_pid, target)
+        assert seen is not None and "rw" in seen, seen
 
-        # The pod: its own network and PID namespaces, uid 65534, the volume its only way
-        # to the agent; not its PID namespace's init (the trainer runs under torchrun or
-        # a shell there, as in a container).
-        sock = f"{target}/{os.path.basename(sim_agent.socket_path)}"
-        pod = ["nsenter", "--target", str(proc.pid), "--mount", "--",
-               "unshare", "--net", "--pid", "--fork", "--kill-child", "--",
-               "sh", "-c", 'exec 3<&0; "$@" <&3 & wait $!', "pod",
+        # The pod: the volume mounted read-only where the rank looks, its own network and
+        # PID namespaces (not its init: the trainer runs under torchrun there), uid 65534.
+        inside = base / "pod-root" / "run" / "clusterpulse"
+        inside.mkdir(parents=True)
+        for d in (inside, *list(inside.parents)[:2]):
+            os.chmod(d, 0o755)
+        runtime = ('mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" || exit 1; '
+                   'shift 2; exec 3<&0; "$@" <&3 & wait $!')
+        pod = ["nsenter", "--target", str(node_pid), "--mount", "--",
+               "unshare", "--mount", "--net", "--pid", "--fork", "--kill-child", "--",
+               "sh", "-c", runtime, "pod", str(target), str(inside),
                "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        sock = f"{inside}/{os.path.basename(sim_agent.socket_path)}"
         with RankProcess(sock, [{"type": "step", "run": "pod-run", "rank": 0,
                                  "local_rank": 0, "gpu": 1, "step": 3}], wrap=pod) as rank:
-            (seen,) = wait_until(lambda: [r for r in sim_agent.get("/v1/ranks").json()["ranks"]
-                                          if r["run"] == "pod-run"], 20, "the pod's rank")
-            assert seen["uid"] == NOBODY, seen  # the kernel's word, verified
-            status = Path(f"/proc/{seen['pid']}/status").read_text()
+            (seen_rank,) = wait_until(
+                lambda: [r for r in sim_agent.get("/v1/ranks").json()["ranks"]
+                         if r["run"] == "pod-run"], 20, "the pod's rank")
+            pid = seen_rank["pid"]
+            assert seen_rank["uid"] == NOBODY, seen_rank  # the kernel's word, verified
+            status = Path(f"/proc/{pid}/status").read_text()
             nspid = next(x for x in status.splitlines() if x.startswith("NSpid:")).split()[1:]
-            assert nspid == [str(seen["pid"]), "2"], status  # the host's pid of the pod's pid 2
-            assert os.readlink(f"/proc/{seen['pid']}/ns/net") != os.readlink("/proc/self/ns/net")
+            # the host's pid of a process of the pod's PID namespace (not its init)
+            assert len(nspid) == 2 and nspid[0] == str(pid) and nspid[1] != "1", status
+            assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+            # Read-only in the pod, even for root: no pod can replace the agent's socket.
+            assert "ro" in (mount_options(pid, inside) or set())
+            touch = in_ns(pid, "touch", f"{inside}/agent.sock")
+            assert touch.returncode != 0 and "Read-only" in touch.stderr, touch
             r = sim_agent.post("/v1/runs/pod-run/actions",
                                {"action": "restart", "reason": "test: the pod's rank hung"})
             assert r.status_code == 202, r.text
             wait_until(lambda: rank.p.poll() is not None, 30, "the pod's rank ended")
-            assert not Path(f"/proc/{seen['pid']}").exists()
+            assert not Path(f"/proc/{pid}").exists()
 
-        node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(
+        plugin.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(
             volume_id="csi-6f1c0e", target_path=str(target)), timeout=10)
+        assert mount_options(node_pid, target) is None  # gone from the kubelet's view too
         assert not target.exists()
-        assert in_plugin_ns(proc.pid, "findmnt", str(target)).returncode != 0
-        node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(  # again: already done
+        plugin.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(  # again: already done
             volume_id="csi-6f1c0e", target_path=str(target)), timeout=10)
     finally:
-        proc.terminate()
-        assert proc.wait(timeout=20) == 0, (base / "plugin.log").read_text()
+        assert stop_plugin(proc, base) == 0, (base / "plugin.log").read_text()
 
 
 @needs_root
@@ -157,24 +203,43 @@ def test_a_pod_without_host_path_sends_telemetry_is_verified_and_restarted(plugi
      "no block volumes"),
     ({"target_path": "relative/mount"}, "must be absolute"),
 ])
-def test_volumes_it_does_not_serve_are_refused_by_name_and_nothing_is_mounted(plugin, over,
+def test_volumes_it_does_not_serve_are_refused_by_name_and_nothing_is_mounted(node, over,
                                                                               says):
-    base, endpoint, log = plugin
+    base, node_pid, log = node
     run = base / "run"
     run.mkdir(mode=0o755)
-    proc = start_plugin(base, endpoint, log, str(run))
+    proc, endpoint = start_plugin(base, node_pid, log, str(run))
     try:
-        node = rpc.NodeStub(grpc.insecure_channel(endpoint))
+        plugin = rpc.NodeStub(grpc.insecure_channel(endpoint))
         target = base / "pods" / "x" / "mount"
         with pytest.raises(grpc.RpcError) as err:
-            node.NodePublishVolume(publish_request(str(target), **over), timeout=10)
+            plugin.NodePublishVolume(publish_request(str(target), **over), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert says in err.value.details(), err.value.details()
         assert not target.exists()
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+        stop_plugin(proc, base)
     assert "publish refused" in (base / "plugin.log").read_text()
+
+
+@needs_root
+def test_a_publish_that_fails_leaves_nothing_behind(node):
+    """The agent's directory gone (an agent never started on the node): the bind fails,
+    the kubelet is told why, and the mount point the plugin made is removed again."""
+    base, node_pid, log = node
+    proc, endpoint = start_plugin(base, node_pid, log, str(base / "no-agent-here"))
+    try:
+        plugin = rpc.NodeStub(grpc.insecure_channel(endpoint))
+        assert not rpc.IdentityStub(grpc.insecure_channel(endpoint)).Probe(
+            pb.ProbeRequest(), timeout=10).ready.value
+        target = base / "pods" / "y" / "mount"
+        with pytest.raises(grpc.RpcError) as err:
+            plugin.NodePublishVolume(publish_request(str(target)), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "No such file or directory" in err.value.details(), err.value.details()
+        assert not target.exists() and target.parent.exists()
+    finally:
+        stop_plugin(proc, base)
 
 
 def test_the_command_says_what_it_needs():
@@ -186,6 +251,13 @@ def test_the_command_says_what_it_needs():
                          text=True, timeout=60, env={**os.environ, "NODE_NAME": ""})
     assert bad.returncode == 2 and "--endpoint must be unix:///PATH" in bad.stderr, bad
     assert "Traceback" not in bad.stderr
+    # a socket path too long for AF_UNIX: grpc cannot bind it (it raised, a traceback)
+    long = subprocess.run([sys.executable, "-m", "clusterpulse.agent.csi", "--node-id", "n",
+                           "--endpoint", f"unix:///tmp/{'x' * 120}/csi.sock"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert long.returncode == 2 and "cannot listen on" in long.stderr, long
+    assert "Traceback" not in long.stderr
+    shutil.rmtree(f"/tmp/{'x' * 120}", ignore_errors=True)
 
 
 def test_without_the_kubernetes_extra_it_says_which_to_install():

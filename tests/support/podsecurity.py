@@ -1,8 +1,9 @@
 """Kubernetes' Pod Security Standards, "baseline" and "restricted", checked on a pod spec.
 
 Written from the standard's table of controls (kubernetes.io/docs/concepts/security/
-pod-security-standards, policy version "latest" as of Kubernetes 1.33) and the field
-paths its admission plugin reads; no API server runs here to ask. Each violation is
+pod-security-standards, policy version "latest" as of Kubernetes 1.34, with its host
+probes and lifecycle hooks control) and the field paths its admission plugin reads; no
+API server runs here to ask. Each violation is
 one line naming the control and the field, as admission's own message does.
 """
 
@@ -27,8 +28,16 @@ def _containers(pod: dict) -> list[dict]:
             for c in pod.get(key, [])]
 
 
-def baseline(pod: dict) -> list[str]:
+APPARMOR_ANNOTATION = "container.apparmor.security.beta.kubernetes.io/"
+
+
+def baseline(pod: dict, annotations: dict[str, str] | None = None) -> list[str]:
+    """Violations of baseline by a pod's spec (and its metadata's annotations)."""
     out: list[str] = []
+    for key, value in (annotations or {}).items():
+        if key.startswith(APPARMOR_ANNOTATION) and value != "runtime/default" \
+                and not value.startswith("localhost/"):
+            out.append(f"appArmorProfile: annotation {key}={value}")
     psc = pod.get("securityContext", {})
     for ns in ("hostNetwork", "hostPID", "hostIPC"):
         if pod.get(ns):
@@ -63,11 +72,19 @@ def baseline(pod: dict) -> list[str]:
         for port in c.get("ports", []):
             if port.get("hostPort"):
                 out.append(f"hostPorts: container {name!r} port {port['hostPort']}")
+        handlers = [(k, c[k]) for k in ("livenessProbe", "readinessProbe", "startupProbe")
+                    if k in c] + [(f"lifecycle.{k}", h)
+                                  for k, h in c.get("lifecycle", {}).items()]
+        for where, handler in handlers:
+            for kind in ("httpGet", "tcpSocket"):
+                if handler.get(kind, {}).get("host"):
+                    out.append(f"host probes / lifecycle hooks: container {name!r} {where}")
     return out
 
 
-def restricted(pod: dict) -> list[str]:
-    out = baseline(pod)
+def restricted(pod: dict, annotations: dict[str, str] | None = None) -> list[str]:
+    """Violations of restricted (baseline's included)."""
+    out = baseline(pod, annotations)
     psc = pod.get("securityContext", {})
     for v in pod.get("volumes", []):
         kinds = set(v) - {"name"}
