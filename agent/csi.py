@@ -6,12 +6,14 @@ Kubernetes' own answer for a node-local socket is a CSI driver serving an *ephem
 inline volume* (the way SPIFFE's CSI driver hands pods the SPIRE Workload API): the pod
 names the driver in its volumes, a kind of volume baseline and restricted both admit,
 and the kubelet asks this plugin, on the node, to publish the volume at the pod's
-target path. The plugin bind-mounts the agent's socket directory there, and serves only
-volumes the pod marks `readOnly: true`, so that the kubelet mounts it read-only into the
-containers: a pod cannot replace the socket and impersonate the agent. The bind itself
-is left read-write, as SPIFFE's driver learnt to (spiffe-csi#42): a read-only bind on
-the host keeps the container runtime from relabelling it on SELinux nodes, and the
-flags of a remount would not reach the kubelet's copy of the mount anyway.
+target path. The plugin bind-mounts the agent's socket directory there. Read-only, so
+that no pod can replace the socket and impersonate the agent, nor make a file in the
+directory (the kubelet makes a missing `subPath` inside a volume, read-only or not):
+the directory is mounted read-only into the plugin's container, and a bind taken from a
+read-only mount is read-only, in the kubelet's copy of it too (the flags of a remount
+after the bind would not reach that copy). The plugin also serves only volumes the pod
+marks `readOnly: true`, which the kubelet mounts read-only into the containers and,
+for CSI volumes, never relabels for SELinux.
 
 Identity is unchanged by it: the rank connects to the same Unix socket, so the kernel
 still names the connecting process (pid in the agent's, the host's, PID namespace, its
@@ -146,8 +148,8 @@ def _servicers(publisher: Publisher, node_id: str, version: str):
             return pb.GetPluginCapabilitiesResponse()  # a node plugin: no controller
 
         def Probe(self, request, context):
-            # Ready once the agent's directory exists: a pod published before it would
-            # get an empty directory, and connect in vain until the agent is up anyway.
+            # Ready while the agent's directory is there to publish: the agent's socket
+            # need not be (a pod published before the agent starts sees it appear).
             return pb.ProbeResponse(ready={"value": os.path.isdir(publisher.socket_dir)})
 
     class Node(rpc.NodeServicer):
@@ -223,6 +225,11 @@ def serve(endpoint: str, socket_dir: str, node_id: str, version: str):
     import grpc
 
     path = parse_endpoint(endpoint)
+    with contextlib.suppress(FileNotFoundError):  # missing: Probe says so, publishes fail
+        if not os.statvfs(socket_dir).f_flag & os.ST_RDONLY:
+            raise ValueError(f"--socket-dir {socket_dir} is mounted read-write here; mount it "
+                             "read-only (readOnly: true): binds taken from it would let pods "
+                             "make files in the agent's directory")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # a stale socket of a plugin that died: the kubelet redials
@@ -242,9 +249,10 @@ def serve(endpoint: str, socket_dir: str, node_id: str, version: str):
 
 
 def serve_health(listen: str, publisher_dir: str, endpoint: str) -> ThreadingHTTPServer:
-    """/healthz for the kubelet's probes: 200 while the gRPC socket and the agent's
-    directory are there, 503 otherwise (a deleted socket leaves the kubelet unable to
-    publish: restarting the plugin makes it again)."""
+    """/healthz for the kubelet's probes: 200 while the plugin's gRPC socket and the
+    agent's directory are there, 503 otherwise (a deleted socket leaves the kubelet
+    unable to reach the plugin: restarting it makes the socket again). Whether the
+    agent is up is the agent's own probe's business: a publish does not need it."""
     host, _, port = listen.rpartition(":")
     grpc_socket = parse_endpoint(endpoint)
 

@@ -16,7 +16,7 @@ from tests.support import podsecurity
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "kubernetes"
-VERSIONS = ("1.29.0", "1.33.0")
+VERSIONS = ("1.30.0", "1.33.0")  # 1.30: ValidatingAdmissionPolicy v1 (base/csi.yaml)
 
 # prometheus-operator's monitoring.coreos.com/v1 fields (pkg/apis/monitoring/v1), the
 # subset a strict check needs: anything else in these objects is a typo or misplaced.
@@ -74,20 +74,12 @@ def _check_operator_object(obj: dict) -> None:
         raise AssertionError(f"unexpected custom resource {kind}")
 
 
-# Kinds that came later than the oldest version validated: (apiVersion, kind) -> since.
-SINCE = {("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"): (1, 30),
-         ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"): (1, 30)}
-
-
 def _validate_all(objects: list[dict]) -> None:
     for obj in objects:
         if obj["apiVersion"].startswith("monitoring.coreos.com/"):
             _check_operator_object(obj)
             continue
-        since = SINCE.get((obj["apiVersion"], obj["kind"]), (0, 0))
         for version in VERSIONS:
-            if tuple(map(int, version.split(".")[:2])) < since:
-                continue
             try:
                 kv.validate(obj, version, strict=True)
             except kv.ValidationError as err:
@@ -96,7 +88,7 @@ def _validate_all(objects: list[dict]) -> None:
                                      f"{'.'.join(map(str, err.path))}") from None
 
 
-def test_base_validates_strictly_on_1_29_and_1_33():
+def test_base_validates_strictly_on_1_30_and_1_33():
     objects = _base_objects()
     assert {o["kind"] for o in objects} >= {
         "Namespace", "ServiceAccount", "DaemonSet", "PodMonitor", "PrometheusRule",
@@ -330,6 +322,9 @@ def test_the_csi_plugin_publishes_the_agents_socket_directory():
     (driver,) = [o for o in objects if o["kind"] == "CSIDriver"]
     assert driver["spec"]["volumeLifecycleModes"] == ["Ephemeral"]
     assert driver["spec"]["attachRequired"] is False
+    # without it the kubelet does not say a volume is ephemeral, and the plugin, which
+    # serves inline volumes only, would refuse every publish
+    assert driver["spec"]["podInfoOnMount"] is True
     sets = {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objects
             if o["kind"] == "DaemonSet"}
     agent, plugin = sets["clusterpulse-agent"], sets["clusterpulse-csi"]
@@ -360,7 +355,12 @@ def test_the_csi_plugin_publishes_the_agents_socket_directory():
     assert flag(registrar, "--csi-address") == endpoint
     assert driver["metadata"]["name"] in flag(registrar, "--kubelet-registration-path")
     pods = next(m for m in csi["volumeMounts"] if m.get("mountPropagation") == "Bidirectional")
-    assert host_path(plugin, csi, pods["mountPath"]) == "/var/lib/kubelet/pods"
+    # the kubelet's target paths are host paths: the plugin sees them at the same place
+    assert host_path(plugin, csi, pods["mountPath"]) == pods["mountPath"] == \
+        "/var/lib/kubelet/pods"
+    # binds taken from a read-only mount are read-only for the kubelet and the pods too
+    (source,) = [m for m in csi["volumeMounts"] if m["mountPath"] == flag(csi, "--socket-dir")]
+    assert source["readOnly"] is True
 
 
 def _selects(selector: dict, labels: dict[str, str]) -> bool:

@@ -70,16 +70,24 @@ def in_ns(pid: int, *cmd: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=30)
 
 
-def start_plugin(base: Path, node_pid: int, log, socket_dir: str,
-                 *extra: str) -> tuple[subprocess.Popen, str]:
+def start_plugin(base: Path, node_pid: int, log, socket_dir: str, *extra: str,
+                 as_deployed: bool = True) -> tuple[subprocess.Popen, str]:
     """The plugin in a mount namespace of its own, child of the node's: its mounts
-    under the shared pod directory reach the node's (Bidirectional propagation)."""
+    under the shared pod directory reach the node's (Bidirectional propagation).
+    `as_deployed`: the agent's directory mounted read-only in its namespace, as its
+    DaemonSet's hostPath volume (readOnly: true) is; else `socket_dir` as it is."""
     endpoint = f"unix://{base}/plugin/csi.sock"
+    view = base / "plugin-view"  # /run/clusterpulse in the plugin's container
+    view.mkdir(exist_ok=True)
+    container = ['mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" || exit 1; '
+                 'shift 2; exec "$@"', "csi", socket_dir, str(view)] if as_deployed else \
+        ['exec "$@"', "csi"]
     p = subprocess.Popen(
         ["nsenter", "--target", str(node_pid), "--mount", "--",
-         "unshare", "--mount", "--propagation", "unchanged", sys.executable, "-m",
-         "clusterpulse.agent.csi", "--endpoint", endpoint, "--node-id", "k8s-a",
-         "--socket-dir", socket_dir, *extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+         "unshare", "--mount", "--propagation", "unchanged", "sh", "-c", *container,
+         sys.executable, "-m", "clusterpulse.agent.csi", "--endpoint", endpoint,
+         "--node-id", "k8s-a", "--socket-dir", str(view) if as_deployed else socket_dir,
+         *extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     wait_until(lambda: p.poll() is not None or (base / "plugin" / "csi.sock").exists(), 30,
                "the plugin's socket")
     assert p.poll() is None, (base / "plugin.log").read_text()
@@ -145,19 +153,23 @@ def test_a_pod_without_host_path_sends_telemetry_is_verified_and_restarted(node,
         plugin.NodePublishVolume(publish_request(str(target)), timeout=10)
         plugin.NodePublishVolume(publish_request(str(target)), timeout=10)  # a retry: no-op
         assert not os.path.ismount(target)  # nothing leaked into this mount namespace
-        # The kubelet (the node's namespace) sees it, and read-write there: a read-only
-        # bind on the host could not be relabelled on SELinux nodes (spiffe-csi#42).
+        # The kubelet (the node's namespace) sees it, read-only there too: nothing, not
+        # the kubelet making a pod's missing subPath, makes a file in the agent's
+        # directory (the agent would refuse to start beside a directory at its path).
         seen = mount_options(node_pid, target)
-        assert seen is not None and "rw" in seen, seen
+        assert seen is not None and "ro" in seen, seen
+        made = in_ns(node_pid, "mkdir", f"{target}/telemetry.sock")
+        assert made.returncode != 0 and "Read-only" in made.stderr, made
 
-        # The pod: the volume mounted read-only where the rank looks, its own network and
-        # PID namespaces (not its init: the trainer runs under torchrun there), uid 65534.
+        # The pod: the volume bound where the rank looks, as a runtime does (no read-only
+        # flag of its own here: what is read-only comes from the plugin), its own network
+        # and PID namespaces (not its init: the trainer runs under torchrun), uid 65534.
         inside = base / "pod-root" / "run" / "clusterpulse"
         inside.mkdir(parents=True)
         for d in (inside, *list(inside.parents)[:2]):
             os.chmod(d, 0o755)
-        runtime = ('mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" || exit 1; '
-                   'shift 2; exec 3<&0; "$@" <&3 & wait $!')
+        runtime = ('mount --bind "$1" "$2" || exit 1; shift 2; exec 3<&0; "$@" <&3 & '
+                   'wait $!')
         pod = ["nsenter", "--target", str(node_pid), "--mount", "--",
                "unshare", "--mount", "--net", "--pid", "--fork", "--kill-child", "--",
                "sh", "-c", runtime, "pod", str(target), str(inside),
@@ -227,7 +239,8 @@ def test_a_publish_that_fails_leaves_nothing_behind(node):
     """The agent's directory gone (an agent never started on the node): the bind fails,
     the kubelet is told why, and the mount point the plugin made is removed again."""
     base, node_pid, log = node
-    proc, endpoint = start_plugin(base, node_pid, log, str(base / "no-agent-here"))
+    proc, endpoint = start_plugin(base, node_pid, log, str(base / "no-agent-here"),
+                                  as_deployed=False)
     try:
         plugin = rpc.NodeStub(grpc.insecure_channel(endpoint))
         assert not rpc.IdentityStub(grpc.insecure_channel(endpoint)).Probe(
@@ -251,8 +264,15 @@ def test_the_command_says_what_it_needs():
                          text=True, timeout=60, env={**os.environ, "NODE_NAME": ""})
     assert bad.returncode == 2 and "--endpoint must be unix:///PATH" in bad.stderr, bad
     assert "Traceback" not in bad.stderr
+    # the agent's directory mounted read-write: binds from it would be writable by pods
+    rw = subprocess.run([sys.executable, "-m", "clusterpulse.agent.csi", "--node-id", "n",
+                         "--endpoint", "unix:///tmp/cp-csi-never/csi.sock", "--socket-dir",
+                         "/tmp"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert rw.returncode == 2 and "mounted read-write here" in rw.stderr, rw
+    assert not os.path.exists("/tmp/cp-csi-never")  # refused before anything was made
     # a socket path too long for AF_UNIX: grpc cannot bind it (it raised, a traceback)
     long = subprocess.run([sys.executable, "-m", "clusterpulse.agent.csi", "--node-id", "n",
+                           "--socket-dir", "/nonexistent/agent-dir",
                            "--endpoint", f"unix:///tmp/{'x' * 120}/csi.sock"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert long.returncode == 2 and "cannot listen on" in long.stderr, long
