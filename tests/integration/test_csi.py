@@ -8,12 +8,13 @@ the kubelet does (the one stand-in: no kubelet runs here).
 
 The mounts are laid out as on a node: a "node" mount namespace whose pod directory is
 a shared mount (the kubelet's view); the plugin in a mount namespace of its own that
-shares it (Bidirectional propagation, as the DaemonSet's); and a "pod" that bind-mounts
-the published target read-only at /run/clusterpulse in a mount namespace of its own, as
-a container runtime does for a `readOnly: true` volume, in its own network and PID
-namespaces, as another uid. The agent names that pod's rank by the kernel's word (its
-host pid and uid) and a hard restart reaches it. Nothing outlives the test: the node
-namespace goes with its last process. Mounts need root.
+shares it (Bidirectional propagation, as the DaemonSet's), the agent's directory
+mounted read-only in it (its DaemonSet's volume); and a "pod" that bind-mounts the
+published target at /run/clusterpulse in a mount namespace of its own, as a container
+runtime does, in its own network and PID namespaces, as another uid. The agent names
+that pod's rank by the kernel's word (its host pid and uid) and a hard restart reaches
+it. Nothing outlives the test: the node namespace goes with its last process. Mounts
+need root.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ def node():
 
 
 def in_ns(pid: int, *cmd: str) -> subprocess.CompletedProcess:
-    """`cmd` in the mount namespace of process `pid`."""
-    return subprocess.run(["nsenter", "--target", str(pid), "--mount", "--", *cmd],
-                          capture_output=True, text=True, timeout=30)
+    """`cmd` in the mount namespace of process `pid` (and its root and working
+    directory: entering a mount namespace resets both to the namespace's, which is not
+    a chrooted test run's root)."""
+    return subprocess.run(["nsenter", "--target", str(pid), "--mount", "--root", "--wd", "--",
+                           *cmd], capture_output=True, text=True, timeout=30)
 
 
 def start_plugin(base: Path, node_pid: int, log, socket_dir: str, *extra: str,
@@ -83,7 +86,7 @@ def start_plugin(base: Path, node_pid: int, log, socket_dir: str, *extra: str,
                  'shift 2; exec "$@"', "csi", socket_dir, str(view)] if as_deployed else \
         ['exec "$@"', "csi"]
     p = subprocess.Popen(
-        ["nsenter", "--target", str(node_pid), "--mount", "--",
+        ["nsenter", "--target", str(node_pid), "--mount", "--root", "--wd", "--",
          "unshare", "--mount", "--propagation", "unchanged", "sh", "-c", *container,
          sys.executable, "-m", "clusterpulse.agent.csi", "--endpoint", endpoint,
          "--node-id", "k8s-a", "--socket-dir", str(view) if as_deployed else socket_dir,
@@ -170,7 +173,7 @@ def test_a_pod_without_host_path_sends_telemetry_is_verified_and_restarted(node,
             os.chmod(d, 0o755)
         runtime = ('mount --bind "$1" "$2" || exit 1; shift 2; exec 3<&0; "$@" <&3 & '
                    'wait $!')
-        pod = ["nsenter", "--target", str(node_pid), "--mount", "--",
+        pod = ["nsenter", "--target", str(node_pid), "--mount", "--root", "--wd", "--",
                "unshare", "--mount", "--net", "--pid", "--fork", "--kill-child", "--",
                "sh", "-c", runtime, "pod", str(target), str(inside),
                "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
