@@ -94,11 +94,15 @@ COLLECTIVES = {"", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "b
                "all_to_all", "send_recv"}
 # What a rank is doing right now, from its heartbeat thread: a section name
 # ("data", "forward_backward", "optimizer", "checkpoint"), "sync" (waiting for peers
-# in an instrumented collective), "between" (outside a step) or "start".
-PHASES = {"start", "data", "forward_backward", "optimizer", "checkpoint", "sync", "between"}
+# in an instrumented collective), "between" (outside a step), "evaluate" (the loop's
+# evaluation, announced with Pulse.evaluating()) or "start".
+PHASES = {"start", "data", "forward_backward", "optimizer", "checkpoint", "sync", "between",
+          "evaluate"}
 # Phases with no step-time reference, held to the absolute hang timeout (the rules'
-# clusterpulse:rank_hang_threshold_seconds): starting and loading, saving a checkpoint.
-OWN_TIMEOUT_PHASES = frozenset({"start", "checkpoint"})
+# clusterpulse:rank_hang_threshold_seconds): starting and loading, saving a checkpoint,
+# evaluating (every 1,000 steps for a minute: longer than the steady threshold, and
+# rank 0 alone evaluating while its peers wait was paged as a hang root).
+OWN_TIMEOUT_PHASES = frozenset({"start", "checkpoint", "evaluate"})
 # Phases the agent sets itself, never accepted from a rank: its exit event said it
 # finished (or was preempted) and its growing age is no hang; or it leaves for a
 # checkpoint-restart, and the rules give it the restart gap until its successor reports.

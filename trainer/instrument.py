@@ -95,8 +95,9 @@ EVENT_SEND_WAIT_S = 0.2  # at most this long per event while the agent's queue i
 AGENT_ENV = "CLUSTERPULSE_AGENT"
 DEFAULT_AGENT = protocol.DEFAULT_TELEMETRY
 # Section names are heartbeat phases; the agent drops phases it does not know, so a
-# loop may only use the protocol's own (minus the ones Pulse sets itself).
-SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between"})
+# loop may only use the protocol's own (minus the ones Pulse sets itself; "evaluate"
+# through Pulse.evaluating(), between steps).
+SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between", "evaluate"})
 # Where a rank waits for its peers inside a step (a collective, a device sync); "step"
 # is a step outside any section. Not "data" (input) nor "checkpoint" (its own timeout).
 IN_STEP_PHASES = frozenset({"step", "forward_backward", "optimizer"})
@@ -220,6 +221,23 @@ class _Step:
         collective_timing.state.timer = None  # between steps collectives are counted only
         if kind is None:
             self.pulse._end_step(self.ctx)
+
+
+class _Evaluating:
+    """`with pulse.evaluating():` (see Pulse.evaluating): the phase it found is put back
+    after, whatever the evaluation raised."""
+
+    __slots__ = ("previous", "pulse")
+
+    def __init__(self, pulse: Pulse) -> None:
+        self.pulse, self.previous = pulse, ""
+
+    def __enter__(self) -> None:
+        self.previous = self.pulse.phase
+        self.pulse._enter("evaluate")
+
+    def __exit__(self, *_exc: object) -> None:
+        self.pulse._enter(self.previous)
 
 
 class Pulse:
@@ -603,6 +621,15 @@ class Pulse:
         """`with pulse.step(n) as s:` around one training step (see the module's
         docstring)."""
         return _Step(self, StepContext(self, step))
+
+    def evaluating(self) -> _Evaluating:
+        """`with pulse.evaluating():` around an evaluation between steps. Its time has no
+        step-time reference: it is held to the absolute hang timeout (300 s by default),
+        as a checkpoint save is, not to the steady threshold (max(15 s, 3 x the p99
+        step)), which paged every evaluation longer than that as a hang, and rank 0
+        evaluating alone while its peers wait in the next all-reduce as its root. The
+        cost: a rank that hangs while it evaluates is named after that timeout."""
+        return _Evaluating(self)
 
     def _begin_step(self, ctx: StepContext) -> None:
         fetch, self._fetch_wait = self._fetch_wait, 0.0

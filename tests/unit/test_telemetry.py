@@ -22,7 +22,7 @@ from clusterpulse.agent.ranks import (
     Refused,
 )
 from clusterpulse.trainer.telemetry import AgentLink, rank_gpu_uuids
-from tests.support.procs import wait_until
+from tests.support.procs import REPO, wait_until
 from tests.support.ranksock import RankProcess, connect, exchange
 
 
@@ -207,6 +207,74 @@ def test_entering_a_checkpoint_is_told_at_once_not_at_the_next_heartbeat(tmp_pat
     finally:
         pulse.close()
         rx.close()
+
+
+def test_an_evaluation_is_told_at_once_and_the_phase_it_found_is_put_back(tmp_path,
+                                                                          monkeypatch):
+    """`with pulse.evaluating():` (an evaluation every N steps, often on rank 0 alone
+    while its peers wait in the next all-reduce) is phase evaluate, told at once like a
+    checkpoint save: in phase between it was held to the steady hang threshold and
+    paged as a hang root (deploy/prometheus/tests/alerts_test.yml has the rule's side)."""
+    from clusterpulse.trainer import instrument
+    from clusterpulse.trainer.instrument import Pulse
+
+    monkeypatch.setattr(instrument, "HEARTBEAT_EVERY_S", 3600)  # only what _enter sends
+    path = str(tmp_path / "agent.sock")
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(path)
+    rx.settimeout(10)
+    pulse = Pulse(run="r1", agent=f"unix:{path}", world_size=1, catch_sigterm=False)
+    try:
+        pulse._enter("between")
+        sent = pulse.link.sent
+        with pulse.evaluating():
+            assert pulse.phase == "evaluate" and pulse.link.sent == sent + 1
+        assert pulse.phase == "between"
+        with pytest.raises(RuntimeError), pulse.evaluating():
+            raise RuntimeError("the evaluation failed")
+        assert pulse.phase == "between"  # put back whatever the evaluation raised
+        seen = []
+        while not any(m.get("phase") == "evaluate" for m in seen):
+            seen.append(json.loads(rx.recv(65536)))
+        with pytest.raises(ValueError, match="not one the agent accepts"), \
+                pulse.step(1) as s:
+            s.section("evaluate")  # Pulse's own, between steps
+    finally:
+        pulse.close()
+        rx.close()
+    # The agent's side: the evaluation's time is neither the next step's age nor a step
+    # interval (the p99 the steady threshold is based on).
+    t = [0.0]
+    reg = RankRegistry(clock=lambda: t[0])
+    reg.update(msg(type="event", event="start", phase="start"), None)
+    for step in range(1, 41):
+        t[0] += 1.0
+        reg.update(msg(type="heartbeat", phase="forward_backward"), None)
+        reg.update(msg(step=step), None)
+    r = reg.of_run("r1")[0]
+    reg.update(msg(type="heartbeat", phase="evaluate"), None)
+    t[0] += 60.0  # a one-minute evaluation
+    reg.update(msg(type="heartbeat", phase="between"), None)
+    t[0] += 1.0
+    assert reg.age(r) == 1.0
+    reg.update(msg(step=41), None)
+    assert max(r.step_intervals._ring) == 1.0
+
+
+def test_the_rules_give_the_absolute_timeout_to_the_protocols_own_timeout_phases():
+    """One list in two places: the agent's (protocol.OWN_TIMEOUT_PHASES: no step
+    interval, the age restarted on leaving) and the hang threshold rule's."""
+    import yaml
+
+    rules = yaml.safe_load((REPO / "deploy" / "prometheus" / "clusterpulse.rules.yml")
+                           .read_text())
+    (expr,) = [r["expr"] for g in rules["groups"] for r in g["rules"]
+               if r.get("record") == "clusterpulse:rank_hang_threshold_seconds"]
+    own = re.findall(r'phase=~"([^"]+)"', expr)
+    steady = set(re.findall(r'phase!~"([^"]+)"', expr))
+    assert [set(x.split("|")) for x in own] == [set(protocol.OWN_TIMEOUT_PHASES)], expr
+    assert [set(x.split("|")) for x in steady] == [
+        set(protocol.OWN_TIMEOUT_PHASES) | {protocol.EXITED, protocol.RESTARTING}], expr
 
 
 def test_rank_memory_is_bounded_whatever_arrives():
