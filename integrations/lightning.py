@@ -95,6 +95,7 @@ class ClusterPulseCallback(pl.Callback):
         self.pulse: Pulse | None = None
         self._step = OpenStep()
         self._losses: list[Any] = []  # the open step's micro-batches' losses
+        self._evaluating: Any = None  # Pulse.evaluating() while Lightning validates
 
     def resume_from(self, trainer: pl.Trainer | None = None) -> str | None:
         """The checkpoint to pass as `fit(ckpt_path=...)`, None on a first start; the
@@ -153,6 +154,18 @@ class ClusterPulseCallback(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
         self._close("failed")  # a graceful exit closed it already (close is idempotent)
+
+    # -- validation: phase evaluate, the absolute hang timeout (Pulse.evaluating) --------
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.pulse is None:  # trainer.validate() alone: no fit, no telemetry
+            return
+        self._evaluating = self.pulse.evaluating()
+        self._evaluating.__enter__()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._evaluating is not None:
+            self._evaluating.__exit__(None, None, None)
+            self._evaluating = None
 
     # -- a step ---------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

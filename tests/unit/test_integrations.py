@@ -220,3 +220,47 @@ def test_lightning_never_agrees_or_saves_at_an_epochs_last_batch_or_before_valid
     assert trainer.global_step == 12
     # not 4 or 10 (validation follows), 6 or 12 (each epoch's last)
     assert steps == [1, 2, 3, 5, 7, 8, 9, 11], steps
+
+
+def test_lightning_validation_is_phase_evaluate_and_training_takes_its_phase_back(
+        tmp_path: Path):
+    """A validation longer than the steady hang threshold paged as a hang (rank 0
+    validating while its peers wait is the root): the callback announces it
+    (Pulse.evaluating, the absolute timeout), sanity check included."""
+    import lightning.pytorch as pl
+
+    from clusterpulse.integrations.lightning import ClusterPulseCallback
+
+    seen: list[tuple[str, str]] = []
+    cb = ClusterPulseCallback(run="r", checkpoint=tmp_path / "graceful.ckpt", agent=None)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            assert cb.pulse is not None
+            seen.append(("train", cb.pulse.phase))
+            return self.net(batch).sum()
+
+        def validation_step(self, batch, batch_idx):
+            assert cb.pulse is not None
+            seen.append(("validate", cb.pulse.phase))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = pl.Trainer(callbacks=[cb], logger=False, enable_checkpointing=False,
+                         accelerator="cpu", devices=1, max_steps=6, val_check_interval=3,
+                         limit_val_batches=1, num_sanity_val_steps=1,
+                         enable_progress_bar=False, enable_model_summary=False)
+    try:
+        loader = torch.utils.data.DataLoader(_Batches(), batch_size=2)
+        trainer.fit(Tiny(), loader, torch.utils.data.DataLoader(_Batches(), batch_size=2))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    validating = [phase for what, phase in seen if what == "validate"]
+    assert len(validating) == 3 and set(validating) == {"evaluate"}, seen  # sanity + 2
+    assert "evaluate" not in {phase for what, phase in seen if what == "train"}, seen
