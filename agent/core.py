@@ -220,7 +220,7 @@ class Agent:
             self.commands.left_gracefully(r.run, r.rank, r.sender)
         if msg.get("event") == "leave_refused":
             self.commands.leave_refused(r.run, r.rank, msg["command"], msg["reason"])
-        reply: dict = {"type": "agent", "node": self.node}
+        reply: dict = {"type": "agent", "node": self.node, "phases": protocol.LATER_PHASES}
         if isinstance(self.backend, SimBackend) and 0 <= r.gpu < self.backend.gpu_count:
             reply["slowdown"] = round(self.backend.slowdown(r.gpu), 4)
         pending = self.commands.pending_for(r.run, r.rank, r.restarts, r.sender)

@@ -103,6 +103,11 @@ PHASES = {"start", "data", "forward_backward", "optimizer", "checkpoint", "sync"
 # evaluating (every 1,000 steps for a minute: longer than the steady threshold, and
 # rank 0 alone evaluating while its peers wait was paged as a hang root).
 OWN_TIMEOUT_PHASES = frozenset({"start", "checkpoint", "evaluate"})
+# Phases added after the first release: an older agent drops a heartbeat naming one as
+# malformed (and then the rank's heartbeats during a long evaluation, its liveness), so
+# an agent lists them in its replies ("phases") and a rank sends one only to an agent
+# that did; to another it reports "between", as before.
+LATER_PHASES = ("evaluate",)
 # Phases the agent sets itself, never accepted from a rank: its exit event said it
 # finished (or was preempted) and its growing age is no hang; or it leaves for a
 # checkpoint-restart, and the rules give it the restart gap until its successor reports.

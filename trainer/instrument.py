@@ -224,20 +224,36 @@ class _Step:
 
 
 class _Evaluating:
-    """`with pulse.evaluating():` (see Pulse.evaluating): the phase it found is put back
-    after, whatever the evaluation raised."""
+    """`with pulse.evaluating():` (see Pulse.evaluating). What the loop was doing is
+    put back after, whatever the evaluation raised: the phase, and a wait for input
+    begun before it (a framework validates between a batch's end and the next fetch),
+    which resumes without the evaluation's time; what the evaluation's own loader
+    waited is no training step's data wait."""
 
-    __slots__ = ("previous", "pulse")
+    __slots__ = ("fetch", "input_since", "previous", "pulse", "t0", "timer")
 
     def __init__(self, pulse: Pulse) -> None:
         self.pulse, self.previous = pulse, ""
+        self.input_since: float | None = None
+        self.fetch, self.timer, self.t0 = (0.0, 0.0), None, 0.0
 
     def __enter__(self) -> None:
-        self.previous = self.pulse.phase
-        self.pulse._enter("evaluate")
+        p = self.pulse
+        self.previous, self.input_since = p.phase, p._input_since
+        self.fetch, self.timer = (p._fetch_wait, p._fetch_sync), collective_timing.state.timer
+        p._input_since, collective_timing.state.timer = None, None
+        self.t0 = time.perf_counter()
+        p._evaluations += 1
+        p._enter("evaluate")
 
     def __exit__(self, *_exc: object) -> None:
-        self.pulse._enter(self.previous)
+        p = self.pulse
+        p._evaluations -= 1
+        p._fetch_wait, p._fetch_sync = self.fetch
+        if self.input_since is not None:
+            p._input_since = self.input_since + time.perf_counter() - self.t0
+        collective_timing.state.timer = self.timer
+        p._enter(self.previous)
 
 
 class Pulse:
@@ -299,6 +315,9 @@ class Pulse:
         self._probes: list[tuple[Any, Any]] = []
         self._fetch_wait = 0.0
         self._fetch_sync = 0.0  # in collectives while awaiting input: waits for peers
+        self._evaluations = 0  # open `evaluating()` blocks: between steps is "evaluate"
+        # the later phases (protocol.LATER_PHASES) the agent's replies say it knows
+        self._agent_phases: frozenset[str] = frozenset()
         self._input_since: float | None = None  # awaiting_input() began, not yet arrived
         self._loss_buffers: list[torch.Tensor] = []  # pinned, free for a loss copy (CUDA)
         self._resolved = 0  # steps resolved: replies are read every consensus interval
@@ -760,6 +779,8 @@ class Pulse:
                 self._read_replies()
 
     def _enter(self, phase: str) -> None:
+        if self._evaluations and phase in ("between", "data"):
+            phase = "evaluate"  # the evaluation's own loader or steps: still evaluating
         entering = phase != self.phase and phase in protocol.OWN_TIMEOUT_PHASES
         self.phase, self._phase_since = phase, time.monotonic()
         if entering and not self._closed.is_set():
@@ -770,9 +791,11 @@ class Pulse:
 
     def _send_heartbeat(self, wait_s: float = 0.0) -> None:
         phase, since = self.phase, self._phase_since
+        told = "forward_backward" if phase == "step" else phase
+        if told in protocol.LATER_PHASES and told not in self._agent_phases:
+            told = "between"  # an older agent would drop the heartbeat as malformed
         self.link.send(self._with_acks({
-            "type": "heartbeat", **self.identity, "step": self._step,
-            "phase": "forward_backward" if phase == "step" else phase,
+            "type": "heartbeat", **self.identity, "step": self._step, "phase": told,
             "phase_seconds": round(time.monotonic() - since, 3),
             **self.collectives.fields(), **dict(self.extra)}), wait_s=wait_s)
 
@@ -843,6 +866,9 @@ class Pulse:
 
     def _read_replies(self) -> None:
         for reply in self.link.poll():
+            phases = reply.get("phases")
+            if isinstance(phases, list):
+                self._agent_phases = frozenset(p for p in phases if isinstance(p, str))
             if isinstance(reply.get("slowdown"), int | float):
                 self.slowdown = max(1.0, min(float(reply["slowdown"]), 20.0))
             for cmd in reply.get("commands", []) or []:

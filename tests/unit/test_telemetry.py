@@ -210,38 +210,71 @@ def test_entering_a_checkpoint_is_told_at_once_not_at_the_next_heartbeat(tmp_pat
 
 
 def test_an_evaluation_is_told_at_once_and_the_phase_it_found_is_put_back(tmp_path,
-                                                                          monkeypatch):
+                                                                          monkeypatch,
+                                                                          sim_agent):
     """`with pulse.evaluating():` (an evaluation every N steps, often on rank 0 alone
     while its peers wait in the next all-reduce) is phase evaluate, told at once like a
     checkpoint save: in phase between it was held to the steady hang threshold and
-    paged as a hang root (deploy/prometheus/tests/alerts_test.yml has the rule's side)."""
+    paged as a hang root (deploy/prometheus/tests/alerts_test.yml has the rule's side).
+    The agent (real, in process) lists the phase in its replies; to an agent that does
+    not (an older one would drop the heartbeat as malformed) the rank says between."""
     from clusterpulse.trainer import instrument
     from clusterpulse.trainer.instrument import Pulse
 
     monkeypatch.setattr(instrument, "HEARTBEAT_EVERY_S", 3600)  # only what _enter sends
-    path = str(tmp_path / "agent.sock")
-    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    rx.bind(path)
-    rx.settimeout(10)
-    pulse = Pulse(run="r1", agent=f"unix:{path}", world_size=1, catch_sigterm=False)
+    pulse = Pulse(run="ev1", agent=sim_agent.telemetry, world_size=1, catch_sigterm=False)
     try:
-        pulse._enter("between")
+        with pulse.step(1) as s:  # the step's message gets the agent's reply
+            s.loss = 1.0
+        wait_until(lambda: (pulse._read_replies(), "evaluate" in pulse._agent_phases)[1],
+                   10, "the agent's reply listing phase evaluate")
+        (rank,) = sim_agent.agent.ranks.of_run("ev1")
         sent = pulse.link.sent
         with pulse.evaluating():
-            assert pulse.phase == "evaluate" and pulse.link.sent == sent + 1
+            assert pulse.phase == "evaluate" and pulse.link.sent == sent + 1  # at once
+            wait_until(lambda: rank.phase == "evaluate", 10, "the agent sees evaluate")
         assert pulse.phase == "between"
         with pytest.raises(RuntimeError), pulse.evaluating():
             raise RuntimeError("the evaluation failed")
         assert pulse.phase == "between"  # put back whatever the evaluation raised
-        seen = []
-        while not any(m.get("phase") == "evaluate" for m in seen):
-            seen.append(json.loads(rx.recv(65536)))
         with pytest.raises(ValueError, match="not one the agent accepts"), \
-                pulse.step(1) as s:
+                pulse.step(2) as s:
             s.section("evaluate")  # Pulse's own, between steps
     finally:
         pulse.close()
+    path = str(tmp_path / "agent.sock")  # an agent that never replies: an older one
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(path)
+    rx.settimeout(10)
+    old = Pulse(run="r1", agent=f"unix:{path}", world_size=1, catch_sigterm=False)
+    try:
+        with old.evaluating():
+            assert old.phase == "evaluate"
+            old._send_heartbeat()
+        told: list[dict] = []
+        while len([m for m in told if m["type"] == "heartbeat"]) < 2:
+            told.append(json.loads(rx.recv(65536)))  # the start event first
+        assert [m["phase"] for m in told if m["type"] == "heartbeat"] == ["between"] * 2, told
+    finally:
+        old.close()
         rx.close()
+    # A review: what the loop was doing is put back whole. A wait for input begun before
+    # (a framework validates between a batch's end and the next fetch) resumes without
+    # the evaluation's time, which was the next step's data wait (its cause
+    # data_loading); and the evaluation's own loader keeps the phase evaluate (pulse.data
+    # left it in between, held to the steady threshold again) and is no data wait.
+    with Pulse(run="r1", agent="none", world_size=1, catch_sigterm=False) as quiet:
+        quiet.awaiting_input()
+        with quiet.evaluating():
+            for _ in quiet.data(range(3)):
+                assert quiet.phase == "evaluate"
+                time.sleep(0.05)
+            assert quiet.phase == "evaluate"
+            time.sleep(0.3)
+        assert quiet.phase == "data"
+        time.sleep(0.02)
+        quiet.input_arrived()
+        assert 0.02 <= quiet._fetch_wait < 0.15, quiet._fetch_wait  # not the 0.45 s
     # The agent's side: the evaluation's time is neither the next step's age nor a step
     # interval (the p99 the steady threshold is based on).
     t = [0.0]
