@@ -144,25 +144,33 @@ class ClusterPulseCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pulse = self._pulse()
+        self._validated()  # the sanity check's
         if isinstance(trainer.strategy.model, DistributedDataParallel):
             pulse.attach_ddp(trainer.strategy.model)
         pulse.awaiting_input()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validated()
         self._close("finished")
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
+        self._validated()
         self._close("failed")  # a graceful exit closed it already (close is idempotent)
 
     # -- validation: phase evaluate, the absolute hang timeout (Pulse.evaluating) --------
+    # Open from validation's start to the next training batch (or the fit's end): the
+    # best-model save of a ModelCheckpoint, which Lightning runs after every other
+    # callback's on_validation_end, belongs to it; closed at on_validation_end it was
+    # charged as the next step's data wait, held to the steady hang threshold. The cost:
+    # the fetch of the batch after a validation is no data wait either.
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.pulse is None:  # trainer.validate() alone: no fit, no telemetry
+        if self.pulse is None or self._evaluating is not None:  # validate() alone: no fit
             return
         self._evaluating = self.pulse.evaluating()
         self._evaluating.__enter__()
 
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _validated(self) -> None:
         if self._evaluating is not None:
             self._evaluating.__exit__(None, None, None)
             self._evaluating = None
@@ -171,6 +179,7 @@ class ClusterPulseCallback(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         pulse = self._pulse()
+        self._validated()  # a validation (and its best-model save) ended before this batch
         if self._step.ctx is None:  # an optimizer step's first micro-batch
             pulse.input_arrived()
             self._step.begin(pulse, trainer.global_step + 1, batch_size(batch))

@@ -239,19 +239,25 @@ class _Evaluating:
 
     def __enter__(self) -> None:
         p = self.pulse
+        # whether the agent knows the phase: its replies say (read now, not at the next
+        # consensus step: a first evaluation, a sanity check, comes before any)
+        p._read_replies()
         self.previous, self.input_since = p.phase, p._input_since
+        # the data wait pending for the next training step is set aside: a step run
+        # inside the evaluation takes only its own, and what the evaluation waited is none
         self.fetch, self.timer = (p._fetch_wait, p._fetch_sync), collective_timing.state.timer
+        p._fetch_wait = p._fetch_sync = 0.0
         p._input_since, collective_timing.state.timer = None, None
         self.t0 = time.perf_counter()
-        p._evaluations += 1
         p._enter("evaluate")
+        p._evaluations += 1  # last: nothing above left it counted if it raised
 
     def __exit__(self, *_exc: object) -> None:
         p = self.pulse
         p._evaluations -= 1
         p._fetch_wait, p._fetch_sync = self.fetch
-        if self.input_since is not None:
-            p._input_since = self.input_since + time.perf_counter() - self.t0
+        p._input_since = None if self.input_since is None else \
+            self.input_since + time.perf_counter() - self.t0
         collective_timing.state.timer = self.timer
         p._enter(self.previous)
 
@@ -866,9 +872,9 @@ class Pulse:
 
     def _read_replies(self) -> None:
         for reply in self.link.poll():
-            phases = reply.get("phases")
-            if isinstance(phases, list):
-                self._agent_phases = frozenset(p for p in phases if isinstance(p, str))
+            phases = reply.get("phases")  # every reply of a current agent lists them
+            self._agent_phases = frozenset(p for p in phases if isinstance(p, str)) \
+                if isinstance(phases, list) else frozenset()
             if isinstance(reply.get("slowdown"), int | float):
                 self.slowdown = max(1.0, min(float(reply["slowdown"]), 20.0))
             for cmd in reply.get("commands", []) or []:

@@ -226,8 +226,11 @@ def test_lightning_validation_is_phase_evaluate_and_training_takes_its_phase_bac
         tmp_path: Path):
     """A validation longer than the steady hang threshold paged as a hang (rank 0
     validating while its peers wait is the root): the callback announces it
-    (Pulse.evaluating, the absolute timeout), sanity check included."""
+    (Pulse.evaluating, the absolute timeout), sanity check included, and the best-model
+    save a ModelCheckpoint makes after it (Lightning runs that callback last: closed at
+    on_validation_end, the save was the next step's data wait)."""
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from clusterpulse.integrations.lightning import ClusterPulseCallback
 
@@ -247,11 +250,17 @@ def test_lightning_validation_is_phase_evaluate_and_training_takes_its_phase_bac
         def validation_step(self, batch, batch_idx):
             assert cb.pulse is not None
             seen.append(("validate", cb.pulse.phase))
+            self.log("val", self.net(batch).sum())
+
+        def on_save_checkpoint(self, checkpoint):
+            assert cb.pulse is not None
+            seen.append(("save", cb.pulse.phase))
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    trainer = pl.Trainer(callbacks=[cb], logger=False, enable_checkpointing=False,
+    best = ModelCheckpoint(dirpath=tmp_path / "best", monitor="val", save_top_k=1)
+    trainer = pl.Trainer(callbacks=[cb, best], logger=False,
                          accelerator="cpu", devices=1, max_steps=6, val_check_interval=3,
                          limit_val_batches=1, num_sanity_val_steps=1,
                          enable_progress_bar=False, enable_model_summary=False)
@@ -264,3 +273,5 @@ def test_lightning_validation_is_phase_evaluate_and_training_takes_its_phase_bac
     validating = [phase for what, phase in seen if what == "validate"]
     assert len(validating) == 3 and set(validating) == {"evaluate"}, seen  # sanity + 2
     assert "evaluate" not in {phase for what, phase in seen if what == "train"}, seen
+    saves = [phase for what, phase in seen if what == "save"]
+    assert saves and set(saves) == {"evaluate"}, seen

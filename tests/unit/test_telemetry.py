@@ -209,6 +209,11 @@ def test_entering_a_checkpoint_is_told_at_once_not_at_the_next_heartbeat(tmp_pat
         rx.close()
 
 
+def _failing_loader():
+    yield 1
+    raise OSError("the evaluation's storage went away")
+
+
 def test_an_evaluation_is_told_at_once_and_the_phase_it_found_is_put_back(tmp_path,
                                                                           monkeypatch,
                                                                           sim_agent):
@@ -224,16 +229,18 @@ def test_an_evaluation_is_told_at_once_and_the_phase_it_found_is_put_back(tmp_pa
     monkeypatch.setattr(instrument, "HEARTBEAT_EVERY_S", 3600)  # only what _enter sends
     pulse = Pulse(run="ev1", agent=sim_agent.telemetry, world_size=1, catch_sigterm=False)
     try:
-        with pulse.step(1) as s:  # the step's message gets the agent's reply
-            s.loss = 1.0
-        wait_until(lambda: (pulse._read_replies(), "evaluate" in pulse._agent_phases)[1],
-                   10, "the agent's reply listing phase evaluate")
-        (rank,) = sim_agent.agent.ranks.of_run("ev1")
+        # A first evaluation, before any step (a sanity check): the start event's reply
+        # is read as the evaluation begins (a review: replies were read every 5 steps
+        # only, and a first evaluation was reported as between).
+        (rank,) = wait_until(lambda: sim_agent.agent.ranks.of_run("ev1"), 10, "the rank")
+        time.sleep(0.3)  # the agent replies as it takes the message in
         sent = pulse.link.sent
         with pulse.evaluating():
             assert pulse.phase == "evaluate" and pulse.link.sent == sent + 1  # at once
             wait_until(lambda: rank.phase == "evaluate", 10, "the agent sees evaluate")
-        assert pulse.phase == "between"
+        assert pulse.phase == "start"  # what it found: no step yet
+        with pulse.step(1) as s:
+            s.loss = 1.0
         with pytest.raises(RuntimeError), pulse.evaluating():
             raise RuntimeError("the evaluation failed")
         assert pulse.phase == "between"  # put back whatever the evaluation raised
@@ -264,6 +271,25 @@ def test_an_evaluation_is_told_at_once_and_the_phase_it_found_is_put_back(tmp_pa
     # data_loading); and the evaluation's own loader keeps the phase evaluate (pulse.data
     # left it in between, held to the steady threshold again) and is no data wait.
     with Pulse(run="r1", agent="none", world_size=1, catch_sigterm=False) as quiet:
+        # a step inside an evaluation takes only its own data wait; what was pending for
+        # the next training step stays pending, once (a review: it was counted twice)
+        quiet.awaiting_input()
+        time.sleep(0.1)
+        quiet.input_arrived()
+        with quiet.evaluating(), quiet.step(1) as inside:
+            pass
+        assert "data" not in inside.sections and 0.1 <= quiet._fetch_wait < 0.2
+        quiet._fetch_wait = 0.0
+        # a loader that fails inside the evaluation leaves no wait running
+        with pytest.raises(OSError), quiet.evaluating():
+            for _ in quiet.data(_failing_loader()):
+                pass
+        assert quiet._input_since is None
+        # a reply without the phases (an older agent after a rollback) forgets them
+        quiet._agent_phases = frozenset({"evaluate"})
+        monkeypatch.setattr(quiet.link, "poll", lambda: [{"type": "agent", "node": "n"}])
+        quiet._read_replies()
+        assert quiet._agent_phases == frozenset()
         quiet.awaiting_input()
         with quiet.evaluating():
             for _ in quiet.data(range(3)):
