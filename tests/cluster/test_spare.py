@@ -92,8 +92,20 @@ def restarts_accepted(cl: TestbedCluster) -> list[dict]:
 
 
 def action(cl: TestbedCluster, name: str, **body) -> dict:
+    """A checkpoint-restart through the node's agent, once the agent knows the node's
+    rank processes: in a round still starting they run but have not reported, and the
+    agent refused the action, knowing no live rank of the run (a fresh machine's run)."""
     node = next(n for n in cl.bed.nodes if n.name == name)
-    return cl._call(f"{cl.agent_url(node)}/v1/runs/{RUN}/actions",
+    url = cl.agent_url(node)
+
+    def known() -> bool:
+        pids = set(cl.rank_pids(node, RUN))
+        listed = {r["pid"] for r in cl._call(f"{url}/v1/ranks", None)["ranks"]
+                  if r["run"] == RUN}
+        return bool(pids) and pids <= listed
+
+    wait_until(known, 120, f"{name}'s agent knows its rank processes")
+    return cl._call(f"{url}/v1/runs/{RUN}/actions",
                     {"action": "checkpoint-restart", "reason": "test", **body})
 
 
