@@ -54,7 +54,10 @@ Three gaps that per-step scoring left (issue #27), closed here:
 - **Stable evidence.** A flag turns on after `confirm` consecutive evaluations (counted
   in steps, not seconds: one evaluation of a job with 30 s steps is 150 s) and off only
   after `release` evaluations without even half the evidence (all of it for the long
-  cost window, which is slow by itself): one incident, one flag. Evidence from `m`
+  cost window, which is slow by itself, or of that window with nothing dropped: the
+  drops keep a blip from raising a flag, but a burst of 3x for 10 of every 100 steps
+  left ~1.1x after them, at the limit, and its flag turned on again at most bursts):
+  one incident, one flag. Evidence from `m`
   (the self and gross tests) counts towards turning a flag on only if the newest
   `every` steps and the rest of the window each carry at least half of it (its halves
   if `every` > window / 2): otherwise the 10-step window, which spans two evaluations,
@@ -321,21 +324,22 @@ class StragglerScorer:
                 out = self._evaluate()
         return out
 
-    def _cost_score(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _cost_score(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """log of the mean per-step time relative to peers over the cost window and over
         its newest `cost_fast` steps, capped and dropped as configured, and the long one
-        also without its second worst 5 consecutive steps; NaN until `cost_fast` steps
+        also without its second worst 5 consecutive steps, and with nothing dropped (it
+        only holds a flag); NaN until `cost_fast` steps
         are in (the long window is partial up to `cost_window`: a straggler from step 1
         is judged after `cost_fast` steps)."""
         c = self.config
         if len(self._ratios) < c.cost_fast:
             nan = np.full(self.ranks, np.nan)
-            return nan, nan, nan
+            return nan, nan, nan, nan
         r = np.stack(self._ratios)
         fast = np.minimum(r[-c.cost_fast:], c.cost_fast_cap)
         cost, cost_less2 = self._trimmed_means(r, c.cost_drop, runs=2)
         (fast_cost,) = self._trimmed_means(fast, c.cost_drop, single=c.cost_fast_drop)
-        return cost, fast_cost, cost_less2
+        return cost, fast_cost, cost_less2, np.log(r.mean(axis=0))
 
     def _prior_cost(self, cost: np.ndarray) -> np.ndarray:
         """The long cost of the window before the current one (the newest evaluation at
@@ -397,7 +401,7 @@ class StragglerScorer:
         dev = window - level
         spread = np.median(np.abs(dev)) * 1.4826 + 1e-6  # pooled over ranks and steps
         m = level + np.clip(dev, -4 * spread, 4 * spread).mean(axis=0)
-        cost, fast, cost_less2 = self._cost_score()
+        cost, fast, cost_less2, whole = self._cost_score()
         full = bool(np.isfinite(cost[0]))
         prior = self._prior_cost(cost)
         gross = math.log(c.gross_threshold)
@@ -410,7 +414,9 @@ class StragglerScorer:
             peer_out = np.zeros(self.ranks, dtype=bool)
             # A flag is held on half the evidence of the fast window but on all of the
             # long one's: held on half, a straggler's 100 slow steps kept it on ~100 steps
-            # after it recovered, and a relapse 90 steps later was no new incident.
+            # after it recovered, and a relapse 90 steps later was no new incident. The
+            # long window also holds with nothing dropped (`whole`): a short burst every
+            # 100 steps is at the limit once its worst steps are dropped.
             for x, keep in ((cost, 1.0), (fast, 0.5)):
                 med, sd = _group_stats(x, self._groups)
                 p_lim = np.maximum(math.log(c.peer_outlier),
@@ -422,6 +428,8 @@ class StragglerScorer:
                     out &= (prior - p_med > p_lim / 2) | (cost_less2 - s_med > p_lim)
                 peer_out |= out
                 hold |= x - med > keep * p_lim
+                if x is cost:
+                    hold |= whole - med > p_lim
             self._peer_on = np.where(peer_out, self._peer_on + 1, 0)
             on |= self._peer_on >= c.peer_confirm
         warm = self.steps < c.warmup_steps or self._short.base is None
@@ -456,6 +464,8 @@ class StragglerScorer:
                             | (cost_less2 - self._cost.base > lim_c)
                     on |= evidence
                     hold |= dc > keep * lim_c
+                    if x is cost:
+                        hold |= whole - self._cost.base > lim_c
                     calm &= dc < lim_c / 2
         # The 10-step evidence counts only if the newest `every` steps (new since the last
         # evaluation) and the rest of the window each carry at least half of it: the

@@ -13,7 +13,14 @@ import pytest
 
 from clusterpulse.detection.replay import replay
 from clusterpulse.detection.scoring import ScoringConfig, StragglerScorer
-from tests.support.straggler_traces import BASE, background, healthy_data, job_slowdown, rows
+from tests.support.straggler_traces import (
+    BASE,
+    background,
+    healthy_data,
+    inject,
+    job_slowdown,
+    rows,
+)
 
 RANKS = 32
 SLOW = 5
@@ -93,6 +100,36 @@ def test_a_bursty_straggler_is_one_incident():
     own[200:, SLOW] *= np.where(k % 120 < 20, 2.0, 1.0)
     got = on_events(own)
     assert list(got) == [SLOW] and len(got[SLOW]) == 1 and got[SLOW][0] <= 230, got
+
+
+@pytest.mark.parametrize("noise", ["ar1", "heavy", "pauses", "lottery"])
+def test_short_bursts_that_the_long_window_splits_are_one_incident(noise):
+    """3x for 10 of every 100 steps (the job ~18 % slower): the long window drops its
+    worst 5 consecutive steps, so a burst left ~1.1x in it, at its limit, and the flag
+    turned on again at most bursts (median 2, up to 9 on-events per straggler). The flag
+    is now held while the whole window, nothing dropped, is over the limit; a relapse
+    after 90 healthy steps is still a new incident (the test below)."""
+    counts = []
+    for seed in range(6):
+        own = background(np.random.default_rng(40 + seed), 1200, RANKS, noise)
+        inject(own, healthy_data(1200, RANKS), [SLOW], "3x for 10 of every 100 steps", 200)
+        got = on_events(own)
+        assert set(got) <= {SLOW}, got
+        counts.append(len(got.get(SLOW, [])))
+    assert counts == [1] * 6, counts
+
+
+def test_a_relapse_after_90_healthy_steps_is_a_new_incident():
+    """What holding a flag longer must not cost: 1.2x for 250 steps, healthy for 90,
+    1.2x again: two incidents, two notifications (the flag is off before the relapse)."""
+    for seed in range(4):
+        own = background(np.random.default_rng(100 + seed), 900, RANKS, "ar1")
+        own[200:450, SLOW] *= 1.2
+        own[540:790, SLOW] *= 1.2
+        got = on_events(own)
+        assert list(got) == [SLOW] and len(got[SLOW]) == 2, (seed, got)
+        first, second = got[SLOW]
+        assert first <= 250 and 540 < second <= 590, (seed, got)
 
 
 def test_rare_pauses_of_healthy_ranks_are_not_flagged():
