@@ -27,6 +27,16 @@ still loading its batch: Pulse times a collective run while awaiting input as sy
 wait, not data wait, so the data straggler stands out and its peers are not
 input-bound.
 
+Evaluations and saves the Trainer runs between steps are announced (`Pulse.evaluating`,
+`Pulse.saving`: the absolute hang timeout, not the steady one, which paged every
+evaluation or save longer than max(15 s, 3 x the p99 step) as a hang, the busy rank as
+the root its peers wait for). No event comes before either; the Trainer decides both
+in its DefaultFlowCallback's `on_step_end`, which runs before ours (a callback added
+to a Trainer comes after its defaults), so ours reads `control.should_evaluate` and
+`control.should_save` there (`eval_on_start`: at `on_train_begin`). An evaluation
+started otherwise (a callback that asks for one after ours) is announced at its first
+prediction step.
+
 A graceful restart saves through the Trainer's own checkpoint (the one
 `resume_from_checkpoint` reads, where it positions the data by skipping batch
 indices, never reading the skipped samples): when the ranks agree to restart at a
@@ -64,6 +74,8 @@ class ClusterPulseCallback(TrainerCallback):
         self.pulse: Pulse | None = None
         self._step = OpenStep()
         self._restart_at: int | None = None  # agreed: leave once this step is saved
+        self._training = False  # from on_train_begin to on_train_end
+        self._between: Any = None  # an open Pulse.evaluating() or Pulse.saving()
 
     @classmethod
     def attach(cls, trainer: Trainer, run: str, agent: str | None = "env",
@@ -105,10 +117,14 @@ class ClusterPulseCallback(TrainerCallback):
             wrapped = self.trainer.model_wrapped
             if isinstance(wrapped, DistributedDataParallel):
                 self.pulse.attach_ddp(wrapped)
+        self._training = True
         self.pulse.awaiting_input()
+        self._enter_between(evaluate=args.eval_on_start, save=False)  # runs right after
 
     def on_train_end(self, args: Args, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
+        self._leave_between()
+        self._training = False
         self._step.end()
         if self.pulse is not None:
             self.pulse.close("finished")
@@ -117,6 +133,7 @@ class ClusterPulseCallback(TrainerCallback):
     def on_step_begin(self, args: Args, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
         pulse = self._pulse()
+        self._leave_between()  # whatever ran after the last step is over
         pulse.input_arrived()
         self._step.begin(pulse, state.global_step + 1, samples=0)  # counted as trained
 
@@ -139,9 +156,31 @@ class ClusterPulseCallback(TrainerCallback):
             control.should_save = True
         else:
             pulse.awaiting_input()
+        # what the Trainer runs next, decided by its DefaultFlowCallback before us
+        self._enter_between(evaluate=control.should_evaluate, save=control.should_save)
+
+    def on_epoch_end(self, args: Args, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        # the "epoch" strategies: decided as at a step's end, run after this event
+        self._enter_between(evaluate=control.should_evaluate, save=control.should_save)
+
+    # -- evaluations and saves between steps ------------------------------------------------
+    def on_prediction_step(self, args: Args, state: TrainerState, control: TrainerControl,
+                           **kwargs: Any) -> None:
+        if self._training and self._between is None:  # not announced at the step's end
+            self._enter_between(evaluate=True, save=False)
+
+    def on_evaluate(self, args: Args, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        self._leave_between()
+        if self._training:  # the Trainer saves next if it decided to, or, with
+            # save_strategy "best", decides after this event (until the next step begins)
+            self._enter_between(evaluate=False,
+                                save=control.should_save or args.save_strategy == "best")
 
     def on_save(self, args: Args, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
+        self._leave_between()
         pulse = self._pulse()
         if state.is_world_process_zero:
             pulse.checkpoint_committed(state.global_step)
@@ -154,6 +193,19 @@ class ClusterPulseCallback(TrainerCallback):
         pulse.awaiting_input()
 
     # -- helpers --------------------------------------------------------------------------
+    def _enter_between(self, evaluate: bool, save: bool) -> None:
+        """Announce an evaluation (else a save) the Trainer runs before the next step."""
+        self._leave_between()
+        if evaluate or save:
+            pulse = self._pulse()
+            self._between = pulse.evaluating() if evaluate else pulse.saving()
+            self._between.__enter__()
+
+    def _leave_between(self) -> None:
+        if self._between is not None:
+            self._between.__exit__(None, None, None)
+            self._between = None
+
     def _pulse(self) -> Pulse:
         if self.pulse is None:
             raise RuntimeError("ClusterPulseCallback: the Trainer has not begun training "

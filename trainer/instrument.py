@@ -223,25 +223,27 @@ class _Step:
             self.pulse._end_step(self.ctx)
 
 
-class _Evaluating:
-    """`with pulse.evaluating():` (see Pulse.evaluating). What the loop was doing is
-    put back after, whatever the evaluation raised: the phase, and a wait for input
-    begun before it (a framework validates between a batch's end and the next fetch),
-    which resumes without the evaluation's time; what the evaluation's own loader
-    waited is no training step's data wait."""
+class _BetweenSteps:
+    """`with pulse.evaluating():` and `with pulse.saving():` (see those): work between
+    steps in a phase of its own timeout. What the loop was doing is put back after,
+    whatever the work raised: the phase, and a wait for input begun before it (a
+    framework validates or saves between a step's end and the next fetch), which
+    resumes without the work's time; what an evaluation's own loader waited is no
+    training step's data wait."""
 
-    __slots__ = ("fetch", "input_since", "previous", "pulse", "t0", "timer")
+    __slots__ = ("fetch", "input_since", "phase", "previous", "pulse", "t0", "timer")
 
-    def __init__(self, pulse: Pulse) -> None:
-        self.pulse, self.previous = pulse, ""
+    def __init__(self, pulse: Pulse, phase: str) -> None:
+        self.pulse, self.phase, self.previous = pulse, phase, ""
         self.input_since: float | None = None
         self.fetch, self.timer, self.t0 = (0.0, 0.0), None, 0.0
 
     def __enter__(self) -> None:
         p = self.pulse
-        # whether the agent knows the phase: its replies say (read now, not at the next
-        # consensus step: a first evaluation, a sanity check, comes before any)
-        p._read_replies()
+        if self.phase in protocol.LATER_PHASES:
+            # whether the agent knows the phase: its replies say (read now, not at the
+            # next consensus step: a first evaluation, a sanity check, comes before any)
+            p._read_replies()
         self.previous, self.input_since = p.phase, p._input_since
         # the data wait pending for the next training step is set aside: a step run
         # inside the evaluation takes only its own, and what the evaluation waited is none
@@ -249,12 +251,18 @@ class _Evaluating:
         p._fetch_wait = p._fetch_sync = 0.0
         p._input_since, collective_timing.state.timer = None, None
         self.t0 = time.perf_counter()
-        p._enter("evaluate")
-        p._evaluations += 1  # last: nothing above left it counted if it raised
+        if self.phase == "checkpoint":
+            p.extra["checkpoint_in_progress"] = 1  # told with the phase, at once
+        p._enter(self.phase)
+        if self.phase == "evaluate":
+            p._evaluations += 1  # last: nothing above left it counted if it raised
 
     def __exit__(self, *_exc: object) -> None:
         p = self.pulse
-        p._evaluations -= 1
+        if self.phase == "evaluate":
+            p._evaluations -= 1
+        else:
+            p.extra["checkpoint_in_progress"] = 0
         p._fetch_wait, p._fetch_sync = self.fetch
         p._input_since = None if self.input_since is None else \
             self.input_since + time.perf_counter() - self.t0
@@ -647,14 +655,24 @@ class Pulse:
         docstring)."""
         return _Step(self, StepContext(self, step))
 
-    def evaluating(self) -> _Evaluating:
+    def evaluating(self) -> _BetweenSteps:
         """`with pulse.evaluating():` around an evaluation between steps. Its time has no
         step-time reference: it is held to the absolute hang timeout (300 s by default),
         as a checkpoint save is, not to the steady threshold (max(15 s, 3 x the p99
         step)), which paged every evaluation longer than that as a hang, and rank 0
         evaluating alone while its peers wait in the next all-reduce as its root. The
         cost: a rank that hangs while it evaluates is named after that timeout."""
-        return _Evaluating(self)
+        return _BetweenSteps(self, "evaluate")
+
+    def saving(self) -> _BetweenSteps:
+        """`with pulse.saving():` around a checkpoint save between steps: phase
+        checkpoint, held to the absolute hang timeout while no peer waits for this rank
+        (a sharded save every rank writes: minutes on shared storage for a large
+        model), and to the steady threshold once one does (a rank writing alone while
+        its peers wait in a collective looks like one hung in a save). Unannounced, a
+        save was held to the steady threshold from its start. Inside a step,
+        `s.section("checkpoint")` is the step's own save."""
+        return _BetweenSteps(self, "checkpoint")
 
     def _begin_step(self, ctx: StepContext) -> None:
         fetch, self._fetch_wait = self._fetch_wait, 0.0

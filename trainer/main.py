@@ -241,8 +241,11 @@ class Trainer:
 
     def save(self, step: int, raise_errors: bool = False) -> None:
         self.state.step = step
-        self.pulse.extra["checkpoint_in_progress"] = 1  # told with the phase, at once
-        self.pulse._enter("checkpoint")
+        with self.pulse.saving():  # phase checkpoint, its own timeout
+            self._save(step, raise_errors)
+        self.last_ckpt_time = time.monotonic()
+
+    def _save(self, step: int, raise_errors: bool) -> None:
         try:
             if delay := self.faults.ckpt_delay(step):
                 time.sleep(delay)  # storage this slow blocks the step like a long write
@@ -261,10 +264,6 @@ class Trainer:
             self.pulse.event("checkpoint_failed", step=step)
             if raise_errors:
                 raise
-        finally:
-            self.pulse.extra["checkpoint_in_progress"] = 0
-            self.pulse._enter("between")
-        self.last_ckpt_time = time.monotonic()
 
     # -- one step ----------------------------------------------------------------------
     def train_step(self, step: int) -> torch.Tensor:

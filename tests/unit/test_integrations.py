@@ -275,3 +275,78 @@ def test_lightning_validation_is_phase_evaluate_and_training_takes_its_phase_bac
     assert "evaluate" not in {phase for what, phase in seen if what == "train"}, seen
     saves = [phase for what, phase in seen if what == "save"]
     assert saves and set(saves) == {"evaluate"}, seen
+
+
+class _Pairs(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.full((2,), float(i)), "labels": torch.tensor([float(i)])}
+
+
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_hf_evaluations_and_saves_are_their_own_phases(tmp_path: Path, strategy: str):
+    """An evaluation or a save the HF Trainer runs between steps was the next step's
+    data wait, held to the steady hang threshold: one longer than max(15 s, 3 x the p99
+    step) paged as a hang. The callback announces both (Pulse.evaluating, Pulse.saving):
+    the Trainer's own evaluation at start, each later one, each save (after an
+    evaluation too), by steps and by epochs; training steps stay out of them, and a
+    step's data wait does not hold their time."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from clusterpulse.integrations.hf import ClusterPulseCallback
+
+    seen: list[tuple[str, str, int]] = []
+    data_waits: list[float] = []
+    holder: list[ClusterPulseCallback] = []
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+
+        def forward(self, x, labels=None):
+            pulse = holder[0].pulse
+            assert pulse is not None
+            if not self.training:
+                time.sleep(0.15)  # an evaluation of 2 batches: 0.3 s, slower than a step
+            seen.append(("train" if self.training else "evaluate", pulse.phase,
+                         int(pulse.extra.get("checkpoint_in_progress", 0))))
+            return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
+
+        def state_dict(self, *args, **kwargs):  # the Trainer's save reads it
+            pulse = holder[0].pulse
+            if pulse is not None:
+                seen.append(("save", pulse.phase,
+                             int(pulse.extra.get("checkpoint_in_progress", 0))))
+            return super().state_dict(*args, **kwargs)
+
+    every = {"eval_steps": 2, "save_steps": 2} if strategy == "steps" else {}
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
+                             per_device_eval_batch_size=4, eval_strategy=strategy,
+                             save_strategy=strategy, eval_on_start=True, report_to=[],
+                             use_cpu=True, logging_strategy="no", disable_tqdm=True, **every)
+    trainer = Trainer(model=Tiny(), args=args, train_dataset=_Pairs(), eval_dataset=_Pairs())
+    holder.append(ClusterPulseCallback.attach(trainer, run="r", agent=None))
+
+    class DataWaits(TrainerCallback):  # after ours: the steps it has resolved so far
+        def on_step_end(self, args, state, control, **kwargs):
+            pulse = holder[0].pulse
+            assert pulse is not None
+            data_waits.append(pulse.last.get("data_wait_seconds", 0.0))
+
+    trainer.add_callback(DataWaits())
+    try:
+        trainer.train()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    evaluations = [(phase, busy) for what, phase, busy in seen if what == "evaluate"]
+    saves = [(phase, busy) for what, phase, busy in seen if what == "save"]
+    trained = {(phase, busy) for what, phase, busy in seen if what == "train"}
+    # start + each of the 2 evaluations: 2 batches each
+    assert evaluations == [("evaluate", 0)] * 6, seen
+    assert saves == [("checkpoint", 1)] * 2, seen  # steps 2 and 4 (2 epochs of 2 steps)
+    assert trained == {("forward_backward", 0)}, seen
+    assert len(data_waits) == 4 and max(data_waits) < 0.3, data_waits  # no evaluation's

@@ -265,6 +265,40 @@ def test_an_evaluation_is_told_at_once_and_the_phase_it_found_is_put_back(tmp_pa
     finally:
         old.close()
         rx.close()
+
+
+def test_a_save_between_steps_is_phase_checkpoint_told_at_once_and_put_back(monkeypatch,
+                                                                           sim_agent):
+    """`with pulse.saving():` (a framework's save between steps, the Hugging Face
+    Trainer's) is phase checkpoint, told at once with checkpoint_in_progress; a wait
+    for input begun before it resumes after it without the save's time (before, the
+    save was the next step's data wait, in phase data, held to the steady threshold)."""
+    from clusterpulse.trainer import instrument
+    from clusterpulse.trainer.instrument import Pulse
+
+    monkeypatch.setattr(instrument, "HEARTBEAT_EVERY_S", 3600)  # only what _enter sends
+    pulse = Pulse(run="sv1", agent=sim_agent.telemetry, world_size=1, catch_sigterm=False)
+    try:
+        (rank,) = wait_until(lambda: sim_agent.agent.ranks.of_run("sv1"), 10, "the rank")
+        with pulse.step(1) as s:
+            s.loss = 1.0
+        pulse.awaiting_input()
+        sent = pulse.link.sent
+        with pulse.saving():
+            assert pulse.phase == "checkpoint" and pulse.link.sent == sent + 1  # at once
+            assert pulse.extra["checkpoint_in_progress"] == 1
+            wait_until(lambda: rank.phase == "checkpoint", 10, "the agent sees checkpoint")
+            time.sleep(0.3)  # the save
+        assert pulse.phase == "data" and pulse.extra["checkpoint_in_progress"] == 0
+        pulse.input_arrived()
+        with pulse.step(2) as s:
+            s.loss = 1.0
+        assert pulse.last["data_wait_seconds"] < 0.3, pulse.last  # not the save's time
+        with pytest.raises(OSError), pulse.saving():
+            raise OSError("disk full")
+        assert pulse.phase == "between" and pulse.extra["checkpoint_in_progress"] == 0
+    finally:
+        pulse.close()
     # A review: what the loop was doing is put back whole. A wait for input begun before
     # (a framework validates between a batch's end and the next fetch) resumes without
     # the evaluation's time, which was the next step's data wait (its cause
