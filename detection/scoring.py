@@ -415,8 +415,12 @@ class StragglerScorer:
             # A flag is held on half the evidence of the fast window but on all of the
             # long one's: held on half, a straggler's 100 slow steps kept it on ~100 steps
             # after it recovered, and a relapse 90 steps later was no new incident. The
-            # long window also holds with nothing dropped (`whole`): a short burst every
-            # 100 steps is at the limit once its worst steps are dropped.
+            # long window also holds with nothing dropped (`whole`) where it still carries
+            # half the limit with its worst steps dropped: a short burst every 100 steps
+            # is at the limit once they are dropped. Not on `whole` alone: a rank's own
+            # short periodic work (rank 0 writing 2 steps at 10x every 100), which the
+            # drop keeps from ever raising a flag, held one for good, and so did a
+            # recovered rank's 5-step blips.
             for x, keep in ((cost, 1.0), (fast, 0.5)):
                 med, sd = _group_stats(x, self._groups)
                 p_lim = np.maximum(math.log(c.peer_outlier),
@@ -429,7 +433,7 @@ class StragglerScorer:
                 peer_out |= out
                 hold |= x - med > keep * p_lim
                 if x is cost:
-                    hold |= whole - med > p_lim
+                    hold |= (whole - med > p_lim) & (x - med > p_lim / 2)
             self._peer_on = np.where(peer_out, self._peer_on + 1, 0)
             on |= self._peer_on >= c.peer_confirm
         warm = self.steps < c.warmup_steps or self._short.base is None
@@ -465,7 +469,7 @@ class StragglerScorer:
                     on |= evidence
                     hold |= dc > keep * lim_c
                     if x is cost:
-                        hold |= whole - self._cost.base > lim_c
+                        hold |= (whole - self._cost.base > lim_c) & (dc > lim_c / 2)
                     calm &= dc < lim_c / 2
         # The 10-step evidence counts only if the newest `every` steps (new since the last
         # evaluation) and the rest of the window each carry at least half of it: the

@@ -132,6 +132,32 @@ def test_a_relapse_after_90_healthy_steps_is_a_new_incident():
         assert first <= 250 and 540 < second <= 590, (seed, got)
 
 
+def test_a_ranks_own_short_periodic_work_or_blips_do_not_hold_its_flag():
+    """The whole-window hold must not hold what the long window's drop is there to
+    ignore: rank 0 writing 2 steps at 10x every 100 steps (never flagged by itself),
+    1.5x slow for steps 200-450, kept its flag for good (a review: 2,550 steps after
+    it recovered); a 3x straggler's 5-step blips after it recovered kept it ~300
+    steps longer. Both flags now turn off within ~120 steps, as before the hold."""
+    k = np.arange(1500)
+    own = background(np.random.default_rng(100), 1500, RANKS, "ar1")
+    own[:, 0] *= np.where(k % 100 >= 98, 10.0, 1.0)
+    healthy = on_events(own.copy())
+    own[200:450, 0] *= 1.5
+    blips = background(np.random.default_rng(101), 1000, RANKS, "ar1")
+    blips[200:450, SLOW] *= 3.0
+    for start in (500, 620, 740):
+        blips[start:start + 5, SLOW] *= 3.0
+    for trace, rank in ((own, 0), (blips, SLOW)):
+        scorer = StragglerScorer(RANKS)
+        flagged = []
+        for t in range(0, len(trace), EVERY):
+            s = scorer.observe(trace[t:t + EVERY])
+            if s is not None and s.flagged[rank]:
+                flagged.append(s.step)
+        assert flagged and flagged[0] <= 230 and 450 < flagged[-1] <= 580, (rank, flagged)
+    assert healthy == {}, healthy
+
+
 def test_rare_pauses_of_healthy_ranks_are_not_flagged():
     """Healthy ranks with one-off pauses of 1-2 steps at 2-8x, one in 500 steps per rank
     (a garbage collection, a page-in: a hostile review's model). Two of them in one
