@@ -34,8 +34,13 @@ the root its peers wait for). No event comes before either; the Trainer decides 
 in its DefaultFlowCallback's `on_step_end`, which runs before ours (a callback added
 to a Trainer comes after its defaults), so ours reads `control.should_evaluate` and
 `control.should_save` there (`eval_on_start`: at `on_train_begin`). An evaluation
-started otherwise (a callback that asks for one after ours) is announced at its first
-prediction step.
+started otherwise (a callback that asks for one after ours, `predict()` from a
+callback) is announced at its first prediction step. Not announced: a save that a
+callback after ours asks for, and a best-model save (`save_strategy="best"`, decided
+after the evaluation, with no event when it is not made); an evaluation that a
+callback after ours cancels leaves the phase open until the next step begins (its
+fetch is then no data wait). A graceful restart on a step with a `"best"` evaluation
+due skips that evaluation: it would decide the save again and drop the restart's.
 
 A graceful restart saves through the Trainer's own checkpoint (the one
 `resume_from_checkpoint` reads, where it positions the data by skipping batch
@@ -154,6 +159,10 @@ class ClusterPulseCallback(TrainerCallback):
             # the Trainer saves right after this event; on_save then leaves
             self._restart_at = state.global_step
             control.should_save = True
+            if args.save_strategy == "best":
+                # an evaluation now would decide the save again (is it a new best?) and
+                # drop the restart's: no save, no on_save, the restart never happened
+                control.should_evaluate = False
         else:
             pulse.awaiting_input()
         # what the Trainer runs next, decided by its DefaultFlowCallback before us
@@ -173,10 +182,13 @@ class ClusterPulseCallback(TrainerCallback):
     def on_evaluate(self, args: Args, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
         self._leave_between()
-        if self._training:  # the Trainer saves next if it decided to, or, with
-            # save_strategy "best", decides after this event (until the next step begins)
-            self._enter_between(evaluate=False,
-                                save=control.should_save or args.save_strategy == "best")
+        if self._training:  # the Trainer saves next if it decided to (a best-model
+            # save is decided after this event, with no event if it is not: unannounced)
+            self._enter_between(evaluate=False, save=control.should_save)
+
+    def on_predict(self, args: Args, state: TrainerState, control: TrainerControl,
+                   metrics: Any = None, **kwargs: Any) -> None:
+        self._leave_between()  # a predict() run mid-training (opened at its first step)
 
     def on_save(self, args: Args, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:

@@ -285,14 +285,31 @@ class _Pairs(torch.utils.data.Dataset):
         return {"x": torch.full((2,), float(i)), "labels": torch.tensor([float(i)])}
 
 
-@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+class _Regressor(torch.nn.Module):
+    """A model the HF Trainer trains (its forward returns the loss in a dict); each
+    forward calls `seen(training)` first."""
+
+    def __init__(self, seen: Any) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+        self.seen = seen
+
+    def forward(self, x, labels=None):
+        self.seen(self.training)
+        return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
+
+
+@pytest.mark.parametrize("strategy", ["steps", "epoch", "best"])
 def test_hf_evaluations_and_saves_are_their_own_phases(tmp_path: Path, strategy: str):
     """An evaluation or a save the HF Trainer runs between steps was the next step's
     data wait, held to the steady hang threshold: one longer than max(15 s, 3 x the p99
     step) paged as a hang. The callback announces both (Pulse.evaluating, Pulse.saving):
     the Trainer's own evaluation at start, each later one, each save (after an
-    evaluation too), by steps and by epochs; training steps stay out of them, and a
-    step's data wait does not hold their time."""
+    evaluation too), by steps and by epochs; training steps and their input fetches
+    stay out of them, and a step's data wait does not hold their time. A best-model
+    save is decided after the evaluation, with no event when it is not made: it is
+    not announced (announced in advance, a review found the next fetch in phase
+    checkpoint and its data wait lost after every evaluation that was no new best)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from clusterpulse.integrations.hf import ClusterPulseCallback
@@ -301,20 +318,15 @@ def test_hf_evaluations_and_saves_are_their_own_phases(tmp_path: Path, strategy:
     data_waits: list[float] = []
     holder: list[ClusterPulseCallback] = []
 
-    class Tiny(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(2, 1)
+    def forward(training: bool) -> None:
+        pulse = holder[0].pulse
+        assert pulse is not None
+        if not training:
+            time.sleep(0.15)  # an evaluation of 2 batches: 0.3 s, slower than a step
+        seen.append(("train" if training else "evaluate", pulse.phase,
+                     int(pulse.extra.get("checkpoint_in_progress", 0))))
 
-        def forward(self, x, labels=None):
-            pulse = holder[0].pulse
-            assert pulse is not None
-            if not self.training:
-                time.sleep(0.15)  # an evaluation of 2 batches: 0.3 s, slower than a step
-            seen.append(("train" if self.training else "evaluate", pulse.phase,
-                         int(pulse.extra.get("checkpoint_in_progress", 0))))
-            return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
-
+    class Tiny(_Regressor):
         def state_dict(self, *args, **kwargs):  # the Trainer's save reads it
             pulse = holder[0].pulse
             if pulse is not None:
@@ -322,12 +334,24 @@ def test_hf_evaluations_and_saves_are_their_own_phases(tmp_path: Path, strategy:
                              int(pulse.extra.get("checkpoint_in_progress", 0))))
             return super().state_dict(*args, **kwargs)
 
-    every = {"eval_steps": 2, "save_steps": 2} if strategy == "steps" else {}
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
-                             per_device_eval_batch_size=4, eval_strategy=strategy,
-                             save_strategy=strategy, eval_on_start=True, report_to=[],
-                             use_cpu=True, logging_strategy="no", disable_tqdm=True, **every)
-    trainer = Trainer(model=Tiny(), args=args, train_dataset=_Pairs(), eval_dataset=_Pairs())
+    class Fetched(_Pairs):  # the training input: each fetch's phase
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            pulse = holder[0].pulse if holder else None
+            if pulse is not None:
+                seen.append(("fetch", pulse.phase,
+                             int(pulse.extra.get("checkpoint_in_progress", 0))))
+            return super().__getitem__(i)
+
+    every = {"steps": {"eval_steps": 2, "save_steps": 2}, "epoch": {},
+             "best": {"eval_strategy": "steps", "eval_steps": 2, "metric_for_best_model": "loss",
+                      "greater_is_better": True}}[strategy]  # the loss falls: no best after
+    args = TrainingArguments(**{"eval_strategy": strategy, **every},  # the first
+                             output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
+                             per_device_eval_batch_size=4, save_strategy=strategy,
+                             eval_on_start=True, report_to=[], use_cpu=True,
+                             logging_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=Tiny(forward), args=args, train_dataset=Fetched(),
+                      eval_dataset=_Pairs())
     holder.append(ClusterPulseCallback.attach(trainer, run="r", agent=None))
 
     class DataWaits(TrainerCallback):  # after ours: the steps it has resolved so far
@@ -345,8 +369,52 @@ def test_hf_evaluations_and_saves_are_their_own_phases(tmp_path: Path, strategy:
     evaluations = [(phase, busy) for what, phase, busy in seen if what == "evaluate"]
     saves = [(phase, busy) for what, phase, busy in seen if what == "save"]
     trained = {(phase, busy) for what, phase, busy in seen if what == "train"}
+    fetched = {(phase, busy) for what, phase, busy in seen if what == "fetch"}
     # start + each of the 2 evaluations: 2 batches each
     assert evaluations == [("evaluate", 0)] * 6, seen
-    assert saves == [("checkpoint", 1)] * 2, seen  # steps 2 and 4 (2 epochs of 2 steps)
+    if strategy == "best":
+        assert saves == [("data", 0)], seen  # step 2's, unannounced; none at step 4
+    else:
+        assert saves == [("checkpoint", 1)] * 2, seen  # steps 2 and 4 (2 epochs of 2 steps)
     assert trained == {("forward_backward", 0)}, seen
+    assert fetched == {("data", 0)}, seen
     assert len(data_waits) == 4 and max(data_waits) < 0.3, data_waits  # no evaluation's
+
+
+def test_hf_graceful_restart_on_a_best_model_evaluation_step_still_saves_and_leaves(
+        tmp_path: Path):
+    """With save_strategy "best" the Trainer decides the save after an evaluation (is
+    it a new best?) and overwrote the callback's request: a restart agreed at a step
+    with an evaluation due made no save, so no on_save and no boundary, and the restart
+    (or a preemption's save) never happened (a review). The evaluation is skipped there;
+    the restart saves that step and leaves."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from clusterpulse.integrations.hf import ClusterPulseCallback
+
+    evaluated: list[int] = []
+    holder: list[ClusterPulseCallback] = []
+
+    class Command(TrainerCallback):  # as the agent delivers one, after step 3
+        def on_step_end(self, args, state, control, **kwargs):
+            pulse = holder[0].pulse
+            if state.global_step == 3 and pulse is not None:
+                pulse.commands["cmd-1"] = "checkpoint-restart"
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2,
+                             per_device_eval_batch_size=8, eval_strategy="steps", eval_steps=2,
+                             save_strategy="best", metric_for_best_model="loss",
+                             greater_is_better=True, report_to=[], use_cpu=True,
+                             logging_strategy="no", disable_tqdm=True)
+    model = _Regressor(lambda training: training or evaluated.append(len(evaluated)))
+    trainer = Trainer(model=model, args=args, train_dataset=_Pairs(), eval_dataset=_Pairs())
+    holder.append(ClusterPulseCallback.attach(trainer, run="r", agent=None, consensus_every=2))
+    trainer.add_callback(Command())
+    try:
+        with pytest.raises(SystemExit):
+            trainer.train()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert (tmp_path / "checkpoint-4" / "trainer_state.json").is_file(), list(tmp_path.iterdir())
+    assert len(evaluated) == 1, evaluated  # step 2's evaluation only (one batch of 8)
