@@ -253,6 +253,7 @@ class StragglerScorer:
         self._on = np.zeros(self.ranks, dtype=int)  # consecutive evaluations with evidence
         self._peer_on = np.zeros(self.ranks, dtype=int)  # ... with the peer evidence
         self._off = np.zeros(self.ranks, dtype=int)  # ... without half of it
+        self._evidence_at = np.full(self.ranks, -np.inf)  # step of the last evidence
         self.flagged = np.zeros(self.ranks, dtype=bool)
 
     @property
@@ -409,18 +410,13 @@ class StragglerScorer:
         self_on = None
         on = np.zeros(self.ranks, dtype=bool)
         hold = m > gross / 2
+        whole_hold = np.zeros(self.ranks, dtype=bool)  # (below, at the end)
         d = np.zeros(self.ranks)
         if full:  # against the peers now, whatever the history
             peer_out = np.zeros(self.ranks, dtype=bool)
             # A flag is held on half the evidence of the fast window but on all of the
             # long one's: held on half, a straggler's 100 slow steps kept it on ~100 steps
-            # after it recovered, and a relapse 90 steps later was no new incident. The
-            # long window also holds with nothing dropped (`whole`) where it still carries
-            # half the limit with its worst steps dropped: a short burst every 100 steps
-            # is at the limit once they are dropped. Not on `whole` alone: a rank's own
-            # short periodic work (rank 0 writing 2 steps at 10x every 100), which the
-            # drop keeps from ever raising a flag, held one for good, and so did a
-            # recovered rank's 5-step blips.
+            # after it recovered, and a relapse 90 steps later was no new incident.
             for x, keep in ((cost, 1.0), (fast, 0.5)):
                 med, sd = _group_stats(x, self._groups)
                 p_lim = np.maximum(math.log(c.peer_outlier),
@@ -433,7 +429,7 @@ class StragglerScorer:
                 peer_out |= out
                 hold |= x - med > keep * p_lim
                 if x is cost:
-                    hold |= (whole - med > p_lim) & (x - med > p_lim / 2)
+                    whole_hold |= (whole - med > p_lim) & (x - med > p_lim / 2)
             self._peer_on = np.where(peer_out, self._peer_on + 1, 0)
             on |= self._peer_on >= c.peer_confirm
         warm = self.steps < c.warmup_steps or self._short.base is None
@@ -469,7 +465,7 @@ class StragglerScorer:
                     on |= evidence
                     hold |= dc > keep * lim_c
                     if x is cost:
-                        hold |= (whole - self._cost.base > lim_c) & (dc > lim_c / 2)
+                        whole_hold |= (whole - self._cost.base > lim_c) & (dc > lim_c / 2)
                     calm &= dc < lim_c / 2
         # The 10-step evidence counts only if the newest `every` steps (new since the last
         # evaluation) and the rest of the window each carry at least half of it: the
@@ -488,6 +484,16 @@ class StragglerScorer:
             if self_on is not None:
                 assert self._short.base is not None
                 on |= self_on & (part - self._short.base > lim / 2)
+        # The long window also holds a flag with nothing dropped (`whole`) where it
+        # still carries half the limit with its worst 5 steps dropped, for as long as
+        # the rank showed evidence within that window: a burst of 3x for 10 of every 100
+        # steps is at the limit once its worst steps are dropped, and its flag turned on
+        # again at most bursts. Not for longer: a rank's own short periodic work, which
+        # the drop keeps from ever raising a flag (rank 0 writing 2 steps at 4x every
+        # 50), kept both over their limits with its baselines frozen while flagged, and
+        # held a flag it got for a real slowdown for good (two reviews).
+        self._evidence_at = np.where(on, self.steps, self._evidence_at)
+        hold |= whole_hold & (self.steps - self._evidence_at <= c.cost_window)
         self._on = np.where(on, self._on + 1, 0)
         self._off = np.where(hold, 0, self._off + 1)
         self.flagged = np.where(self.flagged, self._off < c.release, self._on >= c.confirm)
