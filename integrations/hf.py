@@ -39,14 +39,19 @@ callback) is announced at its first prediction step. Not announced: a save that 
 callback after ours asks for, and a best-model save (`save_strategy="best"`, decided
 after the evaluation, with no event when it is not made); an evaluation that a
 callback after ours cancels leaves the phase open until the next step begins (its
-fetch is then no data wait). A graceful restart on a step with a `"best"` evaluation
-due skips that evaluation: it would decide the save again and drop the restart's.
+fetch is then no data wait).
 
 A graceful restart saves through the Trainer's own checkpoint (the one
 `resume_from_checkpoint` reads, where it positions the data by skipping batch
 indices, never reading the skipped samples): when the ranks agree to restart at a
 step's end the callback asks the Trainer to save (`control.should_save`), and once
 every rank has saved (`on_save`) `Pulse.boundary` finishes the protocol at that step.
+An evaluation due there runs first and is kept: at an epoch's last step with
+evaluations by epoch, the save is asked for at `on_epoch_end`, after which the Trainer
+evaluates (asked for at the step's end, the restart left before it, and that epoch was
+never evaluated); with `save_strategy="best"` the Trainer decides the save after the
+evaluation (is it a new best?) and dropped the restart's (no save, no `on_save`, no
+restart): the callback sets the strategy to "steps" until `on_save`.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
 from transformers import TrainingArguments as Args
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from clusterpulse.detection.state import STATE_FILE
 from clusterpulse.integrations.steps import OpenStep
@@ -79,8 +84,10 @@ class ClusterPulseCallback(TrainerCallback):
         self.pulse: Pulse | None = None
         self._step = OpenStep()
         self._restart_at: int | None = None  # agreed: leave once this step is saved
+        self._best_strategy: Any = None  # args.save_strategy set aside for the restart
         self._training = False  # from on_train_begin to on_train_end
         self._between: Any = None  # an open Pulse.evaluating() or Pulse.saving()
+        self._evaluations_due = 0  # on_evaluate events before that evaluation is over
 
     @classmethod
     def attach(cls, trainer: Trainer, run: str, agent: str | None = "env",
@@ -156,13 +163,11 @@ class ClusterPulseCallback(TrainerCallback):
         self._step.end()  # the loss: no callback event carries it
         pulse = self._pulse()
         if pulse.restart_requested(state.global_step):
-            # the Trainer saves right after this event; on_save then leaves
+            # the Trainer saves right after this event (or after the epoch's
+            # evaluation: on_epoch_end asks); on_save then leaves
             self._restart_at = state.global_step
-            control.should_save = True
-            if args.save_strategy == "best":
-                # an evaluation now would decide the save again (is it a new best?) and
-                # drop the restart's: no save, no on_save, the restart never happened
-                control.should_evaluate = False
+            if not (args.eval_strategy == "epoch" and float(state.epoch or 0).is_integer()):
+                self._save_for_restart(args, control)
         else:
             pulse.awaiting_input()
         # what the Trainer runs next, decided by its DefaultFlowCallback before us
@@ -171,6 +176,8 @@ class ClusterPulseCallback(TrainerCallback):
     def on_epoch_end(self, args: Args, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         # the "epoch" strategies: decided as at a step's end, run after this event
+        if self._restart_at is not None and not control.should_save:
+            self._save_for_restart(args, control)  # after the epoch's evaluation
         self._enter_between(evaluate=control.should_evaluate, save=control.should_save)
 
     # -- evaluations and saves between steps ------------------------------------------------
@@ -178,9 +185,13 @@ class ClusterPulseCallback(TrainerCallback):
                            **kwargs: Any) -> None:
         if self._training and self._between is None:  # not announced at the step's end
             self._enter_between(evaluate=True, save=False)
+            self._evaluations_due = 1  # this dataset's; a later one opens its own
 
     def on_evaluate(self, args: Args, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
+        self._evaluations_due = max(self._evaluations_due - 1, 0)
+        if self._evaluations_due:
+            return  # an eval_dataset dict: each dataset's evaluation ends with this event
         self._leave_between()
         if self._training:  # the Trainer saves next if it decided to (a best-model
             # save is decided after this event, with no event if it is not: unannounced)
@@ -193,6 +204,8 @@ class ClusterPulseCallback(TrainerCallback):
     def on_save(self, args: Args, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
         self._leave_between()
+        if self._best_strategy is not None:  # the restart's save is made
+            args.save_strategy, self._best_strategy = self._best_strategy, None
         pulse = self._pulse()
         if state.is_world_process_zero:
             pulse.checkpoint_committed(state.global_step)
@@ -205,6 +218,14 @@ class ClusterPulseCallback(TrainerCallback):
         pulse.awaiting_input()
 
     # -- helpers --------------------------------------------------------------------------
+    def _save_for_restart(self, args: Args, control: TrainerControl) -> None:
+        """Ask the Trainer to save now, for the agreed restart. With a best-model
+        strategy it would decide that save again after an evaluation due with it and
+        drop it: the strategy is "steps" until the save is made (on_save)."""
+        control.should_save = True
+        if args.save_strategy == SaveStrategy.BEST:
+            self._best_strategy, args.save_strategy = args.save_strategy, SaveStrategy.STEPS
+
     def _enter_between(self, evaluate: bool, save: bool) -> None:
         """Announce an evaluation (else a save) the Trainer runs before the next step."""
         self._leave_between()
@@ -212,8 +233,12 @@ class ClusterPulseCallback(TrainerCallback):
             pulse = self._pulse()
             self._between = pulse.evaluating() if evaluate else pulse.saving()
             self._between.__enter__()
+        if evaluate:
+            datasets = self.trainer.eval_dataset
+            self._evaluations_due = len(datasets) if isinstance(datasets, dict) else 1
 
     def _leave_between(self) -> None:
+        self._evaluations_due = 0
         if self._between is not None:
             self._between.__exit__(None, None, None)
             self._between = None

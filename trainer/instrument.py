@@ -252,6 +252,7 @@ class _BetweenSteps:
         p._input_since, collective_timing.state.timer = None, None
         self.t0 = time.perf_counter()
         if self.phase == "checkpoint":
+            p._saves += 1
             p.extra["checkpoint_in_progress"] = 1  # told with the phase, at once
         p._enter(self.phase)
         if self.phase == "evaluate":
@@ -262,7 +263,8 @@ class _BetweenSteps:
         if self.phase == "evaluate":
             p._evaluations -= 1
         else:
-            p.extra["checkpoint_in_progress"] = 0
+            p._saves -= 1
+            p.extra["checkpoint_in_progress"] = int(p._saves > 0)  # an outer save goes on
         p._fetch_wait, p._fetch_sync = self.fetch
         p._input_since = None if self.input_since is None else \
             self.input_since + time.perf_counter() - self.t0
@@ -330,6 +332,7 @@ class Pulse:
         self._fetch_wait = 0.0
         self._fetch_sync = 0.0  # in collectives while awaiting input: waits for peers
         self._evaluations = 0  # open `evaluating()` blocks: between steps is "evaluate"
+        self._saves = 0  # open `saving()` blocks: checkpoint_in_progress while any
         # the later phases (protocol.LATER_PHASES) the agent's replies say it knows
         self._agent_phases: frozenset[str] = frozenset()
         self._input_since: float | None = None  # awaiting_input() began, not yet arrived

@@ -299,7 +299,7 @@ class _Regressor(torch.nn.Module):
         return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
 
 
-@pytest.mark.parametrize("strategy", ["steps", "epoch", "best"])
+@pytest.mark.parametrize("strategy", ["steps", "epoch", "best", "two eval datasets"])
 def test_hf_evaluations_and_saves_are_their_own_phases(tmp_path: Path, strategy: str):
     """An evaluation or a save the HF Trainer runs between steps was the next step's
     data wait, held to the steady hang threshold: one longer than max(15 s, 3 x the p99
@@ -309,7 +309,9 @@ def test_hf_evaluations_and_saves_are_their_own_phases(tmp_path: Path, strategy:
     stay out of them, and a step's data wait does not hold their time. A best-model
     save is decided after the evaluation, with no event when it is not made: it is
     not announced (announced in advance, a review found the next fetch in phase
-    checkpoint and its data wait lost after every evaluation that was no new best)."""
+    checkpoint and its data wait lost after every evaluation that was no new best). With
+    a dict of eval datasets each one's evaluation ends with an on_evaluate: the phase
+    stays evaluate until the last (a review: the second ran in phase checkpoint)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from clusterpulse.integrations.hf import ClusterPulseCallback
@@ -342,6 +344,8 @@ def test_hf_evaluations_and_saves_are_their_own_phases(tmp_path: Path, strategy:
                              int(pulse.extra.get("checkpoint_in_progress", 0))))
             return super().__getitem__(i)
 
+    two = strategy == "two eval datasets"
+    strategy = "steps" if two else strategy
     every = {"steps": {"eval_steps": 2, "save_steps": 2}, "epoch": {},
              "best": {"eval_strategy": "steps", "eval_steps": 2, "metric_for_best_model": "loss",
                       "greater_is_better": True}}[strategy]  # the loss falls: no best after
@@ -351,7 +355,7 @@ def test_hf_evaluations_and_saves_are_their_own_phases(tmp_path: Path, strategy:
                              eval_on_start=True, report_to=[], use_cpu=True,
                              logging_strategy="no", disable_tqdm=True)
     trainer = Trainer(model=Tiny(forward), args=args, train_dataset=Fetched(),
-                      eval_dataset=_Pairs())
+                      eval_dataset={"a": _Pairs(), "b": _Pairs()} if two else _Pairs())
     holder.append(ClusterPulseCallback.attach(trainer, run="r", agent=None))
 
     class DataWaits(TrainerCallback):  # after ours: the steps it has resolved so far
@@ -370,8 +374,8 @@ def test_hf_evaluations_and_saves_are_their_own_phases(tmp_path: Path, strategy:
     saves = [(phase, busy) for what, phase, busy in seen if what == "save"]
     trained = {(phase, busy) for what, phase, busy in seen if what == "train"}
     fetched = {(phase, busy) for what, phase, busy in seen if what == "fetch"}
-    # start + each of the 2 evaluations: 2 batches each
-    assert evaluations == [("evaluate", 0)] * 6, seen
+    # start + each of the 2 evaluations: 2 batches each, of each eval dataset
+    assert evaluations == [("evaluate", 0)] * (12 if two else 6), seen
     if strategy == "best":
         assert saves == [("data", 0)], seen  # step 2's, unannounced; none at step 4
     else:
@@ -381,13 +385,16 @@ def test_hf_evaluations_and_saves_are_their_own_phases(tmp_path: Path, strategy:
     assert len(data_waits) == 4 and max(data_waits) < 0.3, data_waits  # no evaluation's
 
 
-def test_hf_graceful_restart_on_a_best_model_evaluation_step_still_saves_and_leaves(
-        tmp_path: Path):
-    """With save_strategy "best" the Trainer decides the save after an evaluation (is
-    it a new best?) and overwrote the callback's request: a restart agreed at a step
-    with an evaluation due made no save, so no on_save and no boundary, and the restart
-    (or a preemption's save) never happened (a review). The evaluation is skipped there;
-    the restart saves that step and leaves."""
+@pytest.mark.parametrize("evaluations", ["steps", "epoch"])
+def test_hf_graceful_restart_where_an_evaluation_is_due_evaluates_saves_and_leaves(
+        tmp_path: Path, evaluations: str):
+    """A restart agreed at step 4, where an evaluation is due (every 2 steps, or at the
+    end of the 4-step epoch), with save_strategy "best". The Trainer decides a "best"
+    save after the evaluation (is it a new best?) and overwrote the callback's request:
+    no save, no on_save, no boundary, and the restart (or a preemption's save) never
+    happened (a review). At an epoch's last step the restart left before the epoch's
+    evaluation, which was never made. Now the evaluation runs, then the save, and the
+    rank leaves; the strategy is the user's again after the save."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from clusterpulse.integrations.hf import ClusterPulseCallback
@@ -401,11 +408,12 @@ def test_hf_graceful_restart_on_a_best_model_evaluation_step_still_saves_and_lea
             if state.global_step == 3 and pulse is not None:
                 pulse.commands["cmd-1"] = "checkpoint-restart"
 
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2,
-                             per_device_eval_batch_size=8, eval_strategy="steps", eval_steps=2,
+    every = {"eval_steps": 2} if evaluations == "steps" else {}
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=2,
+                             per_device_eval_batch_size=8, eval_strategy=evaluations,
                              save_strategy="best", metric_for_best_model="loss",
                              greater_is_better=True, report_to=[], use_cpu=True,
-                             logging_strategy="no", disable_tqdm=True)
+                             logging_strategy="no", disable_tqdm=True, **every)
     model = _Regressor(lambda training: training or evaluated.append(len(evaluated)))
     trainer = Trainer(model=model, args=args, train_dataset=_Pairs(), eval_dataset=_Pairs())
     holder.append(ClusterPulseCallback.attach(trainer, run="r", agent=None, consensus_every=2))
@@ -417,4 +425,6 @@ def test_hf_graceful_restart_on_a_best_model_evaluation_step_still_saves_and_lea
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     assert (tmp_path / "checkpoint-4" / "trainer_state.json").is_file(), list(tmp_path.iterdir())
-    assert len(evaluated) == 1, evaluated  # step 2's evaluation only (one batch of 8)
+    # one batch of 8 per evaluation: steps 2 and 4, or the first epoch's end
+    assert len(evaluated) == (2 if evaluations == "steps" else 1), evaluated
+    assert trainer.args.save_strategy == "best"

@@ -297,6 +297,11 @@ def test_a_save_between_steps_is_phase_checkpoint_told_at_once_and_put_back(monk
         with pytest.raises(OSError), pulse.saving():
             raise OSError("disk full")
         assert pulse.phase == "between" and pulse.extra["checkpoint_in_progress"] == 0
+        with pulse.saving():  # a save within a save (a framework's inside the user's)
+            with pulse.saving():
+                pass
+            assert pulse.phase == "checkpoint" and pulse.extra["checkpoint_in_progress"] == 1
+        assert pulse.extra["checkpoint_in_progress"] == 0
     finally:
         pulse.close()
     # A review: what the loop was doing is put back whole. A wait for input begun before
