@@ -5,7 +5,8 @@ Scenarios (tests/support/straggler_traces.py, the generator the unit tests use):
 steady 1.2x, intermittent (2x every 3rd step, 3x on 2 of 10, 2x every 5th), bursty
 input stalls (8x every 4th step, 20x every 10th), rare large slow steps (an input stall
 of 8 steps' time every 40th step, 5x on 1 of 20), bursts (3x for 10 of every 100 steps,
-one incident), from the start (1.15x and 1.2x from
+one incident), short slowness recurring (10x for 3 of every 100 steps: a blip to each
+window, the job 27 % slower), from the start (1.15x and 1.2x from
 step 1, 1.2x appearing in the warm-up), a ramp to 1.3x over 2,000 steps, noisy ranks
 (8 % AR(1) jitter), and a whole node slow (8 ranks, 1.2x). Each trial draws its noise
 model in turn from AR(1) 5 %, heavy-tailed (Student t), unaligned + aligned pauses and
@@ -70,6 +71,9 @@ SCENARIOS: dict[str, tuple[str, tuple[int, int], int, float, int, str]] = {
     "ramp to 1.3x over 2000": ("ramp to 1.3x", (100, 300), 2600, 0.05, 1, "compute"),
     "noisy 8% AR(1), 1.2x": ("steady 1.2x", (150, 400), 900, 0.08, 1, "compute"),
     "same node, 8 ranks 1.2x": ("steady 1.2x", (150, 400), 600, 0.05, 8, "compute"),
+    # last: a scenario added keeps the seeds (seed + 100 x its place) of those before it
+    "recurring 10x for 3 of 100": ("10x for 3 of every 100 steps", (150, 400), 1000, 0.05, 1,
+                                   "compute"),
 }
 
 

@@ -75,6 +75,8 @@ def inject(own: np.ndarray, data: np.ndarray, ranks: list[int], kind: str,
         factor[k % 20 == 19] = 5.0
     elif kind == "3x for 10 of every 100 steps":  # bursts: one straggler, one incident
         factor[k % 100 < 10] = 3.0
+    elif kind == "10x for 3 of every 100 steps":  # a blip to each window, recurring
+        factor[k % 100 < 3] = 10.0
     elif kind == "ramp to 1.3x":
         factor[:] = 1.0 + 0.3 * np.minimum(k / ramp_steps, 1.0)
     else:
