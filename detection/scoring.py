@@ -42,11 +42,6 @@ Three gaps that per-step scoring left (issue #27), closed here:
   ones sooner. Both are judged
   against one cost baseline (learnt slowly: a creeping degradation is not absorbed)
   with the same self/noise test, the fast one's noise scaled to its length.
-  Short slowness that every window drops as a blip but that recurs window after
-  window (10x for 3 of every 100 steps: the job 27 % slower) is read from the long
-  window with nothing dropped, against its own usual (learnt from the first full
-  window: a rank's own periodic work is its normal), over `recurring_threshold` in
-  three windows in a row.
 - **Peers from step 1.** A rank whose cost is `peer_outlier` (1.12x) above its peer
   group's median *and* `peer_z` robust standard deviations out (the group's MAD: a
   group of unequal pipeline stages has a wide spread and never triggers this) is a
@@ -138,13 +133,6 @@ class ScoringConfig:
     # The cost baseline learns 10x slower than the short one: a ramp from 1.0 to 1.3 over
     # 2,000 steps lagged it by ~1 % only, and was never flagged before ~1.25x.
     cost_alpha: float = 0.005
-    # Short slowness that recurs window after window: the long window, nothing dropped,
-    # this much over the rank's usual for it in 3 windows in a row (the newest and the
-    # ones 1 and 2 windows before). 3x-10x for 3 steps in every 100 (the job 27 %
-    # slower) is a blip to every other score, each time, and was never flagged. 1.15:
-    # what #27 calls a straggler; two windows flagged healthy ranks with large pauses
-    # (2-20x, or 3-5 steps, 1 in 500 steps) ~2-3x as often as the rest of the scorer.
-    recurring_threshold: float = 1.15
     # Cost above the group median, whatever the history. 1.12: GPUs 5-9 % slower for
     # life (a hardware lottery) were flagged at 1.1; the issue asks for 1.15 from step 1.
     peer_outlier: float = 1.12
@@ -168,12 +156,10 @@ class ScoringConfig:
                 or self.cost_window < self.cost_fast or self.cost_cap <= 1 \
                 or self.cost_fast_cap <= 1 \
                 or self.peer_outlier <= 1 or self.peer_z <= 0 or self.confirm < 1 \
-                or self.recurring_threshold <= 1 \
                 or self.release < 1 or self.peer_confirm < 1:
             raise ValueError("cost_drop, cost_fast_drop >= 0, cost_window >= cost_fast >= "
-                             "3 + 2 cost_drop + cost_fast_drop, cost_cap, cost_fast_cap, "
-                             "recurring_threshold, peer_outlier > 1, peer_z > 0, confirm, "
-                             "release and "
+                             "3 + 2 cost_drop + cost_fast_drop, cost_cap, cost_fast_cap > 1, "
+                             "peer_outlier > 1, peer_z > 0, confirm, release and "
                              "peer_confirm >= 1 required")
 
 
@@ -257,17 +243,12 @@ class StragglerScorer:
         self._groups = [np.nonzero(g == k)[0] for k in np.unique(g)]
         self._rows: collections.deque[np.ndarray] = collections.deque(maxlen=c.window)
         self._ratios: collections.deque[np.ndarray] = collections.deque(maxlen=c.cost_window)
-        # (step, long cost, whole window) of the evaluations in the last two cost
-        # windows: the windows before
-        self._past: collections.deque[tuple[int, np.ndarray, np.ndarray]] = \
-            collections.deque()
+        # (step, long cost) of the evaluations in the last cost window: the window before
+        self._past_costs: collections.deque[tuple[int, np.ndarray]] = collections.deque()
         self.steps = 0
         self._since_eval = 0
         self._short = _Track(c.baseline_alpha, c.noise_floor)
         self._cost = _Track(c.cost_alpha, c.noise_floor)
-        # the whole long window's usual (nothing dropped): from the first full window,
-        # so a rank's own periodic work (rank 0's logging) is its normal; not saved
-        self._whole = _Track(c.cost_alpha, c.noise_floor)
         self._known: dict[str, dict[str, float]] = {}
         self._on = np.zeros(self.ranks, dtype=int)  # consecutive evaluations with evidence
         self._peer_on = np.zeros(self.ranks, dtype=int)  # ... with the peer evidence
@@ -361,22 +342,18 @@ class StragglerScorer:
         (fast_cost,) = self._trimmed_means(fast, c.cost_drop, single=c.cost_fast_drop)
         return cost, fast_cost, cost_less2, np.log(r.mean(axis=0))
 
-    def _priors(self, cost: np.ndarray,
-                whole: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _prior_cost(self, cost: np.ndarray) -> np.ndarray:
         """The long cost of the window before the current one (the newest evaluation at
-        least `cost_window` steps ago), the whole window there and one window earlier
-        (at least twice `cost_window` ago); NaN before there is one. `cost` and `whole`
-        are kept for later evaluations."""
-        c, past, now = self.config, self._past, self.steps
-        while len(past) > 1 and past[1][0] <= now - 2 * c.cost_window:
+        least `cost_window` steps ago; NaN before there is one), and `cost` kept for
+        later evaluations."""
+        c, past = self.config, self._past_costs
+        while len(past) > 1 and past[1][0] <= self.steps - c.cost_window:
             past.popleft()
-        nan = np.full(self.ranks, np.nan)
-        one = [p for p in past if p[0] <= now - c.cost_window]
-        two = past[0] if past and past[0][0] <= now - 2 * c.cost_window else None
-        prior, prior_whole = (one[-1][1], one[-1][2]) if one else (nan, nan)
+        prior = past[0][1] if past and past[0][0] <= self.steps - c.cost_window \
+            else np.full(self.ranks, np.nan)
         if np.isfinite(cost[0]) and len(self._ratios) == c.cost_window:
-            past.append((now, cost, whole))
-        return prior, prior_whole, nan if two is None else two[2]
+            past.append((self.steps, cost))
+        return prior
 
     @staticmethod
     def _trimmed_means(r: np.ndarray, run: int, runs: int = 1,
@@ -410,21 +387,6 @@ class StragglerScorer:
                 axis=0)
         return [np.log(t / (n - (i + 1) * run - single)) for i, t in enumerate(means)]
 
-    def _recurring(self, whole: np.ndarray, whole_1: np.ndarray, whole_2: np.ndarray,
-                   lim: np.ndarray) -> np.ndarray:
-        """Evidence of short slowness that recurs: the whole long window (nothing
-        dropped) over its usual by `recurring_threshold` (and the cost window's noise
-        limit) in this window and the two before it, and slower than a typical peer
-        now. Its usual is learnt from the windows the cost score finds calm: a healthy
-        rank's pauses are part of it. A flag is held on all of it, not half: held on
-        half, a straggler that recovered for 90 steps and relapsed was one incident."""
-        c = self.config
-        assert self._whole.base is not None
-        least = np.fmin(np.fmin(whole, whole_1), whole_2) - self._whole.base
-        least = np.where(np.isfinite(whole_1) & np.isfinite(whole_2), least, -np.inf)
-        limit = np.maximum(lim, math.log(c.recurring_threshold))
-        return (least > limit) & (whole > math.log(c.peer_threshold))
-
     @staticmethod
     def _winsorised(rows: np.ndarray, spread: float) -> np.ndarray:
         """Per rank, the mean of rows clipped at 4 spreads around the rank's median."""
@@ -442,10 +404,7 @@ class StragglerScorer:
         m = level + np.clip(dev, -4 * spread, 4 * spread).mean(axis=0)
         cost, fast, cost_less2, whole = self._cost_score()
         full = bool(np.isfinite(cost[0]))
-        prior, whole_1, whole_2 = self._priors(cost, whole)
-        if self._whole.base is None and len(self._ratios) == c.cost_window:
-            self._whole.base = whole.copy()  # its first full window is its usual
-            self._whole.var = np.full(self.ranks, c.noise_floor ** 2)
+        prior = self._prior_cost(cost)
         gross = math.log(c.gross_threshold)
         gross_on = m > gross  # ... if its parts agree (below)
         self_on = None
@@ -507,10 +466,6 @@ class StragglerScorer:
                     hold |= dc > keep * lim_c
                     if x is cost:
                         whole_hold |= (whole - self._cost.base > lim_c) & (dc > lim_c / 2)
-                        if self._whole.base is not None:  # from the first full window
-                            recurring = self._recurring(whole, whole_1, whole_2, lim_c)
-                            on |= recurring
-                            hold |= recurring
                     calm &= dc < lim_c / 2
         # The 10-step evidence counts only if the newest `every` steps (new since the last
         # evaluation) and the rest of the window each carry at least half of it: the
@@ -548,7 +503,5 @@ class StragglerScorer:
             self._short.update(m, calm)
             if full:
                 self._cost.update(cost, calm)
-                if self._whole.base is not None:
-                    self._whole.update(whole, calm)
         return Scores(self.steps, np.exp(m), np.exp(d), self.flagged.copy(),
                       np.exp(np.fmax(cost, fast)))
