@@ -48,10 +48,12 @@ step's end the callback asks the Trainer to save (`control.should_save`), and on
 every rank has saved (`on_save`) `Pulse.boundary` finishes the protocol at that step.
 An evaluation due there runs first and is kept: at an epoch's last step with
 evaluations by epoch, the save is asked for at `on_epoch_end`, after which the Trainer
-evaluates (asked for at the step's end, the restart left before it, and that epoch was
-never evaluated); with `save_strategy="best"` the Trainer decides the save after the
-evaluation (is it a new best?) and dropped the restart's (no save, no `on_save`, no
-restart): the callback sets the strategy to "steps" until `on_save`.
+evaluates, and a periodic save at that step's end does not leave (asked for at the
+step's end, the restart left before it, and that epoch was never evaluated); with
+`save_strategy="best"` the Trainer decides the save after the evaluation (is it a new
+best?) and dropped the restart's (no save, no `on_save`, no restart): the callback
+sets the strategy to "steps" until `on_save`. No restart at the run's last step: the
+run ends there (a resumed one trained a step past `max_steps`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class ClusterPulseCallback(TrainerCallback):
         self._step = OpenStep()
         self._restart_at: int | None = None  # agreed: leave once this step is saved
         self._best_strategy: Any = None  # args.save_strategy set aside for the restart
+        self._after_epoch = False  # the restart's save waits for the epoch's evaluation
         self._training = False  # from on_train_begin to on_train_end
         self._between: Any = None  # an open Pulse.evaluating() or Pulse.saving()
         self._evaluations_due = 0  # on_evaluate events before that evaluation is over
@@ -162,11 +165,15 @@ class ClusterPulseCallback(TrainerCallback):
         self._step.add(_batch_size(args, state))  # the step's last micro-batch
         self._step.end()  # the loss: no callback event carries it
         pulse = self._pulse()
-        if pulse.restart_requested(state.global_step):
+        # Not at the last step: the run ends there anyway, and a resumed one trained a
+        # step past max_steps (a review)
+        if state.global_step < state.max_steps and pulse.restart_requested(state.global_step):
             # the Trainer saves right after this event (or after the epoch's
             # evaluation: on_epoch_end asks); on_save then leaves
             self._restart_at = state.global_step
-            if not (args.eval_strategy == "epoch" and float(state.epoch or 0).is_integer()):
+            self._after_epoch = args.eval_strategy == "epoch" \
+                and float(state.epoch or 0).is_integer()
+            if not self._after_epoch:
                 self._save_for_restart(args, control)
         else:
             pulse.awaiting_input()
@@ -176,8 +183,9 @@ class ClusterPulseCallback(TrainerCallback):
     def on_epoch_end(self, args: Args, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         # the "epoch" strategies: decided as at a step's end, run after this event
-        if self._restart_at is not None and not control.should_save:
-            self._save_for_restart(args, control)  # after the epoch's evaluation
+        if self._after_epoch:  # the restart's save, after the epoch's evaluation
+            self._after_epoch = False
+            self._save_for_restart(args, control)
         self._enter_between(evaluate=control.should_evaluate, save=control.should_save)
 
     # -- evaluations and saves between steps ------------------------------------------------
@@ -209,8 +217,8 @@ class ClusterPulseCallback(TrainerCallback):
         pulse = self._pulse()
         if state.is_world_process_zero:
             pulse.checkpoint_committed(state.global_step)
-        if self._restart_at is None:
-            return
+        if self._restart_at is None or self._after_epoch:
+            return  # (a periodic save at the epoch's end: the restart's comes after it)
         # Every rank saved (the Trainer's save is collective): agree again at the same
         # step (the command or SIGTERM still stands), acknowledge, barrier, exit.
         pulse.boundary(self._restart_at, save=lambda step: None)

@@ -385,16 +385,18 @@ def test_hf_evaluations_and_saves_are_their_own_phases(tmp_path: Path, strategy:
     assert len(data_waits) == 4 and max(data_waits) < 0.3, data_waits  # no evaluation's
 
 
-@pytest.mark.parametrize("evaluations", ["steps", "epoch"])
+@pytest.mark.parametrize("evaluations,saves", [("steps", "best"), ("epoch", "best"),
+                                               ("epoch", "steps")])
 def test_hf_graceful_restart_where_an_evaluation_is_due_evaluates_saves_and_leaves(
-        tmp_path: Path, evaluations: str):
+        tmp_path: Path, evaluations: str, saves: str):
     """A restart agreed at step 4, where an evaluation is due (every 2 steps, or at the
-    end of the 4-step epoch), with save_strategy "best". The Trainer decides a "best"
-    save after the evaluation (is it a new best?) and overwrote the callback's request:
-    no save, no on_save, no boundary, and the restart (or a preemption's save) never
-    happened (a review). At an epoch's last step the restart left before the epoch's
-    evaluation, which was never made. Now the evaluation runs, then the save, and the
-    rank leaves; the strategy is the user's again after the save."""
+    end of the 4-step epoch). The Trainer decides a "best" save after the evaluation
+    (is it a new best?) and overwrote the callback's request: no save, no on_save, no
+    boundary, and the restart (or a preemption's save) never happened (a review). At
+    an epoch's last step the restart left before the epoch's evaluation, which was
+    never made, also when a periodic save (every 2 steps) fell there. Now the
+    evaluation runs, then the save, and the rank leaves; the strategy is the user's
+    again after the save."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from clusterpulse.integrations.hf import ClusterPulseCallback
@@ -409,9 +411,11 @@ def test_hf_graceful_restart_where_an_evaluation_is_due_evaluates_saves_and_leav
                 pulse.commands["cmd-1"] = "checkpoint-restart"
 
     every = {"eval_steps": 2} if evaluations == "steps" else {}
+    if saves == "steps":
+        every["save_steps"] = 2
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=2,
                              per_device_eval_batch_size=8, eval_strategy=evaluations,
-                             save_strategy="best", metric_for_best_model="loss",
+                             save_strategy=saves, metric_for_best_model="loss",
                              greater_is_better=True, report_to=[], use_cpu=True,
                              logging_strategy="no", disable_tqdm=True, **every)
     model = _Regressor(lambda training: training or evaluated.append(len(evaluated)))
@@ -427,4 +431,37 @@ def test_hf_graceful_restart_where_an_evaluation_is_due_evaluates_saves_and_leav
     assert (tmp_path / "checkpoint-4" / "trainer_state.json").is_file(), list(tmp_path.iterdir())
     # one batch of 8 per evaluation: steps 2 and 4, or the first epoch's end
     assert len(evaluated) == (2 if evaluations == "steps" else 1), evaluated
-    assert trainer.args.save_strategy == "best"
+    assert trainer.args.save_strategy == saves
+
+
+def test_hf_no_restart_at_the_last_step(tmp_path: Path):
+    """A restart agreed at the run's last step (max_steps, mid-epoch) saved and left
+    before the final evaluation, and the resumed run trained a step past max_steps (a
+    review). The run just finishes there: the command stays for the next start."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from clusterpulse.integrations.hf import ClusterPulseCallback
+
+    evaluated: list[int] = []
+    holder: list[ClusterPulseCallback] = []
+
+    class Command(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            pulse = holder[0].pulse
+            if state.global_step == 5 and pulse is not None:
+                pulse.commands["cmd-1"] = "checkpoint-restart"
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2,
+                             per_device_eval_batch_size=8, eval_strategy="epoch",
+                             save_strategy="no", report_to=[], use_cpu=True,
+                             logging_strategy="no", disable_tqdm=True)
+    model = _Regressor(lambda training: training or evaluated.append(len(evaluated)))
+    trainer = Trainer(model=model, args=args, train_dataset=_Pairs(), eval_dataset=_Pairs())
+    holder.append(ClusterPulseCallback.attach(trainer, run="r", agent=None, consensus_every=2))
+    trainer.add_callback(Command())
+    try:
+        trainer.train()  # no SystemExit
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert trainer.state.global_step == 6 and len(evaluated) == 2, evaluated  # steps 4, 6
