@@ -54,10 +54,10 @@ Three gaps that per-step scoring left (issue #27), closed here:
 - **Stable evidence.** A flag turns on after `confirm` consecutive evaluations (counted
   in steps, not seconds: one evaluation of a job with 30 s steps is 150 s) and off only
   after `release` evaluations without even half the evidence (all of it for the long
-  cost window, which is slow by itself, or of that window with nothing dropped: the
-  drops keep a blip from raising a flag, but a burst of 3x for 10 of every 100 steps
-  left ~1.1x after them, at the limit, and its flag turned on again at most bursts):
-  one incident, one flag. Evidence from `m`
+  cost window, which is slow by itself, or of that window with nothing dropped, for
+  one window past the rank's last evidence: the drops keep a blip from raising a flag,
+  but a burst of 3x for 10 of every 100 steps left ~1.1x after them, at the limit, and
+  its flag turned on again at most bursts): one incident, one flag. Evidence from `m`
   (the self and gross tests) counts towards turning a flag on only if the newest
   `every` steps and the rest of the window each carry at least half of it (its halves
   if `every` > window / 2): otherwise the 10-step window, which spans two evaluations,
