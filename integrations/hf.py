@@ -48,12 +48,14 @@ step's end the callback asks the Trainer to save (`control.should_save`), and on
 every rank has saved (`on_save`) `Pulse.boundary` finishes the protocol at that step.
 An evaluation due there runs first and is kept: at an epoch's last step with
 evaluations by epoch, the save is asked for at `on_epoch_end`, after which the Trainer
-evaluates, and a periodic save at that step's end does not leave (asked for at the
+evaluates, and stands for a periodic save due at that step's end (asked for at the
 step's end, the restart left before it, and that epoch was never evaluated); with
 `save_strategy="best"` the Trainer decides the save after the evaluation (is it a new
 best?) and dropped the restart's (no save, no `on_save`, no restart): the callback
-sets the strategy to "steps" until `on_save`. No restart at the run's last step: the
-run ends there (a resumed one trained a step past `max_steps`).
+sets the strategy to "steps" until `on_save`. No restart at the run's last step, nor
+where a callback stopped training (early stopping): the run ends there (a resumed one
+trained past its end). With an IterableDataset the Trainer knows no epoch length: an
+epoch's evaluation is then made by the resumed run.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class ClusterPulseCallback(TrainerCallback):
     # -- set-up and end ---------------------------------------------------------------
     def on_train_begin(self, args: Args, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        self._forget_restart(args)  # one a failed train() left agreed
         if self.pulse is None:
             info = init_distributed()  # the Trainer's group (or ours); the agreed attempt
             # the straggler baselines beside the checkpoints, as the reference trainer
@@ -175,6 +178,8 @@ class ClusterPulseCallback(TrainerCallback):
                 and float(state.epoch or 0).is_integer()
             if not self._after_epoch:
                 self._save_for_restart(args, control)
+            else:  # one save, the restart's, after the evaluation: a periodic one due
+                control.should_save = False  # now was a second full save of this step
         else:
             pulse.awaiting_input()
         # what the Trainer runs next, decided by its DefaultFlowCallback before us
@@ -217,8 +222,10 @@ class ClusterPulseCallback(TrainerCallback):
         pulse = self._pulse()
         if state.is_world_process_zero:
             pulse.checkpoint_committed(state.global_step)
+        if self._restart_at is not None and control.should_training_stop:
+            self._restart_at = None  # the run ends here (early stopping): no restart
         if self._restart_at is None or self._after_epoch:
-            return  # (a periodic save at the epoch's end: the restart's comes after it)
+            return  # (a save before the epoch's evaluation: the restart's comes after)
         # Every rank saved (the Trainer's save is collective): agree again at the same
         # step (the command or SIGTERM still stands), acknowledge, barrier, exit.
         pulse.boundary(self._restart_at, save=lambda step: None)
@@ -233,6 +240,12 @@ class ClusterPulseCallback(TrainerCallback):
         control.should_save = True
         if args.save_strategy == SaveStrategy.BEST:
             self._best_strategy, args.save_strategy = args.save_strategy, SaveStrategy.STEPS
+
+    def _forget_restart(self, args: Args) -> None:
+        """No restart pending, and the user's save strategy back."""
+        if self._best_strategy is not None:
+            args.save_strategy, self._best_strategy = self._best_strategy, None
+        self._restart_at, self._after_epoch = None, False
 
     def _enter_between(self, evaluate: bool, save: bool) -> None:
         """Announce an evaluation (else a save) the Trainer runs before the next step."""

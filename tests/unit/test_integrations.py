@@ -395,8 +395,9 @@ def test_hf_graceful_restart_where_an_evaluation_is_due_evaluates_saves_and_leav
     boundary, and the restart (or a preemption's save) never happened (a review). At
     an epoch's last step the restart left before the epoch's evaluation, which was
     never made, also when a periodic save (every 2 steps) fell there. Now the
-    evaluation runs, then the save, and the rank leaves; the strategy is the user's
-    again after the save."""
+    evaluation runs, then the save (one: the periodic one due there was a second full
+    save of the step), and the rank leaves; the strategy is the user's again after the
+    save."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from clusterpulse.integrations.hf import ClusterPulseCallback
@@ -404,11 +405,16 @@ def test_hf_graceful_restart_where_an_evaluation_is_due_evaluates_saves_and_leav
     evaluated: list[int] = []
     holder: list[ClusterPulseCallback] = []
 
+    saved: list[int] = []
+
     class Command(TrainerCallback):  # as the agent delivers one, after step 3
         def on_step_end(self, args, state, control, **kwargs):
             pulse = holder[0].pulse
             if state.global_step == 3 and pulse is not None:
                 pulse.commands["cmd-1"] = "checkpoint-restart"
+
+        def on_save(self, args, state, control, **kwargs):  # runs after ours: not at 4
+            saved.append(state.global_step)
 
     every = {"eval_steps": 2} if evaluations == "steps" else {}
     if saves == "steps":
@@ -432,12 +438,16 @@ def test_hf_graceful_restart_where_an_evaluation_is_due_evaluates_saves_and_leav
     # one batch of 8 per evaluation: steps 2 and 4, or the first epoch's end
     assert len(evaluated) == (2 if evaluations == "steps" else 1), evaluated
     assert trainer.args.save_strategy == saves
+    assert 4 not in saved, saved  # the restart's save left in ours; none before it
 
 
-def test_hf_no_restart_at_the_last_step(tmp_path: Path):
+@pytest.mark.parametrize("end", ["max_steps", "early stopping"])
+def test_hf_no_restart_where_the_run_ends(tmp_path: Path, end: str):
     """A restart agreed at the run's last step (max_steps, mid-epoch) saved and left
-    before the final evaluation, and the resumed run trained a step past max_steps (a
-    review). The run just finishes there: the command stays for the next start."""
+    before the final evaluation, and the resumed run trained a step past max_steps; one
+    agreed where a callback stops training after the epoch's evaluation (early
+    stopping) left too, and the resumed run trained past the stop (reviews). The run
+    just finishes there."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from clusterpulse.integrations.hf import ClusterPulseCallback
@@ -445,11 +455,17 @@ def test_hf_no_restart_at_the_last_step(tmp_path: Path):
     evaluated: list[int] = []
     holder: list[ClusterPulseCallback] = []
 
+    stop_at = 4 if end == "early stopping" else None
+
     class Command(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             pulse = holder[0].pulse
-            if state.global_step == 5 and pulse is not None:
+            if state.global_step == (stop_at or 6) - 1 and pulse is not None:
                 pulse.commands["cmd-1"] = "checkpoint-restart"
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            if state.global_step == stop_at:
+                control.should_training_stop = True  # as EarlyStoppingCallback
 
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2,
                              per_device_eval_batch_size=8, eval_strategy="epoch",
@@ -464,4 +480,7 @@ def test_hf_no_restart_at_the_last_step(tmp_path: Path):
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    assert trainer.state.global_step == 6 and len(evaluated) == 2, evaluated  # steps 4, 6
+    if stop_at:
+        assert trainer.state.global_step == 4 and len(evaluated) == 1, evaluated
+    else:
+        assert trainer.state.global_step == 6 and len(evaluated) == 2, evaluated  # 4, 6
