@@ -484,3 +484,44 @@ def test_hf_no_restart_where_the_run_ends(tmp_path: Path, end: str):
         assert trainer.state.global_step == 4 and len(evaluated) == 1, evaluated
     else:
         assert trainer.state.global_step == 6 and len(evaluated) == 2, evaluated  # 4, 6
+
+
+def test_hf_a_train_that_failed_in_a_restart_evaluation_leaves_the_next_one_as_the_user_set_it(
+        tmp_path: Path):
+    """An evaluation that raised between a restart's agreement and its save (save_strategy
+    "best", the callback having set it to "steps" for the restart's save) left the
+    user's strategy changed: the next train() saved by steps (a review). It is theirs
+    again when the next train() begins."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from clusterpulse.integrations.hf import ClusterPulseCallback
+
+    holder: list[ClusterPulseCallback] = []
+
+    def forward(training: bool) -> None:
+        if not training:
+            raise RuntimeError("the evaluation failed")
+
+    class Command(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            pulse = holder[0].pulse
+            if state.global_step == 3 and pulse is not None:
+                pulse.commands["cmd-1"] = "checkpoint-restart"
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=2,
+                             per_device_eval_batch_size=8, eval_strategy="epoch",
+                             save_strategy="best", metric_for_best_model="loss", report_to=[],
+                             use_cpu=True, logging_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=_Regressor(forward), args=args, train_dataset=_Pairs(),
+                      eval_dataset=_Pairs())
+    holder.append(ClusterPulseCallback.attach(trainer, run="r", agent=None, consensus_every=2))
+    trainer.add_callback(Command())
+    try:
+        with pytest.raises(RuntimeError, match="the evaluation failed"):
+            trainer.train()
+        assert trainer.args.save_strategy == "steps"  # the restart's, when it raised
+        holder[0].on_train_begin(trainer.args, trainer.state, trainer.control)
+        assert trainer.args.save_strategy == "best"
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
