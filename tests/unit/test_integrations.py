@@ -180,6 +180,17 @@ class _Batches(torch.utils.data.Dataset):
         return torch.full((2,), float(i))
 
 
+def _fit(trainer: Any, model: Any) -> None:
+    """Lightning's fit on _Batches (train and validation); the callback's world of one
+    is not left to the next test."""
+    try:
+        loader = torch.utils.data.DataLoader(_Batches(), batch_size=2)
+        trainer.fit(model, loader, torch.utils.data.DataLoader(_Batches(), batch_size=2))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def test_lightning_never_agrees_or_saves_at_an_epochs_last_batch_or_before_validation(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Lightning 2.6 restores a checkpoint saved at an epoch's last batch as the epoch
@@ -211,12 +222,7 @@ def test_lightning_never_agrees_or_saves_at_an_epochs_last_batch_or_before_valid
                          accelerator="cpu", devices=1, max_epochs=2, val_check_interval=4,
                          limit_val_batches=1, num_sanity_val_steps=0,
                          enable_progress_bar=False, enable_model_summary=False)
-    try:
-        loader = torch.utils.data.DataLoader(_Batches(), batch_size=2)
-        trainer.fit(Tiny(), loader, torch.utils.data.DataLoader(_Batches(), batch_size=2))
-    finally:  # the callback's world of one: not left to the next test
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    _fit(trainer, Tiny())
     assert trainer.global_step == 12
     # not 4 or 10 (validation follows), 6 or 12 (each epoch's last)
     assert steps == [1, 2, 3, 5, 7, 8, 9, 11], steps
@@ -264,12 +270,7 @@ def test_lightning_validation_is_phase_evaluate_and_training_takes_its_phase_bac
                          accelerator="cpu", devices=1, max_steps=6, val_check_interval=3,
                          limit_val_batches=1, num_sanity_val_steps=1,
                          enable_progress_bar=False, enable_model_summary=False)
-    try:
-        loader = torch.utils.data.DataLoader(_Batches(), batch_size=2)
-        trainer.fit(Tiny(), loader, torch.utils.data.DataLoader(_Batches(), batch_size=2))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    _fit(trainer, Tiny())
     validating = [phase for what, phase in seen if what == "validate"]
     assert len(validating) == 3 and set(validating) == {"evaluate"}, seen  # sanity + 2
     assert "evaluate" not in {phase for what, phase in seen if what == "train"}, seen
