@@ -19,7 +19,7 @@ from clusterpulse.agent.attribution import GpuAttribution
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.backends import Backend, BackendError
 from clusterpulse.agent.faults import FaultError, load_scenario
-from clusterpulse.agent.httpsafe import tls_context
+from clusterpulse.agent.httpsafe import listen_address, tls_context
 from clusterpulse.agent.identity import still_running
 from clusterpulse.agent.logsetup import setup_logging
 from clusterpulse.agent.ranks import RankRegistry, RankState
@@ -64,13 +64,6 @@ class UsageError(Exception):
 # A node's name as hosts, Kubernetes and Slurm give it. A quote or a backslash would
 # break the alert templates that query the node's evidence by its label.
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}")
-
-
-def parse_addr(text: str, what: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise UsageError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9477), got {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def read_token(path: Path) -> Tokens:
@@ -233,7 +226,10 @@ def run(args: argparse.Namespace) -> int:
                          "series and into the alerts' PromQL")
     if args.interval <= 0:
         raise UsageError("--interval must be > 0 seconds")
-    host, port = parse_addr(args.listen, "--listen")
+    try:
+        host, port = listen_address(args.listen)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     try:
         telemetry = protocol.parse_address(args.telemetry)
     except ValueError as err:

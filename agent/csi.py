@@ -44,6 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from clusterpulse import __version__
+from clusterpulse.agent.httpsafe import listen_address
 from clusterpulse.agent.logsetup import setup_logging
 from clusterpulse.agent.protocol import DEFAULT_SOCKET_PATH
 
@@ -253,7 +254,7 @@ def serve_health(listen: str, publisher_dir: str, endpoint: str) -> ThreadingHTT
     agent's directory are there, 503 otherwise (a deleted socket leaves the kubelet
     unable to reach the plugin: restarting it makes the socket again). Whether the
     agent is up is the agent's own probe's business: a publish does not need it."""
-    host, _, port = listen.rpartition(":")
+    host, port = listen_address(listen, "--health-listen")
     grpc_socket = parse_endpoint(endpoint)
 
     class Health(BaseHTTPRequestHandler):
@@ -272,7 +273,7 @@ def serve_health(listen: str, publisher_dir: str, endpoint: str) -> ThreadingHTT
         def log_message(self, *args: object) -> None:  # probes every few seconds: quiet
             pass
 
-    server = ThreadingHTTPServer((host.strip("[]") or "127.0.0.1", int(port)), Health)
+    server = ThreadingHTTPServer((host, port), Health)
     threading.Thread(target=server.serve_forever, name="csi-health", daemon=True).start()
     return server
 

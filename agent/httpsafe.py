@@ -198,6 +198,9 @@ class SafeServer(ThreadingHTTPServer):
         self.refused_busy = 0
         self.refused_handshakes = 0  # TLS connections closed over their client's rate
         raise_fd_limit()
+        # A bind that fails (the port is held) calls server_close from inside
+        # super().__init__, before the gate exists.
+        self._gate: _Gate | None = None
         super().__init__(addr, handler)
         self._gate = _Gate(self)
 
@@ -282,11 +285,21 @@ class SafeServer(ThreadingHTTPServer):
 
     def server_close(self) -> None:
         super().server_close()
-        self._gate.close()
+        if self._gate is not None:
+            self._gate.close()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """One bad connection is logged, never printed as a traceback on stderr."""
         log.warning("error serving %s", client_address[0], exc_info=True)
+
+
+def listen_address(text: str, what: str = "--listen") -> tuple[str, int]:
+    """HOST:PORT as every server's --listen takes it ([::1]:9477 for IPv6; no host is
+    loopback). Raises ValueError naming `what` and the form expected."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9477), got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def raise_fd_limit(want: int = 65536) -> int:

@@ -78,6 +78,7 @@ from clusterpulse.agent.httpsafe import (
     SafeHandler,
     SafeServer,
     content_length,
+    listen_address,
     parse_json_object,
     read_body,
 )
@@ -905,10 +906,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.dry_run:
         policy.dry_run = True
-    host, _, port = a.listen.rpartition(":")
     rem = Remediator(policy, PrometheusClient(a.prometheus, auth=prom_auth), token,
                      AuditLog(a.audit_log), a.history)
-    serve(rem, host or "127.0.0.1", int(port), hook_tokens)
+    try:
+        host, port = listen_address(a.listen)
+        serve(rem, host, port, hook_tokens)
+    except (ValueError, OSError) as err:
+        print(f"clusterpulse-remediate: error: cannot listen on {a.listen}: "
+              f"{getattr(err, 'strerror', None) or err}", file=sys.stderr)
+        return 2
     print(f"clusterpulse-remediate: listening on http://{a.listen}/alertmanager "
           f"({len(policy.rules)} rules, dry_run={policy.dry_run})", flush=True)
     threading.Event().wait()

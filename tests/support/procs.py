@@ -72,6 +72,25 @@ class Proc:
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def wait_ready(self, url: str, timeout: float, what: str) -> None:
+        """Poll `url` until it answers 2xx. A process that exits first fails at once,
+        and either failure shows the end of its log: CI once reported only "connection
+        refused" for an agent that had died at start."""
+        def ready() -> object:
+            if self.p.poll() is not None:
+                return "exited"
+            return _http().get(url, timeout=1).ok
+
+        try:
+            exited = wait_until(ready, timeout, what) == "exited"
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n--- the end of {self.log_path} ---\n"
+                                 f"{self.output()[-3000:]}") from None
+        if exited:
+            raise AssertionError(f"{what}: the process exited ({self.p.returncode}) first"
+                                 f"\n--- the end of {self.log_path} ---\n"
+                                 f"{self.output()[-3000:]}")
+
 
 def start_agent_cli(tmp: Path, node: str, gpus: int = 4, token_file: Path | None = None,
                     extra: list[str] | None = None,
@@ -89,8 +108,7 @@ def start_agent_cli(tmp: Path, node: str, gpus: int = 4, token_file: Path | None
     if token_file:
         args += ["--token-file", str(token_file)]
     proc = Proc(args + (extra or []), tmp / f"agent-{node}.log", cwd=REPO)
-    wait_until(lambda: _http().get(f"http://127.0.0.1:{port}/healthz", timeout=1).ok,
-               20, f"agent {node} healthz")
+    proc.wait_ready(f"http://127.0.0.1:{port}/healthz", 20, f"agent {node} healthz")
     return proc, port, telemetry
 
 
@@ -154,8 +172,7 @@ class Prometheus:
     def start(self) -> None:
         """(Re)start on the same port and data: an outage the dashboard must survive."""
         self.proc = Proc(self.args, self.dir / "prometheus.log")
-        wait_until(lambda: _http().get(self.url + "/-/ready", timeout=1).ok, 30,
-                   "prometheus ready")
+        self.proc.wait_ready(self.url + "/-/ready", 30, "prometheus ready")
 
     def query(self, promql: str, at: float | None = None) -> list[dict]:
         """An instant query, now or at unix time `at`."""
@@ -193,8 +210,7 @@ class Alertmanager:
                           f"--storage.path={self.dir / 'data'}",
                           f"--web.listen-address=127.0.0.1:{self.port}",
                           "--cluster.listen-address="], self.dir / "alertmanager.log")
-        wait_until(lambda: _http().get(self.url + "/-/ready", timeout=1).ok, 30,
-                   "alertmanager ready")
+        self.proc.wait_ready(self.url + "/-/ready", 30, "alertmanager ready")
 
     def alerts(self) -> list[dict]:
         r = _http().get(self.url + "/api/v2/alerts", timeout=5)

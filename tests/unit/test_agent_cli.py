@@ -22,3 +22,30 @@ def test_a_node_name_that_would_break_the_alerts_queries_is_refused(node, capsys
                                   "DGX-A100-07", "x" * 253])
 def test_host_kubernetes_and_slurm_node_names_are_accepted(node):
     assert NODE_NAME.fullmatch(node)
+
+
+@pytest.mark.parametrize(("listen", "reason"), [
+    ("127.0.0.1:{taken}", "Address already in use"),
+    ("127.0.0.1:http", "--listen must be HOST:PORT"),
+    ("nowhere", "--listen must be HOST:PORT"),
+])
+def test_an_address_it_cannot_listen_on_is_one_line_naming_it(listen, reason, tmp_path,
+                                                               capsys):
+    """A port another process holds (in CI, a neighbour that took it first) ended in
+    two tracebacks: the bind's, then the server's cleanup failing on a gate it never
+    built. The operator needs the address and the reason, in one line, exit 2."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        listen = listen.format(taken=held.getsockname()[1])
+        run_dir = tmp_path / "run"
+        run_dir.mkdir(mode=0o700)
+        code = main(["--backend", "sim", "--node", "n0", "--listen", listen,
+                     "--telemetry", f"unix:{run_dir}/agent.sock",
+                     "--audit-log", str(tmp_path / "audit.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("clusterpulse-agent: error: ") and err.count("\n") == 1, err
+    assert listen in err and reason in err, err

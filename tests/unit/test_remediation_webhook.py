@@ -526,3 +526,27 @@ def test_a_store_password_file_that_cannot_be_read_is_an_error_naming_it(tmp_pat
     assert capsys.readouterr().err == ("clusterpulse-remediate: error: "
                                        "--prometheus-password-file: cannot read the password "
                                        f"file {missing}: No such file or directory\n")
+
+
+@pytest.mark.parametrize(("listen", "reason"), [
+    ("127.0.0.1:{taken}", "Address already in use"),
+    ("127.0.0.1:http", "--listen must be HOST:PORT"),
+])
+def test_an_address_the_webhook_cannot_listen_on_is_one_line_naming_it(listen, reason,
+                                                                      tmp_path, capsys):
+    """As the agent's: a held port or a malformed --listen was a traceback."""
+    import socket
+
+    (tmp_path / "hook-token").write_text(HOOK + "\n")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        listen = listen.format(taken=held.getsockname()[1])
+        code = remediation.main(["--policy", str(REPO / "deploy/local/policy.toml"),
+                                 "--webhook-token-file", str(tmp_path / "hook-token"),
+                                 "--audit-log", str(tmp_path / "audit.jsonl"),
+                                 "--listen", listen])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("clusterpulse-remediate: error: ") and err.count("\n") == 1, err
+    assert listen in err and reason in err, err
