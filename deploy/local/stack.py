@@ -15,7 +15,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clusterpulse.agent.tokens import write_secret
+from clusterpulse.trainer.torchrun import port_below_ephemeral
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -145,10 +145,9 @@ def duration_s(text: str) -> float:
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now (for central services of concurrent runs)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now (for central services of concurrent runs), from below the
+    ephemeral range as the ranks' store takes its own."""
+    return port_below_ephemeral()
 
 
 def wait_http(url: str, timeout: float, auth: tuple[str, str] | None = None) -> bool:
