@@ -250,13 +250,17 @@ def run(args: argparse.Namespace) -> int:
     ranks = RankRegistry(max_ranks=args.max_ranks, grace_s=args.rank_grace)
     pods = make_pod_resources(args.pod_resources)
     backend = make_backend(args, ranks)
+    agent: Agent | None = None
     try:
         agent = Agent(backend, args.node, ranks, AuditLog(args.audit_log),
                       interval_s=args.interval, telemetry_addr=telemetry)
         server = make_server(agent, host, port, token, tls=tls,
                              max_connections=args.max_connections)
     except OSError as err:
-        backend.close()
+        if agent is not None:  # its telemetry socket is bound: closed and removed
+            agent.stop()
+        else:
+            backend.close()
         if pods is not None:
             pods.close()
         raise UsageError(

@@ -307,10 +307,18 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()  # set before serving: a SIGTERM at start is not lost
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.health_listen:  # first: its 503 until the plugin's socket is there is right
+        try:
+            serve_health(args.health_listen, args.socket_dir, args.endpoint)
+        except ValueError as err:  # names the flag
+            print(f"clusterpulse-csi: {err}", file=sys.stderr)
+            return 2
+        except OSError as err:
+            print(f"clusterpulse-csi: cannot listen on {args.health_listen}: "
+                  f"{err.strerror or err}", file=sys.stderr)
+            return 2
     try:
         server = serve(args.endpoint, args.socket_dir, args.node_id, __version__)
-        if args.health_listen:
-            serve_health(args.health_listen, args.socket_dir, args.endpoint)
     except (OSError, ValueError) as err:
         print(f"clusterpulse-csi: {err}", file=sys.stderr)
         return 2

@@ -183,12 +183,14 @@ def store_port_range() -> tuple[int, int] | None:
     return (LOWEST_PORT, high) if high >= LOWEST_PORT else None
 
 
-def port_below_ephemeral(tries: int = 64, kind: int = socket.SOCK_STREAM) -> int:
-    """A port free now in `store_port_range()` outside NOT_STORE_PORTS (3. above), or,
-    where there is none, one the kernel gives (torch's own choice, said in the log).
-    The local demo's services and the tests' servers take theirs here too, for the same
-    reason: an ephemeral port can go to an outgoing connection before they bind it."""
-    span = store_port_range()
+def port_below_ephemeral(tries: int = 64, kind: int = socket.SOCK_STREAM,
+                         span: tuple[int, int] | None = None) -> int:
+    """A port free now in `span` (default `store_port_range()`) outside NOT_STORE_PORTS
+    (3. above), or, where there is none, one the kernel gives (torch's own choice, said
+    in the log). The local demo's services and the tests' servers take theirs here too,
+    for the same reason: an ephemeral port can go to an outgoing connection before they
+    bind it."""
+    span = span or store_port_range()
     if span is not None:
         for port in random.sample(range(span[0], span[1] + 1), min(tries, span[1] + 1 - span[0])):
             if any(a <= port <= b for a, b in NOT_STORE_PORTS):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -267,6 +268,20 @@ def test_the_command_says_what_it_needs():
                          text=True, timeout=60, env={**os.environ, "NODE_NAME": ""})
     assert bad.returncode == 2 and "--endpoint must be unix:///PATH" in bad.stderr, bad
     assert "Traceback" not in bad.stderr
+    # the probes' address held by another process, or not HOST:PORT: the address and
+    # why, in one line (a held port gave Errno 98 without the address)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = f"127.0.0.1:{held.getsockname()[1]}"
+        for listen, why in ((taken, f"cannot listen on {taken}: Address already in use"),
+                            ("127.0.0.1:http", "--health-listen must be HOST:PORT")):
+            r = subprocess.run([sys.executable, "-m", "clusterpulse.agent.csi", "--node-id",
+                                "n", "--socket-dir", "/nonexistent/agent-dir",
+                                "--health-listen", listen], cwd=REPO, capture_output=True,
+                               text=True, timeout=60)
+            assert r.returncode == 2 and why in r.stderr, r
+            assert r.stderr.count("\n") == 1, r.stderr
     # the agent's directory mounted read-write: binds from it would be writable by pods
     rw = subprocess.run([sys.executable, "-m", "clusterpulse.agent.csi", "--node-id", "n",
                          "--endpoint", "unix:///tmp/cp-csi-never/csi.sock", "--socket-dir",

@@ -33,7 +33,8 @@ def test_an_address_it_cannot_listen_on_is_one_line_naming_it(listen, reason, tm
                                                                capsys):
     """A port another process holds (in CI, a neighbour that took it first) ended in
     two tracebacks: the bind's, then the server's cleanup failing on a gate it never
-    built. The operator needs the address and the reason, in one line, exit 2."""
+    built. The operator needs the address and the reason, in one line, exit 2, and
+    nothing left behind."""
     import socket
 
     with socket.socket() as held:
@@ -49,3 +50,4 @@ def test_an_address_it_cannot_listen_on_is_one_line_naming_it(listen, reason, tm
     assert code == 2, err
     assert err.startswith("clusterpulse-agent: error: ") and err.count("\n") == 1, err
     assert listen in err and reason in err, err
+    assert not (run_dir / "agent.sock").exists()  # the telemetry socket bound first: gone
