@@ -54,13 +54,7 @@ def bind_unix(path: str) -> socket.socket:
                            "could replace the "
                            "telemetry socket and impersonate the agent; use a directory "
                            "only the agent's user can write (e.g. /run/clusterpulse)")
-    if p.is_socket():
-        # A stale socket from an agent that died: nobody answers on it any more.
-        if _someone_listens(path):
-            raise ChannelError(f"another agent is listening on {path}")
-        p.unlink()
-    elif p.exists():
-        raise ChannelError(f"{path} exists and is not a socket")
+    remove_stale_socket(path, "another agent")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.bind(path)
@@ -73,10 +67,23 @@ def bind_unix(path: str) -> socket.socket:
     return sock
 
 
+def remove_stale_socket(path: str, who: str) -> None:
+    """Clear `path` for a new socket: a socket nobody answers on (left by a process that
+    died) is removed; a live one (`who` is listening) or anything that is not a socket
+    is an error, never deleted."""
+    p = Path(path)
+    if p.is_socket():
+        if _someone_listens(path):
+            raise ChannelError(f"{who} is listening on {path}")
+        p.unlink()
+    elif p.exists() or p.is_symlink():
+        raise ChannelError(f"{path} exists and is not a socket")
+
+
 def _someone_listens(path: str) -> bool:
-    """Whether a live socket of either kind answers at `path` (an older agent used a
-    datagram socket there)."""
-    for kind in (socket.SOCK_SEQPACKET, socket.SOCK_DGRAM):
+    """Whether a live socket of any kind answers at `path` (an older agent used a
+    datagram socket there; gRPC's are streams)."""
+    for kind in (socket.SOCK_SEQPACKET, socket.SOCK_DGRAM, socket.SOCK_STREAM):
         probe = socket.socket(socket.AF_UNIX, kind)
         try:
             probe.connect(path)

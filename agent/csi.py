@@ -44,6 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from clusterpulse import __version__
+from clusterpulse.agent.channel import remove_stale_socket
 from clusterpulse.agent.httpsafe import listen_address
 from clusterpulse.agent.logsetup import setup_logging
 from clusterpulse.agent.protocol import DEFAULT_SOCKET_PATH
@@ -232,8 +233,9 @@ def serve(endpoint: str, socket_dir: str, node_id: str, version: str):
                              "read-only (readOnly: true): binds taken from it would let pods "
                              "make files in the agent's directory")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)  # a stale socket of a plugin that died: the kubelet redials
+    # a stale socket of a plugin that died goes (the kubelet redials); a live plugin's
+    # socket or a file that is not a socket stays, and this one does not start
+    remove_stale_socket(path, "another plugin")
     identity, node, rpc = _servicers(Publisher(socket_dir), node_id, version)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     rpc.add_IdentityServicer_to_server(identity, server)

@@ -298,6 +298,26 @@ def test_the_command_says_what_it_needs():
     shutil.rmtree(f"/tmp/{'x' * 120}", ignore_errors=True)
 
 
+def test_a_file_or_a_live_plugin_at_the_endpoint_is_left_alone(tmp_path):
+    """The plugin cleared its endpoint with a bare unlink: a mistyped --endpoint
+    deleted whatever file was there, and a second plugin took a live one's socket."""
+    kept = tmp_path / "notes.txt"
+    kept.write_text("keep me")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live:
+        live.bind(str(tmp_path / "live.sock"))
+        live.listen()
+        for path, why in ((kept, "exists and is not a socket"),
+                          (tmp_path / "live.sock", "another plugin is listening on")):
+            r = subprocess.run([sys.executable, "-m", "clusterpulse.agent.csi", "--node-id",
+                                "n", "--socket-dir", "/nonexistent/agent-dir",
+                                "--endpoint", f"unix://{path}"], cwd=REPO,
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and why in r.stderr and str(path) in r.stderr, r
+            assert "Traceback" not in r.stderr
+        assert (tmp_path / "live.sock").is_socket()
+    assert kept.read_text() == "keep me"
+
+
 def test_without_the_kubernetes_extra_it_says_which_to_install():
     blocked = ("import importlib.abc, sys\n"
                "class NotInstalled(importlib.abc.MetaPathFinder):\n"
