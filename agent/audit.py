@@ -94,7 +94,7 @@ def _head_of(fd: int) -> tuple[Head, bool]:
     try:
         rec = json.loads(last)
         seq = rec["seq"] if isinstance(rec, dict) else None
-    except ValueError:
+    except (ValueError, KeyError, RecursionError):  # RecursionError: a forged `[[[...`
         seq = None
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
         # a line from before sequence numbers, or garbage: count on from its position
@@ -237,7 +237,7 @@ class AuditLog:
             for line in f:
                 try:
                     rec = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
                 if isinstance(rec, dict):
                     out.append(rec)
@@ -282,7 +282,7 @@ def verify(path: Path, expect: Head | Sequence[Head] | None = None) -> Verdict:
         v.records = n
         try:
             rec = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             rec = None
         if not isinstance(rec, dict):
             v.breaks.append((n, "not a JSON object (a forged or damaged line)"))

@@ -49,6 +49,27 @@ def test_a_forged_line_is_a_break(tmp_path):
     assert verify_chain(path) == [3, 4]
 
 
+def test_a_line_nested_too_deep_to_parse_is_a_break_not_a_crash(tmp_path):
+    """Found by a review: a forged line `[[[...` 200,000 deep raised RecursionError in
+    verify, and, as the file's last line, in the head every /metrics scrape of the
+    agent publishes: the node's metrics were lost. It is a forged line, like `[]`."""
+    from clusterpulse.agent.audit import file_head
+
+    path = tmp_path / "audit.jsonl"
+    _log(path, 2)
+    lines = path.read_text().splitlines()
+    deep = "[" * 200_000
+    _rewrite(path, [*lines, deep])
+    assert verify_chain(path) == [3]
+    assert file_head(path).seq == 3  # counted on from its position, as other garbage
+    log = AuditLog(path)  # a writer chains on after it
+    log.write("ops", "restart", "r9", "delivered", run="r9")
+    assert log.head.seq == 4 and verify_chain(path) == [3]
+    assert len(log.read()) == 3  # the reader skips it
+    _rewrite(path, [*lines, "{}"])  # an object without a sequence number: the same
+    assert file_head(path).seq == 3
+
+
 def test_reordering_and_a_rewritten_anchor_are_breaks(tmp_path):
     path = tmp_path / "audit.jsonl"
     _log(path, 4)
