@@ -81,6 +81,8 @@ class Tokens:
             text = path.read_text()
         except OSError as err:
             raise TokenError(f"cannot read token file {path}: {err.strerror}") from None
+        except UnicodeDecodeError as err:
+            raise TokenError(f"token file {path} is not UTF-8 text: {err}") from None
         return cls.parse(text, str(path)), bool(mode & (stat.S_IRGRP | stat.S_IROTH))
 
 

@@ -50,8 +50,9 @@ class Settings:
         if self.agent_token_file is None:
             return None
         try:
-            return self.agent_token_file.read_text().strip() or None
-        except OSError:
+            return read_secret_file(self.agent_token_file, "CLUSTERPULSE_AGENT_TOKEN_FILE") \
+                or None
+        except SettingsError:
             return None
 
 
@@ -84,13 +85,18 @@ def basic_auth(user: str, password_file: Path | None,
     and nothing said the file was the cause (`setting` says where it was given)."""
     if password_file is None:
         return None
+    password = read_secret_file(password_file, setting, "password")
+    return (user, password) if password else None
+
+
+def read_secret_file(path: Path, setting: str, what: str = "token") -> str:
+    """The secret in `path`, stripped (empty: none). SettingsError, one line naming the
+    setting and the file, when it cannot be read or is not UTF-8 text."""
     try:
-        password = password_file.read_text().strip()
+        return path.read_text().strip()
     except (OSError, UnicodeDecodeError) as err:
         why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise SettingsError(f"{setting}: cannot read the password file {password_file}: "
-                            f"{why}") from None
-    return (user, password) if password else None
+        raise SettingsError(f"{setting}: cannot read the {what} file {path}: {why}") from None
 
 
 def add_store_auth(p: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:

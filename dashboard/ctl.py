@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         prom = PrometheusClient(a.prometheus, auth=config.store_auth(a))
+        token = config.read_secret_file(a.token_file, "--token-file") or None \
+            if a.token_file else None
     except config.SettingsError as err:  # unreadable password file: not 401 from the store
         print(f"clusterpulse-ctl: error: {err}", file=sys.stderr)
         return 2
@@ -203,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
             for node, url in sorted(actions.agents_for_run(prom, a.run).items()):
                 print(f"{node}\t{url}")
             return 0
-        token = a.token_file.read_text().strip() if a.token_file else None
         who = f"{caller()}@cli"
         if a.cmd == "escalate":
             res = actions.escalate_command(prom, a.run, a.command, a.reason, who, token,

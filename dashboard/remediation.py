@@ -898,7 +898,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(a.log_level)
     try:
         policy = Policy.load(a.policy)
-        token = a.token_file.read_text().strip() if a.token_file else None
+        token = config.read_secret_file(a.token_file, "--token-file") or None \
+            if a.token_file else None
         prom_auth = config.store_auth(a)
         hook_tokens, _ = Tokens.load(a.webhook_token_file)
     except (PolicyError, OSError, TokenError, config.SettingsError) as err:

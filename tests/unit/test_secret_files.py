@@ -139,3 +139,38 @@ def test_the_readmes_token_command_creates_it_private(tmp_path):
                        cwd=tmp_path, check=True)
         assert mode(tmp_path / "token") == 0o600
         assert len((tmp_path / "token").read_text().strip()) == 64
+
+
+@pytest.mark.parametrize("command", ["agent", "remediate webhook", "remediate agents",
+                                     "ctl"])
+def test_a_token_file_that_is_not_text_is_one_line_naming_it(command, tmp_path, capsys):
+    """Found by a review: a token file with bytes that are not UTF-8 (a binary secret,
+    a file in another encoding) was a UnicodeDecodeError traceback in all three."""
+    from clusterpulse.agent import cli as agent_cli
+    from clusterpulse.dashboard import ctl, remediation
+
+    bad = tmp_path / "token"
+    bad.write_bytes(b"tok\xff\xfe" + b"a" * 40)
+    good = tmp_path / "hook-token"
+    good.write_text("alertmanager-hook-token-0123456789\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    policy = ["--policy", str(REPO / "deploy/local/policy.toml"),
+              "--audit-log", str(tmp_path / "audit.jsonl")]
+    code = {
+        "agent": lambda: agent_cli.main(
+            ["--backend", "sim", "--listen", "127.0.0.1:0", "--token-file", str(bad),
+             "--telemetry", f"unix:{run_dir}/agent.sock",
+             "--audit-log", str(tmp_path / "audit.jsonl")]),
+        "remediate webhook": lambda: remediation.main(
+            [*policy, "--webhook-token-file", str(bad)]),
+        "remediate agents": lambda: remediation.main(
+            [*policy, "--webhook-token-file", str(good), "--token-file", str(bad)]),
+        "ctl": lambda: ctl.main(
+            ["--prometheus", "http://127.0.0.1:9", "--token-file", str(bad),
+             "--audit-log", str(tmp_path / "audit.jsonl"),
+             "restart", "--run", "r", "--graceful", "--reason", "x"]),
+    }[command]()
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and str(bad) in err and "utf-8" in err.lower(), err
