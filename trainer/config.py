@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,10 @@ from clusterpulse.trainer.faults import InjectError, Injection, parse_injection
 from clusterpulse.trainer.instrument import check_run_id
 from clusterpulse.trainer.model import PRESETS
 from clusterpulse.trainer.telemetry import DEFAULT_SOCKET_PATH, AgentAddr, parse_agent_addr
+
+# The launcher's variables the trainer reads as integers.
+LAUNCHER_INTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
 
 EXAMPLES = """\
 examples:
@@ -134,6 +139,17 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         raise ConfigError("--ckpt-every and --ckpt-every-seconds must be >= 0")
     if a.sim_compute_seconds < 0 or a.sim_sample_seconds < 0:
         raise ConfigError("--sim-compute-seconds and --sim-sample-seconds must be >= 0")
+    if not (math.isfinite(a.collective_timeout) and a.collective_timeout > 0):
+        raise ConfigError(f"--collective-timeout must be a number of seconds > 0, got "
+                          f"{a.collective_timeout}")
+    if not math.isfinite(a.lr):
+        raise ConfigError(f"--lr must be a number, got {a.lr}")
+    if a.ckpt_dir.exists() and not a.ckpt_dir.is_dir():
+        raise ConfigError(f"--ckpt-dir {a.ckpt_dir} exists and is not a directory")
+    for name in LAUNCHER_INTS:  # what torchrun sets; by hand, a typo here crashed later
+        value = os.environ.get(name, "")
+        if value and not value.isdigit():
+            raise ConfigError(f"${name} must be a whole number >= 0, got {value!r}")
     return TrainConfig(
         preset=a.preset, steps=a.steps, global_batch=a.global_batch, lr=a.lr,
         warmup_steps=a.warmup_steps, seed=a.seed, parallel=a.parallel, dtype=a.dtype,

@@ -507,6 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UnsupportedTorch) as err:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # e.g. --ckpt-dir not writable: named, not a traceback
+        print(f"trainer: error: {err.strerror or err}"
+              f"{f': {err.filename}' if err.filename else ''}", file=sys.stderr)
+        return 2
     outcome = "failed"
     try:
         rc = trainer.run()

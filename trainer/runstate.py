@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 import time
@@ -39,11 +40,29 @@ class RunState:
 
     @classmethod
     def load(cls, path: Path) -> RunState:
+        """What `path` holds; a field whose value has the wrong type (a damaged or
+        hand-edited file) is left at its default with a warning naming it, the others
+        kept: a bad field crashed rank 0 at start ('>' between str and int)."""
         try:
             data = json.loads(path.read_text())
-            state = cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-        except (OSError, ValueError, TypeError):
+        except (FileNotFoundError, NotADirectoryError):  # a new run
             return cls()
+        except (OSError, ValueError, RecursionError) as err:
+            log.warning("run state %s is unreadable (%s): its accounting starts afresh",
+                        path, getattr(err, "strerror", None) or type(err).__name__)
+            return cls()
+        if not isinstance(data, dict):
+            log.warning("run state %s is not a JSON object: its accounting starts afresh",
+                        path)
+            return cls()
+        defaults = cls()
+        kept = {k: v for k, v in data.items()
+                if k in cls.__dataclass_fields__ and _fits(v, getattr(defaults, k))}
+        bad = sorted(k for k in data if k in cls.__dataclass_fields__ and k not in kept)
+        if bad:
+            log.warning("run state %s: %s of the wrong type, left at the default", path,
+                        ", ".join(bad))
+        state = cls(**kept)
         mark = ProgressMark.read(progress_path(path))
         if mark is not None and mark.started_unix == state.started_unix:
             # each field on its own: an attempt re-running old steps moves the time of
@@ -110,6 +129,17 @@ class RunState:
             self.productive_seconds += step_seconds
             self.last_step = step
         self.last_step_unix = time.time()
+
+
+def _fits(value: object, default: object) -> bool:
+    """Whether `value` has the type of the field whose default is `default`."""
+    if isinstance(value, bool) or isinstance(default, bool):
+        return type(value) is type(default)
+    if isinstance(default, float):
+        return isinstance(value, int | float) and math.isfinite(value)
+    if isinstance(default, list):
+        return isinstance(value, list) and all(isinstance(x, dict) for x in value)
+    return type(value) is type(default)
 
 
 def progress_path(state_path: Path) -> Path:

@@ -1087,6 +1087,63 @@ def test_a_run_state_the_disk_refuses_is_reported_not_raised(tmp_path, caplog):
     assert RunState(run="r").save(path) is True and json.loads(path.read_text())["run"] == "r"
 
 
+@pytest.mark.parametrize(("text", "kept"), [
+    ('[1]', {}),
+    ('{"run": "r", "started_unix": 5, "attempts": "x"}', {"run": "r", "started_unix": 5}),
+    ('{"run": "r", "last_step": 7.5, "restarts": [1], "productive_seconds": NaN}',
+     {"run": "r"}),
+    ('{"run": "r", "attempts": true, "pending_exit": 3, "last_step": 9}',
+     {"run": "r", "last_step": 9}),
+    ("[" * 100_000, {}),
+])
+def test_a_damaged_run_state_keeps_what_it_can_and_says_what_it_dropped(
+        tmp_path, caplog, text, kept):
+    """Found by a review: run-state.json holding `[1]` (AttributeError) or a string
+    where a count belongs (TypeError at `attempt > 0`) crashed rank 0 at start, before
+    training, at every restart. A field of the wrong type is left at its default with
+    a warning; the rest is kept."""
+    path = tmp_path / "run-state.json"
+    path.write_text(text)
+    state = RunState.load(path)
+    fresh = RunState()
+    for name in RunState.__dataclass_fields__:
+        assert getattr(state, name) == kept.get(name, getattr(fresh, name)), name
+    assert "run state" in caplog.text
+    state.begin_attempt("r", state.next_attempt("r"), 0)  # what rank 0 does next
+
+
+@pytest.mark.parametrize(("argv", "env", "why"), [
+    (["--collective-timeout", "nan"], {}, "--collective-timeout must be a number"),
+    (["--collective-timeout", "0"], {}, "--collective-timeout must be a number"),
+    (["--lr", "nan"], {}, "--lr must be a number"),
+    (["--ckpt-dir", "{file}"], {}, "exists and is not a directory"),
+    ([], {"RANK": "zero"}, "$RANK must be a whole number"),
+    ([], {"LOCAL_WORLD_SIZE": "-1"}, "$LOCAL_WORLD_SIZE must be a whole number"),
+])
+def test_a_bad_setting_is_named_before_the_trainer_starts(tmp_path, monkeypatch, argv, env,
+                                                          why):
+    """Found by a review: each of these ended in a traceback (NaN in timedelta, mkdir
+    on a file, int('zero'))."""
+    (tmp_path / "file").write_text("x")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as err:
+        parse_config([a.format(file=tmp_path / "file") for a in argv])
+    assert why in str(err.value)
+
+
+def test_a_checkpoint_folder_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    r = subprocess.run([sys.executable, "-m", "clusterpulse.trainer", "--preset", "tiny",
+                        "--steps", "2", "--agent", "none", "--ckpt-dir",
+                        str(tmp_path / "file" / "ckpt")], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == \
+        f"trainer: error: Not a directory: {tmp_path / 'file' / 'ckpt'}", r.stderr
+    assert "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize(("left_as", "cause"), [
     ("preempted", "membership"), ("", "failure"), ("checkpoint-restart", "checkpoint-restart")])
 def test_a_membership_change_is_told_only_from_ranks_that_left_for_a_sigterm(left_as, cause):
