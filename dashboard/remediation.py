@@ -82,7 +82,7 @@ from clusterpulse.agent.httpsafe import (
     parse_json_object,
     read_body,
 )
-from clusterpulse.agent.logsetup import setup_logging
+from clusterpulse.agent.logsetup import LEVELS, setup_logging
 from clusterpulse.agent.tokens import TokenError, Tokens
 from clusterpulse.agent.validate import is_number, read_toml, unknown_keys
 from clusterpulse.dashboard import config
@@ -893,7 +893,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--audit-log", type=Path, default=Path("clusterpulse-audit.jsonl"))
     p.add_argument("--history", type=Path, help="keep received notifications here (JSONL)")
     p.add_argument("--dry-run", action="store_true", help="override the policy: never act")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", choices=LEVELS)
     a = p.parse_args(argv)
     setup_logging(a.log_level)
     try:

@@ -497,7 +497,7 @@ def _exit_status(code: object) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging(os.environ.get("CLUSTERPULSE_LOG_LEVEL", "warning"))
+    setup_logging(os.environ.get("CLUSTERPULSE_LOG_LEVEL", "warning"), "CLUSTERPULSE_LOG_LEVEL")
     take_torchrun_thread_count()  # a rank forked warm has its server's count
     try:
         cfg = parse_config(argv)

@@ -63,3 +63,28 @@ def test_command_runs_or_names_its_extra_in_one_line(prog):
         assert r.returncode == 2, r.stdout + r.stderr
         assert r.stderr.splitlines() == [
             f"{prog} needs the {extra} extra: pip install 'clusterpulse[{extra}]'"]
+
+
+def test_a_log_level_that_is_not_one_logs_at_warning_and_says_so():
+    """Found by a review: CLUSTERPULSE_LOG_LEVEL=basic_format reached
+    getattr(logging, 'BASIC_FORMAT'), a format string, and every rank of the trainer
+    died in logging.basicConfig before its first line."""
+    r = subprocess.run(
+        [sys.executable, "-c", "import logging\n"
+         "from clusterpulse.agent.logsetup import setup_logging\n"
+         "setup_logging('basic_format', 'CLUSTERPULSE_LOG_LEVEL')\n"
+         "logging.getLogger('x').info('not shown')\n"
+         "logging.getLogger('x').warning('shown')\n"
+         "setup_logging(' INFO ')\n"
+         "logging.getLogger('x').info('info shown')\n"],
+        cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 3, r.stderr
+    assert "CLUSTERPULSE_LOG_LEVEL 'basic_format' is not a log level" in lines[0]
+    assert 'msg="shown"' in lines[1] and 'msg="info shown"' in lines[2]
+    bad = subprocess.run([sys.executable, "-m", "clusterpulse.dashboard.remediation",
+                          "--policy", "x", "--webhook-token-file", "y",
+                          "--log-level", "basic_format"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "invalid choice: 'basic_format'" in bad.stderr, bad.stderr
