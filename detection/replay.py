@@ -66,11 +66,17 @@ def read_rows(path: Path) -> Iterator[dict[str, str]]:
         return
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
-        missing = [c for c in REQUIRED if c not in (reader.fieldnames or [])]
-        if missing:
-            raise TraceError(f"{path}: missing column(s) {', '.join(missing)} "
-                             f"(needs {', '.join(REQUIRED)})")
-        yield from reader
+        try:
+            missing = [c for c in REQUIRED if c not in (reader.fieldnames or [])]
+            if missing:
+                raise TraceError(f"{path}: missing column(s) {', '.join(missing)} "
+                                 f"(needs {', '.join(REQUIRED)})")
+            yield from reader
+        except csv.Error as err:  # e.g. a field over csv's size limit
+            raise TraceError(f"{path} line {reader.line_num + 1}: not a CSV trace ({err})") \
+                from None
+        except UnicodeDecodeError:  # decoded a block at a time: no line to name
+            raise TraceError(f"{path}: not a CSV trace (not UTF-8 text)") from None
 
 
 def _float(row: dict[str, str], key: str, where: str) -> float:
@@ -81,6 +87,17 @@ def _float(row: dict[str, str], key: str, where: str) -> float:
         return float(v)
     except ValueError:
         raise TraceError(f"{where}: {key}={v!r} is not a number") from None
+
+
+def _int(row: dict[str, str], key: str, where: str) -> int:
+    """A whole number, as a trace may write it (7 or 7.0)."""
+    try:
+        v = float(row[key])
+    except ValueError:
+        v = math.nan
+    if not v.is_integer():  # NaN, infinities and fractions too
+        raise TraceError(f"{where}: {key}={row[key]!r} is not a whole number")
+    return int(v)
 
 
 def replay(rows: Iterable[dict[str, str]], config: ScoringConfig | None = None,
@@ -95,10 +112,7 @@ def replay(rows: Iterable[dict[str, str]], config: ScoringConfig | None = None,
         missing = [c for c in REQUIRED if row.get(c) in (None, "")]
         if missing:
             raise TraceError(f"{where}: empty {', '.join(missing)}")
-        try:
-            step, rank = int(float(row["step"])), int(float(row["rank"]))
-        except ValueError:
-            raise TraceError(f"{where}: step and rank must be integers") from None
+        step, rank = _int(row, "step", where), _int(row, "rank", where)
         rec = {k: _float(row, k, where) for k in (*REQUIRED[4:], *OPTIONAL)}
         sync = rec["sync_seconds"]
         rec["own_seconds"] = (rec["step_seconds"] - sync if not math.isnan(sync)
@@ -106,7 +120,7 @@ def replay(rows: Iterable[dict[str, str]], config: ScoringConfig | None = None,
         runs[row["run"]][step][rank] = rec
         nodes[(row["run"], rank)] = row["node"]
         if row.get("group") not in (None, ""):
-            groups[(row["run"], rank)] = int(float(row["group"]))
+            groups[(row["run"], rank)] = _int(row, "group", where)
     for run in sorted(runs):
         steps = runs[run]
         ranks = sorted({r for by_rank in steps.values() for r in by_rank})

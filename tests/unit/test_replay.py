@@ -79,6 +79,28 @@ def test_bad_traces_get_a_clear_error(tmp_path):
     assert r.returncode == 2 and "line 2: step_seconds='fast' is not a number" in r.stderr
 
 
+def test_rows_a_trace_cannot_hold_are_named_by_line(tmp_path, capsys):
+    """Found by a review: step=inf was OverflowError, a field over csv's size limit a
+    csv.Error, binary bytes a UnicodeDecodeError without the file; a fractional rank
+    was silently truncated onto another rank."""
+    from clusterpulse.detection.cli import main
+
+    head = "run,step,rank,node,step_seconds,compute_seconds,data_seconds,sync_seconds\n"
+    bad = tmp_path / "bad.csv"
+    for body, why in (("r,inf,0,n,1,1,0,0\n", "line 2: step='inf' is not a whole number"),
+                      ("r,1,0,n,1,1,0,0\nr,2,0.5,n,1,1,0,0\n",
+                       "line 3: rank='0.5' is not a whole number"),
+                      ("r,1,nan,n,1,1,0,0\n", "line 2: rank='nan' is not a whole number"),
+                      (f"r,1,0,{'x' * 200_000},1,1,0,0\n", "line 2: not a CSV trace"),
+                      (b"r,1,0,n,1,1,0,0\nr,\xff\xfe,0,n,1,1,0,0\n",
+                       "bad.csv: not a CSV trace (not UTF-8 text)")):
+        bad.write_bytes(head.encode() + (body if isinstance(body, bytes) else body.encode()))
+        assert main(["replay", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("clusterpulse-detect: error: ") and why in err, err
+        assert err.count("\n") == 1, err
+
+
 def test_help_has_examples():
     r = detect("replay", "--help")
     assert r.returncode == 0 and "examples:" in r.stdout
