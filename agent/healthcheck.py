@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -237,9 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    if a.timeout <= 0 or a.max_age <= 0:
+    if not (a.timeout > 0 and a.max_age > 0):  # NaN too: settimeout raised on it
         p.error("--timeout and --max-age must be positive")
-    if not a.agent.startswith(("http://", "https://")):
+    if not a.ecc_max >= 0:
+        p.error("--ecc-max must be a count >= 0")
+    try:
+        parts = urllib.parse.urlsplit(a.agent)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not one
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         p.error(f"--agent must be an http:// or https:// URL, got {a.agent!r}")
     url = a.agent.rstrip("/") + "/metrics"
     verdict = check(url, a.timeout, a.max_age, CRITICAL_XIDS | frozenset(a.xid), a.ecc_max)

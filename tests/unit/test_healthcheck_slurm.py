@@ -20,3 +20,21 @@ def test_a_problem_does_need_slurm(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SlurmError, match="scontrol not found"):
         healthcheck.apply_to_slurm("gpu-node-1", Verdict(PROBLEM, ["GPU 1 down"]))
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["--timeout", "nan"], "--timeout and --max-age must be positive"),
+    (["--max-age", "nan"], "--timeout and --max-age must be positive"),
+    (["--ecc-max", "nan"], "--ecc-max must be a count >= 0"),
+    (["--agent", "http://[::1"], "--agent must be an http:// or https:// URL"),
+    (["--agent", "http://127.0.0.1:port"], "--agent must be an http:// or https:// URL"),
+    (["--agent", "http://"], "--agent must be an http:// or https:// URL"),
+])
+def test_a_setting_it_cannot_use_is_a_usage_error_not_a_traceback(argv, why, capsys):
+    """Found by a review: --timeout nan passed `<= 0` and raised in settimeout, and
+    'http://[::1' raised ValueError: Slurm saw exit 1 and a traceback, not a verdict
+    or a usage error."""
+    with pytest.raises(SystemExit) as exit_:
+        healthcheck.main(argv)
+    assert exit_.value.code == 2
+    assert why in capsys.readouterr().err
