@@ -33,15 +33,18 @@ class XidLedger:
             raw = json.loads(self.path.read_text())
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as err:
-            log.warning("XID state %s unreadable (%s): counting from zero", self.path, err)
+        except (OSError, ValueError, RecursionError) as err:
+            log.warning("XID state %s unreadable (%s): counting from zero", self.path,
+                        type(err).__name__ if isinstance(err, RecursionError) else err)
             return {}
         totals: dict[str, dict[int, int]] = {}
         if isinstance(raw, dict):
             for uuid, counts in raw.items():
                 if isinstance(uuid, str) and isinstance(counts, dict):
-                    totals[uuid] = {int(k): int(v) for k, v in counts.items()
-                                    if str(k).isdigit() and isinstance(v, int) and v >= 0}
+                    # ASCII digits: "²".isdigit() is true and int("²") raises
+                    totals[uuid] = {int(k): v for k, v in counts.items()
+                                    if k.isascii() and k.isdigit() and type(v) is int
+                                    and v >= 0}
         return totals
 
     def merge(self, uuid: str, counts: dict[int, int]) -> dict[int, int]:

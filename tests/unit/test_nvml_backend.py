@@ -253,6 +253,25 @@ def test_unreadable_xid_state_counts_from_zero_without_failing(tmp_path):
     assert backend.collect()[0].xid_errors_total == {48: 1}
 
 
+@pytest.mark.parametrize(("text", "kept"), [
+    ('{"GPU-x": {"\u00b2": 3, "79": 2}}', {"GPU-x": {79: 2}}),  # a digit int() refuses
+    ('{"GPU-x": {"79": true, "48": 2.5, "13": 1}}', {"GPU-x": {13: 1}}),
+    ("[" * 100_000, {}),
+])
+def test_damaged_xid_state_keeps_what_it_can_without_failing(tmp_path, text, kept):
+    """Found by a review: a key '²' passed str.isdigit() and int() raised ValueError in
+    the agent's start with --state-dir (not a BackendError: the agent died)."""
+    from clusterpulse.agent.xidstate import XidLedger
+
+    state = tmp_path / "xid-counts.json"
+    state.write_text(text)
+    assert XidLedger(state)._totals == kept
+    fake = FakeNvml(gpus=1)
+    backend = NvmlBackend(nvml=fake, xid_state=state)
+    fake.events.append((0, 48))
+    assert backend.collect()[0].xid_errors_total == {48: 1}
+
+
 def test_error_kind_names():
     assert error_kind(pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)) == "gpu_is_lost"
     assert error_kind(pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)) == "not_supported"
