@@ -224,8 +224,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--node must be a host name (letters, digits, '.', '-', '_', ':'; "
                          f"at most 253), got {args.node[:300]!r}: the name goes into every "
                          "series and into the alerts' PromQL")
-    if args.interval <= 0:
+    # `not x > 0`, not `x <= 0`: NaN passes the latter (an --interval of NaN spun a core)
+    if not args.interval > 0:
         raise UsageError("--interval must be > 0 seconds")
+    if not args.rank_grace > 0:
+        raise UsageError("--rank-grace must be > 0 seconds")
+    if args.max_ranks < 1:
+        raise UsageError("--max-ranks must be >= 1")
     try:
         host, port = listen_address(args.listen)
     except ValueError as err:

@@ -51,3 +51,16 @@ def test_an_address_it_cannot_listen_on_is_one_line_naming_it(listen, reason, tm
     assert err.startswith("clusterpulse-agent: error: ") and err.count("\n") == 1, err
     assert listen in err and reason in err, err
     assert not (run_dir / "agent.sock").exists()  # the telemetry socket bound first: gone
+
+
+@pytest.mark.parametrize(("flag", "value", "why"), [
+    ("--interval", "nan", "--interval must be > 0 seconds"),
+    ("--rank-grace", "nan", "--rank-grace must be > 0 seconds"),
+    ("--rank-grace", "-1", "--rank-grace must be > 0 seconds"),
+    ("--max-ranks", "0", "--max-ranks must be >= 1"),
+])
+def test_a_limit_it_cannot_work_with_is_refused_at_start(flag, value, why, capsys):
+    """Found by a review: --interval nan passed `<= 0` and the agent spun a core
+    (4.5 s of CPU in 5 s); --rank-grace and --max-ranks were not checked at all."""
+    assert main(["--backend", "sim", "--listen", "127.0.0.1:0", f"{flag}={value}"]) == 2
+    assert capsys.readouterr().err.strip() == f"clusterpulse-agent: error: {why}"
