@@ -284,10 +284,16 @@ class StragglerScorer:
         identity is known take them at the end of the warm-up instead of relearning."""
         for key, entry in state.items():
             try:
-                self._known[str(key)] = {k: float(entry[k]) for k in ("b", "v", "bc", "vc")}
+                known = {k: float(entry[k]) for k in ("b", "v", "bc", "vc")}
             except (KeyError, TypeError, ValueError):
-                raise ValueError(f"straggler state: entry {key!r} needs numbers b, v, bc, vc") \
-                    from None
+                known = {}
+            # NaN or an infinity would spoil the rank's score for the whole run, and a
+            # negative variance is no variance
+            if not (known and all(math.isfinite(x) for x in known.values())
+                    and known["v"] >= 0 and known["vc"] >= 0):
+                raise ValueError(f"straggler state: entry {key!r} needs finite numbers b, v, "
+                                 "bc, vc (variances >= 0)")
+            self._known[str(key)] = known
 
     def _apply_known(self) -> None:
         if self.keys is None or not self._known:

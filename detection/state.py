@@ -25,8 +25,9 @@ def load(path: Path) -> dict[str, dict[str, float]]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as err:
-        log.warning("straggler state %s unreadable (%s): learning afresh", path, err)
+    except (OSError, ValueError, RecursionError) as err:
+        log.warning("straggler state %s unreadable (%s): learning afresh", path,
+                    type(err).__name__ if isinstance(err, RecursionError) else err)
         return {}
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), dict):
         log.warning("straggler state %s has no 'gpus' object: learning afresh", path)

@@ -104,5 +104,9 @@ def test_a_slow_gpu_stays_slow_across_a_restart():
             if s is not None:
                 out.update(int(r) for r in np.nonzero(s.flagged)[0])
     assert seen == {SLOW} and seen_fresh == set()
-    with pytest.raises(ValueError, match="entry 'x' needs numbers"):
+    with pytest.raises(ValueError, match="entry 'x' needs finite numbers"):
         after.load_state({"x": {"b": 1}})
+    # found by a review: NaN and infinities passed float() and spoilt the baselines
+    for bad in ({"b": "nan"}, {"v": float("inf")}, {"vc": -1.0}):
+        with pytest.raises(ValueError, match="entry 'x' needs finite numbers"):
+            after.load_state({"x": {"b": 0.0, "v": 1e-4, "bc": 0.0, "vc": 1e-4, **bad}})
