@@ -181,6 +181,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error("--max-restarts must be >= 0")
     if not (math.isfinite(a.prewarm_after) and a.prewarm_after >= 0):
         p.error("--prewarm-after must be a number of seconds >= 0 (0: off)")
+    if a.monitor_interval is not None and not (math.isfinite(a.monitor_interval)
+                                               and a.monitor_interval > 0):
+        p.error("--monitor-interval must be a number of seconds > 0")
     sizes = a.nnodes.split(":")
     if len(sizes) > 2 or not all(n.isascii() and n.isdigit() and int(n) > 0 for n in sizes) or \
             int(sizes[0]) > int(sizes[-1]):

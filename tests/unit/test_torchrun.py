@@ -285,3 +285,12 @@ def test_a_rounds_store_port_range_avoids_ephemeral_nodeports_and_can_be_set(
     assert tr.store_port_range() is None
     monkeypatch.setenv(tr.STORE_PORTS_ENV, "19400-19497")  # all of them the demo's: none
     assert tr.port_below_ephemeral() not in range(19400, 19498)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1"])
+def test_a_monitor_interval_torchrun_cannot_use_is_a_usage_error(value, capsys):
+    """Passed to torchrun unchecked: NaN reached its monitor loop's sleep."""
+    with pytest.raises(SystemExit) as exit_:
+        parse([f"--monitor-interval={value}"])
+    assert exit_.value.code == 2
+    assert "--monitor-interval must be a number of seconds > 0" in capsys.readouterr().err
