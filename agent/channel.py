@@ -85,9 +85,12 @@ def _someone_listens(path: str) -> bool:
     datagram socket there; gRPC's are streams)."""
     for kind in (socket.SOCK_SEQPACKET, socket.SOCK_DGRAM, socket.SOCK_STREAM):
         probe = socket.socket(socket.AF_UNIX, kind)
+        probe.settimeout(1.0)  # a live listener whose backlog is full (frozen) blocks
         try:
             probe.connect(path)
             return True
+        except (TimeoutError, BlockingIOError):  # there, its backlog full (EAGAIN) or
+            return True                            # not answering: never deleted
         except OSError:  # refused: stale; EPROTOTYPE: the other kind
             continue
         finally:

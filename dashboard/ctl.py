@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         prom = PrometheusClient(a.prometheus, auth=config.store_auth(a))
+        # `agents` sends nothing to the agents: it needs no token, even one in the env
         token = config.read_secret_file(a.token_file, "--token-file") or None \
-            if a.token_file else None
+            if a.token_file and a.cmd != "agents" else None
     except config.SettingsError as err:  # unreadable password file: not 401 from the store
         print(f"clusterpulse-ctl: error: {err}", file=sys.stderr)
         return 2

@@ -82,7 +82,7 @@ from clusterpulse.agent.httpsafe import (
     parse_json_object,
     read_body,
 )
-from clusterpulse.agent.logsetup import LEVELS, setup_logging
+from clusterpulse.agent.logsetup import LEVELS, log_level, setup_logging
 from clusterpulse.agent.tokens import TokenError, Tokens
 from clusterpulse.agent.validate import is_number, read_toml, unknown_keys
 from clusterpulse.dashboard import config
@@ -893,7 +893,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--audit-log", type=Path, default=Path("clusterpulse-audit.jsonl"))
     p.add_argument("--history", type=Path, help="keep received notifications here (JSONL)")
     p.add_argument("--dry-run", action="store_true", help="override the policy: never act")
-    p.add_argument("--log-level", default="warning", choices=LEVELS)
+    p.add_argument("--log-level", default="warning", type=log_level,
+                   help=f"one of {', '.join(LEVELS)} (default: warning)")
     a = p.parse_args(argv)
     setup_logging(a.log_level)
     try:

@@ -282,6 +282,7 @@ class StragglerScorer:
     def load_state(self, state: dict[str, dict[str, float]]) -> None:
         """Baselines saved by state() in an earlier start of the job: ranks whose
         identity is known take them at the end of the warm-up instead of relearning."""
+        loaded: dict[str, dict[str, float]] = {}  # all or nothing: "learn afresh"
         for key, entry in state.items():
             try:
                 known = {k: float(entry[k]) for k in ("b", "v", "bc", "vc")}
@@ -293,7 +294,8 @@ class StragglerScorer:
                     and known["v"] >= 0 and known["vc"] >= 0):
                 raise ValueError(f"straggler state: entry {key!r} needs finite numbers b, v, "
                                  "bc, vc (variances >= 0)")
-            self._known[str(key)] = known
+            loaded[str(key)] = known
+        self._known.update(loaded)
 
     def _apply_known(self) -> None:
         if self.keys is None or not self._known:

@@ -14,9 +14,11 @@ from clusterpulse.trainer.instrument import check_run_id
 from clusterpulse.trainer.model import PRESETS
 from clusterpulse.trainer.telemetry import DEFAULT_SOCKET_PATH, AgentAddr, parse_agent_addr
 
-# The launcher's variables the trainer reads as integers.
+# The launcher's variables the trainer reads as integers, wherever it runs (not
+# MASTER_PORT: read only under torchrun, which sets it; without a launcher Kubernetes'
+# service links may set it to "tcp://10.96.0.5:29500", unused).
 LAUNCHER_INTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
+                 "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")
 
 EXAMPLES = """\
 examples:
@@ -148,7 +150,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         raise ConfigError(f"--ckpt-dir {a.ckpt_dir} exists and is not a directory")
     for name in LAUNCHER_INTS:  # what torchrun sets; by hand, a typo here crashed later
         value = os.environ.get(name, "")
-        if value and not value.isdigit():
+        if value and not (value.isascii() and value.isdigit()):  # "²".isdigit() too
             raise ConfigError(f"${name} must be a whole number >= 0, got {value!r}")
     return TrainConfig(
         preset=a.preset, steps=a.steps, global_batch=a.global_batch, lr=a.lr,

@@ -59,6 +59,9 @@ class RunState:
         kept = {k: v for k, v in data.items()
                 if k in cls.__dataclass_fields__ and _fits(v, getattr(defaults, k))}
         bad = sorted(k for k in data if k in cls.__dataclass_fields__ and k not in kept)
+        if "restarts" in kept and not all(map(_restart_fits, kept["restarts"])):
+            kept["restarts"] = [r for r in kept["restarts"] if _restart_fits(r)]
+            bad.append("restarts (some entries)")
         if bad:
             log.warning("run state %s: %s of the wrong type, left at the default", path,
                         ", ".join(bad))
@@ -140,6 +143,16 @@ def _fits(value: object, default: object) -> bool:
     if isinstance(default, list):
         return isinstance(value, list) and all(isinstance(x, dict) for x in value)
     return type(value) is type(default)
+
+
+# What the summary and the resume record read of each restart (begin_attempt writes
+# them), with a value of each one's type.
+_RESTART_FIELDS = {"attempt": 0, "resume_step": 0, "steps_recomputed": 0,
+                   "fault_unix": 0.0, "restart_unix": 0.0}
+
+
+def _restart_fits(entry: dict) -> bool:
+    return all(k in entry and _fits(entry[k], v) for k, v in _RESTART_FIELDS.items())
 
 
 def progress_path(state_path: Path) -> Path:

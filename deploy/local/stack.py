@@ -15,6 +15,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -144,10 +145,16 @@ def duration_s(text: str) -> float:
     return int(m[1]) * {"ms": 0.001, "s": 1.0, "m": 60.0}[m[2]]
 
 
-def free_port() -> int:
-    """A TCP port free now (for central services of concurrent runs), from below the
-    ephemeral range as the ranks' store takes its own."""
-    return port_below_ephemeral()
+# Where free_port looks: below the kernel's ephemeral range (an outgoing connection can
+# take an ephemeral port between its choice and its bind; CI lost an agent's start so)
+# and below 20000-29999, where the tests give each local cluster its 100-port block.
+SERVICE_PORTS = (10000, 19999)
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    """A port free now, for a server about to be told to listen on it: the central
+    services of concurrent demo runs, the testbed's, the tests' own."""
+    return port_below_ephemeral(kind=kind, span=SERVICE_PORTS)
 
 
 def wait_http(url: str, timeout: float, auth: tuple[str, str] | None = None) -> bool:

@@ -39,7 +39,7 @@ def processes_mentioning(text: str) -> list[int]:
 
 def test_local_cluster_starts_healthy_and_stops_clean(tmp_path):
     state = tmp_path / "state"
-    # below the kernel's ephemeral ports (32768+), above the other tests' (ports.TEST_PORTS)
+    # below the kernel's ephemeral ports (32768+), above the other tests' (stack.SERVICE_PORTS)
     base = random.randrange(25000, 30000, 100)
     p = subprocess.Popen([sys.executable, "deploy/local/cluster.py", "--state-dir", str(state),
                           "--base-port", str(base)], cwd=REPO, stdout=subprocess.PIPE,

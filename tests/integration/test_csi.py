@@ -303,18 +303,25 @@ def test_a_file_or_a_live_plugin_at_the_endpoint_is_left_alone(tmp_path):
     deleted whatever file was there, and a second plugin took a live one's socket."""
     kept = tmp_path / "notes.txt"
     kept.write_text("keep me")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as frozen, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as waiting:
         live.bind(str(tmp_path / "live.sock"))
         live.listen()
+        # a plugin that stopped accepting: its backlog full, a connect gets EAGAIN
+        frozen.bind(str(tmp_path / "frozen.sock"))
+        frozen.listen(0)
+        waiting.connect(str(tmp_path / "frozen.sock"))
         for path, why in ((kept, "exists and is not a socket"),
-                          (tmp_path / "live.sock", "another plugin is listening on")):
+                          (tmp_path / "live.sock", "another plugin is listening on"),
+                          (tmp_path / "frozen.sock", "another plugin is listening on")):
             r = subprocess.run([sys.executable, "-m", "clusterpulse.agent.csi", "--node-id",
                                 "n", "--socket-dir", "/nonexistent/agent-dir",
                                 "--endpoint", f"unix://{path}"], cwd=REPO,
                                capture_output=True, text=True, timeout=60)
             assert r.returncode == 2 and why in r.stderr and str(path) in r.stderr, r
             assert "Traceback" not in r.stderr
-        assert (tmp_path / "live.sock").is_socket()
+        assert (tmp_path / "live.sock").is_socket() and (tmp_path / "frozen.sock").is_socket()
     assert kept.read_text() == "keep me"
 
 

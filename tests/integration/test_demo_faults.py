@@ -77,7 +77,7 @@ def test_demo_plays_every_announced_fault_with_its_alert_and_action(tmp_path):
         text = text.replace(was, now)
     (tmp_path / "policy.toml").write_text(text)
     policy = Policy.load(tmp_path / "policy.toml")
-    # below the kernel's ephemeral ports (32768+), above the other tests' (ports.TEST_PORTS)
+    # below the kernel's ephemeral ports (32768+), above the other tests' (stack.SERVICE_PORTS)
     base = random.randrange(20000, 25000, 100)
     p = subprocess.Popen(
         [sys.executable, "deploy/local/cluster.py", "--state-dir", str(tmp_path / "state"),

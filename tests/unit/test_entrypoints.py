@@ -87,4 +87,22 @@ def test_a_log_level_that_is_not_one_logs_at_warning_and_says_so():
                           "--policy", "x", "--webhook-token-file", "y",
                           "--log-level", "basic_format"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "invalid choice: 'basic_format'" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "invalid log_level value: 'basic_format'" in bad.stderr, \
+        bad.stderr
+
+
+@pytest.mark.parametrize(("text", "level"), [("INFO", 20), ("warn", 30), ("Fatal", 50),
+                                             ("debug", 10)])
+def test_the_level_names_python_takes_are_taken_in_any_case(text, level):
+    """A review found the first fix refused what getattr(logging, ...) had taken:
+    --log-level INFO and the stdlib's aliases WARN and FATAL."""
+    import logging
+
+    from clusterpulse.agent.logsetup import log_level, setup_logging
+
+    setup_logging(text)
+    try:
+        assert logging.getLogger().level == level
+        assert log_level(text) in ("debug", "info", "warning", "critical")
+    finally:
+        setup_logging("warning")

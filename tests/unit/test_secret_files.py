@@ -174,3 +174,14 @@ def test_a_token_file_that_is_not_text_is_one_line_naming_it(command, tmp_path, 
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.count("\n") == 1 and str(bad) in err and "utf-8" in err.lower(), err
+
+
+def test_listing_agents_needs_no_token_even_an_unreadable_one(tmp_path, capsys):
+    """`agents` sends nothing to the agents: a token file it cannot read (root's, named
+    by $CLUSTERPULSE_AGENT_TOKEN_FILE for everyone) must not cost the listing."""
+    from clusterpulse.dashboard import ctl
+
+    assert ctl.main(["--prometheus", "http://127.0.0.1:9", "--token-file",
+                     str(tmp_path / "missing"), "agents", "--run", "r"]) == 1
+    err = capsys.readouterr().err
+    assert "Prometheus at http://127.0.0.1:9 is unreachable" in err and "token" not in err

@@ -110,3 +110,9 @@ def test_a_slow_gpu_stays_slow_across_a_restart():
     for bad in ({"b": "nan"}, {"v": float("inf")}, {"vc": -1.0}):
         with pytest.raises(ValueError, match="entry 'x' needs finite numbers"):
             after.load_state({"x": {"b": 0.0, "v": 1e-4, "bc": 0.0, "vc": 1e-4, **bad}})
+    # all or nothing: the caller learns afresh, so entries before the bad one are not kept
+    fresh.load_state({"y": {"b": 0.5, "v": 1e-4, "bc": 0.5, "vc": 1e-4}})
+    known = dict(fresh._known)
+    with pytest.raises(ValueError):
+        fresh.load_state({"z": {"b": 0.1, "v": 1e-4, "bc": 0.1, "vc": 1e-4}, "x": {"b": 1}})
+    assert fresh._known == known

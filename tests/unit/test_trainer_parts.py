@@ -1095,6 +1095,11 @@ def test_a_run_state_the_disk_refuses_is_reported_not_raised(tmp_path, caplog):
     ('{"run": "r", "attempts": true, "pending_exit": 3, "last_step": 9}',
      {"run": "r", "last_step": 9}),
     ("[" * 100_000, {}),
+    ('{"run": "r", "restarts": [{}, {"attempt": 1, "resume_step": 4, "steps_recomputed": 2,'
+     ' "fault_unix": 10, "restart_unix": 12.5, "cause": "failure"}]}',
+     {"run": "r", "restarts": [{"attempt": 1, "resume_step": 4, "steps_recomputed": 2,
+                                "fault_unix": 10, "restart_unix": 12.5,
+                                "cause": "failure"}]}),
 ])
 def test_a_damaged_run_state_keeps_what_it_can_and_says_what_it_dropped(
         tmp_path, caplog, text, kept):
@@ -1110,6 +1115,20 @@ def test_a_damaged_run_state_keeps_what_it_can_and_says_what_it_dropped(
         assert getattr(state, name) == kept.get(name, getattr(fresh, name)), name
     assert "run state" in caplog.text
     state.begin_attempt("r", state.next_attempt("r"), 0)  # what rank 0 does next
+    sum(r["steps_recomputed"] for r in state.restarts)  # what the summary reads
+
+
+@pytest.mark.parametrize("value", ["tcp://10.96.0.5:29500", ""])
+def test_a_master_port_the_trainer_does_not_read_is_not_checked(monkeypatch, value):
+    """Kubernetes' service links set MASTER_PORT=tcp://IP:PORT for a Service named
+    `master`; a run without torchrun never reads it (a review found the check refused
+    such a pod's run)."""
+    monkeypatch.setenv("MASTER_PORT", value)
+    monkeypatch.setenv("RANK", "0")
+    parse_config([])
+    monkeypatch.setenv("RANK", "\u00b2")  # isdigit(), and int() refuses it
+    with pytest.raises(ConfigError, match="RANK must be a whole number"):
+        parse_config([])
 
 
 @pytest.mark.parametrize(("argv", "env", "why"), [
