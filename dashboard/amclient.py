@@ -45,9 +45,32 @@ class AlertmanagerClient:
         except (requests.RequestException, ValueError) as err:
             raise AlertmanagerUnavailable(f"Alertmanager at {self.url} is unreachable or "
                                           f"answered badly: {type(err).__name__}") from None
-        return [Alert(name=a["labels"].get("alertname", "?"), labels=a["labels"],
-                      annotations=a.get("annotations", {}), state=a["status"]["state"],
-                      silenced_by=a["status"].get("silencedBy", []),
-                      inhibited_by=a["status"].get("inhibitedBy", []),
-                      starts_at=a.get("startsAt", ""))
-                for a in raw]
+        try:
+            if not isinstance(raw, list):
+                raise TypeError("not a list")
+            return [_alert(a) for a in raw]
+        except (KeyError, TypeError, AttributeError):
+            raise AlertmanagerUnavailable(
+                f"Alertmanager at {self.url} answered with data that is not a list of "
+                "alerts (is it an Alertmanager API v2?)") from None
+
+
+def _strings(value: object, what: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise TypeError(what)
+    return value
+
+
+def _alert(a: dict) -> Alert:
+    """One alert of /api/v2/alerts; KeyError/TypeError where it is not one."""
+    status = a["status"]
+    if not isinstance(status, dict) or not isinstance(status["state"], str):
+        raise TypeError("status")
+    labels = _strings(a["labels"], "labels")
+    return Alert(name=labels.get("alertname", "?"), labels=labels,
+                 annotations=_strings(a.get("annotations") or {}, "annotations"),
+                 state=status["state"],
+                 silenced_by=list(status.get("silencedBy") or []),
+                 inhibited_by=list(status.get("inhibitedBy") or []),
+                 starts_at=str(a.get("startsAt", "")))

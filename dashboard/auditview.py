@@ -17,6 +17,32 @@ COLUMNS = ["time (UTC)", "who", "action", "run", "outcome", "why", "nodes", "sou
            "records", "detail", "prev"]
 
 
+# The fields the table reads as text, and the last time pandas can hold (2262).
+TEXT_FIELDS = ("who", "on_behalf_of", "action", "run", "outcome", "why", "source",
+               "command", "node", "prev")
+LAST_TS = 9.2e9
+
+
+def usable(records: list[dict]) -> tuple[list[dict], int]:
+    """The records whose fields the table reads have the types the writers give them
+    (text, or none; a time in seconds; the request's nodes as a mapping), and how many
+    do not. A damaged or forged record with valid JSON ("ts": "yesterday", "nodes":
+    [...]) crashed the whole page before the chain's check, which names forged lines,
+    was drawn."""
+    kept = []
+    for r in records:
+        ts, nodes = r.get("ts", 0.0), r.get("nodes")
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or not 0 <= ts < LAST_TS:
+            continue
+        if any(r.get(k) is not None and not isinstance(r[k], str) for k in TEXT_FIELDS):
+            continue
+        if nodes is not None and not (isinstance(nodes, dict)
+                                      and all(isinstance(n, str) for n in nodes)):
+            continue
+        kept.append({**r, **{k: "" for k in TEXT_FIELDS if k in r and r[k] is None}})
+    return kept, len(records) - len(kept)
+
+
 def person(record: dict) -> str:
     """Who acted: the operator an agent acted for, else the record's own signer."""
     return record.get("on_behalf_of") or record.get("who", "")

@@ -66,7 +66,7 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         prometheus_url=e.get("CLUSTERPULSE_PROMETHEUS_URL", "http://127.0.0.1:9090"),
         alertmanager_url=e.get("CLUSTERPULSE_ALERTMANAGER_URL", "http://127.0.0.1:9093"),
         agent_token_file=Path(token) if token else None,
-        audit_log=Path(e.get("CLUSTERPULSE_AUDIT_LOG", "clusterpulse-audit.jsonl")),
+        audit_log=_audit_path(e.get("CLUSTERPULSE_AUDIT_LOG", "clusterpulse-audit.jsonl")),
         refresh_s=_seconds(e, "CLUSTERPULSE_REFRESH_S", "5"),
         operators_file=Path(operators) if operators else None,
         alertmanager_user=e.get("CLUSTERPULSE_ALERTMANAGER_USER", "clusterpulse"),
@@ -119,6 +119,19 @@ def store_auth(a: argparse.Namespace) -> tuple[str, str] | None:
     """The store's credentials from add_store_auth's options (SettingsError: the
     password file cannot be read)."""
     return basic_auth(a.prometheus_user, a.prometheus_password_file)
+
+
+def _audit_path(text: str) -> Path:
+    """The audit log's path, refused where no file can be: a directory, or under a file
+    (IsADirectoryError on the Audit and Run pages, and FileExistsError on every sign-in,
+    right or wrong, which then went unaudited)."""
+    path = Path(text)
+    if path.is_dir():
+        raise SettingsError(f"CLUSTERPULSE_AUDIT_LOG={text!r} is a directory; name a file")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise SettingsError(f"CLUSTERPULSE_AUDIT_LOG={text!r}: {parent} is not a directory")
+    return path
 
 
 def _seconds(env: dict[str, str] | os._Environ[str], name: str, default: str) -> float:

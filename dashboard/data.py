@@ -8,6 +8,7 @@ marked stale with the reason, never an exception.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from clusterpulse.dashboard import config, explain
 from clusterpulse.dashboard.amclient import AlertmanagerClient, AlertmanagerUnavailable
 from clusterpulse.dashboard.config import Settings
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError, at_once
+
+log = logging.getLogger(__name__)
 
 # metric -> (PromQL per GPU, unit, whether high is good). `{sel}` stands for the label
 # matchers of every selector: empty for the whole fleet, the heatmap's nodes after.
@@ -72,12 +75,22 @@ def _guard(key: str, fn: Callable[[], Any]) -> Result:
     try:
         value = fn()
     except (PrometheusError, AlertmanagerUnavailable, config.SettingsError) as err:
-        last = _last_good.get(key)
-        return Result(last.value if last else None, stale=True, error=str(err),
-                      fetched_at=last.fetched_at if last else 0.0)
+        return _stale(key, str(err))
+    except (KeyError, TypeError, ValueError, AttributeError, OSError) as err:
+        # the store's series without a label the panel reads, or with a value it cannot
+        # take (another exporter writing our names: gpu="GPU-3"), or the audit log
+        # unreadable: this panel says so, with its last good data; the page goes on
+        log.warning("dashboard panel %s: cannot use what it read", key, exc_info=True)
+        return _stale(key, f"cannot use what was read ({type(err).__name__}: {err})")
     result = Result(value)
     _last_good[key] = result
     return result
+
+
+def _stale(key: str, error: str) -> Result:
+    last = _last_good.get(key)
+    return Result(last.value if last else None, stale=True, error=error,
+                  fetched_at=last.fetched_at if last else 0.0)
 
 
 def _range_query(prom: PrometheusClient, range_s: int, end: float | None = None,
@@ -114,6 +127,14 @@ def heatmap_query(metric: str, nodes: list[str] | None = None) -> str:
         names = "|".join(re.escape(n).replace("\\", "\\\\") for n in nodes)
         sel = f'{{node=~"{names}"}}'
     return f"max by (node, gpu) ({expr.format(sel=sel)})"
+
+
+def gpu_cells(samples: list, *labels: str) -> list:
+    """The samples a node x GPU cell can be drawn from: a node, a GPU index (the
+    agent's labels; another exporter writing these names with gpu="GPU-3" stopped the
+    Cluster page with a ValueError) and `labels`."""
+    return [s for s in samples if s.labels.get("node") and all(s.labels.get(k) for k in labels)
+            and s.labels.get("gpu", "").isascii() and s.labels.get("gpu", "").isdigit()]
 
 
 def cluster_gpu_data(prom: PrometheusClient, metric: str) -> tuple[dict[str, int], list]:
@@ -220,9 +241,9 @@ def cluster(prom_url: str, am_url: str, metric: str) -> Result:
         counts, heat_rows = got["gpus"]
         alerts, am_error = got["alerts"]
         return {"nodes": _frame(got["nodes"], "up"), "gpus_up": counts.get("1", 0),
-                "gpus_total": sum(counts.values()), "heat": _frame(heat_rows), "unit": unit,
-                "good_high": good_high, "heat_nodes": HEATMAP_NODES,
-                "down": _frame(got["down"]), "runs": jobs(got["runs"]),
+                "gpus_total": sum(counts.values()), "heat": _frame(gpu_cells(heat_rows)),
+                "unit": unit, "good_high": good_high, "heat_nodes": HEATMAP_NODES,
+                "down": _frame(gpu_cells(got["down"], "reason")), "runs": jobs(got["runs"]),
                 "placement": placement(got["runs"]),
                 "goodput": _frame(got["goodput"], "goodput"), "alerts": alerts,
                 "am_error": am_error, "queries": prom.queries}

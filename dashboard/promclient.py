@@ -65,6 +65,14 @@ class Series:
     points: list[tuple[float, float]]  # (unix time, value)
 
 
+def _labels(metric: object) -> dict[str, str]:
+    """A series' labels as the API gives them; TypeError for anything else."""
+    if not isinstance(metric, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metric.items()):
+        raise TypeError("labels")
+    return metric
+
+
 class PrometheusClient:
     def __init__(self, url: str, timeout_s: float = 5.0,
                  session: requests.Session | None = None,
@@ -100,16 +108,19 @@ class PrometheusClient:
             raise PrometheusError(f"{kind}: {text} (HTTP {r.status_code})",
                                   transient=kind in TRANSIENT_ERRORS
                                   or r.status_code >= 500 or r.status_code == 429)
-        return body["data"]
+        return body.get("data")  # missing: the caller names the shape
 
     def query(self, promql: str, at: float | None = None) -> list[Sample]:
         params: dict[str, Any] = {"query": promql}
         if at is not None:
             params["time"] = at
         data = self._get("/api/v1/query", params)
-        if data["resultType"] == "scalar":
-            return [Sample({}, float(data["result"][1]))]
-        return [Sample(s["metric"], float(s["value"][1])) for s in data["result"]]
+        try:
+            if data["resultType"] == "scalar":
+                return [Sample({}, float(data["result"][1]))]
+            return [Sample(_labels(s["metric"]), float(s["value"][1])) for s in data["result"]]
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise self._misshapen("query") from None
 
     def query_many(self, exprs: dict[str, str]) -> dict[str, list[Sample]]:
         """Instant queries asked at once (`at_once`): a page's independent queries take
@@ -119,8 +130,17 @@ class PrometheusClient:
     def query_range(self, promql: str, start: float, end: float, step: float) -> list[Series]:
         data = self._get("/api/v1/query_range",
                          {"query": promql, "start": start, "end": end, "step": step})
-        return [Series(s["metric"], [(float(t), float(v)) for t, v in s["values"]])
-                for s in data["result"]]
+        try:
+            return [Series(_labels(s["metric"]), [(float(t), float(v)) for t, v in s["values"]])
+                    for s in data["result"]]
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise self._misshapen("range query") from None
+
+    def _misshapen(self, what: str) -> PrometheusError:
+        """A success whose data is not what the API returns (a proxy's page, another
+        service's JSON): named like a missing API, never a KeyError on the page."""
+        return PrometheusError(f"Prometheus at {self.url} answered a {what} with data "
+                               "that is not a Prometheus result (is it a Prometheus API?)")
 
     def alerts(self) -> list[dict]:
         """The alerts Prometheus's rules have active (/api/v1/alerts), each with its

@@ -36,7 +36,11 @@ def table() -> None:
     # a click reruns this fragment, which reads the log again (no st.rerun of its own:
     # scope="fragment" raises where the click came with a whole page's run)
     top[3].button("Refresh", icon=":material/refresh:")
-    records = ui.audit_log().read(limit=2000)
+    records, unusable = auditview.usable(ui.audit_log().read(limit=2000))
+    if unusable:
+        st.warning(f"{unusable} record(s) of the log are not shown: a field of a type no "
+                   "writer gives (damaged or forged; the chain check names such lines).",
+                   icon=":material/warning:")
     if operator is None:  # viewers: nothing about refused sign-ins or authentication
         records = [r for r in records if not (r.get("outcome") == "refused"
                                               and r.get("action") in HIDDEN_FROM_VIEWERS)]

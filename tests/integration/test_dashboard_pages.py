@@ -3,7 +3,10 @@ scrapes real simulated agents (with rank telemetry sent over the agents' real Un
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import streamlit as st
@@ -391,6 +394,87 @@ def test_prometheus_down_shows_a_banner_not_a_traceback(monkeypatch, tmp_path):
     at = app(monkeypatch, f"http://127.0.0.1:{free_port()}", tmp_path)
     assert not at.exception
     assert any("Prometheus is unavailable" in e.value for e in at.error)
+
+
+@contextlib.contextmanager
+def json_service(body: str):
+    """Another HTTP service that answers every GET with the JSON `body`: what a
+    mistyped URL (an API of something else behind the same proxy) reaches."""
+    class Answer(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("body", [
+    '{"status": "success", "data": {}}', '{"status": "success"}',
+    '{"status": "success", "data": null}',
+    '{"status": "success", "data": {"resultType": "vector", "result": '
+    '[{"metric": null, "value": [1, "1"]}]}}',
+    '{"status": "success", "data": {"resultType": "vector", "result": '
+    '[{"metric": {}, "value": [1, "abc"]}]}}'])
+def test_a_store_answering_json_of_another_shape_is_named_not_a_traceback(
+        body, monkeypatch, tmp_path):
+    """Found by a review: a success of the wrong shape was a KeyError or TypeError on
+    every data page, and the last good figures were lost with it."""
+    with json_service(body) as url:
+        at = app(monkeypatch, url, tmp_path)
+    assert not at.exception, at.exception
+    assert any("is not a Prometheus result (is it a Prometheus API?)" in e.value
+               for e in at.error), at.error
+
+
+@pytest.mark.parametrize("body", ['[{}]', '{"a": 1}', 'null', '"x"',
+                                  '[{"labels": null, "status": {"state": "active"}}]',
+                                  '[{"labels": {"alertname": "X"}, "status": {}}]'])
+def test_an_alertmanager_answering_json_of_another_shape_is_named_not_a_traceback(
+        body, prom_with_data, monkeypatch, tmp_path):
+    """Found by a review: KeyError 'labels' and the like on the Cluster and Alerts pages."""
+    prom, _ = prom_with_data
+    with json_service(body) as url:
+        at = app(monkeypatch, prom.url, tmp_path)
+        monkeypatch.setenv("CLUSTERPULSE_ALERTMANAGER_URL", url)
+        st.cache_data.clear()
+        at = AppTest.from_file(APP, default_timeout=30)
+        at.run()
+        assert not at.exception, at.exception
+        assert any("is not a list of alerts" in w.value for w in at.warning), at.warning
+        at.switch_page("views/alerts.py").run()
+        assert not at.exception, at.exception
+
+
+def test_an_alert_without_annotations_is_drawn(prom_with_data, monkeypatch, tmp_path):
+    """`annotations: null` passed the client and failed later on the page."""
+    prom, _ = prom_with_data
+    body = ('[{"labels": {"alertname": "GpuDown", "node": "node-b", "gpu": "3", '
+            '"severity": "critical"}, "annotations": null, "status": {"state": "active"}, '
+            '"startsAt": "2026-12-06T10:00:00Z"}]')
+    with json_service(body) as url:
+        monkeypatch.setenv("CLUSTERPULSE_ALERTMANAGER_URL", url)
+        st.cache_data.clear()
+        monkeypatch.setenv("CLUSTERPULSE_PROMETHEUS_URL", prom.url)
+        monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(tmp_path / "audit.jsonl"))
+        at = AppTest.from_file(APP, default_timeout=30)
+        at.run()
+        assert not at.exception, at.exception
+        at.switch_page("views/alerts.py").run()
+        assert not at.exception, at.exception
+        assert "GpuDown" in " ".join(str(m.value) for m in at.markdown)
 
 
 @pytest.mark.parametrize("refresh", ["soon", "0", "inf"])

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from clusterpulse.agent import auditcli
 from clusterpulse.agent.audit import AuditLog, verify, verify_chain
 
@@ -93,6 +95,8 @@ def test_records_cut_from_the_end_show_against_the_published_head(tmp_path):
 _WRITER = """
 import sys
 from pathlib import Path
+
+import pytest
 from clusterpulse.agent.audit import AuditLog
 log = AuditLog(Path(sys.argv[1]))
 for i in range(int(sys.argv[3])):
@@ -220,3 +224,49 @@ def test_the_audit_page_shows_the_head_and_names_breaks(tmp_path, monkeypatch):
     at = AppTest.from_file(page, default_timeout=60)
     at.run()
     assert any("broken" in e.value and "line 2" in e.value for e in at.error)
+
+
+def test_records_of_types_no_writer_gives_are_left_out_and_counted(tmp_path, monkeypatch):
+    """Found by a review: valid JSON with a field of another type ("ts": "yesterday",
+    "nodes": [...], "command": [...], "who": 5, "ts": NaN or 1e30) crashed the Audit page
+    before the chain's check, which names forged lines, was drawn."""
+    from streamlit.testing.v1 import AppTest
+
+    path = tmp_path / "audit.jsonl"
+    _log(path, 2)
+    good = path.read_text().splitlines()
+    forged = ['{"ts": "yesterday", "who": "x", "action": "restart"}',
+              '{"ts": 1e30, "who": "x"}', '{"ts": NaN, "who": "x"}',
+              '{"ts": 5, "who": 5, "action": "restart"}',
+              '{"ts": 5, "who": "x", "nodes": ["n1"]}',
+              '{"ts": 5, "who": "x", "command": ["c"]}',
+              '{"ts": 6, "who": "y", "action": null, "run": null}']
+    _rewrite(path, [*good, *forged])
+    monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(path))
+    page = str(Path(__file__).resolve().parents[2] / "dashboard" / "views" / "audit.py")
+    at = AppTest.from_file(page, default_timeout=60)
+    at.run()
+    assert not at.exception, at.exception
+    assert any(w.value.startswith("6 record(s) of the log are not shown") for w in at.warning)
+    assert any("broken" in e.value for e in at.error)  # the chain's check is drawn
+    assert "3 action(s)" in " ".join(c.value for c in at.caption)  # 2 + the null one
+
+
+@pytest.mark.parametrize("where", ["dir", "under-a-file"])
+def test_an_audit_log_path_no_file_can_have_is_a_named_setting(tmp_path, monkeypatch,
+                                                                 where):
+    """A directory, or a path under a file: IsADirectoryError on the Audit and Run
+    pages, FileExistsError on every sign-in (which then went unaudited)."""
+    from streamlit.testing.v1 import AppTest
+
+    (tmp_path / "file").write_text("x")
+    path = tmp_path if where == "dir" else tmp_path / "file" / "audit.jsonl"
+    monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(path))
+    page = str(Path(__file__).resolve().parents[2] / "dashboard" / "views" / "audit.py")
+    at = AppTest.from_file(page, default_timeout=60)
+    at.run()
+    assert not at.exception, at.exception
+    assert [e.value for e in at.error] == [
+        f"Dashboard setting: CLUSTERPULSE_AUDIT_LOG={str(path)!r}"
+        + (" is a directory; name a file" if where == "dir"
+           else f": {tmp_path / 'file'} is not a directory")], at.error

@@ -373,3 +373,26 @@ def test_a_rank_whose_gpu_is_down_is_flagged_first():
     assert list(table["rank"])[:2] == ["0", "3"], table
     assert list(table["flag"])[:2] == ["GPU DOWN", "STRAGGLER"]
     assert table.iloc[0]["cause"] == ""
+
+
+def test_cells_are_drawn_only_from_series_with_a_node_and_a_gpu_index():
+    """Found by a review: another exporter writing these metric names with gpu="GPU-3"
+    (or without node or reason) stopped the Cluster page with a ValueError in int()."""
+    from clusterpulse.dashboard.data import gpu_cells
+
+    good = Sample({"node": "n1", "gpu": "3", "reason": "gpu_is_lost"}, 1.0)
+    bad = [Sample({"node": "n1", "gpu": "GPU-3", "reason": "x"}, 1.0),
+           Sample({"node": "n1", "gpu": "\u00b2", "reason": "x"}, 1.0),
+           Sample({"gpu": "1", "reason": "x"}, 1.0),
+           Sample({"node": "n1", "gpu": "1"}, 1.0)]
+    assert gpu_cells([good, *bad], "reason") == [good]
+    assert gpu_cells([good, bad[3]]) == [good, bad[3]]
+
+
+def test_a_panel_that_cannot_use_what_it_read_says_so_and_keeps_its_last_data():
+    from clusterpulse.dashboard import data
+
+    assert data._guard("t-panel", lambda: {"x": 1}).value == {"x": 1}
+    failed = data._guard("t-panel", lambda: int("GPU-3"))
+    assert failed.stale and failed.value == {"x": 1}
+    assert failed.error.startswith("cannot use what was read (ValueError: ")
