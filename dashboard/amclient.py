@@ -73,4 +73,4 @@ def _alert(a: dict) -> Alert:
                  state=status["state"],
                  silenced_by=list(status.get("silencedBy") or []),
                  inhibited_by=list(status.get("inhibitedBy") or []),
-                 starts_at=str(a.get("startsAt", "")))
+                 starts_at=str(a.get("startsAt") or ""))

@@ -126,9 +126,13 @@ def _audit_path(text: str) -> Path:
     (IsADirectoryError on the Audit and Run pages, and FileExistsError on every sign-in,
     right or wrong, which then went unaudited)."""
     path = Path(text)
-    if path.is_dir():
-        raise SettingsError(f"CLUSTERPULSE_AUDIT_LOG={text!r} is a directory; name a file")
-    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    try:
+        if path.is_dir():
+            raise SettingsError(f"CLUSTERPULSE_AUDIT_LOG={text!r} is a directory; name a file")
+        parent = next((p for p in path.absolute().parents if p.exists()), None)
+    except OSError as err:  # a directory on the way this user cannot enter (3.11 raises)
+        raise SettingsError(f"CLUSTERPULSE_AUDIT_LOG={text!r}: {err.strerror or err}") \
+            from None
     if parent is not None and not parent.is_dir():
         raise SettingsError(f"CLUSTERPULSE_AUDIT_LOG={text!r}: {parent} is not a directory")
     return path

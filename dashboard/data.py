@@ -8,7 +8,6 @@ marked stale with the reason, never an exception.
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 from collections.abc import Callable
@@ -20,12 +19,10 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from clusterpulse.dashboard import config, explain
+from clusterpulse.dashboard import auditview, config, explain
 from clusterpulse.dashboard.amclient import AlertmanagerClient, AlertmanagerUnavailable
 from clusterpulse.dashboard.config import Settings
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError, at_once
-
-log = logging.getLogger(__name__)
 
 # metric -> (PromQL per GPU, unit, whether high is good). `{sel}` stands for the label
 # matchers of every selector: empty for the whole fleet, the heatmap's nodes after.
@@ -76,12 +73,6 @@ def _guard(key: str, fn: Callable[[], Any]) -> Result:
         value = fn()
     except (PrometheusError, AlertmanagerUnavailable, config.SettingsError) as err:
         return _stale(key, str(err))
-    except (KeyError, TypeError, ValueError, AttributeError, OSError) as err:
-        # the store's series without a label the panel reads, or with a value it cannot
-        # take (another exporter writing our names: gpu="GPU-3"), or the audit log
-        # unreadable: this panel says so, with its last good data; the page goes on
-        log.warning("dashboard panel %s: cannot use what it read", key, exc_info=True)
-        return _stale(key, f"cannot use what was read ({type(err).__name__}: {err})")
     result = Result(value)
     _last_good[key] = result
     return result
@@ -587,7 +578,11 @@ def run_incidents(prom_url: str, name: str, range_s: int, audit_path: str,
         span = range_s + INCIDENT_LOOKBACK_S
         nodes, ranks, episodes, resumes = incident.inputs(prom, name, until - span, until,
                                                          incident_step(span))
-        audit = AuditLog(Path(audit_path)).read(5000) if audit_path else []
+        try:  # the Audit page's records: a damaged one would stop the timeline
+            audit = auditview.usable(AuditLog(Path(audit_path)).read(5000))[0] \
+                if audit_path else []
+        except OSError:  # unreadable: the timeline without the actions (the Audit
+            audit = []   # page says why)
         return fired_since(incident.build(name, nodes, episodes, audit, resumes, ranks=ranks,
                                           until=until), until - range_s)
 

@@ -36,7 +36,12 @@ def table() -> None:
     # a click reruns this fragment, which reads the log again (no st.rerun of its own:
     # scope="fragment" raises where the click came with a whole page's run)
     top[3].button("Refresh", icon=":material/refresh:")
-    records, unusable = auditview.usable(ui.audit_log().read(limit=2000))
+    try:
+        records, unusable = auditview.usable(ui.audit_log().read(limit=2000))
+    except OSError as err:
+        st.error(f"The audit log {ui.settings().audit_log} cannot be read: "
+                 f"{err.strerror or err}", icon=":material/error:")
+        return
     if unusable:
         st.warning(f"{unusable} record(s) of the log are not shown: a field of a type no "
                    "writer gives (damaged or forged; the chain check names such lines).",

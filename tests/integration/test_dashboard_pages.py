@@ -447,8 +447,9 @@ def test_an_alertmanager_answering_json_of_another_shape_is_named_not_a_tracebac
     """Found by a review: KeyError 'labels' and the like on the Cluster and Alerts pages."""
     prom, _ = prom_with_data
     with json_service(body) as url:
-        at = app(monkeypatch, prom.url, tmp_path)
         monkeypatch.setenv("CLUSTERPULSE_ALERTMANAGER_URL", url)
+        monkeypatch.setenv("CLUSTERPULSE_PROMETHEUS_URL", prom.url)
+        monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(tmp_path / "audit.jsonl"))
         st.cache_data.clear()
         at = AppTest.from_file(APP, default_timeout=30)
         at.run()
@@ -456,6 +457,25 @@ def test_an_alertmanager_answering_json_of_another_shape_is_named_not_a_tracebac
         assert any("is not a list of alerts" in w.value for w in at.warning), at.warning
         at.switch_page("views/alerts.py").run()
         assert not at.exception, at.exception
+
+
+def test_a_damaged_audit_record_leaves_the_runs_incidents_drawn(prom_with_data, monkeypatch,
+                                                                 tmp_path):
+    """A review found the Audit page's filter missing from the Run page's timeline: one
+    record with "ts": "yesterday" made the incidents panel stale, its banner blaming
+    Prometheus."""
+    prom, report = prom_with_data
+    report()
+    from clusterpulse.agent.audit import AuditLog
+
+    log = tmp_path / "audit.jsonl"
+    AuditLog(log).write("ops@dashboard", "checkpoint-restart", "slow", "accepted", run="llm")
+    with log.open("a") as f:
+        f.write('{"ts": "yesterday", "run": "llm", "outcome": "accepted"}\n')
+    at = app(monkeypatch, prom.url, tmp_path)
+    at.switch_page("views/run.py").run()
+    assert not at.exception, at.exception
+    assert not [e.value for e in at.error if "unavailable" in e.value], at.error
 
 
 def test_an_alert_without_annotations_is_drawn(prom_with_data, monkeypatch, tmp_path):

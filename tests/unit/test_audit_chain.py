@@ -95,8 +95,6 @@ def test_records_cut_from_the_end_show_against_the_published_head(tmp_path):
 _WRITER = """
 import sys
 from pathlib import Path
-
-import pytest
 from clusterpulse.agent.audit import AuditLog
 log = AuditLog(Path(sys.argv[1]))
 for i in range(int(sys.argv[3])):

@@ -388,11 +388,3 @@ def test_cells_are_drawn_only_from_series_with_a_node_and_a_gpu_index():
     assert gpu_cells([good, *bad], "reason") == [good]
     assert gpu_cells([good, bad[3]]) == [good, bad[3]]
 
-
-def test_a_panel_that_cannot_use_what_it_read_says_so_and_keeps_its_last_data():
-    from clusterpulse.dashboard import data
-
-    assert data._guard("t-panel", lambda: {"x": 1}).value == {"x": 1}
-    failed = data._guard("t-panel", lambda: int("GPU-3"))
-    assert failed.stale and failed.value == {"x": 1}
-    assert failed.error.startswith("cannot use what was read (ValueError: ")
