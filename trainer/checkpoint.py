@@ -292,7 +292,7 @@ class CheckpointManager:
                 done = threading.Event()
                 self._pending = (step, done)
                 fut.add_done_callback(
-                    lambda f, s=step, p=tmp: self._finish_async(f, s, p, done, own))
+                    lambda f, s=step, p=tmp: self._finish_off_the_loop(f, s, p, done, own))
             else:
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
                 if kill_midway:  # the data is written but not yet published
@@ -327,9 +327,19 @@ class CheckpointManager:
         log.error("%s failed: %s: %s", what, type(err).__name__, err,
                   exc_info=(type(err), err, err.__traceback__))
 
+    def _finish_off_the_loop(self, fut: Future, step: int, tmp: Path, done: threading.Event,
+                             stager: Any = None) -> None:
+        """`_finish_async` on a thread of its own. A future already done when save()
+        attaches its callback runs the callback at once, in save()'s thread: a write
+        that finished first (a small state, a fast disk; seen on a clean machine) had its
+        publish (sums, rename, pruning old checkpoints) run inside save(), in the
+        training loop. Not a daemon: an exit waits for a publish under way."""
+        threading.Thread(target=self._finish_async, args=(fut, step, tmp, done, stager),
+                         name=f"checkpoint-publish-{step}").start()
+
     def _finish_async(self, fut: Future, step: int, tmp: Path, done: threading.Event,
                       stager: Any = None) -> None:
-        """Runs in DCP's writer thread once this rank's write is over; closes `stager`,
+        """Runs once this rank's write is over (`_finish_off_the_loop`); closes `stager`,
         the save's own, once the write no longer needs its buffers."""
         try:
             fut.result()

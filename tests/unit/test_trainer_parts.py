@@ -129,15 +129,23 @@ def test_async_checkpoint_returns_before_the_write_and_publishes_later(tmp_path)
     """The save call returns while the write is still running (the loop is not
     blocked by it), and the checkpoint is published only once the write is done."""
     release = threading.Event()
-    mgr = CheckpointManager(tmp_path, rank=0, async_save=True,
-                            before_publish=lambda step: release.wait(60))
+    publishers: list[threading.Thread] = []
+
+    def hold(step: int) -> None:
+        publishers.append(threading.current_thread())
+        release.wait(60)
+
+    mgr = CheckpointManager(tmp_path, rank=0, async_save=True, before_publish=hold)
     mgr.save(5, _state(5))
+    # a write that finished before save() attached its callback published inside save(),
+    # on the caller's thread: on a clean machine save() waited here 60 s (CI, 2026-12-06)
     assert mgr.in_flight and mgr.committed_step is None  # write not yet published
     assert find_latest_valid(tmp_path) is None
     release.set()
     mgr.wait()
     assert mgr.committed_step == 5 and not mgr.in_flight
     assert find_latest_valid(tmp_path).step == 5
+    assert publishers and threading.current_thread() not in publishers
 
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
