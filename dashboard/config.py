@@ -49,11 +49,10 @@ class Settings:
     def agent_token(self) -> str | None:
         if self.agent_token_file is None:
             return None
-        try:
-            return read_secret_file(self.agent_token_file, "CLUSTERPULSE_AGENT_TOKEN_FILE") \
-                or None
-        except SettingsError:
-            return None
+        # unreadable: SettingsError naming the file (an action refused by every agent
+        # for a missing token did not say why)
+        return read_secret_file(self.agent_token_file, "CLUSTERPULSE_AGENT_TOKEN_FILE") \
+            or None
 
 
 def from_env(env: dict[str, str] | None = None) -> Settings:

@@ -265,7 +265,12 @@ if last and last["run"] == run:
 
     @st.fragment(run_every=2)
     def progress() -> None:
-        results = actions.command_states(last["results"], s.agent_token())
+        try:
+            token = s.agent_token()
+        except config.SettingsError as err:  # the file went away since the request
+            st.warning(f"Cannot follow the request: {err}")
+            return
+        results = actions.command_states(last["results"], token)
         done = actions.ended(results)
         if last.get("refused"):  # refreshed with the restart it follows
             kind, text = actions.refusal_status(last["refused"], last["asked_at"], results)

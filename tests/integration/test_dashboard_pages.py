@@ -553,6 +553,25 @@ def sign_in(monkeypatch, prom_url: str, tmp_path) -> AppTest:
     return at
 
 
+def test_a_request_with_an_unreadable_agent_token_names_the_file(prom_with_data, monkeypatch,
+                                                                  tmp_path):
+    """An agent token file the dashboard cannot read was taken as no token: the request
+    was refused for a token "not configured", naming neither the file nor why."""
+    prom, _ = prom_with_data
+    token = tmp_path / "agent-token"
+    token.write_bytes(b"tok\xff\xfe" + b"a" * 40)
+    monkeypatch.setenv("CLUSTERPULSE_AGENT_TOKEN_FILE", str(token))
+    at = sign_in(monkeypatch, prom.url, tmp_path)
+    at.switch_page("views/run.py").run()
+    at.text_input(key="reason").input("rank 3 is slow")
+    at.checkbox(key="confirm").check()
+    at.button(key="FormSubmitter:action-Request").click().run()
+    assert not at.exception, at.exception
+    assert any(e.value.startswith("Not sent: CLUSTERPULSE_AGENT_TOKEN_FILE: cannot read the "
+                                  f"token file {token}: 'utf-8' codec") for e in at.error), \
+        at.error
+
+
 def test_a_request_clears_the_form_and_its_progress_names_the_step_resumed_from(
         prom_with_data, monkeypatch, tmp_path):
     """After a restart was requested the form kept the reason and the ticked
