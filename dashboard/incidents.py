@@ -41,12 +41,12 @@ def hang_incident(d: dict) -> HangIncident | None:
     if not stalled:
         return None
     behind = per.get("collectives behind", {})
-    roots = sorted((r for r in stalled if (behind.get(r) or 0) > 0), key=int)
+    roots = sorted((r for r in stalled if (behind.get(r) or 0) > 0), key=_rank_order)
     nodes = {}
     ranks = d.get("ranks")
     if ranks is not None and not ranks.empty:
         nodes = dict(zip(ranks["rank"], ranks["node"], strict=False))
-    waiters = {r: d.get("blocked", {}).get(r, "") for r in sorted(stalled, key=int)
+    waiters = {r: d.get("blocked", {}).get(r, "") for r in sorted(stalled, key=_rank_order)
                if r not in roots}
     return HangIncident(roots, waiters, nodes)
 
@@ -106,8 +106,10 @@ def rank_tables(d: dict, keep: dict[str, str] | None = None,
 
 
 def _rank_order(rank: object) -> int:
-    """Ranks in numeric order ('10' after '2'), anything else last."""
-    return int(rank) if str(rank).isdigit() else 1 << 30
+    """Ranks in numeric order ('10' after '2'), anything else last (another exporter's
+    rank="r3" stopped the Run page's hang incident in sorted(key=int))."""
+    text = str(rank)
+    return int(text) if text.isascii() and text.isdigit() else 1 << 30
 
 
 def rate_against_usual(now: float, usual: float | None) -> str | None:

@@ -33,3 +33,11 @@ def test_straggler_flag_follows_the_scorer_when_it_reports():
     assert straggler_flag(1.3, 0.0) == ""  # slower for life, not a straggler
     assert straggler_flag(1.08, 1.0) == "STRAGGLER"
     assert straggler_flag(1.2, None) == "STRAGGLER" and straggler_flag(1.05, None) == ""
+
+
+def test_ranks_that_are_not_numbers_are_ordered_last_not_a_crash():
+    """Found by a review: another exporter's rank="r3" (or "²", which isdigit() takes)
+    stopped the Run page in sorted(key=int)."""
+    inc = hang_incident(data({"10": 9, "2": 9, "r3": 9, "\u00b2": 9},
+                             {"10": 1, "2": 1, "r3": 1, "\u00b2": 0}, {}))
+    assert inc.roots == ["2", "10", "r3"] and list(inc.waiters) == ["\u00b2"]
