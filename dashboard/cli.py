@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import sys
 from pathlib import Path
@@ -76,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                    "throttling is per client address); default: none, not even loopback, "
                    "so a local user cannot pose as many clients")
     a = p.parse_args(argv)
-    if not (math.isfinite(a.refresh) and a.refresh > 0):  # 0 or inf: every view stands still
-        p.error(f"--refresh must be a number of seconds > 0, not {a.refresh:g}")
+    if problem := config.refresh_problem(a.refresh):
+        p.error(f"--refresh: {problem}, not {a.refresh:g}")
     if a.operators_file and not operators_usable(a.operators_file):
         return 2
     try:  # a password file that cannot be read: said now, not as 401 on every page

@@ -137,14 +137,27 @@ def _audit_path(text: str) -> Path:
     return path
 
 
+# The live views' refresh, seconds: 0 or inf stood every view still; under a second a
+# browser reran its fragments as fast as it could (1e-9) for data cached 5 s, and past
+# 2^31 ms a browser's setInterval fires at once.
+REFRESH_S = (1.0, 86400.0)
+
+
+def refresh_problem(value: float) -> str | None:
+    """Why `value` cannot be the refresh (None: it can)."""
+    low, high = REFRESH_S
+    if math.isfinite(value) and low <= value <= high:
+        return None
+    return f"expected a number of seconds from {low:g} to {high:g}"
+
+
 def _seconds(env: dict[str, str] | os._Environ[str], name: str, default: str) -> float:
-    """A positive, finite number of seconds: 0 or inf would stand every view still."""
+    """The refresh from `name` (REFRESH_S)."""
     text = env.get(name, default)
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise SettingsError(f"{name}={text!r}: expected a number of seconds > 0 "
-                            f"(default {default})")
+    if problem := refresh_problem(value):
+        raise SettingsError(f"{name}={text!r}: {problem} (default {default})")
     return value
