@@ -297,7 +297,7 @@ def listen_address(text: str, what: str = "--listen") -> tuple[str, int]:
     """HOST:PORT as every server's --listen takes it (an empty host is loopback).
     Raises ValueError naming `what` and the form expected."""
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ValueError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9477), got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 

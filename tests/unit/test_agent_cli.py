@@ -28,6 +28,7 @@ def test_host_kubernetes_and_slurm_node_names_are_accepted(node):
     ("127.0.0.1:{taken}", "Address already in use"),
     ("127.0.0.1:http", "--listen must be HOST:PORT"),
     ("nowhere", "--listen must be HOST:PORT"),
+    ("127.0.0.1:\u00b2", "--listen must be HOST:PORT"),  # isdigit(), and int() refuses it
 ])
 def test_an_address_it_cannot_listen_on_is_one_line_naming_it(listen, reason, tmp_path,
                                                                capsys):
