@@ -248,7 +248,7 @@ def parse_address(text: str) -> str | tuple[str, int]:
             raise ValueError(f"unix socket path longer than 107 bytes: {path!r}")
         return path
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ValueError("telemetry address must be unix:/PATH (e.g. "
                          f"{DEFAULT_TELEMETRY}) or HOST:PORT (UDP), got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)

@@ -520,7 +520,7 @@ def _chart(frame, spec: dict) -> None:
 
 def _natural(name: str) -> list:
     """'gpu 10' after 'gpu 2': the numbers in a name compared as numbers."""
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+    return [(0, int(part), "") if part.isascii() and part.isdigit() else (1, 0, part)
             for part in re.split(r"(\d+)", name) if part]
 
 

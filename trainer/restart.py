@@ -236,7 +236,7 @@ def min_nodes() -> int | None:
     """The job's minimum node count, where the launcher said it (not on a node that may
     never leave: the rendezvous host, a single node)."""
     value = os.environ.get(MIN_NODES_ENV, "")
-    return int(value) if value.isdigit() else None
+    return int(value) if value.isascii() and value.isdigit() else None
 
 
 def request_relaunch(leave_s: float = 0.0, attempt: int | None = None) -> int:

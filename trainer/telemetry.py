@@ -54,7 +54,7 @@ class AgentLink:
         self._lock = threading.Lock()
         if local_rank is None:
             env = os.environ.get("LOCAL_RANK", "0")
-            local_rank = int(env) if env.isdigit() else 0
+            local_rank = int(env) if env.isascii() and env.isdigit() else 0
         self.gpu_uuids = rank_gpu_uuids(local_rank)
         if addr is None:
             return

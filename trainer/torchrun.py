@@ -171,7 +171,8 @@ def store_port_range() -> tuple[int, int] | None:
     given = os.environ.get(STORE_PORTS_ENV, "")
     if given:
         low, _, high = given.partition("-")
-        if low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535:
+        if low.isascii() and high.isascii() and low.isdigit() and high.isdigit() and \
+                1024 <= int(low) <= int(high) <= 65535:
             return int(low), int(high)
         log.warning(
             "%s=%r is not LOW-HIGH (1024-65535): the default range", STORE_PORTS_ENV, given)

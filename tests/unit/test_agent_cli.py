@@ -65,3 +65,12 @@ def test_a_limit_it_cannot_work_with_is_refused_at_start(flag, value, why, capsy
     (4.5 s of CPU in 5 s); --rank-grace and --max-ranks were not checked at all."""
     assert main(["--backend", "sim", "--listen", "127.0.0.1:0", f"{flag}={value}"]) == 2
     assert capsys.readouterr().err.strip() == f"clusterpulse-agent: error: {why}"
+
+
+def test_a_telemetry_port_of_digits_int_cannot_read_is_the_forms_error(capsys):
+    """'²'.isdigit() is true and int('²') raises: the message was int()'s."""
+    assert main(["--backend", "sim", "--listen", "127.0.0.1:0",
+                 "--telemetry", "127.0.0.1:\u00b2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("clusterpulse-agent: error: --telemetry: telemetry address must be"), \
+        err

@@ -388,3 +388,12 @@ def test_cells_are_drawn_only_from_series_with_a_node_and_a_gpu_index():
     assert gpu_cells([good, *bad], "reason") == [good]
     assert gpu_cells([good, bad[3]]) == [good, bad[3]]
 
+
+
+def test_natural_order_takes_names_with_digits_int_cannot_read():
+    """A series name from the store with '²' ('²'.isdigit() is true, int('²') raises)
+    stopped the chart it was in."""
+    from clusterpulse.dashboard.ui import _natural
+
+    assert sorted(["gpu 10", "\u00b2", "gpu 2", "3"], key=_natural) == [
+        "3", "gpu 2", "gpu 10", "\u00b2"]
