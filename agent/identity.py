@@ -71,7 +71,8 @@ class SubordinateIds:
             lines = []
         for line in lines:
             parts = line.strip().split(":")
-            if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+            if len(parts) != 3 or not (parts[1] + parts[2]).isascii() or \
+                    not parts[1].isdigit() or not parts[2].isdigit():
                 continue
             owner = _uid_of(parts[0])
             if owner is not None:
@@ -80,7 +81,7 @@ class SubordinateIds:
 
 
 def _uid_of(user: str) -> int | None:
-    if user.isdigit():
+    if user.isascii() and user.isdigit():
         return int(user)
     try:
         return pwd.getpwnam(user).pw_uid

@@ -334,8 +334,12 @@ class CheckpointManager:
         that finished first (a small state, a fast disk; seen on a clean machine) had its
         publish (sums, rename, pruning old checkpoints) run inside save(), in the
         training loop. Not a daemon: an exit waits for a publish under way."""
-        threading.Thread(target=self._finish_async, args=(fut, step, tmp, done, stager),
-                         name=f"checkpoint-publish-{step}").start()
+        try:
+            threading.Thread(target=self._finish_async, args=(fut, step, tmp, done, stager),
+                             name=f"checkpoint-publish-{step}").start()
+        except RuntimeError:  # no thread to be had (a pids limit, interpreter shutdown):
+            # here, as before; never a save left in flight for the next one to wait on
+            self._finish_async(fut, step, tmp, done, stager)
 
     def _finish_async(self, fut: Future, step: int, tmp: Path, done: threading.Event,
                       stager: Any = None) -> None:

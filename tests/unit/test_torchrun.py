@@ -294,3 +294,16 @@ def test_a_monitor_interval_torchrun_cannot_use_is_a_usage_error(value, capsys):
         parse([f"--monitor-interval={value}"])
     assert exit_.value.code == 2
     assert "--monitor-interval must be a number of seconds > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "-1", "two", ""])
+def test_a_thread_count_int_cannot_read_leaves_torchs_own(value, monkeypatch):
+    """OMP_NUM_THREADS='²' passed isdigit() and every rank died in int() at start."""
+    import torch
+
+    from clusterpulse.trainer.warmstart import take_torchrun_thread_count
+
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    before = torch.get_num_threads()
+    take_torchrun_thread_count()
+    assert torch.get_num_threads() == before

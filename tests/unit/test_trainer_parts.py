@@ -148,6 +148,27 @@ def test_async_checkpoint_returns_before_the_write_and_publishes_later(tmp_path)
     assert publishers and threading.current_thread() not in publishers
 
 
+def test_an_async_checkpoint_is_published_where_no_thread_can_be_started(tmp_path,
+                                                                           monkeypatch):
+    """A review found that a publish thread that could not start (a pids limit) left
+    the save in flight for good: the next save() waited forever in wait()."""
+    start = threading.Thread.start
+
+    def refuse(thread: threading.Thread) -> None:
+        if thread.name.startswith("checkpoint-publish"):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    mgr = CheckpointManager(tmp_path, rank=0, async_save=True)
+    mgr.save(5, _state(5))
+    waiter = threading.Thread(target=mgr.wait, daemon=True)
+    start(waiter)
+    waiter.join(30)
+    assert not waiter.is_alive() and mgr.committed_step == 5 and not mgr.in_flight
+    assert find_latest_valid(tmp_path).step == 5
+
+
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
     from clusterpulse.trainer.checkpoint import CheckpointError
 

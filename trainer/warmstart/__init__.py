@@ -58,7 +58,7 @@ def take_torchrun_thread_count() -> None:
     intra-op thread count from its server's start, before torchrun set the variable
     for its ranks (on 2 cores, 2 ranks would each compute with 2 threads)."""
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+    if threads.isascii() and threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
 
 
