@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from clusterpulse.agent.peeruid import client_key
+from clusterpulse.agent.validate import host_port, is_digits
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def content_length(headers: Any, max_bytes: int) -> int:
     raw = raw.strip()
     # ASCII digits only: also refuses "-1", "+5", "1e3" and str.isdigit()'s other
     # digits ("¹", "٣"), which int() cannot parse
-    if not (raw.isascii() and raw.isdigit()):
+    if not is_digits(raw):
         raise HttpError(400, f"Content-Length must be a non-negative integer, got {raw[:32]!r}")
     if len(raw) > 12 or int(raw) > max_bytes:
         raise HttpError(413, f"body larger than {max_bytes} bytes")
@@ -296,10 +297,10 @@ class SafeServer(ThreadingHTTPServer):
 def listen_address(text: str, what: str = "--listen") -> tuple[str, int]:
     """HOST:PORT as every server's --listen takes it (an empty host is loopback).
     Raises ValueError naming `what` and the form expected."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+    address = host_port(text)
+    if address is None:
         raise ValueError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9477), got {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    return address
 
 
 def raise_fd_limit(want: int = 65536) -> int:

@@ -16,6 +16,8 @@ import pwd
 import signal
 from dataclasses import dataclass
 
+from clusterpulse.agent.validate import is_digits
+
 
 @dataclass(frozen=True)
 class Sender:
@@ -71,8 +73,7 @@ class SubordinateIds:
             lines = []
         for line in lines:
             parts = line.strip().split(":")
-            if len(parts) != 3 or not (parts[1] + parts[2]).isascii() or \
-                    not parts[1].isdigit() or not parts[2].isdigit():
+            if len(parts) != 3 or not is_digits(parts[1]) or not is_digits(parts[2]):
                 continue
             owner = _uid_of(parts[0])
             if owner is not None:
@@ -81,7 +82,7 @@ class SubordinateIds:
 
 
 def _uid_of(user: str) -> int | None:
-    if user.isascii() and user.isdigit():
+    if is_digits(user):
         return int(user)
     try:
         return pwd.getpwnam(user).pw_uid

@@ -29,6 +29,8 @@ import math
 import re
 from typing import Any
 
+from clusterpulse.agent.validate import host_port
+
 VERSION = 1
 MAX_DATAGRAM_BYTES = 8192
 DEFAULT_TELEMETRY_PORT = 9401
@@ -247,8 +249,8 @@ def parse_address(text: str) -> str | tuple[str, int]:
         if len(path.encode()) > 107:
             raise ValueError(f"unix socket path longer than 107 bytes: {path!r}")
         return path
-    host, sep, port = text.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+    address = host_port(text)
+    if address is None:
         raise ValueError("telemetry address must be unix:/PATH (e.g. "
                          f"{DEFAULT_TELEMETRY}) or HOST:PORT (UDP), got {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    return address

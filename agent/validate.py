@@ -25,6 +25,28 @@ def is_number(v: Any) -> bool:
         return False
 
 
+def is_digits(text: str) -> bool:
+    """Whether `text` is a whole number >= 0 as int() reads it: ASCII digits only.
+    str.isdigit() alone also takes '²' (and other digits int() refuses), so an
+    environment variable, a label or a port of them raised where it was parsed."""
+    return text.isascii() and text.isdigit()
+
+
+def host_port(text: str) -> tuple[str, int] | None:
+    """HOST:PORT (brackets around the host taken off, an empty host is loopback), or
+    None where `text` is not of that form."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not is_digits(port) or int(port) > 65535:
+        return None
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def is_string_map(v: Any) -> bool:
+    """A mapping of text to text (labels, annotations as their APIs give them)."""
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
+                                       for k, x in v.items())
+
+
 def bounded_number(v: Any, lo: float, hi: float) -> float | None:
     """`v` as a float if it is a finite number in lo..hi, else None."""
     if not is_number(v):

@@ -17,6 +17,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from clusterpulse.agent.validate import is_digits
+
 log = logging.getLogger(__name__)
 
 
@@ -41,10 +43,8 @@ class XidLedger:
         if isinstance(raw, dict):
             for uuid, counts in raw.items():
                 if isinstance(uuid, str) and isinstance(counts, dict):
-                    # ASCII digits: "²".isdigit() is true and int("²") raises
                     totals[uuid] = {int(k): v for k, v in counts.items()
-                                    if k.isascii() and k.isdigit() and type(v) is int
-                                    and v >= 0}
+                                    if is_digits(k) and type(v) is int and v >= 0}
         return totals
 
     def merge(self, uuid: str, counts: dict[int, int]) -> dict[int, int]:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import requests
 
+from clusterpulse.agent.validate import is_string_map
+
 
 class AlertmanagerUnavailable(Exception):
     pass
@@ -56,8 +58,7 @@ class AlertmanagerClient:
 
 
 def _strings(value: object, what: str) -> dict[str, str]:
-    if not isinstance(value, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+    if not is_string_map(value):
         raise TypeError(what)
     return value
 

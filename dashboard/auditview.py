@@ -13,6 +13,8 @@ import json
 
 import pandas as pd
 
+from clusterpulse.agent.validate import bounded_number
+
 COLUMNS = ["time (UTC)", "who", "action", "run", "outcome", "why", "nodes", "source",
            "records", "detail", "prev"]
 
@@ -32,7 +34,7 @@ def usable(records: list[dict]) -> tuple[list[dict], int]:
     kept = []
     for r in records:
         ts, nodes = r.get("ts", 0.0), r.get("nodes")
-        if isinstance(ts, bool) or not isinstance(ts, int | float) or not 0 <= ts < LAST_TS:
+        if bounded_number(ts, 0, LAST_TS) is None:
             continue
         if any(r.get(k) is not None and not isinstance(r[k], str) for k in TEXT_FIELDS):
             continue

@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
+from clusterpulse.agent.validate import is_digits
 from clusterpulse.dashboard import auditview, config, explain
 from clusterpulse.dashboard.amclient import AlertmanagerClient, AlertmanagerUnavailable
 from clusterpulse.dashboard.config import Settings
@@ -125,7 +126,7 @@ def gpu_cells(samples: list, *labels: str) -> list:
     agent's labels; another exporter writing these names with gpu="GPU-3" stopped the
     Cluster page with a ValueError) and `labels`."""
     return [s for s in samples if s.labels.get("node") and all(s.labels.get(k) for k in labels)
-            and s.labels.get("gpu", "").isascii() and s.labels.get("gpu", "").isdigit()]
+            and is_digits(s.labels.get("gpu", ""))]
 
 
 def cluster_gpu_data(prom: PrometheusClient, metric: str) -> tuple[dict[str, int], list]:
@@ -401,7 +402,7 @@ def gpu_now(prom_url: str, name: str, gpu: str, range_s: int, end: float | None 
     page's own fetch (`node`, 13 queries, 8 of them ranges, and their frames) took
     0.15-0.3 s of the server under load before the line could be drawn. `gpu` is a
     device index (digits), checked here: it comes from the URL and goes into PromQL."""
-    if not gpu.isdigit():
+    if not is_digits(gpu):
         raise ValueError(f"gpu must be a device index, not {gpu!r}")
     sel = f'"{name}",gpu="{gpu}"'
     parts = {title: f"max ({NODE_SERIES[title].replace('NODE', sel)})" for title in GPU_NOW}

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from clusterpulse.agent.validate import is_digits
 from clusterpulse.dashboard import links
 
 
@@ -109,7 +110,7 @@ def _rank_order(rank: object) -> int:
     """Ranks in numeric order ('10' after '2'), anything else last (another exporter's
     rank="r3" stopped the Run page's hang incident in sorted(key=int))."""
     text = str(rank)
-    return int(text) if text.isascii() and text.isdigit() else 1 << 30
+    return int(text) if is_digits(text) else 1 << 30
 
 
 def rate_against_usual(now: float, usual: float | None) -> str | None:

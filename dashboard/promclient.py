@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import requests
 
+from clusterpulse.agent.validate import is_string_map
+
 
 class PrometheusError(Exception):
     """Prometheus answered, but with an error (bad query, timeout, overload).
@@ -67,8 +69,7 @@ class Series:
 
 def _labels(metric: object) -> dict[str, str]:
     """A series' labels as the API gives them; TypeError for anything else."""
-    if not isinstance(metric, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metric.items()):
+    if not is_string_map(metric):
         raise TypeError("labels")
     return metric
 

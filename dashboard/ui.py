@@ -16,6 +16,7 @@ import streamlit as st
 
 from clusterpulse.agent.audit import AuditLog, verify
 from clusterpulse.agent.peeruid import account_key, uid_of_peer
+from clusterpulse.agent.validate import is_digits
 from clusterpulse.dashboard import auth, config, data, links
 from clusterpulse.dashboard.data import Result
 
@@ -520,7 +521,7 @@ def _chart(frame, spec: dict) -> None:
 
 def _natural(name: str) -> list:
     """'gpu 10' after 'gpu 2': the numbers in a name compared as numbers."""
-    return [(0, int(part), "") if part.isascii() and part.isdigit() else (1, 0, part)
+    return [(0, int(part), "") if is_digits(part) else (1, 0, part)
             for part in re.split(r"(\d+)", name) if part]
 
 

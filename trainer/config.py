@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterpulse.agent.protocol import DEFAULT_TELEMETRY
+from clusterpulse.agent.validate import is_digits
 from clusterpulse.trainer.faults import InjectError, Injection, parse_injection
 from clusterpulse.trainer.instrument import check_run_id
 from clusterpulse.trainer.model import PRESETS
@@ -150,7 +151,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         raise ConfigError(f"--ckpt-dir {a.ckpt_dir} exists and is not a directory")
     for name in LAUNCHER_INTS:  # what torchrun sets; by hand, a typo here crashed later
         value = os.environ.get(name, "")
-        if value and not (value.isascii() and value.isdigit()):  # "²".isdigit() too
+        if value and not is_digits(value):
             raise ConfigError(f"${name} must be a whole number >= 0, got {value!r}")
     return TrainConfig(
         preset=a.preset, steps=a.steps, global_batch=a.global_batch, lr=a.lr,

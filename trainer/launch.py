@@ -77,6 +77,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from clusterpulse.agent.validate import is_digits
 from clusterpulse.trainer import spares
 from clusterpulse.trainer.parallel import ATTEMPTS_BEFORE_ENV, SHARE_STORE_ENV
 from clusterpulse.trainer.restart import (
@@ -185,7 +186,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                                and a.monitor_interval > 0):
         p.error("--monitor-interval must be a number of seconds > 0")
     sizes = a.nnodes.split(":")
-    if len(sizes) > 2 or not all(n.isascii() and n.isdigit() and int(n) > 0 for n in sizes) or \
+    if len(sizes) > 2 or not all(is_digits(n) and int(n) > 0 for n in sizes) or \
             int(sizes[0]) > int(sizes[-1]):
         p.error(f"--nnodes {a.nnodes!r}: expected N or MIN:MAX nodes (1 <= MIN <= MAX)")
     for kv in a.rdzv_conf:

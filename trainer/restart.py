@@ -50,6 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from clusterpulse.agent.protocol import LEAVE_REFUSALS
+from clusterpulse.agent.validate import is_digits
 from clusterpulse.trainer import RESTART_EXIT_CODE
 
 log = logging.getLogger("clusterpulse.trainer.restart")
@@ -236,7 +237,7 @@ def min_nodes() -> int | None:
     """The job's minimum node count, where the launcher said it (not on a node that may
     never leave: the rendezvous host, a single node)."""
     value = os.environ.get(MIN_NODES_ENV, "")
-    return int(value) if value.isascii() and value.isdigit() else None
+    return int(value) if is_digits(value) else None
 
 
 def request_relaunch(leave_s: float = 0.0, attempt: int | None = None) -> int:

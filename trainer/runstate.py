@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import struct
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from clusterpulse.agent.validate import is_number
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ def _fits(value: object, default: object) -> bool:
     if isinstance(value, bool) or isinstance(default, bool):
         return type(value) is type(default)
     if isinstance(default, float):
-        return isinstance(value, int | float) and math.isfinite(value)
+        return is_number(value)
     if isinstance(default, list):
         return isinstance(value, list) and all(isinstance(x, dict) for x in value)
     return type(value) is type(default)

@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from clusterpulse.agent import protocol
+from clusterpulse.agent.validate import is_digits
 
 AgentAddr = str | tuple[str, int]
 DEFAULT_SOCKET_PATH = protocol.DEFAULT_SOCKET_PATH
@@ -54,7 +55,7 @@ class AgentLink:
         self._lock = threading.Lock()
         if local_rank is None:
             env = os.environ.get("LOCAL_RANK", "0")
-            local_rank = int(env) if env.isascii() and env.isdigit() else 0
+            local_rank = int(env) if is_digits(env) else 0
         self.gpu_uuids = rank_gpu_uuids(local_rank)
         if addr is None:
             return

@@ -57,6 +57,7 @@ import random
 import socket
 from pathlib import Path
 
+from clusterpulse.agent.validate import is_digits
 from clusterpulse.trainer import spares
 from clusterpulse.trainer.torch_support import fallback
 
@@ -171,8 +172,7 @@ def store_port_range() -> tuple[int, int] | None:
     given = os.environ.get(STORE_PORTS_ENV, "")
     if given:
         low, _, high = given.partition("-")
-        if low.isascii() and high.isascii() and low.isdigit() and high.isdigit() and \
-                1024 <= int(low) <= int(high) <= 65535:
+        if is_digits(low) and is_digits(high) and 1024 <= int(low) <= int(high) <= 65535:
             return int(low), int(high)
         log.warning(
             "%s=%r is not LOW-HIGH (1024-65535): the default range", STORE_PORTS_ENV, given)
@@ -229,7 +229,7 @@ def take_hold() -> int | None:
     process (a forkserver, ranks: a nested clusterpulse-train would read a stranger's
     descriptor)."""
     fd = os.environ.pop(HOLD_FD_ENV, "")
-    return int(fd) if fd.isascii() and fd.isdigit() else None
+    return int(fd) if is_digits(fd) else None
 
 
 def held_until_its_turn(hold: int | None) -> bool:

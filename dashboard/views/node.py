@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from clusterpulse.agent.validate import is_digits
 from clusterpulse.dashboard import data, explain, links, ui
 
 s = ui.settings()
@@ -15,7 +16,7 @@ win = ui.time_window(later)
 node = ui.choose("Node", lambda: data.node_names(s.prometheus_url), "No node reports yet.",
                  "node", later)
 focus = ui.url_param("gpu")  # a link to one GPU (an alert, a heatmap cell): it comes first
-if focus is not None and not focus.isdigit():  # it goes into PromQL (data.gpu_now)
+if focus is not None and not is_digits(focus):  # it goes into PromQL (data.gpu_now)
     st.warning(f"GPU {focus!r} from the link is not a GPU index; showing all GPUs.")
     focus = None
 # The temperature the charts mark: GpuTemperatureHigh fires above it (throttling near)

@@ -43,6 +43,7 @@ import os
 import sys
 from multiprocessing import forkserver
 
+from clusterpulse.agent.validate import is_digits
 from clusterpulse.trainer.torchrun import held_until_its_turn, take_hold
 from clusterpulse.trainer.torchrun import prepare as prepare_torchrun
 
@@ -58,7 +59,7 @@ def take_torchrun_thread_count() -> None:
     intra-op thread count from its server's start, before torchrun set the variable
     for its ranks (on 2 cores, 2 ranks would each compute with 2 threads)."""
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isascii() and threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+    if is_digits(threads) and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
 
 
