@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import importlib
 import itertools
 import logging
@@ -44,8 +45,16 @@ log = logging.getLogger(__name__)
 
 UINT_MAX = 0xFFFFFFFF  # scopeId meaning "all NVLink links"
 NVML_SUCCESS = 0
+NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_GPU_IS_LOST = 15
+
+# Error kinds that say the GPU or NVML itself is gone, whichever call met them: the GPU
+# is down and NVML is initialised again. Any other error of one optional metric (a
+# driver's NVML_ERROR_UNKNOWN once, a process list that grew between pynvml's two
+# calls) loses that metric for one cycle, not the GPU: GpuDown paged on them.
+GONE = frozenset({"gpu_is_lost", "uninitialized", "reset_required", "driver_not_loaded",
+                  "lib_rm_version_mismatch"})
 
 # GpuSample attribute -> (field id name in pynvml, scope id, scale to base units).
 FIELDS: dict[str, tuple[str, int, float]] = {
@@ -91,6 +100,9 @@ class _Device:
     sm_clock_max_hertz: float | None = None
     memory_total_bytes: float | None = None
     missing: bool = False
+    # Why it is missing: "missing" (NVML no longer lists it), or the error kind of the
+    # static read that failed (it answered its UUID, then was lost)
+    reason: str = "missing"
     probed: bool = True  # False: known from the roster only, static facts not read yet
     xid_counts: dict[int, int] = field(default_factory=dict)
     nvlinks: int = 0  # links found at start (0: no NVLink, or not supported)
@@ -124,6 +136,13 @@ class NvmlBackend:
         self._unsupported: dict[tuple[str, str], str] = {}  # (uuid, metric) -> reason
         self._errors: collections.Counter[str] = collections.Counter()
         self._devices: dict[str, _Device] = {}  # by uuid: survives re-enumeration
+        # NVML indices whose handle or UUID did not answer at the last enumeration, with
+        # the error kind: exported down under that index, and re-probed (a GPU that
+        # answers `nvidia-smi` with "Unable to determine the device handle")
+        self._unlisted: dict[int, str] = {}
+        # Entry points this driver lacks (an older driver than the pynvml: no
+        # ..._v3 symbol, no ClocksEventReasons): not tried again
+        self._absent: set[str] = set()
         self._order: list[str] = []
         self._event_set: Any = None
         self._need_reinit = False  # NVML itself failed: no events until re-initialised
@@ -159,29 +178,33 @@ class NvmlBackend:
         count = self._call("nvmlDeviceGetCount")
         seen: set[str] = set()
         changed = False
+        self._unlisted = {}
         for index in range(count):
             try:
                 handle = self._call("nvmlDeviceGetHandleByIndex", index)
                 uuid = _text(self._call("nvmlDeviceGetUUID", handle))
             except n.NVMLError as err:
                 self._errors[error_kind(err)] += 1
+                self._unlisted[index] = error_kind(err)
                 log.warning("gpu %d cannot be enumerated: %s", index, err)
                 continue
             seen.add(uuid)
             dev = self._devices.get(uuid)
             if dev is None:
                 dev = _Device(index=-1, handle=handle, uuid=uuid)
-                self._read_static(dev)
+                probed = self._probe_static(dev)
                 label = self._replaced_label(dev, seen)
                 dev.index = self._free_label(index) if label is None else label
                 self._devices[uuid] = dev
                 self._order.append(uuid)
                 changed = True
-            elif not dev.probed:  # remembered, and here again after the restart
+                if not probed:
+                    continue
+            elif not dev.probed:  # remembered (or lost at its first probe), here again
                 dev.handle = handle
-                self._read_static(dev)
-                dev.probed = True
-            dev.handle, dev.missing = handle, False
+                if not self._probe_static(dev):
+                    continue
+            dev.handle, dev.missing, dev.reason = handle, False, "missing"
         for uuid, dev in self._devices.items():
             if uuid not in seen:
                 dev.missing = True
@@ -215,6 +238,22 @@ class NvmlBackend:
         if index not in taken:
             return index
         return next(i for i in itertools.count() if i not in taken)
+
+    def _probe_static(self, dev: _Device) -> bool:
+        """Read a GPU's static facts; False (the GPU stays missing, down with the error's
+        kind, and is probed again) if it is lost while they are read. One GPU that
+        answered its UUID and then was lost stopped the agent from starting, or every
+        later collection of every GPU once it came back so."""
+        try:
+            self._read_static(dev)
+        except self._nvml.NVMLError as err:
+            kind = error_kind(err)
+            self._errors[kind] += 1
+            log.warning("gpu %s lost while its static facts were read: %s", dev.uuid, err)
+            dev.missing, dev.probed, dev.reason = True, False, kind
+            return False
+        dev.probed = True
+        return True
 
     def _read_static(self, dev: _Device) -> None:
         dev.name = _text(self._optional(dev, "name", "nvmlDeviceGetName", dev.handle) or "")
@@ -282,10 +321,12 @@ class NvmlBackend:
                 self._errors[f"xid_events_{error_kind(err)}"] += 1
                 return
             try:  # by UUID: NVML's index of a GPU changes when one before it is lost
-                uuid = _text(self._call("nvmlDeviceGetUUID", event.device))
+                dev = by_uuid.get(_text(self._call("nvmlDeviceGetUUID", event.device)))
             except n.NVMLError:
-                continue
-            dev = by_uuid.get(uuid)
+                # a GPU that fell off the bus (XID 79) no longer answers its UUID: its
+                # handle, from this enumeration, still names it
+                dev = next((d for d in by_uuid.values()
+                            if _same_handle(d.handle, event.device)), None)
             if dev is not None:
                 xid = int(event.eventData)
                 dev.xid_counts[xid] = dev.xid_counts.get(xid, 0) + 1
@@ -302,17 +343,39 @@ class NvmlBackend:
             self._errors["not_supported"] += 1
             log.info("gpu %d (%s) does not support %s: %s", dev.index, dev.uuid, metric, err)
 
-    def _optional(self, dev: _Device, metric: str, fn: str, *args: Any) -> Any:
-        """Call NVML for one metric; None (recorded once) if the device lacks it."""
+    def _lacks(self, dev: _Device, metric: str) -> bool:
+        return (dev.uuid, metric) in self._unsupported
+
+    def _optional(self, dev: _Device, metric: str, fn: str | tuple[str, ...], *args: Any,
+                  strict: bool = False) -> Any:
+        """Call NVML for one metric; None (recorded once) if the device lacks it. `fn`
+        may name older entry points after the first, tried where the driver lacks the
+        newer one. An error that is not the GPU's or NVML's end (`GONE`) is counted
+        and gives None for this cycle, unless `strict` (the liveness probe)."""
         if (dev.uuid, metric) in self._unsupported:
             return None
         n = self._nvml
-        try:
-            return self._call(fn, *args)
-        except (n.NVMLError_NotSupported, n.NVMLError_FunctionNotFound,
-                n.NVMLError_NoPermission) as err:
-            self._mark_unsupported(dev, metric, err)
-            return None
+        names = [f for f in ((fn,) if isinstance(fn, str) else fn)
+                 if f not in self._absent and hasattr(n, f)]
+        err: Exception = n.NVMLError(n.NVML_ERROR_FUNCTION_NOT_FOUND)
+        for name in names:
+            try:
+                return self._call(name, *args)
+            except (n.NVMLError_FunctionNotFound, _mismatch_error(n)) as lacking:
+                # pynvml's unversioned process calls raise NVMLLibraryMismatchError, not
+                # an NVMLError, where an older driver lacks their _v3 symbol
+                self._absent.add(name)
+                err = lacking
+            except (n.NVMLError_NotSupported, n.NVMLError_NoPermission) as unsupported:
+                err = unsupported
+                break
+            except n.NVMLError as other:
+                if strict or error_kind(other) in GONE:
+                    raise
+                self._errors[error_kind(other)] += 1
+                return None
+        self._mark_unsupported(dev, metric, err)
+        return None
 
     # -- the collection cycle ----------------------------------------------------
     def collect(self) -> list[GpuSample]:
@@ -332,24 +395,30 @@ class NvmlBackend:
         for uuid in self._order:
             dev = self._devices[uuid]
             if dev.missing:
-                samples.append(self._down(dev, "missing"))
+                samples.append(self._down(dev, dev.reason))
                 continue
             try:
                 samples.append(self._read(dev))
             except n.NVMLError as err:
                 kind = error_kind(err)
                 self._errors[kind] += 1
-                if kind in ("gpu_is_lost", "uninitialized", "reset_required"):
+                if kind in GONE:
                     self._need_reinit = True
                 samples.append(self._down(dev, kind))
+        labels = {d.index for d in self._devices.values()}
+        for index, kind in sorted(self._unlisted.items()):
+            if index not in labels:  # else a known GPU exports that label already
+                samples.append(GpuSample(index=index, uuid="", up=False,
+                                         driver_version=self._driver_version,
+                                         down_reason=kind))
         if not self._need_reinit and not self._any_missing():
             self._reinit_interval = self.REINIT_INTERVAL_S  # all back: the next loss waits 30 s
         return samples
 
     def _any_missing(self) -> bool:
         """A known GPU the last enumeration did not find: only a re-init can see it back
-        (NVML enumerates once, at init)."""
-        return any(d.missing for d in self._devices.values())
+        (NVML enumerates once, at init), or an index NVML listed without answering."""
+        return bool(self._unlisted) or any(d.missing for d in self._devices.values())
 
     def _reinit(self) -> None:
         n = self._nvml
@@ -386,18 +455,24 @@ class NvmlBackend:
 
     def _read(self, dev: _Device) -> GpuSample:
         n, h = self._nvml, dev.handle
-        util = self._call("nvmlDeviceGetUtilizationRates", h)  # the liveness probe: no fallback
+        # The liveness probe (any error: the GPU is down) is the first of utilization,
+        # memory and temperature the GPU supports: a MIG-enabled GPU answers
+        # utilization NOT_SUPPORTED, and was exported down for good.
+        util = self._optional(dev, "utilization", "nvmlDeviceGetUtilizationRates", h,
+                              strict=True)
         s = GpuSample(
             index=dev.index, uuid=dev.uuid, up=True, name=dev.name, pci_bus_id=dev.pci_bus_id,
-            driver_version=self._driver_version, utilization_ratio=util.gpu / 100.0,
+            driver_version=self._driver_version,
+            utilization_ratio=None if util is None else util.gpu / 100.0,
             sm_clock_max_hertz=dev.sm_clock_max_hertz, xid_errors_total=self._xid_totals(dev),
         )
-        mem = self._optional(dev, "memory", "nvmlDeviceGetMemoryInfo", h)
+        mem = self._optional(dev, "memory", "nvmlDeviceGetMemoryInfo", h,
+                             strict=self._lacks(dev, "utilization"))
         if mem is not None:
             s.memory_used_bytes, s.memory_total_bytes = float(mem.used), float(mem.total)
         temp = self._optional(
-            dev, "temperature_celsius", "nvmlDeviceGetTemperature", h, n.NVML_TEMPERATURE_GPU
-        )
+            dev, "temperature_celsius", "nvmlDeviceGetTemperature", h, n.NVML_TEMPERATURE_GPU,
+            strict=self._lacks(dev, "utilization") and self._lacks(dev, "memory"))
         s.temperature_celsius = None if temp is None else float(temp)
         mw = self._optional(dev, "power_watts", "nvmlDeviceGetPowerUsage", h)
         s.power_watts = None if mw is None else mw / 1000.0
@@ -405,12 +480,9 @@ class NvmlBackend:
         s.power_limit_watts = None if mw is None else mw / 1000.0
         mhz = self._optional(dev, "sm_clock_hertz", "nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_SM)
         s.sm_clock_hertz = None if mhz is None else mhz * 1e6
-        reasons_fn = (
-            "nvmlDeviceGetCurrentClocksEventReasons"
-            if hasattr(n, "nvmlDeviceGetCurrentClocksEventReasons")
-            else "nvmlDeviceGetCurrentClocksThrottleReasons"
-        )
-        mask = self._optional(dev, "clock_events", reasons_fn, h)
+        # the older name where the driver lacks the newer one (pynvml >= 12.535 has both)
+        mask = self._optional(dev, "clock_events", ("nvmlDeviceGetCurrentClocksEventReasons",
+                                                    "nvmlDeviceGetCurrentClocksThrottleReasons"), h)
         s.clock_events = None if mask is None else decode_clock_events(int(mask))
         self._read_fields(dev, s)
         self._read_links(dev, s)
@@ -423,7 +495,8 @@ class NvmlBackend:
         pids: set[int] = set()
         for metric, fn in (("processes", "nvmlDeviceGetComputeRunningProcesses"),
                            ("graphics_processes", "nvmlDeviceGetGraphicsRunningProcesses")):
-            for p in self._optional(dev, metric, fn, dev.handle) or ():
+            # ..._v2: the drivers before R510 have no _v3, which the unversioned calls use
+            for p in self._optional(dev, metric, (fn, f"{fn}_v2"), dev.handle) or ():
                 pids.add(int(p.pid))
         return tuple(sorted(pids))
 
@@ -437,12 +510,11 @@ class NvmlBackend:
         for link in range(dev.nvlinks):
             state = self._call("nvmlDeviceGetNvLinkState", h, link)
             sample = NvLinkSample(up=int(state) == int(getattr(n, "NVML_FEATURE_ENABLED", 1)))
-            if (dev.uuid, "nvlink_errors") not in self._unsupported:
-                for kind, const in NVLINK_ERRORS.items():
-                    v = self._optional(dev, "nvlink_errors", "nvmlDeviceGetNvLinkErrorCounter",
-                                       h, link, getattr(n, const))
-                    if v is not None:
-                        sample.errors[kind] = float(v)
+            for kind, const in NVLINK_ERRORS.items():  # each kind supported or not alone
+                v = self._optional(dev, f"nvlink_{kind}_errors",
+                                   "nvmlDeviceGetNvLinkErrorCounter", h, link, getattr(n, const))
+                if v is not None:
+                    sample.errors[kind] = float(v)
             s.nvlinks[link] = sample
 
     def _read_fields(self, dev: _Device, s: GpuSample) -> None:
@@ -463,8 +535,11 @@ class NvmlBackend:
                 setattr(s, attr, _field_number(fv) * scale)
             elif ret == NVML_ERROR_GPU_IS_LOST:
                 raise self._nvml.NVMLError(NVML_ERROR_GPU_IS_LOST)
-            elif ret == NVML_ERROR_NOT_SUPPORTED:
-                self._mark_unsupported(dev, attr, "Not Supported")
+            elif ret in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT):
+                # INVALID_ARGUMENT: a field id this driver does not know; asked for
+                # again, it was counted as an error every cycle
+                self._mark_unsupported(dev, attr, "Not Supported" if ret == NVML_ERROR_NOT_SUPPORTED
+                                       else "Invalid Argument (a field unknown to this driver)")
             else:
                 self._errors[f"field_{ret}"] += 1
 
@@ -483,6 +558,20 @@ class NvmlBackend:
             self._call("nvmlShutdown")
         except self._nvml.NVMLError:
             pass
+
+
+def _mismatch_error(nvml: Any) -> type[Exception] | tuple[()]:
+    """pynvml's NVMLLibraryMismatchError (a plain Exception), or nothing to catch in a
+    pynvml without it."""
+    return getattr(nvml, "NVMLLibraryMismatchError", ())
+
+
+def _same_handle(a: Any, b: Any) -> bool:
+    """Two device handles: pynvml's are ctypes pointers, equal by the address they hold."""
+    try:
+        return ctypes.cast(a, ctypes.c_void_p).value == ctypes.cast(b, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return a is b or a == b
 
 
 def _text(value: Any) -> str:

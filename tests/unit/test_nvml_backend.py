@@ -198,7 +198,29 @@ def test_unsupported_function_and_field_are_recorded_once_and_not_retried():
     (pynvml.NVML_ERROR_TIMEOUT, "timeout"),
     (pynvml.NVML_ERROR_GPU_IS_LOST, "gpu_is_lost"),
 ])
-def test_any_per_gpu_failure_marks_the_gpu_down_by_error_kind(code, kind):
+def test_any_failure_of_the_liveness_probe_marks_the_gpu_down_by_error_kind(code, kind):
+    fake = FakeNvml(gpus=2)
+    backend = NvmlBackend(nvml=fake)
+
+    def broken(h):
+        raise pynvml.NVMLError(code)
+
+    real = fake.nvmlDeviceGetUtilizationRates
+    fake.nvmlDeviceGetUtilizationRates = lambda h: broken(h) if h == 0 else real(h)
+    s = backend.collect()
+    assert not s[0].up and s[0].down_reason == kind
+    assert s[1].up and s[1].utilization_ratio == 0.5
+    assert backend.errors()[kind] == 1
+
+
+@pytest.mark.parametrize("code,kind,up", [
+    (pynvml.NVML_ERROR_UNKNOWN, "unknown", True),
+    (pynvml.NVML_ERROR_TIMEOUT, "timeout", True),
+    (pynvml.NVML_ERROR_GPU_IS_LOST, "gpu_is_lost", False),
+])
+def test_an_optional_metric_failing_loses_that_metric_unless_the_gpu_is_gone(code, kind, up):
+    """An error of one optional reading marked the GPU down, and GpuDown pages at once;
+    only the errors that say the GPU or NVML is gone (`GONE`) still do."""
     fake = FakeNvml(gpus=2)
     backend = NvmlBackend(nvml=fake)
 
@@ -207,9 +229,12 @@ def test_any_per_gpu_failure_marks_the_gpu_down_by_error_kind(code, kind):
 
     fake.nvmlDeviceGetTemperature = lambda h, s: broken(h) if h == 0 else 55
     s = backend.collect()
-    assert not s[0].up and s[0].down_reason == kind
+    assert s[0].up is up and s[0].down_reason == ("" if up else kind)
+    if up:
+        assert s[0].temperature_celsius is None and s[0].power_watts == 350.0
     assert s[1].up and s[1].temperature_celsius == 55
     assert backend.errors()[kind] == 1
+    assert backend.unsupported() == {}
 
 
 def test_nvml_init_failure_is_a_clear_error():
