@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import statistics
 import sys
@@ -102,6 +103,13 @@ SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between", "evaluate"})
 # is a step outside any section. Not "data" (input) nor "checkpoint" (its own timeout).
 IN_STEP_PHASES = frozenset({"step", "forward_backward", "optimizer"})
 _EXACT_AS_FLOAT32 = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
+def _describe(value: object) -> str:
+    """A value's type, and a tensor's shape: what a warning about a wrong one says."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"[:120]
 
 
 def _local_attempt() -> int:
@@ -219,8 +227,15 @@ class _Step:
 
     def __exit__(self, kind: type[BaseException] | None, *_exc: object) -> None:
         collective_timing.state.timer = None  # between steps collectives are counted only
+        pulse = self.pulse
+        pulse._open_step = pulse._step_input_since = None
         if kind is None:
-            self.pulse._end_step(self.ctx)
+            pulse._end_step(self.ctx)
+        else:
+            # out of the step: a loop that catches the error and recovers (reloads a
+            # checkpoint) was still "forward_backward" to the agent, held to the hang
+            # threshold of a step
+            pulse._enter("between")
 
 
 class _BetweenSteps:
@@ -336,7 +351,12 @@ class Pulse:
         # the later phases (protocol.LATER_PHASES) the agent's replies say it knows
         self._agent_phases: frozenset[str] = frozenset()
         self._input_since: float | None = None  # awaiting_input() began, not yet arrived
+        # the step between its `with` and its end, and a wait for input begun inside it
+        # (a micro-batch of gradient accumulation fetched from `data()` in the step)
+        self._open_step: StepContext | None = None
+        self._step_input_since: float | None = None
         self._loss_buffers: list[torch.Tensor] = []  # pinned, free for a loss copy (CUDA)
+        self._warned_loss = False
         self._resolved = 0  # steps resolved: replies are read every consensus interval
         self.last: dict[str, float] = {}  # the last step's figures (also sent to the agent)
         self._recent_steps: deque[float] = deque(maxlen=20)  # wall seconds, for stuck
@@ -624,6 +644,10 @@ class Pulse:
             try:
                 item = next(it)
             except StopIteration:
+                if self._step_input_since is not None:
+                    self._step_input_since = None
+                    self._enter("step")
+                    return
                 self._input_since = None
                 collective_timing.state.timer = None
                 self._enter("between")
@@ -637,7 +661,16 @@ class Pulse:
         where a callback sees a batch arrive but cannot wrap the loader in `data()`.
         A blocking collective the loop runs meanwhile is handed to
         `_collective_in_step` (an attribute store, nothing on a step without one): its
-        time is a wait for peers, not for input."""
+        time is a wait for peers, not for input.
+
+        Inside a step (the next micro-batch of gradient accumulation) the wait is that
+        step's data section, as `s.section("data")`: it was counted twice (in the step's
+        compute and as the next step's data wait), and its arrival stopped the timing
+        of the step's collectives, so a wait for a late peer after it was compute."""
+        if self._open_step is not None:
+            self._step_input_since = time.perf_counter()
+            self._enter("data")
+            return
         self._enter("data")
         self._input_since = time.perf_counter()
         collective_timing.state.timer = self
@@ -645,6 +678,13 @@ class Pulse:
     def input_arrived(self) -> None:
         """The batch awaited since `awaiting_input()` is here: that wait is the next
         step's data wait. Without a wait begun, nothing is counted."""
+        since = self._step_input_since
+        if since is not None:  # inside the step: its data section
+            sections = self._open_step.sections if self._open_step is not None else {}
+            sections["data"] = sections.get("data", 0.0) + time.perf_counter() - since
+            self._step_input_since = None
+            self._enter("step")
+            return
         if self._input_since is None:
             return
         self._fetch_wait += time.perf_counter() - self._input_since
@@ -655,8 +695,15 @@ class Pulse:
     # -- steps ---------------------------------------------------------------------------
     def step(self, step: int) -> _Step:
         """`with pulse.step(n) as s:` around one training step (see the module's
-        docstring)."""
-        return _Step(self, StepContext(self, step))
+        docstring). `n` is any integer, a numpy integer or a 0-d integer tensor (an
+        optimizer's saved step) included: sent as it was, a numpy step failed every
+        message to the agent and stopped the heartbeats for good."""
+        try:
+            number = step if type(step) is int else operator.index(step)
+        except TypeError:
+            raise TypeError(f"pulse.step(n): n must be a whole step number, not "
+                            f"{type(step).__name__} {step!r}") from None
+        return _Step(self, StepContext(self, number))
 
     def evaluating(self) -> _BetweenSteps:
         """`with pulse.evaluating():` around an evaluation between steps. Its time has no
@@ -686,6 +733,7 @@ class Pulse:
             ctx.fetch_sync, self._fetch_sync = self._fetch_sync, 0.0
             ctx.fetch += ctx.fetch_sync
         self._enter("step")
+        self._open_step = ctx
         self._backward_open = False
         # fresh lists only where the last step left marks (the pending step keeps its
         # own copies): most steps leave most of them empty; a backward between steps
@@ -779,10 +827,16 @@ class Pulse:
                 # CPU or completed pinned copy; a float32, bf16 or fp16 value is exact as
                 # a Python float without the detach and cast (two dispatches fewer)
                 loss = float(loss.item() if loss.dtype in _EXACT_AS_FLOAT32
-                             else loss.detach().float().item())
+                             else loss.detach().float().item()) if loss.numel() == 1 \
+                    else self._no_loss(loss)
                 if ctx.loss_buffer is not None:  # read: free for a later step's copy
                     self._loss_buffers.append(ctx.loss_buffer)
                     ctx.loss_buffer = None
+            elif loss is not None and type(loss) is not float:
+                try:  # a numpy scalar: not JSON, and failed the step's message
+                    loss = float(loss)
+                except (TypeError, ValueError):
+                    loss = self._no_loss(loss)
             self._recent_steps.append(wall)
             self.last = {"step_seconds": wall, "compute_seconds": compute,
                          "sync_wait_seconds": sync_wait, "data_wait_seconds": data}
@@ -815,6 +869,14 @@ class Pulse:
             # away, and one dropped or late on a loaded machine left the agent holding
             # a saving rank to the steady hang threshold of the phase it saw last.
             self._send_heartbeat(wait_s=EVENT_SEND_WAIT_S)
+
+    def _no_loss(self, loss: object) -> None:
+        """A loss that is not one number is not reported (warned about once): raising,
+        it lost the step's figures and stopped the loop."""
+        if not self._warned_loss:
+            self._warned_loss = True
+            log.warning("s.loss must be one number (a float, or a tensor of one element); "
+                        "got %s: the loss is not reported", _describe(loss))
 
     def _send_heartbeat(self, wait_s: float = 0.0) -> None:
         phase, since = self.phase, self._phase_since

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import select
 import socket
@@ -36,6 +37,8 @@ from typing import Any
 
 from clusterpulse.agent import protocol
 from clusterpulse.agent.validate import is_digits
+
+log = logging.getLogger(__name__)
 
 AgentAddr = str | tuple[str, int]
 DEFAULT_SOCKET_PATH = protocol.DEFAULT_SOCKET_PATH
@@ -49,6 +52,7 @@ class AgentLink:
         self.addr = addr
         self.sent = 0
         self.failed = 0
+        self._unencodable = False  # warned about a message that is not JSON
         self._sock: socket.socket | None = None
         self._connected = False
         self._kind = socket.SOCK_SEQPACKET
@@ -104,7 +108,19 @@ class AgentLink:
             return
         if self.gpu_uuids and "gpu_uuids" not in msg:
             msg = {**msg, "gpu_uuids": self.gpu_uuids}
-        data = protocol.encode(msg)
+        try:
+            data = protocol.encode(msg)
+        except (TypeError, ValueError) as err:
+            # a field the caller added (`Pulse.extra`) that is not JSON: dropped and
+            # counted; raised, it stopped the training loop, or the heartbeat thread
+            # for good (then the agent takes a live rank for a dead one)
+            self.failed += 1
+            if not self._unencodable:
+                self._unencodable = True
+                log.warning("a %r message to the agent is not JSON and is dropped: %s "
+                            "(every value must be a str, int, float, bool, list or dict)",
+                            msg.get("type"), err)
+            return
         deadline = time.monotonic() + wait_s
         while True:
             with self._lock:  # the training loop and the heartbeat thread both send
