@@ -60,6 +60,7 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -101,6 +102,8 @@ DEFAULT_AGENT = protocol.DEFAULT_TELEMETRY
 SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between", "evaluate"})
 # Where a rank waits for its peers inside a step (a collective, a device sync); "step"
 # is a step outside any section. Not "data" (input) nor "checkpoint" (its own timeout).
+# DDP comm hooks of torch's that all-reduce gradients as fp16/bf16 (default_hooks)
+_COMPRESS_HOOKS = frozenset({"fp16_compress_hook", "bf16_compress_hook"})
 IN_STEP_PHASES = frozenset({"step", "forward_backward", "optimizer"})
 _EXACT_AS_FLOAT32 = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
@@ -331,7 +334,8 @@ class Pulse:
         self._step_stream: Any = None  # CUDA: the stream the step's marks are on
         # each backward of the step that DDP reduced: (it began, the rank's own work
         # done, DDP's all-reduce done); the open one's first two marks
-        self._ddp_passes: list[tuple[Any, Any, Any]] = []
+        # per backward DDP reduced: its start, own work done, all-reduce done, bytes
+        self._ddp_passes: list[tuple[Any, Any, Any, float]] = []
         self._backward_start: Any = None
         self._own_work_done: Any = None
         self._backward_open = False  # a syncing backward is running, its callback queued
@@ -340,7 +344,10 @@ class Pulse:
         self._fwd_waits: list[tuple[Any, Any]] = []
         self._has_hook = False
         self._hooks: list[Any] = []  # removed at close: the model outlives no Pulse
-        self._allreduce_bytes = 0.0  # bytes each rank moves in one of DDP's all-reduces
+        # bytes each rank moves in the running backward's all-reduces: of every model
+        # attached whose output it reaches (`_pass_models`, by id)
+        self._pass_bytes = 0.0
+        self._pass_models: set[int] = set()
         self._comm_marks: list[tuple[Any, Any, float]] = []  # FSDP: (start, end, bytes)
         self._pending: list[tuple[StepContext, Any, Any, float, list, list, list]] = []
         self._probes: list[tuple[Any, Any]] = []
@@ -468,9 +475,19 @@ class Pulse:
         """
         params = [p for p in ddp_model.parameters() if p.requires_grad]
         group = getattr(ddp_model, "process_group", None)
-        self._allreduce_bytes = ring_allreduce_bytes(
-            sum(p.numel() * p.element_size() for p in params),
-            group.size() if group is not None else self.world_size)
+        ranks = group.size() if group is not None else self.world_size
+        full = ring_allreduce_bytes(sum(p.numel() * p.element_size() for p in params), ranks)
+        # torch's stock compression hooks reduce 2-byte gradients: half of fp32's bytes
+        half = ring_allreduce_bytes(sum(p.numel() * min(p.element_size(), 2) for p in params),
+                                    ranks)
+        model_ref, key = weakref.ref(ddp_model), id(ddp_model)
+
+        def wire_bytes() -> float:
+            """Read at each backward: a hook may be registered after attach_ddp."""
+            model = model_ref()
+            hooks = getattr(model, "_comm_hooks", None) or ()
+            return half if any(getattr(h, "__name__", "") in _COMPRESS_HOOKS
+                               for h, _ in hooks) else full
         # The hooks live on the model and hold no reference to it (DDP's forward hook
         # is handed it): one back would be a cycle through tensors that the garbage
         # collector cannot free, so the DDP model, its reducer and process group lived
@@ -480,7 +497,8 @@ class Pulse:
 
         def all_reduced() -> None:
             self._ddp_passes.append(
-                (self._backward_start, self._own_work_done, self._clock.mark()))
+                (self._backward_start, self._own_work_done, self._clock.mark(),
+                 self._pass_bytes))
             if self._ddp_seq is not None:
                 self.collectives.complete(self._ddp_seq)
                 self._ddp_seq = None
@@ -496,7 +514,13 @@ class Pulse:
 
         def backward_starts(_grad: torch.Tensor) -> None:
             if self._backward_open:
-                return  # another output of a forward: one mark per backward
+                # another output of a forward: one mark per backward; another model's
+                # (a GAN's generator under its discriminator) adds its bytes
+                if key not in self._pass_models:
+                    self._pass_models.add(key)
+                    self._pass_bytes += wire_bytes()
+                return
+            self._pass_models, self._pass_bytes = {key}, wire_bytes()
             self._backward_open = True
             self._backward_start = self._clock.mark()
             engine.queue_callback(own_work_done)
@@ -805,10 +829,10 @@ class Pulse:
                 # the all-reduce done is sync wait; the window, from the backward's
                 # start, and the bytes are each all-reduce's
                 comm = probe_wait  # DDP's buffer broadcast: a collective too
-                for began, done, reduced in passes:
+                for began, done, reduced, _ in passes:
                     sync_wait += clock.elapsed(done, reduced) or 0.0
                     comm += clock.elapsed(began, reduced) or 0.0
-                comm_bytes = self._allreduce_bytes * len(passes)
+                comm_bytes = sum(nbytes for *_, nbytes in passes)
             self._pending.pop(0)
             if isinstance(clock, _CudaClock):
                 # device time of the step, less the host's waits between its marks, as
