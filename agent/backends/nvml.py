@@ -55,6 +55,9 @@ NVML_ERROR_GPU_IS_LOST = 15
 # calls) loses that metric for one cycle, not the GPU: GpuDown paged on them.
 GONE = frozenset({"gpu_is_lost", "uninitialized", "reset_required", "driver_not_loaded",
                   "lib_rm_version_mismatch"})
+# What NVML answers for a GPU it counts that this process may not use (outside its
+# device cgroup: a Slurm job step's agent with ConstrainDevices): not this agent's GPU
+NOT_OURS = frozenset({"no_permission"})
 
 # GpuSample attribute -> (field id name in pynvml, scope id, scale to base units).
 FIELDS: dict[str, tuple[str, int, float]] = {
@@ -103,6 +106,7 @@ class _Device:
     # Why it is missing: "missing" (NVML no longer lists it), or the error kind of the
     # static read that failed (it answered its UUID, then was lost)
     reason: str = "missing"
+    lost: bool = False  # a reading said it was gone (GONE) since the last enumeration
     probed: bool = True  # False: known from the roster only, static facts not read yet
     xid_counts: dict[int, int] = field(default_factory=dict)
     nvlinks: int = 0  # links found at start (0: no NVLink, or not supported)
@@ -143,6 +147,7 @@ class NvmlBackend:
         # Entry points this driver lacks (an older driver than the pynvml: no
         # ..._v3 symbol, no ClocksEventReasons): not tried again
         self._absent: set[str] = set()
+        self._transient = 0  # passing errors of optional readings, ever
         self._order: list[str] = []
         self._event_set: Any = None
         self._need_reinit = False  # NVML itself failed: no events until re-initialised
@@ -184,8 +189,11 @@ class NvmlBackend:
                 handle = self._call("nvmlDeviceGetHandleByIndex", index)
                 uuid = _text(self._call("nvmlDeviceGetUUID", handle))
             except n.NVMLError as err:
-                self._errors[error_kind(err)] += 1
-                self._unlisted[index] = error_kind(err)
+                kind = error_kind(err)
+                self._errors[kind] += 1
+                if kind in NOT_OURS:  # outside this agent's device cgroup: another job's
+                    continue
+                self._unlisted[index] = kind
                 log.warning("gpu %d cannot be enumerated: %s", index, err)
                 continue
             seen.add(uuid)
@@ -204,10 +212,21 @@ class NvmlBackend:
                 dev.handle = handle
                 if not self._probe_static(dev):
                     continue
-            dev.handle, dev.missing, dev.reason = handle, False, "missing"
+                # now with its PCI slot: a replacement lost at its first probe, before
+                # the slot was read, takes the replaced GPU's label now
+                label = self._replaced_label(dev, seen)
+                if label is not None:
+                    dev.index = label
+                changed = True  # the roster gets its name and slot
+            if dev.missing or dev.lost:
+                # back after a loss or a reset: what it did not support may have changed
+                # (MIG turned off, which takes a reset, makes utilization supported)
+                for key in [k for k in self._unsupported if k[0] == uuid]:
+                    del self._unsupported[key]
+            dev.handle, dev.missing, dev.lost, dev.reason = handle, False, False, "missing"
         for uuid, dev in self._devices.items():
             if uuid not in seen:
-                dev.missing = True
+                dev.missing, dev.reason = True, "missing"
         if changed and self._roster is not None:
             self._roster.save([KnownGpu(d.uuid, d.index, d.pci_bus_id, d.name)
                                for d in self._devices.values()])
@@ -244,6 +263,7 @@ class NvmlBackend:
         kind, and is probed again) if it is lost while they are read. One GPU that
         answered its UUID and then was lost stopped the agent from starting, or every
         later collection of every GPU once it came back so."""
+        transient = self._transient
         try:
             self._read_static(dev)
         except self._nvml.NVMLError as err:
@@ -252,7 +272,9 @@ class NvmlBackend:
             log.warning("gpu %s lost while its static facts were read: %s", dev.uuid, err)
             dev.missing, dev.probed, dev.reason = True, False, kind
             return False
-        dev.probed = True
+        # A passing error left a fact unread (its PCI slot, its maximum clock): read
+        # again at the next collection, not kept empty for the agent's life
+        dev.probed = self._transient == transient
         return True
 
     def _read_static(self, dev: _Device) -> None:
@@ -373,6 +395,7 @@ class NvmlBackend:
                 if strict or error_kind(other) in GONE:
                     raise
                 self._errors[error_kind(other)] += 1
+                self._transient += 1
                 return None
         self._mark_unsupported(dev, metric, err)
         return None
@@ -398,12 +421,20 @@ class NvmlBackend:
                 samples.append(self._down(dev, dev.reason))
                 continue
             try:
+                if not dev.probed:  # a static fact a passing error left unread
+                    self._probe_static(dev)
+                    if dev.probed and self._roster is not None:
+                        self._roster.save([KnownGpu(d.uuid, d.index, d.pci_bus_id, d.name)
+                                           for d in self._devices.values()])
+                    if dev.missing:
+                        samples.append(self._down(dev, dev.reason))
+                        continue
                 samples.append(self._read(dev))
             except n.NVMLError as err:
                 kind = error_kind(err)
                 self._errors[kind] += 1
                 if kind in GONE:
-                    self._need_reinit = True
+                    self._need_reinit = dev.lost = True
                 samples.append(self._down(dev, kind))
         labels = {d.index for d in self._devices.values()}
         for index, kind in sorted(self._unlisted.items()):
@@ -508,7 +539,13 @@ class NvmlBackend:
         s.pcie_link_width = None if width is None else float(width)
         s.pcie_link_generation_max, s.pcie_link_width_max = dev.pcie_gen_max, dev.pcie_width_max
         for link in range(dev.nvlinks):
-            state = self._call("nvmlDeviceGetNvLinkState", h, link)
+            try:
+                state = self._call("nvmlDeviceGetNvLinkState", h, link)
+            except n.NVMLError as err:  # as any optional reading: the GPU only if gone
+                if error_kind(err) in GONE:
+                    raise
+                self._errors[error_kind(err)] += 1
+                continue
             sample = NvLinkSample(up=int(state) == int(getattr(n, "NVML_FEATURE_ENABLED", 1)))
             for kind, const in NVLINK_ERRORS.items():  # each kind supported or not alone
                 v = self._optional(dev, f"nvlink_{kind}_errors",
@@ -528,7 +565,13 @@ class NvmlBackend:
         if not wanted:
             return
         ids = [(getattr(self._nvml, fid), scope) for _, (fid, scope, _) in wanted]
-        values = self._call("nvmlDeviceGetFieldValues", dev.handle, ids)
+        try:
+            values = self._call("nvmlDeviceGetFieldValues", dev.handle, ids)
+        except self._nvml.NVMLError as err:  # as any optional reading: the GPU only if gone
+            if error_kind(err) in GONE:
+                raise
+            self._errors[error_kind(err)] += 1
+            return
         for (attr, (_, _, scale)), fv in zip(wanted, values, strict=True):
             ret = int(fv.nvmlReturn)
             if ret == NVML_SUCCESS:

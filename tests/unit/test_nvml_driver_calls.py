@@ -185,3 +185,91 @@ def test_one_nvlink_error_counter_unsupported_leaves_the_others():
     assert {k: v.errors for k, v in links.items()} == {
         i: {"replay": 2.0, "crc": 2.0} for i in range(4)}
     assert list(backend.unsupported()) == [(0, "nvlink_recovery_errors")]
+
+
+def test_gpus_outside_the_agents_device_cgroup_are_not_its_own():
+    """A Slurm job step's agent under ConstrainDevices: NVML counts every GPU and answers
+    NO_PERMISSION for the others' handles. They are another job's, not down (a review:
+    exported down, they paged GpuDown, and NVML was re-initialised every minute)."""
+    lib, clock = FakeLib(4), Clock()
+    for i in (2, 3):
+        lib.handle_ret[i] = pynvml.NVML_ERROR_NO_PERMISSION
+    with installed(lib) as nvml:
+        backend = NvmlBackend(nvml=nvml, clock=clock)
+        for _ in range(5):
+            clock.t += 60
+            samples = backend.collect()
+    assert [(s.index, s.up) for s in samples] == [(0, True), (1, True)]
+    assert lib.calls["nvmlInitWithFlags"] == 1
+
+
+@pytest.mark.parametrize("symbol", ["nvmlDeviceGetFieldValues", "nvmlDeviceGetNvLinkState"])
+def test_a_one_off_error_of_the_batched_fields_or_a_link_state_keeps_the_gpu_up(symbol):
+    lib = FakeLib(1)
+    with installed(lib) as nvml:
+        backend = NvmlBackend(nvml=nvml)
+        lib.gpus[0].fail_once[symbol] = [pynvml.NVML_ERROR_UNKNOWN]
+        once = backend.collect()[0]
+        again = backend.collect()[0]
+    assert once.up and again.up and backend.errors() == {"unknown": 1}
+    assert again.ecc_corrected_total == 7 and len(again.nvlinks) == 4
+
+
+def test_static_facts_a_passing_error_left_unread_are_read_again_and_remembered(tmp_path):
+    """Its PCI slot unread for good: gpus.json kept "" and a card swapped into that slot
+    later was not known as its replacement."""
+    lib = FakeLib(2)
+    lib.gpus[1].fail_once["nvmlDeviceGetPciInfo_v3"] = [pynvml.NVML_ERROR_UNKNOWN] * 2
+    with installed(lib) as nvml:  # at the start, and again at the first collection
+        backend = NvmlBackend(nvml=nvml, gpu_state=tmp_path / "gpus.json")
+        first = backend.collect()[1]
+        assert first.up and first.pci_bus_id == ""
+        again = backend.collect()[1]
+    assert again.up and again.pci_bus_id == "00000000:08:00.0"
+    assert '"00000000:08:00.0"' in (tmp_path / "gpus.json").read_text()
+
+
+def test_a_replacement_lost_before_its_slot_was_read_takes_the_old_label_once_probed():
+    lib, clock = FakeLib(3), Clock()
+    with installed(lib) as nvml:
+        backend = NvmlBackend(nvml=nvml, clock=clock)
+        backend.collect()
+        lib.gpus[1].lost = True
+        backend.collect()
+        lib.gpus[1].lost = False
+        lib.gpus[1].uuid = "GPU-lib-1-replacement"
+        lib.gpus[1].fail_once["nvmlDeviceGetName"] = [pynvml.NVML_ERROR_GPU_IS_LOST]
+        for _ in range(3):
+            clock.t += 61
+            samples = backend.collect()
+    assert sorted((s.index, s.uuid, s.up) for s in samples) == [
+        (0, "GPU-lib-0", True), (1, "GPU-lib-1-replacement", True), (2, "GPU-lib-2", True)]
+
+
+def test_what_a_gpu_did_not_support_is_asked_again_after_it_was_lost_and_back():
+    """MIG turned off takes a reset: utilization, unsupported under MIG, was never read
+    again, nor a reading refused for permission."""
+    lib, clock = FakeLib(1), Clock()
+    lib.gpus[0].fail["nvmlDeviceGetUtilizationRates"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    with installed(lib) as nvml:
+        backend = NvmlBackend(nvml=nvml, clock=clock)
+        assert backend.collect()[0].utilization_ratio is None
+        lib.gpus[0].lost = True
+        assert not backend.collect()[0].up
+        lib.gpus[0].lost = False
+        del lib.gpus[0].fail["nvmlDeviceGetUtilizationRates"]
+        clock.t += 31
+        back = backend.collect()[0]
+    assert back.up and back.utilization_ratio == 0.77 and backend.unsupported() == {}
+
+
+def test_a_gpu_lost_at_its_probe_then_gone_from_the_list_is_missing():
+    lib, clock = FakeLib(2), Clock()
+    lib.gpus[1].fail["nvmlDeviceGetMaxClockInfo"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    with installed(lib) as nvml:
+        backend = NvmlBackend(nvml=nvml, clock=clock)
+        assert backend.collect()[1].down_reason == "gpu_is_lost"
+        lib.gpus.pop()  # NVML no longer lists it
+        clock.t += 31
+        gone = backend.collect()[1]
+    assert not gone.up and gone.down_reason == "missing"
