@@ -126,7 +126,16 @@ class MalformedMessage(ValueError):
 
 # One encoder for every message: json.dumps with any option builds a new one per call,
 # and a rank encodes a message every training step.
-_ENCODER = json.JSONEncoder(separators=(",", ":"))
+def _scalar(value: Any) -> Any:
+    """A numpy scalar or a 0-d tensor as the number it holds (`.item()`); anything else
+    JSON has no form for is a TypeError, as json's own."""
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "shape", None) == ():
+        return item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_scalar)
 
 
 def encode(msg: dict[str, Any]) -> bytes:

@@ -136,6 +136,7 @@ class ClusterPulseCallback(TrainerCallback):
             if isinstance(wrapped, DistributedDataParallel):
                 self.pulse.attach_ddp(wrapped)
         self._training = True
+        self._step.discard()  # one a failed train() left open
         self.pulse.awaiting_input()
         self._enter_between(evaluate=args.eval_on_start, save=False)  # runs right after
 

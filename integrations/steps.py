@@ -18,6 +18,10 @@ from typing import Any
 from clusterpulse.trainer.instrument import Pulse, StepContext
 
 
+class _Discarded(Exception):
+    """What a discarded step exits with: a step that raised is not reported."""
+
+
 class OpenStep:
     """At most one step open at a time, with at most one section open in it."""
 
@@ -46,6 +50,17 @@ class OpenStep:
             return
         self._section.close()
         self._section.enter_context(self.ctx.section(name))
+
+    def discard(self) -> None:
+        """A step a failed run left open (the framework raised inside it, and a retried
+        `train()` begins) is dropped unreported: its time is no step's, and the next
+        wait for input is not its own."""
+        if self.ctx is None:
+            return
+        err = _Discarded()
+        self._section.__exit__(_Discarded, err, None)
+        self._step.__exit__(_Discarded, err, None)
+        self.ctx = None
 
     def end(self, loss: Any = None) -> None:
         """The step ends (reported to the agent); outside a step, nothing."""

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import operator
 import os
 import statistics
@@ -106,6 +107,23 @@ SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between", "evaluate"})
 _COMPRESS_HOOKS = frozenset({"fp16_compress_hook", "bf16_compress_hook"})
 IN_STEP_PHASES = frozenset({"step", "forward_backward", "optimizer"})
 _EXACT_AS_FLOAT32 = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
+def _step_number(step: object) -> int:
+    """A whole step number from an int-like (numpy integer, integer tensor) or a whole
+    float (torch's Adam keeps its `step` as a float tensor: tensor(7.))."""
+    if not isinstance(step, bool | str | bytes):
+        try:
+            return operator.index(step)  # type: ignore[arg-type]
+        except TypeError:
+            try:
+                number = float(step)  # type: ignore[arg-type]
+            except (TypeError, ValueError, RuntimeError):
+                number = math.nan
+            if number.is_integer():
+                return int(number)
+    raise TypeError(f"pulse.step(n): n must be a whole step number, not "
+                    f"{_describe(step)}")
 
 
 def _describe(value: object) -> str:
@@ -185,6 +203,11 @@ class StepContext:
         self.t0 = 0.0
         self.fetch = 0.0
         self.fetch_sync = 0.0
+        # input awaited inside the step (`data()` / `awaiting_input()` in it): host
+        # seconds, and the clock marks around each wait (on CUDA the device's idle time
+        # in it, which is what the step's device time holds of it)
+        self.step_fetch = 0.0
+        self.input_marks: list[tuple[Any, Any]] | None = None
         self.start_mark: Any = None
         self.loss_buffer: torch.Tensor | None = None  # pinned host copy (CUDA), reused
 
@@ -249,12 +272,14 @@ class _BetweenSteps:
     resumes without the work's time; what an evaluation's own loader waited is no
     training step's data wait."""
 
-    __slots__ = ("fetch", "input_since", "phase", "previous", "pulse", "t0", "timer")
+    __slots__ = ("fetch", "input_since", "open_step", "phase", "previous", "pulse", "t0",
+                 "timer")
 
     def __init__(self, pulse: Pulse, phase: str) -> None:
         self.pulse, self.phase, self.previous = pulse, phase, ""
         self.input_since: float | None = None
         self.fetch, self.timer, self.t0 = (0.0, 0.0), None, 0.0
+        self.open_step: tuple[StepContext | None, float | None, Any] = (None, None, None)
 
     def __enter__(self) -> None:
         p = self.pulse
@@ -268,6 +293,10 @@ class _BetweenSteps:
         self.fetch, self.timer = (p._fetch_wait, p._fetch_sync), collective_timing.state.timer
         p._fetch_wait = p._fetch_sync = 0.0
         p._input_since, collective_timing.state.timer = None, None
+        # inside an open step the work is no part of it: its loader's waits are not
+        # the step's data, and its phase stays its own
+        self.open_step = (p._open_step, p._step_input_since, p._step_input_mark)
+        p._open_step = p._step_input_since = None
         self.t0 = time.perf_counter()
         if self.phase == "checkpoint":
             p._saves += 1
@@ -287,6 +316,7 @@ class _BetweenSteps:
         p._input_since = None if self.input_since is None else \
             self.input_since + time.perf_counter() - self.t0
         collective_timing.state.timer = self.timer
+        p._open_step, p._step_input_since, p._step_input_mark = self.open_step
         p._enter(self.previous)
 
 
@@ -362,6 +392,7 @@ class Pulse:
         # (a micro-batch of gradient accumulation fetched from `data()` in the step)
         self._open_step: StepContext | None = None
         self._step_input_since: float | None = None
+        self._step_input_mark: Any = None
         self._loss_buffers: list[torch.Tensor] = []  # pinned, free for a loss copy (CUDA)
         self._warned_loss = False
         self._resolved = 0  # steps resolved: replies are read every consensus interval
@@ -667,11 +698,15 @@ class Pulse:
             self.awaiting_input()
             try:
                 item = next(it)
-            except StopIteration:
-                if self._step_input_since is not None:
+            except BaseException as err:
+                if self._step_input_since is not None:  # in a step: no wait goes on
                     self._step_input_since = None
                     self._enter("step")
-                    return
+                    if isinstance(err, StopIteration):
+                        return
+                    raise
+                if not isinstance(err, StopIteration):
+                    raise
                 self._input_since = None
                 collective_timing.state.timer = None
                 self._enter("between")
@@ -693,6 +728,7 @@ class Pulse:
         of the step's collectives, so a wait for a late peer after it was compute."""
         if self._open_step is not None:
             self._step_input_since = time.perf_counter()
+            self._step_input_mark = self._clock.mark()
             self._enter("data")
             return
         self._enter("data")
@@ -703,9 +739,15 @@ class Pulse:
         """The batch awaited since `awaiting_input()` is here: that wait is the next
         step's data wait. Without a wait begun, nothing is counted."""
         since = self._step_input_since
-        if since is not None:  # inside the step: its data section
-            sections = self._open_step.sections if self._open_step is not None else {}
-            sections["data"] = sections.get("data", 0.0) + time.perf_counter() - since
+        if since is not None:  # inside the step: its own
+            ctx = self._open_step
+            if ctx is not None:
+                ctx.step_fetch += time.perf_counter() - since
+                marks = (self._step_input_mark, self._clock.mark())
+                if ctx.input_marks is None:
+                    ctx.input_marks = [marks]
+                else:
+                    ctx.input_marks.append(marks)
             self._step_input_since = None
             self._enter("step")
             return
@@ -722,12 +764,7 @@ class Pulse:
         docstring). `n` is any integer, a numpy integer or a 0-d integer tensor (an
         optimizer's saved step) included: sent as it was, a numpy step failed every
         message to the agent and stopped the heartbeats for good."""
-        try:
-            number = step if type(step) is int else operator.index(step)
-        except TypeError:
-            raise TypeError(f"pulse.step(n): n must be a whole step number, not "
-                            f"{type(step).__name__} {step!r}") from None
-        return _Step(self, StepContext(self, number))
+        return _Step(self, StepContext(self, step if type(step) is int else _step_number(step)))
 
     def evaluating(self) -> _BetweenSteps:
         """`with pulse.evaluating():` around an evaluation between steps. Its time has no
@@ -840,11 +877,17 @@ class Pulse:
                 # (gradient accumulation's next micro-batch) is data wait; counted as
                 # compute as well, it was the rank's own time twice. The input awaited
                 # before the step is outside the marks and comes on top.
+                # Input fetched from `data()` inside the step: the device's idle time
+                # between the marks around each fetch (a fetch overlapping queued work,
+                # nanoGPT's prefetch, idles the device for its remainder only)
                 in_step_input = data - (ctx.fetch - ctx.fetch_sync)
+                for a, b in ctx.input_marks or ():
+                    in_step_input += clock.elapsed(a, b) or 0.0
                 compute = max(0.0, total - sync_wait - ckpt - in_step_input)
             else:
-                compute = max(0.0, wall - data - ctx.fetch_sync - sync_wait - ckpt
-                              - ctx._extra_wait)
+                compute = max(0.0, wall - data - ctx.step_fetch - ctx.fetch_sync - sync_wait
+                              - ckpt - ctx._extra_wait)
+            data += ctx.step_fetch
             sync_wait += ctx.fetch_sync  # in collectives while awaiting input (host)
             loss = ctx.loss
             if isinstance(loss, torch.Tensor):

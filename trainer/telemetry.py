@@ -110,17 +110,8 @@ class AgentLink:
             msg = {**msg, "gpu_uuids": self.gpu_uuids}
         try:
             data = protocol.encode(msg)
-        except (TypeError, ValueError) as err:
-            # a field the caller added (`Pulse.extra`) that is not JSON: dropped and
-            # counted; raised, it stopped the training loop, or the heartbeat thread
-            # for good (then the agent takes a live rank for a dead one)
-            self.failed += 1
-            if not self._unencodable:
-                self._unencodable = True
-                log.warning("a %r message to the agent is not JSON and is dropped: %s "
-                            "(every value must be a str, int, float, bool, list or dict)",
-                            msg.get("type"), err)
-            return
+        except (TypeError, ValueError):
+            data = self._encode_without_bad_fields(msg)
         deadline = time.monotonic() + wait_s
         while True:
             with self._lock:  # the training loop and the heartbeat thread both send
@@ -141,6 +132,27 @@ class AgentLink:
                 continue
             self.failed += 1
             return
+
+    def _encode_without_bad_fields(self, msg: dict[str, Any]) -> bytes:
+        """The message less the fields JSON has no form for (one the caller added to
+        `Pulse.extra`), warned about once. Raised, such a field stopped the training
+        loop, or the heartbeat thread for good; dropping the whole message instead
+        silenced every step and heartbeat while it stayed (the agent then takes a live
+        rank for a dead one)."""
+        kept, dropped = {}, []
+        for key, value in msg.items():
+            try:
+                protocol.encode({key: value})
+            except (TypeError, ValueError):
+                dropped.append(key)
+            else:
+                kept[key] = value
+        if not self._unencodable:
+            self._unencodable = True
+            log.warning("field(s) %s of a %r message to the agent are not JSON and are "
+                        "left out (every value must be a number, str, bool, list or dict)",
+                        ", ".join(sorted(dropped)), msg.get("type"))
+        return protocol.encode(kept)
 
     def _try_send(self, data: bytes) -> str:
         if self._sock is None:  # closed meanwhile

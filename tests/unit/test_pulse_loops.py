@@ -77,23 +77,29 @@ def test_numpy_and_tensor_step_numbers_and_a_numpy_loss_reach_the_agent(agent):
         p.close()
 
 
-def test_an_extra_field_that_is_not_json_is_dropped_without_stopping_the_loop(agent, caplog):
+def test_extra_fields_numpy_or_not_json_never_stop_the_loop_or_its_messages(agent, caplog):
     """`Pulse.extra` goes into every message: a numpy value there made every send
-    raise, out of the step and in the heartbeat thread, which died."""
+    raise, out of the step and in the heartbeat thread, which died; a value JSON has
+    no form for is left out of the messages, which still go (a review: dropping the
+    whole message silenced the rank while it stayed)."""
     p = Pulse(run="loops", agent=agent.address, consensus_every=1)
     try:
         with caplog.at_level(logging.WARNING, logger="clusterpulse.trainer.telemetry"):
-            p.extra["lr"] = np.float32(0.1)
+            p.extra["lr"] = np.float32(0.5)
             with p.step(1):
                 pass
-            time.sleep(1.5)  # a heartbeat's turn
-            p.extra["lr"] = 0.1
+            p.extra["lr"], p.extra["optimizer"] = 0.25, object()
             with p.step(2):
                 pass
-        assert [m["step"] for m in agent.steps(1)] == [2]
-        assert p._beat.is_alive() and p.link.failed >= 1
+            time.sleep(1.5)  # a heartbeat's turn
+        got = agent.steps(2)
+        assert [(m["step"], m["lr"], "optimizer" in m) for m in got] == [
+            (1, 0.5, False), (2, 0.25, False)]
+        beats = [m for m in agent.messages if m.get("type") == "heartbeat"]
+        assert beats and beats[-1]["lr"] == 0.25
+        assert p._beat.is_alive() and p.link.failed == 0
         warned = [r.getMessage() for r in caplog.records if "not JSON" in r.getMessage()]
-        assert len(warned) == 1 and "float32 is not JSON serializable" in warned[0]
+        assert len(warned) == 1 and warned[0].startswith("field(s) optimizer of a")
     finally:
         p.close()
 
@@ -101,9 +107,26 @@ def test_an_extra_field_that_is_not_json_is_dropped_without_stopping_the_loop(ag
 def test_a_step_number_that_is_not_whole_is_named():
     p = Pulse(run="loops", agent=None)
     try:
-        with pytest.raises(TypeError, match=r"pulse.step\(n\): n must be a whole step "
-                                            r"number, not float 2.5"):
-            p.step(2.5)
+        for bad in (2.5, True, "3"):
+            with pytest.raises(TypeError, match=r"pulse.step\(n\): n must be a whole step "
+                                                r"number, not (float 2.5|bool True|str '3')"):
+                p.step(bad)
+    finally:
+        p.close()
+
+
+def test_the_step_an_optimizer_saved_is_a_step_number():
+    """torch's Adam keeps `step` as a float tensor: tensor(1.)."""
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([w])
+    w.grad = torch.ones(2)
+    opt.step()
+    saved = opt.state_dict()["state"][0]["step"]
+    p = Pulse(run="loops", agent=None)
+    try:
+        with p.step(saved):
+            pass
+        assert p._step == 1 and type(p._step) is int
     finally:
         p.close()
 
@@ -164,5 +187,61 @@ def test_micro_batches_fetched_inside_the_step_are_its_data_wait_once():
             assert first["step_seconds"] == pytest.approx(
                 first["compute_seconds"] + first["data_wait_seconds"], abs=1e-6)
         assert p.phase == "between"
+    finally:
+        p.close()
+
+
+def test_an_evaluation_inside_a_step_keeps_its_phase_and_its_loader_is_no_step_data():
+    def loader() -> Iterator[int]:
+        for i in range(3):
+            time.sleep(0.05)
+            yield i
+
+    p = Pulse(run="loops", agent=None)
+    try:
+        with p.step(1), p.evaluating():
+            phases = [p.phase for _ in p.data(loader())]
+        assert phases == ["evaluate"] * 3
+        assert p.last["data_wait_seconds"] == 0.0
+    finally:
+        p.close()
+
+
+def test_a_fetch_that_raises_inside_a_step_ends_its_wait():
+    def broken() -> Iterator[int]:
+        yield 0
+        raise OSError("the shard's file is gone")
+
+    p = Pulse(run="loops", agent=None)
+    try:
+        with p.step(1):
+            it = p.data(broken())
+            next(it)
+            with pytest.raises(OSError):
+                next(it)
+            assert p.phase == "step"  # not "data" for the rest of the step
+            time.sleep(0.05)
+        assert p.last["compute_seconds"] >= 0.05
+    finally:
+        p.close()
+
+
+def test_a_step_a_failed_framework_run_left_open_is_discarded_unreported():
+    """A Hugging Face Trainer that raised inside a step, then train() again: the retry's
+    first wait for input went to the dead step, reported when the next one began."""
+    from clusterpulse.integrations.steps import OpenStep
+
+    p = Pulse(run="loops", agent=None)
+    steps = OpenStep()
+    try:
+        steps.begin(p, 1, 0)  # ... the Trainer raises inside it
+        steps.discard()  # on_train_begin of the retry
+        assert p.phase == "between" and "step_seconds" not in p.last
+        p.awaiting_input()
+        time.sleep(0.1)
+        p.input_arrived()
+        steps.begin(p, 1, 0)
+        steps.end()
+        assert p.last["data_wait_seconds"] >= 0.1
     finally:
         p.close()
