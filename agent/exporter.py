@@ -85,6 +85,9 @@ RANK_SERIES: list[tuple[str, str, str, bool]] = [
     ("straggler_flagged", "trainer_straggler_flagged",
      "1 while the scorer flags the rank (slower than peers and than its own history).",
      False),
+    ("straggler_recurring", "trainer_straggler_recurring",
+     "While the scorer flags the rank for short slowness recurring over 400 steps, what "
+     "it costs the job there (1.27: 27 % slower than at its peers' pace); else 0.", False),
     ("memory_bytes", "trainer_memory_bytes", "Memory the rank reports using.", False),
     ("checkpoint_step", "trainer_checkpoint_last_step", "Step of the last committed checkpoint.",
      False),
@@ -120,7 +123,8 @@ PROGRESS_FAMILIES = tuple(PREFIX + n for n in (
 # A rank that finished is nobody's straggler: its last score and flag, exported for the
 # rank's grace, paged TrainingStraggler minutes after a clean finish (cause slow_clocks,
 # as the finished job's GPU idled). The agent's API still shows them.
-JUDGEMENT = frozenset({"straggler_score", "straggler_self_score", "straggler_flagged"})
+JUDGEMENT = frozenset({"straggler_score", "straggler_self_score", "straggler_flagged",
+                       "straggler_recurring"})
 
 
 class AgentCollector(Collector):

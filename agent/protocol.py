@@ -83,7 +83,7 @@ NUMBER_FIELDS = frozenset({
     # NCCL's flight recorder keeps): in a hang the rank that entered fewer is the root.
     "collectives_entered_total", "collectives_completed_total",
     # Straggler scoring (detection.scoring): against its own history, and the decision.
-    "straggler_self_score", "straggler_flagged",
+    "straggler_self_score", "straggler_flagged", "straggler_recurring",
     # The last step's gradient all-reduce: its window and the bytes each rank moved.
     "comm_seconds", "comm_bytes",
     # The resume record (rank 0, after a restart): the step it resumed from, the steps

@@ -481,6 +481,7 @@ def central_audit_heads_seen(prom_url: str, days: int = 7) -> Result:
 _T = "clusterpulse_trainer_"
 PER_RANK = {"step": _T + "step", "score": _T + "straggler_score",
             "self score": _T + "straggler_self_score", "flagged": _T + "straggler_flagged",
+            "recurring": _T + "straggler_recurring",
             "collectives behind": "clusterpulse:rank_collectives_behind",
             "hang margin s": "clusterpulse:rank_hang_margin_seconds",
             "compute s": _T + "compute_seconds", "sync wait s": _T + "sync_wait_seconds",

@@ -53,6 +53,9 @@ def hang_incident(d: dict) -> HangIncident | None:
 
 
 GPU_DOWN = "GPU DOWN"  # the Run table's flag for a rank whose GPU is down, first
+# ... for a rank flagged for short slowness that recurs (TrainingRecurringSlowness),
+# after the stragglers: its cause names what it costs
+RECURRING = "RECURRING"
 
 
 def straggler_flag(score: float | None, flagged: float | None, threshold: float = 1.1) -> str:
@@ -92,15 +95,19 @@ def rank_tables(d: dict, keep: dict[str, str] | None = None,
         out[f"{col} ms"] = out[f"{col} s"] * 1e3
     out["GPU °C"] = out["rank"].map(d["gpu_temp"])
     flagged = out["rank"].map(per.get("flagged", {}))
+    recurring = out["rank"].map(per.get("recurring", {})).fillna(0.0)
     down = d.get("gpu_down", set())  # a rank on a lost GPU scored 1.00x, its °C a dash
     out["flag"] = [GPU_DOWN if r in down else straggler_flag(sc, fl)
-                   for r, sc, fl in zip(out["rank"], out["score"], flagged, strict=True)]
-    out["cause"] = [d["causes"].get(r, "") if f == "STRAGGLER" else "" for r, f in
-                    zip(out["rank"], out["flag"], strict=True)]
+                   or (RECURRING if rc > 0 else "")
+                   for r, sc, fl, rc in zip(out["rank"], out["score"], flagged, recurring,
+                                            strict=True)]
+    out["cause"] = [d["causes"].get(r, "") if f == "STRAGGLER"
+                    else f"short stalls recurring: the job {rc:.2f}x slower" if f == RECURRING
+                    else "" for r, f, rc in zip(out["rank"], out["flag"], recurring, strict=True)]
     out["evidence"] = [links.page_url("node", {"node": n, "gpu": g}, keep)
                        for n, g in zip(out["node"], out["gpu"], strict=True)]
     out["_order"] = out["rank"].map(_rank_order)
-    out["_flag"] = out["flag"].map({GPU_DOWN: 0, "STRAGGLER": 1}).fillna(2)
+    out["_flag"] = out["flag"].map({GPU_DOWN: 0, "STRAGGLER": 1, RECURRING: 2}).fillna(3)
     out = out.sort_values(["_flag", "score", "_order"], ascending=[True, False, True])
     return out[RANK_COLUMNS].reset_index(drop=True), out[INTERNAL_COLUMNS].sort_values(
         "rank", key=lambda c: c.map(_rank_order)).reset_index(drop=True)

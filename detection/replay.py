@@ -102,7 +102,8 @@ def _int(row: dict[str, str], key: str, where: str) -> int:
 
 def replay(rows: Iterable[dict[str, str]], config: ScoringConfig | None = None,
            source: str = "trace") -> Iterator[Flag]:
-    """Flags in step order per run: a rank is reported when it becomes flagged."""
+    """Flags in step order per run: a rank is reported when it becomes flagged, by the
+    straggler flag (its cause) or by the recurring-slowness flag (cause `recurring`)."""
     config = config or ScoringConfig()
     runs: dict[str, dict[int, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
     nodes: dict[tuple[str, int], str] = {}
@@ -129,6 +130,7 @@ def replay(rows: Iterable[dict[str, str]], config: ScoringConfig | None = None,
         scorer = StragglerScorer(len(ranks), groups=g, config=config)
         history: list[dict[int, dict]] = []
         was = np.zeros(len(ranks), dtype=bool)
+        was_recurring = np.zeros(len(ranks), dtype=bool)
         for step in sorted(steps):
             by_rank = steps[step]
             history = [*history, by_rank][-config.cost_window:]
@@ -143,6 +145,12 @@ def replay(rows: Iterable[dict[str, str]], config: ScoringConfig | None = None,
                 yield Flag(run, r, nodes[(run, r)], step, float(scores.peer[i]),
                            float(scores.self_[i]), _cause(history, r))
             was = scores.flagged.copy()
+            if scores.recurring is not None:  # TrainingRecurringSlowness: named apart
+                for i in np.nonzero(scores.recurring & ~was_recurring)[0]:
+                    r = ranks[i]
+                    yield Flag(run, r, nodes[(run, r)], step, float(scores.peer[i]),
+                               float(scores.self_[i]), "recurring")
+                was_recurring = scores.recurring.copy()
 
 
 def _cause(history: list[dict[int, dict]], rank: int) -> str:

@@ -63,6 +63,13 @@ Three gaps that per-step scoring left (issue #27), closed here:
   if `every` > window / 2): otherwise the 10-step window, which spans two evaluations,
   let one 5-step blip confirm itself.
 
+A fourth, apart: **short slowness recurring about once a window** (10x for 3 of every
+100 steps, the job 27 % slower) is one blip to every window above, which each drops.
+Over `recur_window` (400) steps, with its worst 5 consecutive steps still dropped, it
+is what it costs: `Scores.recurring` (TrainingRecurringSlowness), raised only where the
+flag above was off over that window, and no policy restarts for it (a rank's own
+unannounced periodic work costs the job the same way).
+
 Input per step is the rank's own time: its step time minus the time it waited for
 peers (compute + data loading + its own communication). Using total own time rather
 than compute alone means a data-starved rank is detected; the cause is named apart
@@ -142,6 +149,24 @@ class ScoringConfig:
     # a GPU 8 % slower for life crossed 1.12x on noise for two evaluations once.
     peer_confirm: int = 3
     confirm: int = 2  # consecutive evaluations before a flag turns on
+    # Short slowness that recurs about once a window (10x for 3 of every 100 steps: the
+    # job 27 % slower) is a blip to every window above, and each drops it. Over
+    # `recur_window` steps (four such episodes; one, the worst 5 consecutive steps,
+    # still dropped: a blip never counts) it is what it costs: a rank
+    # `recur_threshold` over its peer group's median there is flagged apart
+    # (`Scores.recurring`), where the flag above is not on and was not within that
+    # window. Apart, because a rank's own periodic work that is not announced
+    # (`Pulse.saving()`, a checkpoint section) costs the job the same way: it is
+    # named, and no policy that acts on TrainingStraggler restarts the job for it.
+    # 400 and 1.12: periods up to ~150 steps of a rank that makes the job >= 15 %
+    # slower are named within 2-3 periods; a rank's own work of 12 % (2 steps at 4x
+    # every 50) is not (10.5 % once its worst episode is dropped); one of 18 % every
+    # 200 steps is (4 steps at 10x: two episodes a window, one dropped). Healthy
+    # ranks with heavy pauses (2-4 steps at 3-10x, one in 300 steps) give ~40 such
+    # flags per million rank-steps beside the ~100 of the flag above; the project's
+    # noise models none (docs/detection.md).
+    recur_window: int = 400
+    recur_threshold: float = 1.12
     release: int = 6  # consecutive evaluations without half the evidence to turn it off
 
     def validate(self) -> None:
@@ -156,11 +181,13 @@ class ScoringConfig:
                 or self.cost_window < self.cost_fast or self.cost_cap <= 1 \
                 or self.cost_fast_cap <= 1 \
                 or self.peer_outlier <= 1 or self.peer_z <= 0 or self.confirm < 1 \
-                or self.release < 1 or self.peer_confirm < 1:
+                or self.release < 1 or self.peer_confirm < 1 \
+                or self.recur_window < self.cost_window or self.recur_threshold <= 1:
             raise ValueError("cost_drop, cost_fast_drop >= 0, cost_window >= cost_fast >= "
                              "3 + 2 cost_drop + cost_fast_drop, cost_cap, cost_fast_cap > 1, "
                              "peer_outlier > 1, peer_z > 0, confirm, release and "
-                             "peer_confirm >= 1 required")
+                             "peer_confirm >= 1, recur_window >= cost_window and "
+                             "recur_threshold > 1 required")
 
 
 @dataclass
@@ -175,6 +202,10 @@ class Scores:
     # peer (1.33: the job would be 1.33x faster at this rank's peers' pace); NaN until
     # the cost window is full.
     cost: np.ndarray | None = None
+    # Flagged for short slowness recurring over `recur_window` steps (see ScoringConfig)
+    # and what it costs the job there (NaN until that window is full)
+    recurring: np.ndarray | None = None
+    recurring_cost: np.ndarray | None = None
 
 
 @dataclass
@@ -255,6 +286,17 @@ class StragglerScorer:
         self._off = np.zeros(self.ranks, dtype=int)  # ... without half of it
         self._evidence_at = np.full(self.ranks, -np.inf)  # step of the last evidence
         self.flagged = np.zeros(self.ranks, dtype=bool)
+        # the capped ratios of the last `recur_window` steps and the sums of their
+        # `cost_drop` consecutive steps (rings: each step writes one row, so the long
+        # window costs an addition and a maximum per evaluation, not a pass over it
+        # as the shorter windows'), and the recurring flag's state
+        self._ring = np.zeros((c.recur_window, self.ranks))
+        self._runs = np.zeros((c.recur_window - max(c.cost_drop, 1) + 1, self.ranks))
+        self._ring_n = 0
+        self._flagged_at = np.full(self.ranks, -np.inf)  # last step the flag above was on
+        self._recur_on = np.zeros(self.ranks, dtype=int)
+        self._recur_off = np.zeros(self.ranks, dtype=int)
+        self.recurring = np.zeros(self.ranks, dtype=bool)
 
     @property
     def baseline(self) -> np.ndarray | None:
@@ -325,7 +367,9 @@ class StragglerScorer:
         out = None
         for rel in self._relative(block):
             self._rows.append(rel)
-            self._ratios.append(np.minimum(np.exp(rel), self.config.cost_cap))
+            ratio = np.minimum(np.exp(rel), self.config.cost_cap)
+            self._ratios.append(ratio)
+            self._remember(ratio)
             self.steps += 1
             self._since_eval += 1
             if self._since_eval >= self.config.every and len(self._rows) == self.config.window:
@@ -511,5 +555,47 @@ class StragglerScorer:
             self._short.update(m, calm)
             if full:
                 self._cost.update(cost, calm)
+        recur = self._recurring()
         return Scores(self.steps, np.exp(m), np.exp(d), self.flagged.copy(),
-                      np.exp(np.fmax(cost, fast)))
+                      np.exp(np.fmax(cost, fast)), self.recurring.copy(), np.exp(recur))
+
+    def _remember(self, ratio: np.ndarray) -> None:
+        """One step into the long window's rings."""
+        c, n = self.config, self._ring_n
+        w, run = c.recur_window, max(c.cost_drop, 1)
+        self._ring[n % w] = ratio
+        self._ring_n = n = n + 1
+        if n >= run:  # the sum of the newest `run` steps
+            rows = [(n - 1 - i) % w for i in range(run)]
+            self._runs[(n - run) % len(self._runs)] = self._ring[rows].sum(axis=0)
+
+    def _recurring(self) -> np.ndarray:
+        """The recurring flag (ScoringConfig.recur_window), turned on and off as the flag
+        above (`confirm`, `release`); log of the cost over the window relative to the
+        group's median (NaN until it is full)."""
+        c = self.config
+        self._flagged_at = np.where(self.flagged, self.steps, self._flagged_at)
+        if self._ring_n < c.recur_window:
+            return np.full(self.ranks, np.nan)
+        # its mean without its worst `cost_drop` consecutive steps (as the long cost
+        # window's: one episode never counts), from the rings
+        total = self._ring.sum(axis=0)
+        if c.cost_drop:
+            total = total - self._runs.max(axis=0)
+        cost = np.log(total / (c.recur_window - c.cost_drop))
+        # over its group's median, and over the rank's usual level against its peers
+        # (the baseline of its 10-step score: a GPU 3 % slower for life is that in
+        # every step, and its own periodic work of 12 % crossed 1.12 with it), the
+        # less of the two: what its slower steps add; judged against the spread
+        # across its group
+        med, sd = _group_stats(cost, self._groups)
+        x = cost - med
+        if self._short.base is not None:
+            x = np.minimum(x, cost - self._short.base)
+        lim = np.maximum(math.log(c.recur_threshold), c.peer_z * np.maximum(sd, c.peer_floor))
+        apart = self.steps - self._flagged_at > c.recur_window
+        self._recur_on = np.where((x > lim) & apart, self._recur_on + 1, 0)
+        self._recur_off = np.where((x > lim / 2) & apart, 0, self._recur_off + 1)
+        self.recurring = np.where(self.recurring, self._recur_off < c.release,
+                                  self._recur_on >= c.confirm)
+        return x

@@ -1070,6 +1070,12 @@ class Pulse:
             if last is not None:  # against its own history, and the decision
                 self.extra["straggler_self_score"] = round(float(last.self_[self.rank]), 4)
                 self.extra["straggler_flagged"] = int(bool(last.flagged[self.rank]))
+                if last.recurring is not None and last.recurring_cost is not None:
+                    # short slowness recurring over 400 steps: what it costs the job
+                    # while flagged so, else 0 (detection.scoring, recur_window)
+                    self.extra["straggler_recurring"] = round(
+                        float(last.recurring_cost[self.rank]), 4) \
+                        if last.recurring[self.rank] else 0
         return restart or self.preempt_agreed
 
     def boundary(self, step: int, save: Callable[[int], None] | None = None,

@@ -6,7 +6,7 @@ steady 1.2x, intermittent (2x every 3rd step, 3x on 2 of 10, 2x every 5th), burs
 input stalls (8x every 4th step, 20x every 10th), rare large slow steps (an input stall
 of 8 steps' time every 40th step, 5x on 1 of 20), bursts (3x for 10 of every 100 steps,
 one incident), short slowness recurring (10x for 3 of every 100 steps: a blip to each
-window, the job 27 % slower), from the start (1.15x and 1.2x from
+window, the job 27 % slower; named by the recurring flag), from the start (1.15x and 1.2x from
 step 1, 1.2x appearing in the warm-up), a ramp to 1.3x over 2,000 steps, noisy ranks
 (8 % AR(1) jitter), and a whole node slow (8 ranks, 1.2x). Each trial draws its noise
 model in turn from AR(1) 5 %, heavy-tailed (Student t), unaligned + aligned pauses and
@@ -79,13 +79,17 @@ SCENARIOS: dict[str, tuple[str, tuple[int, int], int, float, int, str]] = {
 
 def _scorer_events(cls: type) -> Callable[[np.ndarray], np.ndarray]:
     def run(x: np.ndarray) -> np.ndarray:
-        """Flag state per evaluation (evaluations x ranks) and the evaluation steps."""
+        """Flag state per evaluation (evaluations x ranks) and the evaluation steps: ours
+        names a rank by either of its flags (TrainingStraggler, or
+        TrainingRecurringSlowness: `Scores.recurring`)."""
         s = cls(x.shape[1])
         out = []
         for t in range(0, len(x), EVERY):
             sc = s.observe(x[t:t + EVERY])
             if sc is not None:
-                out.append((sc.step, sc.flagged.copy()))
+                named = sc.flagged if getattr(sc, "recurring", None) is None \
+                    else sc.flagged | sc.recurring
+                out.append((sc.step, named.copy()))
         return out
     return run
 

@@ -375,6 +375,15 @@ def test_a_rank_whose_gpu_is_down_is_flagged_first():
     assert table.iloc[0]["cause"] == ""
 
 
+def test_a_rank_flagged_for_recurring_slowness_is_named_after_the_stragglers():
+    d = run_data()
+    d["per_rank"] = d["per_rank"] | {"recurring": {"0": 0.0, "1": 1.27, "2": 0.0, "3": 0.0}}
+    table, _ = rank_tables(d, {})
+    assert list(table["rank"])[:2] == ["3", "1"], table
+    assert list(table["flag"])[:3] == ["STRAGGLER", "RECURRING", ""]
+    assert table.iloc[1]["cause"] == "short stalls recurring: the job 1.27x slower"
+
+
 def test_cells_are_drawn_only_from_series_with_a_node_and_a_gpu_index():
     """Found by a review: another exporter writing these metric names with gpu="GPU-3"
     (or without node or reason) stopped the Cluster page with a ValueError in int()."""

@@ -797,12 +797,16 @@ def test_a_rank_that_finished_is_nobodys_straggler(tmp_path):
     reg = CollectorRegistry(auto_describe=False)
     reg.register(AgentCollector(agent))
     me = Sender(pid=1, uid=0, start_time=5, verified=True)
-    ranks.update(msg(straggler_score=1.6, straggler_flagged=1, checkpoint_step=100), None, me)
-    assert b"clusterpulse_trainer_straggler_flagged{" in generate_latest(reg)
+    ranks.update(msg(straggler_score=1.6, straggler_flagged=1, straggler_recurring=1.27,
+                     checkpoint_step=100), None, me)
+    text = generate_latest(reg)
+    assert b"clusterpulse_trainer_straggler_flagged{" in text
+    assert b"clusterpulse_trainer_straggler_recurring{" in text  # TrainingRecurringSlowness
     r = ranks.update(msg(type="event", event="exit", outcome="finished"), None, me)
     text = generate_latest(reg)
     assert r.phase == "exited" and r.values["straggler_score"] == 1.6
     assert b"clusterpulse_trainer_straggler_flagged{" not in text
+    assert b"clusterpulse_trainer_straggler_recurring{" not in text
     assert b"clusterpulse_trainer_straggler_score{" not in text
     assert b"clusterpulse_trainer_checkpoint_last_step{" in text
 
