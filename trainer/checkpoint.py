@@ -93,6 +93,10 @@ def rank_sums_name(rank: int) -> str:
     return f"checksums-rank{rank}.json"
 
 
+def failed_sums_name(rank: int) -> str:
+    return f"checksums-rank{rank}.failed"
+
+
 def dcp_files(path: Path) -> list[str]:
     """The storage files DCP's metadata lists for the checkpoint at `path`."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -164,6 +168,56 @@ def iter_valid(root: Path, rank: int = 0, world: int = 1,
             yield found
         elif agree(problem is None or UNREADABLE not in problem):
             unusable(found)  # certainly broken on every rank that looked, not a read error
+
+
+def model_mismatch(path: Path, model_shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """How the model parameters the checkpoint at `path` holds differ from
+    `model_shapes` (name -> full shape, as `get_model_state_dict` names them), or None.
+    A run resumed with other model settings (another `--preset`) than the run that
+    wrote the directory: every checkpoint then verified, failed to load, and was set
+    aside as unusable, and the corrected run started from step 0. That is the settings'
+    fault, not the checkpoints'. None where the metadata cannot be read (verification
+    and the load judge that)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    try:
+        stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # any reader failure is the load's to report
+        return None
+    prefix = "app.model."
+    theirs = {k[len(prefix):]: tuple(v.size) for k, v in stored.items()
+              if k.startswith(prefix) and hasattr(v, "size")}
+    if not theirs:  # not this trainer's layout: nothing to compare
+        return None
+    differ = [k for k in sorted(model_shapes) if k in theirs and theirs[k] != model_shapes[k]]
+    missing = sorted(set(model_shapes) - set(theirs))
+    extra = sorted(set(theirs) - set(model_shapes))
+    if not (differ or missing or extra):
+        return None
+    parts = []
+    if differ:
+        k = differ[0]
+        parts.append(f"{len(differ)} parameter(s) of another shape ({k}: {list(theirs[k])} "
+                     f"there, {list(model_shapes[k])} here)")
+    if missing:
+        parts.append(f"{len(missing)} of this model's parameters not there ({missing[0]}, ...)")
+    if extra:
+        parts.append(f"{len(extra)} there that this model has not ({extra[0]}, ...)")
+    return "; ".join(parts)
+
+
+def describe_error(err: BaseException) -> str:
+    """One line for a failed DCP save or load: DCP's CheckpointException says only
+    which ranks failed ("ranks:dict_keys([0])"); the first rank's own exception says
+    why (a shape mismatch, "No space left on device")."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) else first
+        if isinstance(inner, BaseException):
+            err = inner
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:500]
 
 
 def set_aside(found: Found) -> Path | None:
@@ -255,6 +309,15 @@ class CheckpointManager:
                          torch.__version__)
         self._lock = threading.Lock()
         root.mkdir(parents=True, exist_ok=True)
+        # Writable, now: a read-only directory (a mount, a snapshot) let the run resume
+        # and then die on its first write with a traceback, in a crash loop
+        probe = root / f".write-probe-{rank}-{os.getpid()}"
+        try:
+            probe.touch()
+            probe.unlink()
+        except OSError as err:
+            raise OSError(err.errno, f"--ckpt-dir is not writable ({err.strerror})",
+                          str(root)) from err
 
     def clean_temporaries(self) -> None:
         """Remove directories left by writes that never finished (rank 0, at start)."""
@@ -324,7 +387,7 @@ class CheckpointManager:
         """Count a failed save and log it once, whole: its type, message and traceback.
         (The message alone was `<class 'type'>` for torch 2.11's stager KeyError.)"""
         self.failures += 1
-        log.error("%s failed: %s: %s", what, type(err).__name__, err,
+        log.error("%s failed: %s", what, describe_error(err),
                   exc_info=(type(err), err, err.__traceback__))
 
     def _finish_off_the_loop(self, fut: Future, step: int, tmp: Path, done: threading.Event,
@@ -366,7 +429,19 @@ class CheckpointManager:
             self.committed_step, self.committed_unix = step, time.time()
 
     def _write_own_sums(self, tmp: Path) -> None:
-        """Checksum the files this rank wrote (DCP names them __<rank>_<n>.distcp)."""
+        """Checksum the files this rank wrote (DCP names them __<rank>_<n>.distcp). If
+        that fails, an empty marker tells rank 0 at once (it needs no data block: it
+        fits on a full disk): rank 0 waited the whole publish timeout, 300 s, with
+        every rank stalled behind it, at every save while the disk stayed full."""
+        try:
+            self._write_sums_file(tmp)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.close(os.open(tmp / failed_sums_name(self.rank),
+                                 os.O_CREAT | os.O_WRONLY, 0o644))
+            raise
+
+    def _write_sums_file(self, tmp: Path) -> None:
         sums = {}
         for f in sorted(tmp.glob(f"__{self.rank}_*")):
             if f.is_file():
@@ -385,6 +460,10 @@ class CheckpointManager:
         deadline = time.monotonic() + self.publish_timeout_s
         sums: dict[str, str] = {}
         while True:
+            failed = sorted(f.name for f in tmp.glob("checksums-rank*.failed"))
+            if failed:
+                raise CheckpointError(f"a rank could not write its checksums ({failed[0]}: "
+                                      "see that rank's log)")
             for f in tmp.glob("checksums-rank*.json"):
                 with contextlib.suppress(OSError, ValueError):
                     sums.update(json.loads(f.read_text())["files"])
@@ -422,7 +501,13 @@ class CheckpointManager:
         self.after_publish(step, final)
 
     def _prune(self) -> None:
-        published = sorted(p for p in self.root.glob("step-*") if p.is_dir())
+        """Keep the `keep` newest checkpoints up to the one just committed. One of a
+        later step is not this run's (the resume skipped it: unreadable, or from a
+        timeline the job went back from) and holds no slot: counted by name, a newer
+        unreadable checkpoint made every fresh one be deleted as it was published, and
+        the next crash restarted from step 0."""
+        newest = self.committed_step if self.committed_step is not None else -1
+        published = sorted(f.path for f in candidates(self.root) if f.step <= newest)
         for old in published[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from clusterpulse.agent.logsetup import setup_logging
 from clusterpulse.detection.state import STATE_FILE
@@ -25,7 +26,9 @@ from clusterpulse.trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
     Found,
+    describe_error,
     iter_valid,
+    model_mismatch,
     set_aside,
 )
 from clusterpulse.trainer.collectives import ring_allreduce_bytes
@@ -190,13 +193,23 @@ class Trainer:
                       flush=True)
 
         partly_loaded = False
+        shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
         for found in iter_valid(self.cfg.ckpt_dir, info.rank, info.world, self.pulse.all_ranks,
                                 unusable):
+            other = model_mismatch(found.path, shapes)  # the same answer on every rank
+            if other is not None:
+                if info.rank == 0:
+                    print(f"trainer: error: {found.path.name} in {self.cfg.ckpt_dir} holds "
+                          f"another model than this run's: {other}. Were its settings "
+                          "(--preset) different? Nothing was changed: resume with the "
+                          "settings that wrote it, or use another --ckpt-dir",
+                          file=sys.stderr, flush=True)
+                raise SystemExit(2)
             try:
                 dcp.load({"app": self.state}, checkpoint_id=str(found.path))
                 error = ""
             except (Exception, CheckpointException) as err:  # any rank's failure: go back
-                error = f"{type(err).__name__}: {err}".splitlines()[0]
+                error = describe_error(err)
             if self.pulse.all_ranks(not error):
                 break
             partly_loaded = True

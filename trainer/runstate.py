@@ -176,11 +176,30 @@ class ProgressMark:
     RECORD = struct.Struct("<qddd")
 
     def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # A full disk or a failing mount loses the mark, not the run (it crashed rank 0
+        # at its first step): the steps recomputed after a crash are then counted from
+        # the last run-state save. Warned once.
+        self.path, self._fd, self._warned = path, -1, False
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            self._warn(err)
 
     def write(self, state: RunState) -> None:
-        os.pwrite(self._fd, self.RECORD.pack(state.last_step, state.last_step_unix,
-                                             state.productive_seconds, state.started_unix), 0)
+        if self._fd < 0:
+            return
+        try:
+            os.pwrite(self._fd, self.RECORD.pack(state.last_step, state.last_step_unix,
+                                                 state.productive_seconds,
+                                                 state.started_unix), 0)
+        except OSError as err:
+            self._warn(err)
+
+    def _warn(self, err: OSError) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("progress mark %s not kept (%s): steps lost to a crash are counted "
+                        "from the last run-state save", self.path, err.strerror or err)
 
     def close(self) -> None:
         if self._fd >= 0:

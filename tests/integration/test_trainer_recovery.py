@@ -99,6 +99,23 @@ def test_unusable_checkpoints_do_not_hold_the_keep_slots(tmp_path, clean_digest)
     assert r.digest == clean_digest["ddp"]
 
 
+def test_a_resume_with_another_model_names_it_and_changes_no_checkpoint(tmp_path):
+    """A run resumed by mistake with another --preset: every checkpoint verified, failed
+    to load and was renamed unusable-*, and the corrected run started from step 0 (a
+    review: 20 of 20 steps lost). Now: named, exit, nothing moved; then resumed."""
+    first = run_trainer(tmp_path / "ckpt", nproc=1, steps=10, args=["--ckpt-every", "5"])
+    assert first.returncode == 0, first.log[-3000:]
+    before = sorted(p.name for p in (tmp_path / "ckpt").glob("*step-*"))
+    wrong = run_trainer(tmp_path / "ckpt", nproc=1, steps=20,
+                        args=["--ckpt-every", "5", "--preset", "small"])
+    assert wrong.returncode != 0
+    assert "step-00000010 in" in wrong.log and "holds another model than this run's" in wrong.log
+    assert "parameter(s) of another shape" in wrong.log and "unusable" not in wrong.log
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*step-*")) == before
+    right = run_trainer(tmp_path / "ckpt", nproc=1, steps=15, args=["--ckpt-every", "5"])
+    assert right.returncode == 0 and "resumed from step-00000010" in right.log, right.log[-3000:]
+
+
 def test_failed_checkpoint_write_does_not_stop_training(tmp_path, clean_digest):
     r = run_trainer(tmp_path / "ckpt", steps=STEPS, args=[*CKPT, "--inject", "ckpt_fail:step=20"])
     assert r.returncode == 0, r.log[-3000:]
