@@ -158,10 +158,11 @@ class ScoringConfig:
     # window. Apart, because a rank's own periodic work that is not announced
     # (`Pulse.saving()`, a checkpoint section) costs the job the same way: it is
     # named, and no policy that acts on TrainingStraggler restarts the job for it.
-    # 400 and 1.12: periods up to ~150 steps of a rank that makes the job >= 15 %
-    # slower are named within 2-3 periods; a rank's own work of 12 % (2 steps at 4x
+    # 400 and 1.12: periods up to ~150 steps of a rank that makes the job >= ~17 %
+    # slower are named within 2-3 periods (at +15 % mostly not: with its worst episode
+    # dropped the rest must reach 1.12x); a rank's own work of 12 % (2 steps at 4x
     # every 50) is not (10.5 % once its worst episode is dropped); one of 18 % every
-    # 200 steps is (4 steps at 10x: two episodes a window, one dropped). Healthy
+    # 200 steps is not either (4 steps at 10x: two episodes a window, one dropped). Healthy
     # ranks with heavy pauses (2-4 steps at 3-10x, one in 300 steps) give ~40 such
     # flags per million rank-steps beside the ~100 of the flag above; the project's
     # noise models none (docs/detection.md).
@@ -245,13 +246,26 @@ class _Track:
                             self.var)
 
 
+def _lower(v: np.ndarray) -> float:
+    """The lower median of a vector (NaN sorts last)."""
+    return float(np.sort(v)[(len(v) - 1) // 2]) if len(v) else 0.0
+
+
+def _spread(v: np.ndarray) -> float:
+    """A robust standard deviation: 1.4826 x the lower median of the absolute deviations
+    from the lower median. Lower, as `_lower_median`: in a group of two the median is
+    the two ranks' mean, half a straggler away from each, and the MAD half their
+    difference, so a world of 2 (or pipeline stages of 2) never flagged a rank by what
+    it costs (a review: 10x for 8 of every 100 steps, the job 72 % slower, unflagged)."""
+    return 1.4826 * _lower(np.abs(v - _lower(v)))
+
+
 def _group_stats(x: np.ndarray, groups: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Per rank, its group's median and robust standard deviation (1.4826 MAD)."""
+    """Per rank, its group's lower median and robust standard deviation (`_spread`)."""
     med, sd = np.zeros_like(x), np.zeros_like(x)
     for idx in groups:
         v = x[idx]
-        m = np.median(v)
-        med[idx], sd[idx] = m, 1.4826 * np.median(np.abs(v - m))
+        med[idx], sd[idx] = _lower(v), _spread(v)
     return med, sd
 
 
@@ -292,7 +306,7 @@ class StragglerScorer:
         # as the shorter windows'), and the recurring flag's state
         self._ring = np.zeros((c.recur_window, self.ranks))
         self._runs = np.zeros((c.recur_window - max(c.cost_drop, 1) + 1, self.ranks))
-        self._ring_n = 0
+        self._ring_n = self._runs_n = 0  # steps written; steps whose runs are summed
         self._flagged_at = np.full(self.ranks, -np.inf)  # last step the flag above was on
         self._recur_on = np.zeros(self.ranks, dtype=int)
         self._recur_off = np.zeros(self.ranks, dtype=int)
@@ -369,7 +383,8 @@ class StragglerScorer:
             self._rows.append(rel)
             ratio = np.minimum(np.exp(rel), self.config.cost_cap)
             self._ratios.append(ratio)
-            self._remember(ratio)
+            self._ring[self._ring_n % self.config.recur_window] = ratio
+            self._ring_n += 1
             self.steps += 1
             self._since_eval += 1
             if self._since_eval >= self.config.every and len(self._rows) == self.config.window:
@@ -507,7 +522,7 @@ class StragglerScorer:
                 for x, scale, keep in ((cost, 1.0, 1.0),
                                        (fast, math.sqrt(c.cost_window / c.cost_fast), 0.5)):
                     shift = x - self._cost.base
-                    across = 1.4826 * float(np.median(np.abs(shift - np.median(shift))))
+                    across = _spread(shift)
                     dc, lim_c = self._cost.excess(x, c.z, c.self_threshold, pooled=across,
                                                   scale=scale)
                     evidence = (dc > lim_c) & (x > math.log(c.peer_threshold))
@@ -559,15 +574,18 @@ class StragglerScorer:
         return Scores(self.steps, np.exp(m), np.exp(d), self.flagged.copy(),
                       np.exp(np.fmax(cost, fast)), self.recurring.copy(), np.exp(recur))
 
-    def _remember(self, ratio: np.ndarray) -> None:
-        """One step into the long window's rings."""
+    def _update_runs(self) -> None:
+        """The sums of `cost_drop` consecutive steps ending at each step written to the
+        ring since the last evaluation, in one pass (per step, the ring's row is all
+        the scorer adds: the instrumentation's budget is a few Python calls a step)."""
         c, n = self.config, self._ring_n
         w, run = c.recur_window, max(c.cost_drop, 1)
-        self._ring[n % w] = ratio
-        self._ring_n = n = n + 1
-        if n >= run:  # the sum of the newest `run` steps
-            rows = [(n - 1 - i) % w for i in range(run)]
-            self._runs[(n - run) % len(self._runs)] = self._ring[rows].sum(axis=0)
+        first = max(self._runs_n, run)  # step counts that end a run not summed yet
+        if n >= first:
+            ends = np.arange(first, n + 1)
+            rows = (ends[:, None] - 1 - np.arange(run)[None, :]) % w
+            self._runs[(ends - run) % len(self._runs)] = self._ring[rows].sum(axis=1)
+        self._runs_n = n
 
     def _recurring(self) -> np.ndarray:
         """The recurring flag (ScoringConfig.recur_window), turned on and off as the flag
@@ -575,6 +593,7 @@ class StragglerScorer:
         group's median (NaN until it is full)."""
         c = self.config
         self._flagged_at = np.where(self.flagged, self.steps, self._flagged_at)
+        self._update_runs()
         if self._ring_n < c.recur_window:
             return np.full(self.ranks, np.nan)
         # its mean without its worst `cost_drop` consecutive steps (as the long cost
@@ -596,6 +615,8 @@ class StragglerScorer:
         apart = self.steps - self._flagged_at > c.recur_window
         self._recur_on = np.where((x > lim) & apart, self._recur_on + 1, 0)
         self._recur_off = np.where((x > lim / 2) & apart, 0, self._recur_off + 1)
-        self.recurring = np.where(self.recurring, self._recur_off < c.release,
+        # off at once where the straggler flag turns on: one incident, one alert (the
+        # two overlapped for the release's 6 evaluations)
+        self.recurring = np.where(self.recurring, (self._recur_off < c.release) & apart,
                                   self._recur_on >= c.confirm)
         return x

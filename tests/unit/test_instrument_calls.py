@@ -21,8 +21,11 @@ from tests.support.worlds import gloo_world_of_one
 # calls each, ~0.3 us: compiled models traced them, tests/unit/test_pulse_compile.py.
 # 215.65 on torch 2.6, the oldest supported, whose compiler.disable wrapper makes
 # three more calls each time (justknobs_check, _maybe_set_eval_frame,
-# set_skip_guard_eval_unsafe): torch's own, the same for any model.)
-MAX_CALLS_PER_STEP = 222
+# set_skip_guard_eval_unsafe): torch's own, the same for any model. 2026-12-06: 219 on
+# torch 2.13 and 227 on 2.6: the scorer's recurring-slowness window, issue #27, about
+# 30 numpy calls per evaluation, every 5 steps, on any world size; two attribute
+# checks of the step and the loss in Pulse.)
+MAX_CALLS_PER_STEP = 232
 
 
 @pytest.fixture(scope="module")

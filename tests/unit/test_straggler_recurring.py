@@ -98,3 +98,56 @@ def test_replay_names_a_recurring_straggler_with_cause_recurring():
     periodic(own, 3, 150, 100, 3, 10.0)
     got = [(f.rank, f.cause) for f in replay(rows(own, healthy_data(900, 16)))]
     assert got == [(3, "recurring")], got
+
+
+@pytest.mark.parametrize("groups", [None, [0, 0, 1, 1, 2, 2, 3, 3]],
+                         ids=["world of 2", "stages of 2"])
+def test_groups_of_two_ranks_name_what_a_rank_costs(groups):
+    """In a group of two the median is the ranks' mean, half a straggler away from each,
+    and the spread half their difference: a world of 2, or pipeline stages of 2, never
+    named a rank by its cost (a review: 10x for 3 of every 100 steps 0/10; 10x for 8 of
+    every 100, the job 72 % slower, no flag of either kind). Lower medians, as the
+    per-step reference."""
+    ranks = 2 if groups is None else len(groups)
+    for seed, noise in enumerate(NOISES):
+        recurring = background(np.random.default_rng(60 + seed), 1200, ranks, noise)
+        periodic(recurring, 1, 200, 100, 3, 10.0)
+        straggler, named = flags_grouped(recurring, groups)
+        assert straggler == {} and list(named) == [1], (noise, straggler, named)
+        long = background(np.random.default_rng(70 + seed), 1200, ranks, noise)
+        periodic(long, 1, 200, 100, 8, 10.0)
+        straggler, _ = flags_grouped(long, groups)
+        assert list(straggler) == [1] and straggler[1][0] <= 330, (noise, straggler)
+        healthy = background(np.random.default_rng(80 + seed), 1200, ranks, noise)
+        assert flags_grouped(healthy, groups) == ({}, {}), noise
+
+
+def test_the_recurring_flag_turns_off_at_once_when_the_straggler_flag_turns_on():
+    """One incident, one alert: the two overlapped for the recurring flag's release (6
+    evaluations) where a recurring straggler also slowed down for good."""
+    own = background(np.random.default_rng(90), 1700, RANKS, "ar1")
+    periodic(own, SLOW, 0, 100, 3, 10.0)
+    own[1200:1500, SLOW] *= 1.4
+    scorer = StragglerScorer(RANKS)
+    both = 0
+    for t in range(0, len(own), EVERY):
+        s = scorer.observe(own[t:t + EVERY])
+        if s is not None and s.recurring is not None:
+            both += int(s.flagged[SLOW] and s.recurring[SLOW])
+    assert both == 0
+
+
+def flags_grouped(own: np.ndarray, groups: list[int] | None
+                  ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    scorer = StragglerScorer(own.shape[1], groups=groups)
+    on: tuple[dict[int, list[int]], dict[int, list[int]]] = ({}, {})
+    was = [np.zeros(own.shape[1], dtype=bool), np.zeros(own.shape[1], dtype=bool)]
+    for t in range(0, len(own), EVERY):
+        s = scorer.observe(own[t:t + EVERY])
+        if s is None or s.recurring is None:
+            continue
+        for i, now in enumerate((s.flagged, s.recurring)):
+            for r in np.nonzero(now & ~was[i])[0]:
+                on[i].setdefault(int(r), []).append(s.step)
+            was[i] = now.copy()
+    return on
