@@ -764,7 +764,7 @@ class Pulse:
         docstring). `n` is any integer, a numpy integer or a 0-d integer tensor (an
         optimizer's saved step) included: sent as it was, a numpy step failed every
         message to the agent and stopped the heartbeats for good."""
-        return _Step(self, StepContext(self, step if type(step) is int else _step_number(step)))
+        return _Step(self, StepContext(self, step if step.__class__ is int else _step_number(step)))
 
     def evaluating(self) -> _BetweenSteps:
         """`with pulse.evaluating():` around an evaluation between steps. Its time has no
@@ -825,8 +825,12 @@ class Pulse:
             # bookkeeping)
             host = self._loss_buffers.pop() if self._loss_buffers \
                 else torch.empty((), dtype=torch.float32, pin_memory=True)
-            host.copy_(loss.detach().float().reshape(()), non_blocking=True)
-            ctx.loss = ctx.loss_buffer = host
+            try:
+                host.copy_(loss.detach().float().reshape(()), non_blocking=True)
+                ctx.loss = ctx.loss_buffer = host
+            except RuntimeError:  # more than one number: not reported (not the step)
+                self._loss_buffers.append(host)
+                ctx.loss = self._no_loss(loss)
         end_mark = self._clock.mark()
         wall = time.perf_counter() - ctx.t0 + fetch
         passes = self._ddp_passes
@@ -893,13 +897,15 @@ class Pulse:
             if isinstance(loss, torch.Tensor):
                 # CPU or completed pinned copy; a float32, bf16 or fp16 value is exact as
                 # a Python float without the detach and cast (two dispatches fewer)
-                loss = float(loss.item() if loss.dtype in _EXACT_AS_FLOAT32
-                             else loss.detach().float().item()) if loss.numel() == 1 \
-                    else self._no_loss(loss)
+                try:
+                    loss = float(loss.item() if loss.dtype in _EXACT_AS_FLOAT32
+                                 else loss.detach().float().item())
+                except RuntimeError:  # more than one number ("cannot be converted")
+                    loss = self._no_loss(loss)
                 if ctx.loss_buffer is not None:  # read: free for a later step's copy
                     self._loss_buffers.append(ctx.loss_buffer)
                     ctx.loss_buffer = None
-            elif loss is not None and type(loss) is not float:
+            elif loss is not None and loss.__class__ is not float:
                 try:  # a numpy scalar: not JSON, and failed the step's message
                     loss = float(loss)
                 except (TypeError, ValueError):
