@@ -46,7 +46,8 @@ say "testing the trainer and the instrumentation on torch $got"
 # The parts that touch torch's APIs: checkpoints (DCP, the stager), the launcher and
 # rendezvous patches, Pulse and its hooks (DDP, collectives, compile), the recipe's
 # data position, and real torchrun jobs (a world of one, DDP and FSDP telemetry, the
-# port a round's store is on).
+# port a round's store is on, a checkpoint written by the main venv's torch resumed
+# here and back).
 exec "$venv/bin/python" -m pytest -n 2 --dist loadfile -p no:cacheprovider \
   tests/unit/test_torch_support.py tests/unit/test_async_checkpoint.py \
   tests/unit/test_trainer_parts.py tests/unit/test_torchrun.py \
@@ -54,5 +55,6 @@ exec "$venv/bin/python" -m pytest -n 2 --dist loadfile -p no:cacheprovider \
   tests/unit/test_pulse_compile.py tests/unit/test_trainer_dtype.py \
   tests/unit/test_resume_data.py tests/unit/test_telemetry.py \
   tests/integration/test_world_of_one.py tests/integration/test_trainer_telemetry.py \
+  tests/integration/test_checkpoint_across_torch.py \
   "tests/integration/test_clean_start.py::test_one_nodes_ranks_meet_on_a_port_no_other_process_is_handed" \
   "$@"

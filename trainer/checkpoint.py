@@ -33,6 +33,7 @@ traceback, and counted (`CheckpointManager.failures`, sent to the agent as
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -206,6 +207,30 @@ def model_mismatch(path: Path, model_shapes: dict[str, tuple[int, ...]]) -> str 
     return "; ".join(parts)
 
 
+class AcrossTorchPlanner(dcp.DefaultLoadPlanner):
+    """Loads every tensor this run's state asks for, and leaves the settings a torch of
+    another version keeps and the writer's did not (a scheduler's `verbose` in 2.6,
+    AdamW's `decoupled_weight_decay` in later releases: values, not tensors) at this
+    run's values. A torch upgrade or downgrade of the job's image found every
+    checkpoint "verifies but does not load" ("Missing key in checkpoint state_dict:
+    app.sched.verbose"), set each aside, and started from step 0. A missing tensor
+    still fails the load: that is another model or optimizer (`model_mismatch` names
+    the model's), not another torch. `skipped` lists what was left."""
+
+    def __init__(self) -> None:
+        super().__init__(allow_partial_load=True)
+        self.skipped: list[str] = []
+
+    def create_local_plan(self) -> Any:
+        stored = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        absent = [k for k in self.state_dict if k not in stored]
+        tensors = [k for k in absent if isinstance(self.state_dict[k], torch.Tensor)]
+        if tensors:
+            raise RuntimeError(f"Missing key in checkpoint state_dict: {tensors[0]}.")
+        self.skipped = sorted(absent)
+        return super().create_local_plan()
+
+
 def describe_error(err: BaseException) -> str:
     """One line for a failed DCP save or load: DCP's CheckpointException says only
     which ranks failed ("ranks:dict_keys([0])"); the first rank's own exception says
@@ -310,19 +335,28 @@ class CheckpointManager:
         self._lock = threading.Lock()
         root.mkdir(parents=True, exist_ok=True)
         # Writable, now: a read-only directory (a mount, a snapshot) let the run resume
-        # and then die on its first write with a traceback, in a crash loop
+        # and then die on its first write with a traceback, in a crash loop. Only a
+        # refusal that lasts stops the start: a full disk (blocks or inodes) or a
+        # passing NFS error fails the saves, counted and paged, and training goes on.
         probe = root / f".write-probe-{rank}-{os.getpid()}"
         try:
             probe.touch()
-            probe.unlink()
+            probe.unlink(missing_ok=True)  # rank 0's clean_temporaries may be first
         except OSError as err:
-            raise OSError(err.errno, f"--ckpt-dir is not writable ({err.strerror})",
-                          str(root)) from err
+            if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT):
+                log.warning("--ckpt-dir %s: a test write failed (%s); saves may fail",
+                            root, err.strerror or err)
+            else:
+                raise OSError(err.errno, f"--ckpt-dir is not writable ({err.strerror})",
+                              str(root)) from err
 
     def clean_temporaries(self) -> None:
         """Remove directories left by writes that never finished (rank 0, at start)."""
         for p in self.root.glob(".tmp-step-*"):
             shutil.rmtree(p, ignore_errors=True)
+        for p in self.root.glob(".write-probe-*"):  # a process killed between its two calls
+            with contextlib.suppress(OSError):
+                p.unlink()
 
     def save(self, step: int, state: dict[str, Any], fail: bool = False,
              kill_midway: bool = False) -> float:

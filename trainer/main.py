@@ -23,6 +23,7 @@ from clusterpulse.agent.logsetup import setup_logging
 from clusterpulse.detection.state import STATE_FILE
 from clusterpulse.trainer.checkpoint import (
     MANIFEST,
+    AcrossTorchPlanner,
     CheckpointError,
     CheckpointManager,
     Found,
@@ -205,9 +206,16 @@ class Trainer:
                           "settings that wrote it, or use another --ckpt-dir",
                           file=sys.stderr, flush=True)
                 raise SystemExit(2)
+            planner = AcrossTorchPlanner()
             try:
-                dcp.load({"app": self.state}, checkpoint_id=str(found.path))
+                dcp.load({"app": self.state}, checkpoint_id=str(found.path), planner=planner)
                 error = ""
+                if planner.skipped and info.rank == 0:
+                    print(f"trainer: {found.path.name} holds no value for "
+                          f"{len(planner.skipped)} setting(s) this torch keeps "
+                          f"({', '.join(planner.skipped[:3])}"
+                          f"{', ...' if len(planner.skipped) > 3 else ''}): written by "
+                          "another torch; they keep this run's values", flush=True)
             except (Exception, CheckpointException) as err:  # any rank's failure: go back
                 error = describe_error(err)
             if self.pulse.all_ranks(not error):

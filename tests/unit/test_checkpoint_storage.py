@@ -104,6 +104,20 @@ def test_a_checkpoint_directory_that_cannot_be_written_is_named_at_the_start():
     assert err.value.filename == "/proc/self"
 
 
+def test_a_full_disk_at_the_start_does_not_stop_the_run(tmp_path, monkeypatch, caplog):
+    """Only a refusal that lasts (read-only, no permission) stops the start: out of
+    inodes, the test write failed with ENOSPC and the run, which resumed and trained
+    before (its saves failing and counted), no longer started (a review)."""
+    def full(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "touch", full)
+    with caplog.at_level(logging.WARNING, logger="clusterpulse.trainer.checkpoint"):
+        CheckpointManager(tmp_path, rank=0)
+    assert any("a test write failed (No space left on device)" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_a_progress_mark_that_cannot_be_kept_loses_the_mark_not_the_run(tmp_path, caplog):
     """On a full disk the mark's write raised in rank 0's loop at its first step."""
     with caplog.at_level(logging.WARNING, logger="clusterpulse.trainer.runstate"):
