@@ -23,6 +23,9 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("prometheus", "prometheus/prometheus.example.yml", "example scrape config"),
     ("alertmanager", "alertmanager/alertmanager.yml", "routing and inhibition"),
     ("alertmanager", "alertmanager/examples/email-slack.yml", "email/Slack receivers"),
+    # the receivers' templates: email-slack.yml loads it, and without it every Slack
+    # notification failed ('template "clusterpulse.evidence_url" not defined')
+    ("alertmanager", "alertmanager/examples/clusterpulse.tmpl", "templates of those receivers"),
     ("alertmanager", "alertmanager/web.yml",
      "web config: basic auth on Alertmanager's API (--web.config.file)"),
     ("alertmanager", "alertmanager/prometheus-alertmanager.default",

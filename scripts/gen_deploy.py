@@ -124,7 +124,7 @@ def policy_configmap() -> str:
 # secret mounted in the Alertmanager pod. The chart makes the same replacements with its
 # release's names (templates/alertmanager.yaml).
 AM_LOCAL_HOOK = "http://127.0.0.1:19495/alertmanager"
-AM_LOCAL_TOKEN = "/etc/clusterpulse/webhook-token"
+AM_LOCAL_TOKEN = "/etc/prometheus/clusterpulse-webhook-token"
 AM_K8S_HOOK = f"http://clusterpulse-dashboard.{NAMESPACE}:19495/alertmanager"
 AM_K8S_TOKEN = "/etc/alertmanager/webhook/token"
 

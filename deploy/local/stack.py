@@ -280,7 +280,8 @@ def start_central(stack: Stack, state: Path, agents: list[str], token_file: Path
     am_config = state / "alertmanager.yml"  # the project's config, webhook on our port
     am_config.write_text((REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text()
                          .replace("127.0.0.1:19495", f"127.0.0.1:{remediation_port}")
-                         .replace("/etc/clusterpulse/webhook-token", str(hook_token_file)))
+                         .replace("/etc/prometheus/clusterpulse-webhook-token",
+                                  str(hook_token_file)))
     if am_bin:
         stack.start("alertmanager", [am_bin, f"--config.file={am_config}",
                                      f"--storage.path={state / 'alertmanager-data'}",

@@ -55,6 +55,9 @@ def test_config_write_copies_every_shipped_file(tmp_path: Path, capsys):
     for _, rel, _ in configcli.shipped():
         assert (tmp_path / rel).read_bytes() == (REPO / "deploy" / rel).read_bytes(), rel
     assert (tmp_path / "local/policy.toml").is_file()
+    # what a written file loads is written too: the email/Slack receivers' templates
+    # were left out, and every Slack notification failed on an undefined template
+    assert (tmp_path / "alertmanager/examples/clusterpulse.tmpl").is_file()
     # A second write would clobber an operator's edits: refused without --force.
     policy = tmp_path / "local/policy.toml"
     policy.write_text(policy.read_text() + "# an operator's edit\n")
@@ -227,3 +230,24 @@ def test_a_users_own_trainer_and_agent_modules_do_not_shadow_ours(tmp_path: Path
     assert out.stdout.strip().split(",") == [
         "user trainer", "user agent", "clusterpulse.trainer.instrument",
         "clusterpulse.agent.protocol"]
+
+
+def test_alertmanager_reads_the_webhook_token_where_deploy_md_puts_it_for_it():
+    """Debian's Alertmanager runs as `prometheus`, which cannot enter /etc/clusterpulse
+    (0750 root:clusterpulse): with the token read from there every notification failed
+    with "permission denied" and no alert reached the remediation policy. The routing
+    reads its own copy, which the install makes and gives to prometheus, and the
+    install puts the routing itself in place."""
+    import yaml
+
+    routing = yaml.safe_load((REPO / "deploy/alertmanager/alertmanager.yml").read_text())
+    paths = {w["http_config"]["authorization"]["credentials_file"]
+             for r in routing["receivers"] for w in r.get("webhook_configs", [])
+             if "authorization" in w.get("http_config", {})}
+    assert paths == {"/etc/prometheus/clusterpulse-webhook-token"}, paths
+    (path,) = paths
+    docs = (REPO / "docs/deploy.md").read_text()
+    assert f"cp /etc/clusterpulse/webhook-token {path}" in docs
+    assert f"chown prometheus {path}" in docs
+    assert "cp /etc/clusterpulse/alertmanager/alertmanager.yml /etc/prometheus/alertmanager.yml" \
+        in docs
