@@ -227,9 +227,8 @@ class NvmlBackend:
         for uuid, dev in self._devices.items():
             if uuid not in seen:
                 dev.missing, dev.reason = True, "missing"
-        if changed and self._roster is not None:
-            self._roster.save([KnownGpu(d.uuid, d.index, d.pci_bus_id, d.name)
-                               for d in self._devices.values()])
+        if changed:
+            self._save_roster()
         self._register_xid_events()
 
     def _replaced_label(self, dev: _Device, seen: set[str]) -> int | None:
@@ -365,6 +364,19 @@ class NvmlBackend:
             self._errors["not_supported"] += 1
             log.info("gpu %d (%s) does not support %s: %s", dev.index, dev.uuid, metric, err)
 
+    def _passing(self, err: Exception) -> None:
+        """An error of an optional reading: raised again where it says the GPU or NVML
+        is gone (`GONE`: the GPU is down), else counted by its kind and let pass."""
+        if error_kind(err) in GONE:
+            raise err
+        self._errors[error_kind(err)] += 1
+        self._transient += 1
+
+    def _save_roster(self) -> None:
+        if self._roster is not None:
+            self._roster.save([KnownGpu(d.uuid, d.index, d.pci_bus_id, d.name)
+                               for d in self._devices.values()])
+
     def _lacks(self, dev: _Device, metric: str) -> bool:
         return (dev.uuid, metric) in self._unsupported
 
@@ -392,10 +404,9 @@ class NvmlBackend:
                 err = unsupported
                 break
             except n.NVMLError as other:
-                if strict or error_kind(other) in GONE:
+                if strict:
                     raise
-                self._errors[error_kind(other)] += 1
-                self._transient += 1
+                self._passing(other)
                 return None
         self._mark_unsupported(dev, metric, err)
         return None
@@ -423,9 +434,8 @@ class NvmlBackend:
             try:
                 if not dev.probed:  # a static fact a passing error left unread
                     self._probe_static(dev)
-                    if dev.probed and self._roster is not None:
-                        self._roster.save([KnownGpu(d.uuid, d.index, d.pci_bus_id, d.name)
-                                           for d in self._devices.values()])
+                    if dev.probed:
+                        self._save_roster()
                     if dev.missing:
                         samples.append(self._down(dev, dev.reason))
                         continue
@@ -541,10 +551,8 @@ class NvmlBackend:
         for link in range(dev.nvlinks):
             try:
                 state = self._call("nvmlDeviceGetNvLinkState", h, link)
-            except n.NVMLError as err:  # as any optional reading: the GPU only if gone
-                if error_kind(err) in GONE:
-                    raise
-                self._errors[error_kind(err)] += 1
+            except n.NVMLError as err:
+                self._passing(err)
                 continue
             sample = NvLinkSample(up=int(state) == int(getattr(n, "NVML_FEATURE_ENABLED", 1)))
             for kind, const in NVLINK_ERRORS.items():  # each kind supported or not alone
@@ -567,10 +575,8 @@ class NvmlBackend:
         ids = [(getattr(self._nvml, fid), scope) for _, (fid, scope, _) in wanted]
         try:
             values = self._call("nvmlDeviceGetFieldValues", dev.handle, ids)
-        except self._nvml.NVMLError as err:  # as any optional reading: the GPU only if gone
-            if error_kind(err) in GONE:
-                raise
-            self._errors[error_kind(err)] += 1
+        except self._nvml.NVMLError as err:
+            self._passing(err)
             return
         for (attr, (_, _, scale)), fv in zip(wanted, values, strict=True):
             ret = int(fv.nvmlReturn)
