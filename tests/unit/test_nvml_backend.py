@@ -12,16 +12,9 @@ import pytest
 from clusterpulse.agent.backends import BackendError, CollectionFailed
 from clusterpulse.agent.backends.nvml import FIELDS, NvmlBackend, error_kind
 from tests.fakes.fake_pynvml import FakeNvml
+from tests.support.clock import ManualClock
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_reads_core_set_in_base_units():
@@ -55,7 +48,7 @@ def test_fields_are_batched_in_one_call_per_gpu():
 
 
 def test_gpu_lost_mid_run_marks_only_that_gpu_down_and_reinitialises():
-    fake, clock = FakeNvml(gpus=3), Clock()
+    fake, clock = FakeNvml(gpus=3), ManualClock()
     backend = NvmlBackend(nvml=fake, clock=clock)
     assert all(g.up for g in backend.collect())
     fake.gpus[1].lost = True
@@ -88,7 +81,7 @@ def test_a_gpu_off_the_bus_keeps_its_label_and_is_reprobed_until_it_returns():
     GPU took the lost one's index while the lost one kept it (two gpu="1", no gpu="3"),
     the unsupported-metric memory applied to the wrong device, XIDs landed on the wrong
     one, and a GPU back after a reset stayed `missing` until the agent restarted."""
-    fake, clock = FakeNvml(gpus=4), Clock()
+    fake, clock = FakeNvml(gpus=4), ManualClock()
     fake.gpus[2].unsupported_fns.add("nvmlDeviceGetPowerUsage")
     backend = NvmlBackend(nvml=fake, clock=clock)
     first = _labels(backend.collect())
@@ -129,7 +122,7 @@ def test_a_reprobe_that_fails_is_retried_soon_and_keeps_the_queued_xids():
     next whole minute, and the XIDs queued since the last cycle went with the freed
     event set. Now the collection fails as a whole (the agent keeps the last readings,
     whose age grows) and is retried within seconds."""
-    fake, clock = FakeNvml(gpus=3), Clock()
+    fake, clock = FakeNvml(gpus=3), ManualClock()
     backend = NvmlBackend(nvml=fake, clock=clock)
     fake.gpus[1].lost = True
     while backend.collect()[1].down_reason != "missing":
@@ -162,7 +155,7 @@ def test_a_reprobe_that_fails_is_retried_soon_and_keeps_the_queued_xids():
 def test_a_gpu_new_to_the_agent_never_takes_a_known_gpus_label():
     """A GPU already off the bus when the agent started is unknown to it; if it is
     enumerated at a re-init, NVML's index for it belongs to another GPU's series."""
-    fake, clock = FakeNvml(gpus=4), Clock()
+    fake, clock = FakeNvml(gpus=4), ManualClock()
     fake.gpus[1].lost = True
     backend = NvmlBackend(nvml=fake, clock=clock)
     first = _labels(backend.collect())
@@ -348,7 +341,7 @@ def test_a_gpu_lost_before_an_agent_restart_stays_down_under_its_own_label(tmp_p
     assert s[2].xid_errors_total == {79: 1} and s[2].pci_bus_id == "00000000:03:00.0"
     assert s[3].power_watts == 350.0  # the survivor's static facts are read again
     fake.gpus[2].lost = False  # back (a reset): up again under its label
-    clock = Clock()
+    clock = ManualClock()
     back = NvmlBackend(nvml=fake, clock=clock, gpu_state=state / "gpus.json")
     assert _labels(s := back.collect()) == first and all(g.up for g in s)
 

@@ -9,14 +9,7 @@ import pytest
 
 from clusterpulse.agent.backends.nvml import NvmlBackend
 from tests.fakes.fake_libnvml import FakeLib, installed
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.clock import ManualClock
 
 
 def test_a_driver_without_the_v3_process_calls_still_reports_every_gpu_and_its_processes():
@@ -66,7 +59,7 @@ def test_a_mig_enabled_gpu_without_utilization_is_up_and_its_liveness_still_coun
 def test_a_gpu_failing_while_its_static_facts_are_read_does_not_stop_the_agent(code):
     """It answered its handle and UUID, then a static read failed: NvmlBackend() raised
     ("NVML could not start"), and no GPU of the node was monitored."""
-    lib, clock = FakeLib(2), Clock()
+    lib, clock = FakeLib(2), ManualClock()
     lib.gpus[1].fail["nvmlDeviceGetMaxClockInfo"] = code
     with installed(lib) as nvml:
         backend = NvmlBackend(nvml=nvml, clock=clock)
@@ -86,7 +79,7 @@ def test_a_gpu_lost_at_its_first_probe_after_a_restart_leaves_the_others_collect
     """A GPU back after a loss, with a new UUID (in the lost one's PCI slot: its
     replacement), lost again while it was probed: every later collection raised
     CollectionFailed and the healthy GPUs' readings froze."""
-    lib, clock = FakeLib(3), Clock()
+    lib, clock = FakeLib(3), ManualClock()
     with installed(lib) as nvml:
         backend = NvmlBackend(nvml=nvml, clock=clock)
         backend.collect()
@@ -118,7 +111,7 @@ def test_an_xid_of_a_gpu_that_fell_off_the_bus_is_counted():
 def test_a_gpu_listed_but_not_enumerable_at_start_is_exported_down_and_reprobed():
     """NVML counted it but its handle failed: without --remember-gpus it had no series
     at all, and was never looked at again."""
-    lib, clock = FakeLib(2), Clock()
+    lib, clock = FakeLib(2), ManualClock()
     lib.handle_ret[1] = pynvml.NVML_ERROR_GPU_IS_LOST
     with installed(lib) as nvml:
         backend = NvmlBackend(nvml=nvml, clock=clock)
@@ -191,7 +184,7 @@ def test_gpus_outside_the_agents_device_cgroup_are_not_its_own():
     """A Slurm job step's agent under ConstrainDevices: NVML counts every GPU and answers
     NO_PERMISSION for the others' handles. They are another job's, not down (a review:
     exported down, they paged GpuDown, and NVML was re-initialised every minute)."""
-    lib, clock = FakeLib(4), Clock()
+    lib, clock = FakeLib(4), ManualClock()
     for i in (2, 3):
         lib.handle_ret[i] = pynvml.NVML_ERROR_NO_PERMISSION
     with installed(lib) as nvml:
@@ -230,7 +223,7 @@ def test_static_facts_a_passing_error_left_unread_are_read_again_and_remembered(
 
 
 def test_a_replacement_lost_before_its_slot_was_read_takes_the_old_label_once_probed():
-    lib, clock = FakeLib(3), Clock()
+    lib, clock = FakeLib(3), ManualClock()
     with installed(lib) as nvml:
         backend = NvmlBackend(nvml=nvml, clock=clock)
         backend.collect()
@@ -249,7 +242,7 @@ def test_a_replacement_lost_before_its_slot_was_read_takes_the_old_label_once_pr
 def test_what_a_gpu_did_not_support_is_asked_again_after_it_was_lost_and_back():
     """MIG turned off takes a reset: utilization, unsupported under MIG, was never read
     again, nor a reading refused for permission."""
-    lib, clock = FakeLib(1), Clock()
+    lib, clock = FakeLib(1), ManualClock()
     lib.gpus[0].fail["nvmlDeviceGetUtilizationRates"] = pynvml.NVML_ERROR_NOT_SUPPORTED
     with installed(lib) as nvml:
         backend = NvmlBackend(nvml=nvml, clock=clock)
@@ -264,7 +257,7 @@ def test_what_a_gpu_did_not_support_is_asked_again_after_it_was_lost_and_back():
 
 
 def test_a_gpu_lost_at_its_probe_then_gone_from_the_list_is_missing():
-    lib, clock = FakeLib(2), Clock()
+    lib, clock = FakeLib(2), ManualClock()
     lib.gpus[1].fail["nvmlDeviceGetMaxClockInfo"] = pynvml.NVML_ERROR_GPU_IS_LOST
     with installed(lib) as nvml:
         backend = NvmlBackend(nvml=nvml, clock=clock)

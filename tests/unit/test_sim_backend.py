@@ -4,17 +4,10 @@ import pytest
 
 from clusterpulse.agent.backends.sim import Activity, SimBackend
 from clusterpulse.agent.faults import Fault, FaultError, load_scenario, parse_fault
+from tests.support.clock import ManualClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def run(sim: SimBackend, clock: Clock, seconds: float, dt: float = 1.0):
+def run(sim: SimBackend, clock: ManualClock, seconds: float, dt: float = 1.0):
     out = None
     for _ in range(int(seconds / dt)):
         clock.t += dt
@@ -28,7 +21,7 @@ def busy(_gpu: int) -> Activity:
 
 
 def test_idle_gpu_is_cool_idle_and_low_power():
-    clock = Clock()
+    clock = ManualClock(100.0)
     s = run(SimBackend(gpus=2, clock=clock), clock, 60)[0]
     assert s.utilization_ratio == 0 and "gpu_idle" in s.clock_events
     assert s.power_watts == pytest.approx(70) and s.temperature_celsius < 40
@@ -36,7 +29,7 @@ def test_idle_gpu_is_cool_idle_and_low_power():
 
 
 def test_load_drives_power_temperature_memory_and_links_with_inertia():
-    clock = Clock()
+    clock = ManualClock(100.0)
     sim = SimBackend(gpus=1, activity=busy, clock=clock)
     early = run(sim, clock, 3)[0]
     late = run(sim, clock, 120)[0]
@@ -51,7 +44,7 @@ def test_load_drives_power_temperature_memory_and_links_with_inertia():
 
 
 def test_overheat_throttles_clocks_and_slows_the_bound_rank():
-    clock = Clock()
+    clock = ManualClock(100.0)
     sim = SimBackend(gpus=2, activity=busy, clock=clock)
     run(sim, clock, 60)
     sim.inject(Fault(kind="overheat", gpu=1))
@@ -70,7 +63,7 @@ def test_overheat_throttles_clocks_and_slows_the_bound_rank():
 @pytest.mark.parametrize("kind,reason", [("power_brake", "hw_power_brake_slowdown"),
                                          ("slow_clocks", "hw_slowdown")])
 def test_clock_faults_carry_their_reason(kind, reason):
-    clock = Clock()
+    clock = ManualClock(100.0)
     sim = SimBackend(gpus=1, activity=busy, clock=clock)
     sim.inject(Fault(kind=kind, gpu=0, factor=0.5))
     s = run(sim, clock, 2)[0]
@@ -80,7 +73,7 @@ def test_clock_faults_carry_their_reason(kind, reason):
 
 
 def test_gpu_lost_xid_and_ecc():
-    clock = Clock()
+    clock = ManualClock(100.0)
     sim = SimBackend(gpus=3, clock=clock)
     sim.inject(Fault(kind="gpu_lost", gpu=0))
     sim.inject(Fault(kind="xid", gpu=1, code=13))
@@ -92,7 +85,7 @@ def test_gpu_lost_xid_and_ecc():
 
 
 def test_fault_with_duration_recovers_by_itself():
-    clock = Clock()
+    clock = ManualClock(100.0)
     sim = SimBackend(gpus=1, clock=clock)
     sim.inject(Fault(kind="gpu_lost", gpu=0, duration_s=5))
     assert not run(sim, clock, 2)[0].up
@@ -102,7 +95,7 @@ def test_fault_with_duration_recovers_by_itself():
 def test_scenario_plays_on_schedule(tmp_path):
     path = tmp_path / "s.toml"
     path.write_text('[[fault]]\nat_s = 10\ngpu = 1\nkind = "slow_clocks"\nfactor = 0.5\n')
-    clock = Clock()
+    clock = ManualClock(100.0)
     sim = SimBackend(gpus=2, activity=busy, clock=clock, scenario=load_scenario(path, 2))
     assert "hw_slowdown" not in run(sim, clock, 5)[1].clock_events
     assert "hw_slowdown" in run(sim, clock, 10)[1].clock_events
@@ -135,7 +128,7 @@ def test_bad_scenario_files_are_named(tmp_path):
 
 
 def test_links_carry_the_ranks_sync_volume_and_can_degrade():
-    clock = Clock()
+    clock = ManualClock(100.0)
     sim = SimBackend(gpus=2, activity=busy, clock=clock)
     s = run(sim, clock, 10)
     assert s[0].pcie_rx_bytes_total == pytest.approx(10 * (1e8 + 1e9), rel=0.01)
