@@ -13,9 +13,11 @@ from urllib.parse import parse_qs, urlparse
 
 
 class AlertsPrometheus:
-    """`firing(query)` says whether the ALERTS query has a firing series."""
+    """`firing(query)` says whether the ALERTS query has a firing series; `found(query)`,
+    whether any other query has one (by default none has)."""
 
-    def __init__(self, firing: Callable[[str], bool]) -> None:
+    def __init__(self, firing: Callable[[str], bool],
+                 found: Callable[[str], bool] = lambda query: False) -> None:
         self.queries: list[str] = []
         stub = self
 
@@ -23,8 +25,10 @@ class AlertsPrometheus:
             def do_GET(self) -> None:
                 query = parse_qs(urlparse(self.path).query).get("query", [""])[0]
                 stub.queries.append(query)
-                result = ([{"metric": {"__name__": "ALERTS"}, "value": [time.time(), "1"]}]
-                          if query.startswith("ALERTS{") and firing(query) else [])
+                alerts = query.startswith("ALERTS{")
+                hit = firing(query) if alerts else found(query)
+                result = ([{"metric": {"__name__": "ALERTS" if alerts else "series"},
+                            "value": [time.time(), "1"]}] if hit else [])
                 body = json.dumps({"status": "success", "data": {
                     "resultType": "vector", "result": result}}).encode()
                 self.send_response(200)

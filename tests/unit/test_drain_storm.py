@@ -98,3 +98,47 @@ def test_concurrent_notifications_drain_at_most_max_drained(tmp_path, monkeypatc
     records = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert sorted((r["node"], r["outcome"]) for r in records) == sorted(
         (n, d["outcome"]) for n, d in outcomes.items())
+
+
+def test_a_rank_that_claims_a_gpu_it_does_not_hold_cannot_drain_the_node(tmp_path, monkeypatch):
+    """A review: a local user's process reported itself a straggler on another user's
+    GPU (its score, its GPU: its own word), and a GPU cause there (an XID, an idle GPU's
+    clocks) made the Slurm policy drain the node and requeue every job on it. A node
+    action on a rank's alert now needs NVML to list the rank's process on that GPU."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, script in FAKES.items():
+        (bin_dir / name).write_text(script)
+        (bin_dir / name).chmod(0o755)
+    state = tmp_path / "slurm-state"
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("STATE", str(state))
+    monkeypatch.setenv("REQUEUED", str(tmp_path / "requeued"))
+    (tmp_path / "policy.toml").write_text(
+        "[[rule]]\nalert = 'TrainingStraggler'\naction = 'drain-node'\n"
+        "match = { cause = 'gpu_errors' }\n[drain]\nrequeue = true\n")
+    policy = Policy.load(tmp_path / "policy.toml")
+    alert = {"status": "firing", "labels": {
+        "alertname": "TrainingStraggler", "run": "fake", "rank": "1", "node": "node-1",
+        "local_rank": "1", "gpu": "1", "cause": "gpu_errors"}}
+    for holds, outcome in ((False, "failed"), (True, "acted")):
+        queries: list[str] = []
+
+        def found(query: str, holds: bool = holds, asked: list[str] = queries) -> bool:
+            asked.append(query)
+            return holds
+
+        prom = AlertsPrometheus(lambda query: True, found)
+        rem = Remediator(policy, PrometheusClient(prom.url), None,
+                         AuditLog(tmp_path / f"audit-{holds}.jsonl"))
+        try:
+            (decision,) = rem.handle({"alerts": [alert]})
+        finally:
+            prom.close()
+        assert decision["outcome"] == outcome, decision
+        assert any("clusterpulse_gpu_process_info" in q and 'gpu="1"' in q and 'rank="1"' in q
+                   for q in queries), queries
+        if not holds:
+            assert "that GPU is the rank's own claim" in decision["detail"], decision
+            assert not state.exists() or not state.read_text(), "the node was drained"
+    assert state.read_text().split()[0] == "node-1"  # drained once NVML says it holds it
