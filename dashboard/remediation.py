@@ -350,35 +350,41 @@ class Remediator:
             refused = self._unconfirmed(rule, alert, "", ("node", node), recheck)
             if refused is not None:
                 return {"node": node, "alert": rule.alert, "action": rule.action, **refused}
-            unheld = self._gpu_not_held(alert)
-            if unheld is not None:
-                return self._failed(rule, alert, "", unheld)
+            unheld, transient = self._gpu_not_held(alert)
+            if unheld is not None:  # Prometheus could not answer: nothing done, ask again
+                return {**self._failed(rule, alert, "", unheld), "retry": transient}
         return Drainer(self.policy.drain, self.audit, self.policy.dry_run).decide(alert)
 
-    def _gpu_not_held(self, alert: dict) -> str | None:
+    def _gpu_not_held(self, alert: dict) -> tuple[str | None, bool]:
         """For a node action on a rank's alert (TrainingStraggler, cause a GPU's): None
         where NVML lists the rank's process on the GPU the alert names, else why not.
         A rank names its GPU, and reports its straggler score, itself: a local user's
         process could report as a straggler on another user's GPU, idle or throttled,
         and have the Slurm policy drain the node and requeue every job on it (a
-        review). A node's or a GPU's own alert (GpuDown) is NVML's evidence already."""
+        review). A node's or a GPU's own alert (GpuDown) is NVML's evidence already.
+        (why not, or None; and whether asking again may help: Prometheus failed).
+        Ranks this cannot vouch for are refused too: a rank on UDP telemetry (no pid
+        from the kernel) and one on a MIG instance (its `gpu` is its own visible index,
+        not NVML's GPU)."""
         labels = alert.get("labels", {})
         if not (labels.get("run") and labels.get("rank")):
-            return None
+            return None, False
         gpu = labels.get("gpu", "")
         if not gpu:
-            return "the rank's alert names no GPU: a node action needs the GPU's evidence"
+            return "the rank's alert names no GPU: a node action needs the GPU's evidence", False
         sel = ",".join(f'{k}="{promql_string(labels.get(k, ""))}"'
                        for k in ("run", "rank", "node", "gpu"))
         try:
             held = self.prom.query(f"clusterpulse_trainer_rank_info{{{sel}}} "
                                    "and on (node, gpu, pid) clusterpulse_gpu_process_info")
         except PrometheusError as err:
-            return f"cannot ask Prometheus whether rank {labels['rank']} holds GPU {gpu}: {err}"
+            return (f"cannot ask Prometheus whether rank {labels['rank']} holds GPU {gpu}: "
+                    f"{err}"), err.transient
         if not held:
             return (f"NVML lists no process of rank {labels['rank']} of run {labels['run']} on "
-                    f"GPU {gpu} of {labels.get('node', '')}: that GPU is the rank's own claim")
-        return None
+                    f"GPU {gpu} of {labels.get('node', '')}: that GPU is the rank's own claim"
+                    ), False
+        return None, False
 
     def _still_waiting(self, rule: Rule, subject: tuple[str, str], alert: dict,
                        recheck: bool = False) -> dict | None:

@@ -204,7 +204,7 @@ class Alertmanager:
         token_file = self.dir / "webhook-token"
         token_file.write_text(self.webhook_token)
         token_file.chmod(0o600)
-        config = config.replace("/etc/clusterpulse/webhook-token", str(token_file))
+        config = config.replace("/etc/prometheus/clusterpulse-webhook-token", str(token_file))
         (self.dir / "alertmanager.yml").write_text(config)
         self.proc = Proc([binary, f"--config.file={self.dir / 'alertmanager.yml'}",
                           f"--storage.path={self.dir / 'data'}",

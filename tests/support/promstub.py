@@ -14,10 +14,11 @@ from urllib.parse import parse_qs, urlparse
 
 class AlertsPrometheus:
     """`firing(query)` says whether the ALERTS query has a firing series; `found(query)`,
-    whether any other query has one (by default none has)."""
+    whether any other query has one (by default none has; None: answered 503, as a
+    Prometheus that is restarting)."""
 
     def __init__(self, firing: Callable[[str], bool],
-                 found: Callable[[str], bool] = lambda query: False) -> None:
+                 found: Callable[[str], bool | None] = lambda query: False) -> None:
         self.queries: list[str] = []
         stub = self
 
@@ -27,6 +28,9 @@ class AlertsPrometheus:
                 stub.queries.append(query)
                 alerts = query.startswith("ALERTS{")
                 hit = firing(query) if alerts else found(query)
+                if hit is None:
+                    self.send_error(503)
+                    return
                 result = ([{"metric": {"__name__": "ALERTS" if alerts else "series"},
                             "value": [time.time(), "1"]}] if hit else [])
                 body = json.dumps({"status": "success", "data": {

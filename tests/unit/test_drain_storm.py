@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
 import requests
 
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.tokens import Tokens
 from clusterpulse.dashboard.promclient import PrometheusClient
-from clusterpulse.dashboard.remediation import Policy, Remediator, serve
+from clusterpulse.dashboard.remediation import Policy, Remediator, RetryLater, serve
 from tests.support.procs import REPO
 from tests.support.promstub import AlertsPrometheus
 
@@ -142,3 +143,15 @@ def test_a_rank_that_claims_a_gpu_it_does_not_hold_cannot_drain_the_node(tmp_pat
             assert "that GPU is the rank's own claim" in decision["detail"], decision
             assert not state.exists() or not state.read_text(), "the node was drained"
     assert state.read_text().split()[0] == "node-1"  # drained once NVML says it holds it
+    # Prometheus failing that question: nothing done, and the notification is answered
+    # 503 so that Alertmanager asks again (a review: 'failed' waited for its 4 h repeat)
+    state.write_text("")
+    prom = AlertsPrometheus(lambda query: True,
+                            lambda query: None if "gpu_process_info" in query else False)
+    rem = Remediator(policy, PrometheusClient(prom.url), None, AuditLog(tmp_path / "a.jsonl"))
+    try:
+        with pytest.raises(RetryLater):
+            rem.handle({"alerts": [alert]})
+    finally:
+        prom.close()
+    assert not state.read_text()
