@@ -589,8 +589,8 @@ class StragglerScorer:
 
     def _recurring(self) -> np.ndarray:
         """The recurring flag (ScoringConfig.recur_window), turned on and off as the flag
-        above (`confirm`, `release`); log of the cost over the window relative to the
-        group's median (NaN until it is full)."""
+        above (`confirm`, `release`); log of what the rank's slower steps add over the
+        window (`x` below; NaN until the window is full)."""
         c = self.config
         self._flagged_at = np.where(self.flagged, self.steps, self._flagged_at)
         self._update_runs()

@@ -103,10 +103,10 @@ DEFAULT_AGENT = protocol.DEFAULT_TELEMETRY
 SECTIONS = frozenset(protocol.PHASES - {"start", "sync", "between", "evaluate"})
 # Where a rank waits for its peers inside a step (a collective, a device sync); "step"
 # is a step outside any section. Not "data" (input) nor "checkpoint" (its own timeout).
-# DDP comm hooks of torch's that all-reduce gradients as fp16/bf16 (default_hooks)
-_COMPRESS_HOOKS = frozenset({"fp16_compress_hook", "bf16_compress_hook"})
 IN_STEP_PHASES = frozenset({"step", "forward_backward", "optimizer"})
 _EXACT_AS_FLOAT32 = frozenset({torch.float32, torch.bfloat16, torch.float16})
+# DDP comm hooks of torch's that all-reduce gradients as fp16/bf16 (default_hooks)
+_COMPRESS_HOOKS = frozenset({"fp16_compress_hook", "bf16_compress_hook"})
 
 
 def _step_number(step: object) -> int:
@@ -363,8 +363,8 @@ class Pulse:
         self._loop_thread = threading.get_ident()  # where the steps run
         self._step_stream: Any = None  # CUDA: the stream the step's marks are on
         # each backward of the step that DDP reduced: (it began, the rank's own work
-        # done, DDP's all-reduce done); the open one's first two marks
-        # per backward DDP reduced: its start, own work done, all-reduce done, bytes
+        # done, DDP's all-reduce done, the bytes it reduced); the open one's first two
+        # marks
         self._ddp_passes: list[tuple[Any, Any, Any, float]] = []
         self._backward_start: Any = None
         self._own_work_done: Any = None
