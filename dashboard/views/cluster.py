@@ -15,7 +15,6 @@ s = ui.settings()
 st.title("Cluster")
 signin = ui.signin_box()
 ui.window_from_link()  # no picker here: a link's window is kept for the other pages
-EVIDENCE = st.column_config.LinkColumn("evidence", display_text="open")
 # the metric's selector is drawn after the figures (ui.signin_box), in its place here
 metric_slot = st.sidebar.container()
 if st.session_state.get("heat_metric") not in data.HEATMAP_METRICS:
@@ -110,10 +109,18 @@ def live() -> None:
         jobs["goodput"] = jobs["goodput"] * 100  # a percentage, as on the Run page
         jobs["alerts"] = [of_jobs.get(r, "") for r in jobs["run"]]
         jobs["evidence"] = [links.page_url("run", {"run": r}, ui.keep()) for r in jobs["run"]]
-        st.dataframe(jobs, hide_index=True, width="stretch", column_config={
-            "goodput": st.column_config.NumberColumn("goodput %", format="%.0f %%"),
-            "step": st.column_config.NumberColumn("step", format="%d"),
-            "evidence": EVIDENCE})
+        # fixed widths as the table above: sized to their text, a run's two alerts
+        # ("TrainingStraggler (warning), ...") scrolled the table 13 px at a 1024 px
+        # window; an alerts or state cell wraps over up to three lines
+        st.dataframe(jobs, hide_index=True, width="stretch", row_height=68, column_config={
+            "run": st.column_config.TextColumn("run", width=85),
+            "step": st.column_config.NumberColumn("step", format="%d", width=60),
+            "state": st.column_config.TextColumn("state", width=110),
+            "goodput": st.column_config.NumberColumn("goodput %", format="%.0f %%",
+                                                     width=75),
+            "alerts": st.column_config.TextColumn("alerts", width=145),
+            "evidence": st.column_config.LinkColumn("evidence", display_text="open",
+                                                    width=60)})
     st.caption(f"{d['queries']} PromQL queries per refresh, shared by all viewers · "
                f"refresh every {s.refresh_s:.0f} s")
 
