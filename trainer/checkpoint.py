@@ -5,6 +5,7 @@ Layout under the checkpoint directory:
     .tmp-step-00000050/     being written; never loaded, removed at the next start
     run-state.json          restart accounting (trainer.runstate)
     run-state.progress      the furthest step, rewritten in place every step
+    owner.json              rank 0's claim on the directory: one job at a time (trainer.dirclaim)
 
 Every rank writes its shards into the temporary directory, then checksums the files
 it wrote itself (while they are hot in its page cache) into

@@ -53,6 +53,7 @@ class TrainConfig:
     ckpt_every_seconds: float = 0.0
     keep: int = 3
     async_ckpt: bool = False
+    ckpt_lock_wait_s: float = 60.0
     summary_json: Path | None = None
     run_id: str = ""
     agent: AgentAddr | None = DEFAULT_SOCKET_PATH
@@ -98,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default: 3)")
     p.add_argument("--async-ckpt", action="store_true",
                    help="write checkpoints in the background (dcp.async_save)")
+    p.add_argument("--ckpt-lock-wait", type=float, default=60.0,
+                   help="seconds to wait for another job to leave --ckpt-dir before "
+                   "refusing to start in it (default: 60; a holder killed outright "
+                   "leaves it after 45 s)")
     p.add_argument("--summary-json", type=Path, help="rank 0 writes the run summary here")
     p.add_argument("--run-id", default="",
                    help="run label on telemetry (default: the checkpoint directory's name)")
@@ -145,6 +150,9 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     if not (math.isfinite(a.collective_timeout) and a.collective_timeout > 0):
         raise ConfigError(f"--collective-timeout must be a number of seconds > 0, got "
                           f"{a.collective_timeout}")
+    if not (math.isfinite(a.ckpt_lock_wait) and a.ckpt_lock_wait >= 0):
+        raise ConfigError(f"--ckpt-lock-wait must be a number of seconds >= 0, got "
+                          f"{a.ckpt_lock_wait}")
     if not math.isfinite(a.lr):
         raise ConfigError(f"--lr must be a number, got {a.lr}")
     if a.ckpt_dir.exists() and not a.ckpt_dir.is_dir():
@@ -159,7 +167,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         compile=a.compile,
         ckpt_dir=a.ckpt_dir.resolve(), ckpt_every=a.ckpt_every,
         ckpt_every_seconds=a.ckpt_every_seconds, keep=a.keep, async_ckpt=a.async_ckpt,
-        summary_json=a.summary_json, run_id=run_id,
+        ckpt_lock_wait_s=a.ckpt_lock_wait, summary_json=a.summary_json, run_id=run_id,
         agent=agent, consensus_every=a.consensus_every,
         sim_compute_seconds=a.sim_compute_seconds, sim_sample_seconds=a.sim_sample_seconds,
         collective_timeout_s=a.collective_timeout,

@@ -74,11 +74,13 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from clusterpulse.agent.validate import is_digits
 from clusterpulse.trainer import spares
+from clusterpulse.trainer.dirclaim import JOB_ID_ENV
 from clusterpulse.trainer.parallel import ATTEMPTS_BEFORE_ENV, SHARE_STORE_ENV
 from clusterpulse.trainer.restart import (
     CANNOT_LEAVE_ENV,
@@ -316,6 +318,15 @@ def leave_env(a: argparse.Namespace) -> dict[str, str]:
     if hosts_rendezvous(a):
         return {CANNOT_LEAVE_ENV: "rendezvous_host"}
     return {MIN_NODES_ENV: a.nnodes.split(":")[0]}
+
+
+def job_id(a: argparse.Namespace) -> str:
+    """This job across the torchruns this launcher starts (trainer.dirclaim): a
+    `--standalone` torchrun draws a new rendezvous id each time, so a graceful
+    relaunch looked like another job to the checkpoint directory's claim. A multi-node
+    job's is its `--rdzv-id`, the same on every node; one the environment names wins."""
+    return os.environ.get(JOB_ID_ENV) or (
+        f"rdzv:{a.rdzv_id}" if a.rdzv_endpoint else f"launcher:{uuid.uuid4().hex}")
 
 
 def longest_leave_s(a: argparse.Namespace) -> float:
@@ -683,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     a.nproc = ranks_per_node(a)  # once: torch's GPU count is not asked twice
     # the rendezvous' poll and the thread count are the job's unless the environment
     # names them
-    env = {**rendezvous_poll_env(a), **threads_env(a.nproc), **os.environ, **leave_env(a)}
+    env = {**rendezvous_poll_env(a), **threads_env(a.nproc), **os.environ, **leave_env(a),
+           JOB_ID_ENV: job_id(a)}
     return run(command(a, trainer_args), env, longest_leave_s(a), Standby.of(a),
                Rendezvous.of(a), a.prewarm_after)
 

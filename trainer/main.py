@@ -35,6 +35,7 @@ from clusterpulse.trainer.checkpoint import (
 from clusterpulse.trainer.collectives import ring_allreduce_bytes
 from clusterpulse.trainer.config import ConfigError, TrainConfig, parse_config
 from clusterpulse.trainer.data import SyntheticTokens
+from clusterpulse.trainer.dirclaim import DirectoryClaim, DirectoryInUse, job_identity
 from clusterpulse.trainer.faults import Faults
 from clusterpulse.trainer.flops import mfu
 from clusterpulse.trainer.instrument import Pulse
@@ -87,6 +88,21 @@ class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         rank = int(os.environ.get("RANK", 0))
+        # rank 0 publishes, prunes and keeps the accounting: it claims the directory
+        # against another job's rank 0 before it reads or changes anything there.
+        # torchrun restarts a refused job as a failure, --max-restarts times: its
+        # restarts refuse at once (its first start waited)
+        self.dir_claim = DirectoryClaim(cfg.ckpt_dir, cfg.run_id, job_identity(cfg.run_id))
+        if rank == 0:
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+            self.dir_claim.take(0.0 if restarted else cfg.ckpt_lock_wait_s)
+        try:
+            self._start(cfg, rank)
+        except BaseException:
+            self.dir_claim.release()  # the next start need not wait for it to go stale
+            raise
+
+    def _start(self, cfg: TrainConfig, rank: int) -> None:
         self.runstate_path = cfg.ckpt_dir / "run-state.json"
         self.runstate = RunState.load(self.runstate_path) if rank == 0 else RunState()
         early = Faults(cfg.injections, rank, local_attempt())
@@ -135,7 +151,7 @@ class Trainer:
                       if cfg.async_ckpt and info.world > 1 else None)
         self.ckpt = CheckpointManager(
             cfg.ckpt_dir, info.rank, keep=cfg.keep, async_save=cfg.async_ckpt, group=ckpt_group,
-            after_publish=self._after_publish)
+            before_publish=self._before_publish, after_publish=self._after_publish)
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             self.pulse.attach_ddp(self.model)
         elif cfg.parallel == "fsdp":
@@ -163,6 +179,13 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)
 
     # -- checkpoints -------------------------------------------------------------------
+    def _before_publish(self, step: int) -> None:
+        lost = self.dir_claim.lost
+        if lost is not None:  # two writers: this one stops (trainer.dirclaim)
+            raise CheckpointError(f"--ckpt-dir {self.cfg.ckpt_dir} is claimed by run "
+                                  f"{lost['run']!r} (pid {lost['pid']} on {lost['host']}): "
+                                  "not published")
+
     def _after_publish(self, step: int, path: Path) -> None:
         if self.faults.ckpt_corrupt(step):
             _corrupt(path)
@@ -525,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         require_supported()
         require_parallel_supported(cfg.parallel)
         trainer = Trainer(cfg)
-    except (ConfigError, UnsupportedTorch) as err:
+    except (ConfigError, UnsupportedTorch, DirectoryInUse) as err:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # e.g. --ckpt-dir not writable: named, not a traceback
@@ -540,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = _exit_status(leave.code)
     finally:
         trainer.pulse.close(outcome)  # no-op if a restart already closed it
+        trainer.dir_claim.release()
         if dist.is_initialized():
             dist.destroy_process_group()
     # Free the model and its DDP reducer now, while Python is whole: left to interpreter

@@ -85,6 +85,8 @@ def test_dead_rank_before_init_and_graceful_restarts_outside_the_failure_budget(
         assert launcher_log.count("torchrun again: one started ahead, its imports done") == 3
     everything = "\n".join(logs)
     assert "injected: rank 1 exits before joining the process group" in everything
+    # every relaunch and restart is this job's to the checkpoint directory's claim
+    assert "waiting up to" not in everything and "in use by another job" not in everything
     for launcher_log in logs:  # each node's launcher relaunched its torchrun 3 times
         assert "graceful restart 3: relaunching (the failure budget is untouched)" in launcher_log
     causes = [(r["cause"], r["resume_step"], r["steps_recomputed"]) for r in summary["restarts"]]

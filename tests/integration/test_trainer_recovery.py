@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import start_agent
 from tests.support.procs import wait_until
-from tests.support.torchrun import run_trainer, start_trainer
+from tests.support.torchrun import run_trainer, start_trainer, stop_group
 
 pytestmark = pytest.mark.integration
 
@@ -114,6 +114,45 @@ def test_a_resume_with_another_model_names_it_and_changes_no_checkpoint(tmp_path
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*step-*")) == before
     right = run_trainer(tmp_path / "ckpt", nproc=1, steps=15, args=["--ckpt-every", "5"])
     assert right.returncode == 0 and "resumed from step-00000010" in right.log, right.log[-3000:]
+
+
+def test_a_second_job_in_a_running_jobs_checkpoint_directory_is_refused(tmp_path):
+    """Two jobs given one --ckpt-dir (a copied batch script, a job submitted twice) wrote
+    over each other unseen: the second one's start removed the first one's checkpoint in
+    flight, took its newest checkpoint for its own, and both published, pruned and kept
+    their accounting in the one directory. Now the second is refused while the first
+    runs, naming it, and the first goes on untouched; once the first has ended, a job
+    there resumes from its checkpoint as before."""
+    ckpt = tmp_path / "ckpt"
+    first = start_trainer(ckpt, tmp_path / "first.log", nproc=1, steps=600,
+                          args=["--ckpt-every", "5", "--sim-compute-seconds", "0.02",
+                                "--run-id", "first"])
+    try:
+        wait_until(lambda: any(ckpt.glob("step-*")), 120, "the first job's first checkpoint")
+        # torchrun restarts the refused rank (a failure): its restart refuses at once
+        second = run_trainer(ckpt, nproc=1, steps=600, max_restarts=1,
+                             args=["--ckpt-every", "5", "--run-id", "second",
+                                   "--ckpt-lock-wait", "1"])
+        assert first.poll() is None, "the first job ended before the second one started"
+        assert second.returncode != 0 and "exitcode  : 2" in second.log, second.log[-3000:]
+        assert second.log.count(f"--ckpt-dir {ckpt} is in use by another job (run 'first', "
+                                "pid") == 2, second.log[-3000:]
+        assert second.log.count("waiting up to 1 s") == 1, second.log[-3000:]
+        # one line, not the rank's traceback (torchrun's own follows its exit 2)
+        assert "trainer/main.py" not in second.log and "resumed" not in second.log
+        assert first.wait(timeout=240) == 0
+    finally:
+        if first.poll() is None:
+            stop_group(first)
+    log = (tmp_path / "first.log").read_text()
+    assert " failed" not in log, log[-3000:]  # no checkpoint of its lost, none pruned
+    state = json.loads((ckpt / "run-state.json").read_text())
+    assert state["run"] == "first" and state["last_step"] == 600 and not state["restarts"]
+    # the first released its claim as it ended: no waiting for it to go stale
+    after = run_trainer(ckpt, nproc=1, steps=605, args=["--ckpt-every", "5",
+                                                        "--ckpt-lock-wait", "0"])
+    assert after.returncode == 0 and "resumed from step-00000600" in after.log, \
+        after.log[-3000:]
 
 
 def test_failed_checkpoint_write_does_not_stop_training(tmp_path, clean_digest):
