@@ -6,6 +6,7 @@ Layout under the checkpoint directory:
     run-state.json          restart accounting (trainer.runstate)
     run-state.progress      the furthest step, rewritten in place every step
     owner.json              rank 0's claim on the directory: one job at a time (trainer.dirclaim)
+    owner.displaced.json    whom the last takeover of that claim displaced
 
 Every rank writes its shards into the temporary directory, then checksums the files
 it wrote itself (while they are hot in its page cache) into
@@ -417,6 +418,13 @@ class CheckpointManager:
         """A stager for one save, or None where torch has no DefaultStager (then
         dcp.async_save stages the state itself)."""
         return None if self._stager_api is None else self._stager_api[0](self._stager_options)
+
+    def refuse(self, step: int, why: str) -> CheckpointError:
+        """Count a save that is not made, nothing written or removed (the directory is
+        another job's: trainer.dirclaim), as a failure: CheckpointsFailing pages."""
+        self.failures += 1
+        log.error("checkpoint at step %d not written: %s", step, why)
+        return CheckpointError(why)
 
     def _failed(self, what: str, err: BaseException) -> None:
         """Count a failed save and log it once, whole: its type, message and traceback.

@@ -39,6 +39,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CLAIM_FILE = "owner.json"
+# Who the last takeover displaced: apart from the claim, so that the displaced
+# holder's late beats, which land over the claim, cannot erase it
+DISPLACED_FILE = "owner.displaced.json"
 JOB_ID_ENV = "CLUSTERPULSE_JOB_ID"  # set by clusterpulse-train for its torchruns
 HEARTBEAT_S = 10.0
 STALE_S = 45.0  # four missed heartbeats: a slow NFS write is not a dead holder
@@ -56,9 +59,12 @@ def job_identity(run: str) -> str:
     """This job, as its restarts share it, with the run id: clusterpulse-train's job id
     (JOB_ID_ENV: the same across the torchruns it relaunches), else torchrun's
     rendezvous id (the same in every round of an elastic job and every restart torchrun
-    makes; one per `--standalone` torchrun), else this process alone."""
-    job = (os.environ.get(JOB_ID_ENV) or os.environ.get("TORCHELASTIC_RUN_ID")
-           or f"{socket.gethostname()}:{os.getpid()}")
+    makes; one per `--standalone` torchrun; not its default "none"), else this process
+    alone (a restart by torchrun is then told by its predecessor being dead, `_dead`)."""
+    launch = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if launch == "none":  # torchrun's default --rdzv-id: every such job's, not one job's
+        launch = ""
+    job = os.environ.get(JOB_ID_ENV) or launch or f"{socket.gethostname()}:{os.getpid()}"
     return f"{job}/{run}"
 
 
@@ -73,7 +79,7 @@ def read_claim(path: Path) -> tuple[dict, float] | None:
             claim, mtime = json.loads(f.read()), os.fstat(f.fileno()).st_mtime
     except (OSError, ValueError, RecursionError):
         return None
-    fields = {"job": str, "run": str, "host": str, "pid": int, "pidns": str}
+    fields = {"job": str, "run": str, "host": str, "pid": int, "boot": str, "pidns": str}
     ok = isinstance(claim, dict) and all(isinstance(claim.get(k), t) for k, t in fields.items())
     return (claim, mtime) if ok else None
 
@@ -96,11 +102,21 @@ def disk_now(directory: Path) -> float:
         return time.time()
 
 
-def pid_namespace() -> str:
+def kernel_and_pid_namespace() -> tuple[str, str]:
+    """This kernel's boot id and this process's PID namespace: a pid names the same
+    process only where both are the same (hostnames repeat: containers' fixed names,
+    images all called "localhost"; the first PID namespace has the same inode on every
+    host); ("", "") where they cannot be read."""
     try:
-        return os.readlink("/proc/self/ns/pid")
+        return (Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                os.readlink("/proc/self/ns/pid"))
     except OSError:
-        return ""
+        return "", ""
+
+
+def identity(claim: dict) -> tuple:
+    """The process a claim is of."""
+    return tuple(claim.get(k) for k in ("job", "host", "pid", "boot", "pidns"))
 
 
 def describe(claim: dict, age: float) -> str:
@@ -110,9 +126,16 @@ def describe(claim: dict, age: float) -> str:
 
 class DirectoryClaim:
     """Rank 0's claim on `directory` for job `job`: `take()` at start, `release()` at
-    exit; a heartbeat thread keeps it fresh in between. `lost` is the claim of another
-    job that took the directory while this one's heartbeat had stopped (a stalled
-    mount, a full disk): this job then publishes no checkpoint (trainer.main)."""
+    exit; a heartbeat thread keeps it fresh in between.
+
+    `lost` is the claim of the process that took the directory over from this one
+    while its heartbeat had stopped (a stalled mount, a full disk, a partition), or of
+    a new round of its own job: this process then writes nothing more there
+    (trainer.main). A takeover names the process it displaced, in its claim and in
+    memory: a late heartbeat of the displaced one that lands over the new claim is
+    written over again by the new holder, and the displaced one, reading the new claim
+    at its next beat, stops. Without that the newcomer, which had already resumed,
+    was the one that stopped."""
 
     def __init__(self, directory: Path, run: str, job: str, heartbeat_s: float = HEARTBEAT_S,
                  stale_s: float = STALE_S) -> None:
@@ -120,8 +143,10 @@ class DirectoryClaim:
         self.directory, self.run, self.job = directory, run, job
         self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
         self.lost: dict | None = None
+        boot, pidns = kernel_and_pid_namespace()
         self._me = {"job": job, "run": run, "host": socket.gethostname(),
-                    "pid": os.getpid(), "pidns": pid_namespace()}
+                    "pid": os.getpid(), "boot": boot, "pidns": pidns}
+        self._displaced: tuple | None = None  # the holder this one took over from
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
@@ -139,33 +164,44 @@ class DirectoryClaim:
         return None if age >= self.stale_s else (claim, age)
 
     def _dead(self, claim: dict) -> bool:
-        """A holder on this host, in this PID namespace, whose process is gone (killed
-        outright: nothing released its claim). Elsewhere only its heartbeat can say."""
-        if (claim["host"], claim["pidns"]) != (self._me["host"], self._me["pidns"]) \
-                or not claim["pidns"]:
+        """A holder on this kernel, in this PID namespace, whose process is gone (killed
+        outright: nothing released its claim). Elsewhere only its heartbeat can say. A
+        pid reused since is taken for the holder alive: its claim then goes stale."""
+        here = (self._me["boot"], self._me["pidns"])
+        if not all(here) or (claim["boot"], claim["pidns"]) != here:
             return False
         try:
             os.kill(claim["pid"], 0)
         except ProcessLookupError:
             return True
-        except OSError:  # another user's process: alive
+        except (OSError, OverflowError, ValueError):  # another user's; not a pid
             return False
         return False
 
     def _mine(self, claim: dict) -> bool:
-        return all(claim.get(k) == v for k, v in self._me.items())
+        return identity(claim) == identity(self._me)
 
-    def take(self, wait_s: float) -> None:
+    def take(self, wait_s: float, restart: bool = False) -> None:
         """Claim the directory, waiting up to `wait_s` for another job's claim to be
         released or go stale; DirectoryInUse naming its holder if it outlasts that. Two
         starts at once: each writes, then reads back after a moment; the one whose
-        claim was overwritten waits as for any holder (the other's is fresh)."""
+        claim was overwritten waits as for any holder (the other's is fresh).
+
+        A `restart` (torchrun's, of a rank 0 that failed) waits only for a claim of its
+        own run: a holder of another run refused its first start already (torchrun
+        restarts a refused rank, --max-restarts times), where a claim of its own run
+        can be its own previous round's under plain torchrun's rendezvous id `none`,
+        which goes stale in STALE_S."""
         self.directory.mkdir(parents=True, exist_ok=True)
         deadline, told = time.monotonic() + wait_s, False
         while True:
             holder = self.blocking()
             if holder is None:
                 before = read_claim(self.path)
+                self._displaced = identity(before[0]) if before is not None \
+                    and not before[0].get("released") else None
+                if self._displaced is not None:
+                    self._say_displaced(before[0])
                 self._write()
                 if before is not None and before[0]["job"] == self.job:
                     break  # a restart of this job: no other job was let in
@@ -173,8 +209,12 @@ class DirectoryClaim:
                 back = read_claim(self.path)
                 if back is None or self._mine(back[0]):
                     break
+                if back[0]["job"] == self.job:  # this job twice at once: the later wins
+                    raise DirectoryInUse(
+                        f"--ckpt-dir {self.directory}: another process of this job "
+                        f"({describe(back[0], 0.0)}) claimed it at the same moment")
                 holder = (back[0], 0.0)
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or (restart and holder[0]["run"] != self.run):
                 raise DirectoryInUse(
                     f"--ckpt-dir {self.directory} is in use by another job "
                     f"({describe(*holder)}); two jobs in one checkpoint directory overwrite "
@@ -198,26 +238,63 @@ class DirectoryClaim:
             return
         self._stop.set()
         self._thread.join(timeout=5)
-        self._thread = None
+        stuck, self._thread = self._thread.is_alive(), None
+        if stuck or self.lost is not None or self._displaced_by() is not None:
+            return  # a beat that lands later would undo it; or it is not ours to free
         got = read_claim(self.path)
         if got is not None and self._mine(got[0]):
             self._write(released=True)
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
-            got = read_claim(self.path)
-            if got is not None and not self._mine(got[0]) and not got[0].get("released"):
-                self.lost = got[0]
-                log.error("--ckpt-dir %s was claimed by another job or a new round of "
-                          "this one (run %r, pid %s on %s) while this process's claim had "
-                          "gone stale: it publishes no more checkpoints there (each save "
-                          "fails, counted and paged)",
-                          self.directory, got[0]["run"], got[0]["pid"], got[0]["host"])
-                return
-            self._write()
+        while not self._stop.wait(self.heartbeat_s) and self._beat_once():
+            pass
+
+    def _beat_once(self) -> bool:
+        """Renew the claim; False, and `lost` set, where another process holds it now
+        (any claim not this one's, released or not, but the late beat of the holder this
+        one displaced)."""
+        got = read_claim(self.path)
+        # not another holder: the late beat of the one this one displaced, or of a
+        # process of this kernel that is gone (a restart's predecessor, stalled)
+        taken = got is not None and not self._mine(got[0]) \
+            and identity(got[0]) != self._displaced and not self._dead(got[0])
+        by = got[0] if taken else self._displaced_by()
+        if by is not None:
+            self.lost = by
+            log.error("--ckpt-dir %s was taken over by another job or a new round of this "
+                      "one (run %r, pid %s on %s): this process writes no more checkpoints "
+                      "or accounting there (each save fails, counted and paged)",
+                      self.directory, by["run"], by["pid"], by["host"])
+            return False
+        self._write()
+        return True
+
+    def _say_displaced(self, claim: dict) -> None:
+        record = {"displaced": list(identity(claim)),
+                  "by": {k: self._me[k] for k in ("run", "pid", "host")}}
+        tmp = self.directory / f".{DISPLACED_FILE}.{socket.gethostname()}.{os.getpid()}"
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.directory / DISPLACED_FILE)
+        except OSError as err:
+            log.warning("--ckpt-dir %s: cannot record the claim taken over (%s)",
+                        self.directory, err.strerror or err)
+
+    def _displaced_by(self) -> dict | None:
+        """Who took over from this process, where the last takeover displaced it (its
+        own claim on disk may be a late beat that landed over the new holder's)."""
+        try:
+            record = json.loads((self.directory / DISPLACED_FILE).read_text())
+            if tuple(record["displaced"]) == identity(self._me):
+                by = record["by"]
+                return {"run": str(by["run"]), "pid": by["pid"], "host": str(by["host"])}
+        except (OSError, ValueError, TypeError, KeyError, RecursionError):
+            pass
+        return None
 
     def _write(self, released: bool = False) -> None:
-        claim = {**self._me, "heartbeat_unix": time.time(), "released": released}
+        claim = {**self._me, "heartbeat_unix": time.time(), "released": released,
+                 "displaced": list(self._displaced or ())}
         tmp = self.path.with_name(f".{CLAIM_FILE}.{socket.gethostname()}.{os.getpid()}")
         try:
             tmp.write_text(json.dumps(claim))

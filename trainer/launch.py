@@ -49,6 +49,11 @@ What it adds to torchrun, and why:
   in a process group of its own), and torchrun passes it to the ranks: they
   checkpoint at the next consensus step (a second one: at once); the launcher then
   exits 128 + the signal (143, 130).
+- One job id for all its torchruns (`CLUSTERPULSE_JOB_ID`, unless the environment
+  names one: its rendezvous id and endpoint on several nodes, one drawn per launcher
+  on one node): a
+  `--standalone` torchrun draws a new rendezvous id each time, so to the checkpoint
+  directory's claim (trainer/dirclaim.py) a relaunch was another job.
 - Multi-node rendezvous settings for recovery rather than start-up (RDZV_DEFAULTS):
   torch's c10d rendezvous declares a node dead after 3 missed 5 s keep-alives (15 s)
   and then waits `last_call_timeout` (30 s) for more nodes, so an elastic job that lost
@@ -324,9 +329,12 @@ def job_id(a: argparse.Namespace) -> str:
     """This job across the torchruns this launcher starts (trainer.dirclaim): a
     `--standalone` torchrun draws a new rendezvous id each time, so a graceful
     relaunch looked like another job to the checkpoint directory's claim. A multi-node
-    job's is its `--rdzv-id`, the same on every node; one the environment names wins."""
+    job's is its rendezvous, the same on every node: `--rdzv-id` (whose default is
+    every job's) at `--rdzv-endpoint` (one job's at a time); one the environment names
+    wins."""
     return os.environ.get(JOB_ID_ENV) or (
-        f"rdzv:{a.rdzv_id}" if a.rdzv_endpoint else f"launcher:{uuid.uuid4().hex}")
+        f"rdzv:{a.rdzv_id}@{a.rdzv_endpoint}" if a.rdzv_endpoint
+        else f"launcher:{uuid.uuid4().hex}")
 
 
 def longest_leave_s(a: argparse.Namespace) -> float:

@@ -89,13 +89,11 @@ class Trainer:
         self.cfg = cfg
         rank = int(os.environ.get("RANK", 0))
         # rank 0 publishes, prunes and keeps the accounting: it claims the directory
-        # against another job's rank 0 before it reads or changes anything there.
-        # torchrun restarts a refused job as a failure, --max-restarts times: its
-        # restarts refuse at once (its first start waited)
+        # against another job's rank 0 before it reads or changes anything there
         self.dir_claim = DirectoryClaim(cfg.ckpt_dir, cfg.run_id, job_identity(cfg.run_id))
         if rank == 0:
-            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
-            self.dir_claim.take(0.0 if restarted else cfg.ckpt_lock_wait_s)
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0) > 0
+            self.dir_claim.take(cfg.ckpt_lock_wait_s, restart=restarted)
         try:
             self._start(cfg, rank)
         except BaseException:
@@ -179,6 +177,10 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)
 
     # -- checkpoints -------------------------------------------------------------------
+    def _save_runstate(self) -> None:
+        if self.dir_claim.lost is None:  # the directory is another's now: its accounting
+            self.runstate.save(self.runstate_path)
+
     def _before_publish(self, step: int) -> None:
         lost = self.dir_claim.lost
         if lost is not None:  # two writers: this one stops (trainer.dirclaim)
@@ -269,7 +271,7 @@ class Trainer:
                           file=sys.stderr, flush=True)
                     # this attempt's number is used: the next one gets the next number
                     self.runstate.attempts = max(self.runstate.attempts, self.attempt + 1)
-                    self.runstate.save(self.runstate_path)
+                    self._save_runstate()
                 raise SystemExit(1)
             if self.attempt > 0 and info.rank == 0:
                 log.warning("restart %d found no valid checkpoint: starting from step 0",
@@ -291,6 +293,11 @@ class Trainer:
 
     def _save(self, step: int, raise_errors: bool) -> None:
         try:
+            # a directory another job took over from this one: no rank writes there (its
+            # temporary directories have that job's names), every rank agrees
+            if not self.pulse.all_ranks(self.dir_claim.lost is None):
+                raise self.ckpt.refuse(step, f"--ckpt-dir {self.cfg.ckpt_dir} was taken over "
+                                       "by another job: see rank 0's log")
             if delay := self.faults.ckpt_delay(step):
                 time.sleep(delay)  # storage this slow blocks the step like a long write
             if self.faults.ckpt_hang(step):
@@ -379,7 +386,7 @@ class Trainer:
         if info.rank == 0:
             self.runstate.begin_attempt(cfg.run_id, self.attempt, start,
                                         membership_change=info.membership_change)
-            self.runstate.save(self.runstate_path)
+            self._save_runstate()
             last = self.runstate.restarts[-1] if self.runstate.restarts else None
             if self.attempt > 0 and last and last["attempt"] == self.attempt:
                 # the resume record, sent with every message of this process: incidents
@@ -388,7 +395,7 @@ class Trainer:
                     resume_step=last["resume_step"],
                     resume_steps_recomputed=last["steps_recomputed"],
                     resume_timestamp_seconds=round(last["restart_unix"], 3))
-            self.pulse.sigterm.on_first = lambda: self.runstate.save(self.runstate_path)
+            self.pulse.sigterm.on_first = lambda: self._save_runstate()
         # SIGTERM (preemption, torchrun stopping the workers) is caught by Pulse and
         # handled at the next consensus step; if peers are gone, that collective fails
         # and rank 0 still records how far the run got before it goes.
@@ -397,7 +404,7 @@ class Trainer:
             return self._loop(start, mark)
         except BaseException:
             if info.rank == 0:
-                self.runstate.save(self.runstate_path)
+                self._save_runstate()
             raise
         finally:
             if mark is not None:
@@ -417,10 +424,13 @@ class Trainer:
             if mark is not None:
                 if first:  # the restart's downtime, kept whatever ends this attempt
                     self.runstate.first_step_done(wall)
-                    self.runstate.save(self.runstate_path)
+                    self._save_runstate()
                 self.runstate.step_done(step, wall)
                 self.pulse.extra["goodput_ratio"] = round(self.runstate.goodput(), 4)
-                mark.write(self.runstate)  # survives a SIGKILL; see trainer.runstate
+                if self.dir_claim.lost is None:
+                    mark.write(self.runstate)  # survives a SIGKILL; see trainer.runstate
+                else:  # the directory is another job's now: its straggler history too
+                    self.pulse.consensus.state_path = None
                 if cfg.log_every and step % cfg.log_every == 0:
                     print(f"trainer: step {step}/{cfg.steps} loss {float(loss):.4f} "
                           f"step {wall * 1e3:.1f} ms", flush=True)
@@ -468,7 +478,7 @@ class Trainer:
             self.runstate.checkpoint_blocking_seconds += self.ckpt.blocking_seconds_total
             self.runstate.pending_exit = reason
             self.runstate.pending_command = ",".join(command_ids)
-            self.runstate.save(self.runstate_path)
+            self._save_runstate()
 
     def _mfu(self, tokens_per_s: float | None) -> float | None:
         """Model FLOPs utilisation (trainer.flops) of a bf16 run on a GPU whose peak is
@@ -491,7 +501,7 @@ class Trainer:
         if info.rank == 0:
             rs = self.runstate
             rs.checkpoint_blocking_seconds += self.ckpt.blocking_seconds_total
-            rs.save(self.runstate_path)
+            self._save_runstate()
             total_wall = time.time() - rs.started_unix
             recomputed = sum(r["steps_recomputed"] for r in rs.restarts)
             lost = sum(r.get("downtime_seconds", 0.0) for r in rs.restarts)

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -116,6 +117,20 @@ def test_a_resume_with_another_model_names_it_and_changes_no_checkpoint(tmp_path
     assert right.returncode == 0 and "resumed from step-00000010" in right.log, right.log[-3000:]
 
 
+def _checkpointing_job(ckpt, log, nproc: int, run: str) -> subprocess.Popen:
+    """A job of 600 steps (~20 s) that checkpoints every 5, once its first checkpoint
+    is published."""
+    job = start_trainer(ckpt, log, nproc=nproc, steps=600,
+                        args=["--ckpt-every", "5", "--sim-compute-seconds", "0.02",
+                              "--run-id", run])
+    try:
+        wait_until(lambda: any(ckpt.glob("step-*")), 120, f"job {run}'s first checkpoint")
+    except BaseException:
+        stop_group(job)
+        raise
+    return job
+
+
 def test_a_second_job_in_a_running_jobs_checkpoint_directory_is_refused(tmp_path):
     """Two jobs given one --ckpt-dir (a copied batch script, a job submitted twice) wrote
     over each other unseen: the second one's start removed the first one's checkpoint in
@@ -124,11 +139,8 @@ def test_a_second_job_in_a_running_jobs_checkpoint_directory_is_refused(tmp_path
     runs, naming it, and the first goes on untouched; once the first has ended, a job
     there resumes from its checkpoint as before."""
     ckpt = tmp_path / "ckpt"
-    first = start_trainer(ckpt, tmp_path / "first.log", nproc=1, steps=600,
-                          args=["--ckpt-every", "5", "--sim-compute-seconds", "0.02",
-                                "--run-id", "first"])
+    first = _checkpointing_job(ckpt, tmp_path / "first.log", 1, "first")
     try:
-        wait_until(lambda: any(ckpt.glob("step-*")), 120, "the first job's first checkpoint")
         # torchrun restarts the refused rank (a failure): its restart refuses at once
         second = run_trainer(ckpt, nproc=1, steps=600, max_restarts=1,
                              args=["--ckpt-every", "5", "--run-id", "second",
@@ -153,6 +165,40 @@ def test_a_second_job_in_a_running_jobs_checkpoint_directory_is_refused(tmp_path
                                                         "--ckpt-lock-wait", "0"])
     assert after.returncode == 0 and "resumed from step-00000600" in after.log, \
         after.log[-3000:]
+
+
+def test_a_job_whose_directory_was_taken_over_writes_nothing_more_there(tmp_path):
+    """A job whose rank 0 stalled past its claim's 45 s (a hung mount, a partition) can
+    find, back, that another job took its --ckpt-dir over: it wrote over that job's
+    claim and both wrote there. Now its ranks agree to skip every save (each counted as
+    failed, so CheckpointsFailing pages), nothing more is published or accounted there,
+    and training goes on to its end. The other job's claim is a node's of another
+    kernel here, written as that node would."""
+    ckpt = tmp_path / "ckpt"
+    job = _checkpointing_job(ckpt, tmp_path / "job.log", 2, "mine")
+    try:
+        other = {"job": "rdzv:other@head:29400/theirs", "run": "theirs",
+                 "host": "gpu-node-17", "pid": 4242, "boot": "another-kernel",
+                 "pidns": "pid:[4026531836]", "heartbeat_unix": time.time(),
+                 "released": False, "displaced": []}
+        (ckpt / "taking-over").write_text(json.dumps(other))
+        (ckpt / "taking-over").rename(ckpt / "owner.json")
+        log = tmp_path / "job.log"
+        wait_until(lambda: "was taken over by another job" in log.read_text(), 60,
+                   "the job's rank 0 sees the claim at its next heartbeat")
+        seen = max(int(p.name[5:]) for p in ckpt.glob("step-*"))
+        assert job.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            stop_group(job)
+    text = log.read_text()
+    refused = f"not written: --ckpt-dir {ckpt} was taken over by another job"
+    assert text.count(refused) >= 4, text[-3000:]  # both ranks, every save since
+    assert text.count(refused) % 2 == 0, text[-3000:]  # the ranks agreed on each
+    # at most the save in flight as rank 0 saw the claim was published after it
+    assert max(int(p.name[5:]) for p in ckpt.glob("step-*")) <= seen + 5 < 600
+    assert json.loads((ckpt / "owner.json").read_text()) == other  # not written over
+    assert json.loads((ckpt / "run-state.json").read_text())["last_step"] < 600
 
 
 def test_failed_checkpoint_write_does_not_stop_training(tmp_path, clean_digest):

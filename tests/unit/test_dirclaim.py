@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -76,13 +77,18 @@ def test_a_holder_killed_outright_on_this_host_lets_the_next_job_in_at_once(tmp_
     assert claim_of(tmp_path)["released"] is True
 
 
+def other_claim(**changed) -> dict:
+    """A claim of another node's process (its hostname and PID namespace inode may be
+    this one's: another kernel's boot id), its clock an hour ahead of this one."""
+    return {"job": "rdzv:other/first-run", "run": "first-run", "host": socket.gethostname(),
+            "pid": os.getpid(), "boot": "another-kernel", "pidns": "pid:[4026531836]",
+            "heartbeat_unix": time.time() + 3600, "released": False, **changed}
+
+
 def another_hosts_claim(tmp_path: Path, age_s: float) -> None:
     """A holder on another node, its last heartbeat `age_s` ago on the file system's
     clock (its mtime), its own clock an hour ahead (what it wrote in the claim)."""
-    (tmp_path / CLAIM_FILE).write_text(json.dumps({
-        "job": "rdzv:other/first-run", "run": "first-run", "host": "gpu-node-17",
-        "pid": 4242, "pidns": "pid:[4026531836]", "heartbeat_unix": time.time() + 3600,
-        "released": False}))
+    (tmp_path / CLAIM_FILE).write_text(json.dumps(other_claim()))
     then = time.time() - age_s
     os.utime(tmp_path / CLAIM_FILE, (then, then))
 
@@ -92,30 +98,58 @@ def test_another_hosts_claim_is_judged_by_the_file_systems_clock(tmp_path):
     clock (an hour ahead here) is not the reader's, and skew of 20 s made a dead
     holder look alive and the job fail."""
     another_hosts_claim(tmp_path, age_s=5)
-    with pytest.raises(DirectoryInUse, match=r"pid 4242 on gpu-node-17, its last heartbeat 5 s"):
+    with pytest.raises(DirectoryInUse, match=rf"pid {os.getpid()} on {socket.gethostname()}, "
+                                             "its last heartbeat 5 s"):
         second(tmp_path, stale_s=45).take(0)
     another_hosts_claim(tmp_path, age_s=50)  # its node died: stale
     second(tmp_path, stale_s=45).take(0)
     assert claim_of(tmp_path)["job"] == "job-2/second-run"
 
 
-def test_a_job_whose_claim_was_taken_while_it_was_stale_publishes_no_more(tmp_path):
-    """A heartbeat that stalled past the limit (a hung mount, a full disk) let another
-    job in; when it came back it wrote over that job's claim, and the two alternated,
-    neither noticing. Now it sees the other claim, stops and says it has lost."""
-    mine = DirectoryClaim(tmp_path, "first-run", "job-1/first-run", heartbeat_s=0.05)
-    mine.take(0)
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_holder_taken_over_while_stale_stops_and_its_late_beat_loses(tmp_path):
+    """A heartbeat that stalled past the limit (a hung mount, a full disk, a
+    partition) let another job in; when it came back its late write landed over that
+    job's claim, and the newcomer, which had already resumed, was the one that
+    stopped. Now the newcomer writes over the late beat of the holder it displaced,
+    and the displaced one stops: `lost`, no more writes, and its release frees no one."""
+    old = DirectoryClaim(tmp_path, "first-run", "job-1/first-run", heartbeat_s=3600)
+    old.take(0)  # its heartbeat thread stalls: the first beat is an hour away
     try:
-        another_hosts_claim(tmp_path, age_s=0)  # the other job took it
-        deadline = time.monotonic() + 10
-        while mine.lost is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert mine.lost is not None and mine.lost["host"] == "gpu-node-17"
-        time.sleep(0.2)
-        assert claim_of(tmp_path)["host"] == "gpu-node-17"  # not written over
+        os.utime(tmp_path / CLAIM_FILE, (time.time() - 60, time.time() - 60))  # stale
+        new = DirectoryClaim(tmp_path, "second-run", "job-2/second-run", heartbeat_s=0.05)
+        new.take(0)
+        try:
+            old._write()  # the stalled holder's late beat lands over the new claim
+            wait_for(lambda: claim_of(tmp_path)["job"] == "job-2/second-run",
+                     "the newcomer writes over the displaced holder's late beat")
+            assert new.lost is None
+            old._beat_once()
+            assert old.lost is not None and old.lost["job"] == "job-2/second-run"
+            assert claim_of(tmp_path)["displaced"][0] == "job-1/first-run"
+        finally:
+            new.release()
     finally:
-        mine.release()
-    assert claim_of(tmp_path)["released"] is False  # a late release frees no one else's
+        old.release()
+    assert claim_of(tmp_path)["job"] == "job-2/second-run"  # the old one freed nothing
+    assert claim_of(tmp_path)["released"] is True  # the newcomer's own release
+
+
+def test_a_holder_whose_successor_came_and_went_does_not_take_the_directory_back(tmp_path):
+    """Another job took over from a stalled holder and has since released the
+    directory: the holder, back, wrote over that and went on as if it had never lost it."""
+    mine = DirectoryClaim(tmp_path, "first-run", "job-1/first-run", heartbeat_s=3600)
+    mine.take(0)
+    (tmp_path / CLAIM_FILE).write_text(json.dumps(other_claim(released=True)))
+    mine._beat_once()
+    assert mine.lost is not None and claim_of(tmp_path)["boot"] == "another-kernel"
+    mine.release()
 
 
 def test_a_released_claim_lets_the_next_job_in_without_waiting(tmp_path, holder):
@@ -151,9 +185,83 @@ def test_the_launchers_torchruns_are_one_job_and_two_launchers_two(monkeypatch):
     assert first.startswith("launcher:") and first != other
     multi, _ = parse(["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "h:29400",
                       "--rdzv-id", "slurm-881", "--", "--steps", "5"])
-    assert job_id(multi) == "rdzv:slurm-881"
+    assert job_id(multi) == "rdzv:slurm-881@h:29400"
     monkeypatch.setenv(JOB_ID_ENV, first)  # what the launcher hands each torchrun
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a-new-uuid-per-torchrun")
     assert job_identity("llm") == f"{first}/llm"
     monkeypatch.delenv(JOB_ID_ENV)
     assert job_identity("llm") == "a-new-uuid-per-torchrun/llm"
+    # torchrun's default --rdzv-id is every such job's: this process alone, then
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert job_identity("llm") == f"{socket.gethostname()}:{os.getpid()}/llm"
+
+
+def test_a_displaced_holders_late_beat_and_release_free_nothing(tmp_path, capsys):
+    """A stalled holder's late beat landed over its successor's claim and its release,
+    at exit, then marked it released: a third job walked in while the successor ran,
+    and the successor stopped. The takeover is recorded apart from the claim."""
+    stalled = DirectoryClaim(tmp_path, "first-run", "job-1/first-run", heartbeat_s=3600)
+    stalled.take(0)
+    os.utime(tmp_path / CLAIM_FILE, (time.time() - 60, time.time() - 60))  # stale
+    successor = DirectoryClaim(tmp_path, "second-run", "job-2/second-run", heartbeat_s=3600)
+    successor.take(0)
+    stalled._write()  # its late beat
+    stalled.release()  # and its exit
+    assert claim_of(tmp_path)["job"] == "job-1/first-run"
+    assert claim_of(tmp_path)["released"] is False
+    with pytest.raises(DirectoryInUse):
+        second(tmp_path, job="job-3/third-run").take(0)
+    assert successor._beat_once() and successor.lost is None
+    assert claim_of(tmp_path)["job"] == "job-2/second-run"
+    successor.release()
+
+
+def test_a_restart_refuses_another_runs_claim_at_once_and_waits_for_its_own(tmp_path,
+                                                                           capsys):
+    """torchrun restarts a refused rank: another run's holder refused its first start
+    already, so the restart does not wait again; a claim of its own run may be its own
+    previous round's (plain torchrun's rendezvous id `none`), which goes stale."""
+    (tmp_path / CLAIM_FILE).write_text(json.dumps(other_claim(run="theirs")))
+    with pytest.raises(DirectoryInUse):
+        second(tmp_path, stale_s=600).take(30, restart=True)
+    assert "waiting" not in capsys.readouterr().err
+    (tmp_path / CLAIM_FILE).write_text(json.dumps(other_claim(run="second-run")))
+    with pytest.raises(DirectoryInUse):
+        second(tmp_path, stale_s=600).take(0.3, restart=True)
+    assert "waiting up to 0 s" in capsys.readouterr().err
+
+
+RIVAL = """
+import sys, time
+from pathlib import Path
+from clusterpulse.trainer.dirclaim import DirectoryClaim, DirectoryInUse
+claim = DirectoryClaim(Path(sys.argv[1]), "run", "job-1/run", heartbeat_s=0.05)
+try:
+    claim.take(0)
+except DirectoryInUse:
+    print("refused", flush=True)
+    sys.exit(0)
+deadline = time.monotonic() + 20
+while claim.lost is None and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("lost" if claim.lost else "kept", flush=True)
+"""
+
+
+def test_one_job_started_twice_at_once_keeps_one_holder(tmp_path):
+    """Two rank 0s of one job (a job id reused) within the read-back's 0.2 s: each
+    took the other for the predecessor it displaced and both went on writing. Now the
+    one that lost the race is refused at its read-back, or stops at its next beat."""
+    rival = subprocess.Popen([sys.executable, "-c", RIVAL, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (tmp_path / CLAIM_FILE).exists(), "the rival's claim")
+        mine = DirectoryClaim(tmp_path, "run", "job-1/run", heartbeat_s=0.05)
+        mine.take(0)
+        assert rival.stdout.readline().strip() in ("refused", "lost")
+        assert mine._beat_once() and mine.lost is None
+        assert claim_of(tmp_path)["pid"] == os.getpid()
+        mine.release()
+    finally:
+        rival.kill()
+        rival.wait()
