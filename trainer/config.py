@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write checkpoints in the background (dcp.async_save)")
     p.add_argument("--ckpt-lock-wait", type=float, default=60.0,
                    help="seconds to wait for another job to leave --ckpt-dir before "
-                   "refusing to start in it (default: 60; a holder killed outright "
-                   "leaves it after 45 s)")
+                   "refusing to start in it (default: 60; a dead node's claim goes "
+                   "stale in 45 s)")
     p.add_argument("--summary-json", type=Path, help="rank 0 writes the run summary here")
     p.add_argument("--run-id", default="",
                    help="run label on telemetry (default: the checkpoint directory's name)")

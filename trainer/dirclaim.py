@@ -8,12 +8,14 @@ published, pruned and rewrote the run's accounting in the one directory. A crash
 either then resumed from the other's weights.
 
 Rank 0 (the one that publishes, prunes and keeps the accounting) claims the directory
-in `owner.json` before it reads or changes anything there: its job, run, host and pid,
-rewritten every HEARTBEAT_S by a thread of its own. Another rank 0 starts there only
-where the claim is its own job's (a restart: the same torchrun rendezvous id and run),
-was released (its holder ended, whatever way Python ended), or has gone stale (no
-heartbeat for STALE_S: its holder was killed outright, or its node died). Otherwise
-it waits up to `--ckpt-lock-wait` for one of those, then refuses, naming the holder.
+in `owner.json` before it reads or changes anything there: its job, run, host, pid,
+kernel and PID namespace, rewritten every HEARTBEAT_S by a thread of its own. Another
+rank 0 starts there only where the claim is its own job's (a restart: `job_identity`),
+was released (its holder ended through Python's exit), is of a process known dead
+(`_dead`), or has gone stale (no heartbeat for STALE_S on the file system's clock: its
+node died). Otherwise it waits up to `--ckpt-lock-wait` for one of those, then
+refuses, naming the holder. A holder taken over while stale stops writing there
+(`DirectoryClaim.lost`).
 
 Why not a lock (fcntl/flock): a lock cannot tell a restart of the same job from
 another job. An elastic job's new round whose rank 0 moved to another node, while
@@ -39,9 +41,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CLAIM_FILE = "owner.json"
-# Who the last takeover displaced: apart from the claim, so that the displaced
-# holder's late beats, which land over the claim, cannot erase it
+# The holders takeovers displaced (the newest DISPLACED_KEPT): apart from the claim,
+# so that a displaced holder's late beats, which land over the claim, cannot erase them
 DISPLACED_FILE = "owner.displaced.json"
+DISPLACED_KEPT = 16
 JOB_ID_ENV = "CLUSTERPULSE_JOB_ID"  # set by clusterpulse-train for its torchruns
 HEARTBEAT_S = 10.0
 STALE_S = 45.0  # four missed heartbeats: a slow NFS write is not a dead holder
@@ -114,12 +117,15 @@ def kernel_and_pid_namespace() -> tuple[str, str]:
         return "", ""
 
 
-def identity(claim: dict) -> tuple:
-    """The process a claim is of."""
+def identity(claim: dict) -> tuple[object, ...]:
+    """The process a claim is of: its job as well as its pid (a restart's rank 0 can
+    have its predecessor's pid in another container), and where that pid means
+    something. Comparable with what `displaced` records read back from JSON."""
     return tuple(claim.get(k) for k in ("job", "host", "pid", "boot", "pidns"))
 
 
 def describe(claim: dict, age: float) -> str:
+    """The holder as an operator finds it: run, pid and host, and how alive it is."""
     return (f"run {claim['run']!r}, pid {claim['pid']} on {claim['host']}, its last "
             f"heartbeat {max(0.0, age):.0f} s ago")
 
@@ -146,7 +152,7 @@ class DirectoryClaim:
         boot, pidns = kernel_and_pid_namespace()
         self._me = {"job": job, "run": run, "host": socket.gethostname(),
                     "pid": os.getpid(), "boot": boot, "pidns": pidns}
-        self._displaced: tuple | None = None  # the holder this one took over from
+
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
@@ -190,19 +196,18 @@ class DirectoryClaim:
         A `restart` (torchrun's, of a rank 0 that failed) waits only for a claim of its
         own run: a holder of another run refused its first start already (torchrun
         restarts a refused rank, --max-restarts times), where a claim of its own run
-        can be its own previous round's under plain torchrun's rendezvous id `none`,
-        which goes stale in STALE_S."""
+        can be its own previous round's on another node (plain torchrun without a
+        rendezvous id: each process its own job), which goes stale in STALE_S."""
         self.directory.mkdir(parents=True, exist_ok=True)
         deadline, told = time.monotonic() + wait_s, False
         while True:
             holder = self.blocking()
             if holder is None:
                 before = read_claim(self.path)
-                self._displaced = identity(before[0]) if before is not None \
-                    and not before[0].get("released") else None
-                if self._displaced is not None:
+                if before is not None and not before[0].get("released"):
                     self._say_displaced(before[0])
-                self._write()
+                if not self._write():
+                    break  # a directory that takes no claim: unguarded, said once
                 if before is not None and before[0]["job"] == self.job:
                     break  # a restart of this job: no other job was let in
                 time.sleep(VERIFY_S)  # a rival that read the same claim writes its own
@@ -246,55 +251,81 @@ class DirectoryClaim:
             self._write(released=True)
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat_s) and self._beat_once():
-            pass
+        while not self._stop.wait(self.heartbeat_s) and self.still_held():
+            self._write()
 
     def _beat_once(self) -> bool:
-        """Renew the claim; False, and `lost` set, where another process holds it now
-        (any claim not this one's, released or not, but the late beat of the holder this
-        one displaced)."""
-        got = read_claim(self.path)
-        # not another holder: the late beat of the one this one displaced, or of a
-        # process of this kernel that is gone (a restart's predecessor, stalled)
-        taken = got is not None and not self._mine(got[0]) \
-            and identity(got[0]) != self._displaced and not self._dead(got[0])
-        by = got[0] if taken else self._displaced_by()
-        if by is not None:
-            self.lost = by
-            log.error("--ckpt-dir %s was taken over by another job or a new round of this "
-                      "one (run %r, pid %s on %s): this process writes no more checkpoints "
-                      "or accounting there (each save fails, counted and paged)",
-                      self.directory, by["run"], by["pid"], by["host"])
+        """One heartbeat: renew the claim where it is still this process's."""
+        if not self.still_held():
             return False
         self._write()
         return True
 
+    def still_held(self) -> bool:
+        """Whether this process still holds the directory, read now (the heartbeat
+        asks, and a publish just before it writes: a displaced holder whose mount came
+        back published and pruned there for up to a heartbeat). False, and `lost` set,
+        where a takeover displaced it, or another process's claim is there that is not
+        a late beat (of a holder some takeover displaced, or of a process of this kernel
+        that is gone: a restart's stalled predecessor)."""
+        if self.lost is not None:
+            return False
+        displaced = self._displaced()
+        got = read_claim(self.path)
+        taken = got is not None and not self._mine(got[0]) \
+            and identity(got[0]) not in displaced and not self._dead(got[0])
+        if identity(self._me) in displaced:
+            by = self._displaced_by() or {"run": "?", "pid": "?", "host": "?"}
+        elif taken:
+            by = got[0]
+        else:
+            return True
+        self.lost = by
+        log.error("--ckpt-dir %s was taken over by another job or a new round of this one "
+                  "(run %r, pid %s on %s): this process writes no more checkpoints or "
+                  "accounting there (each save fails, counted and paged)",
+                  self.directory, by["run"], by["pid"], by["host"])
+        return False
+
+    def _records(self) -> list[dict]:
+        try:
+            records = json.loads((self.directory / DISPLACED_FILE).read_text())
+        except (OSError, ValueError, RecursionError):
+            return []
+        return [r for r in records if isinstance(r, dict) and isinstance(
+            r.get("displaced"), list) and isinstance(r.get("by"), dict)] \
+            if isinstance(records, list) else []
+
     def _say_displaced(self, claim: dict) -> None:
+        """Record that this process takes over from `claim`'s holder, beside every
+        earlier takeover's (a holder displaced two takeovers ago can still land a late
+        beat)."""
         record = {"displaced": list(identity(claim)),
                   "by": {k: self._me[k] for k in ("run", "pid", "host")}}
+        records = [*self._records(), record][-DISPLACED_KEPT:]
         tmp = self.directory / f".{DISPLACED_FILE}.{socket.gethostname()}.{os.getpid()}"
         try:
-            tmp.write_text(json.dumps(record))
+            tmp.write_text(json.dumps(records))
             os.replace(tmp, self.directory / DISPLACED_FILE)
         except OSError as err:
             log.warning("--ckpt-dir %s: cannot record the claim taken over (%s)",
                         self.directory, err.strerror or err)
 
+    def _displaced(self) -> set[tuple[object, ...]]:
+        return {tuple(r["displaced"]) for r in self._records()}
+
     def _displaced_by(self) -> dict | None:
-        """Who took over from this process, where the last takeover displaced it (its
-        own claim on disk may be a late beat that landed over the new holder's)."""
-        try:
-            record = json.loads((self.directory / DISPLACED_FILE).read_text())
-            if tuple(record["displaced"]) == identity(self._me):
-                by = record["by"]
-                return {"run": str(by["run"]), "pid": by["pid"], "host": str(by["host"])}
-        except (OSError, ValueError, TypeError, KeyError, RecursionError):
-            pass
+        """Who took over from this process, where a takeover displaced it."""
+        for r in reversed(self._records()):
+            if tuple(r["displaced"]) == identity(self._me):
+                by = r["by"]
+                return {"run": str(by.get("run")), "pid": by.get("pid"),
+                        "host": str(by.get("host"))}
         return None
 
-    def _write(self, released: bool = False) -> None:
-        claim = {**self._me, "heartbeat_unix": time.time(), "released": released,
-                 "displaced": list(self._displaced or ())}
+    def _write(self, released: bool = False) -> bool:
+        """Write this process's claim whole (a rename); False where the disk refuses."""
+        claim = {**self._me, "heartbeat_unix": time.time(), "released": released}
         tmp = self.path.with_name(f".{CLAIM_FILE}.{socket.gethostname()}.{os.getpid()}")
         try:
             tmp.write_text(json.dumps(claim))
@@ -302,8 +333,11 @@ class DirectoryClaim:
         except OSError as err:  # a full disk: the claim goes stale, training goes on
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            if not self._warned:
+            if not self._warned:  # once per episode: a success below ends it
                 self._warned = True
                 log.warning("--ckpt-dir %s: cannot renew this job's claim on it (%s); "
                             "another job could start there", self.directory,
                             err.strerror or err)
+            return False
+        self._warned = False
+        return True

@@ -51,9 +51,8 @@ What it adds to torchrun, and why:
   exits 128 + the signal (143, 130).
 - One job id for all its torchruns (`CLUSTERPULSE_JOB_ID`, unless the environment
   names one: its rendezvous id and endpoint on several nodes, one drawn per launcher
-  on one node): a
-  `--standalone` torchrun draws a new rendezvous id each time, so to the checkpoint
-  directory's claim (trainer/dirclaim.py) a relaunch was another job.
+  on one node): a `--standalone` torchrun draws a new rendezvous id each time, so to
+  the checkpoint directory's claim (trainer/dirclaim.py) a relaunch was another job.
 - Multi-node rendezvous settings for recovery rather than start-up (RDZV_DEFAULTS):
   torch's c10d rendezvous declares a node dead after 3 missed 5 s keep-alives (15 s)
   and then waits `last_call_timeout` (30 s) for more nodes, so an elastic job that lost

@@ -182,11 +182,13 @@ class Trainer:
             self.runstate.save(self.runstate_path)
 
     def _before_publish(self, step: int) -> None:
-        lost = self.dir_claim.lost
-        if lost is not None:  # two writers: this one stops (trainer.dirclaim)
+        """Rank 0, just before it publishes and prunes: the directory read now, not as
+        the last heartbeat (10 s ago) found it."""
+        if not self.dir_claim.still_held():  # two writers: this one stops
+            lost = self.dir_claim.lost or {}
             raise CheckpointError(f"--ckpt-dir {self.cfg.ckpt_dir} is claimed by run "
-                                  f"{lost['run']!r} (pid {lost['pid']} on {lost['host']}): "
-                                  "not published")
+                                  f"{lost.get('run')!r} (pid {lost.get('pid')} on "
+                                  f"{lost.get('host')}): not published")
 
     def _after_publish(self, step: int, path: Path) -> None:
         if self.faults.ckpt_corrupt(step):
@@ -295,7 +297,8 @@ class Trainer:
         try:
             # a directory another job took over from this one: no rank writes there (its
             # temporary directories have that job's names), every rank agrees
-            if not self.pulse.all_ranks(self.dir_claim.lost is None):
+            held = self.dir_claim.still_held() if self.info.rank == 0 else True
+            if not self.pulse.all_ranks(held):
                 raise self.ckpt.refuse(step, f"--ckpt-dir {self.cfg.ckpt_dir} was taken over "
                                        "by another job: see rank 0's log")
             if delay := self.faults.ckpt_delay(step):
@@ -395,7 +398,7 @@ class Trainer:
                     resume_step=last["resume_step"],
                     resume_steps_recomputed=last["steps_recomputed"],
                     resume_timestamp_seconds=round(last["restart_unix"], 3))
-            self.pulse.sigterm.on_first = lambda: self._save_runstate()
+            self.pulse.sigterm.on_first = self._save_runstate
         # SIGTERM (preemption, torchrun stopping the workers) is caught by Pulse and
         # handled at the next consensus step; if peers are gone, that collective fails
         # and rank 0 still records how far the run got before it goes.

@@ -15,7 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from clusterpulse.trainer.dirclaim import CLAIM_FILE, DirectoryClaim, DirectoryInUse
+from clusterpulse.trainer.dirclaim import (
+    CLAIM_FILE,
+    DISPLACED_FILE,
+    DirectoryClaim,
+    DirectoryInUse,
+)
 
 # a rank 0 of job "first": claims, beats every 0.1 s, releases on SIGTERM
 HOLDER = """
@@ -131,8 +136,9 @@ def test_a_holder_taken_over_while_stale_stops_and_its_late_beat_loses(tmp_path)
                      "the newcomer writes over the displaced holder's late beat")
             assert new.lost is None
             old._beat_once()
-            assert old.lost is not None and old.lost["job"] == "job-2/second-run"
-            assert claim_of(tmp_path)["displaced"][0] == "job-1/first-run"
+            assert old.lost is not None and old.lost["run"] == "second-run"
+            record = json.loads((tmp_path / DISPLACED_FILE).read_text())
+            assert [r["displaced"][0] for r in record] == ["job-1/first-run"]
         finally:
             new.release()
     finally:
@@ -265,3 +271,27 @@ def test_one_job_started_twice_at_once_keeps_one_holder(tmp_path):
     finally:
         rival.kill()
         rival.wait()
+
+
+def test_a_late_beat_two_holders_on_loses_and_its_holder_learns_before_it_publishes(
+        tmp_path):
+    """Only the holder that took over knew whom it displaced: its successor, having
+    taken a released claim, took the displaced holder's late beat for a takeover and
+    stopped, and the displaced holder went on. Every takeover is on record for every
+    later holder; and the displaced one is told when it asks before a publish, not at
+    its next heartbeat (it published and pruned there for up to 10 s)."""
+    stalled = DirectoryClaim(tmp_path, "a", "job-a/a", heartbeat_s=3600)
+    stalled.take(0)
+    os.utime(tmp_path / CLAIM_FILE, (time.time() - 60, time.time() - 60))  # stale
+    b = DirectoryClaim(tmp_path, "b", "job-b/b", heartbeat_s=3600)
+    b.take(0)
+    b.release()  # B ends (a torchrun restart, a finished run)
+    c = DirectoryClaim(tmp_path, "c", "job-c/c", heartbeat_s=3600)
+    c.take(0)
+    stalled._write()  # A's late beat lands over C's claim
+    assert not stalled.still_held() and stalled.lost["run"] == "b"  # who displaced it
+    assert c._beat_once() and c.lost is None  # C writes over it and goes on
+    assert claim_of(tmp_path)["job"] == "job-c/c"
+    c.release()
+    stalled.release()
+    assert claim_of(tmp_path)["job"] == "job-c/c" and claim_of(tmp_path)["released"]
