@@ -134,14 +134,13 @@ class DirectoryClaim:
     """Rank 0's claim on `directory` for job `job`: `take()` at start, `release()` at
     exit; a heartbeat thread keeps it fresh in between.
 
-    `lost` is the claim of the process that took the directory over from this one
-    while its heartbeat had stopped (a stalled mount, a full disk, a partition), or of
-    a new round of its own job: this process then writes nothing more there
-    (trainer.main). A takeover names the process it displaced, in its claim and in
-    memory: a late heartbeat of the displaced one that lands over the new claim is
-    written over again by the new holder, and the displaced one, reading the new claim
-    at its next beat, stops. Without that the newcomer, which had already resumed,
-    was the one that stopped."""
+    `lost` names the process that took the directory over from this one while its
+    heartbeat had stopped (a stalled mount, a full disk, a partition), or a new round
+    of its own job: this process then writes nothing more there (trainer.main). Every
+    takeover is recorded in DISPLACED_FILE, apart from the claim: a late heartbeat of a
+    displaced holder that lands over the claim is written over again by whoever holds
+    it then, and the displaced one, reading the record, stops. Without it the
+    newcomer, which had already resumed, was the one that stopped."""
 
     def __init__(self, directory: Path, run: str, job: str, heartbeat_s: float = HEARTBEAT_S,
                  stale_s: float = STALE_S) -> None:
@@ -152,7 +151,6 @@ class DirectoryClaim:
         boot, pidns = kernel_and_pid_namespace()
         self._me = {"job": job, "run": run, "host": socket.gethostname(),
                     "pid": os.getpid(), "boot": boot, "pidns": pidns}
-
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
@@ -204,7 +202,8 @@ class DirectoryClaim:
             holder = self.blocking()
             if holder is None:
                 before = read_claim(self.path)
-                if before is not None and not before[0].get("released"):
+                if before is not None and not before[0].get("released") \
+                        and not self._mine(before[0]):
                     self._say_displaced(before[0])
                 if not self._write():
                     break  # a directory that takes no claim: unguarded, said once
@@ -251,8 +250,8 @@ class DirectoryClaim:
             self._write(released=True)
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat_s) and self.still_held():
-            self._write()
+        while not self._stop.wait(self.heartbeat_s) and self._beat_once():
+            pass
 
     def _beat_once(self) -> bool:
         """One heartbeat: renew the claim where it is still this process's."""
@@ -288,12 +287,14 @@ class DirectoryClaim:
         return False
 
     def _records(self) -> list[dict]:
+        """The takeovers on record; a damaged record (by hand, a torn disk) is none."""
         try:
             records = json.loads((self.directory / DISPLACED_FILE).read_text())
         except (OSError, ValueError, RecursionError):
             return []
-        return [r for r in records if isinstance(r, dict) and isinstance(
-            r.get("displaced"), list) and isinstance(r.get("by"), dict)] \
+        return [r for r in records if isinstance(r, dict) and isinstance(r.get("by"), dict)
+                and isinstance(r.get("displaced"), list)
+                and all(x is None or isinstance(x, str | int) for x in r["displaced"])] \
             if isinstance(records, list) else []
 
     def _say_displaced(self, claim: dict) -> None:

@@ -49,8 +49,21 @@ def holder(tmp_path: Path):
         p.wait()
 
 
+MADE: list[DirectoryClaim] = []
+
+
+@pytest.fixture(autouse=True)
+def released_at_the_end():
+    """Every claim `second` made is released after its test: its heartbeat thread would
+    beat for the rest of the session."""
+    yield
+    while MADE:
+        MADE.pop().release()
+
+
 def second(tmp_path: Path, job: str = "job-2/second-run", stale_s: float = 1.0) -> DirectoryClaim:
-    return DirectoryClaim(tmp_path, "second-run", job, heartbeat_s=0.1, stale_s=stale_s)
+    MADE.append(DirectoryClaim(tmp_path, "second-run", job, heartbeat_s=0.1, stale_s=stale_s))
+    return MADE[-1]
 
 
 def claim_of(tmp_path: Path) -> dict:
@@ -175,7 +188,15 @@ def test_a_restart_of_the_same_job_takes_its_own_fresh_claim_at_once(tmp_path, h
 def test_a_damaged_claim_stops_no_job(tmp_path):
     for text in ("{not json", '["a list"]', '{"job": 3}', ""):
         (tmp_path / CLAIM_FILE).write_text(text)
-        second(tmp_path, stale_s=600).take(0)
+        claim = second(tmp_path, stale_s=600)
+        claim.take(0)
+        claim.release()
+    for text in ('[{"displaced": [["a"]], "by": {}}]', '{"a": 1}', "[1, 2]", "[[]"):
+        (tmp_path / DISPLACED_FILE).write_text(text)  # the takeovers' record
+        claim = second(tmp_path, stale_s=600)
+        claim.take(0)
+        assert claim.still_held()
+        claim.release()
 
 
 def test_the_launchers_torchruns_are_one_job_and_two_launchers_two(monkeypatch):
