@@ -28,7 +28,6 @@ process of another job is alive and writing to this directory.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -37,6 +36,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from clusterpulse.trainer.restart import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -304,10 +305,8 @@ class DirectoryClaim:
         record = {"displaced": list(identity(claim)),
                   "by": {k: self._me[k] for k in ("run", "pid", "host")}}
         records = [*self._records(), record][-DISPLACED_KEPT:]
-        tmp = self.directory / f".{DISPLACED_FILE}.{socket.gethostname()}.{os.getpid()}"
         try:
-            tmp.write_text(json.dumps(records))
-            os.replace(tmp, self.directory / DISPLACED_FILE)
+            write_atomically(self.directory / DISPLACED_FILE, json.dumps(records))
         except OSError as err:
             log.warning("--ckpt-dir %s: cannot record the claim taken over (%s)",
                         self.directory, err.strerror or err)
@@ -327,13 +326,9 @@ class DirectoryClaim:
     def _write(self, released: bool = False) -> bool:
         """Write this process's claim whole (a rename); False where the disk refuses."""
         claim = {**self._me, "heartbeat_unix": time.time(), "released": released}
-        tmp = self.path.with_name(f".{CLAIM_FILE}.{socket.gethostname()}.{os.getpid()}")
         try:
-            tmp.write_text(json.dumps(claim))
-            os.replace(tmp, self.path)  # a reader sees the old claim or the new, whole
+            write_atomically(self.path, json.dumps(claim))  # readers see one claim whole
         except OSError as err:  # a full disk: the claim goes stale, training goes on
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             if not self._warned:  # once per episode: a success below ends it
                 self._warned = True
                 log.warning("--ckpt-dir %s: cannot renew this job's claim on it (%s); "

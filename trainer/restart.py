@@ -44,6 +44,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -295,7 +296,14 @@ def relaunch_count_path(relaunch_file: str | Path) -> str:
 
 def write_atomically(path: Path, text: str) -> None:
     """Write `text` whole or not at all: the launcher reads these files while ranks
-    (or torchrun) may be writing them."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    (or torchrun) may be writing them, and a checkpoint directory's claim is read and
+    written from several nodes (the temporary name holds the host as well as the pid,
+    and is removed when the write fails)."""
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
