@@ -6,6 +6,7 @@ follow the commands to completion, and audit everything. Shared by the dashboard
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -103,6 +104,21 @@ def agent_tls() -> str | bool:
     return os.environ.get("CLUSTERPULSE_AGENT_CA_FILE") or False
 
 
+def _token_lines(token: str) -> list[list[str]]:
+    """A token file's words, line by line, without comments and blank lines."""
+    lines = [ln.split("#", 1)[0].split() for ln in token.splitlines()]
+    return [ln for ln in lines if ln]
+
+
+def _token_table(token: str) -> dict[str, str] | None:
+    """A token file's `NODE TOKEN` lines as a table, or None when it holds one token for
+    every agent."""
+    lines = _token_lines(token)
+    if len(lines) == 1 and len(lines[0]) == 1:
+        return None
+    return {ln[0]: ln[1] for ln in lines if len(ln) == 2}
+
+
 def token_for(token: str | None, node: str) -> str | None:
     """The bearer token for one node's agent.
 
@@ -111,25 +127,86 @@ def token_for(token: str | None, node: str) -> str | None:
     one node opens no other node's control API."""
     if not token:
         return None
-    lines = [ln.split("#", 1)[0].split() for ln in token.splitlines()]
-    lines = [ln for ln in lines if ln]
-    if len(lines) == 1 and len(lines[0]) == 1:
-        return lines[0][0]
-    table = {ln[0]: ln[1] for ln in lines if len(ln) == 2}
+    table = _token_table(token)
+    if table is None:
+        return _token_lines(token)[0][0]
     return table.get(node) or table.get("*")
 
 
-def agents_for_run(prom: PrometheusClient, run: str, lookback: str = "") -> dict[str, str]:
-    """node -> agent base URL, from the scrape targets that export the run's ranks (or
-    did within `lookback`, e.g. "2m": a node whose slow link makes its scrapes time out
-    is the node an eviction is for)."""
+# Target labels that name the node an agent's scrape target is on. The operator's
+# scrape configuration or service discovery sets them (`labels: {target_node: ...}` in
+# a static_config; `k8s_node` from the pod's node, deploy/kubernetes; `node` too, which
+# then replaces the agent's own); an agent cannot: what it exports as `node` is what it
+# says about itself.
+TARGET_NODE_LABELS = ("target_node", "k8s_node", "node")
+
+
+@dataclass
+class RunAgents:
+    """The agents of a run's nodes: `urls` node -> agent base URL, where that node's
+    token may be sent; `refused` node -> why nothing is sent for that node."""
+
+    urls: dict[str, str]
+    refused: dict[str, str]
+
+
+def run_agents(prom: PrometheusClient, run: str, token: str | None,
+               lookback: str = "") -> RunAgents:
+    """The agents that export the run's ranks (or did within `lookback`, e.g. "2m": a
+    node whose slow link makes its scrapes time out is the node an eviction is for).
+
+    A node is whatever its agent exports as `node`, and the URL is its scrape target.
+    With per-node tokens that pairing is checked first: an agent that exported another
+    node's name would be sent that node's token and could open its control API. So a
+    node's token goes only to a target whose own labels (TARGET_NODE_LABELS) name that
+    node; and a node that two targets claim is sent nothing, whatever the tokens."""
     if not protocol.RUN_ID.fullmatch(run):
         raise ActionError(f"invalid run id {run!r}")
     scheme = "https" if agent_tls() else "http"
     series = recent_rank_info(f'run="{run}"', lookback)
-    samples = prom.query(f"max by (node, instance) ({series})")
-    return {s.labels["node"]: f"{scheme}://{s.labels['instance']}" for s in samples
-            if "instance" in s.labels and "node" in s.labels}
+    claims: dict[str, set[str]] = {}
+    for s in prom.query(f"max by (node, instance) ({series})"):
+        if "instance" in s.labels and "node" in s.labels:
+            claims.setdefault(s.labels["node"], set()).add(s.labels["instance"])
+    per_node = bool(token) and _token_table(token) is not None
+    named = _target_nodes(prom, {i for held in claims.values() for i in held}, lookback) \
+        if per_node or any(len(held) > 1 for held in claims.values()) else {}
+    urls: dict[str, str] = {}
+    refused: dict[str, str] = {}
+    for node, held in sorted(claims.items()):
+        if len(held) > 1:
+            # the one its target names is the node's; the others only say they are
+            held = {i for i in held if node in named.get(i, {}).values()} or held
+        if len(held) > 1:
+            refused[node] = (f"not sent: agents at {', '.join(sorted(held))} all report "
+                             f"ranks as node {node}; which is {node} is unknown")
+        elif per_node and node not in named.get(next(iter(held)), {}).values():
+            instance = next(iter(held))
+            labels = ", ".join(f"{k}={v}" for k, v in sorted(named.get(instance, {}).items()))
+            refused[node] = (
+                f"not sent: the agent at {instance} reports node {node}, and its scrape "
+                f"target {'says ' + labels if labels else 'names no node'}; a node's own "
+                "token goes only to a target labelled with that node (label node or "
+                "k8s_node, docs/security.md)")
+        else:
+            urls[node] = f"{scheme}://{next(iter(held))}"
+    return RunAgents(urls, refused)
+
+
+def _target_nodes(prom: PrometheusClient, instances: set[str], lookback: str
+                  ) -> dict[str, dict[str, str]]:
+    """instance -> its scrape targets' node-naming labels, read from `up`, which carries
+    the target's labels only, never an exporter's."""
+    if not instances:
+        return {}
+    pattern = "|".join(re.escape(i) for i in sorted(instances)).replace("\\", "\\\\")
+    up = f'up{{instance=~"{pattern}"}}'
+    up = f"last_over_time({up}[{lookback}])" if lookback else up
+    found: dict[str, dict[str, str]] = {}
+    for s in prom.query(f"group by (instance, {', '.join(TARGET_NODE_LABELS)}) ({up})"):
+        names = {k: s.labels[k] for k in TARGET_NODE_LABELS if s.labels.get(k)}
+        found.setdefault(s.labels.get("instance", ""), {}).update(names)
+    return found
 
 
 def rank_owners(agents: dict[str, str], run: str, token: str) -> dict[int | None, set[str]]:
@@ -194,9 +271,14 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
         raise ActionError("a reason is required; it goes to the audit log")
     if not token:
         raise ActionError("no agent token configured (CLUSTERPULSE_AGENT_TOKEN_FILE)")
-    agents = agents_for_run(prom, run, lookback=NODE_LOOKBACK if nodes is not None else "")
-    if not agents:
+    found = run_agents(prom, run, token, lookback=NODE_LOOKBACK if nodes is not None else "")
+    agents, refused = found.urls, found.refused
+    if not agents and not refused:
         raise ActionError(f"no agent reports ranks of run {run!r}")
+    if one_owner and refused:
+        raise ActionError(f"cannot tell who runs {run!r}: " + "; ".join(
+            f"{node}: {why}" for node, why in sorted(refused.items()))
+            + "; nothing is done while a node's agent is in doubt")
     owners = rank_owners(agents, run, token) if one_owner else {}
     if None in owners:
         raise ActionError(
@@ -212,11 +294,12 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
             "find the process that does not belong (GET /v1/ranks on those agents)")
     if nodes is not None:
         agents = {node: url for node, url in agents.items() if node in nodes}
-        if not agents:
+        refused = {node: why for node, why in refused.items() if node in nodes}
+        if not agents and not refused:
             raise ActionError(f"run {run!r} has no ranks on {', '.join(sorted(nodes))}")
     payload = {"action": action, "reason": reason, "requested_by": who,
                "deadline_s": deadline_s, **({"leave_s": leave_s} if leave_s else {})}
-    results = []
+    results = [NodeResult(node, "", False, error=why) for node, why in sorted(refused.items())]
     for node, url in sorted(agents.items()):
         if token_for(token, node) is None:
             results.append(NodeResult(node, url, False, error="no token for this node in the "
@@ -235,6 +318,7 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
                                       running if isinstance(running, dict) else None))
         except (requests.RequestException, ValueError) as err:
             results.append(NodeResult(node, url, False, error=f"unreachable: {type(err).__name__}"))
+    results.sort(key=lambda r: r.node)
     accepted = sum(r.ok for r in results)
     outcome = "accepted" if accepted == len(results) else (
         "partial" if accepted else "refused" if all_in_flight(results) else "failed")
@@ -253,12 +337,16 @@ def escalate_command(prom: PrometheusClient, run: str, command: str, reason: str
         raise ActionError("a reason is required; it goes to the audit log")
     if not token:
         raise ActionError("no agent token configured (CLUSTERPULSE_AGENT_TOKEN_FILE)")
-    agents = agents_for_run(prom, run)
+    found = run_agents(prom, run, token)
+    agents = found.urls
     # command ids are NODE-UNIXTIME-N: the longest node name that prefixes it holds it
-    holders = sorted((n for n in agents if command.startswith(f"{n}-")), key=len)
+    holders = sorted((n for n in [*agents, *found.refused] if command.startswith(f"{n}-")),
+                     key=len)
     if not holders:
         raise ActionError(f"no agent of run {run!r} holds command {command!r}")
     node = holders[-1]
+    if node in found.refused:
+        raise ActionError(f"{node}: {found.refused[node]}")
     node_token = token_for(token, node)
     if node_token is None:
         raise ActionError(f"no token for node {node} in the agent token file")

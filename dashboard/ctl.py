@@ -203,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if a.cmd == "agents":
-            for node, url in sorted(actions.agents_for_run(prom, a.run).items()):
+            found = actions.run_agents(prom, a.run, None)
+            for node, url in sorted(found.urls.items()):
                 print(f"{node}\t{url}")
+            for node, why in sorted(found.refused.items()):
+                print(f"clusterpulse-ctl: {node}: {why}", file=sys.stderr)
             return 0
         who = f"{caller()}@cli"
         if a.cmd == "escalate":

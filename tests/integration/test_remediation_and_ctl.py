@@ -16,7 +16,12 @@ import requests
 
 from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.tokens import Tokens
-from clusterpulse.dashboard.actions import ActionError, rank_owners, request_action
+from clusterpulse.dashboard.actions import (
+    ActionError,
+    rank_owners,
+    request_action,
+    run_agents,
+)
 from clusterpulse.dashboard.promclient import PrometheusClient
 from clusterpulse.dashboard.remediation import Policy, PolicyError, Remediator, Rule, serve
 from tests.support.procs import REPO, Prometheus, start_agent_cli, wait_until
@@ -372,3 +377,66 @@ def test_ctl_restart_and_agents(cluster):
     assert (cmd["action"], cmd["leave_s"]) == ("checkpoint-restart", 60)
     record = json.loads((tmp / "ctl.jsonl").read_text().splitlines()[-1])
     assert (record["action"], record["leave_s"], record["source"]) == ("evict-node", 60, "cli")
+
+
+def test_a_nodes_own_token_goes_only_to_the_agent_its_scrape_target_names(tmp_path):
+    """Per-node tokens keep a token taken from one node from opening another's control
+    API. A node's name is what its agent exports; an agent whose `--node` says node-v
+    (its configuration changed on host node-x) was sent node-v's token, and one that
+    says node-r could be asked in node-r's place. The token goes now only to the agent
+    whose scrape target (the operator's configuration: `node`, or `k8s_node` from the
+    pod, or `target_node`) names that node."""
+    tokens = {n: f"{n}-token-0123456789abcdef" for n in ("node-r", "node-v", "node-x")}
+    agents, ranks = [], []
+    targets: dict[str, dict[str, str]] = {}
+    # the honest node-r, an agent calling itself node-v on host node-x, and one calling
+    # itself node-r on host node-y: each holds its own host's token only
+    for says, host in [("node-r", "node-r"), ("node-v", "node-x"), ("node-r", "node-y")]:
+        home = tmp_path / host
+        home.mkdir()
+        (home / "token").write_text(tokens.get(host, f"{host}-token-0123456789abcdef"))
+        proc, port, telemetry = start_agent_cli(home, says, gpus=1,
+                                                token_file=home / "token")
+        agents.append(proc)
+        # each of the ways a target names its node (TARGET_NODE_LABELS)
+        targets[f"127.0.0.1:{port}"] = {{"node-r": "node", "node-x": "k8s_node"}.get(
+            host, "target_node"): host}
+        ranks.append(RankProcess(telemetry[len("unix:"):], [{
+            "type": "step", "run": "job", "rank": len(ranks), "local_rank": 0, "gpu": 0,
+            "step": 3}]))
+    honest, impostor, twin = targets
+    prom = Prometheus(tmp_path, list(targets), labels=targets)
+    try:
+        wait_until(lambda: len(prom.query('clusterpulse_trainer_rank_info{run="job"}')) == 3,
+                   30, "three ranks scraped")
+        table = "".join(f"{node} {tok}\n" for node, tok in tokens.items())
+        audit = AuditLog(tmp_path / "audit.jsonl")
+        client = PrometheusClient(prom.url)
+        # the policy acts on nothing while a node's agent is in doubt
+        with pytest.raises(ActionError, match=r"cannot tell who runs 'job'.*node-v: not sent"):
+            request_action(client, "job", "checkpoint-restart", "t", "policy", table, audit,
+                           one_owner=True)
+        r, v = request_action(client, "job", "checkpoint-restart", "t", "ops", table, audit)
+        assert (r.node, r.ok, r.agent) == ("node-r", True, f"http://{honest}"), r
+        assert (v.node, v.ok) == ("node-v", False), v
+        assert "not sent" in v.error and "k8s_node=node-x" in v.error, v.error
+        # neither impostor was presented any token: no failed authentication there
+        for host in ("node-x", "node-y"):
+            log = tmp_path / host / "node-v-audit.jsonl" if host == "node-x" \
+                else tmp_path / host / "node-r-audit.jsonl"
+            assert not log.exists() or all(
+                rec.get("who") != "unauthenticated" for rec in AuditLog(log).read()), host
+        (rec,) = AuditLog(tmp_path / "audit.jsonl").read()[-1:]
+        assert rec["outcome"] == "partial" and "not sent" in rec["nodes"]["node-v"], rec
+        # whatever the tokens, node-r is the agent its target names, never the twin
+        # that also says node-r (two agents under one name: one was dropped at random)
+        for token in (None, tokens["node-r"], table):
+            found = run_agents(client, "job", token)
+            assert found.urls.get("node-r") == f"http://{honest}", (token, found)
+        assert twin not in str(found) and impostor not in str(found.urls), found
+    finally:
+        for rank in ranks:
+            rank.stop()
+        prom.stop()
+        for proc in agents:
+            proc.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -120,7 +121,8 @@ class Prometheus:
 
     def __init__(self, tmp: Path, targets: list[str], rule_files: list[Path] | None = None,
                  alertmanager: str | None = None, scrape_interval: str = "1s",
-                 shipped: bool = False) -> None:
+                 shipped: bool = False, labels: dict[str, dict[str, str]] | None = None
+                 ) -> None:
         binary = shutil.which("prometheus")
         assert binary, "prometheus is not installed (the test command installs it)"
         self.port = free_port()
@@ -130,7 +132,7 @@ class Prometheus:
         if shipped:
             self._write_shipped(targets, rule_files or [], alertmanager)
         else:
-            self._write(targets, rule_files, alertmanager, scrape_interval)
+            self._write(targets, rule_files, alertmanager, scrape_interval, labels or {})
         self.args = [binary, f"--config.file={self.dir / 'prometheus.yml'}",
                      f"--storage.tsdb.path={self.dir / 'data'}",
                      f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"]
@@ -155,7 +157,10 @@ class Prometheus:
         (self.dir / "prometheus.yml").write_text(yaml.safe_dump(cfg))
 
     def _write(self, targets: list[str], rule_files: list[Path] | None,
-               alertmanager: str | None, scrape_interval: str) -> None:
+               alertmanager: str | None, scrape_interval: str,
+               labels: dict[str, dict[str, str]]) -> None:
+        """`labels`: target -> the labels its static_config gives it (target labels, as an
+        operator's scrape configuration or service discovery sets them)."""
         lines = [
             "global:", f"  scrape_interval: {scrape_interval}",
             f"  evaluation_interval: {scrape_interval}",
@@ -165,8 +170,11 @@ class Prometheus:
         if alertmanager:
             lines += ["alerting:", "  alertmanagers:", "    - static_configs:",
                       f"        - targets: ['{alertmanager}']"]
-        lines += ["scrape_configs:", "  - job_name: clusterpulse", "    static_configs:",
-                  f"      - targets: {targets!r}"]
+        lines += ["scrape_configs:", "  - job_name: clusterpulse", "    static_configs:"]
+        plain = [t for t in targets if t not in labels]
+        lines += [f"      - targets: {plain!r}"] if plain else []
+        lines += [f"      - {{targets: ['{t}'], labels: {json.dumps(labels[t])}}}"
+                  for t in targets if t in labels]
         (self.dir / "prometheus.yml").write_text("\n".join(lines) + "\n")
 
     def start(self) -> None:

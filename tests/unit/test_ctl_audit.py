@@ -26,8 +26,8 @@ def isolated(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    monkeypatch.setattr(actions, "agents_for_run",
-                        lambda prom, run, lookback="": {"node-a": "http://127.0.0.1:9"})
+    monkeypatch.setattr(actions, "run_agents", lambda prom, run, token, lookback="":
+                        actions.RunAgents({"node-a": "http://127.0.0.1:9"}, {}))
     (tmp_path / "token").write_text("agent-token-0123456789\n")
     return tmp_path
 

@@ -22,8 +22,8 @@ from tests.support.ranksock import RankProcess
 @pytest.fixture
 def run_on_agent(sim_agent, monkeypatch):
     """Run "demo" with one live rank on the sim agent, found there by every client."""
-    monkeypatch.setattr(actions, "agents_for_run",
-                        lambda _prom, _run, lookback="": {sim_agent.agent.node: sim_agent.url})
+    monkeypatch.setattr(actions, "run_agents", lambda _prom, _run, _token, lookback="":
+                        actions.RunAgents({sim_agent.agent.node: sim_agent.url}, {}))
     with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "demo", "rank": 0,
                                               "step": 5}]) as rank:
         yield sim_agent, rank
@@ -32,7 +32,7 @@ def run_on_agent(sim_agent, monkeypatch):
 def test_every_client_is_refused_a_second_restart_and_told_which_is_in_flight(
         run_on_agent, tmp_path, monkeypatch, capsys):
     agent, rank = run_on_agent
-    prom = PrometheusClient("http://127.0.0.1:9")  # agents_for_run is the stub above
+    prom = PrometheusClient("http://127.0.0.1:9")  # run_agents is the stub above
     audit = AuditLog(tmp_path / "audit.jsonl")
     (first,) = actions.request_action(prom, "demo", "checkpoint-restart", "slow", "alice",
                                       TOKEN, audit)
