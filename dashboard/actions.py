@@ -5,6 +5,7 @@ follow the commands to completion, and audit everything. Shared by the dashboard
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -50,6 +51,13 @@ class NodeResult:
     error: str = ""
     # the agent refused: a restart of the run is already in flight there (this is it)
     in_flight: dict | None = None
+    # which token went to `agent` (token_id): following the command sends no other
+    token_id: str = ""
+
+
+def token_id(token: str) -> str:
+    """A token's fingerprint: which token went where, without keeping it twice."""
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
 def all_in_flight(results: list[NodeResult]) -> bool:
@@ -63,8 +71,8 @@ def follow_in_flight(results: list[NodeResult]) -> list[NodeResult]:
     (command_states): a refused asker is shown the restart already under way, its
     progress included, rather than only told no."""
     return [NodeResult(r.node, r.agent, True, str(r.in_flight.get("id", "")),
-                       str(r.in_flight.get("state", ""))) if r.in_flight is not None else r
-            for r in results]
+                       str(r.in_flight.get("state", "")), token_id=r.token_id)
+            if r.in_flight is not None else r for r in results]
 
 
 def ended(results: list[NodeResult]) -> bool:
@@ -171,41 +179,57 @@ def run_agents(prom: PrometheusClient, run: str, token: str | None,
     per_node = bool(token) and _token_table(token) is not None
     named = _target_nodes(prom, {i for held in claims.values() for i in held}, lookback) \
         if per_node or any(len(held) > 1 for held in claims.values()) else {}
+
+    def names(instance: str, node: str) -> bool:
+        return node in (named.get(instance) or {}).values()
+
     urls: dict[str, str] = {}
     refused: dict[str, str] = {}
     for node, held in sorted(claims.items()):
         if len(held) > 1:
             # the one its target names is the node's; the others only say they are
-            held = {i for i in held if node in named.get(i, {}).values()} or held
+            held = {i for i in held if names(i, node)} or held
+        instance = min(held)
         if len(held) > 1:
             refused[node] = (f"not sent: agents at {', '.join(sorted(held))} all report "
                              f"ranks as node {node}; which is {node} is unknown")
-        elif per_node and node not in named.get(next(iter(held)), {}).values():
-            instance = next(iter(held))
-            labels = ", ".join(f"{k}={v}" for k, v in sorted(named.get(instance, {}).items()))
+        elif per_node and not names(instance, node):
+            labels = named.get(instance, {})
+            target = ("comes with more than one set of labels (a target relabelled "
+                      f"within {lookback or 'the moment'}, or an exporter that adds labels "
+                      "to its own `up`)" if labels is None else "says " + ", ".join(
+                          f"{k}={v}" for k, v in sorted(labels.items())) if labels
+                      else "names no node")
             refused[node] = (
                 f"not sent: the agent at {instance} reports node {node}, and its scrape "
-                f"target {'says ' + labels if labels else 'names no node'}; a node's own "
-                "token goes only to a target labelled with that node (label node or "
-                "k8s_node, docs/security.md)")
+                f"target {target}; a node's own token goes only to a target labelled with "
+                f"that node ({', '.join(TARGET_NODE_LABELS)}: docs/security.md)")
         else:
-            urls[node] = f"{scheme}://{next(iter(held))}"
+            urls[node] = f"{scheme}://{instance}"
     return RunAgents(urls, refused)
 
 
 def _target_nodes(prom: PrometheusClient, instances: set[str], lookback: str
-                  ) -> dict[str, dict[str, str]]:
-    """instance -> its scrape targets' node-naming labels, read from `up`, which carries
-    the target's labels only, never an exporter's."""
+                  ) -> dict[str, dict[str, str] | None]:
+    """instance -> its scrape target's node-naming labels, read from `up`.
+
+    `up` carries the target's labels, but a target may also export a metric named `up`,
+    with labels of its choosing beside the target's (a fake `k8s_node` where the target
+    sets `target_node`). Such a series, like the old labels of a target relabelled
+    within `lookback`, is a second label set for the instance: None, which names no
+    node."""
     if not instances:
         return {}
-    pattern = "|".join(re.escape(i) for i in sorted(instances)).replace("\\", "\\\\")
+    # a PromQL string: its backslashes and quotes escaped, after the regex's own
+    pattern = "|".join(re.escape(i) for i in sorted(instances))
+    pattern = pattern.replace("\\", "\\\\").replace('"', '\\"')
     up = f'up{{instance=~"{pattern}"}}'
     up = f"last_over_time({up}[{lookback}])" if lookback else up
-    found: dict[str, dict[str, str]] = {}
+    found: dict[str, dict[str, str] | None] = {}
     for s in prom.query(f"group by (instance, {', '.join(TARGET_NODE_LABELS)}) ({up})"):
-        names = {k: s.labels[k] for k in TARGET_NODE_LABELS if s.labels.get(k)}
-        found.setdefault(s.labels.get("instance", ""), {}).update(names)
+        instance = s.labels.get("instance", "")
+        labels = {k: s.labels[k] for k in TARGET_NODE_LABELS if s.labels.get(k)}
+        found[instance] = labels if found.get(instance, labels) == labels else None
     return found
 
 
@@ -301,13 +325,14 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
                "deadline_s": deadline_s, **({"leave_s": leave_s} if leave_s else {})}
     results = [NodeResult(node, "", False, error=why) for node, why in sorted(refused.items())]
     for node, url in sorted(agents.items()):
-        if token_for(token, node) is None:
+        node_token = token_for(token, node)
+        if node_token is None:
             results.append(NodeResult(node, url, False, error="no token for this node in the "
                                       "agent token file"))
             continue
         try:
             r = requests.post(f"{url}/v1/runs/{run}/actions", timeout=5, verify=agent_tls(),
-                              headers={"Authorization": f"Bearer {token_for(token, node)}"},
+                              headers={"Authorization": f"Bearer {node_token}"},
                               json=payload)
             body = r.json()
             ok = r.status_code == 202
@@ -315,7 +340,8 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
             results.append(NodeResult(node, url, ok, body.get("id", ""), body.get("state", ""),
                                       "" if ok else body.get("error") or body.get("detail")
                                       or f"HTTP {r.status_code}",
-                                      running if isinstance(running, dict) else None))
+                                      running if isinstance(running, dict) else None,
+                                      token_id(node_token)))
         except (requests.RequestException, ValueError) as err:
             results.append(NodeResult(node, url, False, error=f"unreachable: {type(err).__name__}"))
     results.sort(key=lambda r: r.node)
@@ -357,7 +383,8 @@ def escalate_command(prom: PrometheusClient, run: str, command: str, reason: str
         body = r.json()
         ok = r.status_code == 202
         result = NodeResult(node, agents[node], ok, command, body.get("state", ""),
-                            "" if ok else body.get("error") or f"HTTP {r.status_code}")
+                            "" if ok else body.get("error") or f"HTTP {r.status_code}",
+                            token_id=token_id(node_token))
     except (requests.RequestException, ValueError) as err:
         result = NodeResult(node, agents[node], False, command,
                             error=f"unreachable: {type(err).__name__}")
@@ -367,19 +394,29 @@ def escalate_command(prom: PrometheusClient, run: str, command: str, reason: str
 
 
 def command_states(results: list[NodeResult], token: str | None) -> list[NodeResult]:
-    """Refresh each node's command state (pending, delivered, escalated, completed...)."""
+    """Refresh each node's command state (pending, delivered, escalated, completed...).
+
+    The token file is read again while a request is followed (the Run page, every 2 s);
+    each agent is sent only the token its request went with: one changed since (per-node
+    tokens after a suspected leak) was never checked against that agent (`run_agents`)."""
     out = []
     for r in results:
         if not r.ok or not r.command:
             out.append(r)
             continue
+        node_token = token_for(token, r.node)
+        if node_token is None or token_id(node_token) != r.token_id:
+            out.append(NodeResult(r.node, r.agent, r.ok, r.command, r.state,
+                                  "not followed: the agent token file changed since the "
+                                  "request (request again to follow it)", token_id=r.token_id))
+            continue
         try:
             body = requests.get(f"{r.agent}/v1/commands/{r.command}", timeout=5,
-                                verify=agent_tls(), headers={
-                                    "Authorization": f"Bearer {token_for(token, r.node)}"}).json()
+                                verify=agent_tls(),
+                                headers={"Authorization": f"Bearer {node_token}"}).json()
             out.append(NodeResult(r.node, r.agent, True, r.command, body.get("state", "?"),
-                                  body.get("detail", "")))
+                                  body.get("detail", ""), token_id=r.token_id))
         except (requests.RequestException, ValueError) as err:
             out.append(NodeResult(r.node, r.agent, r.ok, r.command, r.state,
-                                  f"unreachable: {type(err).__name__}"))
+                                  f"unreachable: {type(err).__name__}", token_id=r.token_id))
     return out

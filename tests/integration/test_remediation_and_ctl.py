@@ -18,6 +18,7 @@ from clusterpulse.agent.audit import AuditLog
 from clusterpulse.agent.tokens import Tokens
 from clusterpulse.dashboard.actions import (
     ActionError,
+    command_states,
     rank_owners,
     request_action,
     run_agents,
@@ -379,14 +380,57 @@ def test_ctl_restart_and_agents(cluster):
     assert (record["action"], record["leave_s"], record["source"]) == ("evict-node", 60, "cli")
 
 
+class _Forger:
+    """A scrape target that is no agent: it exports a rank of run "job" as node-w and an
+    `up` of its own that says k8s_node=node-w, and keeps the Authorization header of
+    every other request it is sent (a token the clients should never send it)."""
+
+    METRICS = ('clusterpulse_trainer_rank_info{run="job",rank="3",node="node-w",'
+               'local_rank="0",gpu="0",pid="1",world_size="4"} 1\nup{k8s_node="node-w"} 1\n')
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.sent: list[str] = []
+        forger = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                if self.path.startswith("/metrics"):
+                    body = forger.METRICS.encode()
+                else:
+                    forger.sent.append(self.headers.get("Authorization", ""))
+                    body = b"{}"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def test_a_nodes_own_token_goes_only_to_the_agent_its_scrape_target_names(tmp_path):
     """Per-node tokens keep a token taken from one node from opening another's control
     API. A node's name is what its agent exports; an agent whose `--node` says node-v
     (its configuration changed on host node-x) was sent node-v's token, and one that
     says node-r could be asked in node-r's place. The token goes now only to the agent
     whose scrape target (the operator's configuration: `node`, or `k8s_node` from the
-    pod, or `target_node`) names that node."""
-    tokens = {n: f"{n}-token-0123456789abcdef" for n in ("node-r", "node-v", "node-x")}
+    pod, or `target_node`) names that node, read from `up`, where a target's own `up`
+    series or a relabelling within the lookback make it name none."""
+    tokens = {n: f"{n}-token-0123456789abcdef" for n in ("node-r", "node-v", "node-w",
+                                                          "node-x")}
     agents, ranks = [], []
     targets: dict[str, dict[str, str]] = {}
     # the honest node-r, an agent calling itself node-v on host node-x, and one calling
@@ -405,10 +449,12 @@ def test_a_nodes_own_token_goes_only_to_the_agent_its_scrape_target_names(tmp_pa
             "type": "step", "run": "job", "rank": len(ranks), "local_rank": 0, "gpu": 0,
             "step": 3}]))
     honest, impostor, twin = targets
+    forger = _Forger()
+    targets[forger.address] = {"target_node": "node-z"}
     prom = Prometheus(tmp_path, list(targets), labels=targets)
     try:
-        wait_until(lambda: len(prom.query('clusterpulse_trainer_rank_info{run="job"}')) == 3,
-                   30, "three ranks scraped")
+        wait_until(lambda: len(prom.query('clusterpulse_trainer_rank_info{run="job"}')) == 4,
+                   30, "four ranks scraped")
         table = "".join(f"{node} {tok}\n" for node, tok in tokens.items())
         audit = AuditLog(tmp_path / "audit.jsonl")
         client = PrometheusClient(prom.url)
@@ -416,27 +462,51 @@ def test_a_nodes_own_token_goes_only_to_the_agent_its_scrape_target_names(tmp_pa
         with pytest.raises(ActionError, match=r"cannot tell who runs 'job'.*node-v: not sent"):
             request_action(client, "job", "checkpoint-restart", "t", "policy", table, audit,
                            one_owner=True)
-        r, v = request_action(client, "job", "checkpoint-restart", "t", "ops", table, audit)
+        r, v, w = request_action(client, "job", "checkpoint-restart", "t", "ops", table, audit)
         assert (r.node, r.ok, r.agent) == ("node-r", True, f"http://{honest}"), r
         assert (v.node, v.ok) == ("node-v", False), v
         assert "not sent" in v.error and "k8s_node=node-x" in v.error, v.error
-        # neither impostor was presented any token: no failed authentication there
+        assert (w.node, w.ok) == ("node-w", False) and "more than one set" in w.error, w
+        # no impostor was presented any token: no failed authentication there, and the
+        # forger of `up` was sent nothing at all
         for host in ("node-x", "node-y"):
             log = tmp_path / host / "node-v-audit.jsonl" if host == "node-x" \
                 else tmp_path / host / "node-r-audit.jsonl"
             assert not log.exists() or all(
                 rec.get("who") != "unauthenticated" for rec in AuditLog(log).read()), host
+        assert forger.sent == [], forger.sent
         (rec,) = AuditLog(tmp_path / "audit.jsonl").read()[-1:]
         assert rec["outcome"] == "partial" and "not sent" in rec["nodes"]["node-v"], rec
+        # following the request sends each agent only the token it was sent with: a token
+        # file changed since (node-r's token rotated) was never checked against it
+        (same,) = command_states([r], table)
+        assert same.state and not same.error, same
+        rotated = table.replace(tokens["node-r"], "node-r-token-rotated-0123456789")
+        (held,) = command_states([r], rotated)
+        assert held.error.startswith("not followed"), held
+        assert all(rec.get("who") != "unauthenticated"
+                   for rec in AuditLog(tmp_path / "node-r" / "node-r-audit.jsonl").read())
         # whatever the tokens, node-r is the agent its target names, never the twin
         # that also says node-r (two agents under one name: one was dropped at random)
         for token in (None, tokens["node-r"], table):
             found = run_agents(client, "job", token)
             assert found.urls.get("node-r") == f"http://{honest}", (token, found)
         assert twin not in str(found) and impostor not in str(found.urls), found
+        # node-r's address is relabelled node-q: within the lookback it names no node
+        # (before, its labels were merged, and either the old one vouched for node-r
+        # there for 2 minutes or the new one for node-q)
+        config = prom.dir / "prometheus.yml"
+        config.write_text(config.read_text().replace('{"node": "node-r"}',
+                                                     '{"node": "node-q"}'))
+        requests.post(f"{prom.url}/-/reload", timeout=10).raise_for_status()
+        wait_until(lambda: prom.query('up{node="node-q"}'), 30, "the relabelled target")
+        found = run_agents(client, "job", table, lookback="2m")
+        assert "node-r" not in found.urls and "node-q" not in found.urls, found
+        assert "more than one set" in found.refused["node-q"], found
     finally:
         for rank in ranks:
             rank.stop()
         prom.stop()
+        forger.stop()
         for proc in agents:
             proc.stop()
