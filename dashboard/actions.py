@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import time
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -147,6 +146,10 @@ def token_for(token: str | None, node: str) -> str | None:
 # then replaces the agent's own); an agent cannot: what it exports as `node` is what it
 # says about itself.
 TARGET_NODE_LABELS = ("target_node", "k8s_node", "node")
+# The agents' scrape jobs, as the shipped configurations name them and NodeAgentDown
+# reads them: a target of another job (an application's pod labelled with its node) is
+# no agent, whatever it exports and however it is labelled.
+AGENT_JOBS = 'job=~"clusterpulse.*"'
 
 
 @dataclass
@@ -171,13 +174,13 @@ def run_agents(prom: PrometheusClient, run: str, token: str | None,
     if not protocol.RUN_ID.fullmatch(run):
         raise ActionError(f"invalid run id {run!r}")
     scheme = "https" if agent_tls() else "http"
-    series = recent_rank_info(f'run="{run}"', lookback)
+    series = recent_rank_info(f'run="{run}",{AGENT_JOBS}', lookback)
     claims: dict[str, set[str]] = {}
     for s in prom.query(f"max by (node, instance) ({series})"):
         if "instance" in s.labels and "node" in s.labels:
             claims.setdefault(s.labels["node"], set()).add(s.labels["instance"])
     per_node = bool(token) and _token_table(token) is not None
-    named = _target_nodes(prom, {i for held in claims.values() for i in held}, lookback) \
+    named = _target_nodes(prom, series, lookback) \
         if per_node or any(len(held) > 1 for held in claims.values()) else {}
 
     def names(instance: str, node: str) -> bool:
@@ -209,24 +212,22 @@ def run_agents(prom: PrometheusClient, run: str, token: str | None,
     return RunAgents(urls, refused)
 
 
-def _target_nodes(prom: PrometheusClient, instances: set[str], lookback: str
+def _target_nodes(prom: PrometheusClient, ranks: str, lookback: str
                   ) -> dict[str, dict[str, str] | None]:
-    """instance -> its scrape target's node-naming labels, read from `up`.
+    """instance -> its scrape target's node-naming labels, read from the `up` of the
+    agents' jobs, for the instances that export `ranks` (a series selector).
 
     `up` carries the target's labels, but a target may also export a metric named `up`,
     with labels of its choosing beside the target's (a fake `k8s_node` where the target
     sets `target_node`). Such a series, like the old labels of a target relabelled
     within `lookback`, is a second label set for the instance: None, which names no
-    node."""
-    if not instances:
-        return {}
-    # a PromQL string: its backslashes and quotes escaped, after the regex's own
-    pattern = "|".join(re.escape(i) for i in sorted(instances))
-    pattern = pattern.replace("\\", "\\\\").replace('"', '\\"')
-    up = f'up{{instance=~"{pattern}"}}'
+    node. The join keeps the query one size whatever the run's size (a regex of 1,024
+    instances was over VictoriaMetrics' 16 KB query limit)."""
+    up = f"up{{{AGENT_JOBS}}}"
     up = f"last_over_time({up}[{lookback}])" if lookback else up
     found: dict[str, dict[str, str] | None] = {}
-    for s in prom.query(f"group by (instance, {', '.join(TARGET_NODE_LABELS)}) ({up})"):
+    for s in prom.query(f"group by (instance, {', '.join(TARGET_NODE_LABELS)}) "
+                        f"({up} and on (instance) group by (instance) ({ranks}))"):
         instance = s.labels.get("instance", "")
         labels = {k: s.labels[k] for k in TARGET_NODE_LABELS if s.labels.get(k)}
         found[instance] = labels if found.get(instance, labels) == labels else None

@@ -381,14 +381,11 @@ def test_ctl_restart_and_agents(cluster):
 
 
 class _Forger:
-    """A scrape target that is no agent: it exports a rank of run "job" as node-w and an
-    `up` of its own that says k8s_node=node-w, and keeps the Authorization header of
-    every other request it is sent (a token the clients should never send it)."""
+    """A scrape target that is no agent: it exports `metrics` (a rank of run "job"
+    under a node name), and keeps the Authorization header of every other request it is
+    sent (a token the clients should never send it)."""
 
-    METRICS = ('clusterpulse_trainer_rank_info{run="job",rank="3",node="node-w",'
-               'local_rank="0",gpu="0",pid="1",world_size="4"} 1\nup{k8s_node="node-w"} 1\n')
-
-    def __init__(self) -> None:
+    def __init__(self, metrics: str) -> None:
         import http.server
         import threading
 
@@ -398,7 +395,7 @@ class _Forger:
         class Handler(http.server.BaseHTTPRequestHandler):
             def _answer(self) -> None:
                 if self.path.startswith("/metrics"):
-                    body = forger.METRICS.encode()
+                    body = metrics.encode()
                 else:
                     forger.sent.append(self.headers.get("Authorization", ""))
                     body = b"{}"
@@ -427,10 +424,11 @@ def test_a_nodes_own_token_goes_only_to_the_agent_its_scrape_target_names(tmp_pa
     (its configuration changed on host node-x) was sent node-v's token, and one that
     says node-r could be asked in node-r's place. The token goes now only to the agent
     whose scrape target (the operator's configuration: `node`, or `k8s_node` from the
-    pod, or `target_node`) names that node, read from `up`, where a target's own `up`
-    series or a relabelling within the lookback make it name none."""
-    tokens = {n: f"{n}-token-0123456789abcdef" for n in ("node-r", "node-v", "node-w",
-                                                          "node-x")}
+    pod, or `target_node`) names that node, read from `up` of the agents' jobs, where a
+    target's own `up` series or a relabelling within the lookback make it name none, and
+    a target of another job is no agent however it is labelled."""
+    tokens = {n: f"{n}-token-0123456789abcdef" for n in ("node-r", "node-u", "node-v",
+                                                          "node-w", "node-x")}
     agents, ranks = [], []
     targets: dict[str, dict[str, str]] = {}
     # the honest node-r, an agent calling itself node-v on host node-x, and one calling
@@ -449,12 +447,18 @@ def test_a_nodes_own_token_goes_only_to_the_agent_its_scrape_target_names(tmp_pa
             "type": "step", "run": "job", "rank": len(ranks), "local_rank": 0, "gpu": 0,
             "step": 3}]))
     honest, impostor, twin = targets
-    forger = _Forger()
+    rank_info = ('clusterpulse_trainer_rank_info{{run="job",rank="{}",node="{}",'
+                 'local_rank="0",gpu="0",pid="1",world_size="5"}} 1\n')
+    # in the agents' job, with an `up` of its own that names node-w; and an application
+    # in a job of its own, its target labelled with its node (node-u) by the operator
+    forger = _Forger(rank_info.format(3, "node-w") + 'up{k8s_node="node-w"} 1\n')
     targets[forger.address] = {"target_node": "node-z"}
+    app = _Forger(rank_info.format(4, "node-u"))
+    targets[app.address] = {"job": "apps", "node": "node-u"}
     prom = Prometheus(tmp_path, list(targets), labels=targets)
     try:
-        wait_until(lambda: len(prom.query('clusterpulse_trainer_rank_info{run="job"}')) == 4,
-                   30, "four ranks scraped")
+        wait_until(lambda: len(prom.query('clusterpulse_trainer_rank_info{run="job"}')) == 5,
+                   30, "five ranks scraped")
         table = "".join(f"{node} {tok}\n" for node, tok in tokens.items())
         audit = AuditLog(tmp_path / "audit.jsonl")
         client = PrometheusClient(prom.url)
@@ -474,7 +478,7 @@ def test_a_nodes_own_token_goes_only_to_the_agent_its_scrape_target_names(tmp_pa
                 else tmp_path / host / "node-r-audit.jsonl"
             assert not log.exists() or all(
                 rec.get("who") != "unauthenticated" for rec in AuditLog(log).read()), host
-        assert forger.sent == [], forger.sent
+        assert forger.sent == [] and app.sent == [], (forger.sent, app.sent)
         (rec,) = AuditLog(tmp_path / "audit.jsonl").read()[-1:]
         assert rec["outcome"] == "partial" and "not sent" in rec["nodes"]["node-v"], rec
         # following the request sends each agent only the token it was sent with: a token
@@ -508,5 +512,6 @@ def test_a_nodes_own_token_goes_only_to_the_agent_its_scrape_target_names(tmp_pa
             rank.stop()
         prom.stop()
         forger.stop()
+        app.stop()
         for proc in agents:
             proc.stop()
