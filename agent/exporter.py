@@ -208,15 +208,22 @@ class AgentCollector(Collector):
         down = GaugeMetricFamily(PREFIX + "gpu_down_reason",
                                  "1 for the reason a GPU is down (NVML error kind).",
                                  labels=[*GPU_LABELS, "reason"])
+        failing = GaugeMetricFamily(PREFIX + "gpu_reading_failing",
+                                    "1 for each reading of an up GPU that NVML answered with "
+                                    "an error in the last cycle (the metric is missing).",
+                                    labels=[*GPU_LABELS, "metric"])
         for s in samples:
             labels = [node, str(s.index), s.uuid]
             up.add_metric(labels, 1.0 if s.up else 0.0)
             info.add_metric([*labels, s.name, s.pci_bus_id, s.driver_version], 1.0)
             if not s.up:
                 down.add_metric([*labels, s.down_reason or "unknown"], 1.0)
+            for metric in s.failing if s.up else ():
+                failing.add_metric([*labels, metric], 1.0)
         yield up
         yield info
         yield down
+        yield failing
         for attr, name, help_text, counter in GPU_SERIES:
             cls = CounterMetricFamily if counter else GaugeMetricFamily
             fam = cls(PREFIX + name, help_text, labels=GPU_LABELS)

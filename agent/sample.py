@@ -77,6 +77,11 @@ class GpuSample:
     nvlinks: dict[int, NvLinkSample] = field(default_factory=dict)
     # Why the GPU is down (an NVML error kind such as "gpu_is_lost"); "" when up.
     down_reason: str = ""
+    # The readings of an up GPU that NVML answered with an error this cycle (not "not
+    # supported", not the GPU's end): missing from this sample. A GPU that answers its
+    # liveness probe and fails the rest cycle after cycle is up but unwatched there (no
+    # temperature, no ECC counts): GpuReadingsFailing.
+    failing: tuple[str, ...] = ()
     # Host pids of the processes holding a context on the GPU (compute and graphics),
     # instrumented or not: what attributes the GPU to a job, a user or a notebook.
     processes: tuple[int, ...] = ()

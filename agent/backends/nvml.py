@@ -112,6 +112,9 @@ class _Device:
     nvlinks: int = 0  # links found at start (0: no NVLink, or not supported)
     pcie_gen_max: float | None = None
     pcie_width_max: float | None = None
+    # The readings that failed this cycle with an error that is not the GPU's end
+    # (GpuSample.failing)
+    failing: list[str] = field(default_factory=list)
 
 
 # NVLink data-link error counters: label value -> pynvml constant name
@@ -364,13 +367,15 @@ class NvmlBackend:
             self._errors["not_supported"] += 1
             log.info("gpu %d (%s) does not support %s: %s", dev.index, dev.uuid, metric, err)
 
-    def _passing(self, err: Exception) -> None:
+    def _passing(self, err: Exception, dev: _Device, metric: str) -> None:
         """An error of an optional reading: raised again where it says the GPU or NVML
-        is gone (`GONE`: the GPU is down), else counted by its kind and let pass."""
+        is gone (`GONE`: the GPU is down), else counted by its kind, noted as the
+        device's failing `metric` this cycle, and let pass."""
         if error_kind(err) in GONE:
             raise err
         self._errors[error_kind(err)] += 1
         self._transient += 1
+        dev.failing.append(metric)
 
     def _save_roster(self) -> None:
         if self._roster is not None:
@@ -406,7 +411,7 @@ class NvmlBackend:
             except n.NVMLError as other:
                 if strict:
                     raise
-                self._passing(other)
+                self._passing(other, dev, metric)
                 return None
         self._mark_unsupported(dev, metric, err)
         return None
@@ -499,6 +504,7 @@ class NvmlBackend:
         # The liveness probe (any error: the GPU is down) is the first of utilization,
         # memory and temperature the GPU supports: a MIG-enabled GPU answers
         # utilization NOT_SUPPORTED, and was exported down for good.
+        dev.failing = []
         util = self._optional(dev, "utilization", "nvmlDeviceGetUtilizationRates", h,
                               strict=True)
         s = GpuSample(
@@ -528,6 +534,7 @@ class NvmlBackend:
         self._read_fields(dev, s)
         self._read_links(dev, s)
         s.processes = self._read_processes(dev)
+        s.failing = tuple(dict.fromkeys(dev.failing))
         return s
 
     def _read_processes(self, dev: _Device) -> tuple[int, ...]:
@@ -552,7 +559,7 @@ class NvmlBackend:
             try:
                 state = self._call("nvmlDeviceGetNvLinkState", h, link)
             except n.NVMLError as err:
-                self._passing(err)
+                self._passing(err, dev, "nvlink_up")
                 continue
             sample = NvLinkSample(up=int(state) == int(getattr(n, "NVML_FEATURE_ENABLED", 1)))
             for kind, const in NVLINK_ERRORS.items():  # each kind supported or not alone
@@ -576,7 +583,7 @@ class NvmlBackend:
         try:
             values = self._call("nvmlDeviceGetFieldValues", dev.handle, ids)
         except self._nvml.NVMLError as err:
-            self._passing(err)
+            self._passing(err, dev, "field_values")
             return
         for (attr, (_, _, scale)), fv in zip(wanted, values, strict=True):
             ret = int(fv.nvmlReturn)
@@ -591,6 +598,7 @@ class NvmlBackend:
                                        else "Invalid Argument (a field unknown to this driver)")
             else:
                 self._errors[f"field_{ret}"] += 1
+                dev.failing.append(attr)
 
     def unsupported(self) -> dict[tuple[int, str], str]:
         """By the GPU's exported label, as the Backend protocol says; kept by UUID."""

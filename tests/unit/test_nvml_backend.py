@@ -225,9 +225,57 @@ def test_an_optional_metric_failing_loses_that_metric_unless_the_gpu_is_gone(cod
     assert s[0].up is up and s[0].down_reason == ("" if up else kind)
     if up:
         assert s[0].temperature_celsius is None and s[0].power_watts == 350.0
-    assert s[1].up and s[1].temperature_celsius == 55
+        assert s[0].failing == ("temperature_celsius",)  # GpuReadingsFailing's evidence
+    assert s[1].up and s[1].temperature_celsius == 55 and s[1].failing == ()
     assert backend.errors()[kind] == 1
     assert backend.unsupported() == {}
+
+
+def test_readings_that_fail_are_named_each_cycle_and_exported():
+    """A GPU that answers its liveness probe and fails its other readings was up with
+    those metrics missing and nothing saying so; every reading that fails a cycle is
+    now named, and `clusterpulse_gpu_reading_failing{metric}` is exported while it
+    fails (GpuReadingsFailing), gone the cycle it answers again."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from clusterpulse.agent.audit import AuditLog
+    from clusterpulse.agent.core import Agent
+    from clusterpulse.agent.exporter import AgentCollector
+    from clusterpulse.agent.ranks import RankRegistry
+
+    fake = FakeNvml(gpus=2)
+    failing: set[str] = set()
+
+    def breaks(name):
+        real = getattr(fake, name)
+
+        def call(h, *args):
+            if h == 0 and name in failing:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+            return real(h, *args)
+        return call
+
+    for name in ("nvmlDeviceGetPowerUsage", "nvmlDeviceGetFieldValues",
+                 "nvmlDeviceGetNvLinkState"):
+        setattr(fake, name, breaks(name))
+    agent = Agent(NvmlBackend(nvml=fake), "n1", RankRegistry(), AuditLog(None))
+
+    def exported() -> set[tuple[str, str]]:
+        agent.collect_once()
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(AgentCollector(agent))
+        return {(ln.split('gpu="')[1].split('"')[0], ln.split('metric="')[1].split('"')[0])
+                for ln in generate_latest(reg).decode().splitlines()
+                if ln.startswith("clusterpulse_gpu_reading_failing{")}
+
+    assert exported() == set()  # its NVLinks counted at the first cycle
+    failing.update({"nvmlDeviceGetPowerUsage", "nvmlDeviceGetFieldValues",
+                    "nvmlDeviceGetNvLinkState"})
+    assert exported() == {("0", "power_watts"), ("0", "field_values"), ("0", "nvlink_up")}
+    s = agent.snapshot.gpus
+    assert s[0].up and s[0].temperature_celsius == 60 and s[0].power_watts is None
+    failing.clear()  # it answers again: nothing is failing
+    assert exported() == set()
 
 
 def test_nvml_init_failure_is_a_clear_error():
