@@ -58,6 +58,9 @@ GPU_SERIES: list[tuple[str, str, str, bool]] = [
     ("pcie_link_width", "gpu_pcie_link_width_lanes", "Current PCIe link width.", False),
     ("pcie_link_width_max", "gpu_pcie_link_width_max_lanes", "Maximum PCIe link width.",
      False),
+    ("failed_reading_cycles_total", "gpu_failed_reading_cycles",
+     "Collection cycles in which NVML answered a reading of the up GPU with an error "
+     "(GpuReadingsFailing: against agent_collections_total).", True),
 ]
 
 # (RankState value key, metric name, help, is counter)

@@ -47,7 +47,6 @@ UINT_MAX = 0xFFFFFFFF  # scopeId meaning "all NVLink links"
 NVML_SUCCESS = 0
 NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
-NVML_ERROR_GPU_IS_LOST = 15
 
 # Error kinds that say the GPU or NVML itself is gone, whichever call met them: the GPU
 # is down and NVML is initialised again. Any other error of one optional metric (a
@@ -113,8 +112,9 @@ class _Device:
     pcie_gen_max: float | None = None
     pcie_width_max: float | None = None
     # The readings that failed this cycle with an error that is not the GPU's end
-    # (GpuSample.failing)
+    # (GpuSample.failing), and the cycles that had any (GpuReadingsFailing's evidence)
     failing: list[str] = field(default_factory=list)
+    failed_cycles: int = 0
 
 
 # NVLink data-link error counters: label value -> pynvml constant name
@@ -303,9 +303,16 @@ class NvmlBackend:
         for link in range(int(getattr(n, "NVML_NVLINK_MAX_LINKS", 18))):
             try:
                 self._call("nvmlDeviceGetNvLinkState", dev.handle, link)
-            except n.NVMLError as err:
+            except (n.NVMLError_NotSupported, n.NVMLError_NoPermission,
+                    n.NVMLError_InvalidArgument, n.NVMLError_FunctionNotFound) as err:
                 if count == 0:
                     self._mark_unsupported(dev, "nvlink", err)
+                break
+            except n.NVMLError as err:
+                # UNKNOWN, a timeout: not the end of the list. One on link 0 at start
+                # marked NVLink unsupported for good (its alerts blind, nothing saying
+                # so); now it is named, and the static facts are read again next cycle.
+                self._passing(err, dev, "nvlink_up")
                 break
             count += 1
         return count
@@ -433,6 +440,7 @@ class NvmlBackend:
         samples = []
         for uuid in self._order:
             dev = self._devices[uuid]
+            dev.failing = []  # the static probe's, too: it is read again while they fail
             if dev.missing:
                 samples.append(self._down(dev, dev.reason))
                 continue
@@ -504,7 +512,6 @@ class NvmlBackend:
         # The liveness probe (any error: the GPU is down) is the first of utilization,
         # memory and temperature the GPU supports: a MIG-enabled GPU answers
         # utilization NOT_SUPPORTED, and was exported down for good.
-        dev.failing = []
         util = self._optional(dev, "utilization", "nvmlDeviceGetUtilizationRates", h,
                               strict=True)
         s = GpuSample(
@@ -535,6 +542,8 @@ class NvmlBackend:
         self._read_links(dev, s)
         s.processes = self._read_processes(dev)
         s.failing = tuple(dict.fromkeys(dev.failing))
+        dev.failed_cycles += bool(s.failing)
+        s.failed_reading_cycles_total = float(dev.failed_cycles)
         return s
 
     def _read_processes(self, dev: _Device) -> tuple[int, ...]:
@@ -558,6 +567,8 @@ class NvmlBackend:
         for link in range(dev.nvlinks):
             try:
                 state = self._call("nvmlDeviceGetNvLinkState", h, link)
+            except (n.NVMLError_NotSupported, n.NVMLError_NoPermission):
+                continue  # not readable now: no failure, and no state to export
             except n.NVMLError as err:
                 self._passing(err, dev, "nvlink_up")
                 continue
@@ -580,22 +591,32 @@ class NvmlBackend:
         if not wanted:
             return
         ids = [(getattr(self._nvml, fid), scope) for _, (fid, scope, _) in wanted]
+        n = self._nvml
         try:
             values = self._call("nvmlDeviceGetFieldValues", dev.handle, ids)
-        except self._nvml.NVMLError as err:
+        except (n.NVMLError_NotSupported, n.NVMLError_NoPermission,
+                n.NVMLError_FunctionNotFound) as err:
+            for attr, _ in wanted:  # the call itself is not there: none of them is
+                self._mark_unsupported(dev, attr, err)
+            return
+        except n.NVMLError as err:
             self._passing(err, dev, "field_values")
             return
         for (attr, (_, _, scale)), fv in zip(wanted, values, strict=True):
             ret = int(fv.nvmlReturn)
             if ret == NVML_SUCCESS:
                 setattr(s, attr, _field_number(fv) * scale)
-            elif ret == NVML_ERROR_GPU_IS_LOST:
-                raise self._nvml.NVMLError(NVML_ERROR_GPU_IS_LOST)
-            elif ret in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT):
+                continue
+            err = n.NVMLError(ret)
+            if error_kind(err) in GONE:  # GPU_IS_LOST, UNINITIALIZED...: the GPU is down
+                raise err
+            if ret in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT) \
+                    or error_kind(err) in NOT_OURS:
                 # INVALID_ARGUMENT: a field id this driver does not know; asked for
                 # again, it was counted as an error every cycle
                 self._mark_unsupported(dev, attr, "Not Supported" if ret == NVML_ERROR_NOT_SUPPORTED
-                                       else "Invalid Argument (a field unknown to this driver)")
+                                       else "Invalid Argument (a field unknown to this driver)"
+                                       if ret == NVML_ERROR_INVALID_ARGUMENT else str(err))
             else:
                 self._errors[f"field_{ret}"] += 1
                 dev.failing.append(attr)

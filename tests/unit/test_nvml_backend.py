@@ -273,6 +273,8 @@ def test_readings_that_fail_are_named_each_cycle_and_exported():
                     "nvmlDeviceGetNvLinkState"})
     assert exported() == {("0", "power_watts"), ("0", "field_values"), ("0", "nvlink_up")}
     s = agent.snapshot.gpus
+    # the cycles with a failure, against the agent's cycles (GpuReadingsFailing)
+    assert (s[0].failed_reading_cycles_total, s[1].failed_reading_cycles_total) == (1, 0)
     assert s[0].up and s[0].temperature_celsius == 60 and s[0].power_watts is None
     failing.clear()  # it answers again: nothing is failing
     assert exported() == set()
@@ -504,3 +506,83 @@ def test_auto_says_why_nvml_could_not_start(monkeypatch):
         cli.make_backend(args, RankRegistry())
     assert "lib_rm_version_mismatch" in str(err.value), err.value
     assert "--backend sim" in str(err.value), err.value
+
+
+def _answering(fake: FakeNvml, name: str, code: int | None, gpu: int = 0,
+               link: int | None = None) -> None:
+    """Make `name` answer NVML error `code` on `gpu` (and only `link`, for link calls);
+    None: answer as before."""
+    real = getattr(type(fake), name).__get__(fake)
+
+    def call(h, *args):
+        if code is not None and h == gpu and (link is None or args[0] == link):
+            raise pynvml.NVMLError(code)
+        return real(h, *args)
+
+    setattr(fake, name, call)
+
+
+def test_what_a_gpu_cannot_report_is_unsupported_not_failing():
+    """A review of GpuReadingsFailing: answers that say a reading is not there (the field
+    call NOT_SUPPORTED, one field NO_PERMISSION, an NVLink that stopped being readable)
+    were named failing every cycle, and the warning fired for good."""
+    fake = FakeNvml(gpus=2)
+    backend = NvmlBackend(nvml=fake)
+    _answering(fake, "nvmlDeviceGetFieldValues", pynvml.NVML_ERROR_NOT_SUPPORTED, gpu=0)
+    _answering(fake, "nvmlDeviceGetNvLinkState", pynvml.NVML_ERROR_NOT_SUPPORTED, gpu=1,
+               link=2)
+    real_fields = type(fake).nvmlDeviceGetFieldValues.__get__(fake)
+
+    def fields(h, ids):  # GPU 1: the ECC counter is not this process's to read
+        out = real_fields(h, ids)
+        if h == 1:
+            out[0].nvmlReturn = pynvml.NVML_ERROR_NO_PERMISSION
+        return out
+
+    original = fake.nvmlDeviceGetFieldValues
+    fake.nvmlDeviceGetFieldValues = lambda h, ids: original(h, ids) if h == 0 else fields(h, ids)
+    for _ in range(2):
+        s = backend.collect()
+    assert [x.failing for x in s] == [(), ()], s
+    assert [x.failed_reading_cycles_total for x in s] == [0.0, 0.0]
+    assert (0, "ecc_corrected_total") in backend.unsupported()
+    first = next(iter(FIELDS))
+    assert (1, first) in backend.unsupported()
+    assert s[1].nvlinks.keys() == {0, 1, 3}
+
+
+def test_a_field_that_says_nvml_is_gone_takes_the_gpu_down():
+    fake = FakeNvml(gpus=2)
+    backend = NvmlBackend(nvml=fake)
+    real_fields = type(fake).nvmlDeviceGetFieldValues.__get__(fake)
+
+    def fields(h, ids):
+        out = real_fields(h, ids)
+        if h == 0:
+            out[1].nvmlReturn = pynvml.NVML_ERROR_UNINITIALIZED
+        return out
+
+    fake.nvmlDeviceGetFieldValues = fields
+    s = backend.collect()
+    assert not s[0].up and s[0].down_reason == "uninitialized" and s[1].up
+
+
+def test_static_facts_and_nvlinks_that_fail_are_named_and_read_again():
+    """A review of GpuReadingsFailing: the static facts read again each cycle while they
+    fail (the PCI slot) were cleared before the cycle's own readings, so never named;
+    and an UNKNOWN from link 0 at start marked NVLink unsupported for good, its alerts
+    blind with nothing saying so."""
+    fake = FakeNvml(gpus=2)
+    _answering(fake, "nvmlDeviceGetNvLinkState", pynvml.NVML_ERROR_UNKNOWN, link=0)
+    backend = NvmlBackend(nvml=fake)
+    _answering(fake, "nvmlDeviceGetPciInfo", pynvml.NVML_ERROR_UNKNOWN)
+    for cycle in (1, 2):
+        s = backend.collect()
+        assert s[0].up and set(s[0].failing) >= {"pci_info", "nvlink_up"}, s[0].failing
+        assert s[0].failed_reading_cycles_total == cycle and s[1].failing == ()
+    assert (0, "nvlink") not in backend.unsupported()
+    _answering(fake, "nvmlDeviceGetNvLinkState", None)  # both answer again
+    _answering(fake, "nvmlDeviceGetPciInfo", None)
+    s = backend.collect()
+    assert s[0].failing == () and s[0].failed_reading_cycles_total == 2
+    assert sorted(s[0].nvlinks) == [0, 1, 2, 3] and s[0].pci_bus_id
