@@ -198,11 +198,14 @@ def run_agents(prom: PrometheusClient, run: str, token: str | None,
                              f"ranks as node {node}; which is {node} is unknown")
         elif per_node and not names(instance, node):
             labels = named.get(instance, {})
-            target = ("comes with more than one set of labels (a target relabelled "
-                      f"within {lookback or 'the moment'}, or an exporter that adds labels "
-                      "to its own `up`)" if labels is None else "says " + ", ".join(
-                          f"{k}={v}" for k, v in sorted(labels.items())) if labels
-                      else "names no node")
+            if labels is None:
+                target = ("comes with more than one set of labels (a target relabelled "
+                          f"within {lookback or 'the moment'}, or an exporter that adds "
+                          "labels to its own `up`)")
+            elif labels:
+                target = "says " + ", ".join(f"{k}={v}" for k, v in sorted(labels.items()))
+            else:
+                target = "names no node"
             refused[node] = (
                 f"not sent: the agent at {instance} reports node {node}, and its scrape "
                 f"target {target}; a node's own token goes only to a target labelled with "
@@ -299,7 +302,8 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
     found = run_agents(prom, run, token, lookback=NODE_LOOKBACK if nodes is not None else "")
     agents, refused = found.urls, found.refused
     if not agents and not refused:
-        raise ActionError(f"no agent reports ranks of run {run!r}")
+        raise ActionError(f"no agent reports ranks of run {run!r} (agents are the targets "
+                          "of the scrape jobs named clusterpulse*)")
     if one_owner and refused:
         raise ActionError(f"cannot tell who runs {run!r}: " + "; ".join(
             f"{node}: {why}" for node, why in sorted(refused.items()))

@@ -25,11 +25,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python3 -m venv "$venv"
   index=()
   [ -n "${TORCH_OLDEST_INDEX:-}" ] && index=(--index-url "$TORCH_OLDEST_INDEX")
-  "$venv/bin/pip" install -q "${index[@]}" "torch==$TORCH_OLDEST" \
+  # No cache and no byte-compiling: this runs beside the main suite (scripts/test.sh),
+  # and a cached copy of the ~5 GB download is as many GB more written to its disk,
+  # the compiling CPU time taken from its tests; Python compiles what is imported.
+  "$venv/bin/pip" install -q --no-cache-dir --no-compile "${index[@]}" "torch==$TORCH_OLDEST" \
     2> >(grep -v "is ignored: it is neither" >&2)
   # the trainer's runtime dependencies and the test tools these tests use; the project
   # itself from this checkout (no build: its package is the repository's root)
-  "$venv/bin/pip" install -q "numpy>=1.24" "prometheus-client>=0.20" "nvidia-ml-py>=12.535" \
+  "$venv/bin/pip" install -q --no-cache-dir --no-compile "numpy>=1.24" \
+    "prometheus-client>=0.20" "nvidia-ml-py>=12.535" \
     "requests>=2.31" "pytest>=8" "pytest-xdist>=3.6" "pyyaml>=6" "hypothesis>=6.100" \
     2> >(grep -v "is ignored: it is neither" >&2)
   "$venv/bin/python" - <<'PY'
