@@ -265,6 +265,7 @@ class SimBackend:
             ecc_uncorrected_total=g.ecc_uncorrected, remapped_rows_correctable_total=0,
             remapped_rows_uncorrectable_total=g.remapped_unc,
             row_remap_pending=g.remap_pending, row_remap_failed=0,
+            failed_reading_cycles_total=0.0,  # a simulated GPU answers every reading
             xid_errors_total=dict(g.xid),
             pcie_link_generation=5, pcie_link_generation_max=5,
             pcie_link_width=8 if g.pcie_degraded else 16, pcie_link_width_max=16,
