@@ -52,11 +52,7 @@ say "testing the trainer and the instrumentation on torch $got"
 # data position, and real torchrun jobs (a world of one, DDP and FSDP telemetry, the
 # port a round's store is on, a checkpoint written by the main venv's torch resumed
 # here and back).
-# OLDEST_TORCH_WORKERS=0: in this one process (scripts/test.sh, beside the main suite)
-workers=${OLDEST_TORCH_WORKERS:-2}
-spread=(-n "$workers")
-[ "$workers" != 0 ] && spread+=(--dist loadfile)
-exec "$venv/bin/python" -m pytest "${spread[@]}" -p no:cacheprovider \
+exec "$venv/bin/python" -m pytest -n 2 --dist loadfile -p no:cacheprovider \
   tests/unit/test_torch_support.py tests/unit/test_async_checkpoint.py \
   tests/unit/test_trainer_parts.py tests/unit/test_torchrun.py \
   tests/unit/test_collective_timing.py tests/unit/test_instrument_calls.py \
