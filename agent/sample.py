@@ -82,8 +82,8 @@ class GpuSample:
     # liveness probe and fails the rest cycle after cycle is up but unwatched there (no
     # temperature, no ECC counts): GpuReadingsFailing.
     failing: tuple[str, ...] = ()
-    # The collection cycles so far in which any reading of this GPU failed so: over the
-    # agent's cycles, how often (counted here, so readings that take turns still count)
+    # The collection cycles so far with any such failed reading: against the agent's
+    # cycles, how often it fails (counted per cycle, so readings that take turns count)
     failed_reading_cycles_total: float | None = None
     # Host pids of the processes holding a context on the GPU (compute and graphics),
     # instrumented or not: what attributes the GPU to a job, a user or a notebook.

@@ -172,7 +172,7 @@ class Prometheus:
                       f"        - targets: ['{alertmanager}']"]
         lines += ["scrape_configs:", "  - job_name: clusterpulse", "    static_configs:"]
         plain = [t for t in targets if t not in labels]
-        lines += [f"      - targets: {plain!r}"] if plain else []
+        lines += [f"      - targets: {plain!r}"] if plain or not labels else []
         lines += [f"      - {{targets: ['{t}'], labels: {json.dumps(labels[t])}}}"
                   for t in targets if t in labels]
         (self.dir / "prometheus.yml").write_text("\n".join(lines) + "\n")
