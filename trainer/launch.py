@@ -85,11 +85,12 @@ from pathlib import Path
 from clusterpulse.agent.validate import is_digits
 from clusterpulse.trainer import spares
 from clusterpulse.trainer.dirclaim import JOB_ID_ENV
-from clusterpulse.trainer.parallel import ATTEMPTS_BEFORE_ENV, SHARE_STORE_ENV
 from clusterpulse.trainer.restart import (
+    ATTEMPTS_BEFORE_ENV,
     CANNOT_LEAVE_ENV,
     MIN_NODES_ENV,
     RELAUNCH_FILE_ENV,
+    SHARE_STORE_ENV,
     leave_path,
     next_attempt_base,
     relaunch_count_path,

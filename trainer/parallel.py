@@ -38,20 +38,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+# DDP and FSDP import torch._dynamo when they wrap the model: 0.5 s of CPU in every rank
+# at every start and restart. Imported with this module, it is imported once by a warm
+# start's server (trainer/warmstart/), and every rank forked from it has it.
+import torch._dynamo
 import torch.distributed as dist
 from torch import nn
 
 from clusterpulse.trainer.restart import (
+    ATTEMPTS_BEFORE_ENV,
     RELAUNCH_FILE_ENV,
+    SHARE_STORE_ENV,
     relaunch_count_path,
     write_atomically,
 )
 from clusterpulse.trainer.torch_support import UnsupportedTorch, fsdp_on_cpu
-
-SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-# attempts before this torchrun: its graceful relaunches and earlier torchruns' failure
-# restarts (clusterpulse-train)
-ATTEMPTS_BEFORE_ENV = "CLUSTERPULSE_ATTEMPTS_BEFORE"
 
 
 class DistInitError(RuntimeError):

@@ -59,6 +59,14 @@ log = logging.getLogger("clusterpulse.trainer.restart")
 RELAUNCH_FILE_ENV = "CLUSTERPULSE_RELAUNCH_FILE"
 CANNOT_LEAVE_ENV = "CLUSTERPULSE_CANNOT_LEAVE"  # a LEAVE_REFUSALS key, from the launcher
 MIN_NODES_ENV = "CLUSTERPULSE_MIN_NODES"  # the launcher's --nnodes minimum
+# Set by the launcher for the ranks, read by trainer/parallel.py. Here, not there: the
+# launcher is a supervisor that never needs torch, and importing parallel.py imported
+# it (1.3 s of CPU, ~300 MB, in every clusterpulse-train of a single-node job).
+# A fresh store each rendezvous round (pytorch#135712; parallel's check says why).
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# attempts before this torchrun: its graceful relaunches and earlier torchruns' failure
+# restarts (clusterpulse-train)
+ATTEMPTS_BEFORE_ENV = "CLUSTERPULSE_ATTEMPTS_BEFORE"
 
 
 class SigtermCatcher:

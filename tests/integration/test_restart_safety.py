@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -207,6 +208,9 @@ def test_a_signal_to_the_launchers_process_group_checkpoints_then_exits(tmp_path
         # ephemeral range (test_clean_start.py)
         wait_for_text(log, "step 20/", 180, "training")
         assert len(rank_pids([p.pid])) == 2
+        # The launcher supervises torchrun and never needs torch: it imported it for two
+        # names (1.3 s of CPU and ~300 MB in each clusterpulse-train of a job on one node).
+        assert "libtorch" not in Path(f"/proc/{p.pid}/maps").read_text(), "it loaded torch"
         os.killpg(p.pid, sig)
         assert p.wait(timeout=120) == 128 + sig, log.read_text(errors="replace")[-3000:]
     finally:

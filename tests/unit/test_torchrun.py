@@ -19,8 +19,9 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 
 from clusterpulse.trainer import torchrun
 from clusterpulse.trainer.launch import Prewarmed, parse, rendezvous_poll_env
-from clusterpulse.trainer.parallel import ATTEMPTS_BEFORE_ENV, attempts_before, local_attempt
+from clusterpulse.trainer.parallel import attempts_before, local_attempt
 from clusterpulse.trainer.restart import (
+    ATTEMPTS_BEFORE_ENV,
     RELAUNCH_FILE_ENV,
     next_attempt_base,
     relaunch_count_path,
@@ -307,3 +308,31 @@ def test_a_thread_count_int_cannot_read_leaves_torchs_own(value, monkeypatch):
     before = torch.get_num_threads()
     take_torchrun_thread_count()
     assert torch.get_num_threads() == before
+
+
+WRAP_AFTER_THE_SERVERS_IMPORTS = """
+import importlib, sys, tempfile
+import torch
+import torch.distributed as dist
+from clusterpulse.trainer.warmstart import TRAINER
+importlib.import_module(TRAINER)  # what a warm start's server imports before it forks
+before = set(sys.modules)
+with tempfile.TemporaryDirectory() as tmp:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    from clusterpulse.trainer.parallel import DistInfo, wrap
+    wrap(torch.nn.Linear(4, 4), "ddp", DistInfo(0, 1, 0, torch.device("cpu"), "gloo"))
+    dist.destroy_process_group()
+print(sorted(m for m in set(sys.modules) - before if m.startswith("torch._dynamo")))
+"""
+
+
+def test_a_warm_rank_imports_nothing_of_torchs_compiler_when_it_wraps_its_model():
+    """DDP imports torch._dynamo as it wraps the model: 0.5 s of CPU in every rank at
+    every start and restart. The server of a warm start (trainer/warmstart/) imports it
+    once, and each rank forked from it finds it imported. In a new interpreter: the test
+    process has imported it already."""
+    out = subprocess.run([sys.executable, "-c", WRAP_AFTER_THE_SERVERS_IMPORTS], cwd=REPO,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
