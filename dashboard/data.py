@@ -348,6 +348,20 @@ def gpu_link_health(wide: pd.DataFrame, down: dict[str, str] | None = None) -> p
     return pd.DataFrame(out)
 
 
+def failing_readings(metrics: list, shares: list) -> dict[str, tuple[float | None, list[str]]]:
+    """gpu -> (the share of the agent's cycles of the last 10 minutes in which NVML
+    failed one of its readings, the readings it failed). A GPU that answers its liveness
+    probe but not its other readings is up with gaps where its temperature, power or
+    error counters should be, and their alerts cannot fire: the page says so."""
+    share = {s.labels.get("gpu", ""): s.value for s in shares}
+    named: dict[str, set[str]] = {}
+    for s in metrics:
+        if s.value >= 1:
+            named.setdefault(s.labels.get("gpu", ""), set()).add(s.labels.get("metric", "?"))
+    return {gpu: (share.get(gpu), sorted(names))
+            for gpu, names in sorted(named.items(), key=lambda kv: (len(kv[0]), kv[0]))}
+
+
 @st.cache_data(ttl=5, show_spinner=False)
 def node(prom_url: str, name: str, range_s: int, end: float | None = None) -> Result:
     def fetch() -> dict:
@@ -365,6 +379,13 @@ def node(prom_url: str, name: str, range_s: int, end: float | None = None) -> Re
                            f'(clusterpulse_gpu_ecc_errors_total{{node={sel}}})'),
             "down": partial(prom.query,
                             f"max by (gpu, reason) (clusterpulse_gpu_down_reason{{node={sel}}})"),
+            # GpuReadingsFailing's evidence: which readings, in what share of the cycles
+            "failing": partial(prom.query, f"max by (gpu, metric) (last_over_time("
+                               f"clusterpulse_gpu_reading_failing{{node={sel}}}[10m]))"),
+            "failing_share": partial(
+                prom.query, f"sum by (gpu) (increase(clusterpulse_gpu_failed_reading_cycles_"
+                f"total{{node={sel}}}[10m])) / scalar(sum(increase(clusterpulse_agent_"
+                f"collections_total{{node={sel}}}[10m])))"),
             "gpu_links": partial(_parts, prom, GPU_LINK_PARTS, name, ["gpu"]),
             "nics": partial(_parts, prom, NIC_LINK_PARTS, name, ["device", "port", "kind"])})
         series = {title: _wide(got[title], "gpu") for title in NODE_SERIES}
@@ -375,7 +396,8 @@ def node(prom_url: str, name: str, range_s: int, end: float | None = None) -> Re
             events["meaning"] = events["xid"].map(explain.xid)
         nics = got["nics"]
         return {"series": series, "throttle": [(r.labels, r.points) for r in got["throttle"]],
-                "down": down, "xid": events, "ecc": ecc, "gpu_links": gpu_links, "nics": nics,
+                "down": down, "failing": failing_readings(got["failing"], got["failing_share"]),
+                "xid": events, "ecc": ecc, "gpu_links": gpu_links, "nics": nics,
                 "queries": prom.queries}
 
     return _guard(f"node:{prom_url}:{name}:{range_s}:{end}", fetch)

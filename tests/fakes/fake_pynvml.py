@@ -32,6 +32,7 @@ class FakeGpu:
     reasons: int = 0
     lost: bool = False
     unsupported_fns: set[str] = field(default_factory=set)
+    failing_fns: set[str] = field(default_factory=set)  # answer NVML_ERROR_UNKNOWN
     unsupported_fields: set[int] = field(default_factory=set)
     fields: dict[int, float] = field(default_factory=dict)
     pcie_gen: int = 5
@@ -91,6 +92,8 @@ class FakeNvml:
         g = self._gpu(handle)
         if name in g.unsupported_fns:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if name in g.failing_fns:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
         return g
 
     # -- the pynvml API subset the backend uses --------------------------------------------

@@ -3,13 +3,15 @@ tests that need a node whose GPU counters start where the test says: a node firs
 with NVLink errors behind it (tests/integration/test_sharded_scrape.py).
 
     python -m tests.fakes.nvml_agent [AGENT ARGS...] [--nvlink-errors N] [--fake-gpus N]
-                                     [--lost-gpu I]
+                                     [--lost-gpu I] [--failing-call NAME]
 
 --nvlink-errors N: GPU 0's NVLink 0 has counted N replay errors before the agent starts
 (flat from then on). --fake-gpus N: the node has N GPUs (default 2). --lost-gpu I: GPU I
 (UUID GPU-fake-I) is off the bus before the agent starts, so NVML does not list it
-(tests/integration/test_healthcheck.py). Every other argument goes to the agent
-unchanged.
+(tests/integration/test_healthcheck.py). --failing-call NAME: GPU 0 answers the pynvml
+call NAME (e.g. nvmlDeviceGetTemperature) with NVML_ERROR_UNKNOWN, every cycle, while
+it stays up (tests/integration/test_dashboard_pages.py). Every other argument goes to
+the agent unchanged.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ def main(argv: list[str]) -> int:
         errors, argv = _take(argv, "--nvlink-errors")
         gpus, argv = _take(argv, "--fake-gpus")
         lost, argv = _take(argv, "--lost-gpu")
+        failing = None
+        if "--failing-call" in argv:
+            i = argv.index("--failing-call")
+            if i + 1 == len(argv):
+                raise ValueError("nvml_agent: --failing-call needs a pynvml function's name")
+            failing, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2
@@ -44,6 +52,8 @@ def main(argv: list[str]) -> int:
     fake.gpus[0].nvlink_errors[(0, pynvml.NVML_NVLINK_ERROR_DL_REPLAY)] = errors or 0
     if lost is not None:
         fake.gpus[lost].lost = True
+    if failing is not None:
+        fake.gpus[0].failing_fns.add(failing)
     # The backend imports "pynvml" when it starts: it gets the fake.
     sys.modules["pynvml"] = fake  # type: ignore[assignment]
     return cli.main([*argv, "--backend", "nvml"])  # last: over a --backend sim before

@@ -614,3 +614,30 @@ def test_a_request_clears_the_form_and_its_progress_names_the_step_resumed_from(
         return any("Resumed from step 40 (2 steps recomputed)" in x.value for x in at.success)
     wait_until(shown, 60, "the resume record on the Run page")
     assert not at.exception, at.exception
+
+
+def test_a_gpu_whose_readings_fail_is_named_on_the_node_page(monkeypatch, tmp_path):
+    """GpuReadingsFailing's GPU is up, so the Node page showed it healthy, its
+    temperature chart without it, and nothing said why (the alert, after 5 minutes, was
+    the only word of it). A real agent over the fake NVML whose GPU 0 answers its
+    temperature with NVML_ERROR_UNKNOWN, scraped by a real Prometheus."""
+    proc, port, _ = start_agent_cli(tmp_path, "flaky", module="tests.fakes.nvml_agent",
+                                    extra=["--failing-call", "nvmlDeviceGetTemperature"])
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
+    try:
+        # two scrapes: what the page's share (an increase) needs
+        wait_until(lambda: prom.query('count_over_time(clusterpulse_gpu_reading_failing'
+                                      '{node="flaky"}[1m]) >= 2'), 30, "two scrapes")
+        st.cache_data.clear()
+        at = app(monkeypatch, prom.url, tmp_path)
+        at.switch_page("views/node.py").run()
+        assert not at.exception, at.exception
+        assert at.selectbox(key="node").value == "flaky"
+        (line,) = [w.value for w in at.warning if "NVML failed" in w.value]
+        assert line.startswith("GPU 0: NVML failed its readings of temperature_celsius in "), line
+        share = float(line.split(" in ", 1)[1].split("%", 1)[0])
+        assert share >= 50, line  # every cycle fails it (increase extrapolates: ~100)
+        assert not any(e.value.startswith("GPU 0 is DOWN") for e in at.error), at.error
+    finally:
+        prom.stop()
+        proc.stop()
