@@ -14,6 +14,12 @@ import time
 from pathlib import Path
 
 import torch
+
+# DDP and FSDP import torch._dynamo when they wrap the model: 0.5 s of CPU in every rank
+# at every start and restart. Imported with the reference trainer, it is imported once by
+# a warm start's server (trainer/warmstart/), and every rank forked from it has it. Not
+# in trainer/parallel.py: Pulse imports that, and a loop without DDP needs no compiler.
+import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException

@@ -38,11 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-# DDP and FSDP import torch._dynamo when they wrap the model: 0.5 s of CPU in every rank
-# at every start and restart. Imported with this module, it is imported once by a warm
-# start's server (trainer/warmstart/), and every rank forked from it has it.
-import torch._dynamo
 import torch.distributed as dist
 from torch import nn
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pandas as pd
 
 from clusterpulse.dashboard import heat
-from clusterpulse.dashboard.data import HEATMAP_METRICS, gpu_link_health
+from clusterpulse.dashboard.data import HEATMAP_METRICS, failing_readings, gpu_link_health
+from clusterpulse.dashboard.promclient import Sample
 
 
 def frames():
@@ -84,3 +85,29 @@ def test_the_run_pages_step_says_restarting_instead_of_step_0():
         ("151", None)
     assert run_step({"step": {"0": 42.0}, "checkpoint step": {}}) == ("42", None)
     assert run_step({"step": {}, "checkpoint step": {}}) == ("0", None)
+
+
+def test_the_node_page_warns_of_failing_readings_at_the_alerts_ratio_for_the_card_up():
+    """A review of the Node page's warning: one failed reading warned for 10 minutes as
+    "0 %" of the cycles, in the present tense after the fault had cleared, and a card
+    replaced at the same index inherited the old card's warning."""
+    def failing(gpu: str, uuid: str, metric: str) -> Sample:
+        return Sample({"gpu": gpu, "uuid": uuid, "metric": metric}, 1)
+
+    def share(gpu: str, uuid: str, value: float) -> Sample:
+        return Sample({"gpu": gpu, "uuid": uuid}, value)
+
+    window = [failing("0", "GPU-a", "temperature_celsius"), failing("0", "GPU-a", "power_watts"),
+              failing("1", "GPU-b", "power_watts"), failing("2", "GPU-old", "power_watts"),
+              failing("3", "GPU-d", "power_watts")]
+    latest = [failing("0", "GPU-a", "power_watts")]
+    shares = [share("0", "GPU-a", 0.9),
+              share("1", "GPU-b", 1 / 600),  # one failed cycle in 10 minutes: no warning
+              share("2", "GPU-new", 1.0),  # the card up now at index 2 never failed
+              share("3", "GPU-d", float("nan"))]  # no cycles counted: nothing to say
+    found = failing_readings(window, latest, shares)
+    assert list(found) == ["0"], found
+    assert found["0"].readings == ["power_watts", "temperature_celsius"]
+    assert found["0"].now == ["power_watts"] and found["0"].share == 0.9
+    cleared = failing_readings(window, [], shares)["0"]
+    assert cleared.now == []  # the page says "failed ... none in the latest cycle"
