@@ -352,6 +352,18 @@ def gpu_link_health(wide: pd.DataFrame, down: dict[str, str] | None = None) -> p
 # GpuReadingsFailing's ratio (deploy/prometheus/alerts.rules.yml): below it, failed
 # readings are one-offs the page does not warn of (one in a 10-minute window is 0.2 %)
 FAILING_SHARE = 0.5
+# Its evidence, one query (`_tagged`: every part read at the same moment): the readings
+# that failed in the last 10 minutes and in the latest cycle, by card; the share of the
+# agent's cycles with a failure; the cards up now.
+FAILING_PARTS = {
+    "window": "max by (gpu, uuid, metric) (last_over_time("
+              "clusterpulse_gpu_reading_failing{node=NODE}[10m]))",
+    "now": "max by (gpu, uuid, metric) (clusterpulse_gpu_reading_failing{node=NODE})",
+    "share": "sum by (gpu, uuid) (increase(clusterpulse_gpu_failed_reading_cycles_total"
+             "{node=NODE}[10m])) / scalar(sum(increase(clusterpulse_agent_collections_total"
+             "{node=NODE}[10m])))",
+    "up": "max by (gpu, uuid) (clusterpulse_gpu_up{node=NODE} == 1)",
+}
 
 
 @dataclass(frozen=True)
@@ -364,27 +376,34 @@ class FailingReadings:
     now: list[str]
 
 
-def failing_readings(window: list, latest: list, shares: list) -> dict[str, FailingReadings]:
-    """gpu -> its FailingReadings, for GPUs up under the card that failed (the shares
-    are joined on gpu_up == 1 by uuid: a replaced card does not inherit them) at
-    GpuReadingsFailing's ratio or above. Such a GPU answers its liveness probe but not
-    its other readings: up, with gaps where its temperature, power or error counters
-    should be, and the alerts that read them cannot fire."""
-    def by_card(samples: list) -> dict[tuple[str, str], set[str]]:
-        out: dict[tuple[str, str], set[str]] = {}
-        for x in samples:
-            if x.value >= 1:
-                out.setdefault((x.labels.get("gpu", ""), x.labels.get("uuid", "")),
-                               set()).add(x.labels.get("metric", "?"))
-        return out
-
-    failed, now = by_card(window), by_card(latest)
-    found = {}
-    for x in shares:
+def failing_readings(samples: list) -> dict[str, FailingReadings]:
+    """gpu -> its FailingReadings (FAILING_PARTS' samples), for the card up now at that
+    index (a replaced card does not inherit its predecessor's) at GpuReadingsFailing's
+    ratio or above. Such a GPU answers its liveness probe but not its other readings:
+    up, with gaps where its temperature, power or error counters should be, and the
+    alerts that read them cannot fire."""
+    parts: dict[str, dict[tuple[str, str], Any]] = {"window": {}, "now": {}, "share": {},
+                                                     "up": {}}
+    for x in samples:
+        part = parts.get(x.labels.get("part", ""))
         card = (x.labels.get("gpu", ""), x.labels.get("uuid", ""))
-        if math.isfinite(x.value) and x.value >= FAILING_SHARE and card in failed:
-            found[card[0]] = FailingReadings(x.value, sorted(failed[card]),
-                                             sorted(now.get(card, ())))
+        if part is None or not math.isfinite(x.value):
+            continue
+        if "metric" in x.labels:
+            if x.value >= 1:
+                part.setdefault(card, set()).add(x.labels["metric"])
+        else:
+            part[card] = x.value
+    found: dict[str, FailingReadings] = {}
+    for card, share in parts["share"].items():
+        gpu = card[0]
+        if card not in parts["up"] or share < FAILING_SHARE or card not in parts["window"]:
+            continue
+        if gpu in found and found[gpu].share >= share:  # two cards up at one index
+            continue
+        # `increase` extrapolates to the window's ends: every cycle failing reads ~104 %
+        found[gpu] = FailingReadings(min(share, 1.0), sorted(parts["window"][card]),
+                                     sorted(parts["now"].get(card, ())))
     return dict(sorted(found.items(), key=lambda kv: (len(kv[0]), kv[0])))
 
 
@@ -405,16 +424,8 @@ def node(prom_url: str, name: str, range_s: int, end: float | None = None) -> Re
                            f'(clusterpulse_gpu_ecc_errors_total{{node={sel}}})'),
             "down": partial(prom.query,
                             f"max by (gpu, reason) (clusterpulse_gpu_down_reason{{node={sel}}})"),
-            # GpuReadingsFailing's evidence: which readings, in what share of the cycles
-            "failing": partial(prom.query, f"max by (gpu, uuid, metric) (last_over_time("
-                               f"clusterpulse_gpu_reading_failing{{node={sel}}}[10m]))"),
-            "failing_now": partial(prom.query, f"max by (gpu, uuid, metric) "
-                                   f"(clusterpulse_gpu_reading_failing{{node={sel}}})"),
-            "failing_share": partial(
-                prom.query, f"sum by (gpu, uuid) (increase(clusterpulse_gpu_failed_reading_"
-                f"cycles_total{{node={sel}}}[10m])) / scalar(sum(increase(clusterpulse_agent_"
-                f"collections_total{{node={sel}}}[10m]))) and on (gpu, uuid) "
-                f"(clusterpulse_gpu_up{{node={sel}}} == 1)"),
+            "failing": partial(prom.query, _tagged(
+                {part: e.replace("NODE", sel) for part, e in FAILING_PARTS.items()})),
             "gpu_links": partial(_parts, prom, GPU_LINK_PARTS, name, ["gpu"]),
             "nics": partial(_parts, prom, NIC_LINK_PARTS, name, ["device", "port", "kind"])})
         series = {title: _wide(got[title], "gpu") for title in NODE_SERIES}
@@ -425,8 +436,7 @@ def node(prom_url: str, name: str, range_s: int, end: float | None = None) -> Re
             events["meaning"] = events["xid"].map(explain.xid)
         nics = got["nics"]
         return {"series": series, "throttle": [(r.labels, r.points) for r in got["throttle"]],
-                "down": down, "failing": failing_readings(got["failing"], got["failing_now"],
-                                                         got["failing_share"]),
+                "down": down, "failing": failing_readings(got["failing"]),
                 "xid": events, "ecc": ecc, "gpu_links": gpu_links, "nics": nics,
                 "queries": prom.queries}
 

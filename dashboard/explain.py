@@ -47,3 +47,18 @@ def xid(code: object) -> str:
         return XIDS.get(int(str(code)), "see NVIDIA's XID catalogue")
     except ValueError:
         return "not an XID code"
+
+
+def failing_readings(gpu: str, share: float, readings: list[str], now: list[str]) -> str:
+    """What the Node page says of a GPU up whose NVML readings fail (GpuReadingsFailing's
+    evidence, dashboard/data.py FailingReadings): present tense while the latest cycle
+    failed too, past once it read them all."""
+    window = (f"in {share:.0%} of the agent's cycles of the last 10 minutes "
+              f"({', '.join(readings)})")
+    if now:
+        return (f"GPU {gpu}: NVML fails its readings {window}, and in the latest cycle "
+                f"({', '.join(now)}). Those charts have gaps for it and the alerts that "
+                "read them cannot fire for it (GpuReadingsFailing fires at half the cycles "
+                "for 5 minutes).")
+    return (f"GPU {gpu}: NVML failed its readings {window}, none in the latest cycle. "
+            "Those charts have gaps for it in that time.")

@@ -89,19 +89,6 @@ def now_line(gpu: str, figures: dict[str, float], reasons: list[str]) -> str:
                else "no throttling in this range"))
 
 
-def failing_line(gpu: str, f: data.FailingReadings) -> str:
-    """What the page says of a GPU up whose NVML readings fail (GpuReadingsFailing's
-    evidence): present tense while the latest cycle failed too, past once it did not."""
-    share = f"in {f.share:.0%} of the agent's cycles of the last 10 minutes"
-    if f.now:
-        return (f"GPU {gpu}: NVML fails its readings of {', '.join(f.readings)} {share}, "
-                f"the latest included ({', '.join(f.now)}). Those charts have gaps for "
-                "it and the alerts that read them cannot fire for it (GpuReadingsFailing "
-                "fires at half the cycles for 5 minutes).")
-    return (f"GPU {gpu}: NVML failed its readings of {', '.join(f.readings)} {share}, "
-            "none in the latest cycle. Those charts have gaps for it in that time.")
-
-
 def figures_of(d: dict, gpu: str) -> dict[str, float]:
     """The GPU's last figures from the page's series (when data.gpu_now had none)."""
     column, out = f"gpu {gpu}", {}
@@ -150,9 +137,9 @@ def live() -> None:
     for gpu, reason in sorted(d["down"].items()):  # the rest of the page lacks them
         banners.error(f"GPU {gpu} is DOWN — {explain.down_reason(reason)}. It reports "
                       "nothing else, so it is missing from the charts below.")
-    for gpu, failing in d["failing"].items():
+    for gpu, f in d["failing"].items():
         if gpu not in d["down"]:
-            banners.warning(failing_line(gpu, failing))
+            banners.warning(explain.failing_readings(gpu, f.share, f.readings, f.now))
     if focus is not None and focus not in d["down"]:
         if now is None or now.down is not None:  # not drawn above: from the page's data
             throttled = throttle_rows(d, focus)

@@ -35,9 +35,12 @@ time.sleep(120)
 
 
 def connect(path: str) -> socket.socket:
+    """A rank's connection to the agent. Its replies may come late on a loaded machine
+    (2 s was once not enough for the first reply of an agent just started, in a
+    fresh-machine run): the timeout only bounds a test that fails, none waits it out."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(path)
-    s.settimeout(2)
+    s.settimeout(10)
     return s
 
 

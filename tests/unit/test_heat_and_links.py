@@ -6,10 +6,17 @@ xnan)`, NVLinks `0 / 0`, health ok; a node whose agent is unreachable had no row
 from __future__ import annotations
 
 import pandas as pd
+import yaml
 
-from clusterpulse.dashboard import heat
-from clusterpulse.dashboard.data import HEATMAP_METRICS, failing_readings, gpu_link_health
+from clusterpulse.dashboard import explain, heat
+from clusterpulse.dashboard.data import (
+    FAILING_SHARE,
+    HEATMAP_METRICS,
+    failing_readings,
+    gpu_link_health,
+)
 from clusterpulse.dashboard.promclient import Sample
+from tests.support.procs import REPO
 
 
 def frames():
@@ -88,26 +95,46 @@ def test_the_run_pages_step_says_restarting_instead_of_step_0():
 
 
 def test_the_node_page_warns_of_failing_readings_at_the_alerts_ratio_for_the_card_up():
-    """A review of the Node page's warning: one failed reading warned for 10 minutes as
-    "0 %" of the cycles, in the present tense after the fault had cleared, and a card
-    replaced at the same index inherited the old card's warning."""
-    def failing(gpu: str, uuid: str, metric: str) -> Sample:
-        return Sample({"gpu": gpu, "uuid": uuid, "metric": metric}, 1)
+    """Two reviews of the Node page's warning: one failed reading warned for 10 minutes as
+    "0 %" of the cycles, in the present tense after the fault had cleared, a card
+    replaced at the same index inherited the old card's warning, and "104 %" (increase
+    extrapolates) could be read."""
+    def failing(part: str, gpu: str, uuid: str, metric: str) -> Sample:
+        return Sample({"part": part, "gpu": gpu, "uuid": uuid, "metric": metric}, 1)
 
-    def share(gpu: str, uuid: str, value: float) -> Sample:
-        return Sample({"gpu": gpu, "uuid": uuid}, value)
+    def card(part: str, gpu: str, uuid: str, value: float = 1) -> Sample:
+        return Sample({"part": part, "gpu": gpu, "uuid": uuid}, value)
 
-    window = [failing("0", "GPU-a", "temperature_celsius"), failing("0", "GPU-a", "power_watts"),
-              failing("1", "GPU-b", "power_watts"), failing("2", "GPU-old", "power_watts"),
-              failing("3", "GPU-d", "power_watts")]
-    latest = [failing("0", "GPU-a", "power_watts")]
-    shares = [share("0", "GPU-a", 0.9),
-              share("1", "GPU-b", 1 / 600),  # one failed cycle in 10 minutes: no warning
-              share("2", "GPU-new", 1.0),  # the card up now at index 2 never failed
-              share("3", "GPU-d", float("nan"))]  # no cycles counted: nothing to say
-    found = failing_readings(window, latest, shares)
+    samples = [
+        failing("window", "0", "GPU-a", "temperature_celsius"),
+        failing("window", "0", "GPU-a", "power_watts"), failing("now", "0", "GPU-a", "power_watts"),
+        card("share", "0", "GPU-a", 1.04), card("up", "0", "GPU-a"),
+        # one failed cycle in 10 minutes: no warning
+        failing("window", "1", "GPU-b", "power_watts"), card("share", "1", "GPU-b", 1 / 600),
+        card("up", "1", "GPU-b"),
+        # the card at index 2 was replaced: the old one failed, the one up now did not
+        failing("window", "2", "GPU-old", "power_watts"), card("share", "2", "GPU-old", 1.0),
+        card("up", "2", "GPU-new"),
+        # no cycles counted: nothing to say
+        failing("window", "3", "GPU-d", "power_watts"), card("share", "3", "GPU-d", float("nan")),
+        card("up", "3", "GPU-d")]
+    found = failing_readings(samples)
     assert list(found) == ["0"], found
-    assert found["0"].readings == ["power_watts", "temperature_celsius"]
-    assert found["0"].now == ["power_watts"] and found["0"].share == 0.9
-    cleared = failing_readings(window, [], shares)["0"]
-    assert cleared.now == []  # the page says "failed ... none in the latest cycle"
+    f = found["0"]
+    assert (f.share, f.readings, f.now) == (1.0, ["power_watts", "temperature_celsius"],
+                                            ["power_watts"])
+    assert explain.failing_readings("0", f.share, f.readings, f.now) == (
+        "GPU 0: NVML fails its readings in 100% of the agent's cycles of the last 10 minutes "
+        "(power_watts, temperature_celsius), and in the latest cycle (power_watts). Those "
+        "charts have gaps for it and the alerts that read them cannot fire for it "
+        "(GpuReadingsFailing fires at half the cycles for 5 minutes).")
+    cleared = failing_readings([x for x in samples if x.labels["part"] != "now"])["0"]
+    assert explain.failing_readings("0", 0.62, cleared.readings, cleared.now) == (
+        "GPU 0: NVML failed its readings in 62% of the agent's cycles of the last 10 minutes "
+        "(power_watts, temperature_celsius), none in the latest cycle. Those charts have "
+        "gaps for it in that time.")
+    # the page warns from the alert's own ratio
+    rules = yaml.safe_load((REPO / "deploy/prometheus/alerts.rules.yml").read_text())
+    (rule,) = [r for g in rules["groups"] for r in g["rules"]
+               if r.get("alert") == "GpuReadingsFailing"]
+    assert f">= {FAILING_SHARE}" in rule["expr"], rule["expr"]
