@@ -60,8 +60,9 @@ RELAUNCH_FILE_ENV = "CLUSTERPULSE_RELAUNCH_FILE"
 CANNOT_LEAVE_ENV = "CLUSTERPULSE_CANNOT_LEAVE"  # a LEAVE_REFUSALS key, from the launcher
 MIN_NODES_ENV = "CLUSTERPULSE_MIN_NODES"  # the launcher's --nnodes minimum
 # Set by the launcher for the ranks, read by trainer/parallel.py. Here, not there: the
-# launcher is a supervisor that never needs torch, and importing parallel.py imported
-# it (1.3 s of CPU, ~300 MB, in every clusterpulse-train of a single-node job).
+# launcher is a supervisor that needs torch only where torch must answer (the GPU count
+# without --nproc, a multi-node rendezvous endpoint), and importing parallel.py imported
+# it in every clusterpulse-train (1.3 s of CPU, ~300 MB).
 # A fresh store each rendezvous round (pytorch#135712; parallel's check says why).
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # attempts before this torchrun: its graceful relaunches and earlier torchruns' failure
