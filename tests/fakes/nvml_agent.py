@@ -24,14 +24,16 @@ from clusterpulse.agent import cli
 from tests.fakes.fake_pynvml import FakeNvml
 
 
-def _take(argv: list[str], flag: str) -> tuple[int | None, list[str]]:
-    """The whole number after `flag` (None if absent) and argv without the two."""
+def _take(argv: list[str], flag: str, digits: bool = True) -> tuple[str | None, list[str]]:
+    """The value after `flag` (None if absent; a whole number unless not `digits`) and
+    argv without the two."""
     if flag not in argv:
         return None, argv
     i = argv.index(flag)
-    if i + 1 == len(argv) or not argv[i + 1].isdigit():
-        raise ValueError(f"nvml_agent: {flag} needs a whole number")
-    return int(argv[i + 1]), argv[:i] + argv[i + 2:]
+    if i + 1 == len(argv) or (digits and not argv[i + 1].isdigit()):
+        raise ValueError(f"nvml_agent: {flag} needs "
+                         f"{'a whole number' if digits else 'a value'}")
+    return argv[i + 1], argv[:i] + argv[i + 2:]
 
 
 def main(argv: list[str]) -> int:
@@ -39,19 +41,14 @@ def main(argv: list[str]) -> int:
         errors, argv = _take(argv, "--nvlink-errors")
         gpus, argv = _take(argv, "--fake-gpus")
         lost, argv = _take(argv, "--lost-gpu")
-        failing = None
-        if "--failing-call" in argv:
-            i = argv.index("--failing-call")
-            if i + 1 == len(argv):
-                raise ValueError("nvml_agent: --failing-call needs a pynvml function's name")
-            failing, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+        failing, argv = _take(argv, "--failing-call", digits=False)
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2
-    fake = FakeNvml(gpus=2 if gpus is None else gpus)
-    fake.gpus[0].nvlink_errors[(0, pynvml.NVML_NVLINK_ERROR_DL_REPLAY)] = errors or 0
+    fake = FakeNvml(gpus=2 if gpus is None else int(gpus))
+    fake.gpus[0].nvlink_errors[(0, pynvml.NVML_NVLINK_ERROR_DL_REPLAY)] = int(errors or 0)
     if lost is not None:
-        fake.gpus[lost].lost = True
+        fake.gpus[int(lost)].lost = True
     if failing is not None:
         fake.gpus[0].failing_fns.add(failing)
     # The backend imports "pynvml" when it starts: it gets the fake.
