@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.local.stack import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "scontrol", "sbatch", "squeue", "sinfo")
 
@@ -197,12 +199,11 @@ class SlurmCluster:
     @classmethod
     def on_testbed(cls, bed, run_dir: Path, **kw) -> SlurmCluster:
         """A Slurm on every node of a running deploy.testbed.Testbed, slurmctld on its
-        bridge address at a free port."""
-        with socket.socket() as s:
-            s.bind((bed.bridge_ip, 0))
-            port = s.getsockname()[1]
+        bridge address at a free port. slurmctld listens on every address, and the port
+        is free_port's, below the ephemeral range: a kernel-chosen one went to an
+        outgoing connection before slurmctld bound it (CI lost all Slurm tests so)."""
         return cls.start(run_dir, [SlurmNode.of(n) for n in bed.nodes], bed.bridge_ip,
-                         port, **kw)
+                         free_port(), **kw)
 
     @classmethod
     def start(cls, run_dir: Path, nodes: Sequence[SlurmNode], ctl_addr: str,

@@ -21,6 +21,7 @@ from clusterpulse.agent.audit import AuditLog
 from clusterpulse.dashboard.promclient import PrometheusClient
 from clusterpulse.dashboard.remediation import Policy, Remediator
 from clusterpulse.trainer.checkpoint import find_latest_valid
+from clusterpulse.trainer.torchrun import PORT_RANGE
 from deploy.testbed.slurm import SlurmCluster, unavailable
 from tests.support.procs import REPO, wait_until
 from tests.support.promstub import AlertsPrometheus
@@ -122,6 +123,15 @@ def port_open(ip: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1)
         return s.connect_ex((ip, port)) == 0
+
+
+def test_slurmctld_listens_on_a_port_no_outgoing_connection_is_handed(slurm):
+    """slurmctld binds its port on every address after the testbed chose it; a port from
+    the kernel's ephemeral range could go to any outgoing connection meanwhile (CI lost
+    every Slurm test to "Address already in use" so)."""
+    ephemeral_low = int(PORT_RANGE.read_text().split()[0])
+    assert slurm.ctl_port < ephemeral_low, (slurm.ctl_port, ephemeral_low)
+    assert f"SlurmctldPort={slurm.ctl_port}" in slurm.conf.read_text()
 
 
 def test_sbatch_runs_agent_step_and_torchrun_on_every_node(slurm, bed):
