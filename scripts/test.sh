@@ -5,15 +5,17 @@
 # (scripts/test-oldest-torch.sh; its venv is built in the background meanwhile, which
 # mostly waits on the download).
 # Extra arguments go to pytest and run that selection only, on the main venv, e.g.
-# `scripts/test.sh -m "not slow"`. Two test files run at a time (a file's tests stay
-# together: they share their module's stack or testbed); PYTEST_WORKERS=0 runs
-# everything in this one process, e.g. to debug.
+# `scripts/test.sh -m "not slow"`. Three test files run at a time (a file's tests stay
+# together: they share their module's stack or testbed; most files wait on alerts'
+# `for`, restarts and rendezvous more than on the CPU: on 2 cores three at a time took
+# 1,376 s where two took 1,550); PYTEST_WORKERS=0 runs everything in this one
+# process, e.g. to debug.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check --quiet .
 mkdir -p artifacts
-workers=${PYTEST_WORKERS:-2}
+workers=${PYTEST_WORKERS:-3}
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
