@@ -37,34 +37,7 @@ def _has_nvidia_gpu() -> bool:
         return False
 
 
-# The files that take longest, longest first (wall seconds of a whole run with three
-# test files at a time on 2 cores, 2026-12-07). pytest-xdist's --dist loadfile hands
-# files out in collection order; started last, one of these kept one worker busy alone
-# for minutes after the others ran out of files. A file not listed keeps its place.
-LONGEST_FILES = (
-    "tests/integration/test_trainer_recovery.py",  # 556 s
-    "tests/integration/test_detection_e2e.py",  # 393 s
-    "tests/integration/test_restart_safety.py",  # 317 s
-    "tests/cluster/test_slurm.py",  # 304 s
-    "tests/e2e/test_dashboard_browser.py",  # 272 s
-    "tests/cluster/test_spare.py",  # 199 s
-    "tests/integration/test_demo_faults.py",  # 170 s
-    "tests/cluster/test_multinode.py",  # 121 s
-    "tests/cluster/test_evict.py",  # 114 s
-    "tests/integration/test_remediation_and_ctl.py",  # 108 s
-    "tests/integration/test_ddp_tutorial.py",  # 105 s
-)
-
-
-def longest_files_first(items: list[pytest.Item]) -> None:
-    """Reorder `items` in place: LONGEST_FILES' tests first, in that order; the rest
-    after, as collected (the sort is stable, a file's tests keep their order)."""
-    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
-
 def pytest_collection_modifyitems(config, items):
-    longest_files_first(items)
     if _has_nvidia_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU and driver (nvidia-smi -L failed)")
