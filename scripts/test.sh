@@ -22,8 +22,9 @@ if [ $# -gt 0 ]; then
 fi
 # At the lowest CPU priority: its ~80 s of CPU (unpacking ~8 GB of wheels) is for later,
 # the tests' is for now (the two workers leave about a quarter of the CPU idle, waiting
-# on alerts' `for`, restarts and rendezvous). Three workers were tried: on a fresh
-# machine the main suite took 1,607 s and 1,628 s against 1,463-1,556 s with two.
+# on alerts' `for`, restarts and rendezvous). Three workers were tried on a fresh
+# machine: the main suite took 1,607 s and 1,628 s, and 1,603 s with two the same
+# evening (1,463-1,556 s earlier that day): no gain to show for the added load.
 nice -n 19 scripts/test-oldest-torch.sh --prepare > artifacts/oldest-torch-setup.log 2>&1 &
 prepare=$!
 status=0
