@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check --quiet .
 mkdir -p artifacts
-workers=${PYTEST_WORKERS:-2}
+workers=${PYTEST_WORKERS:-3}
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
