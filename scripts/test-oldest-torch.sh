@@ -3,8 +3,8 @@
 # (clusters run the torch of their container images, not the newest). Builds
 # .venv-torch-oldest once (torch from PyPI: its CUDA build, ~5 GB, as PyPI has no CPU
 # build of it; TORCH_OLDEST_INDEX=URL takes it from another index, e.g. a CPU one),
-# then runs the tests. scripts/test.sh builds it in the background while the main
-# suite runs, then calls this.
+# then runs the tests (two files at a time; `-n 1` for one). scripts/test.sh builds it
+# and runs these tests in the background, one file at a time, beside the main suite.
 #   scripts/test-oldest-torch.sh            build if needed, then test
 #   scripts/test-oldest-torch.sh --prepare  build only
 #   scripts/test-oldest-torch.sh -k async   extra arguments go to pytest
