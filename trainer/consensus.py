@@ -7,7 +7,8 @@ every rank
 - the decision: restart if any rank heard a restart command (so all stop at the same
   step even if only one node's agent got the command); likewise a SIGTERM seen by
   any rank (preemption) and a time-based checkpoint wanted by any rank; and
-- the straggler scores of every rank, from detection.scoring.StragglerScorer: the same
+- in a world of more than one, the straggler scores of every rank, from
+  detection.scoring.StragglerScorer: the same
   code that `clusterpulse-detect replay` runs on a recorded trace. Each rank is scored
   against its peers step by step (job-wide slowdowns cancel) and against its own
   history (a GPU that is always a few percent slower, or rank 0's extra work, is not
@@ -103,6 +104,11 @@ class Consensus:
         restart = any(f & 1 for f in flags_all)
         checkpoint = any(f & 2 for f in flags_all)
         preempt = any(f & 4 for f in flags_all)
+        if len(rows) == 1:
+            # A world of one has no peers: every score would be 1 (each step against
+            # itself), at ~0.3 ms of the training thread's time per exchange.
+            self.seconds += time.perf_counter() - t0
+            return restart, checkpoint, None, preempt
         times = np.array([r[1:] for r in rows], dtype=np.float64).T  # steps x ranks
         if self.scorer is None or self.scorer.ranks != len(rows):
             self.scorer = self._new_scorer(len(rows))

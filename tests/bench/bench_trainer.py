@@ -317,6 +317,32 @@ def bench_instrument_host_cost(layer_counts: tuple[int, ...] = (1, 64), blocks: 
                                     budget="constant in model size"))
                 finally:
                     pulse.close()
+    rows += scorer_host_cost()
+    return rows
+
+
+def scorer_host_cost(worlds: tuple[int, ...] = (8, 64), steps: int = 2000) -> list[Row]:
+    """The straggler scorer's CPU time per step on every rank of a world of more than
+    one (a world of one runs none: no peers, so the recipe loop above, a world of one,
+    does not pay it): one evaluation every 5 steps over the gathered times, as the
+    exchange feeds it, after its warm-up and windows are full."""
+    import numpy as np
+
+    from clusterpulse.detection.scoring import StragglerScorer
+
+    rows = []
+    for world in worlds:
+        rng = np.random.default_rng(world)
+        blocks = [rng.gamma(400, 1 / 400, size=(5, world)) for _ in range(steps // 5)]
+        scorer = StragglerScorer(world)
+        for block in blocks[:100]:  # 500 steps: past the warm-up, every window full
+            scorer.observe(block)
+        c0 = time.thread_time()
+        for block in blocks[100:]:
+            scorer.observe(block)
+        per_step = (time.thread_time() - c0) / (len(blocks) - 100) / 5
+        rows.append(Row(f"  straggler scorer per step ({world} ranks; every rank runs it)",
+                        per_step * 1e6, "us"))
     return rows
 
 

@@ -1,10 +1,14 @@
 """A real gloo process group of one in the test process: the instrumentation's
 distributed paths (hooks, wrapped collectives, sync probes) without a second rank,
-and a peer that is late to DDP's all-reduce without one."""
+and a peer that is late to DDP's all-reduce without one; and a world of several ranks,
+each a process of its own, for what only exists with peers (the straggler scorer)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -12,6 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.support.procs import REPO
 
 
 @contextlib.contextmanager
@@ -48,3 +54,23 @@ def late_peer(seconds: float) -> Callable[..., torch.futures.Future]:
         return fut
 
     return hook
+
+
+def run_ranks(script: str, world: int, scratch: Path, *args: str,
+              timeout: float = 300) -> None:
+    """Runs `script` (Python source) as `world` ranks, each a process of its own
+    (subprocesses, not multiprocessing's spawn: that re-runs the parent's __main__,
+    which in a test worker may be another test's script). Each gets argv: rank, world,
+    a file store for init_process_group in `scratch`, then `args`; the ranks start
+    together (a process start costs seconds). Asserts that every rank exited 0."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world),
+                               str(scratch / "store"), *args], env=env, cwd=REPO,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    try:
+        errors = [r.communicate(timeout=timeout)[1] for r in ranks]
+    finally:
+        for r in ranks:
+            r.kill()
+    assert [r.returncode for r in ranks] == [0] * world, errors

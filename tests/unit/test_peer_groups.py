@@ -6,13 +6,10 @@ group (the 1.3x gross rule), and no way to say otherwise outside offline replay.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from clusterpulse.trainer.consensus import peer_groups
-from tests.support.procs import REPO
+from tests.support.worlds import run_ranks
 
 STAGE_COST = [1.0, 1.0, 1.4, 1.4]  # two pipeline stages, two data-parallel ranks each
 STEPS = 300
@@ -29,9 +26,7 @@ def test_labels_make_groups_only_where_each_has_two_ranks():
 
 CASES = {"one": (False, -1), "healthy": (True, -1), "slow": (True, 3)}  # grouped, slow rank
 
-# Each rank a process of its own (a subprocess, not multiprocessing's spawn: that re-runs
-# the parent's __main__, which in a test worker may be another test's script), each case
-# in turn on one process group (a process start costs seconds).
+# Each case in turn on one process group (a process start costs seconds).
 WORKER = """
 import json, sys
 from pathlib import Path
@@ -61,17 +56,7 @@ dist.destroy_process_group()
 
 def test_a_costlier_stage_is_no_straggler_and_its_straggler_is_found(tmp_path):
     out = str(tmp_path / "flagged")
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO)}
-    ranks = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), "4",
-                               str(tmp_path / "store"), out], env=env, cwd=REPO,
-                              stderr=subprocess.PIPE, text=True) for r in range(4)]
-    try:
-        errors = [r.communicate(timeout=300)[1] for r in ranks]
-    finally:
-        for r in ranks:
-            r.kill()
-    assert [r.returncode for r in ranks] == [0] * 4, errors
+    run_ranks(WORKER, 4, tmp_path, out)
     seen = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(4)]
     # one group: the costlier stage's ranks are "stragglers" for the whole run
     assert [s["one"] for s in seen] == [[2, 3]] * 4

@@ -36,7 +36,7 @@ from clusterpulse.trainer.telemetry import AgentLink, parse_agent_addr
 from clusterpulse.trainer.torch_support import rendezvous_keep_alive
 from tests.support.ports import free_port
 from tests.support.procs import REPO, wait_until
-from tests.support.worlds import gloo_world_of_one, late_peer
+from tests.support.worlds import gloo_world_of_one, late_peer, run_ranks
 
 # The rendezvous handlers below beat every second where torch takes the setting (2.7+);
 # on the oldest supported torch they keep torch's own 5 s.
@@ -181,16 +181,16 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
-def test_straggler_score_is_relative_and_skips_warmup():
+def test_a_world_of_one_agrees_its_flags_and_runs_no_straggler_scorer():
+    """Alone, a rank has no peers: its scores were always 1, at ~0.3 ms of the training
+    thread a exchange (issue #26: host time per step). The flags still count."""
     c = Consensus(every=3, warmup_windows=1)
-    for x in (0.1, 0.1, 0.1):
-        c.record(x)
-    assert c.exchange(False, world=1) == (False, False, None, False)  # warm-up window
-    for _ in range(3):  # scores once the scorer's 10-step window is full
+    for _ in range(6):  # past the warm-up and the scorer's 10-step window
         for x in (0.2, 0.2, 0.9):
             c.record(x)
         restart, ckpt, scores, preempt = c.exchange(True, world=1, want_checkpoint=True)
-    assert restart and ckpt and scores == [1.0] and not preempt  # its own typical peer
+        assert restart and ckpt and scores is None and not preempt
+    assert c.scorer is None and c.last is None and c.exchanges == 6
     assert c.exchange(False, world=1, want_preempt=True)[3] is True
 
 
@@ -1611,29 +1611,58 @@ def test_a_standby_whose_round_ended_waits_held_for_the_jobs_nodes(tmp_path, cap
         assert count.read_text() == "1" and "rendezvous is gone" in err
 
 
+BASELINES_WORKER = """
+import json, sys
+from pathlib import Path
+import torch.distributed as dist
+from clusterpulse.trainer.consensus import Consensus
+rank, world, store, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+me, seen = f"host-a/GPU-{rank}", {}
+first = Consensus(every=5, state_path=path, identity=me, save_every=2)
+for i in range(40):  # 200 steps: past the scorer's warm-up
+    for _ in range(5):
+        first.record(0.1)
+    scores = first.exchange(False, world)[2]
+    if i == 0:
+        seen["warm-up"] = scores
+seen["scores"] = scores
+dist.barrier()
+saved = json.loads(path.read_text())["gpus"]
+seen["saved"] = saved
+second = Consensus(every=5, state_path=path, identity=me)
+for _ in range(5):
+    second.record(0.1)
+second.exchange(False, world)
+seen["keys"] = second.scorer.keys
+seen["kept"] = second.scorer.state()[me] == saved[me]  # not yet relearnt
+dist.barrier()
+if rank == 0:
+    path.write_text("{not json")
+dist.barrier()
+third = Consensus(every=5, state_path=path, identity=me)
+third.record(0.1)
+third.exchange(False, world)  # a warning, and a fresh scorer
+seen["afresh"] = third.scorer.state()
+Path(f"{path}.{rank}").write_text(json.dumps(seen))
+dist.destroy_process_group()
+"""
+
+
 def test_straggler_baselines_are_kept_per_gpu_across_starts(tmp_path):
     """A restart (also the policy's own, for a slow GPU) relearnt every baseline, and
     the slow GPU became normal: the baselines are saved per hardware identity and the
-    next start reads them (unreadable state: learn afresh, never fail)."""
+    next start reads them (unreadable state: learn afresh, never fail). Two real ranks:
+    a world of one has no peers and no scorer."""
     path = tmp_path / "straggler-state.json"
-    first = Consensus(every=5, state_path=path, identity="host-a/GPU-1", save_every=2)
-    for _ in range(40):  # 200 steps: past the scorer's warm-up
-        for _ in range(5):
-            first.record(0.1)
-        first.exchange(False, 1)
-    saved = json.loads(path.read_text())["gpus"]
-    assert list(saved) == ["host-a/GPU-1"] and set(saved["host-a/GPU-1"]) == {"b", "v", "bc", "vc"}
-    second = Consensus(every=5, state_path=path, identity="host-a/GPU-1")
-    for _ in range(5):
-        second.record(0.1)
-    second.exchange(False, 1)
-    assert second.scorer is not None and second.scorer.keys == ["host-a/GPU-1"]
-    assert second.scorer.state()["host-a/GPU-1"] == saved["host-a/GPU-1"]  # not yet relearnt
-    path.write_text("{not json")
-    third = Consensus(every=5, state_path=path, identity="host-a/GPU-1")
-    third.record(0.1)
-    third.exchange(False, 1)  # a warning, and a fresh scorer
-    assert third.scorer is not None and third.scorer.state() == {}
+    run_ranks(BASELINES_WORKER, 2, tmp_path, str(path))
+    for rank in range(2):
+        seen = json.loads(Path(f"{path}.{rank}").read_text())
+        assert seen["warm-up"] is None and seen["scores"] == [1.0, 1.0]
+        assert sorted(seen["saved"]) == ["host-a/GPU-0", "host-a/GPU-1"]
+        assert all(set(v) == {"b", "v", "bc", "vc"} for v in seen["saved"].values())
+        assert seen["keys"] == ["host-a/GPU-0", "host-a/GPU-1"] and seen["kept"]
+        assert seen["afresh"] == {}
 
 
 def test_a_users_forward_pre_hook_on_the_model_is_its_own_work_not_ddps_broadcast():
