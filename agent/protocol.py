@@ -138,6 +138,14 @@ def _scalar(value: Any) -> Any:
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=_scalar)
 
 
+def check_run_id(run: str) -> str:
+    """The run id as the agent accepts it, or ValueError naming the rule."""
+    if not isinstance(run, str) or not RUN_ID.fullmatch(run):
+        raise ValueError(f"run id {run!r} is not accepted by the agent: use 1-128 characters "
+                         "from letters, digits and _ . : - (no spaces or slashes)")
+    return run
+
+
 def encode(msg: dict[str, Any]) -> bytes:
     return _ENCODER.encode({"v": VERSION, **msg}).encode()
 

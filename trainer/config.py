@@ -8,11 +8,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterpulse.agent.protocol import DEFAULT_TELEMETRY
+from clusterpulse.agent.protocol import DEFAULT_TELEMETRY, check_run_id
 from clusterpulse.agent.validate import is_digits
 from clusterpulse.trainer.faults import InjectError, Injection, parse_injection
-from clusterpulse.trainer.instrument import check_run_id
-from clusterpulse.trainer.model import PRESETS
+from clusterpulse.trainer.presets import PRESETS
 from clusterpulse.trainer.telemetry import DEFAULT_SOCKET_PATH, AgentAddr, parse_agent_addr
 
 # The launcher's variables the trainer reads as integers, wherever it runs (not
@@ -27,7 +26,7 @@ examples:
       --steps 60 --ckpt-every 10 --ckpt-dir CKPT --summary-json SUMMARY.json \\
       --inject crash:rank=1:step=35
   torchrun --standalone --nproc-per-node 4 -m clusterpulse.trainer --parallel fsdp --async-ckpt ...
-  torchrun --standalone --nproc-per-node 8 -m clusterpulse.trainer --preset 125m --dtype bf16 \
+  torchrun --standalone --nproc-per-node 8 -m clusterpulse.trainer --preset 125m --dtype bf16 \\
       --compile --global-batch 64 --steps 500 --summary-json SUMMARY.json   # tokens/s and MFU
   clusterpulse-train --nproc 2 -- --preset tiny --steps 20 --ckpt-dir /tmp/ckpt
 """

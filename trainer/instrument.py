@@ -71,7 +71,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.utils._pytree import tree_leaves
 
 from clusterpulse.agent import protocol
 from clusterpulse.trainer import PREEMPTED_EXIT_CODE, collective_timing
@@ -90,7 +89,11 @@ from clusterpulse.trainer.restart import (
     request_relaunch,
 )
 from clusterpulse.trainer.telemetry import AgentAddr, AgentLink, parse_agent_addr
-from clusterpulse.trainer.torch_support import require_supported
+from clusterpulse.trainer.torch_support import (
+    ddp_output_tensors,
+    ddp_rebuild_flag,
+    require_supported,
+)
 
 log = logging.getLogger("clusterpulse.trainer.instrument")
 HEARTBEAT_EVERY_S = 1.0
@@ -145,14 +148,6 @@ def _cpu_group() -> dist.ProcessGroup | None:
     if dist.is_initialized() and dist.get_backend() != "gloo":
         return dist.new_group(backend="gloo")
     return None
-
-
-def check_run_id(run: str) -> str:
-    """The run id as the agent accepts it, or ValueError naming the rule."""
-    if not isinstance(run, str) or not protocol.RUN_ID.fullmatch(run):
-        raise ValueError(f"run id {run!r} is not accepted by the agent: use 1-128 characters "
-                         "from letters, digits and _ . : - (no spaces or slashes)")
-    return run
 
 
 def resolve_agent(agent: AgentAddr | None) -> AgentAddr | None:
@@ -335,7 +330,7 @@ class Pulse:
                  peer_group: str | None = None) -> None:
         require_supported()  # UnsupportedTorch names the versions, before anything runs
         env = os.environ
-        self.run = check_run_id(run)
+        self.run = protocol.check_run_id(run)
         if consensus_every < 1:
             raise ValueError(f"consensus_every must be >= 1, got {consensus_every}")
         self.rank = int(env.get("RANK", 0)) if rank is None else rank
@@ -499,10 +494,19 @@ class Pulse:
 
         Forward: DDP broadcasts the model's buffers from rank 0 before every forward
         (broadcast_buffers=True, its default: a causal mask, BatchNorm statistics, a
-        rotary cache are buffers), and may rebuild its buckets there (a collective
-        too). A rank whose peer is late waits there, inside forward_backward: counted
-        as compute, it paged the waiting rank as the straggler. A pre-hook on DDP and
-        one on the wrapped module bracket that pre-forward: it is sync wait.
+        rotary cache are buffers), and rebuilds its buckets there once (a collective
+        too: in the second step's forward, the third's with static_graph, unless
+        find_unused_parameters without it). A rank whose peer is late waits there,
+        inside forward_backward: counted as compute, it paged the waiting rank as the
+        straggler. A pre-hook on DDP and one on the wrapped module bracket that
+        pre-forward where DDP broadcasts, and in each forward until DDP has rebuilt its
+        buckets (the ones before the rebuild too: their pre-forward work, the rank's
+        own, is small and the same on every rank): it is sync wait. Once rebuilt, a
+        model without buffers costs no mark there.
+
+        The output's tensors are found as DDP finds them (lists, tuples, dicts and
+        dataclasses, nested): a dataclass output (DDP takes one) was no tensor to
+        pytree, and its backward was not marked at all.
         """
         params = [p for p in ddp_model.parameters() if p.requires_grad]
         group = getattr(ddp_model, "process_group", None)
@@ -525,6 +529,8 @@ class Pulse:
         # until interpreter finalization, where their C++ destructors (gloo's threads)
         # run while Python is half torn down.
         engine = torch.autograd.Variable._execution_engine
+        output_tensors = ddp_output_tensors()
+        rebuild_known = ddp_rebuild_flag(ddp_model)
 
         def all_reduced() -> None:
             self._ddp_passes.append(
@@ -557,9 +563,16 @@ class Pulse:
             engine.queue_callback(own_work_done)
 
         def forward_called(module: Any, _args: Any) -> None:
-            # only where DDP broadcasts: its other pre-forward work is the rank's own
+            # only where DDP waits for peers: its other pre-forward work is the rank's
+            # own. It broadcasts the buffers, and rebuilds its buckets in one forward
+            # with gradients, unless it finds unused parameters without static_graph
+            # (DDP's conditions); once rebuilt, attribute reads and no call.
             sync = getattr(module, "will_sync_module_buffers", None)
-            self._fwd_start = self._clock.mark() if sync is None or sync() else None
+            waits = sync is None or sync() or (
+                rebuild_known and not module._has_rebuilt_buckets
+                and (module.static_graph or not module.find_unused_parameters)
+                and torch.is_grad_enabled())
+            self._fwd_start = self._clock.mark() if waits else None
 
         def ddp_work_done(_module: Any, _args: Any) -> None:
             if self._fwd_start is not None:  # not the inner module called on its own
@@ -571,7 +584,7 @@ class Pulse:
             # backward of this output reduces exactly then
             if not (torch.is_grad_enabled() and module.require_backward_grad_sync):
                 return
-            for t in tree_leaves(output):  # each: the loss may use any of them
+            for t in output_tensors(output):  # each: the loss may use any of them
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(backward_starts)
 

@@ -84,6 +84,7 @@ from pathlib import Path
 
 from clusterpulse.agent.validate import is_digits
 from clusterpulse.trainer import spares
+from clusterpulse.trainer.config import ConfigError, parse_config
 from clusterpulse.trainer.dirclaim import JOB_ID_ENV
 from clusterpulse.trainer.restart import (
     ATTEMPTS_BEFORE_ENV,
@@ -696,7 +697,13 @@ def main(argv: list[str] | None = None) -> int:
     a, trainer_args = parse(sys.argv[1:] if argv is None else argv)
     try:
         require_supported()  # before any rank starts: one line, not a traceback per rank
-    except UnsupportedTorch as err:
+        if not a.script:
+            # The trainer's own flags, here too: every rank refused a usage error (exit
+            # 2), torchrun spent --max-restarts on it and then printed a traceback per
+            # failure (a review: the error 4 times, then 5 tracebacks). What needs the
+            # world (the batch per rank) is still the ranks' to check.
+            parse_config(trainer_args)
+    except (UnsupportedTorch, ConfigError) as err:
         print(f"clusterpulse-train: error: {err}", file=sys.stderr)
         return 2
     a.nproc = ranks_per_node(a)  # once: torch's GPU count is not asked twice

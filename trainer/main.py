@@ -33,6 +33,7 @@ from clusterpulse.trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
     Found,
+    candidates,
     describe_error,
     iter_valid,
     model_mismatch,
@@ -227,6 +228,7 @@ class Trainer:
                       flush=True)
 
         partly_loaded = False
+        present = len(candidates(self.cfg.ckpt_dir))
         shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
         for found in iter_valid(self.cfg.ckpt_dir, info.rank, info.world, self.pulse.all_ranks,
                                 unusable):
@@ -281,7 +283,12 @@ class Trainer:
                     self.runstate.attempts = max(self.runstate.attempts, self.attempt + 1)
                     self._save_runstate()
                 raise SystemExit(1)
-            if self.attempt > 0 and info.rank == 0:
+            if present and info.rank == 0:
+                # each was named above as "falling back to an older one", the oldest
+                # too: say where that ends (a review: the run silently began again)
+                print(f"trainer: none of the {present} checkpoint(s) in "
+                      f"{self.cfg.ckpt_dir} is usable: starting from step 0", flush=True)
+            elif self.attempt > 0 and info.rank == 0:
                 log.warning("restart %d found no valid checkpoint: starting from step 0",
                             self.attempt)
             return 0

@@ -95,6 +95,10 @@ def test_unusable_checkpoints_do_not_hold_the_keep_slots(tmp_path, clean_digest)
     assert r.returncode == 0, r.log[-3000:]
     resumed = [x["resume_step"] for x in r.summary["restarts"]]
     assert resumed == [0, 10], r.summary["restarts"]  # the second resumes from its own save
+    # where falling back ends, said (a review: a run whose every checkpoint was corrupt
+    # began again from step 0 after "falling back to an older one" for the oldest too)
+    assert "none of the 2 checkpoint(s) in" in r.log, r.log[-3000:]
+    assert "is usable: starting from step 0" in r.log
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("unusable-step-*")) == [
         "unusable-step-00000020", "unusable-step-00000030"]
     assert r.digest == clean_digest["ddp"]

@@ -298,6 +298,27 @@ def test_launcher_names_a_bad_rendezvous_setting(capsys):
         assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--steps", "-5"], "clusterpulse-train: error: --steps, --global-batch"),
+    (["--preset", "nope"], "argument --preset: invalid choice: 'nope'"),
+    (["--ckpt-dir", "README.md"], "--ckpt-dir README.md exists and is not a directory")])
+def test_the_launcher_refuses_a_bad_trainer_flag_before_any_rank_starts(flags, says):
+    """Every rank refused a usage error (exit 2), torchrun restarted them --max-restarts
+    times and then printed its failure report: the error 4 times, then 5 tracebacks (a
+    review). The launcher checks the flags first, without importing torch."""
+    probe = ("import sys\n"
+             "from clusterpulse.trainer import launch\n"
+             "try:\n"
+             f"    rc = launch.main(['--nproc', '1', '--max-restarts', '3', '--', *{flags!r}])\n"
+             "except SystemExit as leave:\n"
+             "    rc = leave.code\n"
+             "print(rc, 'torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
+    assert r.stderr.count(says) == 1 and "Traceback" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("run", ["my run/1", "", "x" * 129, "run\n"])
 def test_run_ids_the_agent_would_drop_are_refused_at_construction(run):
     with pytest.raises(ValueError, match="not accepted by the agent"):
