@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clusterpulse.agent.logsetup import Throttle
+
 GENESIS = "0" * 64
 MAX_WAITING = 10_000  # records kept in memory while the file cannot be written
 _TAIL_CHUNK = 65536
@@ -319,35 +321,19 @@ def verify_chain(path: Path) -> list[int]:
 
 
 class RefusalSummary:
-    """Refusals (failed sign-ins, wrong tokens) audited at a bounded rate: at most one
-    line per client per `period_s`, carrying `refusals`, how many there were since that
-    client's last line. A client that keeps failing costs one line a minute, not one
-    per try (a flood wrote 400 lines in 223 s); a client's first refusal is written at
-    once, so a single mistake is on record. Process-wide: shared by every session."""
+    """Refusals (failed sign-ins, wrong tokens) audited at a bounded rate (`Throttle`):
+    at most one line per client per `period_s`, carrying `refusals`, how many there were
+    since that client's last line. Process-wide: shared by every session."""
 
     def __init__(self, period_s: float = 60.0, max_clients: int = 10_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.period_s = period_s
-        self.max_clients = max_clients
-        self.clock = clock
-        self._seen: dict[str, tuple[float, int]] = {}  # client -> (last line, since then)
-        self._lock = threading.Lock()
+        self._throttle = Throttle(period_s, max_clients, clock)
 
     def refused(self, audit: AuditLog, client: str, who: str, action: str, why: str,
                 **detail: Any) -> bool:
         """Count a refusal; True when a line was written for it."""
-        now = self.clock()
-        with self._lock:
-            last, count = self._seen.get(client, (None, 0))
-            count += 1
-            if last is not None and now - last < self.period_s:
-                self._seen[client] = (last, count)
-                return False
-            if client not in self._seen and len(self._seen) >= self.max_clients:
-                self._seen = {c: v for c, v in self._seen.items()
-                              if now - v[0] < self.period_s}
-                if len(self._seen) >= self.max_clients:  # bounded whatever clients come
-                    self._seen.pop(next(iter(self._seen)))
-            self._seen[client] = (now, 0)
+        count = self._throttle.due(client)
+        if not count:
+            return False
         audit.write(who, action, why, "refused", client=client, refusals=count, **detail)
         return True

@@ -42,14 +42,14 @@ examples:
   clusterpulse-agent --backend sim --node a --telemetry unix:/run/cp/a.sock
 
   # control API over TLS, one token per client (lines 'NAME TOKEN'; see docs/security.md)
-  clusterpulse-agent --backend nvml --listen 0.0.0.0:9477 --token-file /etc/clusterpulse/tokens \
+  clusterpulse-agent --backend nvml --listen 0.0.0.0:9477 --token-file /etc/clusterpulse/tokens \\
       --tls-cert /etc/clusterpulse/agent.crt --tls-key /etc/clusterpulse/agent.key
 
   # a node whose fabric link is a veth or macvlan (read besides device-backed NICs)
   clusterpulse-agent --backend nvml --nic eth0 --nic 'ib*'
 
   # Kubernetes: label each GPU with the pod holding it (needs clusterpulse[kubernetes])
-  clusterpulse-agent --backend nvml \
+  clusterpulse-agent --backend nvml \\
       --pod-resources unix:///var/lib/kubelet/pod-resources/kubelet.sock
 
   # simulated node with a timed fault scenario (TOML, see deploy/local/scenario.toml)
@@ -64,6 +64,22 @@ class UsageError(Exception):
 # A node's name as hosts, Kubernetes and Slurm give it. A quote or a backslash would
 # break the alert templates that query the node's evidence by its label.
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}")
+
+
+# The longest --interval or --rank-grace. A week already means no monitoring (or ranks
+# never forgotten); an --interval of inf, or of 1e300, reached the collection thread's
+# wait, which raised OverflowError past threading.TIMEOUT_MAX: the thread died and the
+# GPU data never changed again, while the agent still served it.
+MAX_SECONDS = 7 * 86400.0
+
+
+def check_seconds(flag: str, value: float) -> None:
+    """Refuse a duration outside (0, MAX_SECONDS]. Written `not 0 < x <= max`: NaN
+    fails every comparison, so it is refused too (`x <= 0` let it through, and an
+    --interval of NaN spun a core)."""
+    if not 0 < value <= MAX_SECONDS:
+        raise UsageError(f"{flag} must be > 0 and at most {MAX_SECONDS:g} seconds "
+                         f"(a week), got {value:g}")
 
 
 def read_token(path: Path) -> Tokens:
@@ -97,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "%(default)s), or HOST:PORT for UDP, whose senders are unauthenticated "
                    "and never signalled (docs/agent.md#telemetry-address)")
     p.add_argument("--interval", type=float, default=1.0,
-                   help="seconds between GPU collections (default: 1)")
+                   help="seconds between GPU collections, at most a week (default: 1)")
     p.add_argument("--gpus", type=int, default=8, help="simulated GPUs (default: 8)")
     p.add_argument("--gpu-model", default="H100", help="simulated model: H100, H200, A100")
     p.add_argument("--scenario", type=Path, help="TOML file of timed simulated faults")
@@ -143,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "and Slurm job, and for the ranks' sockets (in a container: the host's, "
                    "with hostPID; default: /proc)")
     p.add_argument("--rank-grace", type=float, default=300.0,
-                   help="seconds before a silent rank is forgotten (default: 300)")
+                   help="seconds before a silent rank is forgotten, at most a week "
+                   "(default: 300)")
     p.add_argument("--max-ranks", type=int, default=1024,
                    help="bound on ranks tracked (default: 1024)")
     p.add_argument("--log-level", default="warning",
@@ -224,11 +241,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--node must be a host name (letters, digits, '.', '-', '_', ':'; "
                          f"at most 253), got {args.node[:300]!r}: the name goes into every "
                          "series and into the alerts' PromQL")
-    # `not x > 0`, not `x <= 0`: NaN passes the latter (an --interval of NaN spun a core)
-    if not args.interval > 0:
-        raise UsageError("--interval must be > 0 seconds")
-    if not args.rank_grace > 0:
-        raise UsageError("--rank-grace must be > 0 seconds")
+    check_seconds("--interval", args.interval)
+    check_seconds("--rank-grace", args.rank_grace)
     if args.max_ranks < 1:
         raise UsageError("--max-ranks must be >= 1")
     try:

@@ -24,12 +24,14 @@ from clusterpulse.agent.backends import Backend, CollectionFailed
 from clusterpulse.agent.backends.sim import SimBackend
 from clusterpulse.agent.commands import CommandBook
 from clusterpulse.agent.identity import Sender
+from clusterpulse.agent.logsetup import Throttle
 from clusterpulse.agent.ranks import RankRegistry, Refused
 from clusterpulse.agent.receiver import TelemetryReceiver
 from clusterpulse.agent.sample import GpuSample
 
 log = logging.getLogger(__name__)
 FOLLOW_UP_EVERY_S = 1.0  # at most: a hard restart's SIGKILL is due 5 s after its SIGTERM
+MALFORMED_LOG_EVERY_S = 60.0  # at most one warning per malformed_<why> in this time
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Agent:
         self.commands = CommandBook(ranks, audit, node)
         self.snapshot = Snapshot()
         self.telemetry_counts: collections.Counter[str] = collections.Counter()
+        self.malformed_lines = Throttle(MALFORMED_LOG_EVERY_S)  # keys: protocol's reasons
         self.internal_errors = 0
         # NIC port health and queues (agent.links.NicCounters, QueueCounters), set by the CLI
         self.links: list = []
@@ -192,6 +195,26 @@ class Agent:
         by_uuid = {g.uuid: g.index for g in self.snapshot.gpus}
         return next((by_uuid[u] for u in uuids if u in by_uuid), None)
 
+    def _say_malformed(self, why: str, addr: Any, sender: Sender | None) -> None:
+        """Warn of a dropped message, naming why and who sent it: the counter alone said
+        that something on the node sent garbage (a rank of another protocol version, a
+        stray process on the socket), never what. At most one line per reason per
+        MALFORMED_LOG_EVERY_S, with the count dropped since, so a flood cannot fill the
+        log."""
+        count = self.malformed_lines.due(why)
+        if not count:
+            return
+        if sender is not None and sender.uid >= 0:  # the kernel's word (SO_PEERCRED)
+            who = f"uid {sender.uid} pid {sender.pid}"
+            who += "" if sender.verified else " (unverified: the process may have gone)"
+        elif isinstance(addr, tuple) and len(addr) >= 2:
+            who = f"{addr[0]}:{addr[1]} (UDP, unverified)"
+        else:
+            who = "an unknown sender"
+        since = f"; {count - 1} more dropped as {why}, unlogged, since the last such " \
+            "line" if count > 1 else ""
+        log.warning("dropped malformed telemetry (%s) from %s%s", why, who, since)
+
     def handle_datagram(self, data: bytes, addr: Any,
                         sender: Sender | None = None) -> bytes | None:
         """Validate and record one message; the reply for its sender, if any.
@@ -202,6 +225,7 @@ class Agent:
             msg = protocol.decode(data)
         except protocol.MalformedMessage as err:
             self.telemetry_counts[f"malformed_{err}"] += 1
+            self._say_malformed(str(err), addr, sender)
             return None
         try:
             r = self.ranks.update(msg, addr, sender)

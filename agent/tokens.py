@@ -52,6 +52,7 @@ class Tokens:
     @classmethod
     def parse(cls, text: str, source: str = "token file") -> Tokens:
         out: dict[str, str] = {}
+        holder: dict[str, str] = {}  # token -> the principal first listed with it
         for n, line in enumerate(text.splitlines(), 1):
             line = line.split("#", 1)[0].strip()
             if not line:
@@ -68,6 +69,13 @@ class Tokens:
                                  "characters; use a random one (`openssl rand -hex 32`)")
             if name in out:
                 raise TokenError(f"{source}, line {n}: principal {name!r} appears twice")
+            # One token under two names: `match` gave it to the last, and the audit log
+            # named that principal for what the other did. The token itself is never
+            # printed (the error goes to logs and terminals).
+            if token in holder:
+                raise TokenError(f"{source}, line {n}: principal {name!r} has the same "
+                                 f"token as {holder[token]!r}; give each its own")
+            holder[token] = name
             out[name] = token
         if not out:
             raise TokenError(f"{source} holds no token")
@@ -78,7 +86,9 @@ class Tokens:
         """The tokens, and whether the file is readable by other users (warn)."""
         try:
             mode = path.stat().st_mode
-            text = path.read_text()
+            # utf-8-sig: a byte-order mark that some Windows editors write first is
+            # not part of the token (kept, it made the first token never match).
+            text = path.read_text(encoding="utf-8-sig")
         except OSError as err:
             raise TokenError(f"cannot read token file {path}: {err.strerror}") from None
         except UnicodeDecodeError as err:

@@ -3,9 +3,17 @@ refused at start, in one line."""
 
 from __future__ import annotations
 
+import itertools
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from clusterpulse.agent.cli import NODE_NAME, main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("node", ['gpu"7', "gpu\\7", "gpu 7", "", "-gpu", "x" * 254])
@@ -54,10 +62,14 @@ def test_an_address_it_cannot_listen_on_is_one_line_naming_it(listen, reason, tm
     assert not (run_dir / "agent.sock").exists()  # the telemetry socket bound first: gone
 
 
+SECONDS = "must be > 0 and at most 604800 seconds (a week), got"
+
+
 @pytest.mark.parametrize(("flag", "value", "why"), [
-    ("--interval", "nan", "--interval must be > 0 seconds"),
-    ("--rank-grace", "nan", "--rank-grace must be > 0 seconds"),
-    ("--rank-grace", "-1", "--rank-grace must be > 0 seconds"),
+    ("--interval", "nan", f"--interval {SECONDS} nan"),
+    ("--interval", "0", f"--interval {SECONDS} 0"),
+    ("--rank-grace", "nan", f"--rank-grace {SECONDS} nan"),
+    ("--rank-grace", "-1", f"--rank-grace {SECONDS} -1"),
     ("--max-ranks", "0", "--max-ranks must be >= 1"),
 ])
 def test_a_limit_it_cannot_work_with_is_refused_at_start(flag, value, why, capsys):
@@ -65,6 +77,43 @@ def test_a_limit_it_cannot_work_with_is_refused_at_start(flag, value, why, capsy
     (4.5 s of CPU in 5 s); --rank-grace and --max-ranks were not checked at all."""
     assert main(["--backend", "sim", "--listen", "127.0.0.1:0", f"{flag}={value}"]) == 2
     assert capsys.readouterr().err.strip() == f"clusterpulse-agent: error: {why}"
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--interval", "inf"), ("--interval", "1e300"), ("--interval", "1e400"),
+    ("--interval", "604801"), ("--rank-grace", "inf"), ("--rank-grace", "infinity"),
+])
+def test_an_endless_or_overflowing_duration_is_refused_at_start(flag, value, tmp_path):
+    """Found by a review: --interval inf was accepted, and the collection thread died of
+    OverflowError at its first wait: the agent served the same GPU data for ever. The
+    real command runs: an agent that accepts the value starts and never exits."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "clusterpulse.agent", "--backend", "sim",
+             "--listen", "127.0.0.1:0", "--telemetry", f"unix:{run_dir}/agent.sock",
+             "--audit-log", str(tmp_path / "audit.jsonl"), f"{flag}={value}"],
+            capture_output=True, text=True, timeout=30, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{flag} {value} was accepted: the agent started")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"clusterpulse-agent: error: {flag} {SECONDS} " \
+                          f"{float(value):g}\n"
+
+
+def test_the_help_shows_each_example_as_it_is_typed():
+    """A backslash-newline inside the (non-raw) examples string joined the lines, and
+    --help printed `--token-file /etc/clusterpulse/tokens       --tls-cert ...`: each
+    continued example must end its line with a backslash, as a shell wants it."""
+    out = subprocess.run([sys.executable, "-m", "clusterpulse.agent", "--help"],
+                         capture_output=True, text=True, check=True, cwd=REPO).stdout
+    lines = out.split("examples:", 1)[1].splitlines()
+    continued = [(a, b) for a, b in itertools.pairwise(lines)
+                 if b.startswith("      --")]
+    assert len(continued) >= 2, out  # the TLS and the Kubernetes examples
+    assert all(a.endswith(" \\") for a, _ in continued), out
+    assert not re.search(r"\S {3,}--", out), out
 
 
 def test_a_telemetry_port_of_digits_int_cannot_read_is_the_forms_error(capsys):

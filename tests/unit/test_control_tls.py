@@ -10,6 +10,7 @@ import time
 import pytest
 import requests
 
+from clusterpulse.agent.cli import UsageError, read_token
 from clusterpulse.agent.cli import main as agent_main
 from clusterpulse.agent.httpsafe import tls_context
 from clusterpulse.agent.server import make_server, serve_in_thread
@@ -206,6 +207,34 @@ def test_tls_and_token_files_are_checked(tmp_path, cert, capsys):
         Tokens.parse("a 0123456789abcdef0\nb short\n")
     with pytest.raises(TokenError, match="principal 'a' appears twice"):
         Tokens.parse("a 0123456789abcdef0\na 0123456789abcdef1\n")
+
+
+@pytest.mark.parametrize("line", ["alice {token}", "{token}"])
+def test_a_token_file_a_windows_editor_saved_with_a_bom_still_opens(line, tmp_path):
+    """Found by a review: a file that begins with a UTF-8 byte-order mark (Notepad's
+    "UTF-8 with BOM") was accepted, the mark taken for part of the first token, and its
+    holder's right token then refused as wrong for ever."""
+    token = "0123456789abcdef0123"
+    path = tmp_path / "tokens"
+    path.write_bytes(b"\xef\xbb\xbf" + line.format(token=token).encode() + b"\r\n")
+    path.chmod(0o600)
+    tokens = read_token(path)
+    assert tokens.match(token) == ("alice" if line.startswith("alice") else "token")
+    assert tokens.match("\ufeff" + token) is None
+
+
+def test_one_token_under_two_principals_is_refused_naming_both(tmp_path):
+    """Found by a review: `alice T` and `bob T` were accepted, and the audit log named
+    bob for everything alice did. The error names both; the token is never shown."""
+    token = "shared-token-0123456789"
+    path = tmp_path / "tokens"
+    path.write_text(f"alice {token}\ncarol other-token-0123456789\nbob {token}  # new\n")
+    path.chmod(0o600)
+    with pytest.raises(UsageError) as err:
+        read_token(path)
+    message = str(err.value)
+    assert "line 3" in message and "'bob'" in message and "'alice'" in message, message
+    assert token not in message and "\n" not in message, message
 
 
 def test_per_node_agent_tokens():

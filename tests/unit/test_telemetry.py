@@ -3,6 +3,7 @@ replies only from the agent, GPU UUIDs, heartbeat age."""
 
 import contextlib
 import json
+import logging
 import os
 import re
 import socket
@@ -471,6 +472,40 @@ def test_agent_counts_malformed_and_flood_and_keeps_serving(sim_agent):
     series = ('clusterpulse_agent_telemetry_messages_total'
               '{node="node-a",result="malformed_not_json"}')
     assert series in text
+
+
+def test_malformed_telemetry_is_logged_with_its_sender_a_line_a_minute(sim_agent,
+                                                                        caplog):
+    """Found by a review: malformed messages were only counted on /metrics, never
+    logged, even at --log-level debug: nothing said who sent them. Each reason is now
+    a warning naming the sender, at most once a minute with the count dropped since,
+    so that a flood cannot fill the log."""
+    now = [1000.0]
+    sim_agent.agent.malformed_lines.clock = lambda: now[0]
+    caplog.set_level(logging.WARNING, logger="clusterpulse.agent.core")
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == "clusterpulse.agent.core" and "malformed" in r.getMessage()]
+
+    s = connect(sim_agent.socket_path)
+    for _ in range(50):
+        s.send(b"garbage")
+    s.send(raw(msg(step=True)))
+    exchange(s, type="step", run="r1", rank=0, step=3)  # answered after all of them
+    me = f"uid {os.getuid()} pid {os.getpid()}"
+    assert lines() == [f"dropped malformed telemetry (not_json) from {me}",
+                       f"dropped malformed telemetry (bad_step) from {me}"]
+    now[0] += 61
+    s.send(b"garbage")
+    exchange(s, type="step", run="r1", rank=0, step=4)
+    assert lines()[2:] == [f"dropped malformed telemetry (not_json) from {me}; 49 more "
+                           "dropped as not_json, unlogged, since the last such line"]
+    assert sim_agent.agent.telemetry_counts["malformed_not_json"] == 51
+    # UDP: the kernel names no process, the address is all there is
+    sim_agent.agent.handle_datagram(b"[1]", ("192.0.2.7", 40001), Sender())
+    assert lines()[3:] == ["dropped malformed telemetry (not_object) from "
+                           "192.0.2.7:40001 (UDP, unverified)"]
 
 
 def wait_for(cond, what: str, timeout: float = 20.0) -> None:
