@@ -24,11 +24,12 @@ launched its last bucket's all-reduce) while DDP runs its normal C++ all-reduce;
 time from there to the all-reduce's end (a second callback, run after DDP's own has
 waited for it) is waiting for peers, in every backward DDP reduces (gradient
 accumulation without `no_sync()`, two passes a step: each), and so is the time in
-DDP's broadcast of the model's buffers before each forward (a late peer is waited for
-there too), and so is the time in any other blocking collective the model or the
-loop runs in the step (`collective_timing`): in forward_backward (SyncBatchNorm's
-statistics, a `dist.all_reduce` of the batch's figures), in the optimizer (clipping's
-norm on a sharded model, a check across ranks that the gradients are finite) or
+DDP's broadcast of the model's buffers before each forward and in its one rebuild of
+its buckets there, in the second step (a late peer is waited for there too), and so
+is the time in any other blocking collective the model or the loop runs in the step
+(`collective_timing`): in forward_backward (SyncBatchNorm's statistics, a
+`dist.all_reduce` of the batch's figures), in the optimizer (clipping's norm on a
+sharded model, a check across ranks that the gradients are finite) or
 outside any section; not in a checkpoint or data section (their own figures), and
 not DTensor's functional collectives nor `async_op=True` ones. So is one the loop runs
 while it awaits input between steps (the HF Trainer's gather of a batch's token count:

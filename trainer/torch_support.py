@@ -18,7 +18,9 @@ runs instead: stock torch behaviour, at most slower. Today:
 Absent and not replaceable: FSDP2 on CPU before torch 2.7 (`fsdp_on_cpu`; on GPUs it
 runs): the reference trainer refuses `--parallel fsdp` on CPU there, naming both.
 The rendezvous and log-formatter changes of trainer/torchrun.py and trainer/spares.py
-check the private attributes they change in the same way.
+check the private attributes they change in the same way, and so does
+`Pulse.attach_ddp` with the DDP internals it reads (`ddp_output_tensors`,
+`ddp_rebuild_flag`: the same in torch 2.6 to 2.13).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import inspect
 import logging
 import re
 import sys
+from collections.abc import Callable, Iterable
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 log = logging.getLogger("clusterpulse.trainer.torch_support")
@@ -116,3 +120,48 @@ def stager_api() -> tuple[Any, Any] | None:
                  "dcp.async_save stages each async checkpoint into new host buffers")
         return None
     return DefaultStager, StagingOptions
+
+
+def _output_tensors(obj: Any) -> Iterable[Any]:
+    """The tensors in a forward's output, walked as DDP walks it (below)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, list | tuple):
+        return [t for item in obj for t in _output_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _output_tensors(item)]
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in fields(obj) for t in _output_tensors(getattr(obj, f.name))]
+    return []
+
+
+def ddp_output_tensors() -> Callable[[Any], Iterable[Any]]:
+    """DDP's own search of a forward's output for the tensors it reduces through
+    (`torch.nn.parallel.distributed._find_tensors`, private: lists, tuples, dicts and
+    dataclasses, nested; an RRef this rank owns), so that any output DDP handles is
+    searched alike (pytree's `tree_leaves` does not look inside a dataclass); where a
+    torch lacks it, the same walk of ours, without RRefs."""
+    try:
+        from torch.nn.parallel.distributed import _find_tensors
+    except ImportError:
+        fallback("DDP's _find_tensors", "the instrumentation walks a forward's output "
+                 "itself (lists, tuples, dicts, dataclasses; not RRefs)")
+        return _output_tensors
+    return _find_tensors  # type: ignore[no-any-return]
+
+
+def ddp_rebuild_flag(ddp_model: Any) -> bool:
+    """Whether this torch's DDP says when it has rebuilt its buckets: its pre-forward
+    sets `_has_rebuilt_buckets` (private) in the forward that rebuilt them (the first
+    with gradients after the first backward it reduced, with static_graph after the
+    second), a collective that waits for every peer. Without it that wait counts as
+    compute. False too where the pre-forward never rebuilds: DDP's Python reducer
+    (compiled autograd) or all-reduces delayed for every parameter (it returns first)."""
+    if isinstance(getattr(ddp_model, "_has_rebuilt_buckets", None), bool):
+        return not (getattr(ddp_model, "_use_python_reducer", False)
+                    or getattr(ddp_model, "_delay_all_reduce_all_params", False))
+    fallback("DDP's _has_rebuilt_buckets",
+             "the wait for peers in DDP's bucket rebuild (one forward) counts as compute")
+    return False

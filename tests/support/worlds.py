@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,33 @@ def late_peer(seconds: float) -> Callable[..., torch.futures.Future]:
         return fut
 
     return hook
+
+
+class _LateRebuild:
+    """DDP's reducer, but for its bucket rebuild (late_rebuild)."""
+
+    def __init__(self, reducer: Any, seconds: float) -> None:
+        self._reducer, self._seconds = reducer, seconds
+
+    def _rebuild_buckets(self) -> bool:
+        rebuilt = self._reducer._rebuild_buckets()
+        if rebuilt:  # the broadcast of the new bucket order waits for the peer
+            time.sleep(self._seconds)
+        return rebuilt
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def late_rebuild(ddp_model: torch.nn.parallel.DistributedDataParallel,
+                 seconds: float) -> None:
+    """A peer `seconds` late to DDP's bucket rebuild (once: in the first forward with
+    gradients after the first backward DDP reduced, after the second with
+    static_graph; it broadcasts the bucket order, waiting for every peer): the rank
+    waits that long inside DDP's pre-forward, in the forward where DDP rebuilds and in
+    no other. DDP's Python calls its reducer through the model's
+    `reducer` attribute, which this wraps; the C++ side keeps the reducer itself."""
+    ddp_model.reducer = _LateRebuild(ddp_model.reducer, seconds)
 
 
 def run_ranks(script: str, world: int, scratch: Path, *args: str,

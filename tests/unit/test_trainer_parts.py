@@ -36,7 +36,7 @@ from clusterpulse.trainer.telemetry import AgentLink, parse_agent_addr
 from clusterpulse.trainer.torch_support import rendezvous_keep_alive
 from tests.support.ports import free_port
 from tests.support.procs import REPO, wait_until
-from tests.support.worlds import gloo_world_of_one, late_peer, run_ranks
+from tests.support.worlds import gloo_world_of_one, late_peer, late_rebuild, run_ranks
 
 # The rendezvous handlers below beat every second where torch takes the setting (2.7+);
 # on the oldest supported torch they keep torch's own 5 s.
@@ -719,6 +719,11 @@ def test_attach_ddp_adds_no_python_comm_hook(tmp_path):
             model(torch.ones(2, 8)).sum().backward()
             assert pulse._ddp_passes == []
         assert pulse.collectives.entered == 1  # no all-reduce entered
+        # this forward rebuilt DDP's buckets (a collective: timed), the next does not
+        assert model._has_rebuilt_buckets and len(pulse._fwd_waits) == 1
+        with pulse.step(3) as s, s.section("forward_backward"), model.no_sync():
+            model(torch.ones(2, 8)).sum().backward()
+        assert pulse._ddp_passes == pulse._fwd_waits == []
         assert pulse.last["sync_wait_seconds"] == 0
         pulse.close()
     finally:
@@ -856,6 +861,81 @@ def test_every_backward_that_ddp_reduces_is_timed_where_ddp_reduces():
         finally:
             pulse.close()
 
+
+
+def test_a_dataclass_output_of_the_ddp_model_is_timed_like_a_tensor():
+    """A review: Pulse found a forward's output tensors with pytree's tree_leaves, which
+    takes a dataclass (DDP takes one) for a leaf: no tensor was hooked, the backward
+    was not marked, and the wait for the late peer counted as compute. Found as DDP
+    finds them now: lists, tuples, dicts and dataclasses, nested."""
+    import dataclasses
+
+    from torch import nn
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        extra: dict[str, tuple[torch.Tensor, ...]]
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Out:
+            return Out(self.a(x), {"aux": (self.b(x),)})
+
+    with gloo_world_of_one():
+        for find_unused in (False, True):
+            model = nn.parallel.DistributedDataParallel(
+                Model(), find_unused_parameters=find_unused)
+            model.register_comm_hook(None, late_peer(LATE_PEER_S))
+            pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
+            try:
+                pulse.attach_ddp(model)
+                for step in (1, 2):
+                    with pulse.step(step) as s, s.section("forward_backward"):
+                        out = model(torch.ones(2, 8))
+                        (out.logits.sum() + out.extra["aux"][0].sum()).backward()
+                        assert len(pulse._ddp_passes) == 1, (find_unused, step)
+                    assert pulse.last["sync_wait_seconds"] >= LATE_PEER_S, pulse.last
+                    assert pulse.last["compute_seconds"] < LATE_PEER_S, pulse.last
+                assert pulse.collectives.entered == pulse.collectives.completed == 2
+            finally:
+                pulse.close()
+
+
+@pytest.mark.parametrize("static_graph, rebuilds_in", [(False, 2), (True, 3)])
+def test_the_wait_in_ddps_bucket_rebuild_is_sync_wait_without_buffers(static_graph,
+                                                                      rebuilds_in):
+    """A review: DDP rebuilds its buckets once, in the forward of the second step (the
+    third with static_graph), a collective that waits for a late peer; Pulse bracketed
+    DDP's pre-forward only where it broadcasts buffers, so for a model without any
+    that wait was compute (rank 0 read 0.3 s compute, no sync wait, in that step
+    alone). And once rebuilt, such a model's pre-forward gets no marks."""
+    from torch import nn
+
+    with gloo_world_of_one():
+        model = nn.parallel.DistributedDataParallel(
+            nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), static_graph=static_graph)
+        assert not model.will_sync_module_buffers()
+        late_rebuild(model, LATE_PEER_S)
+        pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
+        try:
+            pulse.attach_ddp(model)
+            for step in range(1, 5):
+                with pulse.step(step) as s, s.section("forward_backward"):
+                    model(torch.ones(2, 8)).sum().backward()
+                assert model._has_rebuilt_buckets == (step >= rebuilds_in), step
+                if step == rebuilds_in:
+                    assert pulse.last["sync_wait_seconds"] >= LATE_PEER_S, pulse.last
+                    assert pulse.last["compute_seconds"] < LATE_PEER_S, pulse.last
+                else:
+                    assert pulse.last["compute_seconds"] < LATE_PEER_S, pulse.last
+                    assert pulse.last["sync_wait_seconds"] < LATE_PEER_S, pulse.last
+            assert pulse._fwd_waits == []  # rebuilt: the pre-forward is not bracketed
+        finally:
+            pulse.close()
 
 def test_attach_ddp_leaves_no_reference_cycle_through_the_model(tmp_path):
     """The exit-time abort ("terminate called without an active exception", only in
