@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import math
 import os
 import shutil
 import socket
@@ -201,6 +202,10 @@ def _xid(text: str) -> int:
     return code
 
 
+# A health check that waits longer for its own node's agent is hung, not checking.
+MAX_TIMEOUT_S = 3600.0
+
+
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ
     p = argparse.ArgumentParser(
@@ -238,8 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    if not (a.timeout > 0 and a.max_age > 0):  # NaN too: settimeout raised on it
-        p.error("--timeout and --max-age must be positive")
+    # `not 0 < x <= limit`: NaN fails every comparison (settimeout raised on it), and an
+    # endless --timeout overflowed the socket's deadline into a traceback, exit 1, where
+    # a check that cannot run is "unknown" (2)
+    if not 0 < a.timeout <= MAX_TIMEOUT_S:
+        p.error(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {a.timeout:g}")
+    if not 0 < a.max_age < math.inf:
+        p.error(f"--max-age must be a number of seconds > 0, got {a.max_age:g}")
     if not a.ecc_max >= 0:
         p.error("--ecc-max must be a count >= 0")
     try:

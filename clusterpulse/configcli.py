@@ -131,6 +131,16 @@ examples:
   # print one file to stdout
   clusterpulse-config show prometheus/alerts.rules.yml
 """
+LIST_EXAMPLES = """\
+examples:
+  clusterpulse-config list                        # group, path, what each file is
+  clusterpulse-config list | grep '^systemd'      # the paths `show` and --only take
+"""
+SHOW_EXAMPLES = """\
+examples:
+  clusterpulse-config show prometheus/alerts.rules.yml
+  clusterpulse-config show local/policy.toml > /etc/clusterpulse/policy.toml
+"""
 
 
 class UsageError(Exception):
@@ -176,12 +186,14 @@ def _read(rel: str, dest: Path | None = None) -> bytes:
                     raise UsageError(f"cannot read {installed}: {err}") from err
                 return vmalert_rules(text, str(installed), src).encode()
             return vmalert_rules(_read(src).decode(), f"the package's {src}", src).encode()
+    # only what the package ships, by name: a path looked up under deploy/ as given
+    # (`show ../../../etc/shadow`) printed whatever it named
+    if rel not in {r for _, r, _ in shipped()}:
+        known = ", ".join(r for _, r, _ in shipped() + generated())
+        raise UsageError(f"no shipped file {rel!r}; known: {known}")
     node = _root()
     for part in rel.split("/"):
         node = node / part
-    if not node.is_file():
-        known = ", ".join(r for _, r, _ in shipped() + generated())
-        raise UsageError(f"no shipped file {rel!r}; known: {known}")
     return node.read_bytes()
 
 
@@ -227,14 +239,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{list,write,show}")
-    sub.add_parser("list", help="list the shipped files")
+    sub.add_parser("list", help="list the shipped files", epilog=LIST_EXAMPLES,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     w = sub.add_parser("write", help="copy the shipped files into DIR",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     w.add_argument("dir", type=Path, help="destination folder (created if missing)")
     w.add_argument("--only", action="append", choices=GROUPS,
                    help="write only this group (repeatable)")
     w.add_argument("--force", action="store_true", help="replace existing files")
-    s = sub.add_parser("show", help="print one shipped file")
+    s = sub.add_parser("show", help="print one shipped file", epilog=SHOW_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("path", help="path as `list` prints it, e.g. prometheus/alerts.rules.yml")
     return p
 

@@ -111,6 +111,16 @@ def agent_tls() -> str | bool:
     return os.environ.get("CLUSTERPULSE_AGENT_CA_FILE") or False
 
 
+def no_answer(err: Exception) -> str:
+    """Why an agent's answer could not be used, for a node's result. A page that is
+    not JSON (another server at the agent's address, an HTML error page of a proxy)
+    or JSON that is not an object was reported "unreachable: JSONDecodeError": it was
+    reached, and its answer is what was wrong."""
+    if isinstance(err, requests.JSONDecodeError | AttributeError):  # .get of a non-object
+        return "answered with something that is not the agent's JSON (is it an agent?)"
+    return f"unreachable: {type(err).__name__}"
+
+
 def _token_lines(token: str) -> list[list[str]]:
     """A token file's words, line by line, without comments and blank lines."""
     lines = [ln.split("#", 1)[0].split() for ln in token.splitlines()]
@@ -257,7 +267,7 @@ def rank_owners(agents: dict[str, str], run: str, token: str) -> dict[int | None
                 return f"HTTP {r.status_code}"
             ranks = r.json().get("ranks")
         except (requests.RequestException, ValueError, AttributeError) as err:
-            return f"unreachable: {type(err).__name__}"
+            return no_answer(err)
         return ranks if isinstance(ranks, list) else "no rank list in its answer"
 
     owners: dict[int | None, set[str]] = {}
@@ -347,8 +357,8 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
                                       or f"HTTP {r.status_code}",
                                       running if isinstance(running, dict) else None,
                                       token_id(node_token)))
-        except (requests.RequestException, ValueError) as err:
-            results.append(NodeResult(node, url, False, error=f"unreachable: {type(err).__name__}"))
+        except (requests.RequestException, ValueError, AttributeError) as err:
+            results.append(NodeResult(node, url, False, error=no_answer(err)))
     results.sort(key=lambda r: r.node)
     accepted = sum(r.ok for r in results)
     outcome = "accepted" if accepted == len(results) else (
@@ -390,9 +400,8 @@ def escalate_command(prom: PrometheusClient, run: str, command: str, reason: str
         result = NodeResult(node, agents[node], ok, command, body.get("state", ""),
                             "" if ok else body.get("error") or f"HTTP {r.status_code}",
                             token_id=token_id(node_token))
-    except (requests.RequestException, ValueError) as err:
-        result = NodeResult(node, agents[node], False, command,
-                            error=f"unreachable: {type(err).__name__}")
+    except (requests.RequestException, ValueError, AttributeError) as err:
+        result = NodeResult(node, agents[node], False, command, error=no_answer(err))
     audit.write(who, "escalate", reason, "accepted" if result.ok else "failed", run=run,
                 source=source, nodes={node: command if result.ok else result.error})
     return result
@@ -421,7 +430,7 @@ def command_states(results: list[NodeResult], token: str | None) -> list[NodeRes
                                 headers={"Authorization": f"Bearer {node_token}"}).json()
             out.append(NodeResult(r.node, r.agent, True, r.command, body.get("state", "?"),
                                   body.get("detail", ""), token_id=r.token_id))
-        except (requests.RequestException, ValueError) as err:
-            out.append(NodeResult(r.node, r.agent, r.ok, r.command, r.state,
-                                  f"unreachable: {type(err).__name__}", token_id=r.token_id))
+        except (requests.RequestException, ValueError, AttributeError) as err:
+            out.append(NodeResult(r.node, r.agent, r.ok, r.command, r.state, no_answer(err),
+                                  token_id=r.token_id))
     return out

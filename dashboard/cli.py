@@ -16,7 +16,7 @@ examples:
   clusterpulse-dashboard --port 8501 --operators-file /etc/clusterpulse/operators.toml \\
       --token-file /etc/clusterpulse/token --audit-log /var/log/clusterpulse/audit.jsonl
   clusterpulse-dashboard --address 127.0.0.1 --trusted-proxy 127.0.0.1   # behind nginx
-  clusterpulse-dashboard --prometheus http://victoria-metrics:8428 \
+  clusterpulse-dashboard --prometheus http://victoria-metrics:8428 \\
       --prometheus-password-file /etc/clusterpulse/victoria-metrics-password
 """
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--alertmanager-user")
     p.add_argument("--alertmanager-user", default="clusterpulse")
     p.add_argument("--address", default="127.0.0.1", help="listen address (default: localhost)")
-    p.add_argument("--port", type=int, default=8501)
+    p.add_argument("--port", type=int, default=8501, help="listen port, 1-65535 (default: 8501)")
     p.add_argument("--token-file", type=Path, help="agents' control API token (for actions)")
     p.add_argument("--operators-file", type=Path, help="TOML [operators] name = hash")
     p.add_argument("--audit-log", type=Path, default=Path("clusterpulse-audit.jsonl"))
@@ -77,10 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if problem := config.refresh_problem(a.refresh):
         p.error(f"--refresh: {problem}, not {a.refresh:g}")
+    if not 1 <= a.port <= 65535:  # Streamlit's bind() said so only in a traceback
+        p.error(f"--port: expected a port from 1 to 65535, not {a.port}")
     if a.operators_file and not operators_usable(a.operators_file):
         return 2
     try:  # a password file that cannot be read: said now, not as 401 on every page
         config.store_auth(a)
+        if a.token_file:  # as clusterpulse-ctl: now, not when an operator acts
+            config.read_required_secret(a.token_file, "--token-file")
         config.basic_auth(a.alertmanager_user, a.alertmanager_password_file,
                           "--alertmanager-password-file")
     except config.SettingsError as err:

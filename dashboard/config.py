@@ -49,10 +49,9 @@ class Settings:
     def agent_token(self) -> str | None:
         if self.agent_token_file is None:
             return None
-        # unreadable: SettingsError naming the file (an action refused by every agent
-        # for a missing token did not say why)
-        return read_secret_file(self.agent_token_file, "CLUSTERPULSE_AGENT_TOKEN_FILE") \
-            or None
+        # unreadable or empty: SettingsError naming the file (an action refused by every
+        # agent for a missing token did not say why)
+        return read_required_secret(self.agent_token_file, "CLUSTERPULSE_AGENT_TOKEN_FILE")
 
 
 def from_env(env: dict[str, str] | None = None) -> Settings:
@@ -78,14 +77,13 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
 
 def basic_auth(user: str, password_file: Path | None,
                setting: str = "--prometheus-password-file") -> tuple[str, str] | None:
-    """(user, the file's password), or None without a file or a password in it.
-    SettingsError, one line naming the file, when it cannot be read: sent without
+    """(user, the file's password), or None without a file. SettingsError, one line
+    naming the file, when it cannot be read or holds no password: sent without
     credentials, a store or Alertmanager behind basic auth answers 401 to everything
     and nothing said the file was the cause (`setting` says where it was given)."""
     if password_file is None:
         return None
-    password = read_secret_file(password_file, setting, "password")
-    return (user, password) if password else None
+    return user, read_required_secret(password_file, setting, "password")
 
 
 def read_secret_file(path: Path, setting: str, what: str = "token") -> str:
@@ -96,6 +94,17 @@ def read_secret_file(path: Path, setting: str, what: str = "token") -> str:
     except (OSError, UnicodeDecodeError) as err:
         why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise SettingsError(f"{setting}: cannot read the {what} file {path}: {why}") from None
+
+
+def read_required_secret(path: Path, setting: str, what: str = "token") -> str:
+    """The secret in `path`, as read_secret_file reads it; SettingsError also when the
+    file holds none (empty, or only whitespace): a credential named and then silently
+    not sent is refused where it was named, not found missing at the first request
+    (the agent says the same of its own token file: "holds no token")."""
+    secret = read_secret_file(path, setting, what)
+    if not secret:
+        raise SettingsError(f"{setting}: the {what} file {path} holds no {what}")
+    return secret
 
 
 def add_store_auth(p: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:

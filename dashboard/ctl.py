@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from clusterpulse.agent import protocol
-from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.audit import AuditLog, open_private
 from clusterpulse.dashboard import actions, auth, config
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
@@ -41,6 +41,26 @@ environment: CLUSTERPULSE_PROMETHEUS_URL, CLUSTERPULSE_PROMETHEUS_PASSWORD_FILE,
   CLUSTERPULSE_PROMETHEUS_USER, CLUSTERPULSE_AGENT_TOKEN_FILE, CLUSTERPULSE_AUDIT_LOG
 """
 
+RESTART_EXAMPLES = """\
+examples:
+  clusterpulse-ctl restart --run llama-7b --graceful --reason "straggler on node-7" --wait
+  clusterpulse-ctl restart --run llama-7b --hard --reason "rank 12 hung" --wait --timeout 600
+"""
+ESCALATE_EXAMPLES = """\
+examples:
+  # the graceful restart a second request was refused for (it named the command) is stuck
+  clusterpulse-ctl escalate --run llama-7b --command node-7-1764927000-3 --reason "hung"
+"""
+EVICT_EXAMPLES = """\
+examples:
+  clusterpulse-ctl evict --run llama-7b --node node-7 --reason "NIC trained down"
+  clusterpulse-ctl evict --run llama-7b --node node-7 --for 1800 --reason "ECC errors"
+"""
+AGENTS_EXAMPLES = """\
+examples:
+  clusterpulse-ctl agents --run llama-7b     # NODE<TAB>agent URL, one per line
+  clusterpulse-ctl --prometheus http://victoria-metrics:8428 agents --run llama-7b
+"""
 
 HASH_PASSWORD_HELP = """\
 Print a password hash: an operators file entry (scrypt$N$r$p$salt$digest, the
@@ -83,6 +103,22 @@ def default_audit_log() -> Path:
     return base / "clusterpulse" / "audit.jsonl"
 
 
+def writable_audit_log(path: Path) -> AuditLog:
+    """The audit log, once it is known to take records: opened for append as every
+    record is (created if missing), nothing written. Checked before anything is asked
+    of the agents: AuditLog.write never raises (an action that happened must not be
+    undone by its log), so a log it could not write kept the record in memory, and
+    this process then exited with it: the action taken, its record lost.
+    SettingsError, one line naming the file, when it cannot be."""
+    try:
+        audit = AuditLog(path)  # makes the missing directories, as each write needs
+        os.close(open_private(path))
+    except OSError as err:
+        raise config.SettingsError(f"--audit-log: cannot write the audit log {path}: "
+                                   f"{err.strerror or err}; nothing was done") from None
+    return audit
+
+
 def build_parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
     """The parser; `env` gives the defaults of the shared settings (the dashboard's
     variables), so that the README's examples run as written after its exports."""
@@ -103,7 +139,9 @@ def build_parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser
                    "~/.local/state/clusterpulse/audit.jsonl; with no home directory, "
                    "./clusterpulse-audit.jsonl)")
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("restart", help="checkpoint-restart (graceful) or restart (hard) a run")
+    r = sub.add_parser("restart", help="checkpoint-restart (graceful) or restart (hard) a run",
+                       epilog=RESTART_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--run", required=True)
     mode = r.add_mutually_exclusive_group(required=True)
     mode.add_argument("--graceful", action="store_true", help="checkpoint-restart: no step lost")
@@ -112,19 +150,24 @@ def build_parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser
     r.add_argument("--wait", action="store_true", help="follow until the ranks resume")
     r.add_argument("--timeout", type=float, default=300)
     x = sub.add_parser("escalate", help="make a graceful restart in flight a hard one now "
-                       "(a second restart is refused while one is in flight)")
+                       "(a second restart is refused while one is in flight)",
+                       epilog=ESCALATE_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     x.add_argument("--run", required=True)
     x.add_argument("--command", required=True,
                    help="the command in flight, as the refused request named it")
     x.add_argument("--reason", required=True)
     e = sub.add_parser("evict", help="graceful restart that one node sits out (elastic jobs "
-                       "under clusterpulse-train; see docs/trainer.md)")
+                       "under clusterpulse-train; see docs/trainer.md)",
+                       epilog=EVICT_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("--run", required=True)
     e.add_argument("--node", required=True, help="the node to take out of the run")
     e.add_argument("--for", dest="leave_s", type=float, default=600,
                    help="seconds it sits out before it rejoins (default: 600)")
     e.add_argument("--reason", required=True)
-    a_ = sub.add_parser("agents", help="list the agents serving a run")
+    a_ = sub.add_parser("agents", help="list the agents serving a run", epilog=AGENTS_EXAMPLES,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     a_.add_argument("--run", required=True)
     h = sub.add_parser("hash-password", help="print a password hash for the operators file "
                        "(or, with --bcrypt, for Alertmanager's web config)",
@@ -196,9 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prom = PrometheusClient(a.prometheus, auth=config.store_auth(a))
         # `agents` sends nothing to the agents: it needs no token, even one in the env
-        token = config.read_secret_file(a.token_file, "--token-file") or None \
+        token = config.read_required_secret(a.token_file, "--token-file") \
             if a.token_file and a.cmd != "agents" else None
-    except config.SettingsError as err:  # unreadable password file: not 401 from the store
+        # `agents` only reads: nothing to audit, no log to check
+        audit = AuditLog(None) if a.cmd == "agents" else writable_audit_log(a.audit_log)
+    except config.SettingsError as err:  # a credential or the log unusable: said, not acted
         print(f"clusterpulse-ctl: error: {err}", file=sys.stderr)
         return 2
     try:
@@ -212,18 +257,18 @@ def main(argv: list[str] | None = None) -> int:
         who = f"{caller()}@cli"
         if a.cmd == "escalate":
             res = actions.escalate_command(prom, a.run, a.command, a.reason, who, token,
-                                           AuditLog(a.audit_log))
+                                           audit)
             print(f"{res.node}: {'escalated ' + res.command if res.ok else 'FAILED: ' + res.error}")
             return 0 if res.ok else 1
         if a.cmd == "evict":
             results = actions.request_action(prom, a.run, "checkpoint-restart", a.reason, who,
-                                             token, AuditLog(a.audit_log), source="cli",
+                                             token, audit, source="cli",
                                              nodes=[a.node], leave_s=a.leave_s,
                                              audited_as="evict-node")
         else:
             results = actions.request_action(prom, a.run, "checkpoint-restart" if a.graceful
                                              else "restart", a.reason, who, token,
-                                             AuditLog(a.audit_log), source="cli")
+                                             audit, source="cli")
     except (actions.ActionError, PrometheusError, OSError) as err:
         print(f"clusterpulse-ctl: error: {err}", file=sys.stderr)
         return 1

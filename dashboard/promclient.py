@@ -104,9 +104,13 @@ class PrometheusClient:
                                   transient=r.status_code >= 500 or r.status_code == 429
                                   ) from None
         if not isinstance(body, dict) or body.get("status") != "success":
-            kind = body.get("errorType", "error") if isinstance(body, dict) else "error"
+            kind = body.get("errorType") if isinstance(body, dict) else None
             text = body.get("error", "unknown error") if isinstance(body, dict) else body
-            raise PrometheusError(f"{kind}: {text} (HTTP {r.status_code})",
+            # without Prometheus's errorType it is some other server's JSON (an agent's
+            # {"error": "no route ..."}), not "error: ..." that callers print after theirs
+            why = f"{kind}: {text} (HTTP {r.status_code})" if kind else \
+                f"{text} (HTTP {r.status_code}; is {self.url} a Prometheus API?)"
+            raise PrometheusError(why,
                                   transient=kind in TRANSIENT_ERRORS
                                   or r.status_code >= 500 or r.status_code == 429)
         return body.get("data")  # missing: the caller names the shape

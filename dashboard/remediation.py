@@ -906,8 +906,8 @@ examples:
       --prometheus http://127.0.0.1:9090 --token-file /etc/clusterpulse/token \\
       --webhook-token-file /etc/clusterpulse/webhook-token
   clusterpulse-remediate --policy policy.toml --webhook-token-file hook-token --dry-run
-  clusterpulse-remediate --policy policy.toml --webhook-token-file hook-token \
-      --prometheus http://victoria-metrics:8428 \
+  clusterpulse-remediate --policy policy.toml --webhook-token-file hook-token \\
+      --prometheus http://victoria-metrics:8428 \\
       --prometheus-password-file /etc/clusterpulse/victoria-metrics-password
 """
 
@@ -933,7 +933,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(a.log_level)
     try:
         policy = Policy.load(a.policy)
-        token = config.read_secret_file(a.token_file, "--token-file") or None \
+        # empty: refused now, as the agent and the webhook tokens are ("holds no token"),
+        # not at the first alert the policy acts on
+        token = config.read_required_secret(a.token_file, "--token-file") \
             if a.token_file else None
         prom_auth = config.store_auth(a)
         hook_tokens, _ = Tokens.load(a.webhook_token_file)

@@ -52,6 +52,8 @@ class Flag:
 
 
 def read_rows(path: Path) -> Iterator[dict[str, str]]:
+    if path.is_dir():  # "no such file" sent the user looking for a path that exists
+        raise TraceError(f"{path}: is a directory; name a trace file in it")
     if not path.is_file():
         raise TraceError(f"{path}: no such file")
     if path.suffix in (".parquet", ".pq"):

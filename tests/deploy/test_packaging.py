@@ -186,6 +186,18 @@ def test_config_show_unknown_file_is_a_clear_error(capsys):
     assert "no shipped file 'prometheus/nope.yml'" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("path", ["../../../../../../../../etc/passwd", "/etc/passwd",
+                                  "prometheus/../../../../../../../../etc/passwd",
+                                  "../pyproject.toml", "prometheus", "../deploy/local/stack.py"])
+def test_config_show_prints_only_the_files_it_ships(path, capsys):
+    """Found in review: `clusterpulse-config show ../../../../../../etc/shadow` printed
+    the file (as root, the shadow passwords), exit 0: the path was looked up under the
+    package's deploy/ as given."""
+    assert configcli.main(["show", path]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"clusterpulse-config: error: no shipped file {path!r}")
+
+
 @pytest.mark.slow
 def test_wheel_contains_config_and_license(tmp_path: Path):
     """Built like a release: the wheel must carry rules, routing, policy, units, dashboards."""

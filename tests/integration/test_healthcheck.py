@@ -135,6 +135,15 @@ def test_bad_arguments_are_one_line_errors():
                         "127.0.0.1:9477"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and "--agent must be an http:// or https:// URL" in r.stderr
     assert "Traceback" not in r.stderr
+    for flag, value, says in [("--timeout", "inf", "--timeout must be > 0 and at most"),
+                              ("--timeout", "1e308", "--timeout must be > 0 and at most"),
+                              ("--timeout", "nan", "--timeout must be > 0 and at most"),
+                              ("--max-age", "inf", "--max-age must be a number of seconds")]:
+        # an endless timeout overflowed into a traceback, exit 1 (a review)
+        r = subprocess.run([sys.executable, "-m", "clusterpulse.agent.healthcheck", flag, value],
+                           capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 2 and says in r.stderr, (flag, value, r.stderr)
+        assert "Traceback" not in r.stderr
 
 
 def test_a_gpu_lost_before_an_agent_restart_is_still_a_problem_after_it(tmp_path):

@@ -105,3 +105,47 @@ def test_a_store_password_file_that_cannot_be_read_is_an_error_naming_it(
     assert restart(isolated, "--prometheus-password-file", str(isolated / "cwd")) == 2
     assert capsys.readouterr().err.endswith(f"{isolated / 'cwd'}: Is a directory\n")
     assert not (isolated / "home").exists()  # nothing requested, so nothing audited
+
+
+@pytest.mark.parametrize("command", [["restart", "--run", "job", "--graceful"],
+                                     ["evict", "--run", "job", "--node", "node-a"],
+                                     ["escalate", "--run", "job", "--command", "node-a-1-1"]])
+def test_an_audit_log_it_cannot_write_is_refused_before_anything_is_asked(
+        isolated, monkeypatch, capsys, command):
+    """Found in review: with --audit-log a directory, restart was accepted by the
+    agents, and then `1 record(s) kept in memory until it can` as ctl exited with the
+    record: an action taken and no audit of it. The log is checked first."""
+    asked: list[str] = []
+    monkeypatch.setattr(actions, "run_agents", lambda prom, run, token, lookback="": (
+        asked.append(run), actions.RunAgents({"node-a": "http://127.0.0.1:9"}, {}))[1])
+    for log, why in ((isolated / "cwd", "Is a directory"),
+                     (isolated / "token" / "audit.jsonl", "File exists")):
+        assert ctl.main(["--prometheus", "http://127.0.0.1:9", "--token-file",
+                         str(isolated / "token"), "--audit-log", str(log), *command,
+                         "--reason", "x"]) == 2
+        assert capsys.readouterr() == ("", "clusterpulse-ctl: error: --audit-log: cannot "
+                                       f"write the audit log {log}: {why}; nothing was done\n")
+    assert asked == []
+
+
+def test_the_audit_check_writes_no_record(isolated):
+    """The check opens the log as a record's write does, creating it (0600) if missing,
+    and writes nothing: the one record is the request's."""
+    log = isolated / "state" / "audit.jsonl"
+    assert restart(isolated, "--audit-log", str(log)) == 1  # the agent is unreachable
+    assert [r["action"] for r in records(log)] == ["restart"]
+    assert log.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("text", ["", "\n", " \n\n"])
+def test_a_store_password_file_that_holds_no_password_is_an_error_naming_it(
+        isolated, capsys, text):
+    """Found in review: an empty password file sent no credentials at all, silently
+    (the store then answers 401, or, open, is asked without the auth it was meant to
+    get). Refused as an unreadable one is, before the store or an agent is asked."""
+    empty = isolated / "password"
+    empty.write_text(text)
+    assert restart(isolated, "--prometheus-password-file", str(empty)) == 2
+    assert capsys.readouterr() == ("", "clusterpulse-ctl: error: --prometheus-password-file: "
+                                   f"the password file {empty} holds no password\n")
+    assert not (isolated / "home").exists()  # nothing requested, so nothing audited

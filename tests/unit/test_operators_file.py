@@ -210,3 +210,47 @@ def test_a_refused_sign_in_says_entries_were_skipped(tmp_path, monkeypatch, capl
     at.text_input(key="login_password").input("correct horse")
     at.sidebar.button[0].click().run()
     assert at.session_state["operator"] == "alice"
+
+
+@pytest.mark.parametrize("option", ["--prometheus-password-file",
+                                    "--alertmanager-password-file"])
+def test_the_dashboard_refuses_to_start_with_a_password_file_that_holds_none(
+        tmp_path, no_exec, capsys, option):
+    """An empty (or blank-lined) password file started a dashboard that sent no
+    credentials: refused as an unreadable one is."""
+    empty = tmp_path / "password"
+    empty.write_text("\n")
+    assert cli.main([option, str(empty)]) == 2
+    assert capsys.readouterr().err == (f"clusterpulse-dashboard: error: {option}: the "
+                                       f"password file {empty} holds no password\n")
+
+
+@pytest.mark.parametrize("name, why", [("missing", "cannot read the token file {}: No such "
+                                        "file or directory"),
+                                       ("dir", "cannot read the token file {}: Is a directory"),
+                                       ("empty", "the token file {} holds no token")])
+def test_the_dashboard_refuses_to_start_with_a_token_file_ctl_would_refuse(
+        tmp_path, no_exec, capsys, name, why):
+    """Found in review: the dashboard started with a --token-file that did not exist
+    (or was a directory), which clusterpulse-ctl refuses; every action an operator then
+    asked for failed. The same check, at start, in the same words."""
+    path = tmp_path / name
+    if name == "dir":
+        path.mkdir()
+    elif name == "empty":
+        path.write_text(" \n")
+    assert cli.main(["--token-file", str(path)]) == 2
+    assert capsys.readouterr().err == ("clusterpulse-dashboard: error: --token-file: "
+                                       f"{why.format(path)}\n")
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "0", "-1"])
+def test_the_dashboard_refuses_a_port_no_server_can_listen_on(no_exec, capsys, port):
+    """--port 99999 reached Streamlit, which died in a traceback (OverflowError:
+    bind(): port must be 0-65535)."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--port", port])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--port: expected a port from 1 to 65535, not {port}" in err, err
+    assert "Traceback" not in err

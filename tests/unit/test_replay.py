@@ -69,6 +69,9 @@ def test_a_clean_trace_prints_nothing(tmp_path):
 def test_bad_traces_get_a_clear_error(tmp_path):
     r = detect("replay", str(tmp_path / "nope.csv"))
     assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
+    r = detect("replay", str(tmp_path))  # found in review: said "no such file"
+    assert r.returncode == 2 and r.stderr == (f"clusterpulse-detect: error: {tmp_path}: is a "
+                                              "directory; name a trace file in it\n"), r.stderr
     bad = tmp_path / "bad.csv"
     bad.write_text("run,step,rank\nr,1,0\n")
     r = detect("replay", str(bad))

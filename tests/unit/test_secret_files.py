@@ -10,6 +10,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,38 @@ def test_listing_agents_needs_no_token_even_an_unreadable_one(tmp_path, capsys):
                      str(tmp_path / "missing"), "agents", "--run", "r"]) == 1
     err = capsys.readouterr().err
     assert "Prometheus at http://127.0.0.1:9 is unreachable" in err and "token" not in err
+
+
+@pytest.mark.parametrize("text", ["", "\n", "  \n\t\n"])
+@pytest.mark.parametrize("command", ["ctl", "remediate"])
+def test_a_token_file_that_holds_no_token_is_refused_at_start_naming_it(
+        command, text, tmp_path, capsys):
+    """Found in review: clusterpulse-remediate started ("listening ...") with an empty
+    agent token file and failed at the first alert it acted on; clusterpulse-ctl blamed
+    CLUSTERPULSE_AGENT_TOKEN_FILE, not the file it was given. Both refuse it, as the
+    agent refuses its own ("holds no token")."""
+    from deploy.local.stack import free_port
+
+    empty = tmp_path / "token"
+    empty.write_text(text)
+    hook = tmp_path / "hook-token"
+    hook.write_text("alertmanager-hook-token-0123456789\n")
+    audit = str(tmp_path / "audit.jsonl")
+    if command == "ctl":
+        from clusterpulse.dashboard import ctl
+
+        code = ctl.main(["--prometheus", "http://127.0.0.1:9", "--token-file", str(empty),
+                         "--audit-log", audit, "restart", "--run", "r", "--graceful",
+                         "--reason", "x"])
+        err = capsys.readouterr().err
+    else:  # a process: it would otherwise listen until killed
+        r = subprocess.run(
+            [sys.executable, "-m", "clusterpulse.dashboard.remediation", "--policy",
+             str(REPO / "deploy/local/policy.toml"), "--audit-log", audit,
+             "--listen", f"127.0.0.1:{free_port()}", "--webhook-token-file", str(hook),
+             "--token-file", str(empty)],
+            capture_output=True, text=True, timeout=60, cwd=REPO)
+        code, err = r.returncode, r.stderr
+    assert code == 2, err
+    assert err == (f"clusterpulse-{command}: error: --token-file: the token file {empty} "
+                   "holds no token\n")
