@@ -23,7 +23,9 @@ So, as DeepSpeed's comms logger does, the blocking collectives of `torch.distrib
 distributed run. While a step is open, a wrapper hands its call to the step's timer
 (`Pulse._collective_in_step`: two clock marks, so on CUDA the stream's wait for NCCL is
 seen; only on the loop's thread or in its backward, and only in the step's own phases:
-in a checkpoint or data section of the step it is counted, its time that section's);
+in a checkpoint section of the step it is counted, its time the checkpoint's; in its
+data section, between micro-batches, it is timed on the host clock the section is
+measured by and taken out of its data wait);
 while the Pulse awaits input (`awaiting_input` .. `input_arrived`, or `Pulse.data`) it
 hands it there too, timed on the host clock the data wait is measured by, taken out of
 the data wait and added to the next step's sync wait (the loop's thread only);

@@ -1,10 +1,10 @@
 """The wrappers over torch.distributed's collectives (trainer/collective_timing.py):
-inside a step's forward_backward, or while the loop awaits input, a blocking collective
-is timed as sync wait; on the loop's thread it is counted in any phase (a checkpoint's,
-the user's own), the outermost call only; async and ClusterPulse's own collectives are
-left to torch and to their own counts, with return values and exceptions unchanged. A
-gloo world of one; the waits themselves are tested with real ranks in
-tests/integration/test_attribution.py and test_hf.py."""
+inside a step's forward_backward or data section, or while the loop awaits input, a
+blocking collective is timed as sync wait; on the loop's thread it is counted in any
+phase (a checkpoint's, the user's own), the outermost call only; async and
+ClusterPulse's own collectives are left to torch and to their own counts, with return
+values and exceptions unchanged. A gloo world of one; the waits themselves are tested
+with real ranks in tests/integration/test_attribution.py and test_hf.py."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_in_every_part_of_a_step_a_blocking_collectives_wait_is_sync_wait(
     all-reduce on a sharded model, a loop's NaN check or metric all-reduce after
     backward. So in the optimizer section and in a step outside any section, as in
     forward_backward. A checkpoint section's is the checkpoint's own figure: counted
-    only, as the data phase's. The late peer: an all_reduce that takes WAIT_S."""
+    only (a data section's: below). The late peer: an all_reduce that takes WAIT_S."""
     def late_peer(t: torch.Tensor) -> None:
         time.sleep(WAIT_S)
         collective_timing.originals["all_reduce"](t)
@@ -107,6 +107,35 @@ def test_in_every_part_of_a_step_a_blocking_collectives_wait_is_sync_wait(
         all_reduce(t)  # DCP's planning: the checkpoint's time, not a sync wait
     assert pulse.last["sync_wait_seconds"] == 0, pulse.last
     assert pulse.collectives.entered == pulse.collectives.completed == 3
+
+
+def test_between_a_steps_micro_batches_a_blocking_collective_is_sync_wait(
+        pulse: Pulse) -> None:
+    """Lightning holds an accumulating step in its data section between micro-batches
+    and broadcasts its SIGTERM flag after every batch: a healthy rank waited there for
+    its slow peer, and that wait was its data wait (a review: 0.10 s a step against
+    0.002 s of fetching; the straggler's score halved). The late peer takes WAIT_S."""
+    def late_peer(t: torch.Tensor, src: int = 0) -> None:
+        time.sleep(WAIT_S)
+        collective_timing.originals["broadcast"](t, src)
+
+    broadcast = collective_timing._wrap("broadcast", late_peer)
+    t = torch.ones(1)
+    with pulse.step(1) as s:
+        with s.section("forward_backward"):
+            pass
+        with s.section("data"):
+            broadcast(t, 0)  # the framework's, after the first micro-batch
+            time.sleep(0.01)  # the next micro-batch's own fetch
+        with s.section("forward_backward"):
+            pass
+    v = pulse.last
+    assert v["sync_wait_seconds"] >= WAIT_S and v["data_wait_seconds"] < WAIT_S, v
+    assert v["data_wait_seconds"] >= 0.01 and v["compute_seconds"] < WAIT_S, v
+    assert pulse.collectives.entered == pulse.collectives.completed == 1
+    with pulse.step(2) as s, s.section("data"):
+        time.sleep(0.01)  # a step's own input: still data wait
+    assert pulse.last["sync_wait_seconds"] == 0 and pulse.last["data_wait_seconds"] >= 0.01
 
 
 def test_awaiting_input_a_blocking_collective_is_sync_wait_not_data_wait(
