@@ -186,14 +186,16 @@ def _read(rel: str, dest: Path | None = None) -> bytes:
                     raise UsageError(f"cannot read {installed}: {err}") from err
                 return vmalert_rules(text, str(installed), src).encode()
             return vmalert_rules(_read(src).decode(), f"the package's {src}", src).encode()
-    # only what the package ships, by name: a path looked up under deploy/ as given
-    # (`show ../../../etc/shadow`) printed whatever it named
-    if rel not in {r for _, r, _ in shipped()}:
+    # any file under the package's deploy/ (the docs name files that `list` does not:
+    # sysctl/90-clusterpulse-training.conf, the helm chart), and nothing outside it: a
+    # path looked up as given (`show ../../../etc/shadow`) printed whatever it named
+    parts = rel.split("/")
+    node = _root()
+    for part in parts:
+        node = node / part
+    if any(part in ("", ".", "..") for part in parts) or not node.is_file():
         known = ", ".join(r for _, r, _ in shipped() + generated())
         raise UsageError(f"no shipped file {rel!r}; known: {known}")
-    node = _root()
-    for part in rel.split("/"):
-        node = node / part
     return node.read_bytes()
 
 

@@ -88,9 +88,11 @@ def basic_auth(user: str, password_file: Path | None,
 
 def read_secret_file(path: Path, setting: str, what: str = "token") -> str:
     """The secret in `path`, stripped (empty: none). SettingsError, one line naming the
-    setting and the file, when it cannot be read or is not UTF-8 text."""
+    setting and the file, when it cannot be read or is not UTF-8 text. A byte-order
+    mark that some editors write first is no part of it (as the agent reads its token
+    file: one file serves both in the shipped layouts)."""
     try:
-        return path.read_text().strip()
+        return path.read_text(encoding="utf-8-sig").strip()
     except (OSError, UnicodeDecodeError) as err:
         why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise SettingsError(f"{setting}: cannot read the {what} file {path}: {why}") from None
@@ -102,7 +104,13 @@ def read_required_secret(path: Path, setting: str, what: str = "token") -> str:
     not sent is refused where it was named, not found missing at the first request
     (the agent says the same of its own token file: "holds no token")."""
     secret = read_secret_file(path, setting, what)
-    if not secret:
+    # a token file's comments only ("# put the token here") hold none either (its
+    # lines are read without comments, actions.token_for); a password may hold a "#"
+    if what == "token":
+        secret_lines = [ln.split("#", 1)[0].strip() for ln in secret.splitlines()]
+    else:
+        secret_lines = [secret]
+    if not any(secret_lines):
         raise SettingsError(f"{setting}: the {what} file {path} holds no {what}")
     return secret
 

@@ -22,7 +22,9 @@ first batch (`on_train_batch_start`) to the `on_train_batch_end` of the batch th
 stepped the optimizer (Lightning has counted it in `trainer.global_step` by then);
 forward_backward ends where Lightning hands the gradients to the optimizer
 (`on_before_optimizer_step`), so DDP's wait for peers (`attach_ddp` on the strategy's
-DDP model) falls in it as in the plain recipe. The time from one step's end to the
+DDP model) falls in it as in the plain recipe; under manual optimization the loss
+handed to `manual_backward` is marked (`on_before_backward`), DDP's forward returning
+none. The time from one step's end to the
 next one's first batch is Lightning fetching input: the step's data wait. With
 `accumulate_grad_batches` the step holds all its micro-batches: their samples summed,
 their losses too (Lightning divides each by the accumulation: the sum is the loss
@@ -186,6 +188,19 @@ class ClusterPulseCallback(pl.Callback):
         else:  # a later micro-batch of the step (gradient accumulation), fetched in
             self._step.add(batch_size(batch))  # the step's data section
             self._step.section("forward_backward")
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           loss: Any) -> None:
+        # Manual optimization: Lightning prepares DDP's reducer for this loss itself
+        # (DDPStrategy.pre_backward), inside training_step, and DDP's forward returns
+        # no loss to mark: its backward is marked here (a review: no sync wait, no
+        # bytes, the straggler unnamed). Under automatic optimization the forward's
+        # output is the loss's source, marked by attach_ddp.
+        model = trainer.strategy.model
+        if (self.pulse is not None and not pl_module.automatic_optimization
+                and isinstance(model, DistributedDataParallel)
+                and model.require_backward_grad_sync):
+            self.pulse.backward_reduces(loss)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:

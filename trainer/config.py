@@ -125,7 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: list[str] | None = None) -> TrainConfig:
+def parse_config(argv: list[str] | None = None, launcher_env: bool = True) -> TrainConfig:
+    """The trainer's configuration from its flags; ConfigError naming a bad one. With
+    `launcher_env`, also the launcher's variables this process runs under (a rank's:
+    torchrun's); without, as clusterpulse-train checks the flags before torchrun
+    starts, which sets those for every rank (a scheduler's RANK=node-a is no error)."""
     a = build_parser().parse_args(argv)
     specs = list(a.inject)
     env = os.environ.get("CLUSTERPULSE_INJECT", "")
@@ -156,7 +160,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         raise ConfigError(f"--lr must be a number, got {a.lr}")
     if a.ckpt_dir.exists() and not a.ckpt_dir.is_dir():
         raise ConfigError(f"--ckpt-dir {a.ckpt_dir} exists and is not a directory")
-    for name in LAUNCHER_INTS:  # what torchrun sets; by hand, a typo here crashed later
+    for name in LAUNCHER_INTS if launcher_env else ():  # torchrun's; by hand a typo crashed
         value = os.environ.get(name, "")
         if value and not is_digits(value):
             raise ConfigError(f"${name} must be a whole number >= 0, got {value!r}")

@@ -373,6 +373,8 @@ class Pulse:
         self._fwd_waits: list[tuple[Any, Any]] = []
         self._has_hook = False
         self._hooks: list[Any] = []  # removed at close: the model outlives no Pulse
+        # attach_ddp's mark of a backward's start, for backward_reduces
+        self._ddp_backward_starts: Callable[[torch.Tensor], None] | None = None
         # bytes each rank moves in the running backward's all-reduces: of every model
         # attached whose output it reaches (`_pass_models`, by id)
         self._pass_bytes = 0.0
@@ -598,6 +600,7 @@ class Pulse:
         # it changed. Run eagerly instead: a clock mark is a side effect at run time,
         # never a graph's op (~0.3 us a call, tests/unit/test_pulse_compile.py).
         eager = torch.compiler.disable
+        self._ddp_backward_starts = backward_starts
         self._hooks += [ddp_model.register_forward_pre_hook(eager(forward_called)),
                         # first of the model's pre-hooks: the user's own (registered
                         # before this) are the rank's work, not DDP's broadcast
@@ -605,6 +608,19 @@ class Pulse:
                                                                    prepend=True),
                         ddp_model.register_forward_hook(eager(forward_done))]
         self._has_hook = True
+
+    def backward_reduces(self, loss: torch.Tensor) -> None:
+        """The backward of `loss` reduces the attached DDP model's gradients though the
+        model's forward did not return it: a framework that prepares DDP's reducer for
+        a loss itself (Lightning's manual optimization: `manual_backward` inside
+        training_step, inside DDP's forward, which returns no loss). attach_ddp marks
+        the backward of a forward's outputs; this one went unmarked, and a healthy
+        rank's wait there for its slow peer was its compute (a review: no sync wait, no
+        bytes, the straggler unnamed). Call it just before that backward; nothing
+        without attach_ddp or for a loss that needs no gradient."""
+        hook = self._ddp_backward_starts
+        if hook is not None and isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.register_hook(hook)
 
     def sync_probe(self, group: dist.ProcessGroup | None = None) -> None:
         """Time a one-element all-reduce here, to its completion: the wait for the

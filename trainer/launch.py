@@ -702,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             # 2), torchrun spent --max-restarts on it and then printed a traceback per
             # failure (a review: the error 4 times, then 5 tracebacks). What needs the
             # world (the batch per rank) is still the ranks' to check.
-            parse_config(trainer_args)
+            parse_config(trainer_args, launcher_env=False)
     except (UnsupportedTorch, ConfigError) as err:
         print(f"clusterpulse-train: error: {err}", file=sys.stderr)
         return 2

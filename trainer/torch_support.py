@@ -137,19 +137,33 @@ def _output_tensors(obj: Any) -> Iterable[Any]:
     return []
 
 
-def ddp_output_tensors() -> Callable[[Any], Iterable[Any]]:
-    """DDP's own search of a forward's output for the tensors it reduces through
-    (`torch.nn.parallel.distributed._find_tensors`, private: lists, tuples, dicts and
-    dataclasses, nested; an RRef this rank owns), so that any output DDP handles is
-    searched alike (pytree's `tree_leaves` does not look inside a dataclass); where a
-    torch lacks it, the same walk of ours, without RRefs."""
+def ddp_output_tensors() -> Callable[[Any], list[Any]]:
+    """The tensors of a forward's output as DDP finds them, each once. DDP looks twice:
+    with pytree's flatten (its _DDPSink; a class registered with pytree, which
+    `_find_tensors` does not open) and with `_find_tensors` (private: lists, tuples,
+    dicts and dataclasses, nested; an RRef this rank owns), which pytree does not open
+    for a dataclass (a dataclass output's backward went unmarked). Where a torch lacks
+    `_find_tensors`, the same walk of ours, without RRefs."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
     try:
-        from torch.nn.parallel.distributed import _find_tensors
+        from torch.nn.parallel.distributed import _find_tensors as find
     except ImportError:
         fallback("DDP's _find_tensors", "the instrumentation walks a forward's output "
                  "itself (lists, tuples, dicts, dataclasses; not RRefs)")
-        return _output_tensors
-    return _find_tensors  # type: ignore[no-any-return]
+        find = _output_tensors
+
+    def tensors(output: Any) -> list[Any]:
+        seen: set[int] = set()
+        out = []
+        for t in (*tree_leaves(output), *find(output)):
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+        return out
+
+    return tensors
 
 
 def ddp_rebuild_flag(ddp_model: Any) -> bool:

@@ -198,6 +198,15 @@ def test_config_show_prints_only_the_files_it_ships(path, capsys):
     assert out == "" and err.startswith(f"clusterpulse-config: error: no shipped file {path!r}")
 
 
+@pytest.mark.parametrize("path", ["sysctl/90-clusterpulse-training.conf",
+                                  "kubernetes/examples/training-job.yaml"])
+def test_config_show_prints_a_shipped_file_that_list_does_not_name(path, capsys):
+    """docs/deploy.md tells operators to install the sysctl file with `show`; a review
+    of the first fix for `../` paths found it refused with every file outside `list`."""
+    assert configcli.main(["show", path]) == 0
+    assert capsys.readouterr().out == (REPO / "deploy" / path).read_text()
+
+
 @pytest.mark.slow
 def test_wheel_contains_config_and_license(tmp_path: Path):
     """Built like a release: the wheel must carry rules, routing, policy, units, dashboards."""

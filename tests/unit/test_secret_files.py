@@ -188,7 +188,7 @@ def test_listing_agents_needs_no_token_even_an_unreadable_one(tmp_path, capsys):
     assert "Prometheus at http://127.0.0.1:9 is unreachable" in err and "token" not in err
 
 
-@pytest.mark.parametrize("text", ["", "\n", "  \n\t\n"])
+@pytest.mark.parametrize("text", ["", "\n", "  \n\t\n", "# put the token here\n"])
 @pytest.mark.parametrize("command", ["ctl", "remediate"])
 def test_a_token_file_that_holds_no_token_is_refused_at_start_naming_it(
         command, text, tmp_path, capsys):
@@ -221,3 +221,20 @@ def test_a_token_file_that_holds_no_token_is_refused_at_start_naming_it(
     assert code == 2, err
     assert err == (f"clusterpulse-{command}: error: --token-file: the token file {empty} "
                    "holds no token\n")
+
+
+def test_a_clients_secret_file_is_read_as_the_agent_reads_its_own(tmp_path):
+    """A byte-order mark some editors write first is no part of the token (the agent
+    drops it; in the shipped layouts one file serves the agent and the dashboard, and
+    the client sent it, failing to encode); a password's "#" is no comment (a token
+    file's is)."""
+    from clusterpulse.dashboard.config import SettingsError, read_required_secret
+
+    token = tmp_path / "token"
+    token.write_bytes("\ufeffdash-token-0123456789\n".encode())
+    assert read_required_secret(token, "--token-file") == "dash-token-0123456789"
+    password = tmp_path / "password"
+    password.write_text("#not-a-comment\n")
+    assert read_required_secret(password, "--x", "password") == "#not-a-comment"
+    with pytest.raises(SettingsError, match="holds no token"):
+        read_required_secret(password, "--token-file")

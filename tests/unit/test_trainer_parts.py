@@ -319,6 +319,16 @@ def test_the_launcher_refuses_a_bad_trainer_flag_before_any_rank_starts(flags, s
     assert r.stderr.count(says) == 1 and "Traceback" not in r.stderr, r.stderr
 
 
+def test_the_launchers_check_leaves_torchruns_variables_to_the_ranks(monkeypatch):
+    """torchrun sets RANK and its kin for every rank: a scheduler's own RANK=node-a in
+    the launcher's environment is no error there (a review: clusterpulse-train refused
+    a launch that used to work); a rank still refuses one that is not a number."""
+    monkeypatch.setenv("RANK", "node-a")
+    assert parse_config(["--steps", "1"], launcher_env=False).steps == 1
+    with pytest.raises(ConfigError, match=r"\$RANK must be a whole number"):
+        parse_config(["--steps", "1"])
+
+
 @pytest.mark.parametrize("run", ["my run/1", "", "x" * 129, "run\n"])
 def test_run_ids_the_agent_would_drop_are_refused_at_construction(run):
     with pytest.raises(ValueError, match="not accepted by the agent"):
@@ -903,6 +913,87 @@ def test_a_dataclass_output_of_the_ddp_model_is_timed_like_a_tensor():
                 assert pulse.collectives.entered == pulse.collectives.completed == 2
             finally:
                 pulse.close()
+
+
+def test_an_output_class_registered_with_pytree_is_timed_like_a_tensor():
+    """DDP opens a forward's output with pytree too (its _DDPSink), so a class
+    registered with pytree is an output it handles; `_find_tensors` alone does not open
+    it (a review of the dataclass fix: 0 tensors found where pytree finds 2)."""
+    from torch import nn
+    from torch.utils._pytree import register_pytree_node
+
+    class Out:
+        def __init__(self, logits: torch.Tensor, aux: torch.Tensor) -> None:
+            self.logits, self.aux = logits, aux
+
+    register_pytree_node(Out, lambda o: ([o.logits, o.aux], None),
+                         lambda xs, _ctx: Out(*xs))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Out:
+            return Out(self.a(x), self.b(x))
+
+    with gloo_world_of_one():
+        model = nn.parallel.DistributedDataParallel(Model())
+        model.register_comm_hook(None, late_peer(LATE_PEER_S))
+        pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
+        try:
+            pulse.attach_ddp(model)
+            for step in (1, 2):
+                with pulse.step(step) as s, s.section("forward_backward"):
+                    out = model(torch.ones(2, 8))
+                    (out.logits.sum() + out.aux.sum()).backward()
+                assert pulse.last["sync_wait_seconds"] >= LATE_PEER_S, pulse.last
+                assert pulse.last["compute_seconds"] < LATE_PEER_S, pulse.last
+        finally:
+            pulse.close()
+
+
+def test_a_backward_inside_the_forward_that_a_framework_prepared_is_marked_when_told():
+    """Lightning's manual optimization: `manual_backward` runs inside training_step,
+    inside DDP's forward, after Lightning prepared DDP's reducer for that loss itself,
+    and DDP's forward returns no loss. attach_ddp marks the backward of a forward's
+    output, so this one went unmarked: the wait for a late peer was compute, no bytes
+    (a review). `backward_reduces(loss)`, which the Lightning callback calls from
+    on_before_backward, marks it. Lightning's own steps, as its DDP strategy takes them."""
+    told: list[bool] = []
+
+    class TrainingStep(torch.nn.Module):  # what Lightning's DDP wrapper runs
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> None:
+            loss = self.lin(x).sum()
+            model.reducer._rebuild_buckets()  # lightning's prepare_for_backward
+            model.reducer.prepare_for_backward([])
+            if told[-1]:
+                pulse.backward_reduces(loss)
+            loss.backward()
+            model.require_backward_grad_sync = False  # its on_after_inner_forward
+
+    with gloo_world_of_one():
+        pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
+        model = torch.nn.parallel.DistributedDataParallel(TrainingStep())
+        model.register_comm_hook(None, late_peer(LATE_PEER_S))
+        pulse.attach_ddp(model)
+        seen, marked = [], []
+        for step, tell in enumerate((False, True, True), 1):
+            told.append(tell)
+            with pulse.step(step) as s, s.section("forward_backward"):
+                model(torch.ones(2, 4))
+                model.require_backward_grad_sync = True  # its on_after_outer_forward
+                marked.append(len(pulse._ddp_passes))  # the backward's all-reduce timed
+            seen.append(dict(pulse.last))
+        pulse.close()
+    assert marked == [0, 1, 1]
+    assert seen[0]["compute_seconds"] >= LATE_PEER_S, seen[0]
+    for v in seen[1:]:
+        assert v["sync_wait_seconds"] >= LATE_PEER_S and v["compute_seconds"] < LATE_PEER_S, v
 
 
 @pytest.mark.parametrize("static_graph, rebuilds_in", [(False, 2), (True, 3)])
