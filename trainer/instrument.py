@@ -914,6 +914,14 @@ class Pulse:
                 comm = sum(t for t in times if t is not None)
                 comm_bytes = sum(n for _, _, n in comm_marks)
             sync_wait = probe_wait + ctx.data_sync
+            if comm is not None and isinstance(clock, _HostClock):
+                # On the host clock (CPU, gloo) the rank blocks in each of FSDP's
+                # all-gathers and reduce-scatters: waiting for its peers and the wire,
+                # never its compute (a review: a healthy rank's 0.10 s there a step was
+                # compute, and its slow peer scored 1.27 for 1.9x). On CUDA they run on
+                # FSDP's streams, overlapping the compute; the part the compute stream
+                # waits for is still in its device time (docs/trainer.md).
+                sync_wait += comm
             if passes:
                 # each backward DDP reduced, on one clock: the rank's own work done ->
                 # the all-reduce done is sync wait; the window, from the backward's

@@ -33,7 +33,7 @@ from clusterpulse.trainer.faults import Faults, InjectError, parse_injection
 from clusterpulse.trainer.instrument import Pulse
 from clusterpulse.trainer.runstate import ProgressMark, RunState, progress_path
 from clusterpulse.trainer.telemetry import AgentLink, parse_agent_addr
-from clusterpulse.trainer.torch_support import rendezvous_keep_alive
+from clusterpulse.trainer.torch_support import fsdp_on_cpu, rendezvous_keep_alive
 from tests.support.ports import free_port
 from tests.support.procs import REPO, wait_until
 from tests.support.worlds import gloo_world_of_one, late_peer, late_rebuild, run_ranks
@@ -994,6 +994,55 @@ def test_a_backward_inside_the_forward_that_a_framework_prepared_is_marked_when_
     assert seen[0]["compute_seconds"] >= LATE_PEER_S, seen[0]
     for v in seen[1:]:
         assert v["sync_wait_seconds"] >= LATE_PEER_S and v["compute_seconds"] < LATE_PEER_S, v
+
+
+FSDP_WORKER = """
+import json, sys, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from clusterpulse.trainer.instrument import Pulse
+rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+torch.manual_seed(0)
+layers = [nn.Linear(32, 32) for _ in range(4)]
+if rank == 1:  # slow in every layer, as a slow GPU is
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda *_: time.sleep(0.02))
+model = nn.Sequential(*layers)
+for layer in layers:
+    fully_shard(layer)
+fully_shard(model)
+pulse = Pulse(run="fsdp", agent=None, rank=rank, world_size=world, catch_sigterm=False)
+timed = pulse.attach_fsdp(model)
+seen = []
+for step in range(1, 31):
+    with pulse.step(step) as s, s.section("forward_backward"):
+        model(torch.ones(4, 32)).sum().backward()
+    pulse.boundary(step)
+    seen.append(dict(pulse.last))
+Path(f"{out}.{rank}").write_text(json.dumps({"timed": timed, "last": seen[-10:],
+                                             "scores": pulse.straggler_scores}))
+pulse.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not fsdp_on_cpu(), reason="FSDP2 on CPU needs torch >= 2.7")
+def test_the_wait_in_fsdps_collectives_on_the_host_clock_is_sync_wait(tmp_path):
+    """A review: FSDP2 on CPU (gloo blocks the host in each all-gather and
+    reduce-scatter), a peer 80 ms slower in every layer: the healthy rank's wait in
+    FSDP's collectives (timed by attach_fsdp) was counted as its compute, and the
+    straggler scored 1.27 for ~1.9x. Two real ranks."""
+    out = tmp_path / "fsdp"
+    run_ranks(FSDP_WORKER, 2, tmp_path, str(out))
+    healthy, slow = (json.loads(Path(f"{out}.{r}").read_text()) for r in range(2))
+    assert healthy["timed"] == slow["timed"] == 5
+    for v in healthy["last"]:
+        assert v["sync_wait_seconds"] >= 0.06 and v["compute_seconds"] < 0.04, v
+    assert healthy["scores"] == slow["scores"] and healthy["scores"][1] > 1.5, healthy
 
 
 @pytest.mark.parametrize("static_graph, rebuilds_in", [(False, 2), (True, 3)])
