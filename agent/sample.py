@@ -20,12 +20,21 @@ CLOCK_EVENT_REASONS: dict[str, int] = {
     "hw_thermal_slowdown": 0x40,
     "hw_power_brake_slowdown": 0x80,
     "display_clock_setting": 0x100,
+    "board_limit": 0x200,
+    "reliability": 0x400,
+    # a bit this agent does not know (a newer driver's reason): throttled, for a reason
+    # named nowhere here. Ignored, the GPU read as not throttled (a review).
+    "other": 0,
 }
+_KNOWN_CLOCK_EVENTS = sum(CLOCK_EVENT_REASONS.values())
 
 
 def decode_clock_events(mask: int) -> frozenset[str]:
-    """Turn NVML's reason bitmask into reason names; unknown bits are ignored."""
-    return frozenset(name for name, bit in CLOCK_EVENT_REASONS.items() if mask & bit)
+    """Turn NVML's reason bitmask into reason names; bits not named here: "other"."""
+    names = {name for name, bit in CLOCK_EVENT_REASONS.items() if mask & bit}
+    if mask & ~_KNOWN_CLOCK_EVENTS:
+        names.add("other")
+    return frozenset(names)
 
 
 @dataclass

@@ -153,6 +153,9 @@ class NvmlBackend:
         self._transient = 0  # passing errors of optional readings, ever
         self._order: list[str] = []
         self._event_set: Any = None
+        # GPUs whose XID registration met a passing error, tried again each cycle
+        # (None: every GPU is still to be registered)
+        self._xid_unregistered: set[str] | None = None
         self._need_reinit = False  # NVML itself failed: no events until re-initialised
         self._reinit_failing = False  # the last re-initialisation failed
         self._last_reinit = clock()
@@ -318,24 +321,42 @@ class NvmlBackend:
         return count
 
     def _register_xid_events(self) -> None:
+        """An event set for every GPU's XIDs. Only NOT_SUPPORTED or NO_PERMISSION
+        mark a GPU's XIDs unsupported; any other error (UNKNOWN once) is tried again
+        at the next cycle (`_xid_unregistered`): marked unsupported on any error, one
+        passing failure blinded the GPU's XIDs (or, at the set's creation, every
+        GPU's) until the agent restarted (a review)."""
         n = self._nvml
-        try:
-            self._event_set = self._call("nvmlEventSetCreate")
-        except n.NVMLError as err:
-            for dev in self._devices.values():
-                self._mark_unsupported(dev, "xid_errors", err)
-            self._event_set = None
-            return
+        if self._event_set is None:
+            try:
+                self._event_set = self._call("nvmlEventSetCreate")
+            except (n.NVMLError_NotSupported, n.NVMLError_NoPermission) as err:
+                for dev in self._devices.values():
+                    self._mark_unsupported(dev, "xid_errors", err)
+                self._xid_unregistered = set()
+                return
+            except n.NVMLError as err:
+                self._errors[f"xid_events_{error_kind(err)}"] += 1
+                self._xid_unregistered = {d.uuid for d in self._devices.values()
+                                          if not d.missing}
+                return
+        retry = set()
         for dev in self._devices.values():
-            if dev.missing:
+            if dev.missing or self._lacks(dev, "xid_errors"):
                 continue
+            if self._xid_unregistered is not None and dev.uuid not in self._xid_unregistered:
+                continue  # registered already
             try:
                 self._call(
                     "nvmlDeviceRegisterEvents", dev.handle, n.nvmlEventTypeXidCriticalError,
                     self._event_set,
                 )
-            except n.NVMLError as err:
+            except (n.NVMLError_NotSupported, n.NVMLError_NoPermission) as err:
                 self._mark_unsupported(dev, "xid_errors", err)
+            except n.NVMLError as err:
+                self._errors[f"xid_events_{error_kind(err)}"] += 1
+                retry.add(dev.uuid)
+        self._xid_unregistered = retry
 
     def _drain_xid_events(self) -> None:
         """Collect pending XID events without waiting (timeout 0): never blocks a cycle."""
@@ -432,11 +453,15 @@ class NvmlBackend:
         if self._reinit_failing:  # shut down, not started again: every handle is void
             raise CollectionFailed("NVML does not start again after a re-initialisation; "
                                    "the last GPU readings stand (retrying)")
-        if not self._need_reinit:
-            try:
-                self._drain_xid_events()
-            except n.NVMLError as err:  # pragma: no cover - defensive: driver misbehaving
-                self._errors[error_kind(err)] += 1
+        # Also while a lost GPU waits for the re-initialisation: one GPU is gone, not
+        # NVML, and the others' XIDs (and the lost one's 79) are in the event set now
+        # (a review: an XID 48 of a healthy GPU in that window was never counted)
+        if self._xid_unregistered and not self._need_reinit:
+            self._register_xid_events()
+        try:
+            self._drain_xid_events()
+        except n.NVMLError as err:  # pragma: no cover - defensive: driver misbehaving
+            self._errors[error_kind(err)] += 1
         samples = []
         for uuid in self._order:
             dev = self._devices[uuid]
@@ -457,6 +482,11 @@ class NvmlBackend:
                 kind = error_kind(err)
                 self._errors[kind] += 1
                 if kind in GONE:
+                    if not dev.lost:  # the counter alone never said which GPU
+                        log.warning("gpu %d (%s, %s) is gone (%s): re-initialising NVML "
+                                    "within %.0f s", dev.index, dev.uuid, dev.pci_bus_id,
+                                    kind, max(0.0, self._reinit_interval
+                                              - (self._clock() - self._last_reinit)))
                     self._need_reinit = dev.lost = True
                 samples.append(self._down(dev, kind))
         labels = {d.index for d in self._devices.values()}
@@ -481,12 +511,13 @@ class NvmlBackend:
         log.warning("re-initialising NVML: a GPU was lost or is missing")
         try:
             if self._event_set is not None:  # _init makes a new one: do not leak the old
-                if not self._need_reinit:  # a re-probe: XIDs queued since the last cycle
-                    with contextlib.suppress(n.NVMLError):
-                        self._drain_xid_events()
+                # what the set holds goes with it: XIDs queued since the last cycle
+                with contextlib.suppress(n.NVMLError):
+                    self._drain_xid_events()
                 with contextlib.suppress(n.NVMLError):
                     self._call("nvmlEventSetFree", self._event_set)
                 self._event_set = None
+            self._xid_unregistered = None  # every GPU, into the new set
             with contextlib.suppress(n.NVMLError):
                 self._call("nvmlShutdown")
             self._init()
@@ -509,24 +540,25 @@ class NvmlBackend:
 
     def _read(self, dev: _Device) -> GpuSample:
         n, h = self._nvml, dev.handle
-        # The liveness probe (any error: the GPU is down) is the first of utilization,
-        # memory and temperature the GPU supports: a MIG-enabled GPU answers
-        # utilization NOT_SUPPORTED, and was exported down for good.
-        util = self._optional(dev, "utilization", "nvmlDeviceGetUtilizationRates", h,
-                              strict=True)
+        # The liveness probe: the GPU is down when none of utilization, memory and
+        # temperature answers this cycle (each it supports, in turn; an error of the
+        # last one asked is raised), or any reading says it is gone (GONE). A
+        # MIG-enabled GPU answers utilization NOT_SUPPORTED, and was exported down for
+        # good; one UNKNOWN or TIMEOUT of utilization alone made it down for a cycle,
+        # and GpuDown (critical, no `for:`) paged (a review).
+        util = self._optional(dev, "utilization", "nvmlDeviceGetUtilizationRates", h)
         s = GpuSample(
             index=dev.index, uuid=dev.uuid, up=True, name=dev.name, pci_bus_id=dev.pci_bus_id,
             driver_version=self._driver_version,
             utilization_ratio=None if util is None else util.gpu / 100.0,
             sm_clock_max_hertz=dev.sm_clock_max_hertz, xid_errors_total=self._xid_totals(dev),
         )
-        mem = self._optional(dev, "memory", "nvmlDeviceGetMemoryInfo", h,
-                             strict=self._lacks(dev, "utilization"))
+        mem = self._optional(dev, "memory", "nvmlDeviceGetMemoryInfo", h, strict=util is None)
         if mem is not None:
             s.memory_used_bytes, s.memory_total_bytes = float(mem.used), float(mem.total)
         temp = self._optional(
             dev, "temperature_celsius", "nvmlDeviceGetTemperature", h, n.NVML_TEMPERATURE_GPU,
-            strict=self._lacks(dev, "utilization") and self._lacks(dev, "memory"))
+            strict=util is None and mem is None)
         s.temperature_celsius = None if temp is None else float(temp)
         mw = self._optional(dev, "power_watts", "nvmlDeviceGetPowerUsage", h)
         s.power_watts = None if mw is None else mw / 1000.0

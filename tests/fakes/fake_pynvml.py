@@ -43,6 +43,7 @@ class FakeGpu:
     nvlink_errors: dict[tuple[int, int], int] = field(default_factory=dict)  # (link, kind)
     compute_pids: list[int] = field(default_factory=list)  # processes with a CUDA context
     graphics_pids: list[int] = field(default_factory=list)
+    register_errors: list[int] = field(default_factory=list)  # nvmlDeviceRegisterEvents'
 
 
 class FakeNvml:
@@ -66,7 +67,10 @@ class FakeNvml:
             }
         self.init_error = init_error
         self.initialised = False
-        self.events: collections.deque[tuple[int, int]] = collections.deque()  # (gpu, xid)
+        # (gpu, xid) queued in the event set: freeing the set discards them (`discarded`)
+        self.events: collections.deque[tuple[int, int]] = collections.deque()
+        self.discarded = 0
+        self.event_set_error: int | None = None  # nvmlEventSetCreate answers this error
         self.calls: collections.Counter[str] = collections.Counter()
         self.driver_lost_until_reinit = False
         # Set to an unset threading.Event to make every per-GPU call hang until it is
@@ -201,10 +205,15 @@ class FakeNvml:
         return [_process(pid) for pid in g.graphics_pids]
 
     def nvmlEventSetCreate(self) -> str:
+        self.calls["nvmlEventSetCreate"] += 1
+        if self.event_set_error is not None:
+            raise pynvml.NVMLError(self.event_set_error)
         return "event-set"
 
     def nvmlDeviceRegisterEvents(self, h: int, _types: int, _set: Any) -> None:
-        self._fn("nvmlDeviceRegisterEvents", h)
+        g = self._fn("nvmlDeviceRegisterEvents", h)
+        if g.register_errors:  # passing failures, one per call
+            raise pynvml.NVMLError(g.register_errors.pop(0))
 
     def nvmlEventSetWait_v2(self, _set: Any, _timeout_ms: int) -> Any:
         self.calls["nvmlEventSetWait_v2"] += 1
@@ -214,7 +223,9 @@ class FakeNvml:
         return SimpleNamespace(device=gpu, eventData=xid, eventType=8)
 
     def nvmlEventSetFree(self, _set: Any) -> None:
-        pass
+        # as NVML: what the set still holds goes with it (one set at a time here)
+        self.discarded += len(self.events)
+        self.events.clear()
 
 
 def _process(pid: int) -> Any:

@@ -191,19 +191,30 @@ def test_unsupported_function_and_field_are_recorded_once_and_not_retried():
     (pynvml.NVML_ERROR_TIMEOUT, "timeout"),
     (pynvml.NVML_ERROR_GPU_IS_LOST, "gpu_is_lost"),
 ])
-def test_any_failure_of_the_liveness_probe_marks_the_gpu_down_by_error_kind(code, kind):
+def test_the_gpu_is_down_when_no_reading_of_the_liveness_probe_answers(code, kind):
+    """One UNKNOWN or TIMEOUT of utilization alone made the GPU down for a cycle and
+    GpuDown (critical, no `for:`) paged (a review): the GPU is down when none of
+    utilization and memory answers, by the last error's kind, or when one says it is
+    gone."""
     fake = FakeNvml(gpus=2)
     backend = NvmlBackend(nvml=fake)
 
     def broken(h):
         raise pynvml.NVMLError(code)
 
-    real = fake.nvmlDeviceGetUtilizationRates
-    fake.nvmlDeviceGetUtilizationRates = lambda h: broken(h) if h == 0 else real(h)
+    util, mem = fake.nvmlDeviceGetUtilizationRates, fake.nvmlDeviceGetMemoryInfo
+    fake.nvmlDeviceGetUtilizationRates = lambda h: broken(h) if h == 0 else util(h)
     s = backend.collect()
-    assert not s[0].up and s[0].down_reason == kind
     assert s[1].up and s[1].utilization_ratio == 0.5
     assert backend.errors()[kind] == 1
+    if kind == "gpu_is_lost":
+        assert not s[0].up and s[0].down_reason == kind
+        return
+    assert s[0].up and s[0].utilization_ratio is None and s[0].failing == ("utilization",)
+    assert s[0].memory_used_bytes == 10 * 2**30  # it answered: alive
+    fake.nvmlDeviceGetMemoryInfo = lambda h: broken(h) if h == 0 else mem(h)
+    s = backend.collect()
+    assert not s[0].up and s[0].down_reason == kind and s[1].up
 
 
 @pytest.mark.parametrize("code,kind,up", [
@@ -293,6 +304,60 @@ def test_xid_events_are_counted_without_blocking():
     assert s[1].xid_errors_total == {79: 2} and s[0].xid_errors_total == {48: 1}
     s = backend.collect()  # no new events: counts stay, wait returns at once
     assert s[1].xid_errors_total == {79: 2}
+
+
+def test_xids_while_a_lost_gpu_awaits_the_reinit_are_counted_not_freed_with_the_set():
+    """A review: after GPU_IS_LOST the drain stopped until NVML's re-initialisation (30 s
+    on), which freed the event set undrained: the lost GPU's XID 79 and a healthy GPU's
+    XID 48 in that window were never counted. One GPU is gone, not NVML."""
+    fake, clock = FakeNvml(gpus=2), ManualClock()
+    backend = NvmlBackend(nvml=fake, clock=clock)
+    backend.collect()
+    fake.gpus[1].lost = True
+    assert not backend.collect()[1].up
+    fake.events.extend([(1, 79), (0, 48)])  # the driver's 79, then a DBE on GPU 0
+    for _ in range(40):  # past the re-initialisation
+        clock.t += 1
+        s = backend.collect()
+    assert fake.calls["nvmlInit"] >= 2 and fake.discarded == 0
+    assert s[0].xid_errors_total == {48: 1} and s[1].xid_errors_total == {79: 1}
+
+
+def test_a_passing_error_registering_xid_events_is_retried_not_unsupported_for_good():
+    """A review: any error of nvmlDeviceRegisterEvents (one UNKNOWN) or of
+    nvmlEventSetCreate marked XIDs unsupported, for that GPU or every GPU, until the
+    agent restarted. NOT_SUPPORTED still does."""
+    fake = FakeNvml(gpus=3)
+    fake.gpus[1].register_errors = [pynvml.NVML_ERROR_UNKNOWN]
+    fake.gpus[2].register_errors = [pynvml.NVML_ERROR_NOT_SUPPORTED]
+    backend = NvmlBackend(nvml=fake)
+    backend.collect()  # registers GPU 1 again
+    fake.events.extend([(1, 48), (0, 48)])
+    s = backend.collect()
+    assert s[1].xid_errors_total == {48: 1} and s[0].xid_errors_total == {48: 1}
+    assert (1, "xid_errors") not in backend.unsupported()
+    assert (2, "xid_errors") in backend.unsupported()
+    assert fake.calls["nvmlDeviceRegisterEvents"] == 4  # 3 at start, GPU 1 once more
+
+    fake = FakeNvml(gpus=2)
+    fake.event_set_error = pynvml.NVML_ERROR_UNKNOWN
+    backend = NvmlBackend(nvml=fake)
+    assert backend.unsupported() == {}
+    fake.event_set_error = None
+    backend.collect()  # the set made now, every GPU registered
+    fake.events.append((1, 79))
+    assert backend.collect()[1].xid_errors_total == {79: 1}
+
+
+@pytest.mark.parametrize("mask, reasons", [
+    (0x200, {"board_limit"}), (0x400, {"reliability"}),
+    (0x800 | 0x40, {"other", "hw_thermal_slowdown"}), (0, set())])
+def test_every_clock_event_bit_is_a_reason_an_unknown_one_other(mask, reasons):
+    """A review: bits above 0x100 (BoardLimit and Reliability, which pynvml names,
+    and a newer driver's) were dropped, the GPU read as not throttled."""
+    fake = FakeNvml(gpus=1)
+    fake.gpus[0].reasons = mask
+    assert NvmlBackend(nvml=fake).collect()[0].clock_events == frozenset(reasons)
 
 
 def test_xid_counts_survive_an_agent_restart(tmp_path):
