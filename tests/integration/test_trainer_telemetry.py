@@ -36,8 +36,10 @@ def test_slowed_rank_has_the_compute_time_and_its_peer_the_wait(tmp_path, parall
         assert fast["sync_wait_seconds"] > 2 * slow["sync_wait_seconds"], (fast, slow)
         assert slow["straggler_score"] > 1.4 and 0.6 < fast["straggler_score"] <= 1.0
         # Both ranks see about the same step time: synchronous training hides the
-        # straggler there, which is why the split is measured at all.
-        assert slow["step_seconds"] == pytest.approx(fast["step_seconds"], rel=0.3)
+        # straggler there, which is why the split is measured at all. One step each (the
+        # last): on a loaded fresh machine the slow rank's last FSDP step read 0.30 s
+        # against its peer's 0.22 s (a deschedule); unsynchronised, they would differ 3x.
+        assert slow["step_seconds"] == pytest.approx(fast["step_seconds"], rel=0.5)
         assert ranks[1].steps_total == 30 and ranks[1].step == 30
         assert ranks[0].values["loss"] > 0 and ranks[0].world_size == 2
         if parallel == "ddp":

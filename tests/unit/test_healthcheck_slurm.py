@@ -23,8 +23,8 @@ def test_a_problem_does_need_slurm(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "why"), [
-    (["--timeout", "nan"], "--timeout and --max-age must be positive"),
-    (["--max-age", "nan"], "--timeout and --max-age must be positive"),
+    (["--timeout", "nan"], "--timeout must be > 0 and at most 3600 seconds, got nan"),
+    (["--max-age", "nan"], "--max-age must be a number of seconds > 0, got nan"),
     (["--ecc-max", "nan"], "--ecc-max must be a count >= 0"),
     (["--agent", "http://[::1"], "--agent must be an http:// or https:// URL"),
     (["--agent", "http://127.0.0.1:port"], "--agent must be an http:// or https:// URL"),
