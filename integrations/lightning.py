@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.nn.parallel import DistributedDataParallel
@@ -199,7 +200,7 @@ class ClusterPulseCallback(pl.Callback):
         model = trainer.strategy.model
         if (self.pulse is not None and not pl_module.automatic_optimization
                 and isinstance(model, DistributedDataParallel)
-                and model.require_backward_grad_sync):
+                and model.require_backward_grad_sync and torch.is_grad_enabled()):
             self.pulse.backward_reduces(loss)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

@@ -115,6 +115,7 @@ class _Device:
     # (GpuSample.failing), and the cycles that had any (GpuReadingsFailing's evidence)
     failing: list[str] = field(default_factory=list)
     failed_cycles: int = 0
+    probe_failed: bool = False  # the liveness probe failed last cycle (not GONE)
 
 
 # NVLink data-link error counters: label value -> pynvml constant name
@@ -337,6 +338,9 @@ class NvmlBackend:
                 return
             except n.NVMLError as err:
                 self._errors[f"xid_events_{error_kind(err)}"] += 1
+                if self._xid_unregistered is None:  # once, not each cycle it fails
+                    log.warning("no XID event set (%s): no GPU's XIDs are counted; "
+                                "trying again each cycle", err)
                 self._xid_unregistered = {d.uuid for d in self._devices.values()
                                           if not d.missing}
                 return
@@ -356,6 +360,9 @@ class NvmlBackend:
             except n.NVMLError as err:
                 self._errors[f"xid_events_{error_kind(err)}"] += 1
                 retry.add(dev.uuid)
+                if dev.uuid not in (self._xid_unregistered or ()):
+                    log.warning("gpu %d (%s): its XID events are not registered (%s); "
+                                "trying again each cycle", dev.index, dev.uuid, err)
         self._xid_unregistered = retry
 
     def _drain_xid_events(self) -> None:
@@ -466,6 +473,10 @@ class NvmlBackend:
         for uuid in self._order:
             dev = self._devices[uuid]
             dev.failing = []  # the static probe's, too: it is read again while they fail
+            if self._xid_unregistered and uuid in self._xid_unregistered:
+                # its XIDs are not counted until it is registered: said every cycle
+                # (GpuReadingsFailing), not only in a node-wide error count
+                dev.failing.append("xid_errors")
             if dev.missing:
                 samples.append(self._down(dev, dev.reason))
                 continue
@@ -540,13 +551,23 @@ class NvmlBackend:
 
     def _read(self, dev: _Device) -> GpuSample:
         n, h = self._nvml, dev.handle
-        # The liveness probe: the GPU is down when none of utilization, memory and
-        # temperature answers this cycle (each it supports, in turn; an error of the
-        # last one asked is raised), or any reading says it is gone (GONE). A
-        # MIG-enabled GPU answers utilization NOT_SUPPORTED, and was exported down for
-        # good; one UNKNOWN or TIMEOUT of utilization alone made it down for a cycle,
-        # and GpuDown (critical, no `for:`) paged (a review).
-        util = self._optional(dev, "utilization", "nvmlDeviceGetUtilizationRates", h)
+        # The liveness probe: utilization, or where the GPU does not support it (a
+        # MIG-enabled one answers NOT_SUPPORTED, and was exported down for good) memory,
+        # then temperature. The GPU is down when a reading says it is gone (GONE), when
+        # the probe fails two cycles in a row (a hung GPU times out every cycle while
+        # the driver may still serve its memory figures), or when the reading after it
+        # fails too. One UNKNOWN or TIMEOUT alone made it down for a cycle, and GpuDown
+        # (critical, no `for:`) paged (a review).
+        try:
+            util = self._optional(dev, "utilization", "nvmlDeviceGetUtilizationRates", h,
+                                  strict=True)
+            dev.probe_failed = False
+        except n.NVMLError as err:
+            if error_kind(err) in GONE or dev.probe_failed:
+                raise
+            dev.probe_failed = True
+            self._passing(err, dev, "utilization")
+            util = None
         s = GpuSample(
             index=dev.index, uuid=dev.uuid, up=True, name=dev.name, pci_bus_id=dev.pci_bus_id,
             driver_version=self._driver_version,

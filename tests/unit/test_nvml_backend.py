@@ -212,8 +212,15 @@ def test_the_gpu_is_down_when_no_reading_of_the_liveness_probe_answers(code, kin
         return
     assert s[0].up and s[0].utilization_ratio is None and s[0].failing == ("utilization",)
     assert s[0].memory_used_bytes == 10 * 2**30  # it answered: alive
-    fake.nvmlDeviceGetMemoryInfo = lambda h: broken(h) if h == 0 else mem(h)
+    # a second cycle in a row: a hung GPU times out every cycle while the driver may
+    # still serve its memory figures (a second review)
     s = backend.collect()
+    assert not s[0].up and s[0].down_reason == kind and s[1].up
+    fake.nvmlDeviceGetUtilizationRates = util  # answers again: up
+    assert backend.collect()[0].up
+    fake.nvmlDeviceGetUtilizationRates = lambda h: broken(h) if h == 0 else util(h)
+    fake.nvmlDeviceGetMemoryInfo = lambda h: broken(h) if h == 0 else mem(h)
+    s = backend.collect()  # both fail in one cycle: down at once
     assert not s[0].up and s[0].down_reason == kind and s[1].up
 
 
@@ -328,16 +335,19 @@ def test_a_passing_error_registering_xid_events_is_retried_not_unsupported_for_g
     nvmlEventSetCreate marked XIDs unsupported, for that GPU or every GPU, until the
     agent restarted. NOT_SUPPORTED still does."""
     fake = FakeNvml(gpus=3)
-    fake.gpus[1].register_errors = [pynvml.NVML_ERROR_UNKNOWN]
+    fake.gpus[1].register_errors = [pynvml.NVML_ERROR_UNKNOWN] * 2
     fake.gpus[2].register_errors = [pynvml.NVML_ERROR_NOT_SUPPORTED]
     backend = NvmlBackend(nvml=fake)
-    backend.collect()  # registers GPU 1 again
+    s = backend.collect()  # GPU 1 fails again: its XIDs are not counted, and it says so
+    assert s[1].failing == ("xid_errors",) and s[0].failing == s[2].failing == ()
+    s = backend.collect()  # registered now
+    assert s[1].failing == ()
     fake.events.extend([(1, 48), (0, 48)])
     s = backend.collect()
     assert s[1].xid_errors_total == {48: 1} and s[0].xid_errors_total == {48: 1}
     assert (1, "xid_errors") not in backend.unsupported()
     assert (2, "xid_errors") in backend.unsupported()
-    assert fake.calls["nvmlDeviceRegisterEvents"] == 4  # 3 at start, GPU 1 once more
+    assert fake.calls["nvmlDeviceRegisterEvents"] == 5  # 3 at start, GPU 1 twice more
 
     fake = FakeNvml(gpus=2)
     fake.event_set_error = pynvml.NVML_ERROR_UNKNOWN
