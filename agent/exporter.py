@@ -277,9 +277,12 @@ class AgentCollector(Collector):
         yield nv_err
         uns = GaugeMetricFamily(PREFIX + "gpu_metric_unsupported",
                                 "1 for each metric the GPU does not support, with NVML's reason.",
-                                labels=["node", "gpu", "metric", "reason"])
+                                labels=[*GPU_LABELS, "metric", "reason"])
+        # with the GPU's uuid, as every GPU series (DESIGN.md): a label alone is an
+        # index, which after a lost GPU names another card than nvidia-smi's (a review)
+        uuid_of = {s.index: s.uuid for s in samples}
         for (gpu, metric), reason in sorted(a.backend.unsupported().items()):
-            uns.add_metric([node, str(gpu), metric, reason], 1.0)
+            uns.add_metric([node, str(gpu), uuid_of.get(gpu, ""), metric, reason], 1.0)
         yield uns
 
     def _rank_series(self) -> Iterable:

@@ -661,3 +661,25 @@ def test_static_facts_and_nvlinks_that_fail_are_named_and_read_again():
     s = backend.collect()
     assert s[0].failing == () and s[0].failed_reading_cycles_total == 2
     assert sorted(s[0].nvlinks) == [0, 1, 2, 3] and s[0].pci_bus_id
+
+
+def test_what_a_gpu_cannot_report_is_exported_with_its_uuid():
+    """Every GPU series carries node, gpu and uuid (DESIGN.md); this one had no uuid, and
+    after a lost GPU an index names another card than nvidia-smi's (a review)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from clusterpulse.agent.audit import AuditLog
+    from clusterpulse.agent.core import Agent
+    from clusterpulse.agent.exporter import AgentCollector
+    from clusterpulse.agent.ranks import RankRegistry
+
+    fake = FakeNvml(gpus=2)
+    fake.gpus[1].unsupported_fns.add("nvmlDeviceGetPowerUsage")
+    agent = Agent(NvmlBackend(nvml=fake), "n1", RankRegistry(), AuditLog(None))
+    agent.collect_once()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AgentCollector(agent))
+    lines = [line for line in generate_latest(registry).decode().splitlines()
+             if line.startswith("clusterpulse_gpu_metric_unsupported{")]
+    assert lines == ['clusterpulse_gpu_metric_unsupported{gpu="1",metric="power_watts",'
+                     'node="n1",reason="Not Supported",uuid="GPU-fake-1"} 1.0'], lines
