@@ -30,12 +30,12 @@ is the time in any other blocking collective the model or the loop runs in the s
 (`collective_timing`): in forward_backward (SyncBatchNorm's statistics, a
 `dist.all_reduce` of the batch's figures), in the optimizer (clipping's norm on a
 sharded model, a check across ranks that the gradients are finite) or
-outside any section; not in a checkpoint or data section (their own figures), and
-not DTensor's functional collectives nor `async_op=True` ones. So is one the loop runs
-while it awaits input between steps (the HF Trainer's gather of a batch's token count:
-counted as input, the ranks waiting there for a slow-input peer looked input-bound and
-that peer did not stand out). From the
-start of such a backward to its all-reduce's end DDP's all-reduces run: the gradient
+outside any section, or in a data section between micro-batches; not in a checkpoint
+section (its own figure), and not DTensor's functional collectives nor `async_op=True`
+ones. So is one the loop runs while it awaits input between steps (the HF Trainer's
+gather of a batch's token count: counted as input, the ranks waiting there for a
+slow-input peer looked input-bound and that peer did not stand out). From the start of
+such a backward to its all-reduce's end DDP's all-reduces run: the gradient
 bytes each rank moves over those windows is the step's achieved bus bandwidth (a lower
 bound: the window also holds backward compute the all-reduces overlap), the figure that
 falls for every rank together when a link on the ring is slow. A few Python calls per
@@ -510,9 +510,9 @@ class Pulse:
         own, is small and the same on every rank): it is sync wait. Once rebuilt, a
         model without buffers costs no mark there.
 
-        The output's tensors are found as DDP finds them (lists, tuples, dicts and
-        dataclasses, nested): a dataclass output (DDP takes one) was no tensor to
-        pytree, and its backward was not marked at all.
+        The output's tensors are found as DDP finds them (lists, tuples, dicts,
+        dataclasses and classes registered with pytree, nested): a dataclass output
+        (DDP takes one) was no tensor to pytree, and its backward was not marked.
         """
         params = [p for p in ddp_model.parameters() if p.requires_grad]
         group = getattr(ddp_model, "process_group", None)
