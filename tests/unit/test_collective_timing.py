@@ -9,7 +9,8 @@ with real ranks in tests/integration/test_attribution.py and test_hf.py."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -78,6 +79,16 @@ def test_in_forward_backward_a_blocking_collective_is_sync_wait(
 WAIT_S = 0.05  # a late peer, waited for inside a collective
 
 
+def late_peer(op: str) -> Callable[..., Any]:
+    """`op` as the loop calls it (through collective_timing's wrapper), waiting
+    WAIT_S for a late peer before the collective itself."""
+    def waits(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(WAIT_S)
+        return collective_timing.originals[op](*args, **kwargs)
+
+    return collective_timing._wrap(op, waits)
+
+
 def test_in_every_part_of_a_step_a_blocking_collectives_wait_is_sync_wait(
         pulse: Pulse) -> None:
     """Review of #31: in the optimizer section the wait was counted as compute, so a
@@ -86,11 +97,7 @@ def test_in_every_part_of_a_step_a_blocking_collectives_wait_is_sync_wait(
     backward. So in the optimizer section and in a step outside any section, as in
     forward_backward. A checkpoint section's is the checkpoint's own figure: counted
     only (a data section's: below). The late peer: an all_reduce that takes WAIT_S."""
-    def late_peer(t: torch.Tensor) -> None:
-        time.sleep(WAIT_S)
-        collective_timing.originals["all_reduce"](t)
-
-    all_reduce = collective_timing._wrap("all_reduce", late_peer)
+    all_reduce = late_peer("all_reduce")
     t = torch.ones(1)
     with pulse.step(1) as s:
         with s.section("forward_backward"):
@@ -115,11 +122,7 @@ def test_between_a_steps_micro_batches_a_blocking_collective_is_sync_wait(
     and broadcasts its SIGTERM flag after every batch: a healthy rank waited there for
     its slow peer, and that wait was its data wait (a review: 0.10 s a step against
     0.002 s of fetching; the straggler's score halved). The late peer takes WAIT_S."""
-    def late_peer(t: torch.Tensor, src: int = 0) -> None:
-        time.sleep(WAIT_S)
-        collective_timing.originals["broadcast"](t, src)
-
-    broadcast = collective_timing._wrap("broadcast", late_peer)
+    broadcast = late_peer("broadcast")
     t = torch.ones(1)
     with pulse.step(1) as s:
         with s.section("forward_backward"):

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -873,6 +874,30 @@ def test_every_backward_that_ddp_reduces_is_timed_where_ddp_reduces():
 
 
 
+def _a_late_peers_wait_is_sync_wait(model: Callable[[], torch.nn.Module],
+                                    loss: Callable[[Any], torch.Tensor],
+                                    find_unused: tuple[bool, ...] = (False,)) -> None:
+    """Two steps of `model` under DDP with a peer LATE_PEER_S late to each all-reduce:
+    each backward marked once, the wait sync wait, the rank's own time compute."""
+    with gloo_world_of_one():
+        for unused in find_unused:
+            ddp = torch.nn.parallel.DistributedDataParallel(model(),
+                                                            find_unused_parameters=unused)
+            ddp.register_comm_hook(None, late_peer(LATE_PEER_S))
+            pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
+            try:
+                pulse.attach_ddp(ddp)
+                for step in (1, 2):
+                    with pulse.step(step) as s, s.section("forward_backward"):
+                        loss(ddp(torch.ones(2, 8))).backward()
+                        assert len(pulse._ddp_passes) == 1, (unused, step)
+                    assert pulse.last["sync_wait_seconds"] >= LATE_PEER_S, pulse.last
+                    assert pulse.last["compute_seconds"] < LATE_PEER_S, pulse.last
+                assert pulse.collectives.entered == pulse.collectives.completed == 2
+            finally:
+                pulse.close()
+
+
 def test_a_dataclass_output_of_the_ddp_model_is_timed_like_a_tensor():
     """A review: Pulse found a forward's output tensors with pytree's tree_leaves, which
     takes a dataclass (DDP takes one) for a leaf: no tensor was hooked, the backward
@@ -895,24 +920,8 @@ def test_a_dataclass_output_of_the_ddp_model_is_timed_like_a_tensor():
         def forward(self, x: torch.Tensor) -> Out:
             return Out(self.a(x), {"aux": (self.b(x),)})
 
-    with gloo_world_of_one():
-        for find_unused in (False, True):
-            model = nn.parallel.DistributedDataParallel(
-                Model(), find_unused_parameters=find_unused)
-            model.register_comm_hook(None, late_peer(LATE_PEER_S))
-            pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
-            try:
-                pulse.attach_ddp(model)
-                for step in (1, 2):
-                    with pulse.step(step) as s, s.section("forward_backward"):
-                        out = model(torch.ones(2, 8))
-                        (out.logits.sum() + out.extra["aux"][0].sum()).backward()
-                        assert len(pulse._ddp_passes) == 1, (find_unused, step)
-                    assert pulse.last["sync_wait_seconds"] >= LATE_PEER_S, pulse.last
-                    assert pulse.last["compute_seconds"] < LATE_PEER_S, pulse.last
-                assert pulse.collectives.entered == pulse.collectives.completed == 2
-            finally:
-                pulse.close()
+    _a_late_peers_wait_is_sync_wait(
+        Model, lambda out: out.logits.sum() + out.extra["aux"][0].sum(), (False, True))
 
 
 def test_an_output_class_registered_with_pytree_is_timed_like_a_tensor():
@@ -937,20 +946,7 @@ def test_an_output_class_registered_with_pytree_is_timed_like_a_tensor():
         def forward(self, x: torch.Tensor) -> Out:
             return Out(self.a(x), self.b(x))
 
-    with gloo_world_of_one():
-        model = nn.parallel.DistributedDataParallel(Model())
-        model.register_comm_hook(None, late_peer(LATE_PEER_S))
-        pulse = Pulse(run="unit", agent=None, world_size=1, catch_sigterm=False)
-        try:
-            pulse.attach_ddp(model)
-            for step in (1, 2):
-                with pulse.step(step) as s, s.section("forward_backward"):
-                    out = model(torch.ones(2, 8))
-                    (out.logits.sum() + out.aux.sum()).backward()
-                assert pulse.last["sync_wait_seconds"] >= LATE_PEER_S, pulse.last
-                assert pulse.last["compute_seconds"] < LATE_PEER_S, pulse.last
-        finally:
-            pulse.close()
+    _a_late_peers_wait_is_sync_wait(Model, lambda out: out.logits.sum() + out.aux.sum())
 
 
 def test_a_backward_inside_the_forward_that_a_framework_prepared_is_marked_when_told():
