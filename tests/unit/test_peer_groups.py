@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 from clusterpulse.trainer.consensus import Consensus
+from clusterpulse.trainer.parallel import hold_process_groups_until_exit
 from tests.unit.test_peer_groups import CASES, STAGE_COST, STEPS
 rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -50,6 +51,7 @@ for name, (grouped, slow) in CASES.items():
                 flagged |= {int(r) for r in np.nonzero(c.last.flagged)[0]}
     seen[name] = sorted(flagged)
 Path(f"{out}.{rank}").write_text(json.dumps(seen))
+hold_process_groups_until_exit()  # as Pulse.close does (tests/support/worlds.run_ranks)
 dist.destroy_process_group()
 """
 
