@@ -8,9 +8,10 @@ node/gpu/uuid, trainer series carry run/rank/node/local_rank, identity goes on t
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
@@ -24,6 +25,8 @@ from clusterpulse.agent.sample import CLOCK_EVENT_REASONS
 
 if TYPE_CHECKING:
     from clusterpulse.agent.core import Agent
+
+log = logging.getLogger(__name__)
 
 GPU_LABELS = ["node", "gpu", "uuid"]
 RANK_LABELS = ["run", "rank", "node", "local_rank"]
@@ -133,6 +136,7 @@ JUDGEMENT = frozenset({"straggler_score", "straggler_self_score", "straggler_fla
 class AgentCollector(Collector):
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
+        self._failed: set[str] = set()  # the subsystems whose failure was logged
 
     def collect(self) -> Iterator:
         yield from self._agent_series()
@@ -141,7 +145,21 @@ class AgentCollector(Collector):
         # Collectors of other subsystems (node_exporter style): NIC port health and
         # queues, who uses each GPU (agent.attribution), as the CLI configured them.
         for links in self.agent.links:
-            yield from links.families(self.agent.node)
+            yield from self._isolated(links)
+
+    def _isolated(self, collector: Any) -> list:
+        """One subsystem's series, or none of them: an error in one (a NIC's odd sysfs
+        file, an unexpected reply) loses only its own series, logged once per kind, not
+        the scrape of every GPU series of the node (node_exporter's rule)."""
+        try:
+            return list(collector.families(self.agent.node))
+        except Exception as err:  # any failure of one subsystem
+            kind = type(collector).__name__
+            if kind not in self._failed:
+                self._failed.add(kind)
+                log.warning("%s failed, its series are left out of the scrape: %s: %s",
+                            kind, type(err).__name__, err, exc_info=True)
+            return []
 
     def _agent_series(self) -> Iterable:
         a = self.agent

@@ -130,6 +130,28 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def label_text(name: str) -> str:
+    """A kernel name as a label value. Linux allows any byte but '/' in an interface
+    name, and Python keeps the bytes that are not UTF-8 as lone surrogates, which the
+    exposition cannot encode: one such name made every scrape of the node fail
+    (NodeAgentDown while /healthz said ok). Those bytes read as U+FFFD."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+# operstate (RFC 2863) when `carrier` cannot be read; the other states say nothing sure
+_OPERSTATE_UP = {"up": 1.0, "down": 0.0, "lowerlayerdown": 0.0, "notpresent": 0.0}
+
+
+def _ethernet_up(dev: Path) -> float | None:
+    """1 if the interface has carrier. An interface taken down (`ip link set down`, a
+    driver or NetworkManager deconfiguring it) has no carrier to read (EINVAL), and
+    without a reading NicLinkDown never fired for it: its operstate says down."""
+    carrier = _number(_read(dev / "carrier"))
+    if carrier is not None:
+        return float(carrier >= 1)
+    return _OPERSTATE_UP.get(_read(dev / "operstate") or "")
+
+
 def _number(text: str | None) -> float | None:
     try:
         return float(text) if text is not None else None
@@ -150,7 +172,7 @@ class NicCounters:
         ib = self.root / "class" / "infiniband"
         for dev in sorted(ib.glob("*")) if ib.is_dir() else []:
             for pdir in sorted((dev / "ports").glob("*")):
-                p = Port(dev.name, pdir.name, "infiniband")
+                p = Port(label_text(dev.name), label_text(pdir.name), "infiniband")
                 state = _read(pdir / "state")  # "4: ACTIVE"
                 if state is not None:
                     p.up = 1.0 if state.split(":")[0].strip() == "4" else 0.0
@@ -163,9 +185,8 @@ class NicCounters:
         for dev in sorted(net.glob("*")) if net.is_dir() else []:
             if not self.select.wanted(dev.name):
                 continue  # bridges, veths, tunnels, CNI devices: not the node's link
-            p = Port(dev.name, "1", "ethernet")
-            carrier = _number(_read(dev / "carrier"))
-            p.up = None if carrier is None else float(carrier >= 1)
+            p = Port(label_text(dev.name), "1", "ethernet")
+            p.up = _ethernet_up(dev)
             p.carrier_changes = _number(_read(dev / "carrier_changes"))
             for name, (suffix, _) in NET_COUNTERS.items():
                 v = _number(_read(dev / "statistics" / name))
@@ -224,8 +245,10 @@ def parse_qdiscs(text: str) -> dict[str, QueueStats]:
 
 def read_qdiscs(tc: str) -> dict[str, QueueStats]:
     """The root qdiscs of this network namespace, read with `tc` (2 s at most)."""
+    # names that are not UTF-8 keep their bytes (surrogateescape), as /sys's listing
+    # does, so that NicSelection matches them; the exporter writes them with label_text
     out = subprocess.run([tc, "-s", "-j", "qdisc", "show"], capture_output=True, text=True,
-                         timeout=2, check=True)
+                         errors="surrogateescape", timeout=2, check=True)
     return parse_qdiscs(out.stdout)
 
 
@@ -269,7 +292,7 @@ class QueueCounters:
         backlog = GaugeMetricFamily(PREFIX + "nic_queue_backlog_bytes",
                                     "Bytes waiting in the interface's root qdisc.", labels=labels)
         for dev, q in sorted(self.queues().items()):
-            lb = [node, dev, q.qdisc]
+            lb = [node, label_text(dev), label_text(q.qdisc)]
             held.add_metric(lb, q.overlimits)
             drops.add_metric(lb, q.drops)
             backlog.add_metric(lb, q.backlog_bytes)
@@ -351,7 +374,8 @@ class TcpPeerRtt:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ranks, self.proc, self.read_sockets, self.clock = ranks, proc, read, clock
         self._inodes: dict[int, tuple[float, set[int]]] = {}  # pid -> (listed at, inodes)
-        self._conns: dict[int, tuple[str, int, int, int]] = {}  # inode -> peer, its counts
+        # inode -> peer, its counts, when last seen
+        self._conns: dict[int, tuple[str, int, int, int, float]] = {}
         self._totals: dict[str, PeerSegments] = {}
         self._peer_seen: dict[str, float] = {}  # peer -> when a connection to it was last seen
         self._lock = threading.Lock()  # two scrapes at once (two Prometheus) add each growth once
@@ -406,20 +430,29 @@ class TcpPeerRtt:
     def _counters(self, now: float, links: list[sockdiag.TcpSocket]) -> dict[str, PeerSegments]:
         """Per peer, what its connections counted since the agent first saw each: a
         connection's counters are its own and end with it (a job's restart makes new
-        ones), so each one's growth is added to its peer's running totals."""
-        seen: dict[int, tuple[str, int, int, int]] = {}
+        ones), so each one's growth is added to its peer's running totals.
+
+        A connection missing from one read (no live rank while torchrun restarts its
+        workers, a failed sock_diag read, a rank whose fds were not listed) keeps what
+        it had counted until PEER_FORGET_S: forgotten at once, it came back with its
+        whole lifetime added again (torchrun's store connection lives through every
+        restart). An inode now on another peer, or counts that went down, is another
+        connection: counted from zero."""
         for s in links:
             now_counts = (s.data_segments_sent, s.retransmitted_segments,
                           s.duplicate_retransmissions)
-            _, *before = self._conns.get(s.inode, (s.remote, 0, 0, 0))
+            peer, *before, _ = self._conns.get(s.inode, (s.remote, 0, 0, 0, now))
+            if peer != s.remote or any(a < b for a, b in zip(now_counts, before, strict=True)):
+                before = [0, 0, 0]
             total = self._totals.setdefault(s.remote, PeerSegments())
-            grew = [max(0, a - b) for a, b in zip(now_counts, before, strict=True)]
-            total.data_sent += grew[0]
-            total.retransmitted += grew[1]
-            total.duplicates += grew[2]
+            total.data_sent += now_counts[0] - before[0]
+            total.retransmitted += now_counts[1] - before[1]
+            total.duplicates += now_counts[2] - before[2]
             self._peer_seen[s.remote] = now
-            seen[s.inode] = (s.remote, *now_counts)
-        self._conns = seen
+            self._conns[s.inode] = (s.remote, *now_counts, now)
+        for inode, (*_, at) in list(self._conns.items()):
+            if now - at > PEER_FORGET_S:
+                del self._conns[inode]
         for peer, at in list(self._peer_seen.items()):
             if now - at > PEER_FORGET_S:
                 del self._peer_seen[peer], self._totals[peer]

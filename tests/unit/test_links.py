@@ -10,6 +10,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -411,3 +412,134 @@ def test_each_peers_segment_counters_only_grow_as_connections_come_and_go(tmp_pa
     r = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=text,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+
+
+def test_a_connection_missing_from_a_read_is_not_counted_again_when_it_returns(tmp_path):
+    """Between two reads with no live rank (torchrun restarting its workers) or a failed
+    sock_diag read, the connections were forgotten, and the next read added each one's
+    whole lifetime again: torchrun's store connection, which lives through every restart
+    (and, where fds cannot be read, every socket of the user), inflated its peer's
+    counters at each restart. An inode seen again on another peer, or with counts that
+    went down, is another connection: counted from zero."""
+    now, live, fail = [0.0], [{(100, 0)}], [False]
+    _rank_fds(tmp_path, 100, [11])
+    socks = [_sock(11, "10.0.0.2", 0.001, counts=(50, 100000, 0))]
+
+    def read(wanted: sockdiag.Wanted) -> list[TcpSocket]:
+        if fail[0]:
+            raise OSError(105, "No buffer space available")
+        return selecting(socks)(wanted)
+
+    rtt = TcpPeerRtt(lambda: live[0], tmp_path, read=read, clock=lambda: now[0])
+
+    def sent() -> dict[str, tuple[int, int]]:
+        return {p: (c.data_sent, c.retransmitted) for p, c in rtt.read().segments.items()}
+
+    assert sent() == {"10.0.0.2": (100000, 50)}
+    live[0] = set()  # the workers restart
+    assert sent() == {"10.0.0.2": (100000, 50)}
+    live[0] = {(100, 0)}
+    assert sent() == {"10.0.0.2": (100000, 50)}  # was (200000, 100)
+    fail[0] = True
+    assert sent() == {"10.0.0.2": (100000, 50)}
+    fail[0] = False
+    socks[0] = _sock(11, "10.0.0.2", 0.001, counts=(51, 100010, 0))
+    assert sent() == {"10.0.0.2": (100010, 51)}  # its growth only
+    socks[0] = _sock(11, "10.0.0.3", 0.001, counts=(0, 7, 0))  # the inode, reused
+    assert sent() == {"10.0.0.2": (100010, 51), "10.0.0.3": (7, 0)}
+
+
+def _agent_scrape(agent) -> dict:
+    from clusterpulse.agent.exporter import AgentCollector
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(AgentCollector(agent))
+    return {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+
+
+def _sim_agent():
+    from clusterpulse.agent.audit import AuditLog
+    from clusterpulse.agent.backends.sim import SimBackend
+    from clusterpulse.agent.core import Agent
+    from clusterpulse.agent.ranks import RankRegistry
+
+    agent = Agent(SimBackend(gpus=2), "n1", RankRegistry(), AuditLog(None))
+    agent.collect_once()
+    return agent
+
+
+def test_an_interface_name_that_is_not_utf8_does_not_break_the_scrape(tmp_path):
+    """Linux allows any byte in an interface name. Python keeps the bytes that are not
+    UTF-8 as lone surrogates, which the exposition cannot encode: every scrape of the
+    node failed (NodeAgentDown, its GPU series lost) while /healthz said ok. `tc -j`
+    printing such a name dropped the queue series of every NIC. The name now reads with
+    U+FFFD where its bytes are not UTF-8, and the NIC's series are kept."""
+    make_sysfs(tmp_path)
+    odd = os.fsdecode(b"en\xffp1")
+    (tmp_path / "class" / "net" / odd / "device").mkdir(parents=True)
+    (tmp_path / "class" / "net" / odd / "carrier").write_text("1\n")
+    agent = _sim_agent()
+    agent.links.append(NicCounters(tmp_path))
+    fams = _agent_scrape(agent)
+    up = {s.labels["device"]: s.value for s in fams["clusterpulse_nic_port_up"].samples}
+    assert up["en\ufffdp1"] == 1.0 and up["eth0"] == 1.0
+    assert len(fams["clusterpulse_gpu_utilization_ratio"].samples) == 2
+    tc_out = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.stdout.buffer.write(sys.argv[1].encode("
+         "'utf-8', 'surrogateescape'))", crowded_tc(["eth0", odd])],
+        capture_output=True, text=True, errors="surrogateescape", check=True).stdout
+    queues = QueueCounters(NicSelection(sysfs=tmp_path), read=lambda: parse_qdiscs(tc_out))
+    assert set(queues.queues()) == {"eth0", odd}  # matched against /sys's own names
+    agent.links.append(queues)
+    fams = _agent_scrape(agent)
+    held = {s.labels["device"] for s in fams["clusterpulse_nic_queue_overlimits"].samples}
+    assert held == {"eth0", "en\ufffdp1"}
+
+
+def test_real_tc_output_with_a_name_that_is_not_utf8_is_read(tmp_path, monkeypatch):
+    """read_qdiscs itself, on `tc`'s bytes: decoding them as text failed (one warning,
+    then no queue series for any NIC)."""
+    fake = tmp_path / "tc"
+    fake.write_bytes(b"#!/bin/sh\nprintf '[{\"kind\":\"tbf\",\"dev\":\"en\\377p1\","
+                     b"\"root\":true,\"overlimits\":5},{\"kind\":\"fq\",\"dev\":\"eth0\","
+                     b"\"root\":true}]'\n")
+    fake.chmod(0o755)
+    found = read_qdiscs(str(fake))
+    assert set(found) == {os.fsdecode(b"en\xffp1"), "eth0"}
+    assert found[os.fsdecode(b"en\xffp1")].overlimits == 5
+
+
+def test_an_interface_taken_down_reads_down_from_its_operstate(tmp_path):
+    """An interface taken down (`ip link set down`) has no carrier to read (EINVAL):
+    no nic_port_up was exported for it and NicLinkDown never fired. Its operstate says
+    down; an unreadable carrier with an operstate that says nothing sure stays unknown."""
+    make_sysfs(tmp_path)
+    eth = tmp_path / "class" / "net" / "eth0"
+    (eth / "carrier").unlink()  # what an admin-down interface's read gives: nothing
+    (eth / "operstate").write_text("down\n")
+    ports = {p.device: p for p in NicCounters(tmp_path).ports()}
+    assert ports["eth0"].up == 0.0
+    (eth / "operstate").write_text("unknown\n")
+    assert {p.device: p for p in NicCounters(tmp_path).ports()}["eth0"].up is None
+
+
+def test_a_failing_collector_loses_only_its_own_series(caplog):
+    """A subsystem's error (an odd sysfs file, an unexpected reply) failed the scrape of
+    every GPU series of the node; now only that subsystem's series are left out, and
+    the error is logged once."""
+
+    class Broken:
+        def families(self, node: str):
+            yield from ()
+            raise RuntimeError("odd reply")
+
+    from clusterpulse.agent.exporter import AgentCollector
+
+    agent = _sim_agent()
+    agent.links.append(Broken())
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(AgentCollector(agent))
+    for _ in range(2):
+        fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+        assert len(fams["clusterpulse_gpu_utilization_ratio"].samples) == 2
+    assert sum("Broken failed" in r.message for r in caplog.records) == 1
