@@ -9,6 +9,8 @@ would), which the HealthCheckProgram reads."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -135,8 +137,28 @@ def test_slurmctld_listens_on_a_port_no_outgoing_connection_is_handed(slurm):
 
 
 def test_sbatch_runs_agent_step_and_torchrun_on_every_node(slurm, bed):
-    job, out, ckpt = submit(slurm, "basic", 2, "--preset tiny --steps 20 --ckpt-every 10 "
-                            "--sim-compute-seconds 0.1", AGENT_PORT="9410")
+    # Another user made the socket directories this job's agents used to take (job ids
+    # are sequential): `mkdir -p` took them, the agents refused them, and the job ran
+    # unmonitored. The job's directory is now named with a nonce.
+    config = slurm.run("scontrol", "show", "config")
+    next_id = int(config.split("NEXT_JOB_ID", 1)[1].split("=", 1)[1].split()[0])
+    squatted = [Path(f"/tmp/clusterpulse-{next_id}-{n.name}") for n in bed.nodes]
+    for d in squatted:  # (a machine that ran Slurm before may hold one: the same)
+        d.mkdir(exist_ok=True)
+        d.chmod(0o755)
+        os.chown(d, 65534, 65534)
+    try:
+        job, out, ckpt = submit(slurm, "basic", 2, "--preset tiny --steps 20 "
+                                "--ckpt-every 10 --sim-compute-seconds 0.1", AGENT_PORT="9410")
+        assert job == str(next_id)
+        _runs_agent_step_and_torchrun_on_every_node(slurm, bed, job, out, ckpt)
+    finally:
+        for d in squatted:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _runs_agent_step_and_torchrun_on_every_node(slurm, bed, job: str, out: Path,
+                                               ckpt: Path) -> None:
     info = wait_state(slurm, job, ("RUNNING",), 120, out)
     nodes = {n.name: n for n in bed.nodes}
     allocated = slurm.hostnames(info["NodeList"])
