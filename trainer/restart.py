@@ -25,7 +25,8 @@ restart (`nodes_that_leave`): as many leave as the job can lose.
 SIGTERM (Slurm `--signal=TERM@N`, Kubernetes preemption, torchrun stopping its
 workers) is caught and becomes a request: at the next consensus step every rank
 checkpoints and exits with PREEMPTED_EXIT_CODE (143, i.e. "terminated") so that a
-requeued job resumes there. A second SIGTERM exits at once. A rank that SIGTERM finds
+requeued job resumes there. A second SIGTERM, SIGTERM_REPEAT_S after the first,
+exits at once (copies of one arrive together). A rank that SIGTERM finds
 blocked in a collective (a peer cut off) leaves without the checkpoint once it has been
 stuck past the steady hang threshold (instrument.Pulse.stuck_after_sigterm).
 
@@ -70,6 +71,15 @@ SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 ATTEMPTS_BEFORE_ENV = "CLUSTERPULSE_ATTEMPTS_BEFORE"
 
 
+# Copies of one SIGTERM arrive within milliseconds: a scheduler signals every process
+# of the job (Slurm's cgroup kill, systemd's KillMode=control-group, a pod's deletion)
+# and torchrun passes its own copy on to the ranks, twice when a copy of its own
+# interrupts its shutdown. Taken for an operator's second "stop now", they made every
+# rank leave without the preemption's checkpoint. A SIGTERM this long after the first
+# is that second request.
+SIGTERM_REPEAT_S = 5.0
+
+
 class SigtermCatcher:
     """Turns the first SIGTERM into a flag read at the step boundary.
 
@@ -84,6 +94,7 @@ class SigtermCatcher:
 
     def __init__(self) -> None:
         self.received = False
+        self.received_at: float | None = None  # monotonic, when the handler first ran
         self.arrived_at: float | None = None  # monotonic, from the wake-up thread
         self._previous: object = None
         self._previous_wakeup = -1
@@ -180,11 +191,15 @@ class SigtermCatcher:
         return self.received
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.received:  # asked twice: no more waiting for a step boundary
-            raise SystemExit(128 + signum)
+        if self.received:
+            first = self.received_at if self.received_at is not None else time.monotonic()
+            if time.monotonic() - first >= SIGTERM_REPEAT_S:
+                raise SystemExit(128 + signum)  # asked again: no more waiting
+            return  # a copy of the first (see SIGTERM_REPEAT_S)
         self.received = True
+        self.received_at = time.monotonic()
         if self.arrived_at is None:
-            self.arrived_at = time.monotonic()
+            self.arrived_at = self.received_at
         self.run_on_first()
 
 

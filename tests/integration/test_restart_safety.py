@@ -15,6 +15,7 @@ One launch carries the whole story, checked at the end:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from clusterpulse.trainer.checkpoint import find_latest_valid
-from deploy.local.stack import rank_pids
+from deploy.local.stack import descendants, rank_pids
 from tests.conftest import start_agent
 from tests.support.ports import free_port
 from tests.support.procs import REPO, wait_for_text, wait_until
@@ -189,16 +190,23 @@ def test_two_nodes_evicted_at_once_take_the_job_no_lower_than_its_minimum(tmp_pa
             running.agent.stop()
 
 
-@pytest.mark.parametrize(("cold", "sig"), [(False, signal.SIGTERM), (True, signal.SIGTERM),
-                                           (False, signal.SIGINT)],
-                         ids=["warm-sigterm", "cold-sigterm", "warm-ctrl-c"])
-def test_a_signal_to_the_launchers_process_group_checkpoints_then_exits(tmp_path, cold, sig):
+@pytest.mark.parametrize(("cold", "sig", "every_process"),
+                         [(False, signal.SIGTERM, False), (True, signal.SIGTERM, False),
+                          (False, signal.SIGINT, False), (False, signal.SIGTERM, True)],
+                         ids=["warm-sigterm", "cold-sigterm", "warm-ctrl-c", "every-process"])
+def test_a_signal_to_the_launchers_process_group_checkpoints_then_exits(tmp_path, cold, sig,
+                                                                        every_process):
     """`kill -- -PGID` of clusterpulse-train (a supervisor's stop) or Ctrl-C: the ranks
     save at their next agreement and the launcher exits 128 + the signal. Warm ranks
     used to share the launcher's group with their forkserver, which died of SIGTERM and
     took them down (torch sets their parent-death signal) before any save; torchrun,
     signalled by the group and again by the launcher, stopped waiting for the save; and
-    Ctrl-C reached the ranks as SIGINT, which stops them mid-step."""
+    Ctrl-C reached the ranks as SIGINT, which stops them mid-step.
+
+    Every process of the job signalled, each in its own process group or not (Slurm's
+    cgroup kill, systemd's KillMode=control-group, a pod's deletion): each rank gets the
+    scheduler's SIGTERM and torchrun's copies, within milliseconds. The second copy was
+    taken for an operator's "now" and the ranks left without the checkpoint."""
     ckpt, log = tmp_path / "ckpt", tmp_path / "job.log"
     args = [*BASE[:2], "--steps", "100000", "--ckpt-every", "100000", "--agent", "none",
             "--sim-compute-seconds", "0.02", "--log-every", "10", "--ckpt-dir", str(ckpt)]
@@ -211,7 +219,12 @@ def test_a_signal_to_the_launchers_process_group_checkpoints_then_exits(tmp_path
         # The launcher supervises torchrun and never needs torch: it imported it for two
         # names (1.3 s of CPU and ~300 MB in each clusterpulse-train of a job on one node).
         assert "libtorch" not in Path(f"/proc/{p.pid}/maps").read_text(), "it loaded torch"
-        os.killpg(p.pid, sig)
+        if every_process:
+            for pid in [p.pid, *descendants([p.pid])]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        else:
+            os.killpg(p.pid, sig)
         assert p.wait(timeout=120) == 128 + sig, log.read_text(errors="replace")[-3000:]
     finally:
         stop_group(p)

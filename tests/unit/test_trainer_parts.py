@@ -507,6 +507,28 @@ def test_sigterm_becomes_a_checkpoint_then_exit_143():
     assert signal.getsignal(signal.SIGTERM) is not pulse.sigterm._handle
 
 
+def test_copies_of_one_sigterm_are_one_request_and_a_later_one_exits_at_once():
+    """A scheduler signals every process of the job and torchrun passes its own copy
+    on: a rank gets two or three SIGTERMs within milliseconds. The second was taken for
+    an operator's "stop now" and every rank left without the preemption's checkpoint
+    (tests/integration/test_restart_safety.py, every-process). A SIGTERM
+    SIGTERM_REPEAT_S after the first is that request."""
+    from clusterpulse.trainer.restart import SIGTERM_REPEAT_S, SigtermCatcher
+
+    ran = []
+    catcher = SigtermCatcher()
+    catcher.on_first = lambda: ran.append(1)
+    catcher._handle(15, None)
+    catcher._handle(15, None)  # torchrun's copy
+    catcher._handle(15, None)  # and its second, from its interrupted shutdown
+    assert catcher.received and ran == [1]
+    assert catcher.received_at is not None
+    catcher.received_at -= SIGTERM_REPEAT_S
+    with pytest.raises(SystemExit) as leave:
+        catcher._handle(15, None)
+    assert leave.value.code == 143
+
+
 def test_a_sigterm_leaves_a_stuck_rank_only_where_waiting_cannot_help(monkeypatch):
     """Stuck (Pulse.stuck_after_sigterm): in a step (the handler never run: native
     code) or in the boundary's agreement since SIGTERM, past the steady hang threshold
