@@ -3,7 +3,8 @@ schedulers already consume.
 
 It reads the local agent's /metrics (so it sees exactly what Prometheus sees) and
 fails the node for what an operator would take it out of service for: a GPU that
-stopped answering (fell off the bus), a critical XID, uncorrectable ECC errors or a
+stopped answering (fell off the bus), a critical XID not yet dealt with (healthstate:
+since a reboot, an operator's resume or --acknowledge), uncorrectable ECC errors or a
 failed row remap, an agent that answers but no longer collects (GPU reads that hang).
 
 The output follows two protocols at once, because they agree:
@@ -38,9 +39,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from clusterpulse.agent.healthstate import Counts, XidJudged, boot_id
 
 OK, PROBLEM, UNKNOWN = 0, 1, 2
 # Prefix of every reason we set in Slurm: a node drained by someone else (an admin,
@@ -58,6 +63,8 @@ CRITICAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
 class Verdict:
     status: int
     reasons: list[str] = field(default_factory=list)
+    # the critical XIDs' counts per GPU UUID and code, whether new or not (healthstate)
+    xids: Counts = field(default_factory=dict)
 
     @property
     def message(self) -> str:
@@ -72,8 +79,10 @@ def fetch_metrics(url: str, timeout: float) -> str:
 
 
 def evaluate(text: str, now: float, max_age_s: float, xids: frozenset[int],
-             ecc_max: float) -> Verdict:
-    """The verdict for one /metrics page; pure, so it is tested without an agent."""
+             ecc_max: float, judged: XidJudged | None = None) -> Verdict:
+    """The verdict for one /metrics page; pure, so it is tested without an agent.
+    With `judged`, only the XIDs counted since an operator dealt with the last ones
+    (healthstate) are a problem; without, any."""
     try:
         families = {f.name: f for f in text_string_to_metric_families(text)}
     except ValueError as err:
@@ -82,6 +91,7 @@ def evaluate(text: str, now: float, max_age_s: float, xids: frozenset[int],
         return Verdict(UNKNOWN, ["agent metrics have no clusterpulse_gpu_up (not a "
                                  "ClusterPulse agent?)"])
     problems: list[str] = []
+    counts: Counts = {}
 
     def samples(name: str, suffix: str = ""):
         fam = families.get(name)
@@ -98,21 +108,26 @@ def evaluate(text: str, now: float, max_age_s: float, xids: frozenset[int],
             problems.append(f"GPU {s.labels.get('gpu')} down" + (f" ({why})" if why else ""))
     for s in samples("clusterpulse_gpu_xid_errors", "_total"):
         code = int(s.labels.get("xid", "0") or 0)
-        if code in xids and s.value > 0:
-            problems.append(f"GPU {s.labels.get('gpu')} XID {code} x{s.value:.0f}")
+        if code not in xids:
+            continue
+        uuid, total = s.labels.get("uuid", ""), int(s.value)
+        counts.setdefault(uuid, {})[str(code)] = total
+        new = judged.new(uuid, str(code), total) if judged is not None else total
+        if new > 0:
+            problems.append(f"GPU {s.labels.get('gpu')} XID {code} x{new}")
     for s in samples("clusterpulse_gpu_ecc_errors", "_total"):
         if s.labels.get("kind") == "uncorrected" and s.value > ecc_max:
             problems.append(f"GPU {s.labels.get('gpu')} {s.value:.0f} uncorrectable ECC errors")
     for s in samples("clusterpulse_gpu_row_remap_failed"):
         if s.value:
             problems.append(f"GPU {s.labels.get('gpu')} row remap failed")
-    return Verdict(PROBLEM if problems else OK, problems)
+    return Verdict(PROBLEM if problems else OK, problems, counts)
 
 
-def check(url: str, timeout: float, max_age_s: float, xids: frozenset[int],
-          ecc_max: float) -> Verdict:
+def read_page(url: str, timeout: float) -> str | Verdict:
+    """The agent's metrics page, or the unknown verdict that says why there is none."""
     try:
-        text = fetch_metrics(url, timeout)
+        return fetch_metrics(url, timeout)
     except urllib.error.HTTPError as err:
         return Verdict(UNKNOWN, [f"agent at {url} answered HTTP {err.code}"])
     except (urllib.error.URLError, OSError) as err:  # refused, timed out, reset
@@ -121,7 +136,14 @@ def check(url: str, timeout: float, max_age_s: float, xids: frozenset[int],
     except http.client.HTTPException as err:  # not HTTP, or the connection cut mid-answer
         return Verdict(UNKNOWN, [f"agent at {url} gave a bad answer: "
                                  f"{type(err).__name__} {err}".rstrip()])
-    return evaluate(text, time.time(), max_age_s, xids, ecc_max)
+
+
+def check(url: str, timeout: float, max_age_s: float, xids: frozenset[int],
+          ecc_max: float, judged: XidJudged | None = None) -> Verdict:
+    page = read_page(url, timeout)
+    if isinstance(page, Verdict):
+        return page
+    return evaluate(page, time.time(), max_age_s, xids, ecc_max, judged)
 
 
 class SlurmError(Exception):
@@ -151,13 +173,24 @@ def node_state(node: str) -> tuple[str, str]:
     return fields.get("State", ""), reason
 
 
-def apply_to_slurm(node: str, verdict: Verdict) -> str:
+def apply_to_slurm(node: str, verdict: Verdict, judged: XidJudged | None = None,
+                   rejudge: Callable[[], Verdict] | None = None) -> str:
     """Drain on a problem; resume a node that this check drained once it is healthy.
-    Unknown touches nothing: not even `scontrol show`, whose failure would count."""
+    Unknown touches nothing: not even `scontrol show`, whose failure would count.
+
+    With `judged`: a node this check drained that is no longer drained was resumed by
+    an operator, so the XIDs it was drained for are done, and `rejudge` gives the
+    verdict without them; a drain records the XIDs it was for."""
     if verdict.status == UNKNOWN:
         return ""
     state, reason = node_state(node)
+    if judged is not None and judged.drained_for is not None and "DRAIN" not in state:
+        judged.resumed()
+        if rejudge is not None:
+            verdict = rejudge()
     if verdict.status == PROBLEM:
+        if judged is not None:  # all the XIDs it stays drained for
+            judged.drained_for = verdict.xids
         want = f"{REASON_PREFIX} {verdict.message}"[:200]
         if "DRAIN" in state and reason.startswith(REASON_PREFIX):
             return f"already drained: {reason}"
@@ -189,6 +222,9 @@ examples:
 
   # also treat XID 13 as critical, tolerate no stale collection over 30 s
   clusterpulse-healthcheck --xid 13 --max-age 30
+
+  # after resetting a GPU for its XID (where no Slurm resume says so): those are done
+  clusterpulse-healthcheck --acknowledge
 """
 
 
@@ -204,6 +240,9 @@ def _xid(text: str) -> int:
 
 # A health check that waits longer for its own node's agent is hung, not checking.
 MAX_TIMEOUT_S = 3600.0
+# The agent's state directory in the shipped units (systemd StateDirectory, the
+# DaemonSet's hostPath): the check runs on the same node, as root under slurmd.
+DEFAULT_STATE = "/var/lib/clusterpulse/healthcheck.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node", default=env.get("SLURMD_NODENAME") or socket.gethostname(),
                    help="Slurm node name for --drain (default: $SLURMD_NODENAME, "
                    "else the hostname)")
+    p.add_argument("--state", default=env.get("CLUSTERPULSE_HEALTHCHECK_STATE", DEFAULT_STATE),
+                   help="file of the XIDs already dealt with (a reboot, an operator's "
+                   "resume of a node this check drained, --acknowledge): only newer ones "
+                   "are a problem. 'none': every XID ever counted is (env "
+                   f"CLUSTERPULSE_HEALTHCHECK_STATE; default {DEFAULT_STATE})")
+    p.add_argument("--acknowledge", action="store_true",
+                   help="the GPUs' XIDs counted so far are dealt with (after a GPU reset, "
+                   "or under Node Problem Detector, where no resume says so); then check")
     return p
 
 
@@ -259,8 +306,28 @@ def main(argv: list[str] | None = None) -> int:
         parts = None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         p.error(f"--agent must be an http:// or https:// URL, got {a.agent!r}")
+    if a.acknowledge and a.state == "none":
+        p.error("--acknowledge needs a --state file to keep it in")
     url = a.agent.rstrip("/") + "/metrics"
-    verdict = check(url, a.timeout, a.max_age, CRITICAL_XIDS | frozenset(a.xid), a.ecc_max)
+    state = None if a.state == "none" else Path(a.state)
+    judged = XidJudged.load(state) if state is not None else None
+    if judged is not None:
+        judged.after_boot(boot_id())
+    page = read_page(url, a.timeout)
+    xids = CRITICAL_XIDS | frozenset(a.xid)
+
+    def judge() -> Verdict:
+        if isinstance(page, Verdict):
+            return page
+        return evaluate(page, time.time(), a.max_age, xids, a.ecc_max, judged)
+
+    verdict = judge()
+    if a.acknowledge and judged is not None and verdict.status != UNKNOWN:
+        judged.acknowledge(verdict.xids)
+        done = [f"{u} XID {c} x{n}" for u, codes in sorted(verdict.xids.items())
+                for c, n in sorted(codes.items())]
+        print(f"acknowledged: {', '.join(done) or 'no XID counted'}", flush=True)
+        verdict = judge()
     print(verdict.message if verdict.status == OK else
           f"ERROR: clusterpulse-healthcheck: {verdict.message}", flush=True)
     if a.drain and a.detach:
@@ -270,20 +337,37 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):  # slurmd reads our output until EOF: release it
             os.dup2(devnull, fd)
+        failed = 0
         try:
-            apply_to_slurm(a.node, verdict)
+            apply_to_slurm(a.node, verdict, judged, judge)
         except (SlurmError, subprocess.TimeoutExpired):
-            os._exit(1)
-        os._exit(0)
+            failed = 1
+        _keep(judged, state, verdict)
+        os._exit(failed)
     if a.drain:
         try:
-            done = apply_to_slurm(a.node, verdict)
+            done = apply_to_slurm(a.node, verdict, judged, judge)
         except (SlurmError, subprocess.TimeoutExpired) as err:
             print(f"clusterpulse-healthcheck: cannot update Slurm: {err}", file=sys.stderr)
+            _keep(judged, state, verdict)
             return verdict.status or UNKNOWN
         if done:
             print(f"clusterpulse-healthcheck: {done}", file=sys.stderr)
+    _keep(judged, state, verdict)
     return verdict.status
+
+
+def _keep(judged: XidJudged | None, state: Path | None, verdict: Verdict) -> None:
+    """Save what this run judged; an agent that did not answer changes nothing seen."""
+    if judged is None or state is None:
+        return
+    if verdict.status != UNKNOWN:
+        judged.seen = verdict.xids
+    try:
+        judged.save(state)
+    except OSError as err:
+        print(f"clusterpulse-healthcheck: cannot keep {state} ({err.strerror or err}): XIDs "
+              "already dealt with may be judged again", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,15 @@ if TYPE_CHECKING:  # imported where used: the GPU machine's python has no reques
 TOKEN = "test-token-0123456789abcdef"
 
 
+@pytest.fixture(autouse=True)
+def _healthcheck_state(tmp_path_factory, monkeypatch) -> None:
+    """clusterpulse-healthcheck keeps the XIDs it judged in /var/lib/clusterpulse by
+    default (healthstate): each test's checks, and the processes they start, keep them
+    in a directory of their own instead of the machine's."""
+    monkeypatch.setenv("CLUSTERPULSE_HEALTHCHECK_STATE",
+                       str(tmp_path_factory.mktemp("healthcheck") / "healthcheck.json"))
+
+
 def _has_nvidia_gpu() -> bool:
     smi = shutil.which("nvidia-smi")
     if not smi:

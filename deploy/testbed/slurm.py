@@ -75,8 +75,11 @@ def write_health_check(run_dir: Path, healthcheck: Path, agent_url: str) -> Path
     "NODE STATUS" to healthcheck.log in the run directory (`SlurmCluster.health_checks`):
     what a test waits for instead of a number of seconds."""
     env = run_dir / "healthcheck.env"
+    # the nodes share this machine's /var/lib: one file of judged XIDs per node ($SLURMD_
+    # NODENAME is expanded as healthcheck.sh sources the file)
     env.write_text(f"CLUSTERPULSE_HEALTHCHECK={healthcheck}\n"
-                   f"CLUSTERPULSE_AGENT_URL={agent_url}\nSLURM_CONF={run_dir / 'slurm.conf'}\n")
+                   f"CLUSTERPULSE_AGENT_URL={agent_url}\nSLURM_CONF={run_dir / 'slurm.conf'}\n"
+                   f"CLUSTERPULSE_HEALTHCHECK_STATE={run_dir}/healthcheck-$SLURMD_NODENAME.json\n")
     program = run_dir / "healthcheck"
     program.write_text(f"#!/bin/sh\nCLUSTERPULSE_HEALTHCHECK_ENV={env} "
                        f"{REPO / 'deploy/slurm/healthcheck.sh'}\nrc=$?\n"

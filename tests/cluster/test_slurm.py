@@ -296,3 +296,29 @@ def test_health_check_leaves_a_node_whose_agent_is_gone_and_resumes_one_it_drain
     service_agent("3")  # a fresh simulated node: every GPU answers
     wait_until(lambda: slurm.node_states().get(node.name, "").rstrip("*") == "idle", 120,
                f"{node.name} resumed by its health check")
+    # A critical XID drains it; an operator resumes it (the GPU reset, say): the check
+    # no longer drains it for that XID (any count above zero did, for good: the agent
+    # keeps XID totals across restarts and reboots), and drains it for a new one.
+    def xid_63() -> None:
+        r = requests.post(f"http://{node.ip}:9400/v1/faults", timeout=5,
+                          json={"kind": "xid", "gpu": 1, "code": 63},
+                          headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200, r.text
+
+    xid_63()
+    wait_until(lambda: "drain" in slurm.run("sinfo", "-h", "-n", node.name, "-o", "%T"), 90,
+               f"{node.name} drained for the XID")
+    assert slurm.node_reason(node.name).startswith("clusterpulse: GPU 1 XID 63 x1")
+    slurm.run("scontrol", "update", f"NodeName={node.name}", "State=RESUME")
+    # Three checks: the exit status is decided before the detached child asks Slurm
+    # (slurmd ignores it), so the first one after the resume may still say 1.
+    start = len(slurm.health_checks(node.name))
+    ran = wait_until(lambda: (c := slurm.health_checks(node.name)[start:])[2:] and c,
+                     15 * HEALTH_INTERVAL, f"three health checks of {node.name}")
+    assert ran[-1] == 0, ran
+    assert slurm.node_states().get(node.name, "").rstrip("*") == "idle"
+    xid_63()
+    wait_until(lambda: "drain" in slurm.run("sinfo", "-h", "-n", node.name, "-o", "%T"), 90,
+               f"{node.name} drained for the new XID")
+    assert slurm.node_reason(node.name).startswith("clusterpulse: GPU 1 XID 63 x1")
+    slurm.run("scontrol", "update", f"NodeName={node.name}", "State=RESUME")

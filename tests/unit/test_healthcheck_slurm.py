@@ -38,3 +38,106 @@ def test_a_setting_it_cannot_use_is_a_usage_error_not_a_traceback(argv, why, cap
         healthcheck.main(argv)
     assert exit_.value.code == 2
     assert why in capsys.readouterr().err
+
+
+def _page(xid_counts: dict[tuple[str, str], int]) -> str:
+    """A /metrics page of two healthy GPUs with these XID totals ((uuid, code): n)."""
+    lines = ["# TYPE clusterpulse_gpu_up gauge"]
+    lines += [f'clusterpulse_gpu_up{{node="n",gpu="{g}",uuid="GPU-{g}"}} 1' for g in (0, 1)]
+    lines.append("# TYPE clusterpulse_gpu_xid_errors_total counter")
+    lines += [f'clusterpulse_gpu_xid_errors_total{{node="n",gpu="{u[-1]}",uuid="{u}",'
+              f'xid="{c}"}} {n}' for (u, c), n in xid_counts.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _judge(text: str, judged) -> healthcheck.Verdict:
+    return healthcheck.evaluate(text, 0.0, 60.0, healthcheck.CRITICAL_XIDS, 0, judged)
+
+
+def test_an_xid_dealt_with_is_not_judged_again(tmp_path):
+    """Review: the XID totals never go down (the agent keeps them across its restarts
+    and reboots), and any count above zero failed the check: one routine XID 63 drained
+    its node for good, an operator's resume undone within one HealthCheckInterval.
+    Now only the XIDs counted since a reboot, an operator's resume of a node the check
+    drained, or --acknowledge are a problem; a count lower than the one acknowledged is
+    the agent's state lost: all of it is new."""
+    from clusterpulse.agent.healthstate import XidJudged
+
+    state = tmp_path / "state.json"
+    judged = XidJudged.load(state)  # none yet: every XID counted is new
+    judged.after_boot("boot-1")
+    one = _page({("GPU-0", "63"): 1, ("GPU-1", "13"): 4})
+    v = _judge(one, judged)
+    assert v.status == PROBLEM and v.reasons == ["GPU 0 XID 63 x1"]
+    assert v.xids == {"GPU-0": {"63": 1}}  # critical XIDs only
+    judged.drained_for, judged.seen = v.xids, v.xids  # as apply_to_slurm and main keep them
+    judged.save(state)
+    judged = XidJudged.load(state)
+    judged.after_boot("boot-1")
+    assert _judge(one, judged).status == PROBLEM  # still drained: not dealt with yet
+    judged.resumed()  # an operator resumed the node
+    assert _judge(one, judged).status == healthcheck.OK
+    two = _page({("GPU-0", "63"): 2, ("GPU-1", "79"): 1})
+    v = _judge(two, judged)
+    assert sorted(v.reasons) == ["GPU 0 XID 63 x1", "GPU 1 XID 79 x1"]
+    judged.seen = v.xids
+    judged.after_boot("boot-2")  # a reboot: what was seen before it is done
+    assert _judge(two, judged).status == healthcheck.OK
+    assert _judge(_page({("GPU-0", "63"): 3, ("GPU-1", "79"): 1}), judged).reasons == \
+        ["GPU 0 XID 63 x1"]
+    judged.acknowledge({"GPU-0": {"63": 3}})  # --acknowledge after a GPU reset
+    assert _judge(_page({("GPU-0", "63"): 3, ("GPU-1", "79"): 1}), judged).status == \
+        healthcheck.OK
+    lost = _judge(_page({("GPU-0", "63"): 1}), judged)  # the agent's state was wiped
+    assert lost.reasons == ["GPU 0 XID 63 x1"]
+    assert _judge(_page({("GPU-0", "63"): 1}), None).reasons == ["GPU 0 XID 63 x1"]
+
+
+def test_an_unreadable_state_counts_every_xid_and_a_run_says_when_it_cannot_keep_it(
+        tmp_path, capsys):
+    """The safe side: a state file that cannot be read is no XID dealt with; one that
+    cannot be written is said, and the verdict still comes."""
+    from clusterpulse.agent.healthstate import XidJudged
+
+    bad = tmp_path / "state.json"
+    bad.write_text("{not json")
+    judged = XidJudged.load(bad)
+    assert judged.acknowledged == {} and judged.drained_for is None
+    assert _judge(_page({("GPU-0", "79"): 1}), judged).status == PROBLEM
+    server, url = _serve_page(_page({("GPU-0", "79"): 2}))
+    try:
+        blocked = tmp_path / "file"
+        blocked.write_text("")  # a file where the state's directory would be
+        rc = healthcheck.main(["--agent", url, "--state", str(blocked / "state.json")])
+        out = capsys.readouterr()
+        assert rc == PROBLEM and "GPU 0 XID 79 x2" in out.out
+        assert "cannot keep" in out.err and "judged again" in out.err
+        # --acknowledge keeps them, and says which
+        state = tmp_path / "ok" / "state.json"
+        rc = healthcheck.main(["--agent", url, "--state", str(state), "--acknowledge"])
+        out = capsys.readouterr()
+        assert rc == healthcheck.OK and "acknowledged: GPU-0 XID 79 x2" in out.out
+        assert healthcheck.main(["--agent", url, "--state", str(state)]) == healthcheck.OK
+        assert healthcheck.main(["--agent", url, "--state", "none"]) == PROBLEM
+    finally:
+        server.shutdown()
+
+
+def _serve_page(text: str):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"

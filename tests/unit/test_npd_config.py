@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import tomllib
+from pathlib import Path
 
 import pytest
 import yaml
@@ -86,6 +87,15 @@ def test_daemonset_loads_that_config_on_the_host_network():
     flag = next(a for a in container["command"] if a.startswith("--config.custom-plugin"))
     mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
     assert flag.split("=", 1)[1] == f"{mount['mountPath']}/clusterpulse-gpu-monitor.json"
+    # The check's judged XIDs (healthstate) on a host directory the container's user
+    # owns: in the image's read-only root one routine XID kept the condition True.
+    state = next(m for m in container["volumeMounts"] if m["name"] == "state")
+    assert Path(healthcheck.DEFAULT_STATE).parent == Path(state["mountPath"])
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "state"]
+    assert volume["hostPath"]["type"] == "DirectoryOrCreate"
+    (init,) = spec["initContainers"]
+    assert init["command"] == ["chown", "65534:65534", state["mountPath"]]
+    assert container["securityContext"]["runAsUser"] == 65534
     draino = yaml.safe_load((NPD / "draino.yaml").read_text())
     cmd = draino["spec"]["template"]["spec"]["containers"][0]["command"]
     condition = json.loads((NPD / "clusterpulse-gpu-monitor.json").read_text())[
