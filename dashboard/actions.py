@@ -74,10 +74,18 @@ def follow_in_flight(results: list[NodeResult]) -> list[NodeResult]:
             if r.in_flight is not None else r for r in results]
 
 
+# A command its agent answers 404 for: agents keep commands in memory, so one restarted
+# since (or replaced) no longer knows it, and no later answer will say how it ended.
+LOST = "lost"
+# The states after which a command's agent says nothing new about it.
+ENDED = ("completed", "failed", LOST)
+
+
 def ended(results: list[NodeResult]) -> bool:
-    """Whether a restart's every node has finished with it (completed or failed), or
-    was never reached: the Run page's progress stops waiting, a refusal says so."""
-    return all(r.state in ("completed", "failed") or not r.ok for r in results)
+    """Whether a restart's every node has finished with it (completed, failed, or lost
+    by its agent), or was never reached: the Run page's progress stops waiting, a
+    refusal says so."""
+    return all(r.state in ENDED or not r.ok for r in results)
 
 
 def refusal_status(refused: list[NodeResult], asked_at: float, followed: list[NodeResult]
@@ -425,12 +433,31 @@ def command_states(results: list[NodeResult], token: str | None) -> list[NodeRes
                                   "request (request again to follow it)", token_id=r.token_id))
             continue
         try:
-            body = requests.get(f"{r.agent}/v1/commands/{r.command}", timeout=5,
-                                verify=agent_tls(),
-                                headers={"Authorization": f"Bearer {node_token}"}).json()
-            out.append(NodeResult(r.node, r.agent, True, r.command, body.get("state", "?"),
-                                  body.get("detail", ""), token_id=r.token_id))
+            answer = requests.get(f"{r.agent}/v1/commands/{r.command}", timeout=5,
+                                  verify=agent_tls(),
+                                  headers={"Authorization": f"Bearer {node_token}"})
+            out.append(_followed(r, answer.status_code, answer.json()))
         except (requests.RequestException, ValueError, AttributeError) as err:
             out.append(NodeResult(r.node, r.agent, r.ok, r.command, r.state, no_answer(err),
                                   token_id=r.token_id))
     return out
+
+
+def _followed(r: NodeResult, status: int, body: dict) -> NodeResult:
+    """`r` as its agent's answer (HTTP `status`, JSON `body`) about its command leaves it.
+
+    Every answer was read as a state: the 404 of an agent restarted mid-restart (it no
+    longer knows the command) became state "?", its message was dropped, and the Run
+    page and `clusterpulse-ctl --wait` waited for an end no answer would bring. A 404
+    ends the command as LOST, with the agent's words; another refusal (a token rotated,
+    the agent busy) keeps the last known state, with why it is not newer."""
+    said = body.get("error") or body.get("detail") or f"HTTP {status}"
+    if status == 404:
+        return NodeResult(r.node, r.agent, True, r.command, LOST,
+                          f"the agent no longer knows this command (restarted since?): "
+                          f"{said}", token_id=r.token_id)
+    if status != 200:
+        return NodeResult(r.node, r.agent, r.ok, r.command, r.state,
+                          f"state not refreshed: {said}", token_id=r.token_id)
+    return NodeResult(r.node, r.agent, True, r.command, body.get("state", "?"),
+                      body.get("detail", ""), token_id=r.token_id)

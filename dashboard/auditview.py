@@ -1,10 +1,12 @@
-"""The Audit page's table: one row per action, naming the person.
+"""The Audit page's table: one row per action, naming who took it.
 
 One restart wrote 3-4 records (the dashboard's request, then each agent's states of
 its command, signed `who = token`: the credential the dashboard used, with the
 operator in `on_behalf_of`), and the chain's 64-character hash came before the
 detail. Here the agents' records join the request whose command ids they carry, the
-row names the person, says how it ended on each node, and the hash goes last.
+row names the authenticated signer (the request's, which the dashboard signs with its
+signed-in operator), says how it ended on each node, and the hash goes last.
+`on_behalf_of` is a claim from a request body, shown only beside its signer (`person`).
 """
 
 from __future__ import annotations
@@ -46,8 +48,14 @@ def usable(records: list[dict]) -> tuple[list[dict], int]:
 
 
 def person(record: dict) -> str:
-    """Who acted: the operator an agent acted for, else the record's own signer."""
-    return record.get("on_behalf_of") or record.get("who", "")
+    """Who acted: the record's signer, `who`, which its writer took from the kernel or a
+    credential (the agent: the token's principal). `on_behalf_of` is only what the
+    request's body said (any token holder can write "alice" there), so it never stands
+    in for `who`: it is shown after it, labelled as the signer's claim,
+    "fault-player (for alice)"."""
+    who = record.get("who") or ""
+    claim = record.get("on_behalf_of") or ""
+    return f"{who or 'unknown'} (for {claim})" if claim and claim != who else who
 
 
 def actions(records: list[dict]) -> pd.DataFrame:
@@ -81,8 +89,8 @@ def actions(records: list[dict]) -> pd.DataFrame:
         row["records"] += 1
         if r.get("source") == "agent" and r.get("node"):
             row["states"][r["node"]] = r.get("outcome", "")
-            if row["who"] in ("token", "") and r.get("on_behalf_of"):
-                row["who"] = r["on_behalf_of"]
+            if row["who"] == (r.get("who") or "") and r.get("on_behalf_of"):
+                row["who"] = person(r)  # the same signer, with the claim a later state names
     for r in refusals:
         row = next((row for row in rows if row["run"] == r.get("run") and row["source"] != "agent"
                     and r.get("node") in row["states"]

@@ -288,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if any(x.state == "failed" for x in results):
             return 1
+        lost = [x for x in results if x.state == actions.LOST]
+        if lost:  # no later answer will say how it ended: waiting out --timeout says less
+            for x in lost:
+                print(f"clusterpulse-ctl: {x.node}: command {x.command} lost: {x.error}",
+                      file=sys.stderr)
+            return 1
         time.sleep(2)
     print("clusterpulse-ctl: timed out waiting for the ranks to resume", file=sys.stderr)
     return 1

@@ -47,6 +47,18 @@ token or basic auth (password = a token) from --webhook-token-file, both of whic
 Alertmanager's `http_config` can send. Payloads are schema-checked and bounded; label
 values reach PromQL escaped; and `sustained_s` is measured from when this receiver
 first heard of the alert (a missing or backdated `startsAt` cannot shorten it).
+
+Durations (`sustained_s`, the rate-limit window, the resend window) run on the
+monotonic clock: a wall clock stepped forward (NTP, a resumed VM) skipped the
+`sustained_s` wait and emptied the window. The wall clock only stamps what is kept
+(the notification history); Alertmanager's `startsAt` is only compared with itself
+(a later one: the alert re-fired, and waits again). None of this state
+outlives the process: a restarted receiver hears a firing alert anew, waits its
+`sustained_s` again, and has a fresh window (Alertmanager resends at repeat_interval).
+
+A restart no agent took ("failed" in the audit: every agent refused or failed, none
+had one in flight) did nothing: it frees its rate-limit slot and resend entry, and
+the notification is answered 503, so that Alertmanager sends it again.
 """
 
 from __future__ import annotations
@@ -63,7 +75,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,7 +248,11 @@ class Remediator:
     token: str | None
     audit: AuditLog
     history_path: Path | None = None
-    clock: callable = time.time
+    # durations: monotonic, so that a step of the wall clock neither skips sustained_s
+    # nor ends the rate-limit window early
+    clock: Callable[[], float] = time.monotonic
+    # the time stamped on what is kept (the notification history)
+    wall_clock: Callable[[], float] = time.time
     _acted: dict[str, list[float]] = field(default_factory=dict)
     # (run, alert fingerprint, startsAt) -> when it was acted on: a resend within
     # window_s is not acted on again
@@ -247,9 +263,10 @@ class Remediator:
     # itself (tick), and asks Prometheus whether each still fires before acting (a
     # resolved notification comes only at the next group_interval, minutes later).
     _waiting: dict[tuple, tuple[Rule, tuple[str, str], dict]] = field(default_factory=dict)
-    # the same key -> when this receiver first heard it firing: the clock sustained_s
-    # runs on (bounded: entries go when the alert resolves or is acted on)
-    _first_seen: dict[tuple, float] = field(default_factory=dict)
+    # the same key -> when this receiver first heard it firing (monotonic: the clock
+    # sustained_s runs on) and the startsAt it came with (a later one: it re-fired)
+    # (bounded: entries go when the alert resolves or is acted on)
+    _first_seen: dict[tuple, tuple[float, float | None]] = field(default_factory=dict)
     _refusals: list[float] = field(default_factory=list)
     _said_no_alerts_api: bool = False
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -281,12 +298,12 @@ class Remediator:
         nodes); a history that cannot be written never stops a decision."""
         assert self.history_path is not None
         try:
-            line = json.dumps({"received": self.clock(), **payload}) + "\n"
+            line = json.dumps({"received": self.wall_clock(), **payload}) + "\n"
         except (ValueError, RecursionError) as err:  # e.g. an annotation nested 979 deep
             # kept as a line that says so: its alerts are decided all the same
             log.error("alert history: a notification could not be written: %s",
                       type(err).__name__)
-            line = json.dumps({"received": self.clock(),
+            line = json.dumps({"received": self.wall_clock(),
                                "unkept": f"notification not serialisable: {type(err).__name__}"}
                               ) + "\n"
         try:
@@ -396,15 +413,18 @@ class Remediator:
             return None
         key = (subject, *_identity(alert))
         now = self.clock()
+        stated = _parse_time(alert.get("startsAt", ""))
         with self._lock:
             if len(self._first_seen) >= MAX_TRACKED and key not in self._first_seen:
                 self._first_seen.pop(next(iter(self._first_seen)))
-            first = self._first_seen.setdefault(key, now)
-        # Alertmanager's startsAt may only make the alert younger than our own sighting
-        # (it re-fired), never older: a missing or backdated one cannot skip sustained_s.
-        stated = _parse_time(alert.get("startsAt", ""))
-        started = max(first, stated) if stated is not None and stated <= now else first
-        with self._lock:
+            started, first_stated = self._first_seen.setdefault(key, (now, stated))
+            # Alertmanager's startsAt may only make the alert younger than our own
+            # sighting, never older: a missing or backdated one cannot skip sustained_s.
+            # A startsAt later than the one first heard says it re-fired since (its
+            # resolved notification missed): the wait starts again, from now. Its wall
+            # time is never subtracted from ours: a clock step would shorten the wait.
+            if stated is not None and first_stated is not None and stated > first_stated:
+                started, _ = self._first_seen[key] = (now, stated)
             if now - started < rule.sustained_s:
                 self._waiting[key] = (rule, subject, alert)
                 return {"outcome": "waiting", "detail": f"firing {now - started:.0f} s of "
@@ -477,7 +497,8 @@ class Remediator:
                       alert: dict) -> None:
         """Keep an alert past its sustained_s (if any) for `tick` to decide again: it
         stays sustained. Called under the lock."""
-        self._first_seen.setdefault(key, self.clock() - rule.sustained_s)
+        self._first_seen.setdefault(key, (self.clock() - rule.sustained_s,
+                                          _parse_time(alert.get("startsAt", ""))))
         self._waiting[key] = (rule, subject, alert)
 
     def _subject(self, alert: dict, rule: Rule | None) -> dict[str, str]:
@@ -608,9 +629,18 @@ class Remediator:
                 return {**base, "outcome": "in_flight",
                         "detail": "; ".join(f"{r.node}: {r.error}" for r in results),
                         "nodes": {r.node: r.error for r in results}}
-            ok = all(r.ok for r in results)
-            return {**base, "outcome": "acted" if ok else "partial",
-                    "nodes": {r.node: r.command or r.error for r in results}}
+            nodes = {r.node: r.command or r.error for r in results}
+            if not any(r.ok for r in results):  # audited "failed" by request_action
+                # nothing was done: the slot and the resend entry are free again (the
+                # run's one action per window went to a restart no agent took, and the
+                # hang after it waited out the window), and the notification comes again
+                # (503); not the ticker, which would ask agents that refuse every 5 s
+                self._release(rule, run, alert, now, tick=False)
+                return {**base, "outcome": "failed", "retry": True, "nodes": nodes,
+                        "detail": "no agent took the action: "
+                        + "; ".join(f"{r.node}: {r.error}" for r in results)}
+            return {**base, "outcome": "acted" if all(r.ok for r in results) else "partial",
+                    "nodes": nodes}
         except OwnersUnknown as err:  # nothing was asked of any agent: try again
             self._release(rule, run, alert, now)
             return {**self._failed(rule, alert, run, str(err)), "retry": True}
@@ -621,18 +651,22 @@ class Remediator:
             return {**self._failed(rule, alert, run, f"Prometheus: {err}"),
                     "retry": err.transient}
 
-    def _release(self, rule: Rule, run: str, alert: dict, claimed: float) -> None:
-        """Undo a decision that could not be carried out for want of Prometheus: the
-        run's rate-limit slot is free again, and a sustained alert stays sustained (the
-        ticker and Alertmanager's retry decide again, not after another sustained_s)."""
+    def _release(self, rule: Rule, run: str, alert: dict, claimed: float,
+                 tick: bool = True) -> None:
+        """Undo a decision that was not carried out (for want of Prometheus, or no agent
+        took it): the run's rate-limit slot is free again, and a sustained alert stays
+        sustained (Alertmanager's retry, and with `tick` the ticker, decide again, not
+        after another sustained_s)."""
         with self._lock:
             self._done.pop((run, _fingerprint(alert), alert.get("startsAt", "")), None)
             with contextlib.suppress(ValueError):
                 self._acted.get(run, []).remove(claimed)
             if rule.sustained_s:
                 key = (("run", run), *_identity(alert))
-                self._first_seen.setdefault(key, claimed - rule.sustained_s)
-                self._waiting[key] = (rule, ("run", run), alert)
+                self._first_seen.setdefault(key, (claimed - rule.sustained_s,
+                                                  _parse_time(alert.get("startsAt", ""))))
+                if tick:
+                    self._waiting[key] = (rule, ("run", run), alert)
 
 
     def audit_refused(self, client: str) -> None:

@@ -268,3 +268,38 @@ def test_an_audit_log_path_no_file_can_have_is_a_named_setting(tmp_path, monkeyp
         f"Dashboard setting: CLUSTERPULSE_AUDIT_LOG={str(path)!r}"
         + (" is a directory; name a file" if where == "dir"
            else f": {tmp_path / 'file'} is not a directory")], at.error
+
+
+def test_the_audit_page_names_the_authenticated_caller_not_the_bodys_name(tmp_path):
+    """Found in review: a caller holding the `fault-player` token posted a restart with
+    "requested_by": "alice"; the record said who: fault-player, and the Audit page's
+    who column and "Newest action" line said alice, fault-player nowhere. A name from a
+    request body is a claim: shown only after the signer, labelled."""
+    import types
+
+    from clusterpulse.agent.commands import CommandBook
+    from clusterpulse.agent.control import ControlApi
+    from clusterpulse.agent.ranks import RankRegistry
+    from clusterpulse.agent.tokens import Tokens
+    from clusterpulse.dashboard import auditview
+
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    ranks = RankRegistry()
+    agent = types.SimpleNamespace(audit=audit, node="node-1", ranks=ranks, backend=None,
+                                  commands=CommandBook(ranks, audit, "node-1"))
+    api = ControlApi(agent, Tokens({"fault-player": "fp-token-0123456789abcdef"}))
+    api.handle("POST", "/v1/runs/demo/actions", "Bearer fp-token-0123456789abcdef",
+               json.dumps({"action": "restart", "reason": "x",
+                           "requested_by": "alice"}).encode())
+    assert [r["who"] for r in audit.read()] == ["fault-player"]
+    frame = auditview.actions(auditview.usable(audit.read())[0])
+    assert list(frame["who"]) == ["fault-player (for alice)"]
+    line = auditview.newest_line(frame)
+    assert r"**fault-player \(for alice\)** restart on run demo" in line, line
+    # the body's name alone never stands for the caller, in any of the record's states
+    recs = [{"ts": 1.0, "who": "token", "action": "restart", "outcome": "delivered",
+             "source": "agent", "node": "n", "command": "n-1-1"},
+            {"ts": 2.0, "who": "token", "on_behalf_of": "alice", "action": "restart",
+             "outcome": "completed", "source": "agent", "node": "n", "command": "n-1-1"}]
+    assert list(auditview.actions(recs)["who"]) == ["token (for alice)"]
+    assert auditview.person({"who": "policy", "on_behalf_of": "policy"}) == "policy"

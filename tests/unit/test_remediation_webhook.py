@@ -550,3 +550,81 @@ def test_an_address_the_webhook_cannot_listen_on_is_one_line_naming_it(listen, r
     assert code == 2, err
     assert err.startswith("clusterpulse-remediate: error: ") and err.count("\n") == 1, err
     assert listen in err and reason in err, err
+
+
+def test_a_restart_no_agent_took_is_a_failure_that_frees_the_runs_slot(
+        sim_agent, tmp_path, monkeypatch):
+    """Found in review: every agent refused or failed the policy's restart; the decision
+    said "partial" (the audit: "failed"), the webhook answered 200, so Alertmanager
+    sent nothing again, and the slot taken for it rate-limited the next hang for 15 min.
+    Here the run's only agent knows no rank of it (it answers 409, failed) until one
+    starts."""
+    from clusterpulse.dashboard import actions
+    from tests.conftest import TOKEN
+    from tests.support.ranksock import RankProcess
+
+    monkeypatch.setattr(actions, "run_agents", lambda _prom, _run, _token, lookback="":
+                        actions.RunAgents({"node-a": sim_agent.url}, {}))
+    monkeypatch.setattr(Remediator, "_unconfirmed", lambda *_a: None)  # Prometheus agrees
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    rem = Remediator(Policy([Rule("RankHung", "restart")]),
+                     PrometheusClient("http://127.0.0.1:9"), TOKEN, audit)
+
+    def hung(at: str) -> dict:
+        return {"alerts": [alert(startsAt=at)]}
+
+    # the hang, Alertmanager's resend of it (503 asks for one), and the hang again
+    for at in ("2026-12-07T10:00:00Z", "2026-12-07T10:00:00Z", "2026-12-07T10:03:00Z"):
+        with pytest.raises(RetryLater) as answered:
+            rem.handle(hung(at))
+        (d,) = answered.value.decisions
+        assert d["outcome"] == "failed", d
+        assert d["detail"] == ("no agent took the action: node-a: no ranks of run 'demo' "
+                               "are known on this node"), d
+    with RankProcess(sim_agent.socket_path, [{"type": "step", "run": "demo", "rank": 0,
+                                              "step": 5}]):
+        (d,) = rem.handle(hung("2026-12-07T10:05:00Z"))  # the slot is still the run's
+        assert d["outcome"] == "acted", d
+        (d,) = rem.handle(hung("2026-12-07T10:06:00Z"))  # and now taken
+        assert d["outcome"] == "rate_limited", d
+    assert [r["outcome"] for r in audit.read() if r["who"] == "policy"] == [
+        "failed", "failed", "failed", "accepted", "rate_limited"]
+
+
+def test_a_wall_clock_step_skips_neither_sustained_s_nor_the_rate_limit_window(
+        tmp_path, monkeypatch):
+    """Found in review: alerts were timed on the wall clock, so a step forward (NTP, a
+    VM resumed) 2 s after a straggler's first notification acted on it at once, past
+    its 300 s `sustained_s`, and emptied the rate-limit window. Durations are monotonic;
+    the wall clock only stamps the history kept."""
+    from clusterpulse.dashboard.actions import NodeResult
+
+    assert Remediator.__dataclass_fields__["clock"].default is time.monotonic
+    mono, wall = [1000.0], [time.time()]
+    acted: list[str] = []
+    monkeypatch.setattr(remediation, "request_action", lambda *a, **_kw: acted.append(a[1])
+                        or [NodeResult("n", "http://n", True, "c1", "pending")])
+    monkeypatch.setattr(Remediator, "_unconfirmed", lambda *_a, **_kw: None)
+    monkeypatch.setattr(Remediator, "_firing_now", lambda *_a, **_kw: True)
+    rem = Remediator(Policy([Rule("TrainingStraggler", "checkpoint-restart", 300),
+                             Rule("RankHung", "restart")]),
+                     PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789",
+                     AuditLog(None), tmp_path / "history.jsonl",
+                     clock=lambda: mono[0], wall_clock=lambda: wall[0])
+    straggler = alert("TrainingStraggler", startsAt=iso(wall[0]))
+    assert rem.handle({"alerts": [straggler]})[0]["outcome"] == "waiting"
+    wall[0] += 3600  # 2 s later the host's clock is stepped an hour forward
+    mono[0] += 2
+    (d,) = rem.tick()
+    assert (d["outcome"], d["detail"]) == ("waiting", "firing 2 s of the 300 s the policy "
+                                                      "requires")
+    assert acted == []
+    mono[0] += 298
+    assert [d["outcome"] for d in rem.tick()] == ["acted"] and acted == ["demo"]
+    wall[0] += 3600  # another hour on the wall clock, 10 s on the run's window
+    mono[0] += 10
+    (d,) = rem.handle({"alerts": [alert(startsAt=iso(wall[0]))]})
+    assert d["outcome"] == "rate_limited", d
+    kept = [json.loads(x)["received"] for x in (tmp_path / "history.jsonl").read_text()
+            .splitlines()]
+    assert kept == [wall[0] - 3600 * 2, wall[0]]  # what is kept is stamped on the wall clock
