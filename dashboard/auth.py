@@ -26,6 +26,7 @@ import functools
 import hashlib
 import hmac
 import logging
+import os
 import re
 import secrets
 import threading
@@ -255,6 +256,51 @@ def load_operators(file: Path | None, secrets_section: Mapping | None) -> Operat
     return Operators(hashes, tuple(skipped), tuple(weak), broken)
 
 
+def file_identity(file: Path | None) -> tuple:
+    """What tells an edited operators file from the one read before, without reading it:
+    its inode, size and modification and change times (an editor that renames a new
+    file over it changes the inode; one that rewrites it in place, the times). A file
+    that cannot be stat'ed is its error, so that it is read (and reported) again."""
+    if file is None:
+        return ()
+    try:
+        st = os.stat(file)
+    except OSError as err:
+        return (str(file), "error", err.errno)
+    return (str(file), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass
+class OperatorsCache:
+    """`load_operators`, read again only when the operators file (or the secrets'
+    section) changed. Every page run checks its signed-in operator against the current
+    entries (a removed operator kept acting for up to SESSION_TTL_S): one stat a run,
+    not a TOML parse. Shared by every session of the dashboard process."""
+
+    _key: tuple | None = None
+    _ops: Operators | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def load(self, file: Path | None, secrets_section: Mapping | None) -> Operators:
+        key = (file_identity(file),
+               tuple(sorted((str(k), repr(v)) for k, v in (secrets_section or {}).items())))
+        with self._lock:
+            if key == self._key and self._ops is not None:
+                return self._ops
+        ops = load_operators(file, secrets_section)
+        with self._lock:
+            self._key, self._ops = key, ops
+        return ops
+
+
+def entry_fingerprint(stored: str) -> str:
+    """A digest of an operator's stored hash, kept in the session at sign-in: a later
+    entry that differs (the password changed, the account re-created) no longer
+    matches it, and the session is signed out. The hash itself stays out of the
+    session."""
+    return hashlib.sha256(stored.encode()).hexdigest()
+
+
 def _judge(value: object) -> tuple[bool, str | None]:
     """(kept, what is wrong) for an operators entry's value: one that can never sign
     anyone in is left out; a hash below the policy is kept, so that its operator is
@@ -397,6 +443,8 @@ THROTTLE = Throttle()
 REFUSALS = RefusalSummary()
 # the operators' problems, logged once each by the dashboard's pages
 REPORTED = ProblemReport()
+# the operators, read again when their file changes (every page run checks its operator)
+OPERATORS = OperatorsCache()
 
 
 def authenticate(name: str, password: str, operators: dict[str, str],

@@ -105,6 +105,29 @@ def _tagged(parts: dict[str, str]) -> str:
                        for name, e in parts.items())
 
 
+def _matchers(*parts: str) -> str:
+    """`{a,b}` of the non-empty label matchers given."""
+    return "{" + ",".join(p for p in parts if p) + "}"
+
+
+def exited(sel: str = "") -> str:
+    """The ranks (run, rank, node) whose process has exited, of the runs `sel` selects
+    (label matchers, empty for all): the agent exports such a rank's last figures for
+    its grace period (300 s), with clusterpulse_trainer_process_alive 0, or with phase
+    "exited" after its exit event (a clean finish, a preemption)."""
+    phase = _matchers(sel, 'phase="exited"')
+    return (f"(clusterpulse_trainer_process_alive{_matchers(sel)} == 0 or "
+            f"clusterpulse_trainer_phase{phase})")
+
+
+def live(expr: str, sel: str = "") -> str:
+    """`expr`'s series less those of exited processes (`exited`). After a relaunch that
+    renumbered the ranks, `max by (rank)` merged the dead process's compute time and
+    growing heartbeat age into the live rank's for 5 minutes, and a finished run
+    counted as running."""
+    return f"({expr} unless on (run, rank, node) {exited(sel)})"
+
+
 # -- the cluster page (7 queries + 1 Alertmanager call) -----------------------------
 NODES_UP = ('max by (node, instance) (up{job=~"clusterpulse.*"} * on (instance) group_left '
             '(node) max by (instance, node) (max_over_time(clusterpulse_agent_build_info[1h])))')
@@ -153,7 +176,11 @@ def cluster_gpu_data(prom: PrometheusClient, metric: str) -> tuple[dict[str, int
 # own series, not the recorded clusterpulse:run_step: a rule evaluation later, a new
 # run read "Running jobs 0" at step 8.
 _RANK = "on (run, rank, node, local_rank) group_left ()"
-JOBS = ('label_replace(max by (run) (clusterpulse_trainer_step), "part", "step", "", "") or '
+JOBS = (f'label_replace(max by (run) ({live("clusterpulse_trainer_step")}), "part", "step", '
+        '"", "") or '
+        # a run whose ranks have all exited (finished, or its processes ended): its last
+        # step, shown as exited and not counted as running
+        'label_replace(max by (run) (clusterpulse_trainer_step), "part", "last", "", "") or '
         'label_replace('
         'max by (run) (clusterpulse_trainer_phase{phase="restarting"} or '
         f'clusterpulse_trainer_phase{{phase="start"}} * {_RANK} '
@@ -164,9 +191,13 @@ JOBS = ('label_replace(max by (run) (clusterpulse_trainer_step), "part", "step",
         '"part", "placement", "", "")')
 
 
+EXITED = "exited"
+
+
 def jobs(samples: list) -> pd.DataFrame:
     """run, step, state: one row per run that reports a step; during a restart its step
-    is blank and its state says which checkpoint it restarts from."""
+    is blank and its state says which checkpoint it restarts from; a run whose ranks
+    have all exited shows its last step, state EXITED (`running` leaves it out)."""
     parts: dict[str, dict[str, float]] = {}
     for x in samples:
         if x.labels.get("part") != "placement":
@@ -180,7 +211,15 @@ def jobs(samples: list) -> pd.DataFrame:
                          else f"restarting from checkpoint {ckpt:.0f}"})
         else:
             rows.append({"run": run, "step": steps[run], "state": "training"})
+    for run in sorted(set(parts.get("last", {})) - set(steps) - set(restarting)):
+        rows.append({"run": run, "step": parts["last"][run], "state": EXITED})
     return pd.DataFrame(rows, columns=["run", "step", "state"])
+
+
+def running(runs: pd.DataFrame) -> int:
+    """The Cluster page's "Running jobs": the Jobs table's runs less the exited ones (a
+    cleanly finished job counted for the agent's 5-minute grace)."""
+    return int((runs["state"] != EXITED).sum()) if not runs.empty else 0
 
 
 def placement(samples: list) -> dict[str, tuple[set[str], dict]]:
@@ -568,19 +607,24 @@ def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Res
         # compute heatmap, which drew such a rank's stale step time as a healthy cell.
         down = (f"max by (rank) (clusterpulse:rank_gpu{{{sel}}} "
                 "and on (node, gpu) (clusterpulse_gpu_up == 0))")
+        info = f"clusterpulse_trainer_rank_info{{{sel}}}"
         got = at_once({
+            # one row per live process; a rank with none (it exited and was not
+            # relaunched) keeps its last one, its live figures blank
             "ranks": partial(prom.query, f"max by (run, rank, node, local_rank, gpu, pid) "
-                             f"(clusterpulse_trainer_rank_info{{{sel}}})"),
+                             f"({live(info, sel)} or ({info} unless on (run, rank) "
+                             f"{live(info, sel)}))"),
             "per_rank": partial(prom.query, _tagged(
-                {col: f"max by (rank) ({metric}{{{sel}}})" for col, metric in PER_RANK.items()})),
+                {col: f"max by (rank) ({live(metric + '{' + sel + '}', sel)})"
+                 for col, metric in PER_RANK.items()})),
             "causes": partial(prom.query, f"clusterpulse:rank_straggler_cause{{{sel}}}"),
             "blocked": partial(prom.query, f"clusterpulse_trainer_blocked_collective{{{sel}}}"),
             "evidence": partial(prom.query, f"max by (rank) (clusterpulse:rank_gpu{{{sel}}} * on "
                                 "(node, gpu) group_left () max by (node, gpu) "
                                 "(clusterpulse_gpu_temperature_celsius))"),
             "gpu_down": partial(prom.query, down),
-            "compute": partial(ranged,
-                               f"max by (rank) (clusterpulse_trainer_compute_seconds{{{sel}}})"),
+            "compute": partial(ranged, "max by (rank) "
+                               f"({live(f'clusterpulse_trainer_compute_seconds{{{sel}}}', sel)})"),
             "compute_down": partial(ranged, down),
             "loss": partial(ranged, f"avg (clusterpulse_trainer_loss{{{sel}}})"),
             "rate": partial(prom.query, rate),
@@ -665,22 +709,31 @@ def run_resume(prom_url: str, name: str) -> Result:
 # -- alerts ---------------------------------------------------------------------------
 @st.cache_data(ttl=5, show_spinner=False)
 def alerts(prom_url: str, am_url: str, range_s: int, end: float | None = None) -> Result:
-    def fetch() -> dict:
+    """The active alerts (Alertmanager) and the history (Prometheus), each fetched and
+    kept on its own, as the Cluster page keeps them: fetched as one, Alertmanager down
+    hid the history Prometheus still had. `sources` holds each one's Result (name ->
+    Result: stale, why, and its last good value) for the page to say which is down."""
+    def history() -> pd.DataFrame:
         until = time.time() if end is None else end
-        got = at_once({"active": _alertmanager(am_url).alerts, "hist": partial(
-            _prometheus(prom_url).query_range, 'ALERTS{alertstate="firing"}',
-            until - range_s, until, max(5.0, range_s / 200))})
-        active, hist = got["active"], got["hist"]
-        history = [{"alert": r.labels.get("alertname"), "severity": r.labels.get("severity"),
-                    "labels": ", ".join(f"{k}={v}" for k, v in sorted(r.labels.items())
-                                        if k not in ("alertname", "alertstate", "severity",
-                                                     "__name__", "instance", "job", "uuid")),
-                    "where": dict(r.labels),
-                    "first seen": pd.Timestamp(r.points[0][0], unit="s"),
-                    "last seen": pd.Timestamp(r.points[-1][0], unit="s")} for r in hist]
-        return {"active": active, "history": pd.DataFrame(history)}
+        hist = _prometheus(prom_url).query_range('ALERTS{alertstate="firing"}',
+                                                 until - range_s, until, max(5.0, range_s / 200))
+        return pd.DataFrame([
+            {"alert": r.labels.get("alertname"), "severity": r.labels.get("severity"),
+             "labels": ", ".join(f"{k}={v}" for k, v in sorted(r.labels.items())
+                                 if k not in ("alertname", "alertstate", "severity",
+                                              "__name__", "instance", "job", "uuid")),
+             "where": dict(r.labels),
+             "first seen": pd.Timestamp(r.points[0][0], unit="s"),
+             "last seen": pd.Timestamp(r.points[-1][0], unit="s")} for r in hist])
 
-    return _guard(f"alerts:{prom_url}:{range_s}:{end}", fetch)
+    got = at_once({
+        "Alertmanager": partial(_guard, f"alerts-active:{am_url}",
+                                lambda: _alertmanager(am_url).alerts()),
+        "Prometheus": partial(_guard, f"alerts-history:{prom_url}:{range_s}:{end}", history)})
+    active, hist = got["Alertmanager"].value, got["Prometheus"].value
+    return Result({"active": active or [],
+                   "history": hist if hist is not None else pd.DataFrame(),
+                   "sources": got})
 
 
 def _prometheus(prom_url: str) -> PrometheusClient:

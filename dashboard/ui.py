@@ -367,15 +367,14 @@ def operator(box: DeltaGenerator | None = None) -> str | None:
         box.caption(f"Signed in as {email}")
         box.button("Sign out", on_click=st.logout)
         return email if email in allowed else None
-    who = st.session_state.get("operator")
-    if who and auth.session_expired(st.session_state.get("operator_since")):
-        del st.session_state["operator"]
-        who = None
-        box.warning("Your operator session expired; sign in again.")
+    who = signed_in_operator()
+    why = st.session_state.pop("signed_out", None)
+    if why:
+        box.warning(why)
     if who:
         box.caption(f"Operator: **{who}**")
         if box.button("Sign out"):
-            del st.session_state["operator"]
+            sign_out()
             st.rerun()
         return who
     box.caption("Viewer (read-only). Operators sign in to act.")
@@ -393,6 +392,7 @@ def operator(box: DeltaGenerator | None = None) -> str | None:
             if result.ok:
                 st.session_state["operator"] = name
                 st.session_state["operator_since"] = time.time()
+                st.session_state["operator_entry"] = auth.entry_fingerprint(ops.hashes[name])
                 audit_log().write(name, "sign-in", "dashboard", "ok", source="dashboard",
                                   client=client)
                 st.rerun()
@@ -407,11 +407,54 @@ def operator(box: DeltaGenerator | None = None) -> str | None:
     return None
 
 
+def signed_in_operator() -> str | None:
+    """The session's password operator, checked at every page run against the operators
+    as they are now, or None. The session once trusted its own "operator" for 8 hours:
+    an operator removed from the operators file (or whose password was changed) kept
+    acting until then. One who is no longer there, whose entry changed, or whose
+    session expired is signed out here, the reason kept for the sign-in box
+    (session_state "signed_out")."""
+    ss = st.session_state
+    who = ss.get("operator")
+    if not who:
+        return None
+    stored = operators().hashes.get(who)
+    if auth.session_expired(ss.get("operator_since")):
+        why = "Your operator session expired; sign in again."
+    elif stored is None:
+        why = (f"Signed out: {who} is no longer an operator (removed from the operators "
+               "by an administrator).")
+    elif auth.entry_fingerprint(stored) != ss.get("operator_entry"):
+        why = f"Signed out: the password of operator {who} was changed; sign in again."
+    else:
+        return who
+    sign_out()
+    ss["signed_out"] = why
+    return None
+
+
+def acting_operator() -> str | None:
+    """Who may act now, checked when an action is asked for (a button's callback), not
+    taken from the page drawn before the click: an operator removed since then is
+    refused. SSO operators are checked against the allowed emails as `operator` does."""
+    if _secrets_section("auth"):
+        allowed = set((_secrets_section("operators_oidc") or {}).get("emails", []))
+        email = st.user.get("email", "") if st.user.is_logged_in else ""
+        return email if email and email in allowed else None
+    return signed_in_operator()
+
+
+def sign_out() -> None:
+    for key in ("operator", "operator_since", "operator_entry"):
+        st.session_state.pop(key, None)
+
+
 def operators() -> auth.Operators:
-    """The password operators (Streamlit secrets and the operators file), read at each
-    page run so that an edited file takes effect; what is wrong with them goes to the
-    dashboard's log (the journal under systemd), once (auth.REPORTED)."""
-    ops = auth.load_operators(settings().operators_file, _secrets_section("operators"))
+    """The password operators (Streamlit secrets and the operators file), read again
+    whenever the file changed (auth.OPERATORS: each page run checks its operator
+    against them, so an edited file takes effect at once); what is wrong with them goes
+    to the dashboard's log (the journal under systemd), once (auth.REPORTED)."""
+    ops = auth.OPERATORS.load(settings().operators_file, _secrets_section("operators"))
     auth.REPORTED.report(ops)
     return ops
 

@@ -88,21 +88,27 @@ def _t(alert, now: float) -> float:
 
 @st.fragment(run_every=s.refresh_s)
 def live() -> None:
-    result = data.alerts(s.prometheus_url, s.alertmanager_url, win.seconds, win.end)
-    if not ui.show_status(result, "Alertmanager or Prometheus"):
-        return
-    d = result.value
+    # each source on its own: Alertmanager down leaves the history drawn, and the
+    # banner names the one that is down
+    d = data.alerts(s.prometheus_url, s.alertmanager_url, win.seconds, win.end).value
     now = time.time()
     groups = alert_groups(d["active"], now)
-    st.subheader(f"Active ({len(d['active'])} alert(s), {len(groups)} incident(s))")
-    if not groups:
-        st.success("No active alerts.")
+    if ui.show_status(d["sources"]["Alertmanager"], "Alertmanager"):
+        st.subheader(f"Active ({len(d['active'])} alert(s), {len(groups)} incident(s))")
+        if not groups:
+            st.success("No active alerts.")
+    else:
+        st.subheader("Active")
+        st.caption("The active alerts come from Alertmanager; the history below, from "
+                   "Prometheus.")
     for group in groups:
         incident(group, now)
     st.subheader("History")
     hist = d["history"]
-    if hist.empty:
+    if ui.show_status(d["sources"]["Prometheus"], "Prometheus") and hist.empty:
         st.caption("No alert fired in this range.")
+    elif hist.empty:
+        pass  # Prometheus is down and gave nothing yet: its banner says so
     else:
         hist = hist.sort_values("last seen", ascending=False)
         hist["evidence"] = [links.evidence(w, ui.keep()) for w in hist["where"]]

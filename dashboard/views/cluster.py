@@ -37,7 +37,7 @@ def live() -> None:
     ui.kpi(c[2], "Critical alerts", sum(a.severity == "critical" for a in active))
     ui.kpi(c[3], "Warnings", sum(a.severity == "warning" for a in active))
     runs = d["runs"]
-    ui.kpi(c[4], "Running jobs", len(runs))
+    ui.kpi(c[4], "Running jobs", data.running(runs))
     if active:  # several alerts of one fault are one thing to look at
         groups = alert_groups(active, time.time())
         st.caption(f"{len(active)} active alert(s) from {len(groups)} incident(s): "

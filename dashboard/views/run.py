@@ -217,11 +217,18 @@ incident_timeline()
 st.subheader("Actions")
 
 
-def request(who: str) -> None:
+def request() -> None:
     """The form's submit callback: it runs before the page does, so it can clear the
     form it read. The reason and the ticked confirmation used to stay after a request,
-    and one more click restarted the run again without anyone confirming it."""
+    and one more click restarted the run again without anyone confirming it. The
+    operator is the one verified now (ui.acting_operator), not the page's from before
+    the click: an operator removed since could still restart the run."""
     ss = st.session_state
+    who = ui.acting_operator()
+    if who is None:
+        ss["action_message"] = ("error", "Not sent: you are not signed in as an operator "
+                                "(any more); sign in to act.")
+        return
     confirmed, ss["confirm"] = ss.get("confirm", False), False  # confirm each request
     if not confirmed:
         ss["action_message"] = ("error", "Tick the confirmation first.")
@@ -255,10 +262,10 @@ else:
                             "restart (hard, from the last checkpoint)"], key="kind")
         st.text_input("Reason (audited)", key="reason")
         st.checkbox(f"I confirm: restart run {run}", key="confirm")
-        st.form_submit_button("Request", type="primary", on_click=request, args=(who,))
-    kind, text = st.session_state.pop("action_message", (None, ""))
-    if kind == "error":
-        st.error(text)
+        st.form_submit_button("Request", type="primary", on_click=request)
+kind, text = st.session_state.pop("action_message", (None, ""))
+if kind == "error":  # also when the click found its operator signed out (request)
+    st.error(text)
 
 last = st.session_state.get("last_action")
 if last and last["run"] == run:

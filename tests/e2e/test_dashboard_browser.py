@@ -213,6 +213,13 @@ def test_straggler_is_flagged_with_its_cause_and_viewers_cannot_act(env):
     p.get_by_text("Viewers are read-only").wait_for()
     assert p.get_by_role("button", name="Request").count() == 0
     p.screenshot(path=ARTIFACTS / "run-straggler.png", full_page=True)
+    # The page names the straggler as soon as its rank is flagged; the alert fires 10 s
+    # (its `for:`) later. The next test's restart ends the straggling (the slowness is
+    # injected in the first attempt), and the Alerts and Run pages measured later
+    # (drawn) need the alert to have fired: on a quick machine the restart came first.
+    wait_until(lambda: env["stack"].prom.query(
+        'ALERTS{alertname="TrainingStraggler", run="web", alertstate="firing"}'), 120,
+        "TrainingStraggler firing for run web")
 
 
 def test_operator_checkpoint_restart_resumes_with_zero_steps_lost(env):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -16,7 +17,7 @@ from clusterpulse.agent import protocol
 from tests.support.pages import kpis
 from tests.support.ports import free_port
 from tests.support.procs import REPO, RULE_FILES, Prometheus, start_agent_cli, wait_until
-from tests.support.ranksock import connect
+from tests.support.ranksock import RankProcess, connect, exchange
 
 pytestmark = pytest.mark.integration
 APP = str(REPO / "dashboard" / "app.py")
@@ -63,6 +64,7 @@ def prom_with_data(tmp_path_factory):
             prom.query("clusterpulse_gpu_up")) == 8 and prom.query(
             "clusterpulse_gpu_down_reason")
     wait_until(ready, 60, "agents scraped and a run recorded")
+    report.sockets = [telemetry[len("unix:"):] for _, _, telemetry in agents]  # node-a, -b
     yield prom, report
     prom.stop()
     for proc, _, _ in agents:
@@ -641,3 +643,107 @@ def test_a_gpu_whose_readings_fail_is_named_on_the_node_page(monkeypatch, tmp_pa
     finally:
         prom.stop()
         proc.stop()
+
+
+# The tests below add runs named z… (after "llm" and "lost": the pages' default run is the
+# first by name) whose exited ranks the agents keep for their grace: they run last.
+def test_a_request_is_refused_when_its_operator_was_removed_before_the_click(
+        prom_with_data, monkeypatch, tmp_path):
+    """A review found the Run page's button acting as the operator of the page drawn
+    before the click: one removed from the operators file since could still restart."""
+    prom, _ = prom_with_data
+    token = tmp_path / "agent-token"
+    token.write_text("not-the-agents-token\n")
+    monkeypatch.setenv("CLUSTERPULSE_AGENT_TOKEN_FILE", str(token))
+    at = sign_in(monkeypatch, prom.url, tmp_path)
+    at.switch_page("views/run.py").run()
+    at.text_input(key="reason").input("rank 3 is slow")
+    at.checkbox(key="confirm").check()
+    ops = tmp_path / "operators.toml"
+    before = ops.stat().st_mtime_ns
+    ops.write_text("[operators]\n")  # the administrator removes alice
+    os.utime(ops, ns=(before + 10**6, before + 10**6))
+    at.button(key="FormSubmitter:action-Request").click().run()
+    assert not at.exception, at.exception
+    assert any(e.value.startswith("Not sent: you are not signed in") for e in at.error), \
+        at.error
+    audit = (tmp_path / "audit.jsonl").read_text()
+    assert '"checkpoint-restart"' not in audit and "operator" not in at.session_state
+
+
+def test_a_relaunched_rank_shows_its_live_process_not_the_exited_one(prom_with_data):
+    """A relaunch renumbered the ranks: rank 0's old process on node-a exited, the new
+    rank 0 steps on node-b. The old one's series stay exported for the agent's grace
+    (5 min), and the straggler table showed two rows for rank 0, the dead one's
+    compute time and growing heartbeat age among the live figures."""
+    from clusterpulse.dashboard import data
+    from clusterpulse.dashboard.incidents import rank_tables
+
+    prom, report = prom_with_data
+    node_a, node_b = report.sockets
+    run = {"type": "step", "run": "zrelaunch", "rank": 0, "local_rank": 0, "world_size": 1}
+    old = RankProcess(node_a, [{**run, "gpu": 1, "step": 100, "compute_seconds": 2.5}])
+    sel = 'run="zrelaunch",rank="0"'
+    wait_until(lambda: prom.query(f'clusterpulse_trainer_compute_seconds{{{sel}}}'), 30,
+               "the old process's rank 0 scraped")
+    old.stop()
+    new = connect(node_b)
+    step = [101]
+
+    def relaunched() -> bool:
+        exchange(new, **{**run, "gpu": 0, "step": step[0], "compute_seconds": 0.1})
+        step[0] += 1
+        return bool(prom.query(f'clusterpulse_trainer_process_alive{{{sel},node="node-a"}}'
+                               " == 0") and prom.query(
+            f'clusterpulse_trainer_compute_seconds{{{sel},node="node-b"}}'))
+    wait_until(relaunched, 30, "the old process exited and the new one scraped")
+    st.cache_data.clear()
+    d = data.run(prom.url, "zrelaunch", 300).value
+    assert [tuple(r) for r in d["ranks"][["rank", "node"]].itertuples(index=False)] == [
+        ("0", "node-b")]
+    assert d["per_rank"]["compute s"] == {"0": 0.1}
+    assert d["per_rank"]["step"]["0"] >= 101
+    table, _ = rank_tables(d)
+    assert list(table["node"]) == ["node-b"] and list(table["compute ms"]) == [100.0]
+    new.close()
+
+
+def test_a_finished_run_is_not_a_running_job(prom_with_data, monkeypatch, tmp_path):
+    """A run that finished cleanly (its exit event, then its process ended) read
+    "training" and counted in "Running jobs" for the agent's 5-minute grace."""
+    prom, report = prom_with_data
+    RankProcess(report.sockets[0], [
+        {"type": "step", "run": "zdone", "rank": 0, "local_rank": 0, "gpu": 0, "step": 500},
+        {"type": "event", "event": "exit", "outcome": "finished", "run": "zdone", "rank": 0,
+         "step": 500}]).stop()
+    wait_until(lambda: prom.query('clusterpulse_trainer_phase{run="zdone",phase="exited"}')
+               and prom.query('clusterpulse_trainer_step{run="zdone"}'), 30,
+               "the finished run's last series scraped")
+    report()
+    st.cache_data.clear()
+    at = app(monkeypatch, prom.url, tmp_path)
+    assert not at.exception, at.exception
+    jobs = next(d.value for d in at.dataframe if "state" in d.value.columns)
+    states = dict(zip(jobs["run"], jobs["state"], strict=True))
+    assert states["zdone"] == "exited" and states["llm"] == "training", states
+    running = sum(state != "exited" for state in states.values())
+    assert kpis(at)["Running jobs"] == str(running)
+    assert jobs.set_index("run").loc["zdone", "step"] == 500
+
+
+def test_alertmanager_down_leaves_the_alert_history_drawn(prom_with_data, monkeypatch,
+                                                          tmp_path):
+    """Alertmanager and Prometheus were fetched as one: with Alertmanager down the
+    Alerts page showed nothing, not even the history Prometheus still had."""
+    prom, _ = prom_with_data
+    wait_until(lambda: prom.query('ALERTS{alertstate="firing",alertname="GpuDown"}'), 60,
+               "node-b's lost GPU paged")
+    st.cache_data.clear()
+    at = app(monkeypatch, prom.url, tmp_path)  # Alertmanager: a port nobody listens on
+    at.switch_page("views/alerts.py").run()
+    assert not at.exception, at.exception
+    errors = [e.value for e in at.error]
+    assert any(e.startswith("Alertmanager is unavailable") for e in errors), errors
+    assert not any(e.startswith("Prometheus") for e in errors), errors
+    (hist,) = [d.value for d in at.dataframe]
+    assert "GpuDown" in set(hist["alert"]), hist
