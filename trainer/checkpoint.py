@@ -430,8 +430,24 @@ class CheckpointManager:
         """Count a failed save and log it once, whole: its type, message and traceback.
         (The message alone was `<class 'type'>` for torch 2.11's stager KeyError.)"""
         self.failures += 1
-        log.error("%s failed: %s", what, describe_error(err),
+        log.error("%s failed: %s%s", what, describe_error(err), self.space_hint(),
                   exc_info=(type(err), err, err.__traceback__))
+
+    def space_hint(self) -> str:
+        """What a full file system looks like when torch's writer does not say so: a
+        write that ran out of space came back as "[enforce fail at inline_container.cc]
+        unexpected pos 704 vs 598". Said where the free space is below the newest
+        checkpoint's size (at least 64 MiB)."""
+        try:
+            free = shutil.disk_usage(self.root).free
+            newest = max(candidates(self.root), key=lambda f: f.step, default=None)
+            size = sum(f.stat().st_size for f in newest.path.iterdir()) if newest else 0
+        except OSError:
+            return ""
+        if free >= max(size, 64 << 20):
+            return ""
+        return (f" ({self.root} has {free / 2**20:.1f} MiB free, the newest checkpoint "
+                f"takes {size / 2**20:.1f} MiB: the file system is full?)")
 
     def _finish_off_the_loop(self, fut: Future, step: int, tmp: Path, done: threading.Event,
                              stager: Any = None) -> None:

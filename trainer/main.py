@@ -6,6 +6,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -459,11 +460,30 @@ class Trainer:
             # Leaves (SystemExit) for a checkpoint-restart or after SIGTERM.
             self.pulse.boundary(step, save=self._save_to_leave, want_checkpoint=due_time,
                                 before_exit=self._before_exit)
-            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or self.pulse.checkpoint_agreed:
+            if step == cfg.steps and (cfg.ckpt_every or cfg.ckpt_every_seconds):
+                # the trained model is the run's result: `--steps 25 --ckpt-every 10`
+                # ended with step 20's, and every save failing still ended "done", exit 0
+                try:
+                    self._save_to_leave(step)
+                except CheckpointError as err:
+                    return self._final_save_failed(step, err)
+            elif (cfg.ckpt_every and step % cfg.ckpt_every == 0) or self.pulse.checkpoint_agreed:
                 self.save(step)
         tokens_per_s = self._tokens_per_second(cfg.steps)
         self.ckpt.wait()
         return self._finish(loss, time.time() - t_run, tokens_per_s)
+
+    def _final_save_failed(self, step: int, err: CheckpointError) -> int:
+        """The run trained to its end but its model is not saved: exit 1, naming the
+        newest checkpoint there is (a restart resumes from it and trains to the end
+        again, as after any failure)."""
+        if self.info.rank == 0:
+            self._save_runstate()
+            newest = max(candidates(self.cfg.ckpt_dir), key=lambda f: f.step, default=None)
+            print(f"trainer: error: the final checkpoint (step {step}) was not saved: {err}"
+                  f"{self.ckpt.space_hint()}; the newest in {self.cfg.ckpt_dir} is "
+                  f"{newest.path.name if newest else 'none'}", file=sys.stderr, flush=True)
+        return 1
 
     def _sync_device(self) -> None:
         if self.info.device.type == "cuda":
@@ -523,7 +543,8 @@ class Trainer:
             lost = sum(r.get("downtime_seconds", 0.0) for r in rs.restarts)
             summary = {
                 "run": self.cfg.run_id, "steps": self.cfg.steps, "world_size": info.world,
-                "parallel": self.cfg.parallel, "final_loss": float(final_loss.item()),
+                # None where no step ran (a finished run started again): NaN is no JSON
+                "parallel": self.cfg.parallel, "final_loss": _finite(final_loss.item()),
                 "intra_op_threads": torch.get_num_threads(),  # rank 0's
                 "param_sha256": digest, "restarts": rs.restarts,
                 "steps_recomputed": recomputed, "checkpoint_load_failures": rs.load_failures,
@@ -536,6 +557,9 @@ class Trainer:
                 "dtype": self.cfg.dtype, "compile": self.cfg.compile,
                 "tokens_per_second": None if tokens_per_s is None else round(tokens_per_s, 1),
                 "mfu": self._mfu(tokens_per_s),
+                # this attempt's failed saves (rank 0's), and the checkpoint it ends with
+                "checkpoint_failures": self.ckpt.failures,
+                "last_checkpoint_step": self.ckpt.committed_step,
             }
             if self.cfg.summary_json:
                 try:
@@ -545,7 +569,8 @@ class Trainer:
                     print(f"trainer: error: cannot write the run summary "
                           f"{self.cfg.summary_json}: {err.strerror or err}", file=sys.stderr,
                           flush=True)
-            print(f"trainer: done: {self.cfg.steps} steps, loss {summary['final_loss']:.4f}, "
+            shown = "-" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}"
+            print(f"trainer: done: {self.cfg.steps} steps, loss {shown}, "
                   f"params {digest[:16]}, restarts {len(rs.restarts)}, "
                   f"goodput {summary['goodput']:.2f}", flush=True)
         if info.world > 1:
@@ -553,6 +578,10 @@ class Trainer:
             # operation in flight can make that peer abort (SIGABRT) after a clean run.
             dist.barrier()
         return 0
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _exit_status(code: object) -> int:

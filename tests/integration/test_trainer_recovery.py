@@ -176,8 +176,8 @@ def test_a_job_whose_directory_was_taken_over_writes_nothing_more_there(tmp_path
     find, back, that another job took its --ckpt-dir over: it wrote over that job's
     claim and both wrote there. Now its ranks agree to skip every save (each counted as
     failed, so CheckpointsFailing pages), nothing more is published or accounted there,
-    and training goes on to its end. The other job's claim is a node's of another
-    kernel here, written as that node would."""
+    and training goes on to its end, where the job fails: its model is not saved. The
+    other job's claim is a node's of another kernel here, written as that node would."""
     ckpt = tmp_path / "ckpt"
     job = _checkpointing_job(ckpt, tmp_path / "job.log", 2, "mine")
     try:
@@ -191,7 +191,7 @@ def test_a_job_whose_directory_was_taken_over_writes_nothing_more_there(tmp_path
         wait_until(lambda: "was taken over by another job" in log.read_text(), 60,
                    "the job's rank 0 sees the claim at its next heartbeat")
         seen = max(int(p.name[5:]) for p in ckpt.glob("step-*"))
-        assert job.wait(timeout=240) == 0, log.read_text()[-3000:]
+        assert job.wait(timeout=240) == 1, log.read_text()[-3000:]
     finally:
         if job.poll() is None:
             stop_group(job)
@@ -199,6 +199,7 @@ def test_a_job_whose_directory_was_taken_over_writes_nothing_more_there(tmp_path
     refused = f"not written: --ckpt-dir {ckpt} was taken over by another job"
     assert text.count(refused) >= 4, text[-3000:]  # both ranks, every save since
     assert text.count(refused) % 2 == 0, text[-3000:]  # the ranks agreed on each
+    assert "the final checkpoint (step 600) was not saved" in text, text[-3000:]
     # at most the save in flight as rank 0 saw the claim was published after it
     assert max(int(p.name[5:]) for p in ckpt.glob("step-*")) <= seen + 5 < 600
     assert json.loads((ckpt / "owner.json").read_text()) == other  # not written over
@@ -215,6 +216,31 @@ def test_failed_checkpoint_write_does_not_stop_training(tmp_path, clean_digest):
     assert r.digest == clean_digest["ddp"]
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == [
         "step-00000010", "step-00000030", "step-00000040"]
+    assert r.summary["checkpoint_failures"] == 1 and r.summary["last_checkpoint_step"] == 40
+
+
+def test_a_run_ends_with_its_final_checkpoint_or_fails_saying_it_has_none(tmp_path):
+    """Review: `--steps 12 --ckpt-every 5` ended with step 10's checkpoint, the last two
+    steps' training lost; a run whose every save failed ended "done", exit 0. The last
+    step is saved; a final save that fails is exit 1, naming the newest checkpoint.
+    A finished run started again trains nothing: its loss was NaN, written into the
+    summary as a JSON no strict parser reads."""
+    ckpt = tmp_path / "ckpt"
+    args = ["--ckpt-every", "5"]
+    r = run_trainer(ckpt, nproc=1, steps=12, args=args)
+    assert r.returncode == 0, r.log[-3000:]
+    assert sorted(p.name for p in ckpt.glob("step-*"))[-1] == "step-00000012"
+    assert r.summary["last_checkpoint_step"] == 12 and r.summary["checkpoint_failures"] == 0
+    again = run_trainer(ckpt, nproc=1, steps=12, args=args)
+    assert again.returncode == 0 and "resumed from step-00000012" in again.log, again.log
+    assert json.loads((ckpt / "summary.json").read_text(),
+                      parse_constant=lambda c: pytest.fail(f"{c} in the summary")
+                      )["final_loss"] is None
+    failed = run_trainer(tmp_path / "full", nproc=1, steps=12,
+                         args=[*args, "--inject", "ckpt_fail:step=12"])
+    assert failed.returncode != 0, failed.log[-3000:]
+    assert "the final checkpoint (step 12) was not saved" in failed.log, failed.log[-3000:]
+    assert "the newest in" in failed.log and "is step-00000010" in failed.log
 
 
 @pytest.mark.slow
