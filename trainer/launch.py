@@ -11,7 +11,8 @@ What it adds to torchrun, and why:
   exit as a failure, so graceful checkpoint-restarts used to spend `--max-restarts`.
   Here a rank leaving for a graceful restart writes this launcher's relaunch file
   and exits 0; torchrun ends cleanly and the launcher starts it again (a new
-  rendezvous on every node). `--max-restarts` is left whole for real failures.
+  rendezvous on every node). `--max-restarts` is kept for real failures, the job's
+  across relaunches: the next torchrun gets what the failures before it left.
 - Warm restarts (trainer/warmstart/): the reference trainer's ranks are forked from
   a server that imported torch and the trainer once, so a restart does not pay every
   rank's ~3.5 s of imports again. `--cold-start` starts each rank as a new
@@ -92,6 +93,7 @@ from clusterpulse.trainer.restart import (
     MIN_NODES_ENV,
     RELAUNCH_FILE_ENV,
     SHARE_STORE_ENV,
+    failures_spent,
     leave_path,
     next_attempt_base,
     relaunch_count_path,
@@ -506,6 +508,7 @@ class Prewarmed:
     Closing the pipe (this launcher ending, even killed) ends it unused."""
 
     def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+        self.cmd = cmd
         read, self._go = os.pipe()
         try:
             self.proc = subprocess.Popen(cmd, env={**env, HOLD_FD_ENV: str(read)},
@@ -553,6 +556,17 @@ class Prewarmed:
             self._go = -1
 
 
+def max_restarts(cmd: list[str]) -> int:
+    """The --max-restarts=N that `command` put in a torchrun command line (torchrun's
+    default, 0, where none is)."""
+    return next((int(a.split("=", 1)[1]) for a in cmd if a.startswith("--max-restarts=")), 0)
+
+
+def budgeted(cmd: list[str], left: int) -> list[str]:
+    """`cmd` with --max-restarts=`left` where it has the option."""
+    return [f"--max-restarts={left}" if a.startswith("--max-restarts=") else a for a in cmd]
+
+
 def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
         standby: Standby | None = None, rdzv: Rendezvous | None = None,
         prewarm_after: float = PREWARM_AFTER_S) -> int:
@@ -584,6 +598,11 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
             join_when_room_file = Path(tmp) / "join-when-room"
             relaunches = 0
             attempts_before = 0  # the first attempt number of the torchrun started next
+            # The failure restarts left to the job (--max-restarts): each torchrun was
+            # started with the whole budget, so a job that crashed, restarted gracefully
+            # and crashed again had it anew after every graceful restart (crash loops
+            # with automatic restarts never ended). The next torchrun gets what is left.
+            budget = left = max_restarts(cmd)
             stood_by = False
             join_when_room = False  # a standby whose round ended, with the job's store back
             # how long it holds back: under the join timeout (`longest_leave` is half of
@@ -614,7 +633,7 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                 if join_when_room and standby is not None and not standby.host and \
                         rdzv is not None:
                     # its torchrun held ready while the job's own nodes rejoin
-                    prewarmed = prewarmed or Prewarmed.start(cmd, env)
+                    prewarmed = prewarmed or Prewarmed.start(budgeted(cmd, left), env)
                     joining = _join_when_room(rdzv, hold_s, standby.return_s, stop)
                     if stop:
                         break
@@ -623,19 +642,24 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                              "node stood by")
                         return 0
                 join_when_room = False
+                if prewarmed is not None and prewarmed.cmd != budgeted(cmd, left):
+                    _say("the torchrun started ahead has the failure budget from before "
+                         "this one's failures: starting another")
+                    prewarmed.close()
+                    prewarmed = None
                 child = prewarmed.go() if prewarmed is not None else None
                 prewarmed = None
                 if child is not None:
                     _say("torchrun again: one started ahead, its imports done")
                 if child is None:
-                    child = subprocess.Popen(cmd, env=env, process_group=0)
+                    child = subprocess.Popen(budgeted(cmd, left), env=env, process_group=0)
                 if stop:  # a signal before torchrun existed to be told
                     child.send_signal(signal.SIGTERM)
                 try:
                     rc = child.wait(timeout=prewarm_after or None)
                 except subprocess.TimeoutExpired:
                     if not stop:
-                        prewarmed = Prewarmed.start(cmd, env)
+                        prewarmed = Prewarmed.start(budgeted(cmd, left), env)
                     rc = child.wait()
                 place = spares.place(rdzv_state)
                 if place in (spares.JOINED, spares.REJOINING):
@@ -645,8 +669,9 @@ def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,
                 if rc == 0 and marker.exists():
                     relaunches += 1
                     attempts_before = next_attempt_base(attempts_before, marker)
-                    _say(f"graceful restart {relaunches}: relaunching (the failure budget "
-                         "is untouched)")
+                    left = max(0, left - failures_spent(marker))
+                    _say(f"graceful restart {relaunches}: relaunching ({left} failure "
+                         f"restart(s) left of --max-restarts {budget})")
                     sat_out = _leave_seconds(leave_file.read_text(), longest_leave) \
                         if leave_file.exists() else 0.0
                     if sat_out:

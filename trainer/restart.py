@@ -275,9 +275,12 @@ def request_relaunch(leave_s: float = 0.0, attempt: int | None = None) -> int:
         return RESTART_EXIT_CODE
     if leave_s > 0:
         write_atomically(Path(leave_path(path)), f"{leave_s:g}\n")
-    # every rank of the node may write it: same content (the agreed attempt), atomic
+    # every rank of the node may write it: same content (the agreed attempt, and this
+    # node's torchrun's failure restarts: the launcher's budget, `failures_spent`), atomic
     left = "" if attempt is None else f" {attempt}"
-    write_atomically(Path(path), f"checkpoint-restart{left}\n")
+    spent = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    spent = f" {spent}" if left and spent.isdigit() else ""
+    write_atomically(Path(path), f"checkpoint-restart{left}{spent}\n")
     return 0
 
 
@@ -294,6 +297,17 @@ def next_attempt_base(base: int, relaunch_file: str | Path) -> int:
     except (OSError, ValueError):
         left = -1  # an older rank's request, or none readable: count this relaunch
     return max(base + 1, left + 1)
+
+
+def failures_spent(relaunch_file: str | Path) -> int:
+    """The failure restarts the torchrun whose ranks wrote `relaunch_file` made
+    (torchrun's TORCHELASTIC_RESTART_COUNT: failures only, not a node joining); 0 where
+    an older rank's request does not say."""
+    try:
+        words = Path(relaunch_file).read_text().split()
+        return int(words[2]) if len(words) > 2 else 0
+    except (OSError, ValueError):
+        return 0
 
 
 def clear_relaunch_request() -> None:

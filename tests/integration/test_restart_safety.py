@@ -83,14 +83,23 @@ def test_dead_rank_before_init_and_graceful_restarts_outside_the_failure_budget(
     finally:
         clean_codes, clean_logs, clean = _finish(tmp_path, "clean", clean_procs)
     assert codes == [0, 0], "\n\n".join(x[-4000:] for x in logs)
-    for launcher_log in logs:  # the three relaunches took over torchruns started ahead
-        assert launcher_log.count("torchrun again: one started ahead, its imports done") == 3
+    # the three relaunches took over torchruns started ahead, but the first of the node
+    # whose torchrun spent a failure restart after that one had started (its budget)
+    # (which node holds rank 1 is the rendezvous' choice)
+    ahead = "torchrun again: one started ahead, its imports done"
+    spent, other = sorted(logs, key=lambda log: log.count(ahead))
+    assert [spent.count(ahead), other.count(ahead)] == [2, 3], spent[-3000:]
+    assert spent.count("has the failure budget from before this one's failures") == 1
     everything = "\n".join(logs)
     assert "injected: rank 1 exits before joining the process group" in everything
     # every relaunch and restart is this job's to the checkpoint directory's claim
     assert "waiting up to" not in everything and "in use by another job" not in everything
-    for launcher_log in logs:  # each node's launcher relaunched its torchrun 3 times
-        assert "graceful restart 3: relaunching (the failure budget is untouched)" in launcher_log
+    # each node's launcher relaunched its torchrun 3 times; the rank that died before
+    # joining spent one of its node's 2 (torchrun's budget is each node's own: the
+    # other node's torchrun restarted its workers for the new round, spending none)
+    third = "graceful restart 3: relaunching ({} failure restart(s) left of --max-restarts 2)"
+    assert [third.format(1) in spent, third.format(2) in other] == [True, True], \
+        "\n\n".join(x[-3000:] for x in logs)
     causes = [(r["cause"], r["resume_step"], r["steps_recomputed"]) for r in summary["restarts"]]
     assert causes == [("checkpoint-restart", 10, 0), ("checkpoint-restart", 20, 0),
                       ("checkpoint-restart", 30, 0), ("failure", 30, 3)], summary["restarts"]
@@ -230,6 +239,29 @@ def test_a_signal_to_the_launchers_process_group_checkpoints_then_exits(tmp_path
         stop_group(p)
     found = find_latest_valid(ckpt)  # no periodic checkpoint is ever due: it is the SIGTERM's
     assert found is not None and found.step >= 20, log.read_text(errors="replace")[-3000:]
+
+
+def test_graceful_restarts_do_not_renew_the_failure_budget(tmp_path):
+    """Review: each torchrun the launcher started after a graceful restart had the whole
+    --max-restarts again, so a job that crashed, restarted gracefully and crashed again
+    went on past its budget (with automatic graceful restarts, a crash loop without
+    end). The next torchrun gets what the failures left: here the second crash ends
+    the job."""
+    ckpt = tmp_path / "ckpt"
+    cmd = launcher_cmd(1, 1, [*BASE[:2], "--steps", "30", "--ckpt-every", "5", "--agent",
+                              "none", "--ckpt-dir", str(ckpt),
+                              "--inject", "crash:step=7:attempt=0",
+                              "--inject", "graceful:step=12:attempt=1",
+                              "--inject", "crash:step=17:attempt=2"])
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    log = r.stdout + r.stderr
+    assert r.returncode != 0, log[-4000:]
+    assert "graceful restart 1: relaunching (0 failure restart(s) left of --max-restarts 1)" \
+        in log, log[-4000:]
+    state = json.loads((ckpt / "run-state.json").read_text())
+    assert [x["cause"] for x in state["restarts"]] == ["failure", "checkpoint-restart"]
+    assert state["last_step"] < 30
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores to tell 1 thread from all")
