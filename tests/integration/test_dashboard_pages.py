@@ -3,17 +3,15 @@ scrapes real simulated agents (with rank telemetry sent over the agents' real Un
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from clusterpulse.agent import protocol
+from tests.support.httpstub import answering
 from tests.support.pages import kpis
 from tests.support.ports import free_port
 from tests.support.procs import REPO, RULE_FILES, Prometheus, start_agent_cli, wait_until
@@ -398,31 +396,6 @@ def test_prometheus_down_shows_a_banner_not_a_traceback(monkeypatch, tmp_path):
     assert any("Prometheus is unavailable" in e.value for e in at.error)
 
 
-@contextlib.contextmanager
-def json_service(body: str):
-    """Another HTTP service that answers every GET with the JSON `body`: what a
-    mistyped URL (an API of something else behind the same proxy) reaches."""
-    class Answer(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            data = body.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 @pytest.mark.parametrize("body", [
     '{"status": "success", "data": {}}', '{"status": "success"}',
     '{"status": "success", "data": null}',
@@ -434,7 +407,7 @@ def test_a_store_answering_json_of_another_shape_is_named_not_a_traceback(
         body, monkeypatch, tmp_path):
     """Found by a review: a success of the wrong shape was a KeyError or TypeError on
     every data page, and the last good figures were lost with it."""
-    with json_service(body) as url:
+    with answering(body) as url:
         at = app(monkeypatch, url, tmp_path)
     assert not at.exception, at.exception
     assert any("is not a Prometheus result (is it a Prometheus API?)" in e.value
@@ -448,7 +421,7 @@ def test_an_alertmanager_answering_json_of_another_shape_is_named_not_a_tracebac
         body, prom_with_data, monkeypatch, tmp_path):
     """Found by a review: KeyError 'labels' and the like on the Cluster and Alerts pages."""
     prom, _ = prom_with_data
-    with json_service(body) as url:
+    with answering(body) as url:
         monkeypatch.setenv("CLUSTERPULSE_ALERTMANAGER_URL", url)
         monkeypatch.setenv("CLUSTERPULSE_PROMETHEUS_URL", prom.url)
         monkeypatch.setenv("CLUSTERPULSE_AUDIT_LOG", str(tmp_path / "audit.jsonl"))
@@ -486,7 +459,7 @@ def test_an_alert_without_annotations_is_drawn(prom_with_data, monkeypatch, tmp_
     body = ('[{"labels": {"alertname": "GpuDown", "node": "node-b", "gpu": "3", '
             '"severity": "critical"}, "annotations": null, "status": {"state": "active"}, '
             '"startsAt": "2026-12-06T10:00:00Z"}]')
-    with json_service(body) as url:
+    with answering(body) as url:
         monkeypatch.setenv("CLUSTERPULSE_ALERTMANAGER_URL", url)
         st.cache_data.clear()
         monkeypatch.setenv("CLUSTERPULSE_PROMETHEUS_URL", prom.url)

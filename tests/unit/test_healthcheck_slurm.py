@@ -8,6 +8,7 @@ import pytest
 
 from clusterpulse.agent import healthcheck
 from clusterpulse.agent.healthcheck import PROBLEM, UNKNOWN, SlurmError, Verdict
+from tests.support.httpstub import answering
 
 
 def test_unknown_neither_drains_nor_resumes_nor_calls_scontrol(monkeypatch, tmp_path):
@@ -104,8 +105,7 @@ def test_an_unreadable_state_counts_every_xid_and_a_run_says_when_it_cannot_keep
     judged = XidJudged.load(bad)
     assert judged.acknowledged == {} and judged.drained_for is None
     assert _judge(_page({("GPU-0", "79"): 1}), judged).status == PROBLEM
-    server, url = _serve_page(_page({("GPU-0", "79"): 2}))
-    try:
+    with answering(_page({("GPU-0", "79"): 2}), "text/plain") as url:
         blocked = tmp_path / "file"
         blocked.write_text("")  # a file where the state's directory would be
         rc = healthcheck.main(["--agent", url, "--state", str(blocked / "state.json")])
@@ -119,25 +119,4 @@ def test_an_unreadable_state_counts_every_xid_and_a_run_says_when_it_cannot_keep
         assert rc == healthcheck.OK and "acknowledged: GPU-0 XID 79 x2" in out.out
         assert healthcheck.main(["--agent", url, "--state", str(state)]) == healthcheck.OK
         assert healthcheck.main(["--agent", url, "--state", "none"]) == PROBLEM
-    finally:
-        server.shutdown()
 
-
-def _serve_page(text: str):
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Page(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = text.encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
