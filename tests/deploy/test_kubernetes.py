@@ -430,3 +430,41 @@ def test_the_pod_security_check_names_each_baseline_control(change, control):
     assert problem.startswith(control), problem
     assert podsecurity.baseline({"containers": [{"name": "t"}]}, {
         "container.apparmor.security.beta.kubernetes.io/t": "unconfined"})
+
+
+def test_the_gpu_owner_keeps_the_training_pods_labels_under_prometheus_operator(tmp_path):
+    """prometheus-operator gives every target the agent pod's pod, namespace and
+    container labels (honor_labels off); the agent's own on clusterpulse_gpu_owner_info
+    came out as exported_*, and docs/agent.md's query named the agent's pod as every
+    GPU's user. A real Prometheus with those target labels and the PodMonitor's
+    metricRelabelings (as the operator writes them: the same fields, snake_case)."""
+    from tests.support.httpstub import answering
+    from tests.support.procs import Prometheus, wait_until
+
+    docs = yaml.safe_load_all((K8S / "base" / "agent.yaml").read_text())
+    (monitor,) = [d for d in docs if d and d.get("kind") == "PodMonitor"]
+    (endpoint,) = [e for e in monitor["spec"]["podMetricsEndpoints"] if e["path"] == "/metrics"]
+    snake = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    relabel = [{snake.get(k, k): v for k, v in rule.items()}
+               for rule in endpoint["metricRelabelings"]]
+    page = ('# TYPE clusterpulse_gpu_owner_info gauge\n'
+            'clusterpulse_gpu_owner_info{node="n1",gpu="0",uuid="GPU-0",pod="train-0",'
+            'namespace="ml",container="trainer",device_id="GPU-0"} 1\n'
+            '# TYPE clusterpulse_gpu_up gauge\n'
+            'clusterpulse_gpu_up{node="n1",gpu="0",uuid="GPU-0"} 1\n')
+    agent_pod = {"pod": "clusterpulse-agent-x7", "namespace": "clusterpulse",
+                 "container": "agent"}
+    with answering(page, "text/plain; version=0.0.4") as url:
+        target = url.removeprefix("http://")
+        prom = Prometheus(tmp_path, [target], labels={target: agent_pod},
+                          metric_relabel=relabel)
+        try:
+            (owner,) = wait_until(lambda: prom.query("clusterpulse_gpu_owner_info"), 30,
+                                  "the owner series scraped")
+            (up,) = prom.query("clusterpulse_gpu_up")
+        finally:
+            prom.stop()
+    assert {k: owner["metric"][k] for k in ("pod", "namespace", "container")} == \
+        {"pod": "train-0", "namespace": "ml", "container": "trainer"}
+    assert not [k for k in owner["metric"] if k.startswith("exported_")], owner["metric"]
+    assert {k: up["metric"][k] for k in agent_pod} == agent_pod  # the others keep the agent's

@@ -49,8 +49,9 @@ def _configs() -> list[tuple[str, str]]:
     assert (progress["path"], progress["interval"], progress["port"]) == \
         ("/metrics/progress", "1s", main["port"])
     assert {"targetLabel": "job", "replacement": "rank-progress"} in progress["relabelings"]
-    (drop,) = main["metricRelabelings"]
-    assert (drop["sourceLabels"], drop["action"]) == (["__name__"], "drop")
+    # the one rule that drops whole series (the others restore the GPU owner's labels)
+    (drop,) = [r for r in main["metricRelabelings"] if r.get("action") == "drop"]
+    assert drop["sourceLabels"] == ["__name__"]
     return [*out, ("kubernetes PodMonitor", drop["regex"])]
 
 

@@ -121,8 +121,8 @@ class Prometheus:
 
     def __init__(self, tmp: Path, targets: list[str], rule_files: list[Path] | None = None,
                  alertmanager: str | None = None, scrape_interval: str = "1s",
-                 shipped: bool = False, labels: dict[str, dict[str, str]] | None = None
-                 ) -> None:
+                 shipped: bool = False, labels: dict[str, dict[str, str]] | None = None,
+                 metric_relabel: list[dict] | None = None) -> None:
         binary = shutil.which("prometheus")
         assert binary, "prometheus is not installed (the test command installs it)"
         self.port = free_port()
@@ -132,7 +132,8 @@ class Prometheus:
         if shipped:
             self._write_shipped(targets, rule_files or [], alertmanager)
         else:
-            self._write(targets, rule_files, alertmanager, scrape_interval, labels or {})
+            self._write(targets, rule_files, alertmanager, scrape_interval, labels or {},
+                        metric_relabel or [])
         self.args = [binary, f"--config.file={self.dir / 'prometheus.yml'}",
                      f"--storage.tsdb.path={self.dir / 'data'}",
                      f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"]
@@ -158,9 +159,10 @@ class Prometheus:
 
     def _write(self, targets: list[str], rule_files: list[Path] | None,
                alertmanager: str | None, scrape_interval: str,
-               labels: dict[str, dict[str, str]]) -> None:
+               labels: dict[str, dict[str, str]], metric_relabel: list[dict]) -> None:
         """`labels`: target -> the labels its static_config gives it (target labels, as an
-        operator's scrape configuration or service discovery sets them)."""
+        operator's scrape configuration or service discovery sets them);
+        `metric_relabel`: the job's metric_relabel_configs."""
         lines = [
             "global:", f"  scrape_interval: {scrape_interval}",
             f"  evaluation_interval: {scrape_interval}",
@@ -175,6 +177,8 @@ class Prometheus:
         lines += [f"      - targets: {plain!r}"] if plain or not labels else []
         lines += [f"      - {{targets: ['{t}'], labels: {json.dumps(labels[t])}}}"
                   for t in targets if t in labels]
+        if metric_relabel:
+            lines += [f"    metric_relabel_configs: {json.dumps(metric_relabel)}"]
         (self.dir / "prometheus.yml").write_text("\n".join(lines) + "\n")
 
     def start(self) -> None:
