@@ -48,8 +48,9 @@ What it adds to torchrun, and why:
   of every second while a restart's nodes wait for each other.
 - SIGTERM and SIGINT (Ctrl-C) reach torchrun as one SIGTERM each, from here (it runs
   in a process group of its own), and torchrun passes it to the ranks: they
-  checkpoint at the next consensus step (a second one: at once); the launcher then
-  exits 128 + the signal (143, 130).
+  checkpoint at the next consensus step (a second one, 5 s or more later: at once;
+  copies within 5 s are one request, trainer/restart.py); the launcher then exits
+  128 + the signal (143, 130).
 - One job id for all its torchruns (`CLUSTERPULSE_JOB_ID`, unless the environment
   names one: its rendezvous id and endpoint on several nodes, one drawn per launcher
   on one node): a `--standalone` torchrun draws a new rendezvous id each time, so to
@@ -556,15 +557,22 @@ class Prewarmed:
             self._go = -1
 
 
+def _budget_at(cmd: list[str]) -> int | None:
+    """Where `command` put torchrun's --max-restarts=N: the first such word (a script's
+    own arguments come after it, and may hold one too)."""
+    return next((i for i, a in enumerate(cmd) if a.startswith("--max-restarts=")), None)
+
+
 def max_restarts(cmd: list[str]) -> int:
-    """The --max-restarts=N that `command` put in a torchrun command line (torchrun's
-    default, 0, where none is)."""
-    return next((int(a.split("=", 1)[1]) for a in cmd if a.startswith("--max-restarts=")), 0)
+    """torchrun's --max-restarts in `cmd` (its default, 0, where none is)."""
+    at = _budget_at(cmd)
+    return 0 if at is None else int(cmd[at].split("=", 1)[1])
 
 
 def budgeted(cmd: list[str], left: int) -> list[str]:
-    """`cmd` with --max-restarts=`left` where it has the option."""
-    return [f"--max-restarts={left}" if a.startswith("--max-restarts=") else a for a in cmd]
+    """`cmd` with torchrun's --max-restarts=`left`, where it has the option."""
+    at = _budget_at(cmd)
+    return cmd if at is None else [*cmd[:at], f"--max-restarts={left}", *cmd[at + 1:]]
 
 
 def run(cmd: list[str], env: dict[str, str] | None, longest_leave: float,

@@ -463,10 +463,16 @@ class Trainer:
             if step == cfg.steps and (cfg.ckpt_every or cfg.ckpt_every_seconds):
                 # the trained model is the run's result: `--steps 25 --ckpt-every 10`
                 # ended with step 20's, and every save failing still ended "done", exit 0
+                why: CheckpointError | None = None
                 try:
                     self._save_to_leave(step)
                 except CheckpointError as err:
-                    return self._final_save_failed(step, err)
+                    why = err
+                # every rank's word: rank 0's publish can fail where the others' writes
+                # were done (a full disk at the manifest), and they went on alone
+                if not self.pulse.all_ranks(why is None):
+                    return self._final_save_failed(
+                        step, why or CheckpointError("it failed on another rank"))
             elif (cfg.ckpt_every and step % cfg.ckpt_every == 0) or self.pulse.checkpoint_agreed:
                 self.save(step)
         tokens_per_s = self._tokens_per_second(cfg.steps)
@@ -613,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     outcome = "failed"
     try:
         rc = trainer.run()
-        outcome = "finished"
+        outcome = "finished" if rc == 0 else "failed"
     except SystemExit as leave:  # a restart or preemption leaves from the loop
         rc = _exit_status(leave.code)
     finally:

@@ -25,8 +25,8 @@ restart (`nodes_that_leave`): as many leave as the job can lose.
 SIGTERM (Slurm `--signal=TERM@N`, Kubernetes preemption, torchrun stopping its
 workers) is caught and becomes a request: at the next consensus step every rank
 checkpoints and exits with PREEMPTED_EXIT_CODE (143, i.e. "terminated") so that a
-requeued job resumes there. A second SIGTERM, SIGTERM_REPEAT_S after the first,
-exits at once (copies of one arrive together). A rank that SIGTERM finds
+requeued job resumes there. A second SIGTERM that arrives SIGTERM_REPEAT_S after the
+first exits at once (copies of one arrive together). A rank that SIGTERM finds
 blocked in a collective (a peer cut off) leaves without the checkpoint once it has been
 stuck past the steady hang threshold (instrument.Pulse.stuck_after_sigterm).
 
@@ -78,6 +78,9 @@ ATTEMPTS_BEFORE_ENV = "CLUSTERPULSE_ATTEMPTS_BEFORE"
 # rank leave without the preemption's checkpoint. A SIGTERM this long after the first
 # is that second request.
 SIGTERM_REPEAT_S = 5.0
+# The wake-up thread sees the first SIGTERM too, up to a GIL switch (5 ms) after the
+# handler ran: within this of the first, it is the first's.
+SIGTERM_ECHO_S = 0.02
 
 
 class SigtermCatcher:
@@ -94,8 +97,9 @@ class SigtermCatcher:
 
     def __init__(self) -> None:
         self.received = False
-        self.received_at: float | None = None  # monotonic, when the handler first ran
         self.arrived_at: float | None = None  # monotonic, from the wake-up thread
+        self.last_arrival = 0.0  # monotonic: the latest SIGTERM the wake-up thread saw
+        self._taken = 0.0  # the latest of those the handler has judged
         self._previous: object = None
         self._previous_wakeup = -1
         self._wakeup_write = -1
@@ -160,8 +164,12 @@ class SigtermCatcher:
                 if forward >= 0:
                     with contextlib.suppress(OSError):
                         os.write(forward, data)
-                if signal.SIGTERM in data and self.arrived_at is None and self.is_current():
-                    self.arrived_at = time.monotonic()
+                if signal.SIGTERM in data and self.is_current():
+                    now = time.monotonic()
+                    if self.arrived_at is None:
+                        self.arrived_at = now
+                    elif now - self.arrived_at > SIGTERM_ECHO_S:  # not the first's own
+                        self.last_arrival = now
         os.close(read)
         if forward >= 0:
             os.close(forward)
@@ -191,15 +199,23 @@ class SigtermCatcher:
         return self.received
 
     def _handle(self, signum: int, frame: object) -> None:
+        # When the signal arrived, not when Python runs this (between bytecodes: a rank
+        # in a long native call runs it seconds later, and a copy that came 50 ms after
+        # the first was taken for a second request): the wake-up thread stamps each
+        # arrival after the first; one it has not stamped yet is now.
+        now = time.monotonic()
         if self.received:
-            first = self.received_at if self.received_at is not None else time.monotonic()
-            if time.monotonic() - first >= SIGTERM_REPEAT_S:
+            stamp = self.last_arrival if self.last_arrival > self._taken else 0.0
+            self._taken = max(self._taken, stamp)
+            arrival = stamp or now
+            first = self.arrived_at if self.arrived_at is not None else arrival
+            if arrival - first >= SIGTERM_REPEAT_S:
                 raise SystemExit(128 + signum)  # asked again: no more waiting
             return  # a copy of the first (see SIGTERM_REPEAT_S)
         self.received = True
-        self.received_at = time.monotonic()
         if self.arrived_at is None:
-            self.arrived_at = self.received_at
+            self.arrived_at = now
+        self._taken = self.last_arrival  # stamped so far: this request's copies
         self.run_on_first()
 
 

@@ -241,6 +241,15 @@ def test_a_run_ends_with_its_final_checkpoint_or_fails_saying_it_has_none(tmp_pa
     assert failed.returncode != 0, failed.log[-3000:]
     assert "the final checkpoint (step 12) was not saved" in failed.log, failed.log[-3000:]
     assert "the newest in" in failed.log and "is step-00000010" in failed.log
+    # rank 0's publish alone fails (its name taken), the other rank's write was done:
+    # it went on alone into the end's all-reduce and died of the lost peer
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "step-00000012").write_text("in the way")
+    failed = run_trainer(alone, nproc=2, steps=12, args=args)
+    assert failed.returncode != 0, failed.log[-3000:]
+    assert "the final checkpoint (step 12) was not saved" in failed.log, failed.log[-3000:]
+    assert "Connection closed by peer" not in failed.log, failed.log[-3000:]
 
 
 @pytest.mark.slow

@@ -78,3 +78,17 @@ def test_fsdp_on_cpu_without_torchs_support_is_refused_before_any_rank_starts(
     err = capsys.readouterr().err
     assert err.startswith("trainer: error: FSDP on CPU needs torch >= 2.7")
     assert err.count("\n") == 1
+
+
+def test_the_failure_budget_is_torchruns_not_a_scripts_argument_of_the_same_name(tmp_path):
+    """Review: the relaunch's budget replaced every `--max-restarts=` of the command
+    line, a `--script`'s own arguments included."""
+    script = tmp_path / "s.py"
+    script.write_text("")
+    a, rest = launch.parse(["--nproc", "1", "--max-restarts", "2", "--script", str(script),
+                            "--", "--max-restarts=7"])
+    cmd = launch.command(a, rest)
+    assert launch.max_restarts(cmd) == 2
+    out = launch.budgeted(cmd, 0)
+    assert out.count("--max-restarts=0") == 1 and out[-1] == "--max-restarts=7"
+    assert len(out) == len(cmd) and launch.max_restarts(out) == 0

@@ -522,11 +522,54 @@ def test_copies_of_one_sigterm_are_one_request_and_a_later_one_exits_at_once():
     catcher._handle(15, None)  # torchrun's copy
     catcher._handle(15, None)  # and its second, from its interrupted shutdown
     assert catcher.received and ran == [1]
-    assert catcher.received_at is not None
-    catcher.received_at -= SIGTERM_REPEAT_S
+    assert catcher.arrived_at is not None
+    catcher.arrived_at -= SIGTERM_REPEAT_S
     with pytest.raises(SystemExit) as leave:
         catcher._handle(15, None)
     assert leave.value.code == 143
+
+
+def test_a_copy_handled_late_is_judged_by_when_it_arrived():
+    """Review: the window was measured to when Python ran the handler, which a rank in a
+    long native call (a backward, a collective) runs seconds after the signal came: a
+    copy that arrived 50 ms after the first was taken for a second request and the rank
+    left without the checkpoint; and a second request arriving 7 s after a first that
+    was handled late was taken for a copy. Real signals, a real wake-up thread, a
+    6 s native call (C's system(), which Python does not interrupt for a handler)
+    standing in for the rank's work."""
+    import os
+    import signal
+    import subprocess
+
+    from clusterpulse.trainer.restart import SIGTERM_REPEAT_S, SigtermCatcher
+
+    catcher = SigtermCatcher()
+    catcher.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert catcher.received
+        # the copy arrives 50 ms in, while this thread is in native code
+        copy = subprocess.Popen(["sh", "-c", f"sleep 0.05; kill -TERM {os.getpid()}"])
+        assert os.system(f"sleep {SIGTERM_REPEAT_S + 1:g}") == 0
+        copy.wait()
+        time.sleep(0.1)  # handled here, 6 s after the first: still a copy
+        assert catcher.installed
+    finally:
+        catcher.uninstall()
+    late = SigtermCatcher()
+    late.install()
+    try:
+        first = subprocess.Popen(["sh", "-c", f"sleep 0.1; kill -TERM {os.getpid()}"])
+        assert os.system(f"sleep {SIGTERM_REPEAT_S + 1:g}") == 0  # handled late
+        first.wait()
+        time.sleep(0.1)
+        assert late.received
+        with pytest.raises(SystemExit):  # the second request, 6 s after the first came
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+    finally:
+        late.uninstall()
 
 
 def test_a_sigterm_leaves_a_stuck_rank_only_where_waiting_cannot_help(monkeypatch):
