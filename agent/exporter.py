@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from clusterpulse.agent import __version__
 from clusterpulse.agent.audit import file_head, head_families
 from clusterpulse.agent.identity import still_running
+from clusterpulse.agent.logsetup import Throttle
 from clusterpulse.agent.protocol import EXITED, RESTARTING
 from clusterpulse.agent.ranks import STEP_INTERVALS_KEPT
 from clusterpulse.agent.sample import CLOCK_EVENT_REASONS
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from clusterpulse.agent.core import Agent
 
 log = logging.getLogger(__name__)
+# a collector's failures: one log line a minute per collector and error (logsetup)
+COLLECTOR_FAILURES = Throttle()
 
 GPU_LABELS = ["node", "gpu", "uuid"]
 RANK_LABELS = ["run", "rank", "node", "local_rank"]
@@ -136,7 +139,6 @@ JUDGEMENT = frozenset({"straggler_score", "straggler_self_score", "straggler_fla
 class AgentCollector(Collector):
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
-        self._failed: set[str] = set()  # the subsystems whose failure was logged
 
     def collect(self) -> Iterator:
         yield from self._agent_series()
@@ -144,22 +146,32 @@ class AgentCollector(Collector):
         yield from self._rank_series()
         # Collectors of other subsystems (node_exporter style): NIC port health and
         # queues, who uses each GPU (agent.attribution), as the CLI configured them.
+        success = GaugeMetricFamily(
+            PREFIX + "agent_collector_success",
+            "1 if the subsystem's collector gave its series in this scrape, 0 if it failed "
+            "(its series are left out; the agent's log says why).",
+            labels=["node", "collector"])
         for links in self.agent.links:
-            yield from self._isolated(links)
+            families = self._isolated(links)
+            success.add_metric([self.agent.node, type(links).__name__],
+                               0.0 if families is None else 1.0)
+            yield from families or []
+        yield success
 
-    def _isolated(self, collector: Any) -> list:
-        """One subsystem's series, or none of them: an error in one (a NIC's odd sysfs
-        file, an unexpected reply) loses only its own series, logged once per kind, not
-        the scrape of every GPU series of the node (node_exporter's rule)."""
+    def _isolated(self, collector: Any) -> list | None:
+        """One subsystem's series, or None: an error in one (a NIC's odd sysfs file, an
+        unexpected reply) loses only its own series (agent_collector_success 0), not the
+        scrape of every GPU series of the node (node_exporter's rule). Logged at most
+        once a minute per collector and error, with how many since."""
         try:
             return list(collector.families(self.agent.node))
         except Exception as err:  # any failure of one subsystem
             kind = type(collector).__name__
-            if kind not in self._failed:
-                self._failed.add(kind)
-                log.warning("%s failed, its series are left out of the scrape: %s: %s",
-                            kind, type(err).__name__, err, exc_info=True)
-            return []
+            if n := COLLECTOR_FAILURES.due(f"{kind}:{type(err).__name__}:{err}"[:300]):
+                log.warning("%s failed (%d time(s) since the last such line), its series "
+                            "are left out of the scrape: %s: %s", kind, n,
+                            type(err).__name__, err, exc_info=True)
+            return None
 
     def _agent_series(self) -> Iterable:
         a = self.agent

@@ -134,8 +134,9 @@ def label_text(name: str) -> str:
     """A kernel name as a label value. Linux allows any byte but '/' in an interface
     name, and Python keeps the bytes that are not UTF-8 as lone surrogates, which the
     exposition cannot encode: one such name made every scrape of the node fail
-    (NodeAgentDown while /healthz said ok). Those bytes read as U+FFFD."""
-    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    (NodeAgentDown while /healthz said ok). Those bytes read as `\\xff`: each name
+    stays its own series (U+FFFD made `ens\\xff` and `ens\\xfe` one, twice)."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 # operstate (RFC 2863) when `carrier` cannot be read; the other states say nothing sure

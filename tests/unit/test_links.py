@@ -473,16 +473,22 @@ def test_an_interface_name_that_is_not_utf8_does_not_break_the_scrape(tmp_path):
     UTF-8 as lone surrogates, which the exposition cannot encode: every scrape of the
     node failed (NodeAgentDown, its GPU series lost) while /healthz said ok. `tc -j`
     printing such a name dropped the queue series of every NIC. The name now reads with
-    U+FFFD where its bytes are not UTF-8, and the NIC's series are kept."""
+    its bytes that are not UTF-8 escaped (\\xff: two such names stay two series), and
+    the NIC's series are kept."""
     make_sysfs(tmp_path)
     odd = os.fsdecode(b"en\xffp1")
     (tmp_path / "class" / "net" / odd / "device").mkdir(parents=True)
     (tmp_path / "class" / "net" / odd / "carrier").write_text("1\n")
+    twin = os.fsdecode(b"en\xfep1")  # the same but for one byte: another interface
+    (tmp_path / "class" / "net" / twin / "device").mkdir(parents=True)
+    (tmp_path / "class" / "net" / twin / "carrier").write_text("0\n")
     agent = _sim_agent()
     agent.links.append(NicCounters(tmp_path))
     fams = _agent_scrape(agent)
-    up = {s.labels["device"]: s.value for s in fams["clusterpulse_nic_port_up"].samples}
-    assert up["en\ufffdp1"] == 1.0 and up["eth0"] == 1.0
+    samples = fams["clusterpulse_nic_port_up"].samples
+    up = {s.labels["device"]: s.value for s in samples}
+    assert len(up) == len(samples)  # one series per interface
+    assert up["en\\xffp1"] == 1.0 and up["en\\xfep1"] == 0.0 and up["eth0"] == 1.0
     assert len(fams["clusterpulse_gpu_utilization_ratio"].samples) == 2
     tc_out = subprocess.run(
         [sys.executable, "-c", "import sys; sys.stdout.buffer.write(sys.argv[1].encode("
@@ -493,7 +499,7 @@ def test_an_interface_name_that_is_not_utf8_does_not_break_the_scrape(tmp_path):
     agent.links.append(queues)
     fams = _agent_scrape(agent)
     held = {s.labels["device"] for s in fams["clusterpulse_nic_queue_overlimits"].samples}
-    assert held == {"eth0", "en\ufffdp1"}
+    assert held == {"eth0", "en\\xffp1"}
 
 
 def test_real_tc_output_with_a_name_that_is_not_utf8_is_read(tmp_path, monkeypatch):
@@ -542,4 +548,6 @@ def test_a_failing_collector_loses_only_its_own_series(caplog):
     for _ in range(2):
         fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
         assert len(fams["clusterpulse_gpu_utilization_ratio"].samples) == 2
-    assert sum("Broken failed" in r.message for r in caplog.records) == 1
+        assert {s.labels["collector"]: s.value
+                for s in fams["clusterpulse_agent_collector_success"].samples} == {"Broken": 0.0}
+    assert sum("Broken failed" in r.message for r in caplog.records) == 1  # a minute's
