@@ -45,7 +45,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from clusterpulse.agent.healthstate import Counts, XidJudged, boot_id
+from clusterpulse.agent.healthstate import Counts, XidJudged, boot_id, hold_lock
 
 OK, PROBLEM, UNKNOWN = 0, 1, 2
 # Prefix of every reason we set in Slurm: a node drained by someone else (an admin,
@@ -189,12 +189,18 @@ def apply_to_slurm(node: str, verdict: Verdict, judged: XidJudged | None = None,
         if rejudge is not None:
             verdict = rejudge()
     if verdict.status == PROBLEM:
-        if judged is not None:  # all the XIDs it stays drained for
-            judged.drained_for = verdict.xids
         want = f"{REASON_PREFIX} {verdict.message}"[:200]
         if "DRAIN" in state and reason.startswith(REASON_PREFIX):
-            return f"already drained: {reason}"
+            if judged is None or (judged.drained_for or {}) == verdict.xids:
+                return f"already drained: {reason}"
+            # XIDs since the drain: the reason names them, so that an operator's resume
+            # is for what they saw (it acknowledges `drained_for`)
+            _scontrol("update", f"NodeName={node}", "State=DRAIN", f"Reason={want}")
+            judged.drained_for = verdict.xids
+            return f"drain reason now: {want}"
         _scontrol("update", f"NodeName={node}", "State=DRAIN", f"Reason={want}")
+        if judged is not None:  # drained: a later resume is for these (not before: a
+            judged.drained_for = verdict.xids  # failed drain read as a resume)
         return f"drained {node}: {want}"
     if verdict.status == OK and "DRAIN" in state and reason.startswith(REASON_PREFIX):
         _scontrol("update", f"NodeName={node}", "State=RESUME")
@@ -308,18 +314,37 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--agent must be an http:// or https:// URL, got {a.agent!r}")
     if a.acknowledge and a.state == "none":
         p.error("--acknowledge needs a --state file to keep it in")
-    url = a.agent.rstrip("/") + "/metrics"
     state = None if a.state == "none" else Path(a.state)
+    lock = hold_lock(state) if state is not None else None
+    try:
+        return _run(a, state, lock)
+    finally:
+        if lock is not None:
+            os.close(lock)  # a detached child keeps its own copy until it is done
+
+
+def _run(a: argparse.Namespace, state: Path | None, lock: int | None) -> int:
+    url = a.agent.rstrip("/") + "/metrics"
     judged = XidJudged.load(state) if state is not None else None
+    if state is not None and lock is None:
+        print(f"clusterpulse-healthcheck: cannot lock {state} (another check holds it, or "
+              "it cannot be made): judging without keeping what is judged", file=sys.stderr)
+        if a.acknowledge:  # it would be lost
+            print("clusterpulse-healthcheck: error: nothing acknowledged", file=sys.stderr)
+            return UNKNOWN
+        state = None
     if judged is not None:
         judged.after_boot(boot_id())
     page = read_page(url, a.timeout)
     xids = CRITICAL_XIDS | frozenset(a.xid)
 
+    latest: list[Verdict] = []  # the last verdict judged (after a resume, a new one)
+
     def judge() -> Verdict:
-        if isinstance(page, Verdict):
-            return page
-        return evaluate(page, time.time(), a.max_age, xids, a.ecc_max, judged)
+        v = page if isinstance(page, Verdict) else \
+            evaluate(page, time.time(), a.max_age, xids, a.ecc_max, judged)
+        latest.append(v)
+        return v
 
     verdict = judge()
     if a.acknowledge and judged is not None and verdict.status != UNKNOWN:
@@ -328,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                 for c, n in sorted(codes.items())]
         print(f"acknowledged: {', '.join(done) or 'no XID counted'}", flush=True)
         verdict = judge()
-    print(verdict.message if verdict.status == OK else
-          f"ERROR: clusterpulse-healthcheck: {verdict.message}", flush=True)
+    if not (a.drain and not a.detach):  # decided now: slurmd ignores the status
+        _say(verdict)
     if a.drain and a.detach:
         if os.fork() != 0:
             return verdict.status
@@ -348,13 +373,21 @@ def main(argv: list[str] | None = None) -> int:
         try:
             done = apply_to_slurm(a.node, verdict, judged, judge)
         except (SlurmError, subprocess.TimeoutExpired) as err:
+            _say(latest[-1])
             print(f"clusterpulse-healthcheck: cannot update Slurm: {err}", file=sys.stderr)
             _keep(judged, state, verdict)
-            return verdict.status or UNKNOWN
+            return latest[-1].status or UNKNOWN
+        verdict = latest[-1]  # judged again after an operator's resume
+        _say(verdict)
         if done:
             print(f"clusterpulse-healthcheck: {done}", file=sys.stderr)
     _keep(judged, state, verdict)
     return verdict.status
+
+
+def _say(verdict: Verdict) -> None:
+    print(verdict.message if verdict.status == OK else
+          f"ERROR: clusterpulse-healthcheck: {verdict.message}", flush=True)
 
 
 def _keep(judged: XidJudged | None, state: Path | None, verdict: Verdict) -> None:

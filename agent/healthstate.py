@@ -22,9 +22,11 @@ per run on stderr by the caller.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,13 +54,40 @@ def _counts(raw: object) -> Counts:
     return out
 
 
-def _most(a: Counts, b: Counts) -> Counts:
+def _replaced(a: Counts, b: Counts) -> Counts:
+    """`a` with `b`'s counts in place of its own: what is done is what was counted then,
+    lower too (after the agent's counts were lost and began again, a higher count kept
+    every later one under it: the node could not be cleared)."""
     out = {u: dict(c) for u, c in a.items()}
     for uuid, codes in b.items():
-        mine = out.setdefault(uuid, {})
-        for code, n in codes.items():
-            mine[code] = max(n, mine.get(code, 0))
+        out.setdefault(uuid, {}).update(codes)
     return out
+
+
+def hold_lock(path: Path, wait_s: float = 60.0) -> int | None:
+    """Take `path`'s lock (a `.lock` beside it): two checks at once (slurmd's, an
+    operator's --acknowledge) each saved the state they had read, and one's update was
+    lost. The lock's descriptor, held until closed by this process and by the children
+    it forked since (the detached drain keeps it after its parent returned); None where
+    it cannot be had within `wait_s`, or there is nowhere to keep it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.1)
+        except OSError:
+            os.close(fd)
+            return None
 
 
 @dataclass
@@ -98,7 +127,7 @@ class XidJudged:
     def after_boot(self, boot: str) -> None:
         """A reboot since the last run: what was seen before it is done."""
         if boot and self.boot and boot != self.boot:
-            self.acknowledged = _most(self.acknowledged, self.seen)
+            self.acknowledged = _replaced(self.acknowledged, self.seen)
             self.drained_for = None
         if boot:
             self.boot = boot
@@ -107,11 +136,11 @@ class XidJudged:
         """An operator resumed the node this check drained: what it was drained for
         is done."""
         if self.drained_for is not None:
-            self.acknowledged = _most(self.acknowledged, self.drained_for)
+            self.acknowledged = _replaced(self.acknowledged, self.drained_for)
             self.drained_for = None
 
     def acknowledge(self, counts: Counts) -> None:
-        self.acknowledged = _most(self.acknowledged, counts)
+        self.acknowledged = _replaced(self.acknowledged, counts)
 
     def new(self, uuid: str, code: str, count: int) -> int:
         """How many of `count` XIDs `code` of GPU `uuid` are new."""

@@ -4,6 +4,8 @@ even need Slurm's tools to say so."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from clusterpulse.agent import healthcheck
@@ -111,7 +113,7 @@ def test_an_unreadable_state_counts_every_xid_and_a_run_says_when_it_cannot_keep
         rc = healthcheck.main(["--agent", url, "--state", str(blocked / "state.json")])
         out = capsys.readouterr()
         assert rc == PROBLEM and "GPU 0 XID 79 x2" in out.out
-        assert "cannot keep" in out.err and "judged again" in out.err
+        assert "cannot lock" in out.err and "without keeping" in out.err
         # --acknowledge keeps them, and says which
         state = tmp_path / "ok" / "state.json"
         rc = healthcheck.main(["--agent", url, "--state", str(state), "--acknowledge"])
@@ -120,3 +122,113 @@ def test_an_unreadable_state_counts_every_xid_and_a_run_says_when_it_cannot_keep
         assert healthcheck.main(["--agent", url, "--state", str(state)]) == healthcheck.OK
         assert healthcheck.main(["--agent", url, "--state", "none"]) == PROBLEM
 
+
+
+class _Slurm:
+    """`scontrol` as apply_to_slurm sees it (node_state, _scontrol): a node's state and
+    reason, and updates that may fail as slurmctld's do."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.state, self.reason, self.fail = "IDLE", "", False
+        monkeypatch.setattr(healthcheck, "node_state", lambda node: (self.state, self.reason))
+        monkeypatch.setattr(healthcheck, "_scontrol", self.update)
+
+    def update(self, *args: str) -> str:
+        if self.fail:
+            raise SlurmError("scontrol update failed: slurmctld timed out")
+        fields = dict(a.split("=", 1) for a in args[1:])
+        if fields.get("State") == "DRAIN":
+            self.state, self.reason = "IDLE+DRAIN", fields["Reason"]
+        elif fields.get("State") == "RESUME":
+            self.state, self.reason = "IDLE", ""
+        return ""
+
+
+def _run_once(slurm: _Slurm, judged, page: str) -> healthcheck.Verdict:
+    """One --drain run as main makes it: judged, Slurm told, kept."""
+    verdict = _judge(page, judged)
+    latest = [verdict]
+
+    def rejudge() -> healthcheck.Verdict:
+        latest.append(_judge(page, judged))
+        return latest[-1]
+
+    with contextlib.suppress(SlurmError):  # slurmctld's failure: the next run tries
+        healthcheck.apply_to_slurm("n", verdict, judged, rejudge)
+    judged.seen = verdict.xids
+    return latest[-1]
+
+
+def test_a_failed_drain_is_not_taken_for_a_resume(monkeypatch):
+    """Review: the XIDs a drain was for were recorded before scontrol ran; a drain that
+    failed (slurmctld busy) read at the next run as an operator's resume, the XID was
+    acknowledged, and the node was never drained for it."""
+    from clusterpulse.agent.healthstate import XidJudged
+
+    slurm, judged = _Slurm(monkeypatch), XidJudged()
+    page = _page({("GPU-0", "79"): 1})
+    slurm.fail = True
+    assert _run_once(slurm, judged, page).status == PROBLEM and judged.drained_for is None
+    slurm.fail = False
+    assert _run_once(slurm, judged, page).status == PROBLEM
+    assert slurm.state == "IDLE+DRAIN" and "XID 79 x1" in slurm.reason
+
+
+def test_xids_counted_while_drained_are_named_and_not_acknowledged_unseen(monkeypatch):
+    """Review: XIDs that came while the node was drained were added to what a resume
+    acknowledges, while the drain's reason still named the first only: the operator
+    resumed for XID 63 and XID 79 never drained the node. The reason now names them."""
+    from clusterpulse.agent.healthstate import XidJudged
+
+    slurm, judged = _Slurm(monkeypatch), XidJudged()
+    _run_once(slurm, judged, _page({("GPU-0", "63"): 1}))
+    assert slurm.reason == "clusterpulse: GPU 0 XID 63 x1"
+    _run_once(slurm, judged, _page({("GPU-0", "63"): 1}))  # nothing new: left alone
+    both = _page({("GPU-0", "63"): 1, ("GPU-1", "79"): 1})
+    _run_once(slurm, judged, both)
+    assert "XID 79 x1" in slurm.reason and "XID 63 x1" in slurm.reason
+    slurm.update("update", "NodeName=n", "State=RESUME")  # the operator saw both
+    assert _run_once(slurm, judged, both).status == healthcheck.OK
+    assert slurm.state == "IDLE"
+
+
+def test_after_the_agents_counts_began_again_the_node_can_be_cleared(monkeypatch):
+    """Review: acknowledged counts only grew; after the agent's XID counts were lost
+    and began again, a new XID 79 x1 under an acknowledged x5 drained the node, and
+    neither a resume nor --acknowledge cleared it (only deleting the state did)."""
+    from clusterpulse.agent.healthstate import XidJudged
+
+    slurm, judged = _Slurm(monkeypatch), XidJudged()
+    judged.acknowledge({"GPU-0": {"79": 5}})
+    again = _page({("GPU-0", "79"): 1})
+    assert _run_once(slurm, judged, again).status == PROBLEM
+    slurm.update("update", "NodeName=n", "State=RESUME")
+    assert _run_once(slurm, judged, again).status == healthcheck.OK
+    assert slurm.state == "IDLE"
+    fresh = XidJudged()
+    fresh.acknowledge({"GPU-0": {"79": 5}})
+    fresh.acknowledge({"GPU-0": {"79": 1}})  # --acknowledge of what is counted now
+    assert _judge(again, fresh).status == healthcheck.OK
+
+
+def test_two_checks_at_once_take_turns_with_the_state(tmp_path):
+    """Review: a check waiting on scontrol and an operator's --acknowledge each saved
+    the state they had read: the acknowledgement was lost. Each run holds the state's
+    lock until it (and its detached child) ends."""
+    import subprocess
+    import sys
+
+    from clusterpulse.agent.healthstate import hold_lock
+
+    state = tmp_path / "healthcheck.json"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from clusterpulse.agent.healthstate import hold_lock; "
+         f"assert hold_lock(Path({str(state)!r})); print('held', flush=True); "
+         "time.sleep(1.5)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert not hold_lock(state, wait_s=0.2)  # taken: not within 0.2 s
+        assert hold_lock(state, wait_s=10)  # free once the holder ended
+    finally:
+        holder.kill()
