@@ -52,6 +52,9 @@ class NodeResult:
     in_flight: dict | None = None
     # which token went to `agent` (token_id): following the command sends no other
     token_id: str = ""
+    # the request went out and no answer came back (a timeout, a connection reset, a
+    # page that is not the agent's): unlike a refusal, the agent may have taken it
+    unanswered: bool = False
 
 
 def token_id(token: str) -> str:
@@ -310,7 +313,8 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
 
     An agent with a restart of the run in flight refuses another (HTTP 409, its result's
     `in_flight`); when every node refused so, the request is audited as "refused": no
-    action was taken."""
+    action was taken. When none took it and a node gave no answer (`unanswered`), it is
+    audited as "unconfirmed": that node may have taken it."""
     if action not in ACTIONS:
         raise ActionError(f"action must be one of {', '.join(ACTIONS)}")
     if not reason.strip():
@@ -366,11 +370,14 @@ def request_action(prom: PrometheusClient, run: str, action: str, reason: str, w
                                       running if isinstance(running, dict) else None,
                                       token_id(node_token)))
         except (requests.RequestException, ValueError, AttributeError) as err:
-            results.append(NodeResult(node, url, False, error=no_answer(err)))
+            results.append(NodeResult(node, url, False, error=no_answer(err),
+                                      unanswered=True))
     results.sort(key=lambda r: r.node)
     accepted = sum(r.ok for r in results)
+    # "failed" said no agent took it when one that never answered may have
     outcome = "accepted" if accepted == len(results) else (
-        "partial" if accepted else "refused" if all_in_flight(results) else "failed")
+        "partial" if accepted else "refused" if all_in_flight(results)
+        else "unconfirmed" if any(r.unanswered for r in results) else "failed")
     audit.write(who, audited_as or action, reason, outcome, run=run, source=source,
                 nodes={r.node: (r.command or r.error) for r in results},
                 **({"leave_s": leave_s} if leave_s else {}), **({"alert": alert} if alert else {}))
@@ -420,10 +427,14 @@ def command_states(results: list[NodeResult], token: str | None) -> list[NodeRes
 
     The token file is read again while a request is followed (the Run page, every 2 s);
     each agent is sent only the token its request went with: one changed since (per-node
-    tokens after a suspected leak) was never checked against that agent (`run_agents`)."""
+    tokens after a suspected leak) was never checked against that agent (`run_agents`).
+
+    A command seen in a final state (ENDED) keeps it and its agent is not asked again:
+    the agent restarted since, or its book of finished commands rolled over, answers
+    404, and a completed restart turned "lost" ("Some nodes failed" on the Run page)."""
     out = []
     for r in results:
-        if not r.ok or not r.command:
+        if not r.ok or not r.command or r.state in ENDED:
             out.append(r)
             continue
         node_token = token_for(token, r.node)
@@ -449,9 +460,13 @@ def _followed(r: NodeResult, status: int, body: dict) -> NodeResult:
     Every answer was read as a state: the 404 of an agent restarted mid-restart (it no
     longer knows the command) became state "?", its message was dropped, and the Run
     page and `clusterpulse-ctl --wait` waited for an end no answer would bring. A 404
-    ends the command as LOST, with the agent's words; another refusal (a token rotated,
-    the agent busy) keeps the last known state, with why it is not newer."""
+    ends a command not yet seen final as LOST, with the agent's words (one seen final
+    keeps that state: its agent forgetting it later changes nothing); another refusal
+    (a token rotated, the agent busy) keeps the last known state, with why it is not
+    newer."""
     said = body.get("error") or body.get("detail") or f"HTTP {status}"
+    if r.state in ENDED:
+        return r
     if status == 404:
         return NodeResult(r.node, r.agent, True, r.command, LOST,
                           f"the agent no longer knows this command (restarted since?): "

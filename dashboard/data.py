@@ -178,9 +178,15 @@ def cluster_gpu_data(prom: PrometheusClient, metric: str) -> tuple[dict[str, int
 _RANK = "on (run, rank, node, local_rank) group_left ()"
 JOBS = (f'label_replace(max by (run) ({live("clusterpulse_trainer_step")}), "part", "step", '
         '"", "") or '
-        # a run whose ranks have all exited (finished, or its processes ended): its last
-        # step, shown as exited and not counted as running
+        # a run with no live rank: its last step; exited (not running) only if its ranks
+        # left cleanly, not while one's process is gone without its exit event (`gone`)
         'label_replace(max by (run) (clusterpulse_trainer_step), "part", "last", "", "") or '
+        # ranks whose process is gone without leaving (phase not exited): a hard restart
+        # (SIGKILL) or a torchrun relaunch, until the new processes register. They read
+        # as exited, and the run as not running, for those seconds
+        'label_replace(max by (run) ((clusterpulse_trainer_process_alive == 0) unless on '
+        '(run, rank, node) clusterpulse_trainer_phase{phase="exited"}), "part", "gone", "", '
+        '"") or '
         'label_replace('
         'max by (run) (clusterpulse_trainer_phase{phase="restarting"} or '
         f'clusterpulse_trainer_phase{{phase="start"}} * {_RANK} '
@@ -192,12 +198,16 @@ JOBS = (f'label_replace(max by (run) ({live("clusterpulse_trainer_step")}), "par
 
 
 EXITED = "exited"
+# a run with no live rank, one of whose processes is gone without leaving cleanly
+GONE = "restarting (process gone)"
 
 
 def jobs(samples: list) -> pd.DataFrame:
     """run, step, state: one row per run that reports a step; during a restart its step
     is blank and its state says which checkpoint it restarts from; a run whose ranks
-    have all exited shows its last step, state EXITED (`running` leaves it out)."""
+    have all left cleanly (phase exited) shows its last step, state EXITED (`running`
+    leaves it out). One with a rank whose process is gone without that (a hard restart,
+    a torchrun relaunch, before the new processes register) is GONE: still running."""
     parts: dict[str, dict[str, float]] = {}
     for x in samples:
         if x.labels.get("part") != "placement":
@@ -211,14 +221,17 @@ def jobs(samples: list) -> pd.DataFrame:
                          else f"restarting from checkpoint {ckpt:.0f}"})
         else:
             rows.append({"run": run, "step": steps[run], "state": "training"})
+    gone = parts.get("gone", {})
     for run in sorted(set(parts.get("last", {})) - set(steps) - set(restarting)):
-        rows.append({"run": run, "step": parts["last"][run], "state": EXITED})
+        rows.append({"run": run, "step": None if run in gone else parts["last"][run],
+                     "state": GONE if run in gone else EXITED})
     return pd.DataFrame(rows, columns=["run", "step", "state"])
 
 
 def running(runs: pd.DataFrame) -> int:
     """The Cluster page's "Running jobs": the Jobs table's runs less the exited ones (a
-    cleanly finished job counted for the agent's 5-minute grace)."""
+    cleanly finished job counted for the agent's 5-minute grace); a run restarting with
+    its processes gone (GONE) is running."""
     return int((runs["state"] != EXITED).sum()) if not runs.empty else 0
 
 

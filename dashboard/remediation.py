@@ -101,8 +101,8 @@ from clusterpulse.dashboard import config
 from clusterpulse.dashboard.actions import (
     ACTIONS,
     ActionError,
+    NodeResult,
     OwnersUnknown,
-    all_in_flight,
     recent_rank_info,
     request_action,
 )
@@ -118,6 +118,9 @@ class PolicyError(ValueError):
 
 LABEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 EVICT_NODE = "evict-node"  # a graceful restart the alert's node sits out (see above)
+# A policy action every node refused outright frees the run's slot and asks Alertmanager
+# to resend at most this many times per run and window_s; then the slot is held.
+MAX_REFUSED_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -268,6 +271,9 @@ class Remediator:
     # (bounded: entries go when the alert resolves or is acted on)
     _first_seen: dict[tuple, tuple[float, float | None]] = field(default_factory=dict)
     _refusals: list[float] = field(default_factory=list)
+    # run -> when the policy's action on it was refused by every node (monotonic):
+    # each freed the slot and asked for a resend, at most MAX_REFUSED_ATTEMPTS a window
+    _refused: dict[str, list[float]] = field(default_factory=dict)
     _said_no_alerts_api: bool = False
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -620,27 +626,29 @@ class Remediator:
                 results = request_action(self.prom, run, rule.action, why, "policy",
                                          self.token, self.audit, source="remediation",
                                          alert=labels, one_owner=True)
-            if all_in_flight(results):  # someone's restart is under way: not taken twice
-                # nothing was done: the run's slot is free again (with the default one
-                # action per 15 min, an operator's restart in flight cost the policy its
-                # only slot, and a hang after that restart waited out the window)
+            if not any(r.ok for r in results) and any(r.in_flight is not None for r in results):
+                # someone's restart is under way (on one node is enough: a node that
+                # refused or did not answer beside it made this a "failure" that freed
+                # the resend entry, and the resend after that restart ended restarted
+                # the run again): not taken twice. Nothing was done: the run's slot is
+                # free again (with the default one action per 15 min, an operator's
+                # restart in flight cost the policy its only slot, and a hang after
+                # that restart waited out the window); the resend entry stays
                 with self._lock, contextlib.suppress(ValueError):
                     self._acted.get(run, []).remove(now)
                 return {**base, "outcome": "in_flight",
                         "detail": "; ".join(f"{r.node}: {r.error}" for r in results),
                         "nodes": {r.node: r.error for r in results}}
             nodes = {r.node: r.command or r.error for r in results}
-            if not any(r.ok for r in results):  # audited "failed" by request_action
-                # nothing was done: the slot and the resend entry are free again (the
-                # run's one action per window went to a restart no agent took, and the
-                # hang after it waited out the window), and the notification comes again
-                # (503); not the ticker, which would ask agents that refuse every 5 s
-                self._release(rule, run, alert, now, tick=False)
-                return {**base, "outcome": "failed", "retry": True, "nodes": nodes,
-                        "detail": "no agent took the action: "
-                        + "; ".join(f"{r.node}: {r.error}" for r in results)}
+            if not any(r.ok or r.unanswered for r in results):  # audited "failed"
+                return self._refused_by_all(rule, run, alert, now, results, base, nodes)
+            # a node that did not answer may have taken it (audited "unconfirmed"):
+            # the slot stays the run's, and no resend asks again
             return {**base, "outcome": "acted" if all(r.ok for r in results) else "partial",
-                    "nodes": nodes}
+                    "nodes": nodes,
+                    **({"detail": "no answer from " + ", ".join(
+                        r.node for r in results if r.unanswered) + ": it may have been "
+                        "taken there"} if any(r.unanswered for r in results) else {})}
         except OwnersUnknown as err:  # nothing was asked of any agent: try again
             self._release(rule, run, alert, now)
             return {**self._failed(rule, alert, run, str(err)), "retry": True}
@@ -650,6 +658,32 @@ class Remediator:
             self._release(rule, run, alert, now)
             return {**self._failed(rule, alert, run, f"Prometheus: {err}"),
                     "retry": err.transient}
+
+    def _refused_by_all(self, rule: Rule, run: str, alert: dict, claimed: float,
+                        results: list[NodeResult], base: dict, nodes: dict) -> dict:
+        """Every node refused the policy's action outright: nothing was done.
+
+        The slot and the resend entry are freed and the notification asked for again
+        (503): the run's one action per window went to a restart no agent took, and the
+        hang after it waited out the window (not the ticker, which would ask agents
+        that refuse every 5 s). A refusal that never clears (no ranks of the run known
+        on the node, a rank no process vouches for) made that a resend every
+        notification for as long as the alert fired: after MAX_REFUSED_ATTEMPTS in
+        the window the slot is held and no resend is asked for."""
+        why = "no agent took the action: " + "; ".join(f"{r.node}: {r.error}"
+                                                       for r in results)
+        with self._lock:  # runs refused no more within the window are forgotten
+            self._refused = {r: kept for r, ts in self._refused.items()
+                             if (kept := [t for t in ts if claimed - t < self.policy.window_s])}
+            spent = [*self._refused.get(run, []), claimed]
+            self._refused[run] = spent
+        if len(spent) > MAX_REFUSED_ATTEMPTS:
+            return {**base, "outcome": "failed", "nodes": nodes,
+                    "detail": f"{why}; {MAX_REFUSED_ATTEMPTS} attempts in "
+                              f"{self.policy.window_s:.0f} s refused: attempts spent, the "
+                              "run's slot is held and no resend is asked for"}
+        self._release(rule, run, alert, claimed, tick=False)
+        return {**base, "outcome": "failed", "retry": True, "nodes": nodes, "detail": why}
 
     def _release(self, rule: Rule, run: str, alert: dict, claimed: float,
                  tick: bool = True) -> None:

@@ -373,6 +373,11 @@ def operator(box: DeltaGenerator | None = None) -> str | None:
         box.warning(why)
     if who:
         box.caption(f"Operator: **{who}**")
+        broken = operators().broken
+        if broken:  # the session is kept as it was (signed_in_operator)
+            box.warning(f"The operators file cannot be read: {broken}. Sessions are kept "
+                        "as they were until an administrator fixes it.",
+                        icon=":material/no_accounts:")
         if box.button("Sign out"):
             sign_out()
             st.rerun()
@@ -413,14 +418,21 @@ def signed_in_operator() -> str | None:
     an operator removed from the operators file (or whose password was changed) kept
     acting until then. One who is no longer there, whose entry changed, or whose
     session expired is signed out here, the reason kept for the sign-in box
-    (session_state "signed_out")."""
+    (session_state "signed_out"). Only a file read whole says an entry is gone or
+    changed: one that cannot be read or parsed (`broken`: a typo, or a page run
+    reading it mid-rewrite) has no entries, and signed every session out as "removed
+    by an administrator" (and out it stayed once fixed); sessions are kept as they are
+    while it is broken, and the sign-in box says so (`operator`)."""
     ss = st.session_state
     who = ss.get("operator")
     if not who:
         return None
-    stored = operators().hashes.get(who)
+    ops = operators()
+    stored = ops.hashes.get(who)
     if auth.session_expired(ss.get("operator_since")):
         why = "Your operator session expired; sign in again."
+    elif ops.broken:
+        return who
     elif stored is None:
         why = (f"Signed out: {who} is no longer an operator (removed from the operators "
                "by an administrator).")

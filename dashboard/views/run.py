@@ -277,7 +277,9 @@ if last and last["run"] == run:
         except config.SettingsError as err:  # the file went away since the request
             st.warning(f"Cannot follow the request: {err}")
             return
-        results = actions.command_states(last["results"], token)
+        # each refresh starts from the last one's states: a node's command seen final
+        # stays so (a later 404 of its agent made a completed restart "lost")
+        results = last["results"] = actions.command_states(last["results"], token)
         done = actions.ended(results)
         if last.get("refused"):  # refreshed with the restart it follows
             kind, text = actions.refusal_status(last["refused"], last["asked_at"], results)

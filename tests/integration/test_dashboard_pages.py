@@ -591,6 +591,63 @@ def test_a_request_clears_the_form_and_its_progress_names_the_step_resumed_from(
     assert not at.exception, at.exception
 
 
+def test_a_restart_seen_completed_stays_completed_when_its_agent_forgets_it(
+        prom_with_data, monkeypatch, tmp_path):
+    """Found in review: the Run page refreshed the restart's progress every 2 s from the
+    request's first answers; once node-a's agent forgot the completed command (restarted
+    since, or its book of finished commands rolled over: 404), it turned "lost" and the
+    page said "Some nodes failed". Each refresh starts from the last one's states, and a
+    command seen final is not asked about again."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from clusterpulse.dashboard import actions
+
+    answers = [(200, {"state": "completed", "detail": "all ranks resumed"}),
+               (404, {"error": "no command 'node-a-1765100000-1'"})]
+    asked: list[str] = []
+
+    class Agent(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, body = answers[min(len(asked), 1)]
+            asked.append(self.path)
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Agent)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    prom, _ = prom_with_data
+    token = "agent-token-0123456789abcdef"
+    (tmp_path / "agent-token").write_text(token + "\n")
+    monkeypatch.setenv("CLUSTERPULSE_AGENT_TOKEN_FILE", str(tmp_path / "agent-token"))
+    try:
+        at = app(monkeypatch, prom.url, tmp_path)
+        at.session_state["last_action"] = {
+            "run": "llm", "at": 0.0, "action": "restart", "reason": "hung",
+            "results": [actions.NodeResult(
+                "node-a", f"http://127.0.0.1:{server.server_port}", True,
+                "node-a-1765100000-1", "pending",
+                token_id=actions.token_id(actions.token_for(token, "node-a")))]}
+        at.switch_page("views/run.py").run()
+        assert not at.exception, at.exception
+        assert any(x.value == "All ranks resumed." for x in at.success), at.success
+        at.run()  # the next refresh: the agent answers 404 now
+        assert not at.exception, at.exception
+        assert any(x.value == "All ranks resumed." for x in at.success), at.success
+        assert not any("Some nodes failed" in e.value for e in at.error), at.error
+        assert asked == ["/v1/commands/node-a-1765100000-1"]  # and not asked again
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_gpu_whose_readings_fail_is_named_on_the_node_page(monkeypatch, tmp_path):
     """GpuReadingsFailing's GPU is up, so the Node page showed it healthy, its
     temperature chart without it, and nothing said why (the alert, after 5 minutes, was
@@ -702,6 +759,31 @@ def test_a_finished_run_is_not_a_running_job(prom_with_data, monkeypatch, tmp_pa
     running = sum(state != "exited" for state in states.values())
     assert kpis(at)["Running jobs"] == str(running)
     assert jobs.set_index("run").loc["zdone", "step"] == 500
+
+
+def test_a_run_whose_processes_were_killed_is_restarting_not_exited(prom_with_data,
+                                                                      monkeypatch, tmp_path):
+    """Found in review: after a hard restart (its ranks SIGKILLed) or a torchrun
+    relaunch, the old ranks' process_alive is 0 with no exit event (phase not exited),
+    and until the new processes registered the Jobs table said "exited" and "Running
+    jobs" left the run out. A run is exited only when its ranks left cleanly (the
+    finished run above stays exited); one whose process is gone is restarting."""
+    prom, report = prom_with_data
+    RankProcess(report.sockets[1], [  # SIGKILLed: no exit event
+        {"type": "step", "run": "zkilled", "rank": 0, "local_rank": 0, "gpu": 1,
+         "step": 300}]).stop()
+    wait_until(lambda: prom.query('clusterpulse_trainer_process_alive{run="zkilled"} == 0')
+               and prom.query('clusterpulse_trainer_step{run="zkilled"}'), 30,
+               "the killed rank's last series scraped")
+    report()
+    st.cache_data.clear()
+    at = app(monkeypatch, prom.url, tmp_path)
+    assert not at.exception, at.exception
+    jobs = next(d.value for d in at.dataframe if "state" in d.value.columns)
+    states = dict(zip(jobs["run"], jobs["state"], strict=True))
+    assert states["zkilled"] == "restarting (process gone)", states
+    assert states.get("zdone", "exited") == "exited", states
+    assert kpis(at)["Running jobs"] == str(sum(s != "exited" for s in states.values()))
 
 
 def test_alertmanager_down_leaves_the_alert_history_drawn(prom_with_data, monkeypatch,

@@ -66,3 +66,35 @@ def test_ctl_wait_stops_on_a_lost_command_with_a_line_that_says_so(
     assert line.startswith("clusterpulse-ctl: node-a: command node-a-") \
         and "no longer knows this command" in line, err
     assert "timed out" not in err and "node-a=lost" in out, (out, err)
+
+
+def test_a_command_seen_final_keeps_its_state_when_its_agent_forgets_it(monkeypatch):
+    """Found in review: a restart whose node had completed became "lost" when its agent
+    answered 404 later (restarted since, or its book of 256 finished commands rolled
+    over), and the Run page, refreshing every 2 s, said "Some nodes failed". A command
+    seen final keeps its state and its agent is not asked again; 404 is "lost" only for
+    a command not yet seen final."""
+    sent = actions.NodeResult("node-a", "http://127.0.0.1:28001", True,
+                              "node-a-1765100000-1", "pending",
+                              token_id=actions.token_id(actions.token_for(TOKEN, "node-a")))
+
+    class Answer:
+        def __init__(self, status: int, body: dict) -> None:
+            self.status_code, self.body = status, body
+
+        def json(self) -> dict:
+            return self.body
+
+    answers = [Answer(200, {"state": "completed", "detail": "all ranks resumed"}),
+               Answer(404, {"error": f"no command {sent.command!r}"})]
+    asked: list[str] = []
+    monkeypatch.setattr(actions.requests, "get", lambda url, **_kw: asked.append(url)
+                        or answers.pop(0))
+    (now,) = actions.command_states([sent], TOKEN)
+    assert (now.state, now.error) == ("completed", "all ranks resumed"), now
+    (later,) = actions.command_states([now], TOKEN)  # the next refresh, from the last
+    assert later == now and len(asked) == 1, (later, asked)
+    # the same 404 for a command not yet seen final: lost
+    lost = actions._followed(sent, 404, {"error": "no command"})
+    assert lost.state == "lost" and "no longer knows" in lost.error, lost
+    assert actions._followed(now, 404, {"error": "no command"}) == now

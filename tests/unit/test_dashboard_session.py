@@ -75,3 +75,26 @@ def test_an_unchanged_file_keeps_the_session_and_is_not_read_again(signed_in, mo
     at.run()
     at.run()
     assert who(at) == ["WHO=alice"] and not reads
+
+
+def test_an_operators_file_that_cannot_be_parsed_keeps_the_sessions(signed_in):
+    """Found in review: one syntax error in the operators file (an entry being added,
+    or a page run reading it mid-rewrite) read as no operators, so every session was
+    signed out as "removed by an administrator", and stayed out once it was fixed. Only
+    a file read whole says an entry is gone; a broken one keeps the sessions as they
+    are, and the page says the file cannot be read."""
+    ops, at = signed_in
+    alice = ops.read_text()
+    rewrite(ops, alice + 'bob = "oops\n')  # a missing closing quote
+    at.run()
+    assert who(at) == ["WHO=alice"], who(at)
+    assert not any("no longer an operator" in w.value for w in at.warning), at.warning
+    assert any(w.value.startswith("The operators file cannot be read: ")
+               and "Sessions are kept" in w.value for w in at.warning), at.warning
+    rewrite(ops, alice)  # fixed
+    at.run()
+    assert who(at) == ["WHO=alice"] and not at.warning, at.warning
+    rewrite(ops, "")  # read whole, alice is gone: signed out
+    at.run()
+    assert who(at) == ["WHO=None"]
+    assert any("no longer an operator" in w.value for w in at.warning), at.warning

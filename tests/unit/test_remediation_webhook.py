@@ -628,3 +628,89 @@ def test_a_wall_clock_step_skips_neither_sustained_s_nor_the_rate_limit_window(
     kept = [json.loads(x)["received"] for x in (tmp_path / "history.jsonl").read_text()
             .splitlines()]
     assert kept == [wall[0] - 3600 * 2, wall[0]]  # what is kept is stamped on the wall clock
+
+
+def test_a_restart_in_flight_on_one_node_is_not_asked_for_again_whatever_the_others_said(
+        tmp_path, monkeypatch):
+    """Found in review: node-a refused (its restart of the run in flight) and node-b's
+    answer timed out. Only "every node in flight" was the in-flight case, so this was a
+    failure: the slot and the resend entry freed, 503, and every resend asked again; the
+    resend after node-a's restart ended restarted the run a second time. One node in
+    flight (none taking it) is the in-flight case: 200, and the resends are decided."""
+    from clusterpulse.dashboard.actions import NodeResult
+
+    asked: list[str] = []
+    monkeypatch.setattr(remediation, "request_action", lambda *a, **_kw: asked.append(a[1])
+                        or [NodeResult("node-a", "http://a", False, error="a restart is in "
+                                       "flight", in_flight={"id": "node-a-1-1"}),
+                            NodeResult("node-b", "http://b", False,
+                                       error="unreachable: ReadTimeout")])
+    monkeypatch.setattr(Remediator, "_unconfirmed", lambda *_a, **_kw: None)
+    rem = Remediator(Policy([Rule("RankHung", "restart")]),
+                     PrometheusClient("http://127.0.0.1:9"), "agent-token-0123456789",
+                     AuditLog(None))
+    hung = {"alerts": [alert(startsAt="2026-12-07T10:00:00Z")]}
+    (d,) = rem.handle(hung)  # no RetryLater: answered 200
+    assert (d["outcome"], d["nodes"]["node-b"]) == ("in_flight", "unreachable: ReadTimeout")
+    assert rem._acted["demo"] == []  # nothing was done: the slot is free
+    # node-a's restart has ended; Alertmanager's resends are not a second restart
+    monkeypatch.setattr(remediation, "request_action", lambda *a, **_kw: asked.append(a[1])
+                        or [NodeResult("node-a", "http://a", True, "node-a-2-2", "pending")])
+    assert [rem.handle(hung)[0]["outcome"] for _ in range(3)] == ["decided"] * 3
+    assert asked == ["demo"]
+
+
+def test_a_node_that_did_not_answer_keeps_the_runs_slot_and_asks_for_no_resend(
+        tmp_path, monkeypatch):
+    """Found in review: a policy restart whose only agent did not answer (a timeout, a
+    connection reset: the POST may have been taken) was a failure "no agent took": the
+    slot freed and 503, so a resend restarted again what may be restarting. It holds
+    the slot (partial, 200), and the audit says "unconfirmed", not "failed"."""
+    from clusterpulse.dashboard import actions
+    from tests.conftest import TOKEN
+
+    monkeypatch.setattr(actions, "run_agents", lambda _prom, _run, _token, lookback="":
+                        actions.RunAgents({"node-a": "http://127.0.0.1:28997"}, {}))
+    monkeypatch.setattr(actions, "rank_owners", lambda *_a: {1000: {"node-a"}})
+    monkeypatch.setattr(Remediator, "_unconfirmed", lambda *_a: None)
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    rem = Remediator(Policy([Rule("RankHung", "restart")]),
+                     PrometheusClient("http://127.0.0.1:9"), TOKEN, audit)
+    (d,) = rem.handle({"alerts": [alert(startsAt="2026-12-07T10:00:00Z")]})
+    assert d["outcome"] == "partial" and "retry" not in d, d
+    assert d["detail"] == "no answer from node-a: it may have been taken there", d
+    (d,) = rem.handle({"alerts": [alert(startsAt="2026-12-07T10:03:00Z")]})
+    assert d["outcome"] == "rate_limited", d
+    assert [r["outcome"] for r in audit.read() if r["who"] == "policy"] == [
+        "unconfirmed", "rate_limited"]
+
+
+def test_a_refusal_that_never_clears_asks_for_a_resend_three_times_a_window(
+        sim_agent, tmp_path, monkeypatch):
+    """Found in review: a refusal by every node freed the slot and answered 503 every
+    time, and one that never clears (no ranks of the run known on the node) made every
+    notification a resend for as long as the alert fired. After 3 such attempts in
+    window_s the slot is held: failed, no resend, and the decision says why."""
+    from clusterpulse.dashboard import actions
+    from tests.conftest import TOKEN
+
+    monkeypatch.setattr(actions, "run_agents", lambda _prom, _run, _token, lookback="":
+                        actions.RunAgents({"node-a": sim_agent.url}, {}))
+    monkeypatch.setattr(Remediator, "_unconfirmed", lambda *_a: None)
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    rem = Remediator(Policy([Rule("RankHung", "restart")]),
+                     PrometheusClient("http://127.0.0.1:9"), TOKEN, audit)
+    hung = {"alerts": [alert(startsAt="2026-12-07T10:00:00Z")]}
+    for _ in range(3):
+        with pytest.raises(RetryLater):
+            rem.handle(hung)
+    (d,) = rem.handle(hung)  # the fourth: answered 200
+    assert d["outcome"] == "failed" and "retry" not in d, d
+    assert d["detail"].startswith("no agent took the action: node-a: no ranks of run "), d
+    assert d["detail"].endswith("3 attempts in 900 s refused: attempts spent, the run's "
+                                "slot is held and no resend is asked for"), d
+    assert rem.handle(hung)[0]["outcome"] == "decided"  # its resend
+    (d,) = rem.handle({"alerts": [alert(startsAt="2026-12-07T10:05:00Z")]})
+    assert d["outcome"] == "rate_limited", d
+    assert [r["outcome"] for r in audit.read() if r["who"] == "policy"] == [
+        "failed"] * 4 + ["rate_limited"]
