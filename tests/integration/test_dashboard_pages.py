@@ -598,41 +598,27 @@ def test_a_restart_seen_completed_stays_completed_when_its_agent_forgets_it(
     since, or its book of finished commands rolled over: 404), it turned "lost" and the
     page said "Some nodes failed". Each refresh starts from the last one's states, and a
     command seen final is not asked about again."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from clusterpulse.dashboard import actions
 
     answers = [(200, {"state": "completed", "detail": "all ranks resumed"}),
                (404, {"error": "no command 'node-a-1765100000-1'"})]
     asked: list[str] = []
 
-    class Agent(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            status, body = answers[min(len(asked), 1)]
-            asked.append(self.path)
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def agent(path: str) -> tuple[int, str]:
+        status, body = answers[min(len(asked), 1)]
+        asked.append(path)
+        return status, json.dumps(body)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Agent)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     prom, _ = prom_with_data
     token = "agent-token-0123456789abcdef"
     (tmp_path / "agent-token").write_text(token + "\n")
     monkeypatch.setenv("CLUSTERPULSE_AGENT_TOKEN_FILE", str(tmp_path / "agent-token"))
-    try:
+    with answering(agent) as agent_url:
         at = app(monkeypatch, prom.url, tmp_path)
         at.session_state["last_action"] = {
             "run": "llm", "at": 0.0, "action": "restart", "reason": "hung",
             "results": [actions.NodeResult(
-                "node-a", f"http://127.0.0.1:{server.server_port}", True,
+                "node-a", agent_url, True,
                 "node-a-1765100000-1", "pending",
                 token_id=actions.token_id(actions.token_for(token, "node-a")))]}
         at.switch_page("views/run.py").run()
@@ -643,9 +629,6 @@ def test_a_restart_seen_completed_stays_completed_when_its_agent_forgets_it(
         assert any(x.value == "All ranks resumed." for x in at.success), at.success
         assert not any("Some nodes failed" in e.value for e in at.error), at.error
         assert asked == ["/v1/commands/node-a-1765100000-1"]  # and not asked again
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_gpu_whose_readings_fail_is_named_on_the_node_page(monkeypatch, tmp_path):
@@ -738,6 +721,16 @@ def test_a_relaunched_rank_shows_its_live_process_not_the_exited_one(prom_with_d
     new.close()
 
 
+def _jobs_table(report, prom, monkeypatch, tmp_path):
+    """The Cluster page drawn now: (the app, its Jobs table, run -> state)."""
+    report()
+    st.cache_data.clear()
+    at = app(monkeypatch, prom.url, tmp_path)
+    assert not at.exception, at.exception
+    jobs = next(d.value for d in at.dataframe if "state" in d.value.columns)
+    return at, jobs, dict(zip(jobs["run"], jobs["state"], strict=True))
+
+
 def test_a_finished_run_is_not_a_running_job(prom_with_data, monkeypatch, tmp_path):
     """A run that finished cleanly (its exit event, then its process ended) read
     "training" and counted in "Running jobs" for the agent's 5-minute grace."""
@@ -749,12 +742,7 @@ def test_a_finished_run_is_not_a_running_job(prom_with_data, monkeypatch, tmp_pa
     wait_until(lambda: prom.query('clusterpulse_trainer_phase{run="zdone",phase="exited"}')
                and prom.query('clusterpulse_trainer_step{run="zdone"}'), 30,
                "the finished run's last series scraped")
-    report()
-    st.cache_data.clear()
-    at = app(monkeypatch, prom.url, tmp_path)
-    assert not at.exception, at.exception
-    jobs = next(d.value for d in at.dataframe if "state" in d.value.columns)
-    states = dict(zip(jobs["run"], jobs["state"], strict=True))
+    at, jobs, states = _jobs_table(report, prom, monkeypatch, tmp_path)
     assert states["zdone"] == "exited" and states["llm"] == "training", states
     running = sum(state != "exited" for state in states.values())
     assert kpis(at)["Running jobs"] == str(running)
@@ -775,12 +763,7 @@ def test_a_run_whose_processes_were_killed_is_restarting_not_exited(prom_with_da
     wait_until(lambda: prom.query('clusterpulse_trainer_process_alive{run="zkilled"} == 0')
                and prom.query('clusterpulse_trainer_step{run="zkilled"}'), 30,
                "the killed rank's last series scraped")
-    report()
-    st.cache_data.clear()
-    at = app(monkeypatch, prom.url, tmp_path)
-    assert not at.exception, at.exception
-    jobs = next(d.value for d in at.dataframe if "state" in d.value.columns)
-    states = dict(zip(jobs["run"], jobs["state"], strict=True))
+    at, _, states = _jobs_table(report, prom, monkeypatch, tmp_path)
     assert states["zkilled"] == "restarting (process gone)", states
     assert states.get("zdone", "exited") == "exited", states
     assert kpis(at)["Running jobs"] == str(sum(s != "exited" for s in states.values()))

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 @contextlib.contextmanager
-def answering(body: str, content_type: str = "application/json") -> Iterator[str]:
-    """Yields the service's base URL (loopback, a port of the kernel's choosing)."""
+def answering(body: str | Callable[[str], tuple[int, str]],
+              content_type: str = "application/json") -> Iterator[str]:
+    """Yields the service's base URL (loopback, a port of the kernel's choosing).
+    `body`: the answer to every GET, or a function of the path giving (status, body)."""
     class Answer(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            data = body.encode()
-            self.send_response(200)
+            status, text = body(self.path) if callable(body) else (200, body)
+            data = text.encode()
+            self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()

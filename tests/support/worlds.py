@@ -92,10 +92,11 @@ def run_ranks(script: str, world: int, scratch: Path, *args: str,
     a file store for init_process_group in `scratch`, then `args`; the ranks start
     together (a process start costs seconds). Asserts that every rank exited 0.
 
-    A script that destroys its process group calls hold_process_groups_until_exit()
-    first, as Pulse.close does: on torch 2.6 gloo's destructor, run with the GIL held,
-    waits for a worker thread that needs the GIL to free the last collective's tensors
-    (the baselines test hung in every run there after an all_gather)."""
+    A script ends with os._exit(0) once its results are written, its process group
+    not torn down: on torch 2.6 gloo's destructor, run with the GIL held, waits for a
+    worker thread that needs the GIL to free the last collective's tensors; the scorer
+    scripts' last all_gather is milliseconds before their end, and they hung there,
+    destroyed at once or held until the interpreter's exit (a fresh machine's run)."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO)}
     ranks = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world),
