@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.acknowledge and a.state == "none":
         p.error("--acknowledge needs a --state file to keep it in")
     state = None if a.state == "none" else Path(a.state)
-    lock = hold_lock(state) if state is not None else None
+    # slurmd waits for the program (--detach: the drain's child keeps the lock, and a
+    # check that waited its full minute behind a stuck one stalled slurmd that long)
+    lock = hold_lock(state, 5.0 if a.detach else 60.0) if state is not None else None
     try:
         return _run(a, state, lock)
     finally:
