@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_SEED = 2**32 - 1
+
+
 def parse_config(argv: list[str] | None = None, launcher_env: bool = True) -> TrainConfig:
     """The trainer's configuration from its flags; ConfigError naming a bad one. With
     `launcher_env`, also the launcher's variables this process runs under (a rank's:
@@ -158,6 +161,9 @@ def parse_config(argv: list[str] | None = None, launcher_env: bool = True) -> Tr
                           f"{a.ckpt_lock_wait}")
     if not math.isfinite(a.lr):
         raise ConfigError(f"--lr must be a number, got {a.lr}")
+    if not 0 <= a.seed <= MAX_SEED:  # each step's batch is drawn from seed x 1,000,003 +
+        # step, a 64-bit seed: a nanosecond timestamp overflowed it on every rank
+        raise ConfigError(f"--seed must be 0..{MAX_SEED}, got {a.seed}")
     if a.ckpt_dir.exists() and not a.ckpt_dir.is_dir():
         raise ConfigError(f"--ckpt-dir {a.ckpt_dir} exists and is not a directory")
     for name in LAUNCHER_INTS if launcher_env else ():  # torchrun's; by hand a typo crashed

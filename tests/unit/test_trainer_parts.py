@@ -1466,6 +1466,8 @@ def test_a_master_port_the_trainer_does_not_read_is_not_checked(monkeypatch, val
     (["--collective-timeout", "nan"], {}, "--collective-timeout must be a number"),
     (["--collective-timeout", "0"], {}, "--collective-timeout must be a number"),
     (["--lr", "nan"], {}, "--lr must be a number"),
+    (["--seed", "20000000000000"], {}, "--seed must be 0..4294967295"),
+    (["--seed", "-1"], {}, "--seed must be 0..4294967295"),
     (["--ckpt-dir", "{file}"], {}, "exists and is not a directory"),
     ([], {"RANK": "zero"}, "$RANK must be a whole number"),
     ([], {"LOCAL_WORLD_SIZE": "-1"}, "$LOCAL_WORLD_SIZE must be a whole number"),
@@ -1473,7 +1475,7 @@ def test_a_master_port_the_trainer_does_not_read_is_not_checked(monkeypatch, val
 def test_a_bad_setting_is_named_before_the_trainer_starts(tmp_path, monkeypatch, argv, env,
                                                           why):
     """Found by a review: each of these ended in a traceback (NaN in timedelta, mkdir
-    on a file, int('zero'))."""
+    on a file, int('zero'), a seed past 64 bits once multiplied)."""
     (tmp_path / "file").write_text("x")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
