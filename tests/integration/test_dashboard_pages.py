@@ -556,15 +556,7 @@ def test_a_request_clears_the_form_and_its_progress_names_the_step_resumed_from(
     import json
     import time
 
-    prom, _ = prom_with_data
-    token = tmp_path / "agent-token"
-    token.write_text("not-the-agents-token\n")
-    monkeypatch.setenv("CLUSTERPULSE_AGENT_TOKEN_FILE", str(token))
-    at = sign_in(monkeypatch, prom.url, tmp_path)
-    at.switch_page("views/run.py").run()
-    assert not at.exception, at.exception
-    at.text_input(key="reason").input("rank 3 is slow")
-    at.checkbox(key="confirm").check()
+    at = _restart_form(prom_with_data, monkeypatch, tmp_path)
     at.button(key="FormSubmitter:action-Request").click().run()
     assert not at.exception, at.exception
 
@@ -589,6 +581,21 @@ def test_a_request_clears_the_form_and_its_progress_names_the_step_resumed_from(
         return any("Resumed from step 40 (2 steps recomputed)" in x.value for x in at.success)
     wait_until(shown, 60, "the resume record on the Run page")
     assert not at.exception, at.exception
+
+
+def _restart_form(prom_with_data, monkeypatch, tmp_path):
+    """The Run page of a signed-in operator, its restart form filled in and confirmed;
+    the agents' token is not theirs (a request fails at each agent: nothing restarts)."""
+    prom, _ = prom_with_data
+    token = tmp_path / "agent-token"
+    token.write_text("not-the-agents-token\n")
+    monkeypatch.setenv("CLUSTERPULSE_AGENT_TOKEN_FILE", str(token))
+    at = sign_in(monkeypatch, prom.url, tmp_path)
+    at.switch_page("views/run.py").run()
+    assert not at.exception, at.exception
+    at.text_input(key="reason").input("rank 3 is slow")
+    at.checkbox(key="confirm").check()
+    return at
 
 
 def test_a_restart_seen_completed_stays_completed_when_its_agent_forgets_it(
@@ -664,14 +671,7 @@ def test_a_request_is_refused_when_its_operator_was_removed_before_the_click(
         prom_with_data, monkeypatch, tmp_path):
     """A review found the Run page's button acting as the operator of the page drawn
     before the click: one removed from the operators file since could still restart."""
-    prom, _ = prom_with_data
-    token = tmp_path / "agent-token"
-    token.write_text("not-the-agents-token\n")
-    monkeypatch.setenv("CLUSTERPULSE_AGENT_TOKEN_FILE", str(token))
-    at = sign_in(monkeypatch, prom.url, tmp_path)
-    at.switch_page("views/run.py").run()
-    at.text_input(key="reason").input("rank 3 is slow")
-    at.checkbox(key="confirm").check()
+    at = _restart_form(prom_with_data, monkeypatch, tmp_path)
     ops = tmp_path / "operators.toml"
     before = ops.stat().st_mtime_ns
     ops.write_text("[operators]\n")  # the administrator removes alice
