@@ -117,7 +117,14 @@ EXITED, RESTARTING = "exited", "restarting"
 # `pid` is accepted for compatibility with older ranks but never used: the agent takes
 # the sender's pid from the kernel.
 INT_FIELDS = frozenset({"rank", "local_rank", "world_size", "pid", "gpu", "step", "restarts"})
-_LIMIT = 1e18
+# The largest magnitude of a number field: past it a value is nonsense for any field
+# we know (a diverged loss of 1e30 is no figure to plot), and the message is refused
+# (a sender leaves such a figure out rather than lose the message).
+MAX_NUMBER = 1e18
+# The largest step: any whole number a loop counts (the samples seen, past 2**31 in a
+# long run) up to the last one a float64 holds exactly, as Prometheus stores it.
+MAX_STEP = 2**53
+_MAX_INT = 2**31 - 1  # the other integer fields: ranks, pids, GPU indices, attempts
 
 
 class MalformedMessage(ValueError):
@@ -125,7 +132,9 @@ class MalformedMessage(ValueError):
 
 
 # One encoder for every message: json.dumps with any option builds a new one per call,
-# and a rank encodes a message every training step.
+# and a rank encodes a message every training step. No NaN or Infinity (allow_nan): the
+# agent refuses a message that holds one, and a ValueError here lets the sender leave
+# out just that field (a NaN in `Pulse.extra` silenced every step and heartbeat).
 def _scalar(value: Any) -> Any:
     """A numpy scalar or a 0-d tensor as the number it holds (`.item()`); anything else
     JSON has no form for is a TypeError, as json's own."""
@@ -135,7 +144,7 @@ def _scalar(value: Any) -> Any:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
-_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_scalar)
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_scalar, allow_nan=False)
 
 
 def check_run_id(run: str) -> str:
@@ -147,6 +156,8 @@ def check_run_id(run: str) -> str:
 
 
 def encode(msg: dict[str, Any]) -> bytes:
+    """The message as sent. TypeError for a value JSON has no form for, ValueError for
+    NaN or an infinity (which the agent would refuse, and the message with it)."""
     return _ENCODER.encode({"v": VERSION, **msg}).encode()
 
 
@@ -173,7 +184,8 @@ def _loads(data: bytes) -> Any:
 
 def _int(msg: dict[str, Any], key: str) -> int:
     v = msg[key]
-    if not isinstance(v, int) or isinstance(v, bool) or not -1 <= v < 2**31:
+    if (not isinstance(v, int) or isinstance(v, bool)
+            or not -1 <= v <= (MAX_STEP if key == "step" else _MAX_INT)):
         raise MalformedMessage(f"bad_{key}")
     return v
 
@@ -183,7 +195,7 @@ def _number(msg: dict[str, Any], key: str) -> float:
     if not isinstance(v, int | float) or isinstance(v, bool):
         raise MalformedMessage(f"bad_{key}")
     f = float(v)
-    if not math.isfinite(f) or abs(f) > _LIMIT:
+    if not math.isfinite(f) or abs(f) > MAX_NUMBER:
         raise MalformedMessage(f"bad_{key}")
     return f
 

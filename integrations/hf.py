@@ -20,7 +20,9 @@ optimizer step already. Its samples are counted per micro-batch trained (the
 Trainer's batch size, `state.train_batch_size`), not as the batch size times the
 accumulation: the epoch's last step has fewer micro-batches when they do not divide
 the epoch. (No event carries a batch: a short last batch of an epoch, with one
-process and no `dataloader_drop_last`, counts as a whole one.)
+process and no `dataloader_drop_last`, counts as a whole one.) The loss is the one the
+Trainer logs (`on_log`, every `logging_steps`, after a step's end): it goes with the
+next step's message; no step event carries the step's own.
 For a model whose forward takes `**kwargs` (every stock one) it also all-gathers the
 batch's label-token count there (`num_items_in_batch`), where a rank waits for a peer
 still loading its batch: Pulse times a collective run while awaiting input as sync
@@ -65,7 +67,6 @@ import re
 from typing import Any
 
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
 from transformers import TrainingArguments as Args
 from transformers.trainer import TRAINER_STATE_NAME
@@ -73,7 +74,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from clusterpulse.detection.state import STATE_FILE
 from clusterpulse.integrations.steps import OpenStep
-from clusterpulse.trainer.instrument import Pulse
+from clusterpulse.trainer.instrument import Pulse, ddp_of
 from clusterpulse.trainer.parallel import init_distributed
 
 
@@ -93,6 +94,7 @@ class ClusterPulseCallback(TrainerCallback):
         self._training = False  # from on_train_begin to on_train_end
         self._between: Any = None  # an open Pulse.evaluating() or Pulse.saving()
         self._evaluations_due = 0  # on_evaluate events before that evaluation is over
+        self._loss: float | None = None  # the last loss the Trainer logged, not yet sent
 
     @classmethod
     def attach(cls, trainer: Trainer, run: str, agent: str | None = "env",
@@ -124,7 +126,7 @@ class ClusterPulseCallback(TrainerCallback):
     def on_train_begin(self, args: Args, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         self._forget_restart(args)  # one a failed train() left agreed
-        if self.pulse is None:
+        if self.pulse is None or self.pulse.closed:  # a later train(): the last one closed it
             info = init_distributed()  # the Trainer's group (or ours); the agreed attempt
             # the straggler baselines beside the checkpoints, as the reference trainer
             # keeps them: a slow GPU's history outlives the job's restarts
@@ -132,9 +134,10 @@ class ClusterPulseCallback(TrainerCallback):
                                consensus_every=self.consensus_every,
                                straggler_state=os.path.join(args.output_dir, STATE_FILE)
                                if args.output_dir else None)
-            wrapped = self.trainer.model_wrapped
-            if isinstance(wrapped, DistributedDataParallel):
-                self.pulse.attach_ddp(wrapped)
+            ddp = ddp_of(self.trainer.model_wrapped)  # compiled or not (torch_compile)
+            if ddp is not None:
+                self.pulse.attach_ddp(ddp)
+        self._loss = None
         self._training = True
         self._step.discard()  # one a failed train() left open
         self.pulse.awaiting_input()
@@ -167,7 +170,8 @@ class ClusterPulseCallback(TrainerCallback):
     def on_step_end(self, args: Args, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
         self._step.add(_batch_size(args, state))  # the step's last micro-batch
-        self._step.end()  # the loss: no callback event carries it
+        self._step.end(self._loss)  # the loss logged since the last step's end, if any
+        self._loss = None
         pulse = self._pulse()
         # Not at the last step: the run ends there anyway, and a resumed one trained a
         # step past max_steps (a review)
@@ -193,6 +197,16 @@ class ClusterPulseCallback(TrainerCallback):
             self._after_epoch = False
             self._save_for_restart(args, control)
         self._enter_between(evaluate=control.should_evaluate, save=control.should_save)
+
+    def on_log(self, args: Args, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        # No step event carries the loss: the Trainer logs it (the mean since its last
+        # log, every `logging_steps`) after a step's end, and it goes with the next
+        # step's message (the agent keeps the last one). Pulse leaves out one that is
+        # not finite.
+        loss = (logs or {}).get("loss")
+        if isinstance(loss, int | float) and not isinstance(loss, bool):
+            self._loss = float(loss)
 
     # -- evaluations and saves between steps ------------------------------------------------
     def on_prediction_step(self, args: Args, state: TrainerState, control: TrainerControl,

@@ -49,12 +49,11 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
 from clusterpulse.detection.state import STATE_FILE
 from clusterpulse.integrations.steps import OpenStep
-from clusterpulse.trainer.instrument import Pulse
+from clusterpulse.trainer.instrument import Pulse, ddp_of
 from clusterpulse.trainer.parallel import agreed_attempt, init_distributed
 
 
@@ -136,8 +135,8 @@ class ClusterPulseCallback(pl.Callback):
 
     # -- set-up and end ---------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self.pulse is not None:
-            return
+        if stage != "fit" or (self.pulse is not None and not self.pulse.closed):
+            return  # (a later fit: the last one closed its Pulse)
         info = init_distributed()  # the group Lightning made or found; the agreed attempt
         # the straggler baselines beside the graceful save, as the reference trainer
         # keeps them: a slow GPU's history outlives the job's restarts
@@ -148,8 +147,9 @@ class ClusterPulseCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pulse = self._pulse()
         self._validated()  # the sanity check's
-        if isinstance(trainer.strategy.model, DistributedDataParallel):
-            pulse.attach_ddp(trainer.strategy.model)
+        ddp = ddp_of(trainer.strategy.model)
+        if ddp is not None:
+            pulse.attach_ddp(ddp)
         pulse.awaiting_input()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -197,9 +197,9 @@ class ClusterPulseCallback(pl.Callback):
         # no loss to mark: its backward is marked here (a review: no sync wait, no
         # bytes, the straggler unnamed). Under automatic optimization the forward's
         # output is the loss's source, marked by attach_ddp.
-        model = trainer.strategy.model
+        model = ddp_of(trainer.strategy.model)
         if (self.pulse is not None and not pl_module.automatic_optimization
-                and isinstance(model, DistributedDataParallel)
+                and model is not None
                 and model.require_backward_grad_sync and torch.is_grad_enabled()):
             self.pulse.backward_reduces(loss)
 

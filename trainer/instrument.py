@@ -58,6 +58,7 @@ import logging
 import math
 import operator
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -77,7 +78,7 @@ from clusterpulse.agent import protocol
 from clusterpulse.trainer import PREEMPTED_EXIT_CODE, collective_timing
 from clusterpulse.trainer.collectives import CollectiveLog, ring_allreduce_bytes
 from clusterpulse.trainer.consensus import Consensus, hardware_identity
-from clusterpulse.trainer.parallel import hold_process_groups_until_exit
+from clusterpulse.trainer.parallel import hold_process_groups_until_exit, rank_and_world
 from clusterpulse.trainer.restart import (
     PEER_SIGTERM_WAIT_S,
     STUCK_AFTER_SIGTERM_FLOOR_S,
@@ -135,6 +136,15 @@ def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return f"{type(value).__name__} {value!r}"[:120]
+
+
+def ddp_of(model: object) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The DDP model that `model` is, or that it compiles (torch.compile's wrapper keeps
+    the module it compiled as `_orig_mod`: the HF Trainer with torch_compile=True holds
+    compile(DDP), which was no DDP to an isinstance check, and attach_ddp was never
+    called); None for any other model. What a framework's callback attaches."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner if isinstance(inner, torch.nn.parallel.DistributedDataParallel) else None
 
 
 def _local_attempt() -> int:
@@ -337,9 +347,10 @@ class Pulse:
         self.run = protocol.check_run_id(run)
         if consensus_every < 1:
             raise ValueError(f"consensus_every must be >= 1, got {consensus_every}")
-        self.rank = int(env.get("RANK", 0)) if rank is None else rank
+        group_rank, group_world = rank_and_world()
+        self.rank = group_rank if rank is None else rank
         self.local_rank = int(env.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
-        self.world_size = int(env.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        self.world_size = group_world if world_size is None else world_size
         self.gpu = self.local_rank if gpu is None else gpu
         # Started before the process group (see joined()): the agreed attempt number is
         # not known yet, and SIGTERM must still end a rank stuck in init.
@@ -414,6 +425,9 @@ class Pulse:
         self.sigterm = SigtermCatcher()
         if catch_sigterm and self._joined:
             self.sigterm.install()
+        # whether the loop runs the restart protocol (`restart_requested`, `boundary`),
+        # and whether a step has ended: one that ends unasked leaves SIGTERM as usual
+        self._asked = self._stepped = False
         self.collectives = CollectiveLog()  # sequence numbers: who a hang waits for
         self._ddp_seq: int | None = None  # DDP's gradient all-reduce now in flight
         self._samples = 0
@@ -456,6 +470,11 @@ class Pulse:
             _local_attempt() if restarts is None else restarts)
         if self._catch_sigterm:
             self.sigterm.install()
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` ran (a framework's next fit needs a Pulse of its own)."""
+        return self._closed.is_set()
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> Pulse:
@@ -748,9 +767,10 @@ class Pulse:
             try:
                 item = next(it)
             except BaseException as err:
-                if self._step_input_since is not None:  # in a step: no wait goes on
-                    self._step_input_since = None
-                    self._enter("step")
+                if self._open_step is not None:  # in a step: no wait goes on
+                    if self._step_input_since is not None:  # (its data section's goes on)
+                        self._step_input_since = None
+                        self._enter("step")
                     if isinstance(err, StopIteration):
                         return
                     raise
@@ -774,8 +794,12 @@ class Pulse:
         Inside a step (the next micro-batch of gradient accumulation) the wait is that
         step's data section, as `s.section("data")`: it was counted twice (in the step's
         compute and as the next step's data wait), and its arrival stopped the timing
-        of the step's collectives, so a wait for a late peer after it was compute."""
+        of the step's collectives, so a wait for a late peer after it was compute.
+        Inside the step's own data section (`s.section("data")` around the fetch) that
+        section times the wait: timed here too, it was counted twice."""
         if self._open_step is not None:
+            if self.phase == "data":  # the step's data section (no other wait is open)
+                return
             self._step_input_since = time.perf_counter()
             self._step_input_mark = self._clock.mark()
             self._enter("data")
@@ -810,10 +834,15 @@ class Pulse:
     # -- steps ---------------------------------------------------------------------------
     def step(self, step: int) -> _Step:
         """`with pulse.step(n) as s:` around one training step (see the module's
-        docstring). `n` is any integer, a numpy integer or a 0-d integer tensor (an
-        optimizer's saved step) included: sent as it was, a numpy step failed every
-        message to the agent and stopped the heartbeats for good."""
-        return _Step(self, StepContext(self, step if step.__class__ is int else _step_number(step)))
+        docstring). `n` is any whole number from 0 to 2**53 (protocol.MAX_STEP: the
+        samples seen, say), a numpy integer or a 0-d integer tensor (an optimizer's
+        saved step) included: sent as it was, a numpy step failed every message to the
+        agent and stopped the heartbeats for good. One beyond is refused here: the agent
+        would drop every message that carries it, and the rank go silent."""
+        n = step if step.__class__ is int else _step_number(step)
+        if not 0 <= n <= protocol.MAX_STEP:
+            raise ValueError(f"pulse.step(n): n must be from 0 to 2**53, not {n}")
+        return _Step(self, StepContext(self, n))
 
     def evaluating(self) -> _BetweenSteps:
         """`with pulse.evaluating():` around an evaluation between steps. Its time has no
@@ -835,6 +864,8 @@ class Pulse:
         return _BetweenSteps(self, "checkpoint")
 
     def _begin_step(self, ctx: StepContext) -> None:
+        if not self._asked and self._stepped and self.sigterm.installed:
+            self._sigterm_as_usual()
         fetch, self._fetch_wait = self._fetch_wait, 0.0
         if fetch:
             ctx.sections["data"] = fetch
@@ -889,8 +920,25 @@ class Pulse:
                               self._probes + self._fwd_waits, self._comm_marks))
         self._comm_marks = []
         self._step = step
+        self._stepped = True
         self._enter("between")
         self._resolve()
+
+    def _sigterm_as_usual(self) -> None:
+        """A step ended and the next begins, and the loop never asked for the restart
+        protocol (`boundary`, `restart_requested`: after every step, as documented): it
+        does not run it, and SIGTERM, caught for a boundary that never comes, was
+        swallowed for good (a review: a telemetry-only loop trained on to its end
+        through a preemption's signal). SIGTERM goes back to the handler that was there
+        before (by default: the process ends), and one caught meanwhile is raised again
+        for it."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # handlers are set from the main thread only (so was this catcher)
+        held = self.sigterm.received
+        self.sigterm.uninstall()
+        self._catch_sigterm = False
+        if held:
+            signal.raise_signal(signal.SIGTERM)
 
     def _resolve(self) -> None:
         """Turn finished steps' marks into figures and send them (CUDA: a step late)."""
@@ -973,7 +1021,10 @@ class Pulse:
             if comm and comm_bytes:
                 self.last.update(comm_seconds=comm, comm_bytes=comm_bytes)
             msg = {"type": "step", **self.identity, "step": ctx.step, **self.last}
-            if loss is not None and loss == loss:
+            if loss is not None and -protocol.MAX_NUMBER <= loss <= protocol.MAX_NUMBER:
+                # not NaN (no comparison holds), an infinity nor past the protocol's
+                # bound (a diverged or overflowed loss): the agent refused the step's
+                # whole message for one
                 msg["loss"] = loss
                 self.last["loss"] = loss
             self._samples += ctx.samples
@@ -1110,7 +1161,10 @@ class Pulse:
         """Collective every `consensus_every` steps: True on every rank if any rank
         heard a restart command or SIGTERM (then `preempt_agreed` says which). Also
         refreshes this rank's straggler score, and sets `checkpoint_agreed` if any
-        rank asked for a (time-based) checkpoint. Prefer `boundary`, which also acts."""
+        rank asked for a (time-based) checkpoint. Prefer `boundary`, which also acts.
+        A loop that never calls either after its first step gets SIGTERM back as usual
+        (`_sigterm_as_usual`)."""
+        self._asked = True
         self.checkpoint_agreed = False
         if not self.consensus.due(step):
             return False

@@ -74,6 +74,19 @@ class DistInfo:
         return self.attempt
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and world size: the process group's once it exists, else
+    torchrun's environment (RANK, WORLD_SIZE; 0 and 1 without a launcher).
+
+    A group made with an explicit rank and world size (mp.spawn's
+    `init_process_group(rank=r, world_size=n)`, PyTorch's own DDP tutorial) leaves
+    the environment empty: read there, every rank said it was rank 0 of a world of one,
+    its telemetry overwrote its peers' and no straggler could be scored."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
 def local_attempt() -> int:
     """This node's own count of (re)starts: the attempts before this torchrun plus its
     failure restarts. Only a proposal: ranks agree on the highest."""
@@ -143,15 +156,15 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
     """Join this round's process group (restart-safe) and agree on the attempt number.
 
     `attempt` is this rank's proposal (default: `local_attempt()`); every rank gets
-    the highest. Safe to call when the process group already exists.
+    the highest. Safe to call when the process group already exists (its rank and world
+    size are then the group's: `rank_and_world`).
 
     A world of one gets a process group too (of size one): code written for torchrun
     (DistributedSampler, DDP, DCP, `dist.get_rank()`) needs one, and the recipe tried
     on a one-GPU workstation failed in DistributedSampler without it. Run without a
     launcher (no MASTER_ADDR), that group's store is in this process.
     """
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = rank_and_world()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device, backend = _device_and_backend(local_rank)
     if not dist.is_initialized():

@@ -16,7 +16,9 @@ kernel then accepts datagrams to it only from the agent's socket).
 
 Over UDP (`HOST:PORT`, kept for setups without a shared socket file) the socket is
 also connected, so replies from other ports are dropped by the kernel, but UDP
-carries no sender identity: the agent never signals a rank it only knows over UDP.
+carries no sender identity: the agent never signals a rank it only knows over UDP. A
+host name there is looked up by a thread of the link's own, never on the send path
+(`AgentLink._look_up`).
 
 Each message carries the UUID(s) of the rank's GPU so that the agent names the
 physical GPU whatever CUDA_VISIBLE_DEVICES renumbered.
@@ -45,6 +47,12 @@ DEFAULT_SOCKET_PATH = protocol.DEFAULT_SOCKET_PATH
 _RECONNECT = {errno.ECONNREFUSED, errno.ENOENT, errno.ENOTCONN, errno.EDESTADDRREQ,
               errno.EPIPE, errno.ECONNRESET}
 _SEND_FLAGS = socket.MSG_NOSIGNAL  # a broken connection is an error to count, not SIGPIPE
+# A UDP agent's host name is looked up off the send path: the link waits this long for
+# the first answer (the "start" event goes to the agent found), then retries every
+# LOOKUP_RETRY_S, doubled after each failure up to LOOKUP_RETRY_MAX_S.
+LOOKUP_WAIT_S = 1.0
+LOOKUP_RETRY_S = 1.0
+LOOKUP_RETRY_MAX_S = 30.0
 
 
 class AgentLink:
@@ -57,6 +65,10 @@ class AgentLink:
         self._connected = False
         self._kind = socket.SOCK_SEQPACKET
         self._lock = threading.Lock()
+        # what the socket connects to: the path, or a numeric (ip, port); None while a
+        # UDP host name is still being looked up (`_look_up`)
+        self._target: AgentAddr | None = addr if isinstance(addr, str) else _numeric(addr)
+        self._closing = threading.Event()
         if local_rank is None:
             env = os.environ.get("LOCAL_RANK", "0")
             local_rank = int(env) if is_digits(env) else 0
@@ -64,7 +76,13 @@ class AgentLink:
         if addr is None:
             return
         self._open()
-        self._connect()
+        if self._target is None:
+            looked_up = threading.Event()
+            threading.Thread(target=self._look_up, args=(looked_up,), name="agent-lookup",
+                             daemon=True).start()
+            looked_up.wait(LOOKUP_WAIT_S)  # a working resolver answers in time for "start"
+        else:
+            self._connect()
 
     def _open(self) -> None:
         if isinstance(self.addr, str):
@@ -76,9 +94,9 @@ class AgentLink:
         self._sock.setblocking(False)
 
     def _connect(self) -> None:
-        assert self._sock is not None
+        assert self._sock is not None and self._target is not None
         try:
-            self._sock.connect(self.addr)
+            self._sock.connect(self._target)
             self._connected = True
         except OSError as err:  # agent not there yet: try again on a later send
             self._connected = False
@@ -100,6 +118,34 @@ class AgentLink:
         if self._sock is not None:
             self._sock.close()
         self._open()
+
+    def _look_up(self, looked_up: threading.Event) -> None:
+        """Resolve a UDP agent's host name (its own thread, retried with a growing
+        delay until it resolves or the link closes), then connect to the address found.
+
+        A lookup can take seconds: a resolver that does not answer, a name that does not
+        exist yet (the agent's service not created). connect() with the name looked it
+        up on every send while it did not resolve, in the training loop's thread and
+        under the lock the heartbeat thread waits on: every step was that late. Sends
+        before the name resolves are dropped, as with no agent; once resolved it is
+        kept (connect() of a numeric address needs no lookup)."""
+        assert isinstance(self.addr, tuple)
+        delay = LOOKUP_RETRY_S
+        while not self._closing.is_set():
+            try:
+                found = socket.getaddrinfo(*self.addr, socket.AF_INET, socket.SOCK_DGRAM)
+            except (OSError, UnicodeError):  # gaierror; a label idna cannot encode
+                found = []
+            if found:
+                with self._lock:
+                    if self._sock is not None:
+                        self._target = found[0][4]
+                        self._connect()
+                looked_up.set()
+                return
+            looked_up.set()
+            self._closing.wait(delay)
+            delay = min(delay * 2, LOOKUP_RETRY_MAX_S)
 
     def send(self, msg: dict[str, Any], wait_s: float = 0.0) -> None:
         """Send one message. With `wait_s`, a full queue (EAGAIN: the agent is busy) is
@@ -135,7 +181,8 @@ class AgentLink:
 
     def _encode_without_bad_fields(self, msg: dict[str, Any]) -> bytes:
         """The message less the fields JSON has no form for (one the caller added to
-        `Pulse.extra`), warned about once. Raised, such a field stopped the training
+        `Pulse.extra`), NaN and infinities included (the agent refuses the message that
+        holds one), warned about once. Raised, such a field stopped the training
         loop, or the heartbeat thread for good; dropping the whole message instead
         silenced every step and heartbeat while it stayed (the agent then takes a live
         rank for a dead one)."""
@@ -150,8 +197,8 @@ class AgentLink:
         if not self._unencodable:
             self._unencodable = True
             log.warning("field(s) %s of a %r message to the agent are not JSON and are "
-                        "left out (every value must be a number, str, bool, list or dict)",
-                        ", ".join(sorted(dropped)), msg.get("type"))
+                        "left out (every value must be a finite number, str, bool, list or "
+                        "dict)", ", ".join(sorted(dropped)), msg.get("type"))
         return protocol.encode(kept)
 
     def _try_send(self, data: bytes) -> str:
@@ -159,7 +206,9 @@ class AgentLink:
             return "closed"
         try:
             if not self._connected:
-                self._connect()
+                if self._target is None:  # the host name is being looked up
+                    return "no_agent"
+                self._connect()  # a path or a numeric address: no lookup
                 if not self._connected:
                     return "no_agent"
             self._sock.send(data, _SEND_FLAGS)
@@ -208,6 +257,7 @@ class AgentLink:
         socket is non-blocking). Unread replies at close make Linux report ECONNRESET to
         the agent ahead of this rank's last messages, its exit event among them; the
         agent reads on past it (agent.receiver), but need not meet it at all."""
+        self._closing.set()  # a lookup still retrying stops
         with self._lock:
             if self._sock is not None:
                 if self._connected and self._kind == socket.SOCK_SEQPACKET:
@@ -217,6 +267,18 @@ class AgentLink:
                 self._sock.close()
                 self._sock = None
             self._connected = False
+
+
+def _numeric(addr: tuple[str, int] | None) -> tuple[str, int] | None:
+    """`addr` if its host is an IPv4 address, which connect() takes without a lookup;
+    None for a host name (or no address)."""
+    if addr is None:
+        return None
+    try:
+        socket.inet_pton(socket.AF_INET, addr[0])
+    except OSError:
+        return None
+    return addr
 
 
 def parse_agent_addr(text: str | None) -> AgentAddr | None:

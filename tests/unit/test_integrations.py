@@ -526,3 +526,138 @@ def test_hf_a_train_that_failed_in_a_restart_evaluation_leaves_the_next_one_as_t
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_the_ddp_model_torch_compile_wraps_is_attached(tmp_path: Path):
+    """The HF Trainer with torch_compile=True holds compile(DDP) as `model_wrapped`: no
+    DDP to an isinstance check, and attach_ddp was never called (a review: no sync wait,
+    the slow rank's peers took its time for their compute)."""
+    from types import SimpleNamespace
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from clusterpulse.integrations.hf import ClusterPulseCallback
+    from tests.support.worlds import gloo_world_of_one
+
+    with gloo_world_of_one():
+        ddp = DistributedDataParallel(torch.nn.Linear(2, 1))
+        compiled = torch.compile(ddp, backend="eager")
+        callback = ClusterPulseCallback(SimpleNamespace(model_wrapped=compiled), run="r",
+                                        agent=None)
+        callback.on_train_begin(SimpleNamespace(output_dir=str(tmp_path), eval_on_start=False),
+                                None, None)
+        pulse = callback.pulse
+        assert pulse is not None
+        try:
+            assert pulse._has_hook
+        finally:
+            pulse.close()
+        from clusterpulse.trainer.instrument import ddp_of  # Lightning's look-up too
+
+        assert ddp_of(compiled) is ddp and ddp_of(ddp) is ddp
+        assert ddp_of(torch.compile(ddp.module, backend="eager")) is None
+
+
+def _hf_trainer(tmp_path: Path, max_steps: int, logging_steps: int | None = None) -> Any:
+    from transformers import Trainer, TrainingArguments
+
+    logging = {"logging_strategy": "steps", "logging_steps": logging_steps} \
+        if logging_steps else {"logging_strategy": "no"}
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=max_steps,
+                             per_device_train_batch_size=2, save_strategy="no", report_to=[],
+                             use_cpu=True, disable_tqdm=True, **logging)
+    return Trainer(model=_Regressor(lambda training: None), args=args, train_dataset=_Pairs())
+
+
+def test_hf_a_second_train_reports_through_a_pulse_of_its_own(tmp_path: Path):
+    """train() again with the same Trainer (a second stage): the callback kept the Pulse
+    the first train() closed, and the second one's steps went nowhere (a review)."""
+    from transformers import TrainerCallback
+
+    from clusterpulse.integrations.hf import ClusterPulseCallback
+
+    trainer = _hf_trainer(tmp_path, max_steps=2)
+    callback = ClusterPulseCallback.attach(trainer, run="r", agent=None)
+    seen: list[tuple[int, str | None]] = []
+
+    class Open(TrainerCallback):  # after ours: the Pulse each step reported through
+        def on_step_end(self, args, state, control, **kwargs):
+            assert callback.pulse is not None
+            seen.append((id(callback.pulse), callback.pulse.outcome))  # None: open
+
+    trainer.add_callback(Open())
+    try:
+        trainer.train()
+        trainer.train()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert [outcome for _, outcome in seen] == [None] * 4, seen
+    assert len({pulse for pulse, _ in seen}) == 2  # one per train()
+    assert callback.pulse is not None and callback.pulse.outcome == "finished"
+
+
+def test_hf_the_loss_the_trainer_logs_is_reported(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch):
+    """No step event carries the loss, and HF jobs never reported one (a review): the
+    loss the Trainer logs after a step's end goes with the next step's message."""
+    from transformers import TrainerCallback
+
+    from clusterpulse.integrations.hf import ClusterPulseCallback
+    from clusterpulse.trainer.telemetry import AgentLink
+
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(AgentLink, "send", lambda self, msg, wait_s=0.0: sent.append(msg))
+    trainer = _hf_trainer(tmp_path, max_steps=4, logging_steps=1)
+    ClusterPulseCallback.attach(trainer, run="r", agent=None)
+    logged: list[float] = []
+
+    class Logged(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                logged.append(logs["loss"])
+
+    trainer.add_callback(Logged())
+    try:
+        trainer.train()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    steps = [m for m in sent if m["type"] == "step"]
+    assert len(logged) == 4 and [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert [m.get("loss") for m in steps] == [None, *logged[:3]], (steps, logged)
+
+
+def test_lightning_a_second_fit_reports_through_a_pulse_of_its_own(tmp_path: Path):
+    """The same callback in two fits (pretraining, then fine-tuning): setup kept the
+    Pulse the first fit closed, and the second fit's steps went nowhere (a review)."""
+    import lightning.pytorch as pl
+
+    from clusterpulse.integrations.lightning import ClusterPulseCallback
+
+    seen: list[tuple[int, str | None]] = []
+    cb = ClusterPulseCallback(run="r", checkpoint=tmp_path / "graceful.ckpt", agent=None)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            assert cb.pulse is not None
+            seen.append((id(cb.pulse), cb.pulse.outcome))  # None: open
+            return self.net(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    model = Tiny()
+    for _ in range(2):
+        trainer = pl.Trainer(callbacks=[cb], logger=False, enable_checkpointing=False,
+                             accelerator="cpu", devices=1, max_steps=2,
+                             limit_val_batches=0, num_sanity_val_steps=0,
+                             enable_progress_bar=False, enable_model_summary=False)
+        _fit(trainer, model)
+    assert [outcome for _, outcome in seen] == [None] * 4, seen
+    assert len({pulse for pulse, _ in seen}) == 2  # one per fit
+    assert cb.pulse is not None and cb.pulse.outcome == "finished"

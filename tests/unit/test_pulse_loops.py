@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import socket
 import threading
 import time
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from clusterpulse.agent import protocol
 from clusterpulse.trainer import collective_timing
 from clusterpulse.trainer.instrument import IN_STEP_PHASES, Pulse
 from tests.conftest import socket_path
@@ -31,12 +34,17 @@ class Agent:
         self.server.bind(path)
         self.server.listen(1)
         self.messages: list[dict[str, Any]] = []
+        self.refused: list[str] = []  # why the agent's decode refused a message
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         conn, _ = self.server.accept()
         with conn:
             while data := conn.recv(65536):
+                try:
+                    protocol.decode(data)
+                except protocol.MalformedMessage as why:
+                    self.refused.append(str(why))
                 self.messages.append(json.loads(data))
 
     def steps(self, want: int, timeout: float = 10.0) -> list[dict[str, Any]]:
@@ -102,6 +110,66 @@ def test_extra_fields_numpy_or_not_json_never_stop_the_loop_or_its_messages(agen
         assert len(warned) == 1 and warned[0].startswith("field(s) optimizer of a")
     finally:
         p.close()
+
+
+def test_nan_or_infinity_in_extra_leaves_out_that_field_not_the_message(agent):
+    """A loop's gradient norm in `Pulse.extra`, NaN or inf for a while (AMP, a
+    divergence): the rank sent NaN, which the agent refuses, and so every step and
+    heartbeat of the rank while it stayed (a review: 15 steps, none counted)."""
+    p = Pulse(run="loops", agent=agent.address, consensus_every=1)
+    try:
+        for step, norm in ((1, 0.5), (2, float("nan")), (3, float("inf")), (4, np.float32("nan"))):
+            p.extra["grad_norm"] = norm
+            with p.step(step):
+                pass
+        time.sleep(1.3)  # a heartbeat's turn, with the NaN
+        got = agent.steps(4)
+        assert [m["step"] for m in got] == [1, 2, 3, 4]
+        assert [m.get("grad_norm") for m in got] == [0.5, None, None, None]
+        assert any(m["type"] == "heartbeat" for m in agent.messages)
+        assert agent.refused == [], agent.refused
+    finally:
+        p.close()
+
+
+def test_a_loss_the_agent_would_refuse_is_left_out_not_the_steps_message(agent):
+    """A diverged or fp16-overflowed loss (inf, past the protocol's 1e18): the step's
+    whole message was refused by the agent; NaN alone was left out."""
+    p = Pulse(run="loops", agent=agent.address, consensus_every=1)
+    try:
+        losses = (2.5, float("inf"), 1e19, -1e30, float("nan"), torch.tensor(float("inf")), 4.0)
+        for step, loss in enumerate(losses, 1):
+            with p.step(step) as s:
+                s.loss = loss
+        got = agent.steps(len(losses))
+        assert [(m["step"], m.get("loss")) for m in got] == [
+            (1, 2.5), (2, None), (3, None), (4, None), (5, None), (6, None), (7, 4.0)]
+        assert agent.refused == [], agent.refused
+    finally:
+        p.close()
+
+
+def test_step_numbers_up_to_2_to_the_53_reach_the_agent_and_beyond_are_refused(agent):
+    """A loop that numbers its steps by the samples seen passes 2**31: the agent
+    refused every message from then on (its step bound), and the rank went silent.
+    Up to 2**53 (exact as Prometheus' float64) they are taken; beyond, refused at once."""
+    p = Pulse(run="loops", agent=agent.address, consensus_every=1)
+    try:
+        for step in (2**31 - 1, 2**31, 2**40, 2**53):
+            with p.step(step):
+                pass
+        assert [m["step"] for m in agent.steps(4)] == [2**31 - 1, 2**31, 2**40, 2**53]
+        assert agent.refused == [], agent.refused
+        for bad in (2**53 + 1, -1):
+            with pytest.raises(ValueError, match=r"pulse.step\(n\): n must be from 0 to 2\*\*53"):
+                p.step(bad)
+    finally:
+        p.close()
+    step = {"type": "step", "run": "r", "rank": 0}
+    with pytest.raises(protocol.MalformedMessage, match="bad_step"):
+        protocol.decode(protocol.encode({**step, "step": 2**53 + 1}))
+    with pytest.raises(protocol.MalformedMessage, match="bad_gpu"):  # the others: as before
+        protocol.decode(protocol.encode({**step, "gpu": 2**31}))
 
 
 def test_a_step_number_that_is_not_whole_is_named():
@@ -245,3 +313,100 @@ def test_a_step_a_failed_framework_run_left_open_is_discarded_unreported():
         assert p.last["data_wait_seconds"] >= 0.1
     finally:
         p.close()
+
+
+def test_a_fetch_inside_the_steps_data_section_is_its_data_wait_once():
+    """`s.section("data")` around `next()` of a `pulse.data()` iterator (gradient
+    accumulation fetching its micro-batches in the step): the section timed the wait,
+    and so did `data()`; the step's data wait was twice the fetches, its compute 0 (a
+    review: 200 ms of data for 100 ms of fetches). The section times it alone."""
+    def loader() -> Iterator[int]:
+        while True:
+            time.sleep(0.05)
+            yield 0
+
+    p = Pulse(run="loops", agent=None)
+    try:
+        it = p.data(loader())
+        for step in (1, 2):
+            with p.step(step) as s:
+                for _ in range(2):
+                    with s.section("data"):
+                        next(it)
+                        assert p.phase == "data"  # the section's, to its end
+                    with s.section("forward_backward"):
+                        time.sleep(0.02)
+            last = dict(p.last)
+            assert last["data_wait_seconds"] >= 0.1 and last["compute_seconds"] >= 0.04
+            assert last["step_seconds"] == pytest.approx(
+                last["compute_seconds"] + last["data_wait_seconds"], abs=1e-6)
+        short = p.data([7])  # the loader's end, met inside the section: the step goes on
+        with p.step(3) as s:
+            with s.section("data"):
+                assert next(short) == 7
+            with pytest.raises(StopIteration), s.section("data"):
+                next(short)
+            assert p.phase == "step" and collective_timing.state.timer is p
+        assert p.phase == "between"
+    finally:
+        p.close()
+
+
+def test_a_loop_that_never_asks_about_restarts_gets_sigterm_back():
+    """Pulse catches SIGTERM for the restart protocol, acted on at a `boundary`: a loop
+    that only times its steps never calls one, and a preemption's SIGTERM was
+    swallowed for good (a review: the loop trained on to its end). Once a step ends and
+    the next begins unasked, SIGTERM is the previous handler's again, and one caught
+    meanwhile is passed on to it; a loop that asks keeps it caught."""
+    heard: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, _frame: heard.append(signum))
+    try:
+        p = Pulse(run="loops", agent=None)
+        try:
+            with p.step(1):
+                os.kill(os.getpid(), signal.SIGTERM)
+            assert p.sigterm.received and heard == []  # held for a boundary, at first
+            with p.step(2):
+                pass
+            assert heard == [signal.SIGTERM]  # no boundary came: passed on
+            assert not p.sigterm.is_current()
+        finally:
+            p.close()
+        asks = Pulse(run="loops", agent=None)  # consensus every 5 steps
+        try:
+            for step in (1, 2, 3):
+                with asks.step(step):
+                    pass
+                assert not asks.restart_requested(step)  # not due yet: still the protocol's
+            assert asks.sigterm.is_current()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert asks.sigterm.received and heard == [signal.SIGTERM]
+        finally:
+            asks.close()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_rank_and_world_size_are_the_process_groups_whatever_the_environment_says(
+        monkeypatch):
+    """The mp.spawn script of PyTorch's DDP tutorial makes its group with
+    init_process_group(rank=r, world_size=n) and sets no RANK or WORLD_SIZE: read from
+    the environment, every rank was rank 0 of a world of one to Pulse and to
+    init_distributed (its telemetry overwrote its peer's, no straggler was scored).
+    Here the environment says rank 1 of 2 and the group, a world of one: the group's
+    answer is taken."""
+    from clusterpulse.trainer.parallel import init_distributed
+    from tests.support.worlds import gloo_world_of_one
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with gloo_world_of_one():
+        info = init_distributed()
+        p = Pulse(run="loops", agent=None)
+        try:
+            assert (info.rank, info.world) == (0, 1)
+            assert (p.rank, p.world_size) == (0, 1)
+            assert (p.identity["rank"], p.identity["world_size"]) == (0, 1)
+        finally:
+            p.close()

@@ -713,6 +713,55 @@ def test_link_reconnects_after_the_agent_restarts(tmp_path):
         server.shutdown()
 
 
+def test_a_udp_agents_host_name_is_never_looked_up_on_the_send_path(monkeypatch):
+    """An agent at HOST:PORT whose name does not resolve (a resolver that does not
+    answer, the agent's service not there yet): connect() looked the name up at every
+    send, in the training loop's thread and under the link's lock, and every step waited
+    for DNS (a review). The link's own thread looks it up, retrying with a growing
+    delay, and connects once it resolves."""
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.settimeout(5)
+    port = rx.getsockname()[1]
+    resolves = threading.Event()
+    lookups: list[int] = []  # the thread of each lookup of the name (or connect by it)
+    real_getaddrinfo, real_connect = socket.getaddrinfo, socket.socket.connect
+
+    def look_up(host: str) -> str:
+        lookups.append(threading.get_ident())
+        if not resolves.is_set():
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return "127.0.0.1"
+
+    def getaddrinfo(host, *args, **kwargs):
+        return real_getaddrinfo(look_up(host) if host == "agent.example" else host,
+                                *args, **kwargs)
+
+    def connect(sock, address):
+        if isinstance(address, tuple) and address[0] == "agent.example":  # C's lookup
+            address = (look_up(address[0]), address[1])
+        return real_connect(sock, address)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    link = AgentLink(("agent.example", port), local_rank=0)
+    try:
+        for _ in range(200):
+            link.send({"type": "heartbeat", "run": "r1", "rank": 0})
+        assert link.failed == 200
+        assert 1 <= len(lookups) <= 2 and threading.get_ident() not in lookups, lookups
+        resolves.set()  # the next try (a second later) finds it
+        deadline = time.monotonic() + 10
+        while link.sent == 0 and time.monotonic() < deadline:
+            link.send({"type": "heartbeat", "run": "r1", "rank": 0})
+            time.sleep(0.05)
+        assert json.loads(rx.recv(8192))["type"] == "heartbeat"
+        assert threading.get_ident() not in lookups
+    finally:
+        link.close()
+        rx.close()
+
+
 def test_a_link_that_closes_leaves_its_last_messages_readable(tmp_path):
     """Closing with the agent's replies unread made Linux report ECONNRESET to the
     agent before the records still queued from the rank, its exit event among them:
