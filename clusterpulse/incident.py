@@ -32,15 +32,21 @@ if TYPE_CHECKING:
 
 # Root first: an alert earlier in this list explains the later ones of the same fault
 # (deploy/alertmanager/alertmanager.yml's inhibit_rules, plus a GPU's heat explaining
-# the straggler it makes). Unlisted alerts come after all of these.
-ROOT_ORDER = ("NodeAgentDown", "AgentCollectionStale", "AgentTelemetryStalled", "GpuDown",
-              "JobNodeUnreachable", "RankHung", "GpuCriticalXid", "GpuEccUncorrectable",
-              "GpuThermalSlowdown", "GpuPowerBrake", "GpuTemperatureHigh",
+# the straggler it makes, and a link that is down or degraded the congestion and
+# slowdown it makes). Unlisted alerts come after all of these.
+LINK_ALERTS = ("NicLinkDown", "GpuNvLinkDown", "GpuPcieLinkDegraded", "NicLinkDegraded",
+               "GpuNvLinkErrors")
+ROOT_ORDER = ("NodeAgentDown", "AgentCollectionStale", "AgentTelemetryStalled",
+              "RankProgressNotScraped", "GpuDown", "JobNodeUnreachable", "RankHung",
+              "GpuCriticalXid", "GpuEccUncorrectable", "GpuReadingsFailing",
+              "GpuThermalSlowdown", "GpuPowerBrake", "GpuTemperatureHigh", *LINK_ALERTS,
               "TrainingLinkCongested", "TrainingStraggler", "JobStalled")
-# Alerts without a run label that concern the runs on their node.
+# Alerts without a run label that concern the runs on their node (a link's too: the
+# timeline showed a JobSlowdown alone while the NIC port under it was down).
 NODE_ALERTS = frozenset({"NodeAgentDown", "AgentCollectionStale", "AgentTelemetryStalled",
-                         "GpuDown", "GpuCriticalXid", "GpuEccUncorrectable",
-                         "GpuThermalSlowdown", "GpuPowerBrake", "GpuTemperatureHigh",
+                         "RankProgressNotScraped", "GpuDown", "GpuCriticalXid",
+                         "GpuEccUncorrectable", "GpuReadingsFailing", "GpuThermalSlowdown",
+                         "GpuPowerBrake", "GpuTemperatureHigh", *LINK_ALERTS,
                          "TrainingLinkCongested"})
 # Audit outcomes of an action that was taken (a run's restart accepted by all or some
 # of its agents; a node's drain done, or found done already).
@@ -259,12 +265,16 @@ def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Se
           until: float | None = None) -> list[Incident]:
     """The run's incidents, oldest first. An incident takes the first action taken on
     the run (audit outcome in TAKEN; from `sources` only, if given) after its detection,
-    while it fires or within ACTION_AFTER_S of its end, before the next incident and
-    before `until` (the end of the time range shown), and the policy's only if it named
-    one of its alerts; and the first trainer resume record in the same span, after its
-    action if it has one (a resume of an operator's restart 7 minutes after a hang had
-    resolved read as the hang's). `ranks`: the GPUs the run's ranks used (`concerns`,
-    `group`)."""
+    while it fires or within ACTION_AFTER_S of its end and before `until` (the end of
+    the time range shown), that no earlier incident took, and the policy's only if it
+    named one of its alerts; and the first trainer resume record after its action in
+    the same span (a resume of an operator's restart 7 minutes after a hang had
+    resolved read as the hang's). An incident without an action takes the first resume
+    in its span that no action's incident took, the latest incident first. The span is
+    the incident's own, whatever fires beside it: ended at the next incident's start, a
+    hang's closed when another node's GPU began throttling 3 s later, the policy's
+    restart of the hang was no one's and the throttling took the hang's resume record.
+    `ranks`: the GPUs the run's ranks used (`concerns`, `group`)."""
     mine = [e for e in episodes
             if concerns(run, nodes, {"alertname": e.name, **e.labels}, ranks)]
     out = []
@@ -282,16 +292,23 @@ def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Se
                    and (sources is None or r.get("source") in sources)),
                   key=lambda r: r.get("ts", 0.0))
     shown_until = float("inf") if until is None else until
-    for i, inc in enumerate(out):
-        nxt = out[i + 1].detected_at if i + 1 < len(out) else float("inf")
-        last = min(nxt, max(inc.open_until, inc.detected_at) + ACTION_AFTER_S, shown_until)
-        act = next((r for r in acts if inc.detected_at <= r.get("ts", 0.0) < last
-                    and _acts_for(r, inc)), None)
+    last = {id(inc): min(max(inc.open_until, inc.detected_at) + ACTION_AFTER_S, shown_until)
+            for inc in out}
+    taken: list[dict] = []
+    for inc in out:
+        act = next((r for r in acts if inc.detected_at <= r.get("ts", 0.0) < last[id(inc)]
+                    and _acts_for(r, inc) and all(r is not t for t in taken)), None)
         if act is not None:
+            taken.append(act)
             inc.action, inc.acted_at, inc.actor = act.get("action"), act["ts"], act.get("who", "")
+    # the resumes of actions first (each the first after its action), then the others,
+    # the latest detected first (a resume without an action follows the latest fault)
+    left = sorted(resumes, key=lambda r: r.at)
+    acted = sorted((i for i in out if i.acted_at is not None), key=lambda i: i.acted_at or 0.0)
+    for inc in [*acted, *(i for i in reversed(out) if i.acted_at is None)]:
         since = inc.detected_at if inc.acted_at is None else inc.acted_at
-        inc.resume = next((r for r in sorted(resumes, key=lambda r: r.at)
-                           if since <= r.at < last), None)
+        inc.resume = next((r for r in left if since <= r.at < last[id(inc)]), None)
+        left = [r for r in left if r is not inc.resume]
     return out
 
 
@@ -361,6 +378,16 @@ def alert_queries(step_s: float) -> tuple[str, str, str]:
             f"min_over_time({fired})")
 
 
+def resume_query(key: str, run: str) -> str:
+    """The run's RESUME_SERIES[key], of the one rank-0 process that resumed last (the
+    newest resume timestamp): an agent keeps an exited process's series for its grace,
+    and the max of each series on its own read the new process's step with the old one's
+    steps recomputed."""
+    at = f'{RESUME_SERIES["at"]}{{run="{run}"}}'
+    return (f'max({RESUME_SERIES[key]}{{run="{run}"}} and on (instance, node, rank, '
+            f"local_rank) ({at} == on () group_left () max({at})))")
+
+
 def resumes_from(step: Sequence[tuple[float, float]], recomputed: Sequence[tuple[float, float]],
                  at: Sequence[tuple[float, float]]) -> list[Resume]:
     """Resume records from range queries of the three RESUME_SERIES (max over the
@@ -396,7 +423,7 @@ def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: f
                          at=end),
         "for_state": partial(ranged, for_state), "firing": partial(ranged, firing),
         "first_firing": partial(ranged, first_firing),
-        **{k: partial(one, f'max({m}{{run="{run}"}})') for k, m in RESUME_SERIES.items()}})
+        **{k: partial(one, resume_query(k, run)) for k in RESUME_SERIES}})
     nodes = {s.labels.get("node", "") for s in got["nodes"]}
     ranks: RankGpus = {}
     for s in got["nodes"]:
@@ -411,7 +438,7 @@ def inputs(prom: PrometheusClient, run: str, start: float, end: float, step_s: f
 def latest_resume(prom: PrometheusClient, run: str) -> Resume | None:
     """The run's resume record now (its current rank 0 process's), or None before any
     restart: the Run page's action progress says where the run resumed from."""
-    got = {k: prom.query(f'max({m}{{run="{run}"}})') for k, m in RESUME_SERIES.items()}
+    got = {k: prom.query(resume_query(k, run)) for k in RESUME_SERIES}
     if not all(got.values()):
         return None
     return Resume(int(got["step"][0].value), int(got["recomputed"][0].value),

@@ -90,8 +90,13 @@ def _range_query(prom: PrometheusClient, range_s: int, end: float | None = None,
                  ) -> Callable[[str], list]:
     """query_range over the page's window (up to now, or to `end`), ~200 points."""
     end = time.time() if end is None else end
-    step = max(1.0, range_s / 200)
+    step = range_step(range_s)
     return lambda expr: prom.query_range(expr, end - range_s, end, step)
+
+
+def range_step(range_s: float) -> float:
+    """The step of the page's range queries (`_range_query`)."""
+    return max(1.0, range_s / 200)
 
 
 def _frame(samples, value: str = "value") -> pd.DataFrame:
@@ -129,8 +134,24 @@ def live(expr: str, sel: str = "") -> str:
 
 
 # -- the cluster page (7 queries + 1 Alertmanager call) -----------------------------
-NODES_UP = ('max by (node, instance) (up{job=~"clusterpulse.*"} * on (instance) group_left '
-            '(node) max by (instance, node) (max_over_time(clusterpulse_agent_build_info[1h])))')
+# The node each agent's address serves: one per address (an agent restarted there with
+# another --node left two names, the join below was many-to-many, and Prometheus's 422
+# blanked the page for an hour), the one seen last, over 30 days (as far back as
+# NodeAgentDown looks: a node down for more than an hour left the page while it paged).
+# When each name was last seen: its samples' own times, read every minute over the last
+# hour, every 5 minutes over the day and hourly over 30 days (`timestamp` in subqueries):
+# 30 days of raw samples are 172,800 a series at a 15 s scrape, over Prometheus's
+# 50 million a query at ~300 nodes. Value 1.
+_SEEN = "max_over_time(timestamp(clusterpulse_agent_build_info)"
+NODE_OF_ADDRESS = (
+    "group by (instance, node) (topk by (instance) (1, max by (instance, node) ("
+    + " or ".join(f"{_SEEN}[{window}])" for window in ("1h:1m", "1d:5m", "30d:1h")) + ")))")
+# Each agent target up (1) or not (0), by node; a target no agent ever answered at is
+# named by its scrape configuration's `target_node`, else its address
+_UP = 'up{job=~"clusterpulse.*"}'
+NODES_UP = (f"max by (node, instance) ({_UP} * on (instance) group_left (node) "
+            f"{NODE_OF_ADDRESS} or on (instance) label_replace(label_replace({_UP}, "
+            '"node", "$1", "instance", "(.*)"), "node", "$1", "target_node", "(.+)"))')
 GPU_COUNTS = 'count_values("up", max by (node, gpu, uuid) (clusterpulse_gpu_up))'
 
 
@@ -176,6 +197,10 @@ def cluster_gpu_data(prom: PrometheusClient, metric: str) -> tuple[dict[str, int
 # own series, not the recorded clusterpulse:run_step: a rule evaluation later, a new
 # run read "Running jobs 0" at step 8.
 _RANK = "on (run, rank, node, local_rank) group_left ()"
+# Where each run's ranks are (`placement` reads it): the Jobs table's and the Alerts
+# page's grouping of a node's and a GPU's alerts by run
+PLACEMENT = ('label_replace(max by (run, node, rank, gpu) (clusterpulse_trainer_rank_info), '
+             '"part", "placement", "", "")')
 JOBS = (f'label_replace(max by (run) ({live("clusterpulse_trainer_step")}), "part", "step", '
         '"", "") or '
         # a run with no live rank: its last step; exited (not running) only if its ranks
@@ -193,8 +218,7 @@ JOBS = (f'label_replace(max by (run) ({live("clusterpulse_trainer_step")}), "par
         '(clusterpulse_trainer_step == 0)), "part", "restarting", "", "") or label_replace('
         'max by (run) (clusterpulse_trainer_checkpoint_last_step), "part", "checkpoint", "", "") '
         # where each run's ranks are: a GPU's or node's alert is the run's too (`placement`)
-        'or label_replace(max by (run, node, rank, gpu) (clusterpulse_trainer_rank_info), '
-        '"part", "placement", "", "")')
+        f"or {PLACEMENT}")
 
 
 EXITED = "exited"
@@ -256,11 +280,37 @@ def run_step(per_rank: dict[str, dict[str, float]]) -> tuple[str, str | None]:
     until it has loaded its checkpoint, so during every restart the figure read
     "Step 0" (issue #28): a run whose ranks are all behind its last checkpoint is
     restarting from it, as the Cluster page's Jobs table says (`jobs`)."""
-    step = max(per_rank["step"].values(), default=0)
+    step = max(per_rank["step"].values(), default=None)
     ckpt = max(per_rank["checkpoint step"].values(), default=None)
+    if step is None:  # no rank reports one: nothing known, not "Step 0"
+        return MISSING, None
     if ckpt is not None and step < ckpt:
         return "restarting", f"from checkpoint step {ckpt:.0f}"
     return f"{step:.0f}", None
+
+
+# What a figure shows when its value is missing (the tables' ui.MISSING): "0 %" and
+# "nan" read as values.
+MISSING = "—"
+
+
+def figure(value: float | None, fmt: str) -> str:
+    """`value` formatted, or MISSING when there is none (None or NaN)."""
+    return MISSING if value is None or value != value else fmt.format(value)
+
+
+def run_figures(per_rank: dict[str, dict[str, float]]) -> dict[str, str]:
+    """The Run page's Loss, Restarts, Goodput and Last checkpoint as shown (rank 0's loss
+    and goodput): a dash where no rank reports one. A cleanly finished run read "Loss
+    nan", "Goodput 0 %" and "Last checkpoint none" beside a Jobs table that said it
+    exited at step 500; "none" only while ranks report a step without a checkpoint."""
+    ckpt = max(per_rank["checkpoint step"].values(), default=None)
+    goodput = per_rank["goodput"].get("0")
+    return {"Loss": figure(per_rank["loss"].get("0"), "{:.3f}"),
+            "Restarts": figure(max(per_rank["restarts"].values(), default=None), "{:.0f}"),
+            "Goodput": figure(None if goodput is None else goodput * 100, "{:.0f} %"),
+            "Last checkpoint": figure(ckpt, "step {:.0f}") if ckpt is not None or
+            not per_rank["step"] else "none"}
 
 
 @st.cache_data(ttl=5, show_spinner=False)
@@ -488,11 +538,30 @@ def node(prom_url: str, name: str, range_s: int, end: float | None = None) -> Re
             events["meaning"] = events["xid"].map(explain.xid)
         nics = got["nics"]
         return {"series": series, "throttle": [(r.labels, r.points) for r in got["throttle"]],
+                "step": range_step(range_s),
                 "down": down, "failing": failing_readings(got["failing"]),
                 "xid": events, "ecc": ecc, "gpu_links": gpu_links, "nics": nics,
                 "queries": prom.queries}
 
     return _guard(f"node:{prom_url}:{name}:{range_s}:{end}", fetch)
+
+
+def throttle_episodes(throttle: list, step: float, gpu: str | None = None) -> pd.DataFrame:
+    """The Node page's throttle table: one row per episode of a reason on a GPU (of
+    `gpu` only, if given), from the range query's points (`node`'s "throttle": only
+    where the reason is active, at `step`). A gap of more than a step between two
+    points ends an episode: two throttlings 50 minutes apart read as one of 51."""
+    rows = []
+    for labels, points in throttle:
+        times = [t for t, _ in points]
+        if not times or (gpu is not None and labels.get("gpu") != gpu):
+            continue
+        starts = [0, *(i for i in range(1, len(times)) if times[i] - times[i - 1] > step * 1.5)]
+        for a, b in zip(starts, [*starts[1:], len(times)], strict=True):
+            rows.append({"gpu": labels.get("gpu"), "reason": labels.get("reason"),
+                         "from (UTC)": pd.Timestamp(times[a], unit="s"),
+                         "until (UTC)": pd.Timestamp(times[b - 1], unit="s")})
+    return pd.DataFrame(rows)
 
 
 # The figures of one GPU's line on the Node page (its title in NODE_SERIES -> as read)
@@ -598,6 +667,7 @@ PER_RANK = {"step": _T + "step", "score": _T + "straggler_score",
             "recurring": _T + "straggler_recurring",
             "collectives behind": "clusterpulse:rank_collectives_behind",
             "hang margin s": "clusterpulse:rank_hang_margin_seconds",
+            "hold margin s": "clusterpulse:rank_hold_margin_seconds",
             "compute s": _T + "compute_seconds", "sync wait s": _T + "sync_wait_seconds",
             "data wait s": _T + "data_wait_seconds", "all-reduce s": _T + "comm_seconds",
             "all-reduce bytes": _T + "comm_bytes",
@@ -606,6 +676,24 @@ PER_RANK = {"step": _T + "step", "score": _T + "straggler_score",
             "checkpoint time": _T + "checkpoint_last_timestamp_seconds",
             "checkpoint blocking s": _T + "checkpoint_blocking_seconds",
             "loss": _T + "loss", "goodput": _T + "goodput_ratio"}
+
+
+# The Run page's figures a run with no live rank keeps from its ranks' last values (the
+# agent exports an exited rank's for its grace, 5 min): a cleanly finished run read
+# "Step 0" while the Jobs table said it exited at step 500. The straggler table's
+# timings stay live only.
+LAST_KEPT = frozenset({"step", "loss", "goodput", "restarts", "checkpoint step",
+                       "checkpoint time", "checkpoint blocking s"})
+
+
+def per_rank_expr(col: str, metric: str, sel: str) -> str:
+    """One PER_RANK column's series of the run `sel` selects: the live ranks', and for a
+    LAST_KEPT column of a run with no live rank, the last ones exported."""
+    expr = live(f"{metric}{{{sel}}}", sel)
+    if col not in LAST_KEPT:
+        return expr
+    return (f"{expr} or ({metric}{{{sel}}} unless on (run) "
+            f"{live(f'clusterpulse_trainer_rank_info{{{sel}}}', sel)})")
 
 
 @st.cache_data(ttl=5, show_spinner=False)
@@ -628,7 +716,7 @@ def run(prom_url: str, name: str, range_s: int, end: float | None = None) -> Res
                              f"({live(info, sel)} or ({info} unless on (run, rank) "
                              f"{live(info, sel)}))"),
             "per_rank": partial(prom.query, _tagged(
-                {col: f"max by (rank) ({live(metric + '{' + sel + '}', sel)})"
+                {col: f"max by (rank) ({per_rank_expr(col, metric, sel)})"
                  for col, metric in PER_RANK.items()})),
             "causes": partial(prom.query, f"clusterpulse:rank_straggler_cause{{{sel}}}"),
             "blocked": partial(prom.query, f"clusterpulse_trainer_blocked_collective{{{sel}}}"),
@@ -720,6 +808,31 @@ def run_resume(prom_url: str, name: str) -> Result:
 
 
 # -- alerts ---------------------------------------------------------------------------
+def alert_history(prom: PrometheusClient, start: float, end: float) -> pd.DataFrame:
+    """Each alert series that fired in [start, end]: when it was first and last seen
+    firing, from incident.alert_queries' forms, which cover each step whole (~200 points
+    over the range). Plain ALERTS points at the 24 h range's 432 s step missed an alert
+    that fired for a minute between two of them."""
+    from clusterpulse import incident
+
+    step = max(5.0, (end - start) / 200)
+    got = at_once({q: partial(prom.query_range, q, start, end, step)
+                   for q in incident.alert_queries(step)[1:]})  # last and first firing
+    seen: dict[tuple, tuple[dict, list[float]]] = {}  # labels -> (labels, firing times)
+    for r in (r for rows in got.values() for r in rows):
+        seen.setdefault(tuple(sorted(r.labels.items())), (r.labels, []))[1].extend(
+            v for _, v in r.points)
+    return pd.DataFrame([
+        {"alert": labels.get("alertname"), "severity": labels.get("severity"),
+         "labels": ", ".join(f"{k}={v}" for k, v in sorted(labels.items())
+                             if k not in ("alertname", "alertstate", "severity",
+                                          "__name__", "instance", "job", "uuid")),
+         "where": dict(labels),
+         "first seen": pd.Timestamp(min(times), unit="s"),
+         "last seen": pd.Timestamp(max(times), unit="s")}
+        for labels, times in seen.values() if times])
+
+
 @st.cache_data(ttl=5, show_spinner=False)
 def alerts(prom_url: str, am_url: str, range_s: int, end: float | None = None) -> Result:
     """The active alerts (Alertmanager) and the history (Prometheus), each fetched and
@@ -728,25 +841,19 @@ def alerts(prom_url: str, am_url: str, range_s: int, end: float | None = None) -
     Result: stale, why, and its last good value) for the page to say which is down."""
     def history() -> pd.DataFrame:
         until = time.time() if end is None else end
-        hist = _prometheus(prom_url).query_range('ALERTS{alertstate="firing"}',
-                                                 until - range_s, until, max(5.0, range_s / 200))
-        return pd.DataFrame([
-            {"alert": r.labels.get("alertname"), "severity": r.labels.get("severity"),
-             "labels": ", ".join(f"{k}={v}" for k, v in sorted(r.labels.items())
-                                 if k not in ("alertname", "alertstate", "severity",
-                                              "__name__", "instance", "job", "uuid")),
-             "where": dict(r.labels),
-             "first seen": pd.Timestamp(r.points[0][0], unit="s"),
-             "last seen": pd.Timestamp(r.points[-1][0], unit="s")} for r in hist])
+        return alert_history(_prometheus(prom_url), until - range_s, until)
 
     got = at_once({
         "Alertmanager": partial(_guard, f"alerts-active:{am_url}",
                                 lambda: _alertmanager(am_url).alerts()),
-        "Prometheus": partial(_guard, f"alerts-history:{prom_url}:{range_s}:{end}", history)})
+        "Prometheus": partial(_guard, f"alerts-history:{prom_url}:{range_s}:{end}", history),
+        # the runs' placement, for grouping the active alerts as the Cluster page does
+        "placement": partial(_guard, f"placement:{prom_url}", lambda: placement(
+            _prometheus(prom_url).query(PLACEMENT)))})
     active, hist = got["Alertmanager"].value, got["Prometheus"].value
     return Result({"active": active or [],
                    "history": hist if hist is not None else pd.DataFrame(),
-                   "sources": got})
+                   "placement": got.pop("placement").value or {}, "sources": got})
 
 
 def _prometheus(prom_url: str) -> PrometheusClient:

@@ -8,6 +8,7 @@ without a browser.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -35,10 +36,13 @@ class HangIncident:
 
 
 def hang_incident(d: dict) -> HangIncident | None:
-    """None unless some rank is past its hang threshold."""
+    """None unless some rank is past its hang threshold or its hold threshold (either
+    margin > 0, as RankHung reads them: on the hang margin alone the page said "no
+    root can be told" while RankHung named the root)."""
     per = d["per_rank"]
-    margin = per.get("hang margin s", {})
-    stalled = [r for r, m in margin.items() if m is not None and m > 0]
+    margins = [per.get("hang margin s", {}), per.get("hold margin s", {})]
+    stalled = sorted({r for m in margins for r, v in m.items() if v is not None and v > 0},
+                     key=_rank_order)
     if not stalled:
         return None
     behind = per.get("collectives behind", {})
@@ -47,8 +51,7 @@ def hang_incident(d: dict) -> HangIncident | None:
     ranks = d.get("ranks")
     if ranks is not None and not ranks.empty:
         nodes = dict(zip(ranks["rank"], ranks["node"], strict=False))
-    waiters = {r: d.get("blocked", {}).get(r, "") for r in sorted(stalled, key=_rank_order)
-               if r not in roots}
+    waiters = {r: d.get("blocked", {}).get(r, "") for r in stalled if r not in roots}
     return HangIncident(roots, waiters, nodes)
 
 
@@ -113,6 +116,42 @@ def rank_tables(d: dict, keep: dict[str, str] | None = None,
         "rank", key=lambda c: c.map(_rank_order)).reset_index(drop=True)
 
 
+def _known(value: object) -> bool:
+    return value is not None and value == value  # NaN is not equal to itself
+
+
+def straggler_line(r: dict) -> str:
+    """The line above the Run page's table for a flagged rank (a row of `rank_tables`),
+    in words: a figure the rank did not report is named as missing ("GPU °C not
+    reported"), where the line read "GPU at nan °C"."""
+    def shown(col: str, fmt: str) -> str:
+        return fmt.format(r[col]) if _known(r.get(col)) else f"{col} not reported"
+
+    score = f"is {r['score']:.2f}x the typical rank" if _known(r.get("score")) \
+        else "is flagged a straggler"
+    evidence = ", ".join((shown("GPU °C", "GPU at {:.0f} °C"),
+                          shown("data wait ms", "data wait {:.0f} ms"),
+                          shown("sync wait ms", "sync wait {:.0f} ms")))
+    return (f"Rank {r['rank']} on {r['node']} GPU {r['gpu']} {score} — cause: "
+            f"**{r['cause'] or 'not named'}** ({evidence}). [Its GPU's charts]({r['evidence']})")
+
+
+def timeline_row(row: dict, dated: bool = False) -> tuple[dict, dict]:
+    """An Incident.row() as the Run page's timeline row and its expander's row; with
+    `dated` (a window over more than one UTC day) its start with the date: at 7 d two
+    hangs on different days read as the same "14:00:00"."""
+    detected = time.strftime("%m-%d %H:%M:%S" if dated else "%H:%M:%S",
+                             time.gmtime(row["detected"]))
+    action = row["action"] if row["by"] == "-" else f"{row['action']} by {row['by']}"
+    resumed = "-" if row["resumed from step"] is None else (
+        f"from step {row['resumed from step']} at {row['resumed']}, "
+        f"{row['steps recomputed']} steps recomputed")
+    paged = "" if row["paged"] == "-" else f", paged {row['paged']}"
+    head = {"began (UTC)": detected, "incident": f"{row['incident']} on {row['where']}{paged}"}
+    return ({**head, "action": action, "resumed": resumed},
+            {**head, "alerts": row["alerts"], "steps recomputed": row["steps recomputed"]})
+
+
 def _rank_order(rank: object) -> int:
     """Ranks in numeric order ('10' after '2'), anything else last (another exporter's
     rank="r3" stopped the Run page's hang incident in sorted(key=int))."""
@@ -128,27 +167,35 @@ def rate_against_usual(now: float, usual: float | None) -> str | None:
     return f"{(now / usual - 1) * 100:+.0f} % vs 15 min"
 
 
-def alert_groups(alerts: list, now: float) -> list[list]:
+def alert_groups(alerts: list, now: float,
+                 placement: dict[str, tuple[set[str], dict]] | None = None) -> list[list]:
     """Active alerts (amclient.Alert) grouped by fault with the incident model
     (clusterpulse/incident.py: same node, overlapping in time), root first, the
     group with the most severe and newest alert first. Listed one by one, a lost
-    GPU's GpuDown, GpuCriticalXid and its rank's RankHung read as three problems."""
+    GPU's GpuDown, GpuCriticalXid and its rank's RankHung read as three problems.
+    `placement` (data.placement): where each run's ranks are, as the Run page's
+    incidents read it; without it a node shared by two runs put one run's lost GPU
+    with the other run's hang."""
     from clusterpulse import incident
 
     eps = [incident.AlertEpisode(a.name, a.labels, started(a.starts_at, now), now)
            for a in alerts]
     owner = {id(e): a for e, a in zip(eps, alerts, strict=True)}
     # per run, as the Run page's incidents are (incident.concerns: its own alerts and
-    # the node alerts of its nodes); a job alert of one run never joins another's fault
-    parts, left = [], list(eps)
+    # the node alerts of its nodes, a GPU's of the GPUs its ranks use); a job alert of
+    # one run never joins another's fault
+    parts: list[tuple[list, dict | None]] = []
+    left = list(eps)
     for run in sorted({e.labels.get("run", "") for e in eps} - {""}):
-        nodes = {e.node for e in eps if e.labels.get("run") == run} - {""}
-        mine = [e for e in left if incident.concerns(run, nodes, e.labels)]
+        placed, ranks = (placement or {}).get(run, (set(), None))
+        nodes = ({e.node for e in eps if e.labels.get("run") == run} | placed) - {""}
+        mine = [e for e in left if incident.concerns(run, nodes, e.labels, ranks)]
         left = [e for e in left if all(e is not m for m in mine)]
-        parts.append(mine)
+        parts.append((mine, ranks))
     groups = [[owner[id(e)] for e in sorted(g, key=lambda e: (incident.root_rank(e.name),
                                                               e.active_at))]
-              for part in [*parts, left] for g in incident.group(part)]
+              for part, ranks in [*parts, (left, None)]
+              for g in incident.group(part, ranks=ranks)]
     return sorted(groups, key=lambda g: (min(SEVERITY_ORDER.get(a.severity, 9) for a in g),
                                          -max(started(a.starts_at, now) for a in g)))
 
@@ -181,6 +228,29 @@ def run_alerts(alerts: list, placement: dict[str, tuple[set[str], dict]] | None 
                 f"{a.name} ({a.severity})"
                 for a in sorted(items, key=lambda a: (order.get(a.severity, 2), a.name))))
             for run, items in by_run.items()}
+
+
+def problem_rows(down: pd.DataFrame, nodes: pd.DataFrame, active: list) -> list[dict]:
+    """The Cluster page's unhealthy GPUs and nodes (node, gpu, problem): each GPU down
+    (data.cluster's `down`), each agent target not up (NODES_UP), and the active alerts
+    on a node. A NodeAgentDown of a target the table does not hold already (one without
+    a node name, from an address no agent ever answered at) is a row of its own, named
+    by its address: skipped, the page said "All nodes and GPUs healthy" while it paged."""
+    rows = [{"node": r["node"], "gpu": r["gpu"], "problem": f"GPU down: {r['reason']}"}
+            for _, r in (down.iterrows() if not down.empty else [])]
+    gone = nodes[nodes["up"] == 0] if not nodes.empty else nodes
+    rows += [{"node": r["node"], "gpu": "", "problem": "agent unreachable"}
+             for _, r in gone.iterrows()]
+    shown = set(gone.get("node", [])) | set(gone.get("instance", []))
+    for a in active:
+        if a.name == "NodeAgentDown":
+            where = a.labels.get("node") or a.labels.get("instance", "")
+            if where and not {a.labels.get("node"), a.labels.get("instance")} & shown:
+                rows.append({"node": where, "gpu": "", "problem": "agent unreachable"})
+        elif "node" in a.labels and a.name != "GpuDown":
+            rows.append({"node": a.labels["node"], "gpu": a.labels.get("gpu", ""),
+                         "problem": a.annotations.get("summary", a.name)})
+    return rows
 
 
 def started(starts_at: str, now: float) -> float:

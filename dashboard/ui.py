@@ -474,7 +474,7 @@ def operators() -> auth.Operators:
 # What a table shows for a missing value: Streamlit's grid writes "None", which read as
 # a value (the straggler table's cells during a restart). st.dataframe's `placeholder`
 # says otherwise where this Streamlit has it (pyproject.toml's floor may not).
-MISSING = "—"
+MISSING = data.MISSING
 _HAS_PLACEHOLDER = "placeholder" in inspect.signature(st.dataframe).parameters
 
 

@@ -92,7 +92,7 @@ def live() -> None:
     # banner names the one that is down
     d = data.alerts(s.prometheus_url, s.alertmanager_url, win.seconds, win.end).value
     now = time.time()
-    groups = alert_groups(d["active"], now)
+    groups = alert_groups(d["active"], now, d["placement"])
     if ui.show_status(d["sources"]["Alertmanager"], "Alertmanager"):
         st.subheader(f"Active ({len(d['active'])} alert(s), {len(groups)} incident(s))")
         if not groups:

@@ -9,7 +9,7 @@ import streamlit as st
 
 from clusterpulse.dashboard import data, links, ui
 from clusterpulse.dashboard import heat as hmap
-from clusterpulse.dashboard.incidents import alert_groups, run_alerts
+from clusterpulse.dashboard.incidents import alert_groups, problem_rows, run_alerts
 
 s = ui.settings()
 st.title("Cluster")
@@ -39,7 +39,7 @@ def live() -> None:
     runs = d["runs"]
     ui.kpi(c[4], "Running jobs", data.running(runs))
     if active:  # several alerts of one fault are one thing to look at
-        groups = alert_groups(active, time.time())
+        groups = alert_groups(active, time.time(), d["placement"])
         st.caption(f"{len(active)} active alert(s) from {len(groups)} incident(s): "
                    f"[Alerts]({links.page_url('alerts', None, ui.keep())})")
     if d["am_error"]:
@@ -71,15 +71,7 @@ def live() -> None:
         # the same picture in words, for screen readers (and a glance)
         st.caption(hmap.summary(cells, metric, d["unit"], good_high))
     st.subheader("Unhealthy GPUs and nodes")
-    rows = []
-    for _, r in d["down"].iterrows() if not d["down"].empty else []:
-        rows.append({"node": r["node"], "gpu": r["gpu"], "problem": f"GPU down: {r['reason']}"})
-    for _, r in nodes[nodes["up"] == 0].iterrows() if not nodes.empty else []:
-        rows.append({"node": r["node"], "gpu": "", "problem": "agent unreachable"})
-    for a in active:
-        if "node" in a.labels and a.name not in ("GpuDown", "NodeAgentDown"):
-            rows.append({"node": a.labels["node"], "gpu": a.labels.get("gpu", ""),
-                         "problem": a.annotations.get("summary", a.name)})
+    rows = problem_rows(d["down"], nodes, active)
     if rows:
         table = pd.DataFrame(rows)
         table["evidence"] = [links.evidence({"node": r["node"], "gpu": r["gpu"]}, ui.keep())

@@ -68,10 +68,7 @@ def chart(title: str, frame: pd.DataFrame) -> None:
 
 
 def throttle_rows(d: dict, gpu: str | None = None) -> pd.DataFrame:
-    return pd.DataFrame([{"gpu": lb.get("gpu"), "reason": lb.get("reason"),
-                          "from (UTC)": pd.Timestamp(pts[0][0], unit="s"),
-                          "until (UTC)": pd.Timestamp(pts[-1][0], unit="s")}
-                         for lb, pts in d["throttle"] if gpu is None or lb.get("gpu") == gpu])
+    return data.throttle_episodes(d["throttle"], d["step"], gpu)
 
 
 # The GPU's line above its charts: chart title -> how its last value reads

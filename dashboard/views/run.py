@@ -15,6 +15,8 @@ from clusterpulse.dashboard.incidents import (
     hang_incident,
     rank_tables,
     rate_against_usual,
+    straggler_line,
+    timeline_row,
 )
 from clusterpulse.dashboard.promclient import PrometheusClient, PrometheusError
 
@@ -72,7 +74,6 @@ def live() -> None:
     d = result.value
     per = d["per_rank"]
     step, step_note = data.run_step(per)
-    ckpt_step = max(per["checkpoint step"].values(), default=None)
     ckpt_time = max(per["checkpoint time"].values(), default=None)
     if win.end is not None:  # a past window: say which parts of the page are of it
         st.caption(window_note(win))
@@ -82,11 +83,12 @@ def live() -> None:
         c[0].caption(step_note)
     ui.kpi(c[1], "Steps / s", f"{d['step_rate']:.2f}",
            rate_against_usual(d["step_rate"], d["step_rate_usual"]))
-    ui.kpi(c[2], "Loss", f"{per['loss'].get('0', float('nan')):.3f}")
-    ui.kpi(c[3], "Restarts", f"{max(per['restarts'].values(), default=0):.0f}")
-    ui.kpi(c[4], "Goodput", f"{per['goodput'].get('0', 0) * 100:.0f} %",
+    figures = data.run_figures(per)
+    ui.kpi(c[2], "Loss", figures["Loss"])
+    ui.kpi(c[3], "Restarts", figures["Restarts"])
+    ui.kpi(c[4], "Goodput", figures["Goodput"],
            help="time spent on steps that count / wall time since the run began")
-    ui.kpi(c[5], "Last checkpoint", "none" if ckpt_step is None else f"step {ckpt_step:.0f}")
+    ui.kpi(c[5], "Last checkpoint", figures["Last checkpoint"])
     if ckpt_time is not None:
         c[5].caption(f"saved {time.time() - ckpt_time:.0f} s ago")
     incident = hang_incident(d)
@@ -99,10 +101,7 @@ def live() -> None:
         st.error(f"Rank {r['rank']} on {r['node']}: its GPU {r['gpu']} is DOWN. "
                  f"[Its GPU's charts]({r['evidence']})")
     for _, r in table[table["flag"] == "STRAGGLER"].iterrows():
-        st.warning(f"Rank {r['rank']} on {r['node']} GPU {r['gpu']} is {r['score']:.2f}x the "
-                   f"typical rank — cause: **{r['cause'] or 'not named'}** (GPU at "
-                   f"{r['GPU °C']:.0f} °C, data wait {r['data wait ms']:.0f} ms, sync wait "
-                   f"{r['sync wait ms']:.0f} ms). [Its GPU's charts]({r['evidence']})")
+        st.warning(straggler_line(r.to_dict()))
     st.subheader("Ranks (straggler table)")
     shown = table
     if focus is not None and focus in set(table["rank"]):  # stragglers stay first
@@ -175,19 +174,6 @@ TIMELINE_COLUMNS = {
 }
 
 
-def timeline_row(row: dict) -> tuple[dict, dict]:
-    """An Incident.row() as the timeline's row and its expander's row."""
-    detected = time.strftime("%H:%M:%S", time.gmtime(row["detected"]))
-    action = row["action"] if row["by"] == "-" else f"{row['action']} by {row['by']}"
-    resumed = "-" if row["resumed from step"] is None else (
-        f"from step {row['resumed from step']} at {row['resumed']}, "
-        f"{row['steps recomputed']} steps recomputed")
-    paged = "" if row["paged"] == "-" else f", paged {row['paged']}"
-    head = {"began (UTC)": detected, "incident": f"{row['incident']} on {row['where']}{paged}"}
-    return ({**head, "action": action, "resumed": resumed},
-            {**head, "alerts": row["alerts"], "steps recomputed": row["steps recomputed"]})
-
-
 def incident_timeline() -> None:
     """One row per fault (its alerts grouped, the root named), the action from the
     audit log, and where the trainer says it resumed from: clusterpulse/incident.py,
@@ -203,7 +189,10 @@ def incident_timeline() -> None:
     if not items:
         st.caption("No incident in this time range.")
         return
-    rows = [timeline_row(i.row()) for i in items]
+    start, end = win.bounds()  # dated where the incidents shown span UTC days
+    first = min([start, *(i.detected_at for i in items)])  # one may begin before it
+    dated = time.gmtime(first)[:3] != time.gmtime(end)[:3]
+    rows = [timeline_row(i.row(), dated) for i in items]
     ui.table(pd.DataFrame([r for r, _ in rows]), hide_index=True, width="stretch",
              row_height=TIMELINE_ROW_PX, column_config=TIMELINE_COLUMNS)
     with st.expander("Every alert of each incident, steps recomputed"):

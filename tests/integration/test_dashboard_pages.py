@@ -747,6 +747,17 @@ def test_a_finished_run_is_not_a_running_job(prom_with_data, monkeypatch, tmp_pa
     running = sum(state != "exited" for state in states.values())
     assert kpis(at)["Running jobs"] == str(running)
     assert jobs.set_index("run").loc["zdone", "step"] == 500
+    # its Run page: the last step its ranks reported, as the table says (a review saw
+    # "Step 0", "Loss nan", "Goodput 0 %" there); listed once the rules have recorded it
+    wait_until(lambda: prom.query('clusterpulse:run_step{run="zdone"}'), 30,
+               "the finished run recorded")
+    st.cache_data.clear()
+    at.switch_page("views/run.py")
+    at.query_params["run"] = "zdone"
+    at.run()
+    assert not at.exception, at.exception
+    figures = kpis(at)
+    assert figures["Step"] == "500" and figures["Goodput"] == "\u2014", figures
 
 
 def test_a_run_whose_processes_were_killed_is_restarting_not_exited(prom_with_data,

@@ -137,6 +137,24 @@ def test_active_alerts_are_grouped_by_incident_root_first():
     assert ago(30) == "30 s ago" and ago(2 * 86400) == "2 d ago"
 
 
+def test_a_lost_gpu_is_grouped_with_the_hang_of_the_run_whose_rank_uses_it():
+    """Found in review: node n1 is shared, run alpha's rank 0 on GPU 0, run beta's rank
+    1 on GPU 1. GPU 1 is lost and beta's rank hangs on it; alpha's rank hangs on its
+    own. The Alerts and Cluster pages grouped the lost GPU with alpha's hang, the Run
+    page (which knows where the ranks are) with beta's."""
+    now = pd.Timestamp("2026-12-07T14:01:00Z").timestamp()
+    alerts = [alert("GpuDown", "critical", "2026-12-07T14:00:00Z", node="n1", gpu="1"),
+              alert("RankHung", "critical", "2026-12-07T14:00:10Z", run="beta", rank="1",
+                    node="n1"),
+              alert("RankHung", "critical", "2026-12-07T14:00:12Z", run="alpha", rank="0",
+                    node="n1")]
+    placement = {"alpha": ({"n1"}, {("n1", "0"): {"0"}}),
+                 "beta": ({"n1"}, {("n1", "1"): {"1"}})}
+    groups = alert_groups(alerts, now, placement)
+    assert sorted([(a.name, a.labels.get("run", "")) for a in g] for g in groups) == [
+        [("GpuDown", ""), ("RankHung", "beta")], [("RankHung", "alpha")]]
+
+
 def test_a_jobs_alerts_are_on_its_row_of_the_jobs_table():
     """Found on the demo: "Critical alerts 1" beside "All nodes and GPUs healthy" for
     9 minutes, the job-level alert (no node) nowhere on the page."""

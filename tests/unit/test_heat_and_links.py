@@ -91,7 +91,8 @@ def test_the_run_pages_step_says_restarting_instead_of_step_0():
     assert run_step({"step": {"0": 151.0, "1": 0.0}, "checkpoint step": {"0": 150.0}}) == \
         ("151", None)
     assert run_step({"step": {"0": 42.0}, "checkpoint step": {}}) == ("42", None)
-    assert run_step({"step": {}, "checkpoint step": {}}) == ("0", None)
+    # no rank reports a step (a finished run past its agents' grace): a dash, not 0
+    assert run_step({"step": {}, "checkpoint step": {}}) == ("\u2014", None)
 
 
 def test_the_node_page_warns_of_failing_readings_at_the_alerts_ratio_for_the_card_up():
@@ -138,3 +139,16 @@ def test_the_node_page_warns_of_failing_readings_at_the_alerts_ratio_for_the_car
     (rule,) = [r for g in rules["groups"] for r in g["rules"]
                if r.get("alert") == "GpuReadingsFailing"]
     assert f">= {FAILING_SHARE}" in rule["expr"], rule["expr"]
+
+
+def test_a_run_with_no_rank_reporting_shows_dashes_not_zeros():
+    """Found in review: a cleanly finished run's page read "Loss nan", "Goodput 0 %" and
+    "Last checkpoint none" while the Jobs table said it exited at step 500."""
+    from clusterpulse.dashboard.data import run_figures
+
+    empty = {k: {} for k in ("step", "loss", "goodput", "restarts", "checkpoint step")}
+    assert set(run_figures(empty).values()) == {"\u2014"}
+    last = {"step": {"0": 500.0}, "loss": {"0": 1.25}, "goodput": {"0": 0.875},
+            "restarts": {"0": 1.0}, "checkpoint step": {}}
+    assert run_figures(last) == {"Loss": "1.250", "Restarts": "1", "Goodput": "88 %",
+                                 "Last checkpoint": "none"}

@@ -331,3 +331,55 @@ def test_a_window_that_begins_inside_an_incident_shows_it_whole():
         ("GpuDown", ["GpuDown", "GpuCriticalXid"], "restart"),
         ("GpuThermalSlowdown", ["GpuThermalSlowdown", "TrainingStraggler"], None)]
     assert [data.incident_step(s) for s in (3600, 86400, 604800)] == [9.0, 30.0, 60.48]
+
+
+def test_a_concurrent_incident_hides_neither_the_policys_restart_nor_its_resume():
+    """Found in review: a hang the policy restarted at +6 s, while another node's GPU
+    began throttling at +3 s: the hang's window for actions ended at the throttling's
+    start, so it read "no action", and the throttling took the hang's resume record."""
+    eps = [_ep("RankHung", 0, 8, run=RUN, node="sim-node-1", rank="2"),
+           _ep("JobStalled", 1, 8, run=RUN),
+           _ep("GpuThermalSlowdown", 3, 200, node="sim-node-0", gpu="0")]
+    act = [{"ts": T0 + 6, "who": "policy", "why": "policy: RankHung -> restart",
+            "action": "restart", "outcome": "accepted", "run": RUN, "source": "remediation"}]
+    resumed = [Resume(900, 37, T0 + 40)]
+    items = _shown(eps, 0, act, ranks=RANK_GPUS, resumes=resumed)
+    assert [(i.cause, i.action, i.acted_at, i.resume) for i in items] == [
+        ("RankHung", "restart", T0 + 6, resumed[0]),
+        ("GpuThermalSlowdown", None, None, None)], [i.line() for i in items]
+    # an operator's action is one incident's: the first that fires when it is taken
+    op = [{**act[0], "who": "alice", "why": "hung"}]
+    items = _shown(eps, 0, op, ranks=RANK_GPUS, resumes=resumed)
+    assert [(i.action, i.resume) for i in items] == [("restart", resumed[0]), (None, None)]
+
+
+@pytest.mark.parametrize("name,labels", [
+    ("NicLinkDown", {"device": "mlx5_0", "port": "1", "kind": "infiniband"}),
+    ("NicLinkDegraded", {"device": "mlx5_0", "port": "1", "kind": "infiniband"}),
+    ("GpuNvLinkDown", {"gpu": "0", "link": "3"}), ("GpuNvLinkErrors", {"gpu": "0", "link": "3"}),
+    ("GpuPcieLinkDegraded", {"gpu": "0"}), ("GpuReadingsFailing", {"gpu": "0"}),
+    ("RankProgressNotScraped", {"instance": "10.0.0.1:9477"})])
+def test_a_link_or_scrape_alert_on_a_runs_node_is_on_its_timeline_as_the_root(name, labels):
+    """Found in review: a NIC port down on the run's node, with the JobSlowdown it made,
+    showed JobSlowdown alone on the timeline (the link alerts were no run's), while the
+    Jobs table listed the link alert beside the run. Root before the congestion and the
+    slowdown they explain (alerts.rules.yml names them)."""
+    eps = [_ep(name, 0, 1800, node="sim-node-0", **labels),
+           _ep("TrainingLinkCongested", 60, 1800, node="sim-node-0"),
+           _ep("JobSlowdown", 120, 1800, run=RUN)]
+    items = _shown(eps, 0, ranks=RANK_GPUS)
+    assert [(i.cause, i.alerts) for i in items] == [
+        (name, [name, "TrainingLinkCongested", "JobSlowdown"])], [i.line() for i in items]
+
+
+def test_the_root_order_names_alerts_the_rules_define():
+    """A name misspelt here would never be a root nor any run's: each is an alert
+    of deploy/prometheus/alerts.rules.yml."""
+    import re
+
+    from tests.support.procs import REPO
+
+    defined = set(re.findall(r"- alert: (\w+)", (REPO / "deploy/prometheus/alerts.rules.yml")
+                             .read_text()))
+    assert set(incident.ROOT_ORDER) - defined == set()
+    assert incident.NODE_ALERTS - defined == set()
