@@ -120,17 +120,20 @@ def file_head(path: Path) -> Head | None:
     What is published outside the file is the file's own head, not the last record
     one writer made: several processes append to one file, and a restarted writer
     knows none until it writes (a head that drops to 0 would read as records cut)."""
+    fd = -1
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError as err:  # none yet, or unreadable: the caller shows what it has
+        fcntl.flock(fd, fcntl.LOCK_SH)  # not half a record being appended
+        return _head_of(fd)[0]
+    except OSError as err:
+        # none yet, unreadable, a directory (it opens, and its reading raised in every
+        # /metrics scrape of the agent): the caller shows what it has
         if not isinstance(err, FileNotFoundError):
             log.warning("audit log %s: cannot read its head: %s", path, err.strerror or err)
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)  # not half a record being appended
-        return _head_of(fd)[0]
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 def head_families(head: Head, labels: dict[str, str]) -> list[Any]:

@@ -223,6 +223,20 @@ def make_pod_resources(target: str | None) -> PodResources | None:
         raise UsageError(f"--pod-resources: {err}") from None
 
 
+def make_audit_log(path: Path | None) -> AuditLog:
+    """The audit log, refused at start where no file can be: a directory started an
+    agent whose every scrape failed, and a path under a file was reported as
+    `cannot listen`."""
+    try:
+        if path is not None and path.is_dir():
+            raise UsageError(f"--audit-log {path} is a directory: name a file in it "
+                             f"(e.g. {path / 'audit.jsonl'})")
+        return AuditLog(path)  # makes its missing directories
+    except OSError as err:
+        raise UsageError(f"--audit-log {path}: cannot make its directory: "
+                         f"{err.strerror or err}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
@@ -266,13 +280,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--max-connections must be >= 1")
     if not (args.proc / "self").is_dir():
         raise UsageError(f"--proc {args.proc} is not a procfs (no {args.proc}/self)")
+    audit = make_audit_log(args.audit_log)
     ranks = RankRegistry(max_ranks=args.max_ranks, grace_s=args.rank_grace)
     pods = make_pod_resources(args.pod_resources)
     backend = make_backend(args, ranks)
     agent: Agent | None = None
     try:
-        agent = Agent(backend, args.node, ranks, AuditLog(args.audit_log),
-                      interval_s=args.interval, telemetry_addr=telemetry)
+        agent = Agent(backend, args.node, ranks, audit, interval_s=args.interval,
+                      telemetry_addr=telemetry)
         server = make_server(agent, host, port, token, tls=tls,
                              max_connections=args.max_connections)
     except OSError as err:
@@ -298,14 +313,15 @@ def run(args: argparse.Namespace) -> int:
     agent.links.append(GpuAttribution(lambda: agent.snapshot.gpus, args.proc, pods))
     if pods is not None:
         pods.start()  # a first answer before serving; never blocks past its timeout
+    serve_in_thread(server)  # first: /metrics and /v1/ answer whatever NVML does at start
     agent.start()
-    serve_in_thread(server)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 host, as a URL writes it
     print(f"clusterpulse-agent {__version__}: node={args.node} backend={backend.name} "
           f"gpus={len(agent.snapshot.gpus)} "
-          f"metrics={'https' if tls else 'http'}://{host}:{server.server_port}/metrics "
+          f"metrics={'https' if tls else 'http'}://{shown}:{server.server_port}/metrics "
           f"telemetry={agent.telemetry_address} "
           f"control_api={'on' if token else 'off'} pid={os.getpid()}", flush=True)
     done.wait()

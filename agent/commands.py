@@ -258,12 +258,16 @@ class CommandBook:
                         and c.owners.get(rank) == sender):
                     c.acked.add(rank)
 
-    def leave_refused(self, run: str, rank: int, cid: str, reason: str) -> None:
-        """A rank said its node cannot sit out: the command fails."""
+    def leave_refused(self, run: str, rank: int, cid: str, reason: str,
+                      sender: Sender) -> None:
+        """A rank's process the command was given to said its node cannot sit out: the
+        command fails. Not any other sender of the rank's number (its successor, or,
+        once the entry expired, another user's process): none of them heard it."""
         with self._lock:
             cmd = self._commands.get(cid)
             if (cmd is None or cmd.run != run or not cmd.leave_s or rank not in cmd.targets
-                    or cmd.state not in ("pending", "delivered")):
+                    or cmd.state not in ("pending", "delivered")
+                    or cmd.owners.get(rank) != sender):
                 return
             then = ("it restarted with the job instead" if reason == "others_leaving"
                     else "nothing was restarted")

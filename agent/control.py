@@ -26,7 +26,7 @@ from clusterpulse.agent.backends.sim import SimBackend
 from clusterpulse.agent.commands import InFlight
 from clusterpulse.agent.faults import FAULT_KINDS, FaultError, parse_fault
 from clusterpulse.agent.httpsafe import HttpError, parse_json_object
-from clusterpulse.agent.tokens import Tokens
+from clusterpulse.agent.tokens import Tokens, credentials
 from clusterpulse.agent.validate import bounded_number
 
 if TYPE_CHECKING:
@@ -41,9 +41,10 @@ def check_bearer(header: str | None, tokens: Tokens | None) -> tuple[str | None,
     """(principal, None) if authorised, else (None, the error response)."""
     if not tokens:
         return None, (403, {"error": "control API disabled: start the agent with --token-file"})
-    if not header or not header.startswith("Bearer "):
+    presented = credentials(header, "Bearer")
+    if not presented:
         return None, (401, {"error": "missing bearer token (Authorization: Bearer <token>)"})
-    principal = tokens.match(header[len("Bearer "):].strip())
+    principal = tokens.match(presented)
     if principal is None:
         return None, (401, {"error": "wrong token"})
     return principal, None

@@ -32,6 +32,9 @@ from clusterpulse.agent.sample import GpuSample
 log = logging.getLogger(__name__)
 FOLLOW_UP_EVERY_S = 1.0  # at most: a hard restart's SIGKILL is due 5 s after its SIGTERM
 MALFORMED_LOG_EVERY_S = 60.0  # at most one warning per malformed_<why> in this time
+# How long start() waits for the first collection: long enough for a healthy node's
+# (GPU facts in the first scrape, in the start line), bounded for a hung one's.
+FIRST_COLLECTION_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,10 @@ class Agent:
         self.telemetry_counts: collections.Counter[str] = collections.Counter()
         self.malformed_lines = Throttle(MALFORMED_LOG_EVERY_S)  # keys: protocol's reasons
         self.internal_errors = 0
+        # Unix time the agent began: what the collection age counts from before the
+        # first collection has succeeded (one hung at start ages, not reads 0)
+        self.started = time.time()
+        self._first_collection = threading.Event()
         # NIC port health and queues (agent.links.NicCounters, QueueCounters), set by the CLI
         self.links: list = []
         self._stop = threading.Event()
@@ -114,7 +121,11 @@ class Agent:
         return f"{host}:{port}"
 
     def start(self) -> None:
-        self.collect_once()
+        """Start the threads, then wait at most FIRST_COLLECTION_WAIT_S for the first
+        collection: collected here first, an NVML call that hung at start kept the
+        receiver, the follow-ups (a hung rank's restart) and the caller's HTTP server
+        from ever starting."""
+        self.follow_up()
         targets = [("collect", self._collect_loop), ("follow-up", self._follow_up_loop)]
         if self.receiver is not None:
             targets.append(("telemetry", functools.partial(self.receiver.run, self._stop)))
@@ -122,6 +133,9 @@ class Agent:
             t = threading.Thread(target=fn, name=f"agent-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        if not self._first_collection.wait(FIRST_COLLECTION_WAIT_S):
+            log.warning("the first GPU collection has not ended after %.0f s (a hung NVML "
+                        "call?): serving without it", FIRST_COLLECTION_WAIT_S)
 
     def stop(self) -> None:
         self._stop.set()
@@ -160,6 +174,7 @@ class Agent:
         self.snapshot = Snapshot(gpus=gpus, timestamp=time.time(),
                                  duration_s=time.perf_counter() - t0,
                                  cycles=self.snapshot.cycles + 1, last_success=last_success)
+        self._first_collection.set()
         return self.snapshot
 
     def follow_up(self) -> None:
@@ -243,7 +258,8 @@ class Agent:
         if msg.get("event") == "exit" and msg.get("outcome") == "checkpoint-restart":
             self.commands.left_gracefully(r.run, r.rank, r.sender)
         if msg.get("event") == "leave_refused":
-            self.commands.leave_refused(r.run, r.rank, msg["command"], msg["reason"])
+            self.commands.leave_refused(r.run, r.rank, msg["command"], msg["reason"],
+                                        r.sender)
         reply: dict = {"type": "agent", "node": self.node, "phases": protocol.LATER_PHASES}
         if isinstance(self.backend, SimBackend) and 0 <= r.gpu < self.backend.gpu_count:
             reply["slowdown"] = round(self.backend.slowdown(r.gpu), 4)

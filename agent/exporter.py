@@ -190,11 +190,12 @@ class AgentCollector(Collector):
         g.add_metric([a.node], snap.timestamp)
         yield g
         g = GaugeMetricFamily(PREFIX + "agent_collection_age_seconds",
-                              "Seconds since the last successful GPU collection, computed at "
-                              "scrape time: grows while a collection is stuck (hung NVML call).",
+                              "Seconds since the last successful GPU collection (before the "
+                              "first, since the agent started), computed at scrape time: "
+                              "grows while a collection is stuck (hung NVML call).",
                               labels=["node"])
-        g.add_metric([a.node], round(max(0.0, time.time() - snap.last_success), 3)
-                     if snap.last_success else 0.0)
+        g.add_metric([a.node], round(max(0.0, time.time() - (snap.last_success
+                                                             or a.started)), 3))
         yield g
         c = CounterMetricFamily(PREFIX + "agent_collections", "Collection cycles run.",
                                 labels=["node"])

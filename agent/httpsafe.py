@@ -202,6 +202,8 @@ class SafeServer(ThreadingHTTPServer):
         # A bind that fails (the port is held) calls server_close from inside
         # super().__init__, before the gate exists.
         self._gate: _Gate | None = None
+        if ":" in addr[0]:  # an IPv6 host (`--listen [::]:9477`): the class says IPv4
+            self.address_family = socket.AF_INET6
         super().__init__(addr, handler)
         self._gate = _Gate(self)
 

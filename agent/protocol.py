@@ -195,7 +195,8 @@ def _number(msg: dict[str, Any], key: str) -> float:
     if not isinstance(v, int | float) or isinstance(v, bool):
         raise MalformedMessage(f"bad_{key}")
     f = float(v)
-    if not math.isfinite(f) or abs(f) > MAX_NUMBER:
+    # a `_total` is exported as a counter: below zero it is none (invalid OpenMetrics)
+    if not math.isfinite(f) or abs(f) > MAX_NUMBER or (f < 0 and key.endswith("_total")):
         raise MalformedMessage(f"bad_{key}")
     return f
 

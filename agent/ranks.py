@@ -5,13 +5,16 @@ held by one user (uid, as the kernel reports it; all unverified UDP senders shar
 bucket) and `max_per_process` by one process, each entry of fixed size (known numeric
 fields only, a bounded ring of acknowledgements). Ranks that stop talking are
 forgotten after `grace_s`, long enough that their growing heartbeat age is exported
-(and alerted on) first; an entry whose process has exited makes room at once when the
-registry is full.
+(and alerted on) first. An entry whose process has exited still counts toward its
+user's quota, and makes room at once for that user's next rank, never another
+user's: a crashed rank is the evidence its alert reads, and one user whose
+processes register and exit must not be able to push it out.
 
 Ownership: a (run, rank) belongs to the process that registered it. While that
 process lives (same pid *and* start time), messages for that (run, rank) from any
-other sender are refused; once it has exited (torchrun restarted the worker) the new
-process takes over.
+other sender are refused; once it has exited (torchrun restarted the worker) a new
+process of the same user takes over. Another user's process never does until the
+entry has expired.
 """
 
 from __future__ import annotations
@@ -194,12 +197,16 @@ class RankRegistry:
                 if not sender.verified and r.sender.verified:
                     # an unverified sender never replaces a kernel-verified owner
                     raise Refused("owned_by_other_process")
+                if r.sender.verified and sender.owner_key != r.sender.owner_key:
+                    # a restarted worker runs as the job's user: another user's process
+                    # would speak for the job (its step, its phase, its refusals)
+                    raise Refused("owned_by_other_user")
                 self._check_quota(sender, replacing=key)
                 r.sender = sender  # the previous owner exited: a restarted worker
                 r.new_process(now)
             if r is None:
                 self._check_quota(sender)
-                if len(self._ranks) >= self.max_ranks and not self._evict_dead():
+                if len(self._ranks) >= self.max_ranks and not self._evict_dead(sender, 1):
                     self.rejected_full += 1
                     return None
                 r = self._ranks[key] = RankState(run=key[0], rank=key[1], sender=sender,
@@ -209,24 +216,33 @@ class RankRegistry:
             return r
 
     def _check_quota(self, sender: Sender, replacing: tuple[str, int] | None = None) -> None:
-        """Refuse a sender over its share; entries of exited processes do not count
-        (a user's next run must not wait for the last one's ranks to expire)."""
+        """Refuse a sender over its share. Entries of the user's exited processes count
+        toward it, and are dropped (oldest first) to make room for its live ones: a
+        user's next run must not wait for the last one's ranks to expire, and its
+        churn must not fill the registry with them (then evicting others')."""
         held = [r for k, r in self._ranks.items()
                 if k != replacing and r.sender.owner_key == sender.owner_key]
         if len(held) >= self.max_per_owner:
-            held = [r for r in held if not r.sender.verified or self._alive(r.sender)]
-            if len(held) >= self.max_per_owner:
+            live = [r for r in held if not r.sender.verified or self._alive(r.sender)]
+            if len(live) >= self.max_per_owner:
                 raise Refused("owner_quota")
+            self._evict_dead(sender, len(held) - self.max_per_owner + 1, replacing)
+            held = live
         if sender.verified and sum(r.sender == sender for r in held) >= self.max_per_process:
             raise Refused("process_quota")
 
-    def _evict_dead(self) -> bool:
-        """Make room by dropping one entry whose verified process has exited."""
-        for k, r in self._ranks.items():
-            if r.sender.verified and not self._alive(r.sender):
-                del self._ranks[k]
-                return True
-        return False
+    def _evict_dead(self, sender: Sender, count: int,
+                    keep: tuple[str, int] | None = None) -> bool:
+        """Drop up to `count` entries (not `keep`, the one being taken over) of
+        `sender`'s user whose verified process has exited, the least recently heard
+        first; whether any was dropped. Never another user's: its crashed rank stays
+        (evidence) until it expires."""
+        dead = sorted((r.last_seen, k) for k, r in self._ranks.items()
+                      if k != keep and r.sender.owner_key == sender.owner_key
+                      and r.sender.verified and not self._alive(r.sender))
+        for _, k in dead[:count]:
+            del self._ranks[k]
+        return bool(dead)
 
     @staticmethod
     def _fold(r: RankState, msg: dict[str, Any], now: float) -> None:

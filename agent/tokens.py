@@ -6,6 +6,9 @@ A token file holds one token per line, optionally preceded by the principal's na
     remediation 81aa...   # the Alertmanager policy
     2b7e...               # a bare token: principal "token"
 
+A `#` starts a comment at the start of a line or after a space or tab; inside a token
+it is part of the token.
+
 Audit records name the principal a token belongs to, never a name the caller sends.
 Give each client (and, for a fleet, each node) its own token so one leaked file
 does not open every door and the audit log says who acted.
@@ -27,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MIN_LENGTH = 16
 _NAME = re.compile(r"^[A-Za-z0-9_.@:-]{1,64}$")
+_COMMENT = re.compile(r"(?:^|\s)#")
 
 
 class TokenError(ValueError):
@@ -54,7 +58,7 @@ class Tokens:
         out: dict[str, str] = {}
         holder: dict[str, str] = {}  # token -> the principal first listed with it
         for n, line in enumerate(text.splitlines(), 1):
-            line = line.split("#", 1)[0].strip()
+            line = without_comment(line)
             if not line:
                 continue
             parts = line.split()
@@ -94,6 +98,21 @@ class Tokens:
         except UnicodeDecodeError as err:
             raise TokenError(f"token file {path} is not UTF-8 text: {err}") from None
         return cls.parse(text, str(path)), bool(mode & (stat.S_IRGRP | stat.S_IROTH))
+
+
+def without_comment(line: str) -> str:
+    """A token file's line without its comment, stripped: a `#` at the line's start
+    or after a space or tab begins one; inside a token it is part of it (cut there, a
+    token was refused, or a shorter secret accepted, without a word)."""
+    return _COMMENT.split(line, 1)[0].strip()
+
+
+def credentials(header: str | None, scheme: str) -> str | None:
+    """What an `Authorization` header carries under `scheme` ("Bearer", "Basic"), or
+    None when it names another scheme or none. The scheme is case-insensitive (RFC
+    7235): `bearer <token>`, as some clients send it, was refused as no token."""
+    name, _, value = (header or "").strip().partition(" ")
+    return value.strip() if name.lower() == scheme.lower() else None
 
 
 def write_secret(path: Path, text: str, replace: bool = True) -> bool:

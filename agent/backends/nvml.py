@@ -190,7 +190,7 @@ class NvmlBackend:
         count = self._call("nvmlDeviceGetCount")
         seen: set[str] = set()
         changed = False
-        self._unlisted = {}
+        unlisted, self._unlisted = self._unlisted, {}
         for index in range(count):
             try:
                 handle = self._call("nvmlDeviceGetHandleByIndex", index)
@@ -234,6 +234,12 @@ class NvmlBackend:
         for uuid, dev in self._devices.items():
             if uuid not in seen:
                 dev.missing, dev.reason = True, "missing"
+        # One NVML listed without answering, and lists no more (off the bus): no UUID
+        # to be remembered by, so its label stays down, "missing", and NVML re-probed,
+        # until a GPU takes that label (it was dropped, and never monitored again)
+        labels = {d.index for d in self._devices.values()}
+        for index in unlisted.keys() - self._unlisted.keys() - labels:
+            self._unlisted[index] = "missing"
         if changed:
             self._save_roster()
         self._register_xid_events()
@@ -557,29 +563,19 @@ class NvmlBackend:
         # the probe fails two cycles in a row (a hung GPU times out every cycle while
         # the driver may still serve its memory figures), or when the reading after it
         # fails too. One UNKNOWN or TIMEOUT alone made it down for a cycle, and GpuDown
-        # (critical, no `for:`) paged (a review).
-        try:
-            util = self._optional(dev, "utilization", "nvmlDeviceGetUtilizationRates", h,
-                                  strict=True)
-            dev.probe_failed = False
-        except n.NVMLError as err:
-            if error_kind(err) in GONE or dev.probe_failed:
-                raise
-            dev.probe_failed = True
-            self._passing(err, dev, "utilization")
-            util = None
+        # (critical, no `for:`) paged (a review); on a MIG GPU, one from memory still did.
+        util, mem, temp = self._probe(dev, (
+            ("utilization", "nvmlDeviceGetUtilizationRates", (h,)),
+            ("memory", "nvmlDeviceGetMemoryInfo", (h,)),
+            ("temperature_celsius", "nvmlDeviceGetTemperature", (h, n.NVML_TEMPERATURE_GPU))))
         s = GpuSample(
             index=dev.index, uuid=dev.uuid, up=True, name=dev.name, pci_bus_id=dev.pci_bus_id,
             driver_version=self._driver_version,
             utilization_ratio=None if util is None else util.gpu / 100.0,
             sm_clock_max_hertz=dev.sm_clock_max_hertz, xid_errors_total=self._xid_totals(dev),
         )
-        mem = self._optional(dev, "memory", "nvmlDeviceGetMemoryInfo", h, strict=util is None)
         if mem is not None:
             s.memory_used_bytes, s.memory_total_bytes = float(mem.used), float(mem.total)
-        temp = self._optional(
-            dev, "temperature_celsius", "nvmlDeviceGetTemperature", h, n.NVML_TEMPERATURE_GPU,
-            strict=util is None and mem is None)
         s.temperature_celsius = None if temp is None else float(temp)
         mw = self._optional(dev, "power_watts", "nvmlDeviceGetPowerUsage", h)
         s.power_watts = None if mw is None else mw / 1000.0
@@ -598,6 +594,28 @@ class NvmlBackend:
         dev.failed_cycles += bool(s.failing)
         s.failed_reading_cycles_total = float(dev.failed_cycles)
         return s
+
+    def _probe(self, dev: _Device, readings: tuple[tuple[str, str, tuple], ...]) -> list[Any]:
+        """The liveness probe's readings, (metric, NVML function, arguments) in order:
+        the first the GPU supports is the probe, and each after it is strict until one
+        answers. NVMLError (the GPU is down) when a reading says the GPU is gone, or a
+        strict one fails after a failure (earlier this cycle, or the probe's last
+        cycle); a first failure is a passing error, as for any optional reading."""
+        values: list[Any] = []
+        failed = False  # a reading of the probe failed this cycle
+        for metric, fn, args in readings:
+            strict = all(v is None for v in values)
+            try:
+                values.append(self._optional(dev, metric, fn, *args, strict=strict))
+            except self._nvml.NVMLError as err:
+                if error_kind(err) in GONE or dev.probe_failed:
+                    raise
+                dev.probe_failed = failed = True
+                self._passing(err, dev, metric)
+                values.append(None)
+        if not failed:
+            dev.probe_failed = False
+        return values
 
     def _read_processes(self, dev: _Device) -> tuple[int, ...]:
         """Every process with a context on the GPU, from the driver: the ranks that

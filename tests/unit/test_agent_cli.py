@@ -62,6 +62,23 @@ def test_an_address_it_cannot_listen_on_is_one_line_naming_it(listen, reason, tm
     assert not (run_dir / "agent.sock").exists()  # the telemetry socket bound first: gone
 
 
+@pytest.mark.parametrize("where", ["{dir}", "{dir}/file/audit.jsonl"])
+def test_an_audit_log_that_cannot_be_a_file_is_named_at_start(where, tmp_path, capsys):
+    """A directory started an agent whose every scrape then failed; a path under a
+    file was reported as `cannot listen`, naming the listen addresses."""
+    (tmp_path / "file").write_text("")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    audit = where.format(dir=tmp_path)
+    code = main(["--backend", "sim", "--node", "n0", "--listen", "127.0.0.1:0",
+                 "--telemetry", f"unix:{run_dir}/agent.sock", "--audit-log", audit])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"clusterpulse-agent: error: --audit-log {audit}"), err
+    assert err.count("\n") == 1 and "listen" not in err, err
+    assert not (run_dir / "agent.sock").exists()
+
+
 SECONDS = "must be > 0 and at most 604800 seconds (a week), got"
 
 

@@ -72,6 +72,25 @@ def test_a_line_nested_too_deep_to_parse_is_a_break_not_a_crash(tmp_path):
     assert file_head(path).seq == 3
 
 
+def test_an_audit_log_path_that_is_a_directory_has_no_head_and_no_scrape_fails(tmp_path):
+    """A directory opens read-only, and reading its end raised IsADirectoryError in
+    every /metrics scrape of the agent: the node's metrics were lost, not the head."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from clusterpulse.agent.audit import file_head
+    from clusterpulse.agent.backends.sim import SimBackend
+    from clusterpulse.agent.core import Agent
+    from clusterpulse.agent.exporter import AgentCollector
+    from clusterpulse.agent.ranks import RankRegistry
+
+    assert file_head(tmp_path) is None
+    agent = Agent(SimBackend(gpus=1), "n", RankRegistry(), AuditLog(tmp_path))
+    agent.collect_once()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AgentCollector(agent))
+    assert b"clusterpulse_gpu_up{" in generate_latest(registry)
+
+
 def test_reordering_and_a_rewritten_anchor_are_breaks(tmp_path):
     path = tmp_path / "audit.jsonl"
     _log(path, 4)

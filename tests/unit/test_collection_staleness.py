@@ -56,6 +56,35 @@ def test_collection_age_grows_while_nvml_is_stuck_and_metrics_keep_serving(tmp_p
         agent.stop()
 
 
+def test_an_agent_whose_first_collection_hangs_serves_and_says_how_stale_it_is(
+        monkeypatch):
+    """The first collection ran in start(), and the CLI served after it: an NVML call
+    that hung at start kept /metrics, the control API, the telemetry receiver and the
+    hard restarts' follow-ups off while the agent looked started (its unit active),
+    and the collection age read 0 (no success yet) rather than growing."""
+    from clusterpulse.agent import core
+
+    monkeypatch.setattr(core, "FIRST_COLLECTION_WAIT_S", 0.3)
+    fake = FakeNvml(gpus=2)
+    agent = Agent(NvmlBackend(nvml=fake), "node-s", RankRegistry(), AuditLog(None),
+                  interval_s=0.1)
+    server = make_server(agent, "127.0.0.1", 0, None)
+    fake.stuck = threading.Event()  # every per-GPU call blocks from now on
+    starting = threading.Thread(target=agent.start, daemon=True)
+    serve_in_thread(server)  # first, as the CLI does: it answers whatever NVML does
+    try:
+        starting.start()
+        starting.join(10)
+        assert not starting.is_alive(), "start() waits on the hung collection"
+        wait_until(lambda: _scrape(f"http://127.0.0.1:{server.server_port}")[
+            "clusterpulse_agent_collection_age_seconds{}"] > 0.5, 30,
+                   "the age growing from the agent's start")
+    finally:
+        fake.stuck.set()
+        server.shutdown()
+        agent.stop()
+
+
 def test_a_hard_restart_is_followed_up_while_nvml_is_stuck(tmp_path):
     """A GPU in trouble can block NVML calls for minutes, and that is when a job needs
     a restart. The command follow-ups ran in the collection loop: a hard restart's

@@ -38,6 +38,30 @@ def test_missing_and_wrong_tokens_are_refused(sim_agent):
     assert sim_agent.get("/healthz", token=None).json()["control_api"] is True
 
 
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_the_bearer_scheme_is_case_insensitive(scheme):
+    """RFC 7235: `Authorization: bearer <token>` (some clients send it so) was refused
+    as a missing token."""
+    from clusterpulse.agent.control import check_bearer
+    from clusterpulse.agent.tokens import Tokens
+
+    tokens = Tokens.single(TOKEN, "ops")
+    assert check_bearer(f"{scheme} {TOKEN}", tokens) == ("ops", None)
+    assert check_bearer(f"{scheme}x {TOKEN}", tokens)[1][0] == 401
+
+
+def test_a_hash_inside_a_token_is_part_of_it():
+    """A comment starts a line or follows a space: a token holding `#` was cut there
+    without a word, and then its holder was refused (or a shorter secret accepted)."""
+    from clusterpulse.agent.tokens import Tokens
+
+    tokens = Tokens.parse("# the clients\n"
+                          "ops  0123456789abcdef#XYZ  # the operators' token\n"
+                          "bot\t0123456789abcdef#bot\t# the bot's\n")
+    assert tokens.by_principal == {"ops": "0123456789abcdef#XYZ",
+                                   "bot": "0123456789abcdef#bot"}
+
+
 def test_fault_injection_through_the_api(sim_agent):
     r = sim_agent.post("/v1/faults", {"kind": "gpu_lost", "gpu": 2, "requested_by": "alice"})
     assert r.status_code == 200

@@ -38,6 +38,24 @@ def port_of(running) -> int:
     return int(running.url.rsplit(":", 1)[1])
 
 
+def test_the_agent_listens_on_ipv6(sim_agent):
+    """`--listen [::]:9477` failed at start (an AF_INET socket given an IPv6 host):
+    an IPv6-only node could not be scraped."""
+    import requests
+
+    server = make_server(sim_agent.agent, "::1", 0, TOKEN)
+    serve_in_thread(server)
+    try:
+        url = f"http://[::1]:{server.server_port}"
+        assert "clusterpulse_gpu_up{" in requests.get(f"{url}/metrics", timeout=10).text
+        r = requests.get(f"{url}/v1/ranks", timeout=10,
+                         headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200, r.text
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.mark.parametrize("length,status,reason", [
     ("-1", 400, "non-negative integer"),  # finding: -1 read to EOF, bypassing the cap
     ("abc", 400, "non-negative integer"),  # finding: dropped the connection silently

@@ -50,9 +50,18 @@ def test_a_mig_enabled_gpu_without_utilization_is_up_and_its_liveness_still_coun
             assert mig.up and mig.utilization_ratio is None
             assert mig.memory_used_bytes == 2**30
         assert backend.unsupported() == {(1, "utilization"): "Not Supported"}
+        # memory is its probe now, with utilization's tolerance: one passing error is
+        # a failing reading (it was down at once, and GpuDown paged), twice is down
         lib.gpus[1].fail["nvmlDeviceGetMemoryInfo"] = pynvml.NVML_ERROR_UNKNOWN
         mig = backend.collect()[1]
+        assert mig.up and mig.memory_used_bytes is None and mig.failing == ("memory",)
+        mig = backend.collect()[1]
         assert not mig.up and mig.down_reason == "unknown"
+        del lib.gpus[1].fail["nvmlDeviceGetMemoryInfo"]
+        assert backend.collect()[1].up
+        lib.gpus[1].fail["nvmlDeviceGetMemoryInfo"] = pynvml.NVML_ERROR_GPU_IS_LOST
+        mig = backend.collect()[1]  # gone is down at once
+        assert not mig.up and mig.down_reason == "gpu_is_lost"
 
 
 @pytest.mark.parametrize("code", [pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_UNKNOWN])
@@ -120,6 +129,29 @@ def test_a_gpu_listed_but_not_enumerable_at_start_is_exported_down_and_reprobed(
             (0, True, ""), (1, False, "gpu_is_lost")]
         del lib.handle_ret[1]
         clock.t += 31
+        back = backend.collect()
+    assert [(s.index, s.uuid, s.up) for s in back] == [(0, "GPU-lib-0", True),
+                                                       (1, "GPU-lib-1", True)]
+
+
+def test_a_gpu_listed_but_not_enumerable_that_leaves_the_list_stays_down_and_reprobed():
+    """Without a UUID it is known by its label only: when the driver stopped listing
+    it (fallen off the bus) its series ended, no re-probe was due, and it was never
+    monitored again, not even once it was back after a reset."""
+    lib, clock = FakeLib(2), ManualClock()
+    lib.handle_ret[1] = pynvml.NVML_ERROR_GPU_IS_LOST
+    with installed(lib) as nvml:
+        backend = NvmlBackend(nvml=nvml, clock=clock)
+        assert [(s.index, s.up) for s in backend.collect()] == [(0, True), (1, False)]
+        gpu = lib.gpus.pop()  # NVML no longer lists it
+        for _ in range(2):
+            clock.t += 61
+            gone = backend.collect()
+            assert [(s.index, s.up, s.down_reason) for s in gone] == [
+                (0, True, ""), (1, False, "missing")]
+        lib.gpus.append(gpu)  # back after a reset, and answering
+        del lib.handle_ret[1]
+        clock.t += 61
         back = backend.collect()
     assert [(s.index, s.uuid, s.up) for s in back] == [(0, "GPU-lib-0", True),
                                                        (1, "GPU-lib-1", True)]

@@ -29,6 +29,7 @@ from clusterpulse.agent.identity import Sender
 from clusterpulse.agent.ranks import RankRegistry
 from clusterpulse.trainer.telemetry import AgentLink
 from tests.conftest import socket_path
+from tests.support.clock import ManualClock
 from tests.support.ranksock import NEIGHBOURS, SYSTEM_PYTHON, connect
 
 ROOT = os.geteuid() == 0
@@ -190,6 +191,43 @@ def test_another_users_ranks_never_witness_that_a_run_resumed():
                  Sender(pid=4, uid=1000, start_time=4, verified=True))
     book.tick()
     assert cmd.state == "completed" and cmd.resumed == {0}
+
+
+def test_only_the_process_a_leave_was_for_can_say_its_node_cannot_sit_out():
+    """Any local process that reported the rank's (run, rank) (the owner's successor,
+    or another user's once the owner's entry expired) failed an operator's
+    evict-node with `leave_refused`: the node never sat out, and the command said the
+    job could not lose it. Only the process the command was given to has heard it."""
+    alive = {1}
+    clock = ManualClock()
+    ranks = RankRegistry(grace_s=60, clock=clock, alive=lambda s: s.pid in alive)
+    agent = Agent(SimBackend(gpus=1), "n", ranks, AuditLog(None))
+    owner = Sender(pid=1, uid=1000, start_time=1, verified=True)
+
+    def send(sender: Sender, **kw) -> None:
+        agent.handle_datagram(protocol.encode({"run": "job", "rank": 0, **kw}), None, sender)
+
+    def refuse(sender: Sender, cid: str) -> None:
+        send(sender, type="event", event="leave_refused", command=cid, reason="single_node")
+
+    send(owner, type="step", step=1)
+    said = agent.commands.submit("job", "checkpoint-restart", "link", "op", 3600, leave_s=600)
+    refuse(owner, said.id)
+    assert said.state == "failed" and "single-node job" in said.detail
+    cmd = agent.commands.submit("job", "checkpoint-restart", "link", "op", 3600, leave_s=600)
+    alive.discard(1)  # the owner exited; the job's user's next process has the rank
+    alive.add(2)
+    send(Sender(pid=2, uid=1000, start_time=2, verified=True), type="step", step=2,
+         restarts=1)
+    refuse(Sender(pid=2, uid=1000, start_time=2, verified=True), cmd.id)
+    assert cmd.state == "pending", cmd.detail
+    alive.discard(2)
+    clock.t += 61
+    ranks.expire()  # forgotten: another user's process may report the rank now
+    alive.add(3)
+    refuse(Sender(pid=3, uid=2000, start_time=3, verified=True), cmd.id)
+    assert agent.telemetry_counts["accepted"] == 5  # each heard, none refused
+    assert cmd.state == "pending", cmd.detail
 
 
 def test_an_unverified_sender_is_never_a_target():

@@ -23,6 +23,7 @@ from clusterpulse.agent.ranks import (
     Refused,
 )
 from clusterpulse.trainer.telemetry import AgentLink, rank_gpu_uuids
+from tests.support.clock import ManualClock
 from tests.support.procs import REPO, wait_until
 from tests.support.ranksock import RankProcess, connect, exchange
 
@@ -58,6 +59,8 @@ def raw(m: dict) -> bytes:
      "too_deep"),
     (raw(msg()).replace(b'"loss"', b'"x"')[:-1] + b',"loss":Infinity}', "non_finite_number"),
     (raw(msg()).replace(b'"step_seconds":0.1', b'"step_seconds":1e999'), "bad_step_seconds"),
+    # a counter below zero is no counter (the OpenMetrics text would be invalid)
+    (raw(msg(samples_total=-5)), "bad_samples_total"),
     (raw(msg(gpu_uuids=["GPU-ok", "../etc"])), "bad_gpu_uuids"),
     (raw(msg(acks=["a b"])), "bad_acks"),
 ])
@@ -417,6 +420,50 @@ def test_a_live_rank_cannot_be_taken_over_and_dead_ones_make_room():
     assert reg.update(msg(restarts=1), None, other).sender == other
     alive[2] = False  # full of dead entries: a new rank evicts one
     assert reg.update(msg(run="r2"), None, owner) is not None
+
+
+def test_another_user_never_takes_over_a_rank_whose_process_exited():
+    """A worker torchrun restarts runs as the job's user: once the owner had exited,
+    another user's process took its (run, rank) over, and its heartbeats (a step of
+    999, a made-up phase) stood for the job's until the entry expired."""
+    alive = {1: True, 2: True}
+    reg = RankRegistry(grace_s=60, clock=(clock := ManualClock()),
+                       alive=lambda s: alive.get(s.pid, False))
+    owner = Sender(pid=1, uid=1000, start_time=1, verified=True)
+    other = Sender(pid=2, uid=65534, start_time=1, verified=True)
+    reg.update(msg(step=5), None, owner)
+    alive[1] = False
+    with pytest.raises(Refused, match="owned_by_other_user"):
+        reg.update(msg(step=999, restarts=1), None, other)
+    assert reg.snapshot()[0].step == 5
+    successor = Sender(pid=3, uid=1000, start_time=2, verified=True)  # the job's own
+    alive[3] = True
+    assert reg.update(msg(step=6, restarts=1), None, successor).sender == successor
+    alive[3] = False
+    clock.t += 61
+    reg.expire()  # gone, and forgotten: the (run, rank) is anyone's again
+    assert reg.update(msg(step=1), None, other).sender == other
+
+
+def test_one_users_churn_keeps_to_its_quota_and_evicts_nobody_elses_evidence():
+    """Entries of exited processes did not count toward their user's quota, and a full
+    registry dropped anyone's: one user whose processes each registered runs and
+    exited filled it, and evicted another user's crashed rank (the evidence its
+    alert reads) within seconds."""
+    live: set[int] = set()
+    reg = RankRegistry(max_ranks=8, max_per_owner=4, alive=lambda s: s.pid in live)
+    victim = Sender(pid=1, uid=1000, start_time=1, verified=True)
+    reg.update(msg(run="victim"), None, victim)  # then it crashed: pid 1 is not live
+    for pid in range(100, 120):  # a process registers 4 runs, exits, the next one...
+        churner = Sender(pid=pid, uid=65534, start_time=1, verified=True)
+        live.add(pid)
+        for k in range(4):
+            assert reg.update(msg(run=f"x{pid}-{k}"), None, churner) is not None
+        live.discard(pid)
+    runs = [r.run for r in reg.snapshot()]
+    assert "victim" in runs and sum(r.startswith("x") for r in runs) == 4, runs
+    assert {r.run for r in reg.snapshot() if r.run != "victim"} == {f"x119-{k}"
+                                                                    for k in range(4)}
 
 
 def test_agent_survives_poison_datagrams(sim_agent):
