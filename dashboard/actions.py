@@ -16,6 +16,7 @@ import requests
 
 from clusterpulse.agent import protocol
 from clusterpulse.agent.audit import AuditLog
+from clusterpulse.agent.tokens import without_comment
 from clusterpulse.dashboard.promclient import PrometheusClient
 
 ACTIONS = ("checkpoint-restart", "restart")
@@ -134,7 +135,7 @@ def no_answer(err: Exception) -> str:
 
 def _token_lines(token: str) -> list[list[str]]:
     """A token file's words, line by line, without comments and blank lines."""
-    lines = [ln.split("#", 1)[0].split() for ln in token.splitlines()]
+    lines = [without_comment(ln).split() for ln in token.splitlines()]
     return [ln for ln in lines if ln]
 
 

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from clusterpulse.agent.tokens import without_comment
+
 
 class SettingsError(ValueError):
     """A setting the dashboard cannot run with; the message names the variable."""
@@ -107,7 +109,7 @@ def read_required_secret(path: Path, setting: str, what: str = "token") -> str:
     # a token file's comments only ("# put the token here") hold none either (its
     # lines are read without comments, actions.token_for); a password may hold a "#"
     if what == "token":
-        secret_lines = [ln.split("#", 1)[0].strip() for ln in secret.splitlines()]
+        secret_lines = [without_comment(ln) for ln in secret.splitlines()]
     else:
         secret_lines = [secret]
     if not any(secret_lines):

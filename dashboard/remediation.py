@@ -95,7 +95,7 @@ from clusterpulse.agent.httpsafe import (
     read_body,
 )
 from clusterpulse.agent.logsetup import LEVELS, log_level, setup_logging
-from clusterpulse.agent.tokens import TokenError, Tokens
+from clusterpulse.agent.tokens import TokenError, Tokens, credentials
 from clusterpulse.agent.validate import is_number, read_toml, unknown_keys
 from clusterpulse.dashboard import config
 from clusterpulse.dashboard.actions import (
@@ -870,13 +870,10 @@ def promql_string(value: str) -> str:
 
 def check_webhook_auth(header: str | None, tokens: Tokens) -> str | None:
     """The principal behind a Bearer token or basic auth (password = token), or None."""
-    if not header:
-        return None
-    scheme, _, value = header.partition(" ")
-    value = value.strip()
-    if scheme == "Bearer":
-        return tokens.match(value)
-    if scheme == "Basic":
+    bearer, value = credentials(header, "Bearer"), credentials(header, "Basic")
+    if bearer is not None:
+        return tokens.match(bearer)
+    if value is not None:  # the scheme is case-insensitive (RFC 7235)
         try:
             user, sep, password = base64.b64decode(value, validate=True).decode().partition(":")
         except (binascii.Error, UnicodeDecodeError):

@@ -245,3 +245,7 @@ def test_per_node_agent_tokens():
     assert token_for(table, "node-b") == "bbbbbbbbbbbbbbbb2"
     assert token_for(table, "node-c") is None
     assert token_for(table + "* cccccccccccccccc3\n", "node-c") == "cccccccccccccccc3"
+    # a "#" inside a token is part of it, as the agent reads its own file (agent.tokens):
+    # cut there, the dashboard sent a shorter token every agent refused
+    assert token_for("node-a aaaaaaaa#aaaaaaaa1 # rack 1\n", "node-a") == "aaaaaaaa#aaaaaaaa1"
+    assert token_for("0123456789abcdef#0\n", "any") == "0123456789abcdef#0"

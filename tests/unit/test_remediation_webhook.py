@@ -61,11 +61,12 @@ def test_unauthenticated_alerts_are_refused(webhook):
     assert [r["outcome"] for r in records] == ["refused"] * 3
 
 
-@pytest.mark.parametrize("scheme", ["bearer", "basic"])
+@pytest.mark.parametrize("scheme", ["Bearer", "Basic", "bearer", "BASIC"])
 def test_alertmanager_credentials_are_accepted(webhook, scheme):
+    """The scheme in any case (RFC 7235): a client's `bearer <token>` was a 401."""
     port, _ = webhook
-    auth = (f"Bearer {HOOK}" if scheme == "bearer" else
-            "Basic " + base64.b64encode(f"alertmanager:{HOOK}".encode()).decode())
+    auth = (f"{scheme} {HOOK}" if scheme.lower() == "bearer" else
+            f"{scheme} " + base64.b64encode(f"alertmanager:{HOOK}".encode()).decode())
     r = requests.post(f"http://127.0.0.1:{port}/alertmanager", json={"alerts": [alert()]},
                       headers={"Authorization": auth}, timeout=5)
     assert r.status_code == 200 and r.json()["decisions"][0]["outcome"] == "dry_run"
