@@ -141,11 +141,15 @@ def live(expr: str, sel: str = "") -> str:
 # When each name was last seen: its samples' own times, read every minute over the last
 # hour, every 5 minutes over the day and hourly over 30 days (`timestamp` in subqueries):
 # 30 days of raw samples are 172,800 a series at a 15 s scrape, over Prometheus's
-# 50 million a query at ~300 nodes. Value 1.
-_SEEN = "max_over_time(timestamp(clusterpulse_agent_build_info)"
-NODE_OF_ADDRESS = (
-    "group by (instance, node) (topk by (instance) (1, max by (instance, node) ("
-    + " or ".join(f"{_SEEN}[{window}])" for window in ("1h:1m", "1d:5m", "30d:1h")) + ")))")
+# 50 million a query at ~300 nodes. The rules record the same expression
+# (clusterpulse:agent_node, which NodeAgentDown names its node by; the page computes it
+# itself rather than wait for the record's first evaluation, and a test holds the two
+# equal). Value 1.
+_SEEN = 'max_over_time(timestamp(clusterpulse_agent_build_info{job=~"clusterpulse.*"})'
+AGENT_NODE = ("topk by (instance) (1, max by (instance, node) ("
+              + " or ".join(f"{_SEEN}[{window}])" for window in ("1h:1m", "1d:5m", "30d:1h"))
+              + "))")
+NODE_OF_ADDRESS = f"group by (instance, node) ({AGENT_NODE})"
 # Each agent target up (1) or not (0), by node; a target no agent ever answered at is
 # named by its scrape configuration's `target_node`, else its address
 _UP = 'up{job=~"clusterpulse.*"}'

@@ -178,9 +178,17 @@ def test_a_down_node_inhibits_its_gpu_and_rank_alerts_in_a_real_alertmanager(tmp
              alert(alertname="AgentCollectionStale", severity="critical", node="n2"),
              # n3's link halves its run's pace (critical): its own warning is noise
              alert(alertname="TrainingLinkCongested", severity="critical", node="n3",
-                   cause="communication")],
+                   cause="communication"),
+             # GPUs lost on n5 and n6: the rank on n5's hangs with it, n6's rank on
+             # another GPU hangs on its own
+             alert(alertname="GpuDown", severity="critical", node="n5", gpu="1"),
+             alert(alertname="GpuDown", severity="critical", node="n6", gpu="1")],
             [alert(alertname="RankHung", severity="critical", node="n1", run="r1", rank="2"),
-             alert(alertname="RankHung", severity="critical", node="n2", run="r1", rank="5")],
+             alert(alertname="RankHung", severity="critical", node="n2", run="r1", rank="5"),
+             alert(alertname="RankHung", severity="critical", node="n5", run="r2", rank="3",
+                   gpu="1"),
+             alert(alertname="RankHung", severity="critical", node="n6", run="r3", rank="0",
+                   gpu="0")],
             [alert(alertname="GpuDown", severity="critical", node="n1", gpu="3"),
              alert(alertname="JobStalled", severity="critical", run="r1"),
              alert(alertname="GpuThermalSlowdown", severity="warning", node="n2", gpu="0"),
@@ -202,12 +210,16 @@ def test_a_down_node_inhibits_its_gpu_and_rank_alerts_in_a_real_alertmanager(tmp
                        and a["labels"]["alertname"] == "TrainingLinkCongested" else ()): a["status"]
                     for a in am.alerts()}
 
-        s = wait_until(lambda: (st := states()) and len(st) == 10 and st, 20, "10 alerts")
+        s = wait_until(lambda: (st := states()) and len(st) == 14 and st, 20, "14 alerts")
         wait_until(lambda: states()[("GpuDown", "n1")]["state"] == "suppressed", 20,
                    "GpuDown inhibited")
         s = states()
         assert s[("GpuDown", "n1")]["inhibitedBy"] and s[("RankHung", "n1")]["inhibitedBy"]
         assert s[("RankHung", "n2")]["state"] == "active"
+        # the lost GPU's page names the incident; its rank's hang is evidence
+        assert s[("RankHung", "n5")]["state"] == "suppressed"
+        assert s[("GpuDown", "n5")]["state"] == "active"
+        assert s[("RankHung", "n6")]["state"] == "active"  # not on the lost GPU
         assert s[("NodeAgentDown", "n1")]["state"] == "active"
         assert s[("JobStalled", "")]["state"] == "suppressed"  # the hung rank explains it
         assert s[("GpuThermalSlowdown", "n2")]["state"] == "suppressed"
@@ -221,6 +233,7 @@ def test_a_down_node_inhibits_its_gpu_and_rank_alerts_in_a_real_alertmanager(tmp
             "node")) for a in sink.alerts()}, 20, "RankHung n2 delivered")
         delivered = {(a["labels"]["alertname"], a["labels"].get("node")) for a in sink.alerts()}
         assert ("GpuDown", "n1") not in delivered and ("RankHung", "n1") not in delivered
+        assert ("RankHung", "n5") not in delivered
         # the shipped config authenticates to the remediation webhook
         hook = wait_until(lambda: [auth for path, auth in sink.auth if "oncall" not in path],
                           20, "remediation webhook delivery")

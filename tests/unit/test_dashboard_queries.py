@@ -8,8 +8,9 @@ import shutil
 import subprocess
 
 import pytest
+import yaml
 
-from clusterpulse.dashboard.data import NODES_UP
+from clusterpulse.dashboard.data import AGENT_NODE, NODES_UP
 from clusterpulse.incident import RESUME_SERIES, resume_query
 
 A, B, C, D = (f"10.0.0.{n}:9477" for n in (7, 8, 9, 10))
@@ -134,3 +135,17 @@ def test_the_alert_history_holds_an_alert_shorter_than_its_step():
     assert list(hist["alert"]) == ["GpuDown"], hist
     assert (hist["first seen"][0], hist["last seen"][0]) == (
         pd.Timestamp(99_000, unit="s"), pd.Timestamp(99_060, unit="s"))
+
+
+def test_the_page_names_nodes_as_the_rules_do():
+    """NodeAgentDown names a down node by clusterpulse:agent_node; the Cluster page by
+    its own copy of that expression (it need not wait for the record): the same, or a
+    node the page lists is one the alert names otherwise."""
+    from tests.support.procs import REPO
+
+    rules = yaml.safe_load((REPO / "deploy/prometheus/clusterpulse.rules.yml").read_text())
+    (expr,) = [r["expr"] for g in rules["groups"] for r in g["rules"]
+               if r.get("record") == "clusterpulse:agent_node"]
+    def squeeze(text: str) -> str:
+        return "".join(text.split())
+    assert squeeze(expr) == squeeze(AGENT_NODE)

@@ -1988,3 +1988,34 @@ def test_a_users_forward_pre_hook_on_the_model_is_its_own_work_not_ddps_broadcas
         assert pulse.last["sync_wait_seconds"] < 0.1, pulse.last
         assert pulse.last["compute_seconds"] >= 0.2, pulse.last
         pulse.close()
+
+
+def test_a_resumed_run_reports_when_its_checkpoint_was_committed(tmp_path):
+    """A resumed process knew its checkpoint's step but not its time and sent 0: every
+    restart paged CheckpointStale ("last checkpoint is 20794d old") and the Run page
+    said "saved 1796654189 s ago". The time comes from the checkpoint's manifest."""
+    from clusterpulse.trainer.checkpoint import MANIFEST, step_dir
+    from clusterpulse.trainer.main import Trainer
+
+    argv = ["--preset", "tiny", "--ckpt-dir", str(tmp_path), "--agent", "none",
+            "--run-id", "resume-ts", "--log-every", "0"]
+    with gloo_world_of_one():
+        first = Trainer(parse_config([*argv, "--steps", "2", "--ckpt-every", "2"]))
+        try:
+            assert first.run() == 0
+        finally:
+            first.pulse.close()
+            first.dir_claim.release()
+        manifest = step_dir(tmp_path, 2) / MANIFEST
+        doc = json.loads(manifest.read_text())
+        doc["created_unix"] = 1_700_000_000.5  # committed long ago: not "now", not 0
+        manifest.write_text(json.dumps(doc))
+        again = Trainer(parse_config([*argv, "--steps", "3"]))
+        try:
+            assert again.resume() == 2
+            again.train_step(3)
+            assert again.pulse.extra["checkpoint_step"] == 2
+            assert again.pulse.extra["checkpoint_timestamp_seconds"] == 1_700_000_000.5
+        finally:
+            again.pulse.close()
+            again.dir_claim.release()
