@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.procs import wait_until
+from tests.support.promtool import rules_pass
 from tests.support.stack import Stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,12 +88,4 @@ def test_every_panel_query_returns_data(stack):
 
 def test_dcgm_compat_rules_pass_their_promtool_tests():
     """The opt-in dcgm-exporter names, with DCGM's units and labels (promtool unit test)."""
-    import shutil
-    import subprocess
-
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is not installed (the test command installs prometheus)"
-    out = subprocess.run([promtool, "test", "rules", "tests/dcgm_compat_test.yml"],
-                         cwd=REPO / "deploy" / "grafana", capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
+    rules_pass("tests/dcgm_compat_test.yml", cwd=REPO / "deploy" / "grafana")

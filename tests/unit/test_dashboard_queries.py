@@ -3,15 +3,12 @@ the agents and Prometheus's scrapes leave."""
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-
 import pytest
 import yaml
 
 from clusterpulse.dashboard.data import AGENT_NODE, NODES_UP
 from clusterpulse.incident import RESUME_SERIES, resume_query
+from tests.support.promtool import exprs_pass
 
 A, B, C, D = (f"10.0.0.{n}:9477" for n in (7, 8, 9, 10))
 
@@ -27,22 +24,9 @@ def _info(instance: str, node: str, values: str) -> dict:
 
 
 def _nodes_up(tmp_path, series: list[dict], at: str, expect: dict[tuple[str, str], int]) -> None:
-    _promtool(tmp_path, "1m", series, [{"expr": NODES_UP, "eval_time": at, "exp_samples": [
+    exprs_pass(tmp_path, "1m", series, [{"expr": NODES_UP, "eval_time": at, "exp_samples": [
         {"labels": f'{{node="{n}",instance="{i}"}}', "value": v}
         for (n, i), v in expect.items()]}])
-
-
-def _promtool(tmp_path, interval: str, series: list[dict], exprs: list[dict]) -> None:
-    """promtool's verdict on `exprs` (its promql_expr_test entries) over `series`."""
-    tests = {"rule_files": [], "evaluation_interval": interval, "tests": [{
-        "interval": interval, "input_series": series, "promql_expr_test": exprs}]}
-    path = tmp_path / "queries.test.yml"
-    path.write_text(json.dumps(tests))  # JSON is YAML
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is not installed (the test command installs it)"
-    r = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("at", ["90m", "50h"])
@@ -88,7 +72,7 @@ def test_the_resume_record_is_one_processs_the_newest(tmp_path):
     series = [s for k, (was, now) in values.items() for s in (
         {"series": f"{RESUME_SERIES[k]}{{{old}}}", "values": f"{was}x36"},
         {"series": f"{RESUME_SERIES[k]}{{{new}}}", "values": f"_x20 {now}x16"})]
-    _promtool(tmp_path, "5s", series, [
+    exprs_pass(tmp_path, "5s", series, [
         {"expr": resume_query(k, "r1"), "eval_time": t, "exp_samples": [
             {"labels": "{}", "value": values[k][i]}]}
         for k in values for t, i in (("50s", 0), ("150s", 1))])

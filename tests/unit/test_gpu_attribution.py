@@ -7,11 +7,9 @@ The driver's process list comes from the fake pynvml (no GPU here); the processe
 
 from __future__ import annotations
 
-import json
 import os
 import pwd
 import re
-import shutil
 import subprocess
 import sys
 
@@ -30,6 +28,7 @@ from clusterpulse.agent.identity import Sender, start_time
 from clusterpulse.agent.ranks import RankRegistry
 from tests.fakes.fake_pynvml import FakeNvml
 from tests.support.procs import REPO
+from tests.support.promtool import exprs_pass
 
 # /proc/PID/cgroup of a task in a job step, as slurmstepd leaves it.
 CGROUP_V1 = """\
@@ -189,16 +188,8 @@ def test_documented_joins_give_what_they_say_on_the_agents_series(tmp_path):
             [{"labels": '{node="n1",gpu="0",pid="4322",user="root"}', "value": 1}],
     }
     assert set(q) == set(expect), set(q)
-    tests = {"rule_files": [], "tests": [{"interval": "15s", "input_series": series,
-             "promql_expr_test": [{"expr": q[k], "eval_time": "30s", "exp_samples": v}
-                                  for k, v in expect.items()]}]}
-    path = tmp_path / "joins.test.yml"
-    path.write_text(json.dumps(tests))  # JSON is YAML
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is not installed (the test command installs it)"
-    r = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
+    exprs_pass(tmp_path, "15s", series, [{"expr": q[k], "eval_time": "30s", "exp_samples": v}
+                                         for k, v in expect.items()])
 
 
 def test_proc_flag_refuses_a_directory_that_is_no_procfs(tmp_path, capsys):

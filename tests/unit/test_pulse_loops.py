@@ -229,18 +229,20 @@ def test_a_step_that_raises_leaves_the_step_phase():
         p.close()
 
 
+def _batches_50ms_apart() -> Iterator[int]:
+    """A loader whose every batch takes 50 ms to arrive, for ever."""
+    while True:
+        time.sleep(0.05)
+        yield 0
+
+
 def test_micro_batches_fetched_inside_the_step_are_its_data_wait_once():
     """The nanoGPT pattern: the next micro-batch is fetched from `pulse.data` inside the
     step. The fetches were the step's compute and, again, the next step's data wait,
     and the first one's arrival stopped the timing of the step's collectives."""
-    def loader() -> Iterator[int]:
-        while True:
-            time.sleep(0.05)
-            yield 0
-
     p = Pulse(run="loops", agent=None)
     try:
-        it = p.data(loader())
+        it = p.data(_batches_50ms_apart())
         for step in (1, 2):
             with p.step(step) as s, s.section("forward_backward"):
                 for _ in range(4):
@@ -320,14 +322,9 @@ def test_a_fetch_inside_the_steps_data_section_is_its_data_wait_once():
     accumulation fetching its micro-batches in the step): the section timed the wait,
     and so did `data()`; the step's data wait was twice the fetches, its compute 0 (a
     review: 200 ms of data for 100 ms of fetches). The section times it alone."""
-    def loader() -> Iterator[int]:
-        while True:
-            time.sleep(0.05)
-            yield 0
-
     p = Pulse(run="loops", agent=None)
     try:
-        it = p.data(loader())
+        it = p.data(_batches_50ms_apart())
         for step in (1, 2):
             with p.step(step) as s:
                 for _ in range(2):
