@@ -101,6 +101,10 @@ log = logging.getLogger("clusterpulse.trainer.instrument")
 HEARTBEAT_EVERY_S = 1.0
 EVENT_SEND_WAIT_S = 0.2  # at most this long per event while the agent's queue is full
 AGENT_ENV = "CLUSTERPULSE_AGENT"
+# How long a SIGTERM may wait for a loop that never asks about it (`_sigterm_as_usual`)
+# before it is handed to the handler before Pulse's: longer than a protocol loop's
+# first ask takes (it may ask every few steps), well inside Kubernetes' 30 s grace.
+UNASKED_SIGTERM_S = 20.0
 DEFAULT_AGENT = protocol.DEFAULT_TELEMETRY
 # Section names are heartbeat phases; the agent drops phases it does not know, so a
 # loop may only use the protocol's own (minus the ones Pulse sets itself; "evaluate"
@@ -425,9 +429,10 @@ class Pulse:
         self.sigterm = SigtermCatcher()
         if catch_sigterm and self._joined:
             self.sigterm.install()
-        # whether the loop runs the restart protocol (`restart_requested`, `boundary`),
-        # and whether a step has ended: one that ends unasked leaves SIGTERM as usual
-        self._asked = self._stepped = False
+        # whether the loop runs the restart protocol (`restart_requested`, `boundary`):
+        # a SIGTERM it never asks about goes back to the handler before Pulse's
+        # (`_sigterm_as_usual`)
+        self._asked = False
         self.collectives = CollectiveLog()  # sequence numbers: who a hang waits for
         self._ddp_seq: int | None = None  # DDP's gradient all-reduce now in flight
         self._samples = 0
@@ -864,7 +869,7 @@ class Pulse:
         return _BetweenSteps(self, "checkpoint")
 
     def _begin_step(self, ctx: StepContext) -> None:
-        if not self._asked and self._stepped and self.sigterm.installed:
+        if not self._asked and self.sigterm.received:
             self._sigterm_as_usual()
         fetch, self._fetch_wait = self._fetch_wait, 0.0
         if fetch:
@@ -920,25 +925,30 @@ class Pulse:
                               self._probes + self._fwd_waits, self._comm_marks))
         self._comm_marks = []
         self._step = step
-        self._stepped = True
         self._enter("between")
         self._resolve()
 
     def _sigterm_as_usual(self) -> None:
-        """A step ended and the next begins, and the loop never asked for the restart
-        protocol (`boundary`, `restart_requested`: after every step, as documented): it
-        does not run it, and SIGTERM, caught for a boundary that never comes, was
-        swallowed for good (a review: a telemetry-only loop trained on to its end
-        through a preemption's signal). SIGTERM goes back to the handler that was there
-        before (by default: the process ends), and one caught meanwhile is raised again
-        for it."""
+        """A SIGTERM that the loop has not asked about for UNASKED_SIGTERM_S (it never
+        called `boundary` nor `restart_requested`) goes back to the handler that was
+        there before Pulse's (by default: the process ends), and is raised again for
+        it: caught for a boundary that never came, a telemetry-only loop trained on to
+        its end through a preemption's signal (a review). Not at once: a loop that runs
+        the protocol may ask only every few steps, or skip its first step's (a resumed
+        Lightning fit at a validation batch), and a review found such loops killed
+        without their save when it was handed back at the second step. Only while
+        Pulse's catcher is SIGTERM's handler: one the loop (or its framework) installed
+        after Pulse is theirs, and stays."""
         if threading.current_thread() is not threading.main_thread():
             return  # handlers are set from the main thread only (so was this catcher)
-        held = self.sigterm.received
+        if not self.sigterm.is_current():
+            return
+        arrived = self.sigterm.arrived_at
+        if arrived is not None and time.monotonic() - arrived < UNASKED_SIGTERM_S:
+            return
         self.sigterm.uninstall()
         self._catch_sigterm = False
-        if held:
-            signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
 
     def _resolve(self) -> None:
         """Turn finished steps' marks into figures and send them (CUDA: a step late)."""

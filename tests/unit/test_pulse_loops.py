@@ -349,12 +349,17 @@ def test_a_fetch_inside_the_steps_data_section_is_its_data_wait_once():
         p.close()
 
 
-def test_a_loop_that_never_asks_about_restarts_gets_sigterm_back():
+def test_a_loop_that_never_asks_about_restarts_gets_sigterm_back(monkeypatch):
     """Pulse catches SIGTERM for the restart protocol, acted on at a `boundary`: a loop
     that only times its steps never calls one, and a preemption's SIGTERM was
-    swallowed for good (a review: the loop trained on to its end). Once a step ends and
-    the next begins unasked, SIGTERM is the previous handler's again, and one caught
-    meanwhile is passed on to it; a loop that asks keeps it caught."""
+    swallowed for good (a review: the loop trained on to its end). A SIGTERM no ask
+    has come for in UNASKED_SIGTERM_S is passed on to the previous handler at the next
+    step's start. Not sooner (a second review): a loop that asks only every few steps,
+    or skips its first step's ask, was killed without its save when SIGTERM was handed
+    back as its second step began; and a handler the loop installs after Pulse is
+    never touched."""
+    from clusterpulse.trainer import instrument
+
     heard: list[int] = []
     before = signal.signal(signal.SIGTERM, lambda signum, _frame: heard.append(signum))
     try:
@@ -362,25 +367,43 @@ def test_a_loop_that_never_asks_about_restarts_gets_sigterm_back():
         try:
             with p.step(1):
                 os.kill(os.getpid(), signal.SIGTERM)
-            assert p.sigterm.received and heard == []  # held for a boundary, at first
-            with p.step(2):
+            for step in (2, 3):  # steps within the wait: still held for a boundary
+                with p.step(step):
+                    pass
+            assert p.sigterm.received and heard == [] and p.sigterm.is_current()
+            monkeypatch.setattr(instrument, "UNASKED_SIGTERM_S", 0.0)  # the wait is over
+            with p.step(4):
                 pass
-            assert heard == [signal.SIGTERM]  # no boundary came: passed on
+            assert heard == [signal.SIGTERM]  # no ask came: passed on
             assert not p.sigterm.is_current()
         finally:
             p.close()
+            monkeypatch.undo()  # the wait as shipped, from here on
         asks = Pulse(run="loops", agent=None)  # consensus every 5 steps
         try:
-            for step in (1, 2, 3):
-                with asks.step(step):
-                    pass
-                assert not asks.restart_requested(step)  # not due yet: still the protocol's
-            assert asks.sigterm.is_current()
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.05)
-            assert asks.sigterm.received and heard == [signal.SIGTERM]
+            for step in (1, 2, 3):  # asks from step 3 only (a resumed fit's first steps)
+                with asks.step(step):
+                    pass
+                if step == 3:
+                    assert not asks.restart_requested(step)  # not due: the protocol's
+            assert asks.sigterm.received and asks.sigterm.is_current()
+            assert heard == [signal.SIGTERM]  # this one stays the protocol's
         finally:
             asks.close()
+        theirs: list[int] = []
+        own = Pulse(run="loops", agent=None)
+        try:  # the loop's own graceful handler, installed after Pulse
+            signal.signal(signal.SIGTERM, lambda signum, _frame: theirs.append(signum))
+            with own.step(1):
+                os.kill(os.getpid(), signal.SIGTERM)
+            with own.step(2):
+                pass
+            assert theirs == [signal.SIGTERM] and heard == [signal.SIGTERM]
+            assert signal.getsignal(signal.SIGTERM) is not before  # still theirs
+        finally:
+            own.close()
     finally:
         signal.signal(signal.SIGTERM, before)
 
