@@ -126,7 +126,8 @@ PREFIX = "clusterpulse_"
 # Hang detection's evidence (progress_families): also served alone on /metrics/progress.
 PROGRESS_FAMILIES = tuple(PREFIX + n for n in (
     "trainer_heartbeat_age_seconds", "trainer_process_alive", "trainer_phase",
-    "trainer_blocked_collective", "trainer_collectives_entered_total"))
+    "trainer_blocked_collective", "trainer_collectives_entered_total",
+    "agent_telemetry_receive_lag_seconds"))
 
 
 # A rank that finished is nobody's straggler: its last score and flag, exported for the
@@ -218,13 +219,6 @@ class AgentCollector(Collector):
             c.add_metric([a.node, result], n)
         yield c
         if a.receiver is not None:
-            g = GaugeMetricFamily(
-                PREFIX + "agent_telemetry_receive_lag_seconds",
-                "Seconds since the telemetry receive loop last finished a round, computed "
-                "at scrape time (<= 0.2 when healthy): while it grows every rank on the "
-                "node goes silent, whatever the ranks do.", labels=["node"])
-            g.add_metric([a.node], round(a.receiver.lag_seconds(), 3))
-            yield g
             g = GaugeMetricFamily(PREFIX + "agent_telemetry_connections",
                                   "Open rank connections by sending user (kernel uid, or "
                                   "unverified).", labels=["node", "sender"])
@@ -412,3 +406,14 @@ def progress_families(agent: Agent, ranks: list) -> Iterator:
         if "collectives_entered_total" in r.values:
             entered.add_metric(lb, r.values["collectives_entered_total"])
     yield from (age, alive, phase, blocked, entered)
+    if agent.receiver is not None:
+        # With the heartbeat ages, at their pace: JobStalled leaves out the ranks of a
+        # node whose receiver lags (their ages grow whatever they do); read only every
+        # 5 s, the lag came after every rank's age had passed a 5 s threshold (a review)
+        lag = GaugeMetricFamily(
+            PREFIX + "agent_telemetry_receive_lag_seconds",
+            "Seconds since the telemetry receive loop last finished a round, computed "
+            "at scrape time (<= 0.2 when healthy): while it grows every rank on the "
+            "node goes silent, whatever the ranks do.", labels=["node"])
+        lag.add_metric([node], round(agent.receiver.lag_seconds(), 3))
+        yield lag

@@ -51,11 +51,12 @@ def test_the_shipped_scrape_reads_progress_every_second_and_names_a_hang(tmp_pat
             return got
 
         # both ranks stepping: every family from rank-progress alone, one series a rank
-        # (phase: one per rank too, the phase it is in); blocked_collective only waits
-        present = wait_until(lambda: (g := progress_jobs()) and len(g) == 4 and g, 60,
+        # (phase: one per rank too, the phase it is in; the receiver's lag, one for the
+        # node); blocked_collective only waits
+        present = wait_until(lambda: (g := progress_jobs()) and len(g) == 5 and g, 60,
                              "the ranks' progress in Prometheus")
-        assert present == {n: {"rank-progress": 2.0} for n in PROGRESS_FAMILIES
-                           if "blocked" not in n}, present
+        assert present == {n: {"rank-progress": 1.0 if "receive_lag" in n else 2.0}
+                           for n in PROGRESS_FAMILIES if "blocked" not in n}, present
         # the main job still carries the rest of the rank's series
         steps = wait_until(lambda: prom.query("clusterpulse_trainer_step"), 30,
                            "the main scrape")
