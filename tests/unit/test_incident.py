@@ -351,6 +351,33 @@ def test_a_concurrent_incident_hides_neither_the_policys_restart_nor_its_resume(
     op = [{**act[0], "who": "alice", "why": "hung"}]
     items = _shown(eps, 0, op, ranks=RANK_GPUS, resumes=resumed)
     assert [(i.action, i.resume) for i in items] == [("restart", resumed[0]), (None, None)]
+    # a restart no one recorded (torchrun's own): its resume is the hang's, not the
+    # throttling's beside it (root order), though the throttling was detected later
+    items = _shown(eps, 0, [], ranks=RANK_GPUS, resumes=resumed)
+    assert [(i.cause, i.resume) for i in items] == [
+        ("RankHung", resumed[0]), ("GpuThermalSlowdown", None)], [i.line() for i in items]
+
+
+def test_an_operators_action_is_the_firing_incidents_not_an_ended_ones():
+    """A second review: a GPU throttled for 5 minutes and stopped; 40 s later a rank
+    hung, and an operator restarted the run 10 s after that. Walked oldest first, the
+    ended throttling (still in its 120 s tail) took the restart, and the hang read "no
+    action"."""
+    eps = [_ep("GpuThermalSlowdown", 0, 300, node="sim-node-0", gpu="0"),
+           _ep("RankHung", 340, 400, run=RUN, node="sim-node-1", rank="2"),
+           _ep("JobStalled", 341, 400, run=RUN)]
+    op = [{"ts": T0 + 350, "who": "alice", "why": "rank 2 hung", "action": "restart",
+           "outcome": "accepted", "run": RUN, "source": "remediation"}]
+    resumed = [Resume(900, 37, T0 + 420)]
+    items = _shown(eps, 0, op, ranks=RANK_GPUS, resumes=resumed)
+    assert [(i.cause, i.action, i.resume) for i in items] == [
+        ("GpuThermalSlowdown", None, None), ("RankHung", "restart", resumed[0])], \
+        [i.line() for i in items]
+    # taken in the throttling's tail with no other incident open, it is the throttling's
+    late = [{**op[0], "ts": T0 + 330}]
+    items = _shown(eps, 0, late, ranks=RANK_GPUS)
+    assert [(i.cause, i.action) for i in items] == [
+        ("GpuThermalSlowdown", "restart"), ("RankHung", None)], [i.line() for i in items]
 
 
 @pytest.mark.parametrize("name,labels", [
