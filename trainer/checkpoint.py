@@ -292,20 +292,6 @@ def stager_survives_reuse() -> bool:
     return True
 
 
-def commit_time(path: Path) -> float | None:
-    """Unix time the checkpoint at `path` was committed: its manifest's `created_unix`,
-    written just before the publishing rename (the manifest's own mtime where that
-    field is missing), or None if the manifest cannot be read."""
-    manifest = path / MANIFEST
-    try:
-        created = json.loads(manifest.read_text()).get("created_unix")
-        if isinstance(created, (int, float)) and created > 0:
-            return float(created)
-        return manifest.stat().st_mtime
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def find_latest_valid(root: Path) -> Found | None:
     """The newest checkpoint that verifies (one process checks every file)."""
     return next(iter_valid(root), None)
@@ -501,13 +487,15 @@ class CheckpointManager:
         with self._lock:
             self.committed_step, self.committed_unix = step, time.time()
 
-    def resumed_from(self, step: int, path: Path) -> None:
-        """The run resumed from `step`'s checkpoint at `path`: that is the last committed
-        checkpoint, committed when its manifest says; not now (a failure now loses the
-        work since then), nor time 0 (a resumed run sent 0: CheckpointStale paged at
-        every restart)."""
+    def resumed_from(self, step: int) -> None:
+        """The run resumed from `step`'s checkpoint, now: its work is safe on disk as of
+        now (a failure loses what comes after). Not the checkpoint's commit time, nor 0
+        (a resumed run sent 0: CheckpointStale paged at every restart; with the commit
+        time a run requeued after a long wait paged at once that a failure would lose
+        hours, a review): CheckpointStale and the Run page read how long the run's
+        work has been at risk."""
         with self._lock:
-            self.committed_step, self.committed_unix = step, commit_time(path)
+            self.committed_step, self.committed_unix = step, time.time()
 
     def _write_own_sums(self, tmp: Path) -> None:
         """Checksum the files this rank wrote (DCP names them __<rank>_<n>.distcp). If
