@@ -43,6 +43,9 @@ JOB_FIELDS = frozenset({"checkpoint_step", "checkpoint_timestamp_seconds", "good
 # multiple of it): 512 puts an evaluation every 50 steps ~10 times in the window, and
 # costs 4 KB a rank (4 MB at the registry's 1,024).
 STEP_INTERVALS_KEPT = 512
+# How long after a rank's owner was last heard from only its user may speak for that
+# (run, rank): a torchrun restart brings the job's next worker within seconds.
+OTHER_USER_WAIT_S = 60.0
 # Phases in which a completed step's interval is not the loop's own pace: loading or
 # saving a checkpoint (their own timeouts; leaving them restarts the age), gone.
 _NO_INTERVAL_PHASES = OWN_TIMEOUT_PHASES | {EXITED, RESTARTING}
@@ -197,9 +200,13 @@ class RankRegistry:
                 if not sender.verified and r.sender.verified:
                     # an unverified sender never replaces a kernel-verified owner
                     raise Refused("owned_by_other_process")
-                if r.sender.verified and sender.owner_key != r.sender.owner_key:
-                    # a restarted worker runs as the job's user: another user's process
-                    # would speak for the job (its step, its phase, its refusals)
+                if (r.sender.verified and sender.owner_key != r.sender.owner_key
+                        and now - r.last_seen < OTHER_USER_WAIT_S):
+                    # a restarted worker runs as the job's user, within seconds: another
+                    # user's process would speak for the job (its step, its phase, its
+                    # refusals). Not for the entry's whole grace: a later job of another
+                    # uid (a shared default run id, a pod with another uid mapping) was
+                    # refused for 5 minutes (a review)
                     raise Refused("owned_by_other_user")
                 self._check_quota(sender, replacing=key)
                 r.sender = sender  # the previous owner exited: a restarted worker

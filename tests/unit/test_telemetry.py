@@ -444,6 +444,19 @@ def test_another_user_never_takes_over_a_rank_whose_process_exited():
     clock.t += 61
     reg.expire()  # gone, and forgotten: the (run, rank) is anyone's again
     assert reg.update(msg(step=1), None, other).sender == other
+    # Within the entry's grace, but past a restart's gap (OTHER_USER_WAIT_S), another
+    # user's later job may take the (run, rank): a shared default run id, or a pod with
+    # another uid mapping, was refused for all 5 minutes (a second review)
+    kept = RankRegistry(grace_s=300, clock=(later := ManualClock()),
+                        alive=lambda s: alive.get(s.pid, False))
+    alive[1] = True
+    kept.update(msg(step=5), None, owner)
+    alive[1] = False
+    later.t += 30
+    with pytest.raises(Refused, match="owned_by_other_user"):
+        kept.update(msg(step=1), None, other)
+    later.t += 31
+    assert kept.update(msg(step=1), None, other).sender == other
 
 
 def test_one_users_churn_keeps_to_its_quota_and_evicts_nobody_elses_evidence():
