@@ -101,8 +101,7 @@ RANK_SERIES: list[tuple[str, str, str, bool]] = [
     ("checkpoint_step", "trainer_checkpoint_last_step", "Step of the last committed checkpoint.",
      False),
     ("checkpoint_timestamp_seconds", "trainer_checkpoint_last_timestamp_seconds",
-     "Unix time since which the run's work is at risk: its last committed checkpoint, "
-     "or its resume from one.", False),
+     "Unix time the last committed checkpoint was committed.", False),
     ("checkpoint_blocking_seconds", "trainer_checkpoint_blocking_seconds",
      "Time the last checkpoint blocked the training loop.", False),
     ("checkpoint_in_progress", "trainer_checkpoint_in_progress",

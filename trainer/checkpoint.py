@@ -292,6 +292,20 @@ def stager_survives_reuse() -> bool:
     return True
 
 
+def commit_time(path: Path) -> float | None:
+    """Unix time the checkpoint at `path` was committed: its manifest's `created_unix`,
+    written just before the publishing rename (the manifest's own mtime where that
+    field is missing), or None if the manifest cannot be read."""
+    manifest = path / MANIFEST
+    try:
+        created = json.loads(manifest.read_text()).get("created_unix")
+        if isinstance(created, (int, float)) and created > 0:
+            return float(created)
+        return manifest.stat().st_mtime
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def find_latest_valid(root: Path) -> Found | None:
     """The newest checkpoint that verifies (one process checks every file)."""
     return next(iter_valid(root), None)
@@ -487,15 +501,15 @@ class CheckpointManager:
         with self._lock:
             self.committed_step, self.committed_unix = step, time.time()
 
-    def resumed_from(self, step: int) -> None:
-        """The run resumed from `step`'s checkpoint, now: its work is safe on disk as of
-        now (a failure loses what comes after). Not the checkpoint's commit time, nor 0
-        (a resumed run sent 0: CheckpointStale paged at every restart; with the commit
-        time a run requeued after a long wait paged at once that a failure would lose
-        hours, a review): CheckpointStale and the Run page read how long the run's
-        work has been at risk."""
+    def resumed_from(self, step: int, path: Path) -> None:
+        """The run resumed from `step`'s checkpoint at `path`: that is the last committed
+        checkpoint, committed when its manifest says; not now (CheckpointsFailing reads a
+        change of this time as a commit: a resume that set it hid a run whose saves kept
+        failing across its restarts, a review), nor time 0 (a resumed run sent 0:
+        CheckpointStale paged at every restart). CheckpointStale counts from the later
+        of this and the run's resume (`resume_timestamp_seconds`)."""
         with self._lock:
-            self.committed_step, self.committed_unix = step, time.time()
+            self.committed_step, self.committed_unix = step, commit_time(path)
 
     def _write_own_sums(self, tmp: Path) -> None:
         """Checksum the files this rank wrote (DCP names them __<rank>_<n>.distcp). If

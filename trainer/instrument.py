@@ -946,8 +946,14 @@ class Pulse:
         arrived = self.sigterm.arrived_at
         if arrived is not None and time.monotonic() - arrived < UNASKED_SIGTERM_S:
             return
+        self._hand_back()
+
+    def _hand_back(self) -> None:
+        """SIGTERM to the handler before Pulse's, and the held one raised for it: Pulse
+        forgets it (acted on after the hand-back too, a later ask agreed a preemption)."""
         self.sigterm.uninstall()
         self._catch_sigterm = False
+        self.sigterm.received = False
         signal.raise_signal(signal.SIGTERM)
 
     def _resolve(self) -> None:
@@ -1363,7 +1369,15 @@ class Pulse:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        # a SIGTERM the loop never asked about, held as it ended (within the wait of
+        # `_sigterm_as_usual`): the handler before Pulse's gets it now, once the agent
+        # has the exit (a review: it was lost, and the rank read "finished")
+        pass_on = (not self._asked and self.sigterm.received and self.sigterm.is_current()
+                   and threading.current_thread() is threading.main_thread())
         self.sigterm.uninstall()
         self.sigterm.on_first = None  # the caller's bookkeeping (it may hold the trainer)
         self.event("exit", outcome=outcome)
         self.link.close()
+        if pass_on:
+            self.sigterm.received = False
+            signal.raise_signal(signal.SIGTERM)

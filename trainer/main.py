@@ -293,7 +293,7 @@ class Trainer:
                 log.warning("restart %d found no valid checkpoint: starting from step 0",
                             self.attempt)
             return 0
-        self.ckpt.resumed_from(self.state.step)
+        self.ckpt.resumed_from(self.state.step, found.path)
         if info.rank == 0:
             # the world size tells an elastic job's rounds apart: one that went on
             # smaller, and the one that took its lost node's place back
@@ -380,8 +380,9 @@ class Trainer:
         if self.ckpt.committed_step is not None:
             pulse.extra.update(checkpoint_step=self.ckpt.committed_step,
                                checkpoint_blocking_seconds=self.ckpt.last_blocking_seconds)
-        # No time before a first commit or resume: 0 read as a checkpoint 56 years old
-        # (CheckpointStale at every restart)
+        # No time before a first commit, nor for a resumed checkpoint whose manifest
+        # cannot be read: 0 read as a checkpoint 56 years old (CheckpointStale at every
+        # restart)
         if self.ckpt.committed_unix is not None:
             pulse.extra["checkpoint_timestamp_seconds"] = self.ckpt.committed_unix
         return s.loss

@@ -376,9 +376,18 @@ def test_a_loop_that_never_asks_about_restarts_gets_sigterm_back(monkeypatch):
                 pass
             assert heard == [signal.SIGTERM]  # no ask came: passed on
             assert not p.sigterm.is_current()
+            # and forgotten by Pulse: a later ask does not agree a preemption as well
+            assert not p.sigterm.received and not p.restart_requested(5)
         finally:
             p.close()
             monkeypatch.undo()  # the wait as shipped, from here on
+        ends = Pulse(run="loops", agent=None)  # the loop ends within the wait
+        try:
+            with ends.step(1):
+                os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            ends.close()
+        assert heard == [signal.SIGTERM] * 2  # passed on at the end, not lost
         asks = Pulse(run="loops", agent=None)  # consensus every 5 steps
         try:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -389,7 +398,7 @@ def test_a_loop_that_never_asks_about_restarts_gets_sigterm_back(monkeypatch):
                 if step == 3:
                     assert not asks.restart_requested(step)  # not due: the protocol's
             assert asks.sigterm.received and asks.sigterm.is_current()
-            assert heard == [signal.SIGTERM]  # this one stays the protocol's
+            assert heard == [signal.SIGTERM] * 2  # this one stays the protocol's
         finally:
             asks.close()
         theirs: list[int] = []
@@ -400,7 +409,7 @@ def test_a_loop_that_never_asks_about_restarts_gets_sigterm_back(monkeypatch):
                 os.kill(os.getpid(), signal.SIGTERM)
             with own.step(2):
                 pass
-            assert theirs == [signal.SIGTERM] and heard == [signal.SIGTERM]
+            assert theirs == [signal.SIGTERM] and heard == [signal.SIGTERM] * 2
             assert signal.getsignal(signal.SIGTERM) is not before  # still theirs
         finally:
             own.close()
