@@ -267,12 +267,12 @@ def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Se
     the run (audit outcome in TAKEN; from `sources` only, if given) after its detection,
     while it fires or within ACTION_AFTER_S of its end and before `until` (the end of
     the time range shown), and the policy's only if it named one of its alerts; an
-    action is one incident's: the earliest firing when it was taken, else the latest in
-    its tail. It takes the first trainer resume record after its action in
+    action is one incident's: the root-most firing when it was taken, else the latest
+    in its tail. It takes the first trainer resume record after its action in
     the same span (a resume of an operator's restart 7 minutes after a hang had
     resolved read as the hang's). An incident without an action takes the first resume
-    in its span that no action's incident took, by root order (a hang's before the
-    throttling beside it), then the latest incident first. The span is
+    in its span that no action's incident took: one that ended before it first (a
+    restart ends its fault), else one still firing, by root order. The span is
     the incident's own, whatever fires beside it: ended at the next incident's start, a
     hang's closed when another node's GPU began throttling 3 s later, the policy's
     restart of the hang was no one's and the throttling took the hang's resume record.
@@ -297,29 +297,39 @@ def build(run: str, nodes: set[str], episodes: Iterable[AlertEpisode], audit: Se
     last = {id(inc): min(max(inc.open_until, inc.detected_at) + ACTION_AFTER_S, shown_until)
             for inc in out}
     # Each action is one incident's, and an incident takes its first: an operator's
-    # (or a policy's, of that incident's alert) goes to the earliest incident firing
-    # when it is taken, else to the latest one in its tail (within ACTION_AFTER_S of
-    # its end). Oldest first, an ended throttling took the restart of the hang paged
-    # 40 s after it (a review).
+    # (or a policy's, of that incident's alert) goes to an incident firing when it is
+    # taken, the root-most (a hang before the throttling beside it, whichever began
+    # first), else to the latest one in its tail (within ACTION_AFTER_S of its end).
+    # Oldest first, an ended throttling took the restart of the hang paged 40 s after
+    # it, and a firing one the operator's restart of a hang beside it (reviews).
     for act in acts:
         at = act.get("ts", 0.0)
         open_ = [i for i in out if i.action is None and i.detected_at <= at < last[id(i)]
                  and _acts_for(act, i)]
-        firing = [i for i in open_ if at <= max(i.open_until, i.detected_at)]
+        firing = sorted((i for i in open_ if at <= max(i.open_until, i.detected_at)),
+                        key=lambda i: (root_rank(i.cause), -i.detected_at))
         inc = firing[0] if firing else (open_[-1] if open_ else None)
         if inc is not None:
             inc.action, inc.acted_at, inc.actor = act.get("action"), at, act.get("who", "")
-    # the resumes of actions first (each the first after its action), then the others':
-    # the fault likeliest to have restarted the run first (root order: a hang before the
-    # throttling beside it), then the latest detected (a resume follows the latest fault)
+    # The resumes of actions first (each the first after its action), then the others':
+    # a restart ends the fault that caused it (its ranks' alerts resolve), so an
+    # incident that ended before the resume first, the latest ended (not the hang that
+    # cleared a minute before a GPU's XID crashed the run), then those still firing, by
+    # root order (not the throttling that went on through a hang's restart).
     left = sorted(resumes, key=lambda r: r.at)
     acted = sorted((i for i in out if i.acted_at is not None), key=lambda i: i.acted_at or 0.0)
-    unacted = sorted((i for i in out if i.acted_at is None),
-                     key=lambda i: (root_rank(i.cause), -i.detected_at))
-    for inc in [*acted, *unacted]:
-        since = inc.detected_at if inc.acted_at is None else inc.acted_at
-        inc.resume = next((r for r in left if since <= r.at < last[id(inc)]), None)
+    for inc in acted:
+        inc.resume = next((r for r in left if inc.acted_at <= r.at < last[id(inc)]), None)
         left = [r for r in left if r is not inc.resume]
+    for r in list(left):
+        open_ = [i for i in out if i.acted_at is None and i.resume is None
+                 and i.detected_at <= r.at < last[id(i)]]
+        ended = sorted((i for i in open_ if i.ended_at < r.at),
+                       key=lambda i: (-i.ended_at, -i.detected_at))
+        going = sorted((i for i in open_ if i.ended_at >= r.at),
+                       key=lambda i: (root_rank(i.cause), -i.detected_at))
+        for inc in [*ended, *going][:1]:
+            inc.resume = r
     return out
 
 

@@ -410,3 +410,25 @@ def test_the_root_order_names_alerts_the_rules_define():
                              .read_text()))
     assert set(incident.ROOT_ORDER) - defined == set()
     assert incident.NODE_ALERTS - defined == set()
+
+
+def test_a_restart_goes_with_the_hang_beside_a_throttling_and_a_resume_with_the_fault_it_ended():
+    """A second re-review: (1) a GPU throttling on one node, still firing, took the
+    operator's restart of a hang on another (the earliest firing, not the root); (2) a
+    hang that cleared by itself took the resume of the crash a GPU's XID caused a
+    minute later (root order over which fault the restart ended)."""
+    eps = [_ep("GpuThermalSlowdown", 0, 600, node="sim-node-0", gpu="0"),
+           _ep("RankHung", 300, 345, run=RUN, node="sim-node-1", rank="2")]
+    op = [{"ts": T0 + 340, "who": "alice", "why": "hung", "action": "restart",
+           "outcome": "accepted", "run": RUN, "source": "dashboard"}]
+    resumed = [Resume(100, 20, T0 + 380)]
+    items = _shown(eps, 0, op, ranks=RANK_GPUS, resumes=resumed)
+    assert [(i.cause, i.action, i.resume) for i in items] == [
+        ("GpuThermalSlowdown", None, None), ("RankHung", "restart", resumed[0])], \
+        [i.line() for i in items]
+    eps = [_ep("RankHung", 0, 40, run=RUN, node="sim-node-1", rank="2"),
+           _ep("GpuCriticalXid", 90, 120, node="sim-node-0", gpu="0")]
+    resumed = [Resume(100, 20, T0 + 130)]
+    items = _shown(eps, 0, [], ranks=RANK_GPUS, resumes=resumed)
+    assert [(i.cause, i.resume) for i in items] == [
+        ("RankHung", None), ("GpuCriticalXid", resumed[0])], [i.line() for i in items]
