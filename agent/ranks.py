@@ -106,6 +106,9 @@ class RankState:
     gpu: int = -1
     gpu_uuids: tuple[str, ...] = ()
     addr: Any = None  # where replies go: the kernel-given sender address
+    # the user of the first kernel-verified process that spoke for this (run, rank):
+    # the job's. Its next process takes the rank back from another user's (`update`).
+    home: str | None = None
     first_seen: float = 0.0
     last_seen: float = 0.0  # monotonic time of the last message of any kind
     # monotonic time of the last completed step, of the start, or of leaving a phase
@@ -195,13 +198,18 @@ class RankRegistry:
             if r is not None and r.sender != sender and _owners_last_words(r.sender, sender):
                 sender = r.sender  # the owner's own messages, read after it exited
             elif r is not None and r.sender != sender:
-                if r.sender.verified and self._alive(r.sender):
+                # the job's user taking its rank back from another user's process (one
+                # that took it while the job's next worker was slow to come: a node
+                # replaced, a long rendezvous), alive or not (a review: locked out)
+                home_again = (sender.verified and r.home == sender.owner_key
+                              and r.sender.owner_key != r.home)
+                if r.sender.verified and self._alive(r.sender) and not home_again:
                     raise Refused("owned_by_other_process")
                 if not sender.verified and r.sender.verified:
                     # an unverified sender never replaces a kernel-verified owner
                     raise Refused("owned_by_other_process")
                 if (r.sender.verified and sender.owner_key != r.sender.owner_key
-                        and now - r.last_seen < OTHER_USER_WAIT_S):
+                        and not home_again and now - r.last_seen < OTHER_USER_WAIT_S):
                     # a restarted worker runs as the job's user, within seconds: another
                     # user's process would speak for the job (its step, its phase, its
                     # refusals). Not for the entry's whole grace: a later job of another
@@ -218,6 +226,8 @@ class RankRegistry:
                     return None
                 r = self._ranks[key] = RankState(run=key[0], rank=key[1], sender=sender,
                                                  first_seen=now, last_progress=now)
+            if r.home is None and sender.verified:
+                r.home = sender.owner_key
             self._fold(r, msg, now)
             r.addr = addr
             return r

@@ -456,7 +456,16 @@ def test_another_user_never_takes_over_a_rank_whose_process_exited():
     with pytest.raises(Refused, match="owned_by_other_user"):
         kept.update(msg(step=1), None, other)
     later.t += 31
-    assert kept.update(msg(step=1), None, other).sender == other
+    alive[2] = True  # another user's process took it, and lives on
+    assert kept.update(msg(step=999), None, other).sender == other
+    # the job's own next worker, slower than a minute (a node replaced, a long
+    # rendezvous), takes its rank back from it (a re-review: it was refused for good)
+    comeback = Sender(pid=4, uid=1000, start_time=3, verified=True)
+    alive[4] = True
+    later.t += 5
+    assert kept.update(msg(step=6, restarts=1), None, comeback).sender == comeback
+    with pytest.raises(Refused, match="owned_by_other_process"):  # and keeps it
+        kept.update(msg(step=1000), None, other)
 
 
 def test_one_users_churn_keeps_to_its_quota_and_evicts_nobody_elses_evidence():
