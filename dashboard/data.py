@@ -138,8 +138,9 @@ def live(expr: str, sel: str = "") -> str:
 # another --node left two names, the join below was many-to-many, and Prometheus's 422
 # blanked the page for an hour), the one seen last, over 30 days (as far back as
 # NodeAgentDown looks: a node down for more than an hour left the page while it paged).
-# When each name was last seen: its samples' own times, read every 5 s over the last
-# 10 minutes (a node down within a minute of its start was seen at no whole minute), every
+# When each name was last seen: its samples' own times, the newest as it is (a node
+# scraped first since the last whole 5 s was listed by its address), read every 5 s over
+# the last 10 minutes (a node down within a minute of its start was seen at no whole minute), every
 # minute over the hour, every 5 minutes over the day and hourly over 30 days
 # (`timestamp` in subqueries):
 # 30 days of raw samples are 172,800 a series at a 15 s scrape, over Prometheus's
@@ -147,10 +148,10 @@ def live(expr: str, sel: str = "") -> str:
 # (clusterpulse:agent_node, which NodeAgentDown names its node by; the page computes it
 # itself rather than wait for the record's first evaluation, and a test holds the two
 # equal). Value 1.
-_SEEN = 'max_over_time(timestamp(clusterpulse_agent_build_info{job=~"clusterpulse.*"})'
+_SEEN = 'timestamp(clusterpulse_agent_build_info{job=~"clusterpulse.*"})'
 AGENT_NODE = ("topk by (instance) (1, max by (instance, node) ("
-              + " or ".join(f"{_SEEN}[{window}])"
-                           for window in ("10m:5s", "1h:1m", "1d:5m", "30d:1h"))
+              + " or ".join([_SEEN] + [f"max_over_time({_SEEN}[{window}])"
+                                        for window in ("10m:5s", "1h:1m", "1d:5m", "30d:1h")])
               + "))")
 NODE_OF_ADDRESS = f"group by (instance, node) ({AGENT_NODE})"
 # Each agent target up (1) or not (0), by node; a target no agent ever answered at is

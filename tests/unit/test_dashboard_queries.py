@@ -147,3 +147,12 @@ def test_a_node_down_within_a_minute_of_its_start_is_named(tmp_path):
     _nodes_up(tmp_path, [_up(A, "0 0 1 1 1 1 1 1 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0"),
                          _info(A, "gpu-late", "_ _ 1 1 1 1 1 1 stale")],
               "100s", {("gpu-late", A): 0}, interval="5s")
+
+
+def test_a_node_first_seen_since_the_last_whole_5_seconds_is_named(tmp_path):
+    """Seen in CI (tests/integration/test_sharded_scrape.py): the Cluster page, read within
+    5 s of a new agent's first scrape, listed that node by its address. Every window read
+    its names at whole 5 s (or coarser) points, all before the one sample there was. The
+    newest sample is read as it is."""
+    _nodes_up(tmp_path, [_up(A, "_ 1"), _info(A, "gpu-new", "_ 1")],
+              "4s", {("gpu-new", A): 1}, interval="2s")
