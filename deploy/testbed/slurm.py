@@ -139,8 +139,8 @@ def render_conf(cluster: str, run_dir: Path, ctl_host: str, ctl_addr: str, ctl_p
         "SlurmdPort=6818",  # every slurmd has its own network namespace: no clash
         "AuthType=auth/munge", "CredType=cred/munge",
         # cred_expire also sets how long a requeued job waits before it may start again
-        # (default 120 s); 30 s still leaves a loaded machine time to launch steps.
-        f"AuthInfo=socket={run_dir / 'munge.sock'},cred_expire=30",
+        # (default 120 s); 10 s still leaves a loaded machine time to launch steps.
+        f"AuthInfo=socket={run_dir / 'munge.sock'},cred_expire=10",
         "SlurmUser=root", "SlurmdUser=root",
         f"StateSaveLocation={run_dir / 'ctl'}",
         f"SlurmctldPidFile={run_dir / 'ctl' / 'slurmctld.pid'}",
