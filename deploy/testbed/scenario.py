@@ -25,6 +25,10 @@ from deploy.testbed.faults import EXPECT, TESTBED_ONLY, Fault, Observer, Outcome
 
 # How long the printout waits, after a restart, for the trainer's resume record.
 RESUME_WAIT_S = 30.0
+# How often the driver asks Prometheus again while it waits for the job's first step,
+# for a fault's alerts to resolve, or for a resume record: at the 1 s of its other
+# reads, so that each line follows what it reports within a second (one small query).
+POLL_S = 1.0
 
 
 class ScenarioError(ValueError):
@@ -105,7 +109,7 @@ class Driver(threading.Thread):
                     return
             except OSError:
                 pass
-            self.stop_event.wait(2)
+            self.stop_event.wait(POLL_S)
 
     def _incident(self, o: Outcome) -> None:
         """The fault's incident, once its alerts are over: the line the dashboard's
@@ -115,7 +119,7 @@ class Driver(threading.Thread):
         inc = self._read_incident(o)
         until = time.time() + RESUME_WAIT_S
         while inc is not None and inc.action in ("restart", "checkpoint-restart") \
-                and inc.resume is None and time.time() < until and not self.stop_event.wait(2):
+                and inc.resume is None and time.time() < until and not self.stop_event.wait(POLL_S):
             inc = self._read_incident(o)
         if inc is not None:
             self.say(f"  incident: {inc.line()}")
@@ -134,7 +138,7 @@ class Driver(threading.Thread):
                     return
             except OSError:
                 pass
-            self.stop_event.wait(2)
+            self.stop_event.wait(POLL_S)
 
     def _follow(self, o: Outcome) -> None:
         name = self.names[o.fault.node]
@@ -142,7 +146,7 @@ class Driver(threading.Thread):
         undone = False
         said: set[str] = set()
         end = time.time() + self.deadline_s
-        while not self.stop_event.wait(1) and time.time() < end:
+        while not self.stop_event.wait(POLL_S) and time.time() < end:
             try:
                 self.obs.update(o, name)
             except OSError:
