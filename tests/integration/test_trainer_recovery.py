@@ -419,11 +419,21 @@ def test_a_command_one_node_heard_is_recorded_and_acknowledged_by_every_rank(tmp
             running.agent.stop()
 
 
-def test_bad_flags_are_named_without_a_traceback(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "clusterpulse.trainer", "--inject", "explode:step=1"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+def test_bad_flags_are_named_without_a_traceback_before_torch_is_imported(tmp_path):
+    """A bad flag, and --help, answered after torch's import: 2-3 s of CPU in every rank."""
+    def trainer(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "clusterpulse.trainer",
+                            *args], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        return r, {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines()
+                   if line.startswith("import time:")}
+
+    r, imported = trainer("--inject", "explode:step=1")
     assert r.returncode == 2
     assert "unknown kind 'explode'" in r.stderr and "Traceback" not in r.stderr
+    assert "clusterpulse.trainer.config" in imported and "torch" not in imported
+    r, imported = trainer("--help")
+    assert r.returncode == 0 and "--ckpt-dir" in r.stdout, r.stderr[-3000:]
+    assert "torch" not in imported
 
 
 def test_graceful_checkpoint_restart_command_loses_no_step(tmp_path, clean_digest):
