@@ -35,10 +35,13 @@ fi
 # same evening (2026-12-06); beside the oldest torch's tests 1,301 s against 1,470 s
 # (2026-12-07), but a testbed test measuring the all-reduce bandwidth over a slowed link
 # failed under that load (4.3e7 B/s against 7.0e7 before, not the third it asserts).
-rm -f artifacts/oldest-torch.log
+rm -f artifacts/oldest-torch.log artifacts/oldest-torch.ready
+# When each part ended, in seconds since this script started (bash's SECONDS, which the
+# subshell carries on): printed at the end, to tell which part a slow run spent its time in.
 (
   nice -n 19 scripts/test-oldest-torch.sh --prepare > artifacts/oldest-torch-setup.log 2>&1 ||
     exit 1
+  echo "$SECONDS" > artifacts/oldest-torch.ready
   exec nice -n 5 scripts/test-oldest-torch.sh -n 1 > artifacts/oldest-torch.log 2>&1
 ) &
 oldest=$!
@@ -48,7 +51,9 @@ oldest=$!
 trap '[ -z "$(jobs -pr)" ] || kill "$oldest" 2>/dev/null || true' EXIT
 echo "test: the oldest torch's tests run beside the main suite (artifacts/oldest-torch.log)"
 status=0
+started=$SECONDS
 .venv/bin/python -m pytest -n "$workers" --dist loadfile || status=$?
+main_ended=$SECONDS
 oldest_status=0
 wait "$oldest" || oldest_status=$?
 if [ ! -e artifacts/oldest-torch.log ]; then
@@ -57,4 +62,7 @@ if [ ! -e artifacts/oldest-torch.log ]; then
   exit 1
 fi
 cat artifacts/oldest-torch.log
+echo "test: set-up and lint ${started} s; the main suite ran from ${started} s to" \
+  "${main_ended} s; the oldest torch's venv was ready at $(cat artifacts/oldest-torch.ready) s" \
+  "and its tests ended at ${SECONDS} s at the latest"
 exit $((status ? status : oldest_status))
