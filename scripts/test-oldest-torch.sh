@@ -52,7 +52,7 @@ say "testing the trainer and the instrumentation on torch $got"
 # data position, and real torchrun jobs (a world of one, DDP and FSDP telemetry, the
 # port a round's store is on, a checkpoint written by the main venv's torch resumed
 # here and back).
-exec "$venv/bin/python" -m pytest -n 2 --dist loadfile -p no:cacheprovider \
+exec "$venv/bin/python" -m pytest -n 2 --dist loadfile --no-loadscope-reorder -p no:cacheprovider \
   tests/unit/test_torch_support.py tests/unit/test_async_checkpoint.py \
   tests/unit/test_trainer_parts.py tests/unit/test_torchrun.py \
   tests/unit/test_collective_timing.py tests/unit/test_instrument_calls.py \

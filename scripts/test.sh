@@ -6,8 +6,9 @@
 # mostly waits on the download).
 # Extra arguments go to pytest and run that selection only, on the main venv, e.g.
 # `scripts/test.sh -m "not slow"`. Two test files run at a time (a file's tests stay
-# together: they share their module's stack or testbed); PYTEST_WORKERS=0 runs
-# everything in this one process, e.g. to debug.
+# together: they share their module's stack or testbed), the slow ones first
+# (tests/conftest.py); PYTEST_WORKERS=0 runs everything in this one process, e.g. to
+# debug.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -18,7 +19,7 @@ if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
 if [ $# -gt 0 ]; then
-  exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
+  exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 fi
 # The oldest torch's tests run beside the main suite, as soon as their venv is built:
 # one file at a time at `nice -n 5` (the main suite's tests come first when both want
@@ -52,7 +53,7 @@ trap '[ -z "$(jobs -pr)" ] || kill "$oldest" 2>/dev/null || true' EXIT
 echo "test: the oldest torch's tests run beside the main suite (artifacts/oldest-torch.log)"
 status=0
 started=$SECONDS
-.venv/bin/python -m pytest -n "$workers" --dist loadfile || status=$?
+.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder || status=$?
 main_ended=$SECONDS
 oldest_status=0
 wait "$oldest" || oldest_status=$?

@@ -46,7 +46,22 @@ def _has_nvidia_gpu() -> bool:
         return False
 
 
+def _file_order(items: list[pytest.Item]) -> dict[str, tuple[bool, bool, int]]:
+    """Each test file's place in the run: files with a test marked slow first, then the
+    other files that start processes, then the unit files, each by its number of tests,
+    most first. scripts/test.sh runs two files at a time (xdist's --dist loadfile, its
+    own reordering off): xdist's order, by number of tests alone, left the one-test
+    files for last, the demo's ~200 s among them, and one worker idle beside it."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    return {f: (not any(i.get_closest_marker("slow") for i in its),
+                f.startswith("tests/unit/"), -len(its)) for f, its in files.items()}
+
+
 def pytest_collection_modifyitems(config, items):
+    order = _file_order(items)
+    items.sort(key=lambda item: order[item.nodeid.split("::", 1)[0]])  # stable: in-file order kept
     if _has_nvidia_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU and driver (nvidia-smi -L failed)")
