@@ -203,7 +203,10 @@ def run_ranks(tmp_path: Path, mode: str, ranks: int, slow: int,
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
                        env=env)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    if p.returncode != 0:  # how far each rank got tells a crash in the loop from one at exit
+        written = {f.name: len(f.read_text().splitlines()) for f in sorted(out.glob("*.jsonl"))}
+        raise AssertionError(f"torchrun exited {p.returncode}; steps written by rank: "
+                             f"{written} of {steps}\n{(p.stdout + p.stderr)[-3000:]}")
     figures = {}
     for rank in range(ranks):
         rows = [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
