@@ -163,7 +163,7 @@ def accumulate_and_check(model: DDP, opt: torch.optim.Optimizer, s: StepContext,
 
 def main(mode: str, slow_rank: int, steps: int, out_dir: Path) -> None:
     info = init_distributed(timeout_s=120)
-    out = (out_dir / f"rank{info.rank}.jsonl").open("w")
+    out = (out_dir / f"rank{info.rank}.jsonl").open("w", buffering=1)  # a crash loses no row
     torch.manual_seed(0)
     slow = info.rank == slow_rank
     work = WORK_S + (DELAY_S if slow else 0.0)  # own_collective: all before the norm
@@ -204,7 +204,8 @@ def run_ranks(tmp_path: Path, mode: str, ranks: int, slow: int,
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
                        env=env)
     if p.returncode != 0:  # how far each rank got tells a crash in the loop from one at exit
-        written = {f.name: len(f.read_text().splitlines()) for f in sorted(out.glob("*.jsonl"))}
+        written = {r: len(f.read_text().splitlines()) if (f := out / f"rank{r}.jsonl").exists()
+                   else "no file" for r in range(ranks)}
         raise AssertionError(f"torchrun exited {p.returncode}; steps written by rank: "
                              f"{written} of {steps}\n{(p.stdout + p.stderr)[-3000:]}")
     figures = {}

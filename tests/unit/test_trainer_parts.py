@@ -1688,8 +1688,9 @@ def test_an_evicted_node_of_a_job_with_spares_counts_itself_out_of_the_new_round
         # past the sit-out, its launcher has read the store (torch imported: under load
         # that alone took longer than this test's waits, CI 2026-12-07) and found no
         # round yet: nothing counted
-        wait_until(lambda: "has not restarted without this node yet" in
-                   (tmp_path / "err").read_text(), 240, "the launcher's first read")
+        wait_until(lambda: p.poll() is not None or "has not restarted without this node "
+                   "yet" in (tmp_path / "err").read_text(), 240, "the launcher's first read")
+        assert p.poll() is None, (tmp_path / "err").read_text()
         assert not store.check([key])
         _write_state(member, lambda s: (  # the new round forms, without the node
             s.participants.update({node("10.0.0.1", 1, 0): 0, node("10.0.0.2", 1, 0): 1}),
