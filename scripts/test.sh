@@ -26,10 +26,10 @@ fi
 # the CPU). Run after it, they added ~170 s to a suite at its 30-minute budget; beside
 # it they fill much of what the main suite leaves idle (about 30 % of two cores: it
 # waits on alerts' `for`, Prometheus' first scrape, restarts and rendezvous) and end long
-# before it. Their output follows the main suite's. On a fresh machine (2026-12-07),
-# two runs: 1,534 s and 1,608 s in all, the main suite 1,470 s and 1,539 s, the oldest
-# torch's tests 258 s and 266 s beside it (128-170 s alone); the main suite alone has
-# ranged 1,463-1,603 s there.
+# before it. Their output follows the main suite's. On a fresh machine (2026-12-07,
+# later, a slower one: load 5-11 on its 2 cores during the suite): 1,635 s in all, the
+# main suite 1,571 s, the oldest torch's venv ready at 283 s and its tests 360 s beside
+# it. CI has run 17-47 % slower than such runs of the same commit.
 # The venv's build (~80 s of CPU unpacking ~8 GB of wheels) runs at the lowest priority;
 # its log, not an exit status, says whether it was built (the tests' log exists only then).
 # Three main workers: on a fresh machine 1,607 s and 1,628 s against two's 1,603 s the

@@ -22,11 +22,14 @@ from tests.support.torchrun import RunResult, stop_group
 
 pytestmark = pytest.mark.integration
 
-# The torchrun clusterpulse-train runs (warm: ranks forked from a server that imported
-# torch and the trainer once per torchrun): what is recovered is the ranks' doing, the
-# same either way, and the module's ~25 runs cost ~40 % less CPU than plain torchrun's
-# (each rank, and each restarted one, importing torch). Plain torchrun runs the trainer
-# in test_world_of_one, test_trainer_telemetry and test_trainer_dtype.
+# Most runs here start warm, as under clusterpulse-train (ranks forked from a server
+# that imported torch and the trainer once per torchrun; without the launcher's
+# relaunch or its environment: torchrun's shared store, exit 42 restarted by torchrun):
+# the module's ~25 runs cost ~40 % less CPU than plain torchrun's, each rank and each
+# restarted one importing torch. What differs warm is how a rank exits (os._exit, no
+# interpreter shutdown) and how torchrun hears of a crash (its error file): a crash
+# restart and a graceful restart of 2 ranks run under plain torchrun too, the README's
+# recipe (`cold` below).
 run_trainer = functools.partial(torchrun.run_trainer, warm=True)
 start_trainer = functools.partial(torchrun.start_trainer, warm=True)
 
@@ -73,18 +76,21 @@ def clean_digest(tmp_path_factory, side_by_side) -> dict[str, str]:
 def crash_runs(request, tmp_path_factory, side_by_side) -> dict[tuple[str, str], Future]:
     """Each selected case of the test below, started ahead, side by side: its run's
     settings are the test's, its own checkpoint directory, no other run's state."""
-    return {(c["parallel"], c["mode"]): side_by_side.submit(
-        run_trainer, tmp_path_factory.mktemp(f"crash-{c['parallel']}-{c['mode']}") / "ckpt",
-        steps=STEPS, max_restarts=2, args=[*CKPT, "--parallel", c["parallel"], "--inject",
-                                           f"crash:rank=1:step=25:mode={c['mode']}"])
+    return {(c["parallel"], c["mode"], c["start"]): side_by_side.submit(
+        torchrun.run_trainer,
+        tmp_path_factory.mktemp(f"crash-{c['parallel']}-{c['mode']}") / "ckpt", steps=STEPS,
+        max_restarts=2, warm=c["start"] == "warm", args=[
+            *CKPT, "--parallel", c["parallel"], "--inject",
+            f"crash:rank=1:step=25:mode={c['mode']}"])
         for c in selected(request, test_crash_and_torchrun_restart_ends_with_identical_parameters)}
 
 
-@pytest.mark.parametrize("parallel,mode", [("ddp", "exception"), ("ddp", "sigkill"),
-                                           ("fsdp", "exit")])
+@pytest.mark.parametrize("parallel,mode,start", [("ddp", "exception", "cold"),
+                                                 ("ddp", "sigkill", "warm"),
+                                                 ("fsdp", "exit", "warm")])
 def test_crash_and_torchrun_restart_ends_with_identical_parameters(crash_runs, clean_digest,
-                                                                   parallel, mode):
-    r = crash_runs[parallel, mode].result()  # --inject crash:rank=1:step=25:mode=MODE
+                                                                   parallel, mode, start):
+    r = crash_runs[parallel, mode, start].result()  # --inject crash:rank=1:step=25:mode=MODE
     assert r.returncode == 0, r.log[-3000:]
     assert "resumed from step-00000020" in r.log
     assert r.digest == clean_digest[parallel]
@@ -454,9 +460,10 @@ def test_graceful_checkpoint_restart_command_loses_no_step(tmp_path, clean_diges
     running, server = start_agent(tmp_path)
     try:
         ckpt = tmp_path / "ckpt"
-        proc = start_trainer(ckpt, tmp_path / "trainer.log", steps=STEPS, max_restarts=2,
-                             agent=running.telemetry,
-                             args=[*CKPT, "--sim-compute-seconds", "0.08"])
+        # cold: the ranks' exit 42 through the interpreter's shutdown (parallel.py)
+        proc = torchrun.start_trainer(ckpt, tmp_path / "trainer.log", steps=STEPS,
+                                      max_restarts=2, agent=running.telemetry,
+                                      args=[*CKPT, "--sim-compute-seconds", "0.08"])
         wait_until(lambda: any(r["step"] >= 12 for r in running.get("/v1/ranks").json()["ranks"]),
                    120, "ranks past step 12")
         ranks = running.get("/v1/ranks").json()["ranks"]
@@ -492,7 +499,8 @@ def test_graceful_checkpoint_restart_command_loses_no_step(tmp_path, clean_diges
 
 def test_failed_graceful_save_aborts_and_unloadable_checkpoint_falls_back(tmp_path,
                                                                            clean_digest):
-    """Under a plain torchrun (its shared store, 42 for graceful exits):
+    """Under torchrun without clusterpulse-train's relaunch (warm ranks; its shared
+    store, 42 for graceful exits):
     - a graceful restart whose checkpoint fails is aborted, said so, and retried at
       the next agreement (no exit with steps lost);
     - a checkpoint that verifies but does not load is skipped, logged and recorded,

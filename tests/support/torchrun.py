@@ -29,8 +29,9 @@ def torchrun_cmd(nproc: int, max_restarts: int, args: list[str],
     """Plain torchrun running the trainer's module; `warm`: the torchrun that
     clusterpulse-train runs (trainer/warmstart/: ranks forked from a server that has
     imported torch and the trainer, once per torchrun, restarts included), without the
-    launcher around it. Warm, a 2-rank run with one crash restart costs ~12 CPU-s
-    less (four rank imports of ~3.5 s against one)."""
+    launcher around it or its environment (its relaunch, a store per torchrun). Warm,
+    a 2-rank run with one crash restart costs ~12 CPU-s less (four rank imports of
+    ~3.5 s against one)."""
     if warm:
         from clusterpulse.trainer.launch import build_command
 
