@@ -27,9 +27,10 @@ fi
 # it they fill much of what the main suite leaves idle (about 30 % of two cores: it
 # waits on alerts' `for`, Prometheus' first scrape, restarts and rendezvous) and end long
 # before it. Their output follows the main suite's. On a fresh machine (2026-12-07,
-# later, a slower one: load 5-11 on its 2 cores during the suite): 1,635 s in all, the
-# main suite 1,571 s, the oldest torch's venv ready at 283 s and its tests 360 s beside
-# it. CI has run 17-47 % slower than such runs of the same commit.
+# later, a slower one: load 5-11 on its 2 cores during the suite), two runs: 1,635 s and
+# 1,543 s in all, the main suite 1,571 s and 1,489 s, the oldest torch's venv ready at
+# 283 s and 220 s and its tests 360 s and 325 s beside it. CI has run 17-47 % slower
+# than such runs of the same commit.
 # The venv's build (~80 s of CPU unpacking ~8 GB of wheels) runs at the lowest priority;
 # its log, not an exit status, says whether it was built (the tests' log exists only then).
 # Three main workers: on a fresh machine 1,607 s and 1,628 s against two's 1,603 s the
