@@ -73,7 +73,7 @@ def clean_digest(tmp_path_factory, side_by_side) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def crash_runs(request, tmp_path_factory, side_by_side) -> dict[tuple[str, str], Future]:
+def crash_runs(request, tmp_path_factory, side_by_side) -> dict[tuple[str, str, str], Future]:
     """Each selected case of the test below, started ahead, side by side: its run's
     settings are the test's, its own checkpoint directory, no other run's state."""
     return {(c["parallel"], c["mode"], c["start"]): side_by_side.submit(
