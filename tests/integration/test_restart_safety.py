@@ -146,12 +146,17 @@ def test_a_node_joining_spends_no_failure_restart_on_a_node_slow_to_notice(tmp_p
     node1's notices first almost always (the ranks leave ~1 s after its SIGTERM)."""
     ckpt = tmp_path / "ckpt"
     # Node2 starts once the 2-node round has closed (its first checkpoint) and joins
-    # after its launcher's imports, ~60 steps later on a quiet machine. The steps are
-    # paced by a sleep and the imports by the CPU: 250 steps (~15 s) ran out before it
-    # joined, on a machine loaded as CI's are (2026-12-07: the job ended, node2 waited
-    # out the 600 s). 600 steps leave it ~35 s, and the 3-node job its steps after.
-    args = [*BASE[:3], "600", *BASE[4:], "--ckpt-dir", str(ckpt), "--global-batch", "6",
-            "--sim-compute-seconds", "0.05", "--summary-json", str(ckpt / "summary.json")]
+    # after its launcher's imports: paced by the CPU, while the steps were paced by a
+    # sleep. 250 steps (~15 s) ran out before it joined on a machine loaded as CI's
+    # are (2026-12-07: the job ended, node2 waited out the 600 s). Now the 2-node
+    # round's data is slow (1 s a step from step 10, in attempt 0 only: the first
+    # round), which leaves node2 four minutes to join; the 3-node round runs at speed.
+    # The ranks agree every step, so they still leave within ~1 s of the first SIGTERM,
+    # before node0's agent has noticed the new node (what this test is about).
+    args = [*BASE[:3], "250", *BASE[4:], "--ckpt-dir", str(ckpt), "--global-batch", "6",
+            "--sim-compute-seconds", "0.05", "--consensus-every", "1",
+            "--inject", "data_slow:step=10:seconds=1:attempt=0",
+            "--summary-json", str(ckpt / "summary.json")]
     port = free_port()
     nodes = [launcher_cmd(1, 0, args, nnodes="2:3", rdzv_port=port, monitor_interval=every)
              for every in (6.0, 0.2, 0.2)]
@@ -168,7 +173,7 @@ def test_a_node_joining_spends_no_failure_restart_on_a_node_slow_to_notice(tmp_p
     logs = [(tmp_path / f"node{i}.log").read_text(errors="replace") for i in range(3)]
     assert codes == [0, 0, 0], "\n\n".join(log[-3000:] for log in logs)
     summary = json.loads((ckpt / "summary.json").read_text())
-    assert summary["steps"] == 600 and summary["world_size"] == 3, summary
+    assert summary["steps"] == 250 and summary["world_size"] == 3, summary
     # torchrun's restart for the joining node, told from a preemption (both SIGTERM)
     assert [r["cause"] for r in summary["restarts"]] == ["membership"], summary["restarts"]
 
