@@ -34,6 +34,8 @@ import atexit
 import contextlib
 import datetime
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +154,33 @@ def _shared_store_prefixed(world: int, rank: int,
     return dist.PrefixStore(f"clusterpulse/restart-{restarts}", store)
 
 
+# How long a rank whose round's store or peer went away while it joined the process
+# group waits for its torchrun to stop it (`_await_the_rounds_restart`).
+LOST_ROUND_WAIT_S = 15.0
+
+
+def _await_the_rounds_restart(err: Exception, world: int) -> None:
+    """A rank of a multi-node job whose round's store closed (or whose peer went away)
+    while it joined the process group: the round is over, most often because another
+    node's torchrun is restarting it (a rank there died at init). This node's torchrun
+    stops its workers for the new round when its monitor sees the other node waiting,
+    a membership restart that spends nothing; a rank that failed first spent one of
+    this node's failure restarts too (on a loaded machine: a 2-node test saw both
+    nodes' budgets spent for one rank's crash). So wait, at most LOST_ROUND_WAIT_S,
+    for torchrun's SIGTERM (before the process group, SIGTERM ends the rank as
+    usual: Pulse catches it only once joined); then fail with the error. One node
+    (its torchrun restarts every local rank for any failure) fails at once."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return  # no torchrun to restart the round
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:
+        return
+    why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    print(f"trainer: the round ended while this rank joined the process group ({why}); "
+          f"waiting up to {LOST_ROUND_WAIT_S:.0f} s for torchrun to restart it",
+          file=sys.stderr, flush=True)
+    time.sleep(LOST_ROUND_WAIT_S)
+
+
 def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> DistInfo:
     """Join this round's process group (restart-safe) and agree on the attempt number.
 
@@ -175,7 +204,11 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
                           world_size=world)
         elif world == 1 and "MASTER_ADDR" not in os.environ:  # plain `python script.py`
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group(backend, **kwargs)  # env:// : this round's own store
+        try:
+            dist.init_process_group(backend, **kwargs)  # env:// : this round's own store
+        except dist.DistNetworkError as err:
+            _await_the_rounds_restart(err, world)
+            raise
     done = _agreed() if attempt is None else None
     if done is not None:  # this process agreed already (a framework's setup asks again)
         return DistInfo(rank, world, local_rank, device, backend, *done)

@@ -61,10 +61,11 @@ def out_of_job(cl: TestbedCluster) -> set[str]:
 
 
 def standby(cl: TestbedCluster, within_s: float = 120) -> str:
-    """The one node out of the job, once there is one: in a restart of the job (one
-    that took the returning node in, or one after torch dropped a member whose
-    keep-alives a loaded machine held back 5 s: trainer/launch.py, RDZV_DEFAULTS) every
-    node is out for a while (CI, after an eviction: every later test failed here)."""
+    """The one node out of the job, once there is one. In a restart every node is out
+    for a while: in CI, after the eviction test found 2 or more nodes out and failed,
+    the next two failed here at once, and why the job restarted there is unknown (the
+    evicted node's return, or a round of two on a loaded machine: see the dead node's
+    test). The tests that claim no restart check that themselves (`resumed`)."""
     def one_out() -> set[str]:
         out = out_of_job(cl)
         return out if len(out) == 1 else set()
@@ -181,9 +182,13 @@ def test_an_evicted_node_is_replaced_by_the_spare(cl):
     the store's host is back) and took its old place again."""
     spare = standby(cl)
     evicted = cl.job_nodes(RUN)[-1]  # not node0, which hosts the rendezvous
+    full = resumes(cl, ranks=3)
     cmd = action(cl, evicted, leave_s=1, deadline_s=20)["id"]
-    wait_until(lambda: spare in cl.job_nodes(RUN) and evicted not in cl.job_nodes(RUN), 120,
+    # at full size again (after a round of two first, on a loaded machine: see the
+    # dead node's test), with the spare in the evicted node's place
+    wait_until(lambda: out_of_job(cl) == {evicted} and resumes(cl, ranks=3) > full, 120,
                f"{spare} in the job in {evicted}'s place")
+    before, actions = resumed(cl), len(restarts_accepted(cl))
     node = next(n for n in cl.bed.nodes if n.name == evicted)
     # after the sit-out the evicted node stands by in turn; its ranks do not come back,
     # and the leave ends at its deadline instead of escalating
@@ -194,7 +199,9 @@ def test_an_evicted_node_is_replaced_by_the_spare(cl):
         status  # at its deadline, not escalated: nothing was left to signal
     assert not status["signalled_pids"], status
     assert launcher_alive(cl, evicted), launcher_lines(cl)
-    assert standby(cl) == evicted, launcher_lines(cl)
+    assert resumed(cl) == before, restarted_since(cl, before, actions) + "\n" + \
+        launcher_lines(cl)
+    assert out_of_job(cl) == {evicted}, launcher_lines(cl)
 
 
 def test_a_dead_node_is_replaced_and_its_return_restarts_nothing(cl):
@@ -214,7 +221,8 @@ def test_a_dead_node_is_replaced_and_its_return_restarts_nothing(cl):
     wait_until(lambda: launcher_alive(cl, victim.name), 60, f"{victim.name}'s launcher")
     time.sleep(20)  # time enough for a membership restart, were there one
     assert resumed(cl) == before, restarted_since(cl, before, actions)
-    assert standby(cl) == victim.name and launcher_alive(cl, victim.name)
+    assert out_of_job(cl) == {victim.name} and launcher_alive(cl, victim.name), \
+        launcher_lines(cl)
 
 
 def test_a_cut_off_node_is_replaced_by_the_spare_while_the_cut_lasts(cl):

@@ -149,13 +149,14 @@ def test_a_node_joining_spends_no_failure_restart_on_a_node_slow_to_notice(tmp_p
     # after its launcher's imports: paced by the CPU, while the steps were paced by a
     # sleep. 250 steps (~15 s) ran out before it joined on a machine loaded as CI's
     # are (2026-12-07: the job ended, node2 waited out the 600 s). Now the 2-node
-    # round's data is slow (1 s a step from step 10, in attempt 0 only: the first
-    # round), which leaves node2 four minutes to join; the 3-node round runs at speed.
-    # The ranks agree every step, so they still leave within ~1 s of the first SIGTERM,
-    # before node0's agent has noticed the new node (what this test is about).
+    # round's data is slow (0.5 s a step from step 10, in attempt 0 only: the first
+    # round), which leaves node2 two minutes to join; the 3-node round runs at speed.
+    # A SIGTERM mostly lands in that wait, which goes on to its end: the ranks agree
+    # every step, so they leave within ~0.6 s of it and their checkpoint, mostly before
+    # node0's agent (every 6 s) has noticed the new node: what this test is about.
     args = [*BASE[:3], "250", *BASE[4:], "--ckpt-dir", str(ckpt), "--global-batch", "6",
             "--sim-compute-seconds", "0.05", "--consensus-every", "1",
-            "--inject", "data_slow:step=10:seconds=1:attempt=0",
+            "--inject", "data_slow:step=10:seconds=0.5:attempt=0",
             "--summary-json", str(ckpt / "summary.json")]
     port = free_port()
     nodes = [launcher_cmd(1, 0, args, nnodes="2:3", rdzv_port=port, monitor_interval=every)
