@@ -91,6 +91,8 @@ from clusterpulse.trainer.dirclaim import JOB_ID_ENV
 from clusterpulse.trainer.restart import (
     ATTEMPTS_BEFORE_ENV,
     CANNOT_LEAVE_ENV,
+    LOST_ROUND_WAIT_ENV,
+    LOST_ROUND_WAIT_S,
     MIN_NODES_ENV,
     RELAUNCH_FILE_ENV,
     SHARE_STORE_ENV,
@@ -308,6 +310,16 @@ def threads_env(nproc: int) -> dict[str, str]:
     count: torchrun's own default, set here so that it does not print its four-line
     warning banner on every start (a clean start prints no warnings)."""
     return {"OMP_NUM_THREADS": "1"} if nproc > 1 else {}
+
+
+def lost_round_env(a: argparse.Namespace) -> dict[str, str]:
+    """How long a rank whose round ended while it joined waits for torchrun to stop
+    it (trainer/parallel.py): torchrun's monitor must see the other node waiting, on
+    both nodes, so at least three of its intervals and a margin, for a slow
+    --monitor-interval; never under the default."""
+    if a.monitor_interval is None:
+        return {}
+    return {LOST_ROUND_WAIT_ENV: f"{max(LOST_ROUND_WAIT_S, 3 * a.monitor_interval + 10):g}"}
 
 
 def rendezvous_poll_env(a: argparse.Namespace) -> dict[str, str]:
@@ -742,7 +754,8 @@ def main(argv: list[str] | None = None) -> int:
     a.nproc = ranks_per_node(a)  # once: torch's GPU count is not asked twice
     # the rendezvous' poll and the thread count are the job's unless the environment
     # names them
-    env = {**rendezvous_poll_env(a), **threads_env(a.nproc), **os.environ, **leave_env(a),
+    env = {**rendezvous_poll_env(a), **threads_env(a.nproc), **lost_round_env(a),
+           **os.environ, **leave_env(a),
            JOB_ID_ENV: job_id(a)}
     return run(command(a, trainer_args), env, longest_leave_s(a), Standby.of(a),
                Rendezvous.of(a), a.prewarm_after)

@@ -34,7 +34,9 @@ import atexit
 import contextlib
 import datetime
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,8 @@ from torch import nn
 
 from clusterpulse.trainer.restart import (
     ATTEMPTS_BEFORE_ENV,
+    LOST_ROUND_WAIT_ENV,
+    LOST_ROUND_WAIT_S,
     RELAUNCH_FILE_ENV,
     SHARE_STORE_ENV,
     relaunch_count_path,
@@ -154,31 +158,62 @@ def _shared_store_prefixed(world: int, rank: int,
     return dist.PrefixStore(f"clusterpulse/restart-{restarts}", store)
 
 
-# How long a rank whose round's store or peer went away while it joined the process
-# group waits for its torchrun to stop it (`_await_the_rounds_restart`).
-LOST_ROUND_WAIT_S = 15.0
+# Backend errors (NCCL's unique-id exchange) that say the round's store went away
+_STORE_GONE = ("got 0 bytes", "connection was likely closed", "connection reset",
+               "broken pipe")
+
+
+def lost_round_wait_s() -> float:
+    """How long a rank whose round ended while it joined waits for its torchrun to stop
+    it: LOST_ROUND_WAIT_ENV (clusterpulse-train sets it from its --monitor-interval:
+    `launch.lost_round_env`), else LOST_ROUND_WAIT_S."""
+    raw = os.environ.get(LOST_ROUND_WAIT_ENV, "")
+    try:
+        seconds = float(raw) if raw else LOST_ROUND_WAIT_S
+    except ValueError:
+        seconds = LOST_ROUND_WAIT_S
+    return seconds if seconds >= 0 else LOST_ROUND_WAIT_S
+
+
+def _round_lost(err: Exception) -> bool:
+    """Whether joining failed because the round's store (or a peer) went away: gloo's
+    store reads raise DistNetworkError; NCCL's exchange of its unique id reports the
+    same store error as a DistBackendError."""
+    if isinstance(err, dist.DistNetworkError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, dist.DistBackendError) and any(s in text for s in _STORE_GONE)
 
 
 def _await_the_rounds_restart(err: Exception, world: int) -> None:
-    """A rank of a multi-node job whose round's store closed (or whose peer went away)
-    while it joined the process group: the round is over, most often because another
-    node's torchrun is restarting it (a rank there died at init). This node's torchrun
-    stops its workers for the new round when its monitor sees the other node waiting,
-    a membership restart that spends nothing; a rank that failed first spent one of
-    this node's failure restarts too (on a loaded machine: a 2-node test saw both
-    nodes' budgets spent for one rank's crash). So wait, at most LOST_ROUND_WAIT_S,
-    for torchrun's SIGTERM (before the process group, SIGTERM ends the rank as
-    usual: Pulse catches it only once joined); then fail with the error. One node
-    (its torchrun restarts every local rank for any failure) fails at once."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return  # no torchrun to restart the round
+    """A rank of a multi-node job whose round's store closed while it joined the
+    process group: the round is over, most often because another node's torchrun is
+    restarting it (a rank there died at init). This node's torchrun stops its workers
+    for the new round when its monitor sees that node waiting, a membership restart
+    that spends nothing; a rank that failed first spent one of this node's failure
+    restarts too (on a loaded machine a 2-node test saw one rank's crash spend one on
+    both nodes). So wait, at most `lost_round_wait_s()`, for torchrun's SIGTERM, with
+    SIGTERM's default action (nothing is owed a checkpoint before the group exists; a
+    handler installed earlier, a Pulse's or the loop's own, would let the sleep go
+    on); then fail with the error. Where nothing restarts the round (the other node's
+    torchrun gave up, its host is gone) the rank fails that much later. One node (its
+    torchrun restarts every local rank for any failure) fails at once."""
+    wait_s = lost_round_wait_s()
+    if "TORCHELASTIC_RUN_ID" not in os.environ or wait_s == 0 or not _round_lost(err):
+        return
     if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:
         return
     why = (str(err).strip().splitlines() or [type(err).__name__])[0]
     print(f"trainer: the round ended while this rank joined the process group ({why}); "
-          f"waiting up to {LOST_ROUND_WAIT_S:.0f} s for torchrun to restart it",
-          file=sys.stderr, flush=True)
-    time.sleep(LOST_ROUND_WAIT_S)
+          f"waiting up to {wait_s:g} s for torchrun to restart it", file=sys.stderr,
+          flush=True)
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL) if main else None
+    try:
+        time.sleep(wait_s)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
 
 
 def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> DistInfo:
@@ -192,6 +227,10 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
     (DistributedSampler, DDP, DCP, `dist.get_rank()`) needs one, and the recipe tried
     on a one-GPU workstation failed in DistributedSampler without it. Run without a
     launcher (no MASTER_ADDR), that group's store is in this process.
+
+    A rank of a multi-node torchrun job whose round's store closes while it joins
+    waits up to `lost_round_wait_s()` (15 s; CLUSTERPULSE_LOST_ROUND_WAIT_S, 0: not at
+    all) for torchrun to stop it before it raises: `_await_the_rounds_restart`.
     """
     rank, world = rank_and_world()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -206,7 +245,7 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         try:
             dist.init_process_group(backend, **kwargs)  # env:// : this round's own store
-        except dist.DistNetworkError as err:
+        except dist.DistError as err:
             _await_the_rounds_restart(err, world)
             raise
     done = _agreed() if attempt is None else None

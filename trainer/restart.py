@@ -66,6 +66,10 @@ MIN_NODES_ENV = "CLUSTERPULSE_MIN_NODES"  # the launcher's --nnodes minimum
 # it in every clusterpulse-train (1.3 s of CPU, ~300 MB).
 # A fresh store each rendezvous round (pytorch#135712; parallel's check says why).
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# Seconds a rank whose round ended while it joined the process group waits for its
+# torchrun to stop it (trainer/parallel.py, `lost_round_wait_s`; 0: fail at once)
+LOST_ROUND_WAIT_ENV = "CLUSTERPULSE_LOST_ROUND_WAIT_S"
+LOST_ROUND_WAIT_S = 15.0  # unless LOST_ROUND_WAIT_ENV says
 # attempts before this torchrun: its graceful relaunches and earlier torchruns' failure
 # restarts (clusterpulse-train)
 ATTEMPTS_BEFORE_ENV = "CLUSTERPULSE_ATTEMPTS_BEFORE"

@@ -18,10 +18,12 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
 from clusterpulse.trainer import torchrun
-from clusterpulse.trainer.launch import Prewarmed, parse, rendezvous_poll_env
+from clusterpulse.trainer.launch import Prewarmed, lost_round_env, parse, rendezvous_poll_env
 from clusterpulse.trainer.parallel import attempts_before, local_attempt
 from clusterpulse.trainer.restart import (
     ATTEMPTS_BEFORE_ENV,
+    LOST_ROUND_WAIT_ENV,
+    LOST_ROUND_WAIT_S,
     RELAUNCH_FILE_ENV,
     next_attempt_base,
     relaunch_count_path,
@@ -88,6 +90,16 @@ def test_the_rendezvous_poll_follows_the_jobs_size():
     assert rendezvous_poll_env(parse(["--nnodes", "2:128", "--rdzv-endpoint", "h:1"])[0]) == {
         torchrun.RDZV_POLL_ENV: "0.5"}
     assert rendezvous_poll_env(parse([])[0]) == {}
+
+
+def test_a_rank_whose_round_ended_waits_three_monitor_intervals_and_more():
+    """The wait of a rank whose round ended while it joined (trainer/parallel.py)
+    outlasts torchrun's monitor on both nodes: a 6 s interval (a test's) is 28 s, not
+    the 15 s default, which a short interval keeps; without the option, the default."""
+    assert lost_round_env(parse(["--monitor-interval", "6"])[0]) == {LOST_ROUND_WAIT_ENV: "28"}
+    assert lost_round_env(parse(["--monitor-interval", "0.2"])[0]) == {
+        LOST_ROUND_WAIT_ENV: f"{LOST_ROUND_WAIT_S:g}"}
+    assert lost_round_env(parse([])[0]) == {}
 
 
 @pytest.fixture
