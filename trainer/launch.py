@@ -316,10 +316,17 @@ def lost_round_env(a: argparse.Namespace) -> dict[str, str]:
     """How long a rank whose round ended while it joined waits for torchrun to stop
     it (trainer/parallel.py): torchrun's monitor must see the other node waiting, on
     both nodes, so at least three of its intervals and a margin, for a slow
-    --monitor-interval; never under the default."""
-    if a.monitor_interval is None:
+    --monitor-interval (or torchrun's own PET_MONITOR_INTERVAL); never under the
+    default."""
+    interval = a.monitor_interval
+    if interval is None:
+        try:
+            interval = float(os.environ.get("PET_MONITOR_INTERVAL", ""))
+        except ValueError:
+            return {}
+    if not math.isfinite(interval) or interval <= 0:
         return {}
-    return {LOST_ROUND_WAIT_ENV: f"{max(LOST_ROUND_WAIT_S, 3 * a.monitor_interval + 10):g}"}
+    return {LOST_ROUND_WAIT_ENV: f"{max(LOST_ROUND_WAIT_S, 3 * interval + 10):g}"}
 
 
 def rendezvous_poll_env(a: argparse.Namespace) -> dict[str, str]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import math
 import os
 import signal
 import sys
@@ -165,27 +166,28 @@ _STORE_GONE = ("got 0 bytes", "connection was likely closed", "connection reset"
 
 def lost_round_wait_s() -> float:
     """How long a rank whose round ended while it joined waits for its torchrun to stop
-    it: LOST_ROUND_WAIT_ENV (clusterpulse-train sets it from its --monitor-interval:
-    `launch.lost_round_env`), else LOST_ROUND_WAIT_S."""
+    it: LOST_ROUND_WAIT_ENV (clusterpulse-train sets it from torchrun's monitor
+    interval: `launch.lost_round_env`), else LOST_ROUND_WAIT_S; a value that is not a
+    finite number of seconds >= 0 (`inf` overflowed the sleep) is the default."""
     raw = os.environ.get(LOST_ROUND_WAIT_ENV, "")
     try:
         seconds = float(raw) if raw else LOST_ROUND_WAIT_S
     except ValueError:
-        seconds = LOST_ROUND_WAIT_S
-    return seconds if seconds >= 0 else LOST_ROUND_WAIT_S
+        return LOST_ROUND_WAIT_S
+    return seconds if math.isfinite(seconds) and seconds >= 0 else LOST_ROUND_WAIT_S
 
 
 def _round_lost(err: Exception) -> bool:
-    """Whether joining failed because the round's store (or a peer) went away: gloo's
-    store reads raise DistNetworkError; NCCL's exchange of its unique id reports the
-    same store error as a DistBackendError."""
+    """Whether joining failed because the round's store went away: gloo's store reads
+    raise DistNetworkError; NCCL's exchange of its unique id reports the same store
+    error as a DistBackendError."""
     if isinstance(err, dist.DistNetworkError):
         return True
     text = str(err).lower()
     return isinstance(err, dist.DistBackendError) and any(s in text for s in _STORE_GONE)
 
 
-def _await_the_rounds_restart(err: Exception, world: int) -> None:
+def _await_the_rounds_restart(err: Exception, rank: int, world: int) -> None:
     """A rank of a multi-node job whose round's store closed while it joined the
     process group: the round is over, most often because another node's torchrun is
     restarting it (a rank there died at init). This node's torchrun stops its workers
@@ -194,26 +196,29 @@ def _await_the_rounds_restart(err: Exception, world: int) -> None:
     restarts too (on a loaded machine a 2-node test saw one rank's crash spend one on
     both nodes). So wait, at most `lost_round_wait_s()`, for torchrun's SIGTERM, with
     SIGTERM's default action (nothing is owed a checkpoint before the group exists; a
-    handler installed earlier, a Pulse's or the loop's own, would let the sleep go
-    on); then fail with the error. Where nothing restarts the round (the other node's
-    torchrun gave up, its host is gone) the rank fails that much later. One node (its
-    torchrun restarts every local rank for any failure) fails at once."""
+    handler the loop installed earlier would let the sleep go on); then the caller
+    raises the error. Where nothing restarts the round (the other node's torchrun gave
+    up, its host is gone) the rank fails that much later. One node (its torchrun
+    restarts every local rank for any failure) fails at once. Nothing here may replace
+    the caller's error (the caller suppresses what this raises)."""
     wait_s = lost_round_wait_s()
-    if "TORCHELASTIC_RUN_ID" not in os.environ or wait_s == 0 or not _round_lost(err):
-        return
-    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if ("TORCHELASTIC_RUN_ID" not in os.environ or wait_s == 0 or local_world == world
+            or not _round_lost(err)):
         return
     why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    print(f"trainer: the round ended while this rank joined the process group ({why}); "
-          f"waiting up to {wait_s:g} s for torchrun to restart it", file=sys.stderr,
-          flush=True)
+    print(f"trainer: rank {rank}: the round ended while it joined the process group "
+          f"({why}); waiting up to {wait_s:g} s for torchrun to restart it",
+          file=sys.stderr, flush=True)
     main = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, signal.SIG_DFL) if main else None
     try:
         time.sleep(wait_s)
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, before)
+        if main:  # a handler installed from C reads back as None
+            signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+    print(f"trainer: rank {rank}: no restart came in {wait_s:g} s: failing (torchrun "
+          "counts it against --max-restarts)", file=sys.stderr, flush=True)
 
 
 def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> DistInfo:
@@ -246,7 +251,8 @@ def init_distributed(timeout_s: float = 600.0, attempt: int | None = None) -> Di
         try:
             dist.init_process_group(backend, **kwargs)  # env:// : this round's own store
         except dist.DistError as err:
-            _await_the_rounds_restart(err, world)
+            with contextlib.suppress(Exception):  # the error raised is init's, always
+                _await_the_rounds_restart(err, rank, world)
             raise
     done = _agreed() if attempt is None else None
     if done is not None:  # this process agreed already (a framework's setup asks again)

@@ -92,13 +92,19 @@ def test_the_rendezvous_poll_follows_the_jobs_size():
     assert rendezvous_poll_env(parse([])[0]) == {}
 
 
-def test_a_rank_whose_round_ended_waits_three_monitor_intervals_and_more():
+def test_a_rank_whose_round_ended_waits_three_monitor_intervals_and_more(monkeypatch):
     """The wait of a rank whose round ended while it joined (trainer/parallel.py)
     outlasts torchrun's monitor on both nodes: a 6 s interval (a test's) is 28 s, not
-    the 15 s default, which a short interval keeps; without the option, the default."""
+    the 15 s default, which a short interval keeps; without the option, the default.
+    Only a multi-node job reads it, so a one-node job's environment carries it too."""
     assert lost_round_env(parse(["--monitor-interval", "6"])[0]) == {LOST_ROUND_WAIT_ENV: "28"}
     assert lost_round_env(parse(["--monitor-interval", "0.2"])[0]) == {
         LOST_ROUND_WAIT_ENV: f"{LOST_ROUND_WAIT_S:g}"}
+    assert lost_round_env(parse([])[0]) == {}
+    # torchrun's own setting, where the launcher is given none
+    monkeypatch.setenv("PET_MONITOR_INTERVAL", "10")
+    assert lost_round_env(parse([])[0]) == {LOST_ROUND_WAIT_ENV: "40"}
+    monkeypatch.setenv("PET_MONITOR_INTERVAL", "soon")
     assert lost_round_env(parse([])[0]) == {}
 
 

@@ -818,7 +818,7 @@ def test_a_rank_whose_round_ends_while_it_joins_waits_for_its_torchrun(tmp_path)
         "alone": ({**multi, LOST_ROUND_WAIT_ENV: "5"}, "none", 120),
         "one node": ({"LOCAL_WORLD_SIZE": "2"}, "none", 120),
         "no torchrun": ({**multi, "TORCHELASTIC_RUN_ID": None}, "none", 120),
-        "timeout": (multi, "none", 3),
+        "timeout": (multi, "none", 10),
     }
     stores, ranks, logs = {}, {}, {}
     try:
@@ -852,16 +852,72 @@ def test_a_rank_whose_round_ends_while_it_joins_waits_for_its_torchrun(tmp_path)
             assert ranks[name].returncode != 0 and waiting not in out, (name, out[-2000:])
         for name in ("one node", "no torchrun"):
             assert "DistNetworkError" in logs[name].read_text(), name
+        wait_until(lambda: "waiting up to 5 s" in logs["alone"].read_text(), 60,
+                   "the other rank waiting")
+        seen = time.monotonic()
+        assert ranks["alone"].poll() is None, logs["alone"].read_text()[-2000:]
         ranks["alone"].wait(timeout=120)
         out = logs["alone"].read_text()
-        assert ranks["alone"].returncode != 0 and "DistNetworkError" in out, out[-2000:]
-        assert "waiting up to 5 s" in out
-        assert time.monotonic() - ended >= 5  # not before its wait was over
+        assert ranks["alone"].returncode != 0 and "no restart came in 5 s" in out, out[-2000:]
+        assert out.strip().splitlines()[-1].startswith("torch.distributed.DistNetworkError")
+        assert time.monotonic() - ended >= 5 and time.monotonic() > seen  # waited it out
         del kept
     finally:
+        stores.clear()
         for p in ranks.values():
             p.kill()
             p.wait()
+
+
+def test_the_lost_rounds_wait_is_sigterms_default_and_never_replaces_inits_error(
+        monkeypatch):
+    """In process: the wait's length from the environment (a malformed or infinite
+    value is the default: `inf` overflowed the sleep), NCCL's report of a closed store
+    (a DistBackendError) counts as a lost round and its other errors do not, SIGTERM
+    has its default action during the wait and the handler before it after, and
+    whatever goes wrong in the wait, init's own error is the one raised."""
+    from clusterpulse.trainer import parallel
+
+    for raw, want in (("", 15.0), ("0", 0.0), ("4.5", 4.5), ("-1", 15.0), ("x", 15.0),
+                      ("inf", 15.0), ("nan", 15.0)):
+        monkeypatch.setenv(LOST_ROUND_WAIT_ENV, raw)
+        assert parallel.lost_round_wait_s() == want, raw
+    dist_ = torch.distributed
+    assert parallel._round_lost(dist_.DistBackendError(
+        "[../c10d/TCPStore.cpp] recvValue failed: Connection was likely closed"))
+    assert not parallel._round_lost(dist_.DistBackendError("NCCL error: unhandled cuda error"))
+    assert not parallel._round_lost(dist_.DistStoreError("Socket Timeout"))
+
+    monkeypatch.setenv(LOST_ROUND_WAIT_ENV, "7")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "lost")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    during = []
+    monkeypatch.setattr(parallel.time, "sleep",
+                        lambda s: during.append((s, signal.getsignal(signal.SIGTERM))))
+
+    def mine(*_: object) -> None:
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        parallel._await_the_rounds_restart(dist_.DistNetworkError("got 0 bytes"), 1, 2)
+        assert during == [(7.0, signal.SIG_DFL)] and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("the wait broke")
+
+    def lost(*_: object, **__: object) -> None:
+        raise dist_.DistNetworkError("Failed to recv, got 0 bytes")
+
+    monkeypatch.setattr(parallel, "_await_the_rounds_restart", broken)
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel.dist, "init_process_group", lost)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(dist_.DistNetworkError, match="got 0 bytes"):
+        parallel.init_distributed(timeout_s=5)
 
 
 def test_attach_ddp_adds_no_python_comm_hook(tmp_path):
