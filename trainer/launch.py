@@ -759,8 +759,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"clusterpulse-train: error: {err}", file=sys.stderr)
         return 2
     a.nproc = ranks_per_node(a)  # once: torch's GPU count is not asked twice
-    # the rendezvous' poll and the thread count are the job's unless the environment
-    # names them
+    # the rendezvous' poll, the thread count and the lost round's wait are the job's
+    # unless the environment names them
     env = {**rendezvous_poll_env(a), **threads_env(a.nproc), **lost_round_env(a),
            **os.environ, **leave_env(a),
            JOB_ID_ENV: job_id(a)}
