@@ -26,11 +26,11 @@ fi
 # the CPU). Run after it, they added ~170 s to a suite at its 30-minute budget; beside
 # it they fill much of what the main suite leaves idle (about 30 % of two cores: it
 # waits on alerts' `for`, Prometheus' first scrape, restarts and rendezvous) and end long
-# before it. Their output follows the main suite's. On a fresh machine (2026-12-07,
-# later, a slower one: load 5-11 on its 2 cores during the suite), two runs: 1,635 s and
-# 1,543 s in all, the main suite 1,571 s and 1,489 s, the oldest torch's venv ready at
-# 283 s and 220 s and its tests 360 s and 325 s beside it. CI has run 17-47 % slower
-# than such runs of the same commit.
+# before it. Their output follows the main suite's. On a fresh machine (2026-12-08, the
+# slower one: load 5-11 on its 2 cores during the suite), two runs: 1,619 s and 1,698 s
+# in all, the main suite 1,554 s and 1,634 s, the oldest torch's venv ready at 253 s and
+# 294 s and its tests 378 s and 434 s beside it (2026-12-07: 1,543 s and 1,635 s). CI
+# has run 17-47 % slower than such runs of the same commit (2,259 s at stop 47).
 # The venv's build (~80 s of CPU unpacking ~8 GB of wheels) runs at the lowest priority;
 # its log, not an exit status, says whether it was built (the tests' log exists only then).
 # Three main workers: on a fresh machine 1,607 s and 1,628 s against two's 1,603 s the
