@@ -60,7 +60,7 @@ def out_of_job(cl: TestbedCluster) -> set[str]:
     return {n.name for n in cl.bed.nodes} - set(cl.job_nodes(RUN))
 
 
-def standby(cl: TestbedCluster, within_s: float = 120) -> str:
+def standby(cl: TestbedCluster) -> str:
     """The one node out of the job, once there is one. In a restart every node is out
     for a while: in CI, after the eviction test found 2 or more nodes out and failed,
     the next two failed here at once, and why the job restarted there is unknown (the
@@ -71,7 +71,7 @@ def standby(cl: TestbedCluster, within_s: float = 120) -> str:
         return out if len(out) == 1 else set()
 
     try:
-        (name,) = wait_until(one_out, within_s, "one node out of the job, standing by")
+        (name,) = wait_until(one_out, 120, "one node out of the job, standing by")
     except AssertionError as err:
         raise AssertionError(f"{err}; the job on {cl.job_nodes(RUN)}, resumed (step, "
                              f"attempt, ranks) {resumed(cl)}\n{launcher_lines(cl)}") from None

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -893,8 +894,9 @@ def test_the_lost_rounds_wait_is_sigterms_default_and_never_replaces_inits_error
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "lost")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     during = []
-    monkeypatch.setattr(parallel.time, "sleep",
-                        lambda s: during.append((s, signal.getsignal(signal.SIGTERM))))
+    # parallel's own view of the time module: another thread's sleep stays a sleep
+    monkeypatch.setattr(parallel, "time", types.SimpleNamespace(
+        sleep=lambda s: during.append((s, signal.getsignal(signal.SIGTERM)))))
 
     def mine(*_: object) -> None:
         pass
